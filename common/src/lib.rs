@@ -1,0 +1,6 @@
+//! Runtime helpers used by more than one Aether binary.
+
+pub mod admin;
+pub mod duration;
+pub mod shutdown;
+pub mod telemetry;

@@ -1,0 +1,13 @@
+//! Compiles our protos with a vendored protoc, so no system protoc is needed.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protos = [
+        "proto/aether/cni/v1/cni.proto",
+        "proto/aether/registry/v1/registry.proto",
+        "proto/aether/registrar/v1/registrar.proto",
+    ];
+    let mut config = tonic_prost_build::Config::new();
+    config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
+    tonic_prost_build::configure().compile_with_config(config, &protos, &["proto"])?;
+    Ok(())
+}

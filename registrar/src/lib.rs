@@ -1,0 +1,15 @@
+//! aether-registrar: the mesh-wide endpoint catalog on a durable store, served over
+//! gRPC (`aether.registrar.v1`) to every node agent.
+
+pub mod api;
+pub mod catalog;
+pub mod config;
+pub mod metrics;
+pub mod model;
+pub mod server;
+pub mod store;
+pub mod vip;
+pub mod watch;
+
+pub use config::Config;
+pub use server::{Running, StartError, start};

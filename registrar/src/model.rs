@@ -1,0 +1,377 @@
+//! The catalog's data model and the validation every request and every stored
+//! record goes through. Errors name the offending field, so a caller can fix it.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::net::IpAddr;
+
+use aether_proto::registry::v1::{Endpoint, Health, Protocol};
+
+/// Limits that keep one endpoint from bloating every watcher's stream.
+pub const MAX_PORTS: usize = 64;
+pub const MAX_METADATA_ENTRIES: usize = 64;
+pub const MAX_METADATA_BYTES: usize = 16 * 1024;
+pub const MAX_METADATA_KEY_BYTES: usize = 253;
+pub const MAX_LABEL_BYTES: usize = 253;
+pub const MAX_WEIGHT: u32 = 65_535;
+
+/// A validated service key, `<namespace>/<name>`, both parts DNS-1123 labels (they
+/// become `<name>.<namespace>.<meshDomain>`).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServiceKey(String);
+
+impl ServiceKey {
+    /// Parses `<namespace>/<name>`; `field` names the request field in the error.
+    pub fn parse(field: &str, key: &str) -> Result<Self, InvalidField> {
+        let invalid = |reason: String| InvalidField::new(field, format!("{key:?}: {reason}"));
+        if key.is_empty() {
+            return Err(InvalidField::new(field, "must be set to \"<namespace>/<name>\""));
+        }
+        let Some((namespace, name)) = key.split_once('/') else {
+            return Err(invalid("expected \"<namespace>/<name>\"".into()));
+        };
+        check_dns_label(namespace).map_err(|r| invalid(format!("namespace {r}")))?;
+        check_dns_label(name).map_err(|r| invalid(format!("name {r}")))?;
+        Ok(Self(key.to_owned()))
+    }
+
+    pub fn from_parts(field: &str, namespace: &str, name: &str) -> Result<Self, InvalidField> {
+        Self::parse(field, &format!("{namespace}/{name}"))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    pub fn namespace(&self) -> &str {
+        self.0.split_once('/').map_or("", |(ns, _)| ns)
+    }
+
+    pub fn name(&self) -> &str {
+        self.0.split_once('/').map_or("", |(_, name)| name)
+    }
+}
+
+impl fmt::Display for ServiceKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::borrow::Borrow<str> for ServiceKey {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+fn check_dns_label(label: &str) -> Result<(), String> {
+    if label.is_empty() {
+        return Err("is empty".into());
+    }
+    if label.len() > 63 {
+        return Err(format!("is {} characters long (at most 63)", label.len()));
+    }
+    let bytes = label.as_bytes();
+    let allowed = |b: &u8| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-';
+    if !bytes.iter().all(allowed) || bytes[0] == b'-' || bytes[bytes.len() - 1] == b'-' {
+        return Err(
+            "must be a DNS-1123 label (lowercase letters, digits and '-', starting and ending with a letter or digit)"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+/// A request or record field that failed validation, e.g.
+/// `endpoint.ports[1].port: 70000 is out of range (1..=65535)`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct InvalidField {
+    pub field: String,
+    pub reason: String,
+}
+
+impl InvalidField {
+    pub fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl From<InvalidField> for tonic::Status {
+    fn from(e: InvalidField) -> Self {
+        tonic::Status::invalid_argument(e.to_string())
+    }
+}
+
+/// Parses a pod address; the canonical text form is what the catalog stores.
+pub fn parse_address(field: &str, address: &str) -> Result<IpAddr, InvalidField> {
+    if address.is_empty() {
+        return Err(InvalidField::new(field, "must be set to the pod's IP address"));
+    }
+    let ip: IpAddr = address
+        .parse()
+        .map_err(|_| InvalidField::new(field, format!("{address:?} is not an IP address")))?;
+    if ip.is_unspecified() || ip.is_loopback() || ip.is_multicast() {
+        return Err(InvalidField::new(
+            field,
+            format!("{address:?} is not a unicast pod address"),
+        ));
+    }
+    Ok(ip)
+}
+
+/// An endpoint that passed validation, in canonical form (address text normalised,
+/// weight 0 → 1, health UNSPECIFIED → HEALTHY), with its parsed key parts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidEndpoint {
+    pub service: ServiceKey,
+    pub address: IpAddr,
+    pub endpoint: Endpoint,
+}
+
+/// Validates an endpoint; `field` is the path of the endpoint in the request
+/// (`endpoint` for RegisterEndpoint, a record key for stored data).
+pub fn validate_endpoint(field: &str, endpoint: Option<Endpoint>) -> Result<ValidEndpoint, InvalidField> {
+    let Some(mut ep) = endpoint else {
+        return Err(InvalidField::new(field, "must be set"));
+    };
+    let service = ServiceKey::parse(&format!("{field}.service"), &ep.service)?;
+    let address = parse_address(&format!("{field}.address"), &ep.address)?;
+    ep.address = address.to_string();
+
+    if ep.ports.is_empty() {
+        return Err(InvalidField::new(
+            format!("{field}.ports"),
+            "at least one port is required",
+        ));
+    }
+    if ep.ports.len() > MAX_PORTS {
+        return Err(InvalidField::new(
+            format!("{field}.ports"),
+            format!("{} ports (at most {MAX_PORTS})", ep.ports.len()),
+        ));
+    }
+    let mut numbers = HashSet::new();
+    let mut names = HashSet::new();
+    for (i, port) in ep.ports.iter().enumerate() {
+        let at = format!("{field}.ports[{i}]");
+        if port.port == 0 || port.port > 65_535 {
+            return Err(InvalidField::new(
+                format!("{at}.port"),
+                format!("{} is out of range (1..=65535)", port.port),
+            ));
+        }
+        if !numbers.insert(port.port) {
+            return Err(InvalidField::new(
+                format!("{at}.port"),
+                format!("{} is listed twice", port.port),
+            ));
+        }
+        match Protocol::try_from(port.protocol) {
+            Ok(Protocol::Unspecified) => {
+                return Err(InvalidField::new(
+                    format!("{at}.protocol"),
+                    "must be set (TCP, HTTP, HTTP2 or GRPC)",
+                ));
+            }
+            Ok(_) => {}
+            Err(_) => {
+                return Err(InvalidField::new(
+                    format!("{at}.protocol"),
+                    format!("unknown protocol {}", port.protocol),
+                ));
+            }
+        }
+        if !port.name.is_empty() {
+            check_dns_label(&port.name)
+                .map_err(|r| InvalidField::new(format!("{at}.name"), format!("{:?} {r}", port.name)))?;
+            if port.name.len() > 15 {
+                return Err(InvalidField::new(
+                    format!("{at}.name"),
+                    format!("{:?} is longer than 15 characters", port.name),
+                ));
+            }
+            if !names.insert(port.name.as_str()) {
+                return Err(InvalidField::new(
+                    format!("{at}.name"),
+                    format!("{:?} is listed twice", port.name),
+                ));
+            }
+        }
+    }
+    // A canonical port order keeps equal registrations byte-identical.
+    ep.ports.sort_by_key(|p| p.port);
+
+    if ep.weight > MAX_WEIGHT {
+        return Err(InvalidField::new(
+            format!("{field}.weight"),
+            format!("{} is out of range (0..={MAX_WEIGHT}; 0 means 1)", ep.weight),
+        ));
+    }
+    ep.weight = ep.weight.max(1);
+
+    match Health::try_from(ep.health) {
+        Ok(Health::Unspecified) => ep.health = Health::Healthy as i32,
+        Ok(_) => {}
+        Err(_) => {
+            return Err(InvalidField::new(
+                format!("{field}.health"),
+                format!("unknown health {}", ep.health),
+            ));
+        }
+    }
+
+    if let Some(locality) = &ep.locality {
+        for (name, value) in [
+            ("region", &locality.region),
+            ("zone", &locality.zone),
+            ("subzone", &locality.subzone),
+        ] {
+            check_label_value(&format!("{field}.locality.{name}"), value)?;
+        }
+    }
+    if let Some(pod) = &ep.pod {
+        for (name, value) in [
+            ("namespace", &pod.namespace),
+            ("name", &pod.name),
+            ("uid", &pod.uid),
+            ("service_account", &pod.service_account),
+        ] {
+            check_label_value(&format!("{field}.pod.{name}"), value)?;
+        }
+    }
+    check_label_value(&format!("{field}.node"), &ep.node)?;
+
+    if ep.metadata.len() > MAX_METADATA_ENTRIES {
+        return Err(InvalidField::new(
+            format!("{field}.metadata"),
+            format!("{} entries (at most {MAX_METADATA_ENTRIES})", ep.metadata.len()),
+        ));
+    }
+    let mut total = 0;
+    for (key, value) in &ep.metadata {
+        if key.is_empty() || key.len() > MAX_METADATA_KEY_BYTES {
+            return Err(InvalidField::new(
+                format!("{field}.metadata"),
+                format!("key {key:?} must be 1..={MAX_METADATA_KEY_BYTES} bytes"),
+            ));
+        }
+        total += key.len() + value.len();
+    }
+    if total > MAX_METADATA_BYTES {
+        return Err(InvalidField::new(
+            format!("{field}.metadata"),
+            format!("{total} bytes (at most {MAX_METADATA_BYTES})"),
+        ));
+    }
+
+    Ok(ValidEndpoint {
+        service,
+        address,
+        endpoint: ep,
+    })
+}
+
+fn check_label_value(field: &str, value: &str) -> Result<(), InvalidField> {
+    if value.len() > MAX_LABEL_BYTES {
+        return Err(InvalidField::new(
+            field,
+            format!("{} bytes (at most {MAX_LABEL_BYTES})", value.len()),
+        ));
+    }
+    if value.chars().any(char::is_control) {
+        return Err(InvalidField::new(
+            field,
+            format!("{value:?} contains control characters"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aether_proto::registry::v1::Port;
+
+    fn endpoint() -> Endpoint {
+        Endpoint {
+            service: "shop/cart".into(),
+            address: "10.1.2.3".into(),
+            ports: vec![Port {
+                name: "http".into(),
+                port: 8080,
+                protocol: Protocol::Http as i32,
+            }],
+            ..Default::default()
+        }
+    }
+
+    fn error(ep: Endpoint) -> String {
+        validate_endpoint("endpoint", Some(ep)).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn canonicalises_a_valid_endpoint() {
+        let mut ep = endpoint();
+        ep.address = "2001:db8:0:0::1".into();
+        let valid = validate_endpoint("endpoint", Some(ep)).unwrap();
+        assert_eq!(valid.service.namespace(), "shop");
+        assert_eq!(valid.service.name(), "cart");
+        assert_eq!(valid.endpoint.address, "2001:db8::1");
+        assert_eq!(valid.endpoint.weight, 1);
+        assert_eq!(valid.endpoint.health, Health::Healthy as i32);
+    }
+
+    #[test]
+    fn names_the_bad_field() {
+        assert_eq!(
+            validate_endpoint("endpoint", None).unwrap_err().to_string(),
+            "endpoint: must be set"
+        );
+        let mut ep = endpoint();
+        ep.service = "".into();
+        assert_eq!(error(ep), "endpoint.service: must be set to \"<namespace>/<name>\"");
+        let mut ep = endpoint();
+        ep.service = "Shop/cart".into();
+        assert!(error(ep).starts_with("endpoint.service: \"Shop/cart\": namespace must be a DNS-1123 label"));
+        let mut ep = endpoint();
+        ep.service = "cart".into();
+        assert_eq!(error(ep), "endpoint.service: \"cart\": expected \"<namespace>/<name>\"");
+        let mut ep = endpoint();
+        ep.address = "10.0.0.256".into();
+        assert_eq!(error(ep), "endpoint.address: \"10.0.0.256\" is not an IP address");
+        let mut ep = endpoint();
+        ep.ports[0].port = 0;
+        assert_eq!(error(ep), "endpoint.ports[0].port: 0 is out of range (1..=65535)");
+        let mut ep = endpoint();
+        ep.ports[0].port = 65_536;
+        assert_eq!(error(ep), "endpoint.ports[0].port: 65536 is out of range (1..=65535)");
+        let mut ep = endpoint();
+        ep.ports[0].protocol = 42;
+        assert_eq!(error(ep), "endpoint.ports[0].protocol: unknown protocol 42");
+        let mut ep = endpoint();
+        ep.metadata.insert("k".into(), "v".repeat(MAX_METADATA_BYTES));
+        assert_eq!(error(ep), "endpoint.metadata: 16385 bytes (at most 16384)");
+        let mut ep = endpoint();
+        ep.health = 9;
+        assert_eq!(error(ep), "endpoint.health: unknown health 9");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn service_key_parse_never_panics_and_round_trips(key in ".{0,80}") {
+            if let Ok(parsed) = ServiceKey::parse("service", &key) {
+                proptest::prop_assert_eq!(parsed.as_str(), key.as_str());
+                proptest::prop_assert_eq!(format!("{}/{}", parsed.namespace(), parsed.name()), key);
+            }
+        }
+
+        #[test]
+        fn address_parse_never_panics(address in ".{0,50}") {
+            let _ = parse_address("address", &address);
+        }
+    }
+}

@@ -1,0 +1,401 @@
+//! One Watch stream: the client's filter, what it has been sent, and the loop that
+//! turns catalog batches into filtered deltas.
+//!
+//! Consistency rule: everything a watcher sends is derived from the catalog state at
+//! a known version. The initial snapshot, a resync and a filter change are all read
+//! under the catalog's read lock, during which no batch can be published, so the
+//! watcher knows exactly which batches are already reflected and which are not.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aether_proto::registrar::v1::{
+    Change, Delta, Snapshot, SnapshotComplete, SnapshotReason, Version, WatchRequest, WatchResponse, change,
+    watch_response,
+};
+use aether_proto::registry::v1::{Endpoint, Service};
+use futures::{Stream, StreamExt};
+use tokio::sync::broadcast::{self, error::RecvError, error::TryRecvError};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+
+use crate::catalog::{Batch, Catalog, State};
+use crate::model::{InvalidField, ServiceKey};
+
+/// Endpoints per snapshot message, so no message nears gRPC's 4 MiB default limit.
+pub const SNAPSHOT_CHUNK_ENDPOINTS: usize = 1000;
+/// Most services one filter may name.
+pub const MAX_FILTER_SERVICES: usize = 100_000;
+/// How often a watcher with nothing to send tells its client how far it has read,
+/// so a reconnect can resume from a recent version.
+pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Which services a watcher wants.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Filter {
+    wildcard: bool,
+    services: HashSet<ServiceKey>,
+}
+
+impl Filter {
+    pub fn parse(request: &WatchRequest) -> Result<Self, InvalidField> {
+        if request.wildcard {
+            return Ok(Self {
+                wildcard: true,
+                services: HashSet::new(),
+            });
+        }
+        if request.services.len() > MAX_FILTER_SERVICES {
+            return Err(InvalidField::new(
+                "services",
+                format!("{} services (at most {MAX_FILTER_SERVICES})", request.services.len()),
+            ));
+        }
+        let services = request
+            .services
+            .iter()
+            .enumerate()
+            .map(|(i, key)| ServiceKey::parse(&format!("services[{i}]"), key))
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            wildcard: false,
+            services,
+        })
+    }
+
+    pub fn matches(&self, key: &str) -> bool {
+        self.wildcard || self.services.contains(key)
+    }
+
+    /// The catalog's services this filter selects.
+    fn selected<'a>(&'a self, state: &'a State) -> Box<dyn Iterator<Item = &'a ServiceKey> + 'a> {
+        if self.wildcard {
+            Box::new(state.services().map(|(key, _)| key))
+        } else {
+            Box::new(self.services.iter().filter(|key| state.service(key.as_str()).is_some()))
+        }
+    }
+}
+
+/// Serves one Watch stream until the client leaves, sends bad input, or `shutdown`.
+pub async fn serve<S>(
+    catalog: Catalog,
+    mut inbound: S,
+    out: mpsc::Sender<Result<WatchResponse, Status>>,
+    shutdown: CancellationToken,
+) where
+    S: Stream<Item = Result<WatchRequest, Status>> + Unpin,
+{
+    let metrics = catalog.metrics().clone();
+    metrics.watchers.inc();
+    let _gauge = scopeguard(move || {
+        metrics.watchers.dec();
+    });
+
+    let first = tokio::select! {
+        _ = shutdown.cancelled() => {
+            let _ = out.try_send(Err(shutting_down()));
+            return;
+        }
+        first = inbound.next() => first,
+    };
+    let Some(Ok(first)) = first else { return };
+    let filter = match Filter::parse(&first) {
+        Ok(filter) => filter,
+        Err(e) => {
+            catalog
+                .metrics()
+                .invalid_requests
+                .get_or_create(&[("method", "Watch")])
+                .inc();
+            let _ = out.send(Err(e.into())).await;
+            return;
+        }
+    };
+    let (rx, start) = {
+        let state = catalog.read();
+        let rx = state.subscribe();
+        let resume = first.resume_from.as_ref().filter(|v| !v.instance.is_empty());
+        let missed = resume
+            .filter(|v| v.instance == state.instance())
+            .and_then(|v| state.history_after(v.seq));
+        let start = match missed {
+            Some(batches) => Start::Resume(batches, resume.map_or(0, |v| v.seq)),
+            None => {
+                let reason = if resume.is_some() {
+                    SnapshotReason::ResumeUnavailable
+                } else {
+                    SnapshotReason::Initial
+                };
+                Start::Snapshot(collect(&state, &filter), state.version(), reason)
+            }
+        };
+        (rx, start)
+    };
+    let mut watcher = Watcher {
+        catalog,
+        out,
+        filter,
+        rx,
+        processed: 0,
+        sent: 0,
+    };
+    let started = match start {
+        Start::Resume(batches, from) => {
+            watcher.processed = from;
+            watcher.sent = from;
+            watcher.send_batches(&batches).await
+        }
+        Start::Snapshot(services, version, reason) => watcher.send_snapshot(services, version, reason).await,
+    };
+    if started.is_err() {
+        return;
+    }
+    let _ = watcher.run(inbound, shutdown).await;
+}
+
+enum Start {
+    Resume(Vec<Arc<Batch>>, u64),
+    Snapshot(Vec<(Service, Vec<Endpoint>)>, Version, SnapshotReason),
+}
+
+/// The client went away; nothing more to send.
+struct Gone;
+
+struct Watcher {
+    catalog: Catalog,
+    out: mpsc::Sender<Result<WatchResponse, Status>>,
+    filter: Filter,
+    rx: broadcast::Receiver<Arc<Batch>>,
+    /// The last batch reflected in what the client has been sent (or filtered out).
+    processed: u64,
+    /// The last version the client was told.
+    sent: u64,
+}
+
+impl Watcher {
+    async fn run<S>(&mut self, mut inbound: S, shutdown: CancellationToken) -> Result<(), Gone>
+    where
+        S: Stream<Item = Result<WatchRequest, Status>> + Unpin,
+    {
+        let mut progress = tokio::time::interval(PROGRESS_INTERVAL);
+        progress.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut inbound_open = true;
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => {
+                    let _ = self.out.try_send(Err(shutting_down()));
+                    return Ok(());
+                }
+                request = inbound.next(), if inbound_open => match request {
+                    Some(Ok(request)) => match Filter::parse(&request) {
+                        Ok(filter) => self.change_filter(filter).await?,
+                        Err(e) => {
+                            self.catalog.metrics().invalid_requests.get_or_create(&[("method", "Watch")]).inc();
+                            let _ = self.out.send(Err(e.into())).await;
+                            return Ok(());
+                        }
+                    },
+                    // The client half-closed: no more filter changes, keep streaming.
+                    None => inbound_open = false,
+                    Some(Err(_)) => return Ok(()),
+                },
+                event = self.rx.recv() => match event {
+                    Ok(batch) => self.send_batches(&[batch]).await?,
+                    Err(RecvError::Lagged(missed)) => {
+                        tracing::warn!(missed, "watcher fell behind; resyncing it with a snapshot");
+                        self.resync(SnapshotReason::Lagged).await?;
+                    }
+                    Err(RecvError::Closed) => return Ok(()),
+                },
+                _ = progress.tick() => {
+                    if self.processed > self.sent {
+                        let version = self.version(self.processed);
+                        self.send(delta(version, Vec::new())).await?;
+                    }
+                }
+            }
+        }
+    }
+
+    fn version(&self, seq: u64) -> Version {
+        Version {
+            instance: self.catalog.read().instance().to_owned(),
+            seq,
+        }
+    }
+
+    async fn send(&mut self, event: watch_response::Event) -> Result<(), Gone> {
+        let seq = match &event {
+            watch_response::Event::Delta(d) => d.version.as_ref().map(|v| v.seq),
+            watch_response::Event::SnapshotComplete(c) => c.version.as_ref().map(|v| v.seq),
+            watch_response::Event::Snapshot(_) => None,
+        };
+        self.out
+            .send(Ok(WatchResponse { event: Some(event) }))
+            .await
+            .map_err(|_| Gone)?;
+        if let Some(seq) = seq {
+            self.sent = seq;
+        }
+        Ok(())
+    }
+
+    async fn send_batches(&mut self, batches: &[Arc<Batch>]) -> Result<(), Gone> {
+        let instance = self.catalog.read().instance().to_owned();
+        for batch in batches {
+            let changes: Vec<Change> = batch
+                .changes
+                .iter()
+                .filter(|c| self.filter.matches(c.service.as_str()))
+                .map(|c| c.change.clone())
+                .collect();
+            self.processed = batch.seq;
+            if !changes.is_empty() {
+                let version = Version {
+                    instance: instance.clone(),
+                    seq: batch.seq,
+                };
+                self.send(delta(version, changes)).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn send_snapshot(
+        &mut self,
+        services: Vec<(Service, Vec<Endpoint>)>,
+        version: Version,
+        reason: SnapshotReason,
+    ) -> Result<(), Gone> {
+        self.catalog
+            .metrics()
+            .watch_snapshots
+            .get_or_create(&[("reason", reason.as_str_name())])
+            .inc();
+        let mut chunk = Snapshot {
+            reset: true,
+            reason: reason as i32,
+            ..Default::default()
+        };
+        for (service, endpoints) in services {
+            chunk.services.push(service);
+            for endpoint in endpoints {
+                chunk.endpoints.push(endpoint);
+                if chunk.endpoints.len() >= SNAPSHOT_CHUNK_ENDPOINTS {
+                    let next = Snapshot {
+                        reason: reason as i32,
+                        ..Default::default()
+                    };
+                    let full = std::mem::replace(&mut chunk, next);
+                    self.send(watch_response::Event::Snapshot(full)).await?;
+                }
+            }
+        }
+        if chunk.reset || !chunk.services.is_empty() || !chunk.endpoints.is_empty() {
+            self.send(watch_response::Event::Snapshot(chunk)).await?;
+        }
+        self.processed = version.seq;
+        self.send(watch_response::Event::SnapshotComplete(SnapshotComplete {
+            version: Some(version),
+        }))
+        .await
+    }
+
+    async fn resync(&mut self, reason: SnapshotReason) -> Result<(), Gone> {
+        let (services, version) = {
+            let state = self.catalog.read();
+            self.rx = state.subscribe();
+            (collect(&state, &self.filter), state.version())
+        };
+        self.send_snapshot(services, version, reason).await
+    }
+
+    /// Replaces the filter. Batches already published are first sent under the old
+    /// filter, then one Delta (at the current version) removes the services the new
+    /// filter drops and adds those it brings in, with their endpoints.
+    async fn change_filter(&mut self, filter: Filter) -> Result<(), Gone> {
+        let (pending, filter_delta) = {
+            let state = self.catalog.read();
+            let mut pending = Vec::new();
+            loop {
+                match self.rx.try_recv() {
+                    Ok(batch) => pending.push(batch),
+                    Err(TryRecvError::Empty | TryRecvError::Closed) => break,
+                    Err(TryRecvError::Lagged(_)) => {
+                        drop(state);
+                        self.filter = filter;
+                        return self.resync(SnapshotReason::Lagged).await;
+                    }
+                }
+            }
+            // The client's view is now the state at `state.seq()` under the old filter.
+            let mut changes = Vec::new();
+            for key in self.filter.selected(&state) {
+                if !filter.matches(key.as_str()) {
+                    changes.push(Change {
+                        change: Some(change::Change::ServiceRemoved(key.to_string())),
+                    });
+                }
+            }
+            for key in filter.selected(&state) {
+                if self.filter.matches(key.as_str()) {
+                    continue;
+                }
+                let entry = state.service(key.as_str()).expect("selected services exist");
+                changes.push(Change {
+                    change: Some(change::Change::ServiceAdded(entry.service.clone())),
+                });
+                changes.extend(entry.endpoints.values().map(|e| Change {
+                    change: Some(change::Change::EndpointAdded(e.clone())),
+                }));
+            }
+            (pending, delta(state.version(), changes))
+        };
+        self.send_batches(&pending).await?;
+        self.filter = filter;
+        if let watch_response::Event::Delta(d) = &filter_delta {
+            self.processed = d.version.as_ref().map_or(self.processed, |v| v.seq);
+        }
+        self.send(filter_delta).await
+    }
+}
+
+fn collect(state: &State, filter: &Filter) -> Vec<(Service, Vec<Endpoint>)> {
+    let mut services: Vec<_> = filter
+        .selected(state)
+        .map(|key| {
+            let entry = state.service(key.as_str()).expect("selected services exist");
+            (entry.service.clone(), entry.endpoints.values().cloned().collect())
+        })
+        .collect();
+    services.sort_by(|a: &(Service, Vec<Endpoint>), b| (&a.0.namespace, &a.0.name).cmp(&(&b.0.namespace, &b.0.name)));
+    services
+}
+
+fn delta(version: Version, changes: Vec<Change>) -> watch_response::Event {
+    watch_response::Event::Delta(Delta {
+        version: Some(version),
+        changes,
+    })
+}
+
+fn shutting_down() -> Status {
+    Status::unavailable("the registrar is shutting down; reconnect to another replica and resume")
+}
+
+/// Runs `f` when dropped.
+fn scopeguard(f: impl FnOnce()) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f();
+            }
+        }
+    }
+    Guard(Some(f))
+}

