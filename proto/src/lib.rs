@@ -17,3 +17,5 @@ pub mod registrar {
         tonic::include_proto!("aether.registrar.v1");
     }
 }
+
+pub mod view;

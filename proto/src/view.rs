@@ -1,0 +1,235 @@
+//! The client side of `aether.registrar.v1.Registrar/Watch`: a view of the catalog
+//! rebuilt from the stream, exactly as the protocol defines it. Agents keep one; the
+//! registrar's tests use it to check what a watcher would believe.
+
+use std::collections::BTreeMap;
+
+use crate::registrar::v1::{Version, WatchResponse, change, watch_response};
+use crate::registry::v1::{Endpoint, Service};
+
+/// Services by key (`<ns>/<name>`), and their endpoints by address.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Catalog {
+    pub services: BTreeMap<String, Service>,
+    pub endpoints: BTreeMap<String, BTreeMap<String, Endpoint>>,
+}
+
+/// What a client believes after the messages it has applied.
+#[derive(Clone, Debug, Default)]
+pub struct WatchView {
+    /// The last consistent state; kept while a new snapshot streams in.
+    pub catalog: Catalog,
+    /// The version `catalog` is at; what to send as `resume_from` on reconnect.
+    pub version: Option<Version>,
+    incoming: Option<Catalog>,
+}
+
+/// What applying one message did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Applied {
+    /// A snapshot chunk was staged; the view changes at SnapshotComplete.
+    SnapshotChunk,
+    /// The view was replaced by a complete snapshot.
+    Snapshot,
+    /// A delta was applied.
+    Delta,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ViewError {
+    #[error("watch response has no event")]
+    Empty,
+    #[error("snapshot chunk without a preceding reset chunk")]
+    ChunkWithoutReset,
+    #[error("snapshot complete without a snapshot")]
+    CompleteWithoutSnapshot,
+    #[error("delta received while a snapshot was streaming")]
+    DeltaDuringSnapshot,
+    #[error("{0} has no version")]
+    NoVersion(&'static str),
+    #[error("endpoint {address} names service {service}, which is not in the view")]
+    UnknownService { service: String, address: String },
+    #[error("change has no content")]
+    EmptyChange,
+}
+
+pub fn service_key(service: &Service) -> String {
+    format!("{}/{}", service.namespace, service.name)
+}
+
+impl Catalog {
+    fn add_service(&mut self, service: Service) {
+        let key = service_key(&service);
+        self.endpoints.entry(key.clone()).or_default();
+        self.services.insert(key, service);
+    }
+
+    fn put_endpoint(&mut self, endpoint: Endpoint) -> Result<(), ViewError> {
+        let Some(endpoints) = self.endpoints.get_mut(&endpoint.service) else {
+            return Err(ViewError::UnknownService {
+                service: endpoint.service,
+                address: endpoint.address,
+            });
+        };
+        endpoints.insert(endpoint.address.clone(), endpoint);
+        Ok(())
+    }
+
+    /// Every endpoint, in key then address order.
+    pub fn all_endpoints(&self) -> impl Iterator<Item = &Endpoint> {
+        self.endpoints.values().flat_map(|e| e.values())
+    }
+}
+
+impl WatchView {
+    /// Applies one message from the stream.
+    pub fn apply(&mut self, response: WatchResponse) -> Result<Applied, ViewError> {
+        match response.event.ok_or(ViewError::Empty)? {
+            watch_response::Event::Snapshot(chunk) => {
+                if chunk.reset {
+                    self.incoming = Some(Catalog::default());
+                }
+                let incoming = self.incoming.as_mut().ok_or(ViewError::ChunkWithoutReset)?;
+                for service in chunk.services {
+                    incoming.add_service(service);
+                }
+                for endpoint in chunk.endpoints {
+                    incoming.put_endpoint(endpoint)?;
+                }
+                Ok(Applied::SnapshotChunk)
+            }
+            watch_response::Event::SnapshotComplete(complete) => {
+                let version = complete.version.ok_or(ViewError::NoVersion("snapshot complete"))?;
+                self.catalog = self.incoming.take().ok_or(ViewError::CompleteWithoutSnapshot)?;
+                self.version = Some(version);
+                Ok(Applied::Snapshot)
+            }
+            watch_response::Event::Delta(delta) => {
+                if self.incoming.is_some() {
+                    return Err(ViewError::DeltaDuringSnapshot);
+                }
+                let version = delta.version.ok_or(ViewError::NoVersion("delta"))?;
+                for change in delta.changes {
+                    match change.change.ok_or(ViewError::EmptyChange)? {
+                        change::Change::ServiceAdded(service) => self.catalog.add_service(service),
+                        change::Change::ServiceRemoved(key) => {
+                            self.catalog.services.remove(&key);
+                            self.catalog.endpoints.remove(&key);
+                        }
+                        change::Change::EndpointAdded(endpoint) | change::Change::EndpointUpdated(endpoint) => {
+                            self.catalog.put_endpoint(endpoint)?
+                        }
+                        change::Change::EndpointRemoved(removed) => {
+                            if let Some(endpoints) = self.catalog.endpoints.get_mut(&removed.service) {
+                                endpoints.remove(&removed.address);
+                            }
+                        }
+                    }
+                }
+                self.version = Some(version);
+                Ok(Applied::Delta)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registrar::v1::{Change, Delta, EndpointRef, Snapshot, SnapshotComplete};
+
+    fn service(name: &str) -> Service {
+        Service {
+            namespace: "ns".into(),
+            name: name.into(),
+            vip: "240.240.0.1".into(),
+        }
+    }
+
+    fn endpoint(name: &str, address: &str) -> Endpoint {
+        Endpoint {
+            service: format!("ns/{name}"),
+            address: address.into(),
+            ..Default::default()
+        }
+    }
+
+    fn version(seq: u64) -> Option<Version> {
+        Some(Version {
+            instance: "i".into(),
+            seq,
+        })
+    }
+
+    fn event(e: watch_response::Event) -> WatchResponse {
+        WatchResponse { event: Some(e) }
+    }
+
+    #[test]
+    fn a_snapshot_replaces_the_view_only_when_complete() {
+        let mut view = WatchView::default();
+        let chunk = Snapshot {
+            reset: true,
+            services: vec![service("a")],
+            endpoints: vec![endpoint("a", "10.0.0.1")],
+            ..Default::default()
+        };
+        assert_eq!(
+            view.apply(event(watch_response::Event::Snapshot(chunk))),
+            Ok(Applied::SnapshotChunk)
+        );
+        assert!(
+            view.catalog.services.is_empty(),
+            "a partial snapshot leaked into the view"
+        );
+        let complete = SnapshotComplete { version: version(3) };
+        assert_eq!(
+            view.apply(event(watch_response::Event::SnapshotComplete(complete))),
+            Ok(Applied::Snapshot)
+        );
+        assert_eq!(view.catalog.all_endpoints().count(), 1);
+        assert_eq!(view.version, version(3));
+
+        let delta = Delta {
+            version: version(4),
+            changes: vec![
+                Change {
+                    change: Some(change::Change::EndpointRemoved(EndpointRef {
+                        service: "ns/a".into(),
+                        address: "10.0.0.1".into(),
+                    })),
+                },
+                Change {
+                    change: Some(change::Change::ServiceRemoved("ns/a".into())),
+                },
+            ],
+        };
+        assert_eq!(
+            view.apply(event(watch_response::Event::Delta(delta))),
+            Ok(Applied::Delta)
+        );
+        assert_eq!(view.catalog, Catalog::default());
+        assert_eq!(view.version, version(4));
+    }
+
+    #[test]
+    fn protocol_violations_are_errors() {
+        let mut view = WatchView::default();
+        assert_eq!(view.apply(WatchResponse { event: None }), Err(ViewError::Empty));
+        let chunk = Snapshot::default();
+        assert_eq!(
+            view.apply(event(watch_response::Event::Snapshot(chunk))),
+            Err(ViewError::ChunkWithoutReset)
+        );
+        let delta = Delta {
+            version: version(1),
+            changes: vec![Change {
+                change: Some(change::Change::EndpointAdded(endpoint("x", "10.0.0.1"))),
+            }],
+        };
+        assert!(matches!(
+            view.apply(event(watch_response::Event::Delta(delta))),
+            Err(ViewError::UnknownService { .. })
+        ));
+    }
+}

@@ -1,0 +1,265 @@
+//! Test support: the real registrar binary on loopback, and a watcher that rebuilds
+//! its view from the stream.
+#![allow(dead_code)] // each test binary uses a different part
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use aether_proto::registrar::v1::registrar_client::RegistrarClient;
+use aether_proto::registrar::v1::{
+    ListEndpointsRequest, ListServicesRequest, RegisterEndpointRequest, Version, WatchRequest, WatchResponse,
+};
+use aether_proto::registry::v1::{Endpoint, Port, Protocol};
+use aether_proto::view::{Catalog, WatchView};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+use tonic::transport::Channel;
+
+pub const TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// The registrar binary, killed when dropped.
+pub struct Registrar {
+    child: Option<Child>,
+    pub grpc: SocketAddr,
+    pub admin: SocketAddr,
+    pub log: PathBuf,
+}
+
+impl Registrar {
+    /// Starts the binary on `data_dir` with `extra` flags and waits until /ready says so.
+    pub async fn start(data_dir: &Path, extra: &[&str]) -> Registrar {
+        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let log = data_dir.with_extension(format!("{}.log", grpc.port()));
+        let child = Command::new(env!("CARGO_BIN_EXE_aether-registrar"))
+            .arg("--listen")
+            .arg(grpc.to_string())
+            .arg("--admin")
+            .arg(admin.to_string())
+            .arg("--data-dir")
+            .arg(data_dir)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("spawning aether-registrar");
+        let mut registrar = Registrar {
+            child: Some(child),
+            grpc,
+            admin,
+            log,
+        };
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Ok((200, _)) = http_get(admin, "/ready").await {
+                return registrar;
+            }
+            if let Some(status) = registrar.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "aether-registrar exited with {status} before becoming ready:\n{}",
+                    registrar.logs()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "aether-registrar not ready in time:\n{}",
+                registrar.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> Pid {
+        Pid::from_raw(self.child.as_ref().expect("running").id() as i32)
+    }
+
+    pub async fn client(&self) -> RegistrarClient<Channel> {
+        RegistrarClient::connect(format!("http://{}", self.grpc))
+            .await
+            .expect("connecting to the registrar")
+    }
+
+    /// SIGTERM, then wait for the exit.
+    pub async fn terminate(mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
+        tokio::task::spawn_blocking(move || child.wait().unwrap())
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for Registrar {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A minimal HTTP/1.0 GET: (status, body).
+pub async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").as_bytes())
+        .await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("bad HTTP response: {response:?}")))?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+pub fn endpoint(service: &str, address: &str, port: u32) -> Endpoint {
+    Endpoint {
+        service: service.into(),
+        address: address.into(),
+        ports: vec![Port {
+            name: "http".into(),
+            port,
+            protocol: Protocol::Http as i32,
+        }],
+        node: "node-1".into(),
+        ..Default::default()
+    }
+}
+
+pub async fn register(client: &mut RegistrarClient<Channel>, endpoint: Endpoint) -> Version {
+    client
+        .register_endpoint(RegisterEndpointRequest {
+            endpoint: Some(endpoint),
+        })
+        .await
+        .expect("register")
+        .into_inner()
+        .version
+        .expect("register returns a version")
+}
+
+pub fn filter(services: &[&str]) -> WatchRequest {
+    WatchRequest {
+        services: services.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+pub fn wildcard() -> WatchRequest {
+    WatchRequest {
+        wildcard: true,
+        ..Default::default()
+    }
+}
+
+/// The registrar's catalog as List reports it, restricted to `matches`.
+pub async fn catalog(client: &mut RegistrarClient<Channel>, matches: impl Fn(&str) -> bool) -> (Catalog, Version) {
+    let listed = client.list_services(ListServicesRequest {}).await.unwrap().into_inner();
+    let mut catalog = Catalog::default();
+    for service in listed.services {
+        let key = format!("{}/{}", service.namespace, service.name);
+        if !matches(&key) {
+            continue;
+        }
+        let endpoints = client
+            .list_endpoints(ListEndpointsRequest { service: key.clone() })
+            .await
+            .unwrap()
+            .into_inner()
+            .endpoints;
+        catalog.endpoints.insert(
+            key.clone(),
+            endpoints.into_iter().map(|e| (e.address.clone(), e)).collect(),
+        );
+        catalog.services.insert(key, service);
+    }
+    (catalog, listed.version.unwrap())
+}
+
+/// One Watch stream and the view rebuilt from it.
+pub struct Watcher {
+    requests: mpsc::Sender<WatchRequest>,
+    stream: Streaming<WatchResponse>,
+    pub view: WatchView,
+    /// Every message received, in order.
+    pub received: Vec<WatchResponse>,
+}
+
+impl Watcher {
+    pub async fn open(client: &mut RegistrarClient<Channel>, first: WatchRequest) -> Watcher {
+        let (requests, rx) = mpsc::channel(16);
+        requests.send(first).await.unwrap();
+        let stream = client
+            .watch(ReceiverStream::new(rx))
+            .await
+            .expect("opening a watch")
+            .into_inner();
+        Watcher {
+            requests,
+            stream,
+            view: WatchView::default(),
+            received: Vec::new(),
+        }
+    }
+
+    /// The next message, applied to the view.
+    pub async fn next(&mut self) -> WatchResponse {
+        let message = tokio::time::timeout(TIMEOUT, self.stream.message())
+            .await
+            .expect("timed out waiting for a watch message")
+            .expect("watch stream failed")
+            .expect("watch stream ended");
+        self.view.apply(message.clone()).expect("a valid watch message");
+        self.received.push(message.clone());
+        message
+    }
+
+    /// The status the stream ends with.
+    pub async fn end(&mut self) -> tonic::Status {
+        loop {
+            match tokio::time::timeout(TIMEOUT, self.stream.message())
+                .await
+                .expect("timed out waiting for the stream to end")
+            {
+                Ok(Some(message)) => {
+                    self.received.push(message);
+                }
+                Ok(None) => return tonic::Status::ok(""),
+                Err(status) => return status,
+            }
+        }
+    }
+
+    /// Reads until the view is at least at `seq`.
+    pub async fn until(&mut self, seq: u64) {
+        while self.view.version.as_ref().is_none_or(|v| v.seq < seq) {
+            self.next().await;
+        }
+    }
+
+    pub async fn send(&self, request: WatchRequest) {
+        self.requests.send(request).await.unwrap();
+    }
+}
