@@ -21,6 +21,8 @@ pub struct WatchView {
     pub catalog: Catalog,
     /// The version `catalog` is at; what to send as `resume_from` on reconnect.
     pub version: Option<Version>,
+    /// The id of the filter `catalog` was computed with.
+    pub filter_id: u64,
     incoming: Option<Catalog>,
 }
 
@@ -82,6 +84,15 @@ impl Catalog {
 }
 
 impl WatchView {
+    /// What to send as `resume_from` when reconnecting with filter `filter_id`: the
+    /// view's version if the view was built with that filter, else nothing (a
+    /// snapshot), since resuming a view under another filter would corrupt it.
+    pub fn resume_from(&self, filter_id: u64) -> Option<Version> {
+        self.version
+            .clone()
+            .filter(|_| self.filter_id == filter_id && self.incoming.is_none())
+    }
+
     /// Applies one message from the stream.
     pub fn apply(&mut self, response: WatchResponse) -> Result<Applied, ViewError> {
         match response.event.ok_or(ViewError::Empty)? {
@@ -102,6 +113,7 @@ impl WatchView {
                 let version = complete.version.ok_or(ViewError::NoVersion("snapshot complete"))?;
                 self.catalog = self.incoming.take().ok_or(ViewError::CompleteWithoutSnapshot)?;
                 self.version = Some(version);
+                self.filter_id = complete.filter_id;
                 Ok(Applied::Snapshot)
             }
             watch_response::Event::Delta(delta) => {
@@ -127,6 +139,7 @@ impl WatchView {
                     }
                 }
                 self.version = Some(version);
+                self.filter_id = delta.filter_id;
                 Ok(Applied::Delta)
             }
         }
@@ -182,15 +195,21 @@ mod tests {
             view.catalog.services.is_empty(),
             "a partial snapshot leaked into the view"
         );
-        let complete = SnapshotComplete { version: version(3) };
+        let complete = SnapshotComplete {
+            version: version(3),
+            filter_id: 7,
+        };
         assert_eq!(
             view.apply(event(watch_response::Event::SnapshotComplete(complete))),
             Ok(Applied::Snapshot)
         );
         assert_eq!(view.catalog.all_endpoints().count(), 1);
         assert_eq!(view.version, version(3));
+        assert_eq!(view.resume_from(7), version(3));
+        assert_eq!(view.resume_from(8), None, "a view under another filter must not resume");
 
         let delta = Delta {
+            filter_id: 7,
             version: version(4),
             changes: vec![
                 Change {
@@ -222,6 +241,7 @@ mod tests {
             Err(ViewError::ChunkWithoutReset)
         );
         let delta = Delta {
+            filter_id: 0,
             version: version(1),
             changes: vec![Change {
                 change: Some(change::Change::EndpointAdded(endpoint("x", "10.0.0.1"))),

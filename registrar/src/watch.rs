@@ -35,6 +35,8 @@ pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 /// Which services a watcher wants.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Filter {
+    /// The client's id for this filter, echoed in what is computed with it.
+    id: u64,
     wildcard: bool,
     services: HashSet<ServiceKey>,
 }
@@ -43,6 +45,7 @@ impl Filter {
     pub fn parse(request: &WatchRequest) -> Result<Self, InvalidField> {
         if request.wildcard {
             return Ok(Self {
+                id: request.filter_id,
                 wildcard: true,
                 services: HashSet::new(),
             });
@@ -60,6 +63,7 @@ impl Filter {
             .map(|(i, key)| ServiceKey::parse(&format!("services[{i}]"), key))
             .collect::<Result<_, _>>()?;
         Ok(Self {
+            id: request.filter_id,
             wildcard: false,
             services,
         })
@@ -214,7 +218,7 @@ impl Watcher {
                 _ = progress.tick() => {
                     if self.processed > self.sent {
                         let version = self.version(self.processed);
-                        self.send(delta(version, Vec::new())).await?;
+                        self.send(delta(version, Vec::new(), self.filter.id)).await?;
                     }
                 }
             }
@@ -259,7 +263,7 @@ impl Watcher {
                     instance: instance.clone(),
                     seq: batch.seq,
                 };
-                self.send(delta(version, changes)).await?;
+                self.send(delta(version, changes, self.filter.id)).await?;
             }
         }
         Ok(())
@@ -301,6 +305,7 @@ impl Watcher {
         self.processed = version.seq;
         self.send(watch_response::Event::SnapshotComplete(SnapshotComplete {
             version: Some(version),
+            filter_id: self.filter.id,
         }))
         .await
     }
@@ -353,7 +358,7 @@ impl Watcher {
                     change: Some(change::Change::EndpointAdded(e.clone())),
                 }));
             }
-            (pending, delta(state.version(), changes))
+            (pending, delta(state.version(), changes, filter.id))
         };
         self.send_batches(&pending).await?;
         self.filter = filter;
@@ -376,10 +381,11 @@ fn collect(state: &State, filter: &Filter) -> Vec<(Service, Vec<Endpoint>)> {
     services
 }
 
-fn delta(version: Version, changes: Vec<Change>) -> watch_response::Event {
+fn delta(version: Version, changes: Vec<Change>, filter_id: u64) -> watch_response::Event {
     watch_response::Event::Delta(Delta {
         version: Some(version),
         changes,
+        filter_id,
     })
 }
 

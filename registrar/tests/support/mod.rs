@@ -236,6 +236,20 @@ impl Watcher {
         message
     }
 
+    /// The next message if one has already arrived, applied to the view.
+    pub fn try_next(&mut self) -> Option<WatchResponse> {
+        use futures::FutureExt;
+        let message = self
+            .stream
+            .message()
+            .now_or_never()?
+            .expect("watch stream failed")
+            .expect("watch stream ended");
+        self.view.apply(message.clone()).expect("a valid watch message");
+        self.received.push(message.clone());
+        Some(message)
+    }
+
     /// The status the stream ends with.
     pub async fn end(&mut self) -> tonic::Status {
         loop {
