@@ -6,6 +6,7 @@ use aether_proto::registrar::v1::{
     ListEndpointsRequest, ListEndpointsResponse, ListServicesRequest, ListServicesResponse, RegisterEndpointRequest,
     RegisterEndpointResponse, UnregisterEndpointRequest, UnregisterEndpointResponse, WatchRequest, WatchResponse,
 };
+use aether_proto::registry::v1::Endpoint;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -91,7 +92,7 @@ impl Registrar for RegistrarApi {
             .ok_or_else(|| Status::not_found(format!("service: {key} is not in the catalog")))?;
         Ok(Response::new(ListEndpointsResponse {
             service: Some(entry.service.clone()),
-            endpoints: entry.endpoints.values().cloned().collect(),
+            endpoints: entry.endpoints.values().map(|e| Endpoint::clone(e)).collect(),
             version: Some(state.version()),
         }))
     }

@@ -55,17 +55,43 @@ pub struct Batch {
     pub changes: Vec<KeyedChange>,
 }
 
-/// A change with the service it belongs to, for cheap filtering.
+/// A committed change to one service. Endpoint data is shared with the catalog and
+/// the history (not copied), and turned into its wire form only when sent.
 #[derive(Clone, Debug)]
 pub struct KeyedChange {
     pub service: ServiceKey,
-    pub change: Change,
+    pub event: Event,
+}
+
+#[derive(Clone, Debug)]
+pub enum Event {
+    ServiceAdded(Service),
+    ServiceRemoved,
+    EndpointAdded(Arc<Endpoint>),
+    EndpointUpdated(Arc<Endpoint>),
+    EndpointRemoved(IpAddr),
+}
+
+impl KeyedChange {
+    pub fn to_proto(&self) -> Change {
+        let change = match &self.event {
+            Event::ServiceAdded(service) => change::Change::ServiceAdded(service.clone()),
+            Event::ServiceRemoved => change::Change::ServiceRemoved(self.service.to_string()),
+            Event::EndpointAdded(e) => change::Change::EndpointAdded(Endpoint::clone(e)),
+            Event::EndpointUpdated(e) => change::Change::EndpointUpdated(Endpoint::clone(e)),
+            Event::EndpointRemoved(address) => change::Change::EndpointRemoved(EndpointRef {
+                service: self.service.to_string(),
+                address: address.to_string(),
+            }),
+        };
+        Change { change: Some(change) }
+    }
 }
 
 #[derive(Clone, Debug)]
 pub struct Entry {
     pub service: Service,
-    pub endpoints: BTreeMap<IpAddr, Endpoint>,
+    pub endpoints: BTreeMap<IpAddr, Arc<Endpoint>>,
     empty_since: Option<Instant>,
 }
 
@@ -185,7 +211,7 @@ impl State {
 struct Plan {
     new_services: HashMap<ServiceKey, Service>,
     new_vips: HashSet<IpAddr>,
-    endpoints: HashMap<(ServiceKey, IpAddr), Option<Endpoint>>,
+    endpoints: HashMap<(ServiceKey, IpAddr), Option<Arc<Endpoint>>>,
     removed_services: Vec<(ServiceKey, IpAddr)>,
     ops: Vec<StoreOp>,
     changes: Vec<KeyedChange>,
@@ -201,15 +227,19 @@ impl Plan {
 
     fn endpoint<'a>(&'a self, state: &'a State, key: &ServiceKey, address: IpAddr) -> Option<&'a Endpoint> {
         match self.endpoints.get(&(key.clone(), address)) {
-            Some(staged) => staged.as_ref(),
-            None => state.services.get(key).and_then(|e| e.endpoints.get(&address)),
+            Some(staged) => staged.as_deref(),
+            None => state
+                .services
+                .get(key)
+                .and_then(|e| e.endpoints.get(&address))
+                .map(|e| &**e),
         }
     }
 
-    fn change(&mut self, service: &ServiceKey, change: change::Change) {
+    fn change(&mut self, service: &ServiceKey, event: Event) {
         self.changes.push(KeyedChange {
             service: service.clone(),
-            change: Change { change: Some(change) },
+            event,
         });
     }
 
@@ -229,18 +259,19 @@ impl Plan {
                 self.new_vips.insert(vip);
                 self.new_services.insert(key.clone(), service.clone());
                 self.ops.push(StoreOp::CreateService(service.clone()));
-                self.change(&key, change::Change::ServiceAdded(service.clone()));
+                self.change(&key, Event::ServiceAdded(service.clone()));
                 service
             }
         };
-        let change = match self.endpoint(state, &key, valid.address) {
-            Some(old) if *old == valid.endpoint => return Ok(service),
-            Some(_) => change::Change::EndpointUpdated(valid.endpoint.clone()),
-            None => change::Change::EndpointAdded(valid.endpoint.clone()),
+        let endpoint = Arc::new(valid.endpoint);
+        let event = match self.endpoint(state, &key, valid.address) {
+            Some(old) if *old == *endpoint => return Ok(service),
+            Some(_) => Event::EndpointUpdated(endpoint.clone()),
+            None => Event::EndpointAdded(endpoint.clone()),
         };
-        self.ops.push(StoreOp::PutEndpoint(Box::new(valid.endpoint.clone())));
-        self.change(&key, change);
-        self.endpoints.insert((key, valid.address), Some(valid.endpoint));
+        self.ops.push(StoreOp::PutEndpoint(endpoint.clone()));
+        self.change(&key, event);
+        self.endpoints.insert((key, valid.address), Some(endpoint));
         Ok(service)
     }
 
@@ -252,13 +283,7 @@ impl Plan {
             service: key.clone(),
             address: address.to_string(),
         });
-        self.change(
-            &key,
-            change::Change::EndpointRemoved(EndpointRef {
-                service: key.to_string(),
-                address: address.to_string(),
-            }),
-        );
+        self.change(&key, Event::EndpointRemoved(address));
         self.endpoints.insert((key, address), None);
         true
     }
@@ -277,7 +302,7 @@ impl Plan {
                 key: key.clone(),
                 vip: entry.service.vip.clone(),
             });
-            self.change(key, change::Change::ServiceRemoved(key.to_string()));
+            self.change(key, Event::ServiceRemoved);
             self.removed_services.push((key.clone(), vip));
         }
     }
@@ -368,7 +393,7 @@ impl Catalog {
                 Ok(valid) => match services.get_mut(&valid.service) {
                     Some(entry) => {
                         entry.empty_since = None;
-                        entry.endpoints.insert(valid.address, valid.endpoint);
+                        entry.endpoints.insert(valid.address, Arc::new(valid.endpoint));
                         endpoint_count += 1;
                     }
                     None => unreadable.push(UnreadableRecord {

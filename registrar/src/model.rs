@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use aether_proto::registry::v1::{Endpoint, Health, Protocol};
 
@@ -16,9 +17,10 @@ pub const MAX_LABEL_BYTES: usize = 253;
 pub const MAX_WEIGHT: u32 = 65_535;
 
 /// A validated service key, `<namespace>/<name>`, both parts DNS-1123 labels (they
-/// become `<name>.<namespace>.<meshDomain>`).
+/// become `<name>.<namespace>.<meshDomain>`). Shared, since every change and index
+/// entry of a service carries it.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ServiceKey(String);
+pub struct ServiceKey(Arc<str>);
 
 impl ServiceKey {
     /// Parses `<namespace>/<name>`; `field` names the request field in the error.
@@ -32,7 +34,7 @@ impl ServiceKey {
         };
         check_dns_label(namespace).map_err(|r| invalid(format!("namespace {r}")))?;
         check_dns_label(name).map_err(|r| invalid(format!("name {r}")))?;
-        Ok(Self(key.to_owned()))
+        Ok(Self(key.into()))
     }
 
     pub fn from_parts(field: &str, namespace: &str, name: &str) -> Result<Self, InvalidField> {

@@ -9,6 +9,8 @@
 
 pub mod embedded;
 
+use std::sync::Arc;
+
 use aether_proto::registry::v1::{Endpoint, Service};
 use async_trait::async_trait;
 
@@ -25,7 +27,7 @@ pub enum StoreOp {
         key: ServiceKey,
         vip: String,
     },
-    PutEndpoint(Box<Endpoint>),
+    PutEndpoint(Arc<Endpoint>),
     DeleteEndpoint {
         service: ServiceKey,
         address: String,

@@ -21,11 +21,11 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
-use crate::catalog::{Batch, Catalog, State};
+use crate::catalog::{Batch, Catalog, KeyedChange, State};
 use crate::model::{InvalidField, ServiceKey};
 
 /// Endpoints per snapshot message, so no message nears gRPC's 4 MiB default limit.
-pub const SNAPSHOT_CHUNK_ENDPOINTS: usize = 1000;
+pub const SNAPSHOT_CHUNK_ENDPOINTS: usize = 100;
 /// Most services one filter may name.
 pub const MAX_FILTER_SERVICES: usize = 100_000;
 /// How often a watcher with nothing to send tells its client how far it has read,
@@ -162,7 +162,7 @@ pub async fn serve<S>(
 
 enum Start {
     Resume(Vec<Arc<Batch>>, u64),
-    Snapshot(Vec<(Service, Vec<Endpoint>)>, Version, SnapshotReason),
+    Snapshot(Selection, Version, SnapshotReason),
 }
 
 /// The client went away; nothing more to send.
@@ -255,7 +255,7 @@ impl Watcher {
                 .changes
                 .iter()
                 .filter(|c| self.filter.matches(c.service.as_str()))
-                .map(|c| c.change.clone())
+                .map(KeyedChange::to_proto)
                 .collect();
             self.processed = batch.seq;
             if !changes.is_empty() {
@@ -271,7 +271,7 @@ impl Watcher {
 
     async fn send_snapshot(
         &mut self,
-        services: Vec<(Service, Vec<Endpoint>)>,
+        services: Selection,
         version: Version,
         reason: SnapshotReason,
     ) -> Result<(), Gone> {
@@ -288,7 +288,7 @@ impl Watcher {
         for (service, endpoints) in services {
             chunk.services.push(service);
             for endpoint in endpoints {
-                chunk.endpoints.push(endpoint);
+                chunk.endpoints.push(Endpoint::clone(&endpoint));
                 if chunk.endpoints.len() >= SNAPSHOT_CHUNK_ENDPOINTS {
                     let next = Snapshot {
                         reason: reason as i32,
@@ -355,7 +355,7 @@ impl Watcher {
                     change: Some(change::Change::ServiceAdded(entry.service.clone())),
                 });
                 changes.extend(entry.endpoints.values().map(|e| Change {
-                    change: Some(change::Change::EndpointAdded(e.clone())),
+                    change: Some(change::Change::EndpointAdded(Endpoint::clone(e))),
                 }));
             }
             (pending, delta(state.version(), changes, filter.id))
@@ -369,15 +369,19 @@ impl Watcher {
     }
 }
 
-fn collect(state: &State, filter: &Filter) -> Vec<(Service, Vec<Endpoint>)> {
-    let mut services: Vec<_> = filter
+/// The services a filter selects, with their endpoints: shared, so reading it under
+/// the lock is cheap; wire messages are built after the lock is released.
+type Selection = Vec<(Service, Vec<Arc<Endpoint>>)>;
+
+fn collect(state: &State, filter: &Filter) -> Selection {
+    let mut services: Selection = filter
         .selected(state)
         .map(|key| {
             let entry = state.service(key.as_str()).expect("selected services exist");
             (entry.service.clone(), entry.endpoints.values().cloned().collect())
         })
         .collect();
-    services.sort_by(|a: &(Service, Vec<Endpoint>), b| (&a.0.namespace, &a.0.name).cmp(&(&b.0.namespace, &b.0.name)));
+    services.sort_by(|a, b| (&a.0.namespace, &a.0.name).cmp(&(&b.0.namespace, &b.0.name)));
     services
 }
 

@@ -23,6 +23,8 @@ const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints"
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const SCHEMA_VERSION: u64 = 1;
 
+const CACHE_BYTES: usize = 8 * 1024 * 1024;
+
 /// The catalog file's name inside `--data-dir`.
 pub const FILE_NAME: &str = "catalog.redb";
 
@@ -38,7 +40,12 @@ impl EmbeddedStore {
             .map_err(|e| StoreError::Unavailable(format!("creating data dir {}: {e}", data_dir.display())))?;
         let path = data_dir.join(FILE_NAME);
         let db =
-            Database::create(&path).map_err(|e| StoreError::Unavailable(format!("opening {}: {e}", path.display())))?;
+            // The catalog lives in memory; the file is read once at start-up and then only
+            // written, so a small page cache is enough.
+            redb::Builder::new()
+                .set_cache_size(CACHE_BYTES)
+                .create(&path)
+                .map_err(|e| StoreError::Unavailable(format!("opening {}: {e}", path.display())))?;
         let store = Self { db: Arc::new(db), path };
         store.init_schema()?;
         Ok(store)
@@ -177,6 +184,7 @@ impl Store for EmbeddedStore {
 mod tests {
     use super::*;
     use crate::model::ServiceKey;
+    use std::sync::Arc;
 
     fn service(name: &str, vip: &str) -> Service {
         Service {
@@ -202,8 +210,8 @@ mod tests {
             store
                 .commit(vec![
                     StoreOp::CreateService(service("a", "240.240.0.1")),
-                    StoreOp::PutEndpoint(Box::new(endpoint("ns/a", "10.0.0.1"))),
-                    StoreOp::PutEndpoint(Box::new(endpoint("ns/a", "10.0.0.2"))),
+                    StoreOp::PutEndpoint(Arc::new(endpoint("ns/a", "10.0.0.1"))),
+                    StoreOp::PutEndpoint(Arc::new(endpoint("ns/a", "10.0.0.2"))),
                 ])
                 .await
                 .unwrap();
@@ -232,7 +240,7 @@ mod tests {
             .unwrap();
         let err = store
             .commit(vec![
-                StoreOp::PutEndpoint(Box::new(endpoint("ns/a", "10.0.0.9"))),
+                StoreOp::PutEndpoint(Arc::new(endpoint("ns/a", "10.0.0.9"))),
                 StoreOp::CreateService(service("b", "240.240.0.1")),
             ])
             .await
