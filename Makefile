@@ -7,7 +7,8 @@ CARGO ?= cargo
 VENV  := $(CURDIR)/.venv
 STAMP := .setup-done
 # Deferred (=): looked up when a recipe runs, i.e. after setup has installed it.
-ENVOY_BIN = $(firstword $(wildcard $(VENV)/lib/python3.*/site-packages/envoy/_bin/envoy))
+# ($(wildcard) would answer from make's directory cache, stale once setup has run.)
+ENVOY_BIN = $(shell ls -1 $(VENV)/lib/python3.*/site-packages/envoy/_bin/envoy 2>/dev/null | head -n1)
 # Environment for tests and benches.
 RUN_ENV = AETHER_VENV=$(VENV) AETHER_ENVOY_BIN=$(ENVOY_BIN) PATH="$(VENV)/bin:$$PATH"
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
