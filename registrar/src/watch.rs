@@ -138,7 +138,9 @@ pub async fn serve<S>(
         };
         (rx, start)
     };
+    let instance = catalog.read().instance().to_owned();
     let mut watcher = Watcher {
+        instance,
         catalog,
         out,
         filter,
@@ -169,6 +171,8 @@ enum Start {
 struct Gone;
 
 struct Watcher {
+    /// The registrar instance every version this watcher sends belongs to.
+    instance: String,
     catalog: Catalog,
     out: mpsc::Sender<Result<WatchResponse, Status>>,
     filter: Filter,
@@ -194,6 +198,8 @@ impl Watcher {
                     let _ = self.out.try_send(Err(shutting_down()));
                     return Ok(());
                 }
+                // The client is gone even if nothing was sent to notice it.
+                _ = self.out.closed() => return Err(Gone),
                 request = inbound.next(), if inbound_open => match request {
                     Some(Ok(request)) => match Filter::parse(&request) {
                         Ok(filter) => self.change_filter(filter).await?,
@@ -227,7 +233,7 @@ impl Watcher {
 
     fn version(&self, seq: u64) -> Version {
         Version {
-            instance: self.catalog.read().instance().to_owned(),
+            instance: self.instance.clone(),
             seq,
         }
     }
@@ -249,7 +255,6 @@ impl Watcher {
     }
 
     async fn send_batches(&mut self, batches: &[Arc<Batch>]) -> Result<(), Gone> {
-        let instance = self.catalog.read().instance().to_owned();
         for batch in batches {
             let changes: Vec<Change> = batch
                 .changes
@@ -259,10 +264,7 @@ impl Watcher {
                 .collect();
             self.processed = batch.seq;
             if !changes.is_empty() {
-                let version = Version {
-                    instance: instance.clone(),
-                    seq: batch.seq,
-                };
+                let version = self.version(batch.seq);
                 self.send(delta(version, changes, self.filter.id)).await?;
             }
         }

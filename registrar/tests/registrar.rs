@@ -596,7 +596,8 @@ async fn health_readiness_and_metrics_are_served() {
     let registrar = Registrar::start(dir.path(), &[]).await;
     let mut client = registrar.client().await;
     register(&mut client, endpoint("ns/a", "10.0.7.1", 80)).await;
-    let _watcher = Watcher::open(&mut client, wildcard()).await;
+    let mut watcher = Watcher::open(&mut client, wildcard()).await;
+    watcher.until(1).await;
 
     assert_eq!(
         http_get(registrar.admin, "/healthz").await.unwrap(),
@@ -622,6 +623,22 @@ async fn health_readiness_and_metrics_are_served() {
         metrics.trim_end().ends_with("# EOF"),
         "not OpenMetrics text:\n{metrics}"
     );
+    assert!(metrics.lines().any(|l| l == "aether_registrar_watchers 1"), "{metrics}");
+
+    // A watcher whose client left is cleaned up even when nothing is sent to it.
+    drop(watcher);
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    loop {
+        let (_, metrics) = http_get(registrar.admin, "/metrics").await.unwrap();
+        if metrics.lines().any(|l| l == "aether_registrar_watchers 0") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the watcher outlived its client:\n{metrics}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
