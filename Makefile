@@ -31,6 +31,7 @@ build: ## build every crate and target
 
 test: $(STAMP) ## run all tests (nextest if present) and doc tests
 	@test -x "$(ENVOY_BIN)" || { echo "no Envoy binary in $(VENV); run make setup" >&2; exit 1; }
+	$(CARGO) build --workspace --bins --locked
 	$(RUN_ENV) $(CARGO) test --doc --workspace --locked
 ifeq ($(HAVE_NEXTEST),yes)
 	$(RUN_ENV) $(CARGO) nextest run --workspace --locked --no-fail-fast

@@ -51,11 +51,16 @@ impl Readiness {
     }
 }
 
+/// Extra GET paths a binary serves (e.g. `/debug/...`): path → (status, JSON body),
+/// or `None` for not found.
+pub type Pages = Arc<dyn Fn(&str) -> Option<(u16, String)> + Send + Sync>;
+
 /// A bound admin server; [`AdminServer::serve`] runs it until `shutdown`.
 pub struct AdminServer {
     listener: TcpListener,
     readiness: Readiness,
     registry: Arc<Registry>,
+    pages: Option<Pages>,
 }
 
 impl AdminServer {
@@ -67,7 +72,14 @@ impl AdminServer {
             listener,
             readiness,
             registry,
+            pages: None,
         })
+    }
+
+    /// Serves `pages` beside the standard endpoints.
+    pub fn with_pages(mut self, pages: Pages) -> Self {
+        self.pages = Some(pages);
+        self
     }
 
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
@@ -88,9 +100,10 @@ impl AdminServer {
             };
             let readiness = self.readiness.clone();
             let registry = self.registry.clone();
+            let pages = self.pages.clone();
             tokio::spawn(async move {
                 let service = service_fn(move |req| {
-                    let response = respond(&req, &readiness, &registry);
+                    let response = respond(&req, &readiness, &registry, pages.as_ref());
                     async move { Ok::<_, Infallible>(response) }
                 });
                 let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
@@ -102,7 +115,12 @@ impl AdminServer {
     }
 }
 
-fn respond(req: &Request<Incoming>, readiness: &Readiness, registry: &Registry) -> Response<Full<Bytes>> {
+fn respond(
+    req: &Request<Incoming>,
+    readiness: &Readiness,
+    registry: &Registry,
+    pages: Option<&Pages>,
+) -> Response<Full<Bytes>> {
     if req.method() != Method::GET {
         return text(StatusCode::METHOD_NOT_ALLOWED, "only GET is served\n".into());
     }
@@ -125,10 +143,17 @@ fn respond(req: &Request<Incoming>, readiness: &Readiness, registry: &Registry) 
                 ),
             }
         }
-        _ => text(
-            StatusCode::NOT_FOUND,
-            "not found: try /healthz, /ready or /metrics\n".into(),
-        ),
+        path => match pages.and_then(|pages| pages(path)) {
+            Some((status, body)) => Response::builder()
+                .status(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
+                .header(CONTENT_TYPE, "application/json")
+                .body(Full::new(Bytes::from(body)))
+                .expect("static response parts are valid"),
+            None => text(
+                StatusCode::NOT_FOUND,
+                "not found: try /healthz, /ready or /metrics\n".into(),
+            ),
+        },
     }
 }
 

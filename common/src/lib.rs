@@ -2,5 +2,7 @@
 
 pub mod admin;
 pub mod duration;
+pub mod fs;
+pub mod hash;
 pub mod shutdown;
 pub mod telemetry;

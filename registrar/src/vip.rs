@@ -7,6 +7,7 @@
 
 use std::net::IpAddr;
 
+use aether_common::hash::fnv1a;
 use ipnet::IpNet;
 
 use crate::model::ServiceKey;
@@ -81,13 +82,6 @@ impl VipAllocator {
             }
         }
     }
-}
-
-/// FNV-1a: tiny, and unlike std's hasher its output is fixed forever.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| {
-        (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 #[cfg(test)]

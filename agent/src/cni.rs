@@ -1,0 +1,249 @@
+//! `aether.cni.v1.CniPlugin` on the agent's Unix socket: the CNI plugin's ADD, DEL
+//! and CHECK. `AddPod` is synchronous: SUCCESS means the pod's endpoint is
+//! registered and Envoy has ACKed the pod's listeners. A failed ADD leaves nothing
+//! behind (the pod is forgotten and unregistered), so kubelet's retry starts clean.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use aether_proto::cni::v1::cni_plugin_server::CniPlugin;
+use aether_proto::cni::v1::{
+    AddPodRequest, AddPodResponse, CheckPodRequest, CheckPodResponse, Outcome, PodRef, RemovePodRequest,
+    RemovePodResponse,
+};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use tonic::{Request, Response, Status};
+
+use crate::node::Node;
+use crate::pod::LocalPod;
+use crate::pod_source::PodDirectory;
+use crate::registrar::Registrar;
+use crate::xds;
+
+/// How long ADD waits for the pod source to report a pod it has not seen yet.
+pub const POD_LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long ADD waits for Envoy to ACK the pod's listeners.
+pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
+
+type Labels = [(&'static str, &'static str); 2];
+
+pub struct CniService {
+    pub node: Node,
+    pub directory: PodDirectory,
+    pub registrar: Registrar,
+    pub excluded_namespaces: BTreeSet<String>,
+    pub calls: Family<Labels, Counter>,
+}
+
+fn invalid(field: &str, reason: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!("{field}: {reason}"))
+}
+
+fn check_pod_ref(pod: Option<&PodRef>) -> Result<&PodRef, Status> {
+    let pod = pod.ok_or_else(|| invalid("pod", "must be set"))?;
+    crate::upstreams::check(&pod.namespace).map_err(|r| invalid("pod.namespace", r))?;
+    if pod.name.is_empty() || pod.name.len() > 253 {
+        return Err(invalid("pod.name", "must be 1..=253 characters"));
+    }
+    Ok(pod)
+}
+
+fn check_container_id(id: &str) -> Result<(), Status> {
+    if id.is_empty() {
+        return Err(invalid("container_id", "must be set"));
+    }
+    if id.len() > 256 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
+        return Err(invalid("container_id", format!("{id:?} is not a container id")));
+    }
+    Ok(())
+}
+
+fn check_netns(path: &str) -> Result<(), Status> {
+    if path.is_empty() {
+        return Err(invalid("netns_path", "must be set"));
+    }
+    let p = Path::new(path);
+    if !p.is_absolute() {
+        return Err(invalid("netns_path", format!("{path:?} is not an absolute path")));
+    }
+    if !p.exists() {
+        return Err(invalid("netns_path", format!("{path:?} does not exist")));
+    }
+    Ok(())
+}
+
+impl CniService {
+    fn count(&self, method: &'static str, result: &'static str) {
+        self.calls
+            .get_or_create(&[("method", method), ("result", result)])
+            .inc();
+    }
+
+    async fn add(&self, request: AddPodRequest) -> Result<AddPodResponse, Status> {
+        check_container_id(&request.container_id)?;
+        check_netns(&request.netns_path)?;
+        let pod_ref = check_pod_ref(request.pod.as_ref())?;
+        let mut ips = Vec::new();
+        for (i, ip) in request.ips.iter().enumerate() {
+            let parsed: IpAddr = ip
+                .parse()
+                .map_err(|_| invalid(&format!("ips[{i}]"), format!("{ip:?} is not an IP address")))?;
+            ips.push(parsed);
+        }
+        if ips.is_empty() {
+            return Err(invalid("ips", "at least one pod IP is required"));
+        }
+        let key = format!("{}/{}", pod_ref.namespace, pod_ref.name);
+        if self.excluded_namespaces.contains(&pod_ref.namespace) {
+            return Ok(outcome(
+                Outcome::Ignored,
+                format!("namespace {} is excluded from the mesh", pod_ref.namespace),
+            ));
+        }
+        let info = self
+            .directory
+            .wait_for(&key, POD_LOOKUP_TIMEOUT)
+            .await
+            .ok_or_else(|| Status::unavailable(format!("pod {key} is not known to the pod source yet; retry")))?;
+        if !pod_ref.uid.is_empty() && !info.uid.is_empty() && pod_ref.uid != info.uid {
+            return Err(Status::failed_precondition(format!(
+                "pod.uid: {} does not match the pod source's {} for {key}",
+                pod_ref.uid, info.uid
+            )));
+        }
+        if !info.is_managed() {
+            return Ok(outcome(
+                Outcome::Ignored,
+                format!("pod {key} is not managed (label {}=true)", crate::pod::MANAGED_LABEL),
+            ));
+        }
+        for error in info.config_errors() {
+            tracing::warn!(pod = %key, %error, "pod annotation entry skipped");
+        }
+        let pod = LocalPod {
+            container_id: request.container_id,
+            netns: request.netns_path.into(),
+            ips,
+            info,
+        };
+        self.node
+            .pods
+            .put(pod.clone())
+            .map_err(|e| Status::internal(format!("saving pod {key}: {e}")))?;
+        if let Err(error) = self.admit(&pod).await {
+            // Leave nothing half-configured: the retried ADD starts clean.
+            let _ = self.node.pods.remove(&pod.id());
+            let _ = self.registrar.unregister(&pod.info.service(), &pod.ips).await;
+            return Err(error);
+        }
+        tracing::info!(pod = %key, service = %pod.info.service(), "pod added to the mesh");
+        Ok(outcome(Outcome::Success, String::new()))
+    }
+
+    async fn admit(&self, pod: &LocalPod) -> Result<(), Status> {
+        self.registrar.register(pod).await.map_err(|s| {
+            Status::unavailable(format!("registering {} with the registrar: {}", pod.id(), s.message()))
+        })?;
+        self.node.poke();
+        let names: Vec<(&str, String)> = xds::resources::pod_listener_names(pod)
+            .into_iter()
+            .map(|n| (xds::LISTENER, n))
+            .collect();
+        self.node
+            .cache
+            .wait_acked(&names, ACK_TIMEOUT)
+            .await
+            .map_err(Status::deadline_exceeded)
+    }
+
+    async fn remove(&self, request: RemovePodRequest) -> Result<RemovePodResponse, Status> {
+        check_container_id(&request.container_id)?;
+        let Some(pod) = self.node.pods.by_container(&request.container_id) else {
+            return Ok(RemovePodResponse {
+                outcome: Outcome::Success as i32,
+                message: "unknown sandbox; nothing to do".into(),
+            });
+        };
+        self.node
+            .pods
+            .remove(&pod.id())
+            .map_err(|e| Status::internal(format!("forgetting pod {}: {e}", pod.id())))?;
+        if let Err(status) = self.registrar.unregister(&pod.info.service(), &pod.ips).await {
+            // DEL must not fail on a registrar outage; the endpoint's TTL reaps it.
+            tracing::error!(pod = %pod.id(), %status, "could not unregister a removed pod's endpoints");
+        }
+        tracing::info!(pod = %pod.id(), "pod removed from the mesh");
+        Ok(RemovePodResponse {
+            outcome: Outcome::Success as i32,
+            message: String::new(),
+        })
+    }
+
+    async fn check(&self, request: CheckPodRequest) -> Result<CheckPodResponse, Status> {
+        check_container_id(&request.container_id)?;
+        let pod = self.node.pods.by_container(&request.container_id).ok_or_else(|| {
+            Status::not_found(format!(
+                "container_id: sandbox {} is not in the mesh",
+                request.container_id
+            ))
+        })?;
+        if !pod.netns.exists() {
+            return Err(Status::failed_precondition(format!(
+                "netns_path: {} no longer exists",
+                pod.netns.display()
+            )));
+        }
+        let names: Vec<(&str, String)> = xds::resources::pod_listener_names(&pod)
+            .into_iter()
+            .map(|n| (xds::LISTENER, n))
+            .collect();
+        self.node
+            .cache
+            .wait_acked(&names, Duration::from_millis(200))
+            .await
+            .map_err(Status::failed_precondition)?;
+        Ok(CheckPodResponse {
+            outcome: Outcome::Success as i32,
+            message: String::new(),
+        })
+    }
+}
+
+fn outcome(outcome: Outcome, message: String) -> AddPodResponse {
+    AddPodResponse {
+        outcome: outcome as i32,
+        message,
+    }
+}
+
+fn result_label<T>(result: &Result<T, Status>) -> &'static str {
+    match result {
+        Ok(_) => "ok",
+        Err(s) if s.code() == tonic::Code::InvalidArgument => "invalid",
+        Err(_) => "error",
+    }
+}
+
+#[tonic::async_trait]
+impl CniPlugin for CniService {
+    async fn add_pod(&self, request: Request<AddPodRequest>) -> Result<Response<AddPodResponse>, Status> {
+        let result = self.add(request.into_inner()).await;
+        self.count("AddPod", result_label(&result));
+        result.map(Response::new)
+    }
+
+    async fn remove_pod(&self, request: Request<RemovePodRequest>) -> Result<Response<RemovePodResponse>, Status> {
+        let result = self.remove(request.into_inner()).await;
+        self.count("RemovePod", result_label(&result));
+        result.map(Response::new)
+    }
+
+    async fn check_pod(&self, request: Request<CheckPodRequest>) -> Result<Response<CheckPodResponse>, Status> {
+        let result = self.check(request.into_inner()).await;
+        self.count("CheckPod", result_label(&result));
+        result.map(Response::new)
+    }
+}

@@ -1,0 +1,88 @@
+//! `aether-agent run` configuration, from flags or the environment.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use aether_common::telemetry::LogFormat;
+
+/// Where pod metadata comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PodSourceKind {
+    /// A directory of Pod manifests (JSON), for local runs and tests.
+    Static,
+}
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct Config {
+    /// This node's name (the xDS node id, and the node on registered endpoints).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+
+    /// The registrar's gRPC URL.
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR",
+        default_value = "http://aether-registrar.aether-system.svc:18090"
+    )]
+    pub registrar: String,
+
+    /// Where the agent keeps its state (the local pod store).
+    #[arg(long, env = "AETHER_STATE_DIR", default_value = "/var/lib/aether")]
+    pub state_dir: PathBuf,
+
+    /// The CNI plugin's socket (mode 0600).
+    #[arg(long, env = "AETHER_CNI_SOCKET", default_value = "/run/aether/cni.sock")]
+    pub cni_socket: PathBuf,
+
+    /// The xDS socket Envoy connects to (mode 0600).
+    #[arg(long, env = "AETHER_XDS_SOCKET", default_value = "/run/aether/xds.sock")]
+    pub xds_socket: PathBuf,
+
+    /// Admin HTTP address: /healthz, /ready, /metrics, /debug/*. Loopback only.
+    #[arg(long, env = "AETHER_AGENT_ADMIN", default_value = "127.0.0.1:18092")]
+    pub admin: SocketAddr,
+
+    /// Where pod metadata comes from.
+    #[arg(long, env = "AETHER_POD_SOURCE", value_enum, default_value = "static")]
+    pub pod_source: PodSourceKind,
+
+    /// The static pod source's directory of Pod manifests.
+    #[arg(long, env = "AETHER_POD_DIR", default_value = "/etc/aether/pods")]
+    pub pod_dir: PathBuf,
+
+    /// The mesh's DNS domain: services are `<svc>.<ns>.<domain>`.
+    #[arg(long, env = "AETHER_MESH_DOMAIN", default_value = "aether.internal")]
+    pub mesh_domain: String,
+
+    /// This node's locality (topology.kubernetes.io/region, zone, subzone).
+    #[arg(long, env = "AETHER_REGION", default_value = "")]
+    pub region: String,
+    #[arg(long, env = "AETHER_ZONE", default_value = "")]
+    pub zone: String,
+    #[arg(long, env = "AETHER_SUBZONE", default_value = "")]
+    pub subzone: String,
+
+    /// Namespaces never put in the mesh.
+    #[arg(
+        long,
+        env = "AETHER_EXCLUDED_NAMESPACES",
+        value_delimiter = ',',
+        default_value = "kube-system"
+    )]
+    pub excluded_namespaces: Vec<String>,
+
+    /// Log format: text or json.
+    #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+impl Config {
+    pub fn excluded(&self) -> BTreeSet<String> {
+        self.excluded_namespaces
+            .iter()
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty())
+            .collect()
+    }
+}

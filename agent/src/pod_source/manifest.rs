@@ -1,0 +1,142 @@
+//! Kubernetes Pod manifests (JSON) → [`PodInfo`]. Only the fields the mesh uses are
+//! read; everything else is ignored. Errors name the field.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use crate::pod::{ContainerPort, PodInfo};
+
+#[derive(Deserialize)]
+struct Pod {
+    kind: Option<String>,
+    metadata: Option<Metadata>,
+    spec: Option<Spec>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Metadata {
+    name: Option<String>,
+    namespace: Option<String>,
+    uid: Option<String>,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+    #[serde(default)]
+    annotations: BTreeMap<String, String>,
+    deletion_timestamp: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Spec {
+    service_account_name: Option<String>,
+    #[serde(default)]
+    containers: Vec<Container>,
+}
+
+#[derive(Deserialize)]
+struct Container {
+    #[serde(default)]
+    ports: Vec<Port>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Port {
+    name: Option<String>,
+    container_port: i64,
+    protocol: Option<String>,
+}
+
+/// Parses one Pod manifest.
+pub fn parse(json: &[u8]) -> Result<PodInfo, String> {
+    let pod: Pod = serde_json::from_slice(json).map_err(|e| format!("not a Pod manifest: {e}"))?;
+    if let Some(kind) = &pod.kind
+        && kind != "Pod"
+    {
+        return Err(format!("kind: {kind:?} is not Pod"));
+    }
+    let metadata = pod.metadata.ok_or("metadata: missing")?;
+    let name = metadata
+        .name
+        .filter(|n| !n.is_empty())
+        .ok_or("metadata.name: missing")?;
+    let namespace = metadata.namespace.unwrap_or_else(|| "default".into());
+    crate::upstreams::check(&namespace).map_err(|r| format!("metadata.namespace: {r}"))?;
+    let spec = pod.spec.ok_or("spec: missing")?;
+    let mut ports = Vec::new();
+    for (c, container) in spec.containers.iter().enumerate() {
+        for (p, port) in container.ports.iter().enumerate() {
+            let number = u16::try_from(port.container_port)
+                .ok()
+                .filter(|n| *n != 0)
+                .ok_or_else(|| {
+                    format!(
+                        "spec.containers[{c}].ports[{p}].containerPort: {} is out of range (1..=65535)",
+                        port.container_port
+                    )
+                })?;
+            ports.push(ContainerPort {
+                name: port.name.clone().unwrap_or_default(),
+                port: number,
+                protocol: port.protocol.clone().unwrap_or_else(|| "TCP".into()),
+            });
+        }
+    }
+    Ok(PodInfo {
+        uid: metadata.uid.unwrap_or_default(),
+        service_account: spec.service_account_name.unwrap_or_else(|| "default".into()),
+        labels: metadata.labels,
+        annotations: metadata.annotations,
+        terminating: metadata.deletion_timestamp.is_some(),
+        ports,
+        namespace,
+        name,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_fields_the_mesh_uses() {
+        let pod = parse(
+            br#"{"apiVersion":"v1","kind":"Pod",
+                "metadata":{"name":"web-1","namespace":"shop","uid":"u-1",
+                  "labels":{"aether.io/managed":"true"},
+                  "annotations":{"config.aether.io/upstreams":"cart"}},
+                "spec":{"serviceAccountName":"web","containers":[
+                  {"name":"app","ports":[{"name":"http","containerPort":8080}]}]}}"#,
+        )
+        .unwrap();
+        assert_eq!(pod.key(), "shop/web-1");
+        assert_eq!(pod.service(), "shop/web");
+        assert!(pod.is_managed());
+        assert_eq!(pod.ports[0].port, 8080);
+        assert!(!pod.terminating);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        assert_eq!(
+            parse(br#"{"kind":"Service"}"#).unwrap_err(),
+            "kind: \"Service\" is not Pod"
+        );
+        assert_eq!(parse(br#"{"metadata":{}}"#).unwrap_err(), "metadata.name: missing");
+        assert_eq!(
+            parse(br#"{"metadata":{"name":"a"},"spec":{"containers":[{"ports":[{"containerPort":70000}]}]}}"#)
+                .unwrap_err(),
+            "spec.containers[0].ports[0].containerPort: 70000 is out of range (1..=65535)"
+        );
+        assert!(parse(b"{").unwrap_err().starts_with("not a Pod manifest"));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256)) {
+            let _ = parse(&bytes);
+        }
+    }
+}

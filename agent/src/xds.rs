@@ -1,0 +1,124 @@
+//! xDS for the node's Envoy: our own snapshot cache, the delta and state-of-the-world
+//! ADS servers on a Unix socket, and the generators that turn pods and catalog into
+//! Envoy resources.
+
+pub mod cache;
+pub mod delta;
+pub mod resources;
+pub mod sotw;
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryService;
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use futures::Stream;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use cache::Cache;
+
+/// Type URLs.
+pub const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+pub const ENDPOINT: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+pub const ROUTE: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+pub const SECRET: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+
+/// Push order: clusters before their endpoints, secrets before the listeners that use
+/// them, listeners before the routes they name (Envoy warms what waits on a dependency).
+pub const PUSH_ORDER: [&str; 5] = [CLUSTER, ENDPOINT, SECRET, LISTENER, ROUTE];
+
+type Labels = [(&'static str, &'static str); 1];
+
+#[derive(Clone, Default)]
+pub struct XdsMetrics {
+    pub streams: Gauge,
+    pub pushes: Family<Labels, Counter>,
+    pub nacks: Family<Labels, Counter>,
+}
+
+impl XdsMetrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register("xds_streams", "Connected ADS streams", self.streams.clone());
+        registry.register("xds_pushes", "xDS responses sent, by type", self.pushes.clone());
+        registry.register("xds_nacks", "xDS responses Envoy rejected, by type", self.nacks.clone());
+    }
+}
+
+/// Called with the names a stream asked for that the snapshot does not serve (e.g. an
+/// on-demand cluster), so the agent can look them up.
+pub type OnDemand = Arc<dyn Fn(&str, &[String]) + Send + Sync>;
+
+#[derive(Clone)]
+pub struct Hooks {
+    pub metrics: XdsMetrics,
+    pub on_demand: OnDemand,
+}
+
+/// The ADS gRPC service (delta and state of the world) over one cache.
+pub struct AdsServer {
+    cache: Cache,
+    hooks: Hooks,
+}
+
+impl AdsServer {
+    pub fn new(cache: Cache, hooks: Hooks) -> Self {
+        Self { cache, hooks }
+    }
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// Responses buffered per stream between its task and the transport.
+const OUTBOX: usize = 16;
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for AdsServer {
+    type StreamAggregatedResourcesStream = BoxStream<DiscoveryResponse>;
+    type DeltaAggregatedResourcesStream = BoxStream<DeltaDiscoveryResponse>;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
+        let (out, outbox) = mpsc::channel(OUTBOX);
+        tokio::spawn(sotw::serve(
+            self.cache.clone(),
+            self.hooks.clone(),
+            request.into_inner(),
+            out,
+        ));
+        Ok(Response::new(Box::pin(ReceiverStream::new(outbox))))
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        let (out, outbox) = mpsc::channel(OUTBOX);
+        tokio::spawn(delta::serve(
+            self.cache.clone(),
+            self.hooks.clone(),
+            request.into_inner(),
+            out,
+        ));
+        Ok(Response::new(Box::pin(ReceiverStream::new(outbox))))
+    }
+}
+
+/// Decrements a gauge when dropped (a stream ended).
+struct Decrement(Gauge);
+
+impl Drop for Decrement {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}

@@ -1,0 +1,255 @@
+//! CDS and EDS: one EDS cluster per (dependency service, port), plus the bare-name
+//! cluster for the default port; one STATIC delivery cluster per local pod port,
+//! connecting to the app on 127.0.0.1 inside the pod's netns.
+
+use std::collections::BTreeMap;
+
+use aether_proto::registry::v1::{Endpoint as MeshEndpoint, Health, Protocol};
+use envoy_types::pb::envoy::config::cluster::v3::{Cluster, OutlierDetection, cluster};
+use envoy_types::pb::envoy::config::core::v3::{BindConfig, HealthStatus, Http2ProtocolOptions, Locality};
+use envoy_types::pb::envoy::config::endpoint::v3::{
+    ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint,
+};
+use envoy_types::pb::envoy::extensions::upstreams::http::v3::{HttpProtocolOptions, http_protocol_options};
+use envoy_types::pb::envoy::r#type::v3::Percent;
+use envoy_types::pb::google::protobuf::Any;
+
+use envoy_types::pb::envoy::config::common::mutation_rules::v3::{HeaderMutation as MutationRule, header_mutation};
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, header_value_option};
+use envoy_types::pb::envoy::extensions::filters::http::header_mutation::v3::{HeaderMutation, Mutations};
+use envoy_types::pb::envoy::extensions::filters::http::upstream_codec::v3::UpstreamCodec;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{HttpFilter, http_filter};
+
+use super::util::{INBOUND_PORT, PORT_HEADER, address, ads, any, millis, socket, u32v};
+use super::{Inputs, MeshService, is_http};
+
+const HTTP_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
+
+pub fn local_name(pod: &crate::pod::LocalPod, port: u16) -> String {
+    format!("local|{}|{port}", pod.id())
+}
+
+/// Every cluster name a service's clusters go by, with the port each serves.
+pub fn service_clusters(service: &MeshService) -> Vec<(String, u32, Protocol)> {
+    let mut names: Vec<_> = service
+        .ports
+        .iter()
+        .map(|(port, protocol)| (service.cluster(*port), *port, *protocol))
+        .collect();
+    if let Some(port) = service.default_port() {
+        names.push((service.fqdn.clone(), port, service.ports[&port]));
+    }
+    names
+}
+
+pub fn clusters(inputs: &Inputs, services: &[MeshService]) -> Vec<(String, Any)> {
+    let mut out = Vec::new();
+    for service in services {
+        for (name, port, protocol) in service_clusters(service) {
+            out.push((name.clone(), any(&mesh_cluster(&name, port, protocol))));
+        }
+    }
+    for pod in inputs.pods {
+        let netns = pod.netns.to_string_lossy();
+        for (port, _) in pod.info.mesh_ports() {
+            let name = local_name(pod, port);
+            out.push((name.clone(), any(&local_cluster(&name, u32::from(port), &netns))));
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn mesh_cluster(name: &str, port: u32, protocol: Protocol) -> Cluster {
+    let mut typed_extension_protocol_options = std::collections::HashMap::new();
+    if is_http(protocol) {
+        // HTTP travels to the peer's inbound listener as HTTP/2 (h2c until mTLS).
+        let options = HttpProtocolOptions {
+            upstream_protocol_options: Some(http_protocol_options::UpstreamProtocolOptions::ExplicitHttpConfig(
+                http_protocol_options::ExplicitHttpConfig {
+                    protocol_config: Some(
+                        http_protocol_options::explicit_http_config::ProtocolConfig::Http2ProtocolOptions(
+                            Http2ProtocolOptions::default(),
+                        ),
+                    ),
+                },
+            )),
+            // Every request on this cluster tells the peer's inbound listener its port.
+            http_filters: vec![
+                upstream_filter("envoy.filters.http.header_mutation", &stamp_port(port)),
+                upstream_filter("envoy.filters.http.upstream_codec", &UpstreamCodec::default()),
+            ],
+            ..Default::default()
+        };
+        typed_extension_protocol_options.insert(HTTP_OPTIONS.to_owned(), any(&options));
+    }
+    Cluster {
+        name: name.to_owned(),
+        cluster_discovery_type: Some(cluster::ClusterDiscoveryType::Type(cluster::DiscoveryType::Eds as i32)),
+        eds_cluster_config: Some(cluster::EdsClusterConfig {
+            eds_config: ads(),
+            service_name: String::new(),
+        }),
+        connect_timeout: millis(1000),
+        typed_extension_protocol_options,
+        // Never spread load onto unhealthy hosts to "save" the cluster.
+        common_lb_config: Some(cluster::CommonLbConfig {
+            healthy_panic_threshold: Some(Percent { value: 0.0 }),
+            ..Default::default()
+        }),
+        outlier_detection: Some(OutlierDetection {
+            consecutive_5xx: u32v(5),
+            consecutive_local_origin_failure: u32v(3),
+            split_external_local_origin_errors: true,
+            base_ejection_time: millis(30_000),
+            max_ejection_percent: u32v(50),
+            ..Default::default()
+        }),
+        ignore_health_on_host_removal: true,
+        close_connections_on_host_health_failure: true,
+        transport_socket: crate::xds::resources::transport::upstream(),
+        ..Default::default()
+    }
+}
+
+fn stamp_port(port: u32) -> HeaderMutation {
+    HeaderMutation {
+        mutations: Some(Mutations {
+            request_mutations: vec![MutationRule {
+                action: Some(header_mutation::Action::Append(HeaderValueOption {
+                    header: Some(HeaderValue {
+                        key: PORT_HEADER.to_owned(),
+                        value: port.to_string(),
+                        ..Default::default()
+                    }),
+                    append_action: header_value_option::HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+                    ..Default::default()
+                })),
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn upstream_filter<T: prost::Name>(name: &str, config: &T) -> HttpFilter {
+    HttpFilter {
+        name: name.to_owned(),
+        config_type: Some(http_filter::ConfigType::TypedConfig(any(config))),
+        ..Default::default()
+    }
+}
+
+fn local_cluster(name: &str, port: u32, netns: &str) -> Cluster {
+    Cluster {
+        name: name.to_owned(),
+        cluster_discovery_type: Some(cluster::ClusterDiscoveryType::Type(
+            cluster::DiscoveryType::Static as i32,
+        )),
+        connect_timeout: millis(1000),
+        load_assignment: Some(ClusterLoadAssignment {
+            cluster_name: name.to_owned(),
+            endpoints: vec![LocalityLbEndpoints {
+                lb_endpoints: vec![lb_endpoint_at(
+                    address("127.0.0.1", port, None),
+                    HealthStatus::Healthy,
+                    1,
+                )],
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        // Connect from inside the pod's netns, where the app listens on loopback.
+        upstream_bind_config: Some(BindConfig {
+            source_address: Some(socket("127.0.0.1", 0, Some(netns))),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+pub fn endpoints(inputs: &Inputs, services: &[MeshService]) -> Vec<(String, Any)> {
+    let mut out = Vec::new();
+    for service in services {
+        let endpoints: Vec<&MeshEndpoint> = inputs
+            .catalog
+            .endpoints
+            .get(service.key)
+            .map(|e| e.values().collect())
+            .unwrap_or_default();
+        for (name, port, _) in service_clusters(service) {
+            let serving: Vec<&MeshEndpoint> = endpoints
+                .iter()
+                .copied()
+                .filter(|e| e.ports.iter().any(|p| p.port == port))
+                .collect();
+            out.push((name.clone(), any(&load_assignment(&name, &serving, inputs.locality))));
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Endpoints grouped by locality; priority 0 in this node's zone, 1 in its region, 2
+/// elsewhere, so traffic stays close while it can.
+fn load_assignment(
+    name: &str,
+    endpoints: &[&MeshEndpoint],
+    here: &aether_proto::registry::v1::Locality,
+) -> ClusterLoadAssignment {
+    let mut groups: BTreeMap<(u32, String, String, String), Vec<LbEndpoint>> = BTreeMap::new();
+    for endpoint in endpoints {
+        let locality = endpoint.locality.clone().unwrap_or_default();
+        let priority = if locality.region == here.region && locality.zone == here.zone {
+            0
+        } else if locality.region == here.region {
+            1
+        } else {
+            2
+        };
+        let health = match Health::try_from(endpoint.health) {
+            Ok(Health::Unhealthy) => HealthStatus::Unhealthy,
+            Ok(Health::Draining) => HealthStatus::Draining,
+            _ => HealthStatus::Healthy,
+        };
+        groups
+            .entry((priority, locality.region, locality.zone, locality.subzone))
+            .or_default()
+            .push(lb_endpoint_at(
+                address(&endpoint.address, INBOUND_PORT, None),
+                health,
+                endpoint.weight.max(1),
+            ));
+    }
+    ClusterLoadAssignment {
+        cluster_name: name.to_owned(),
+        endpoints: groups
+            .into_iter()
+            .map(
+                |((priority, region, zone, sub_zone), lb_endpoints)| LocalityLbEndpoints {
+                    locality: Some(Locality { region, zone, sub_zone }),
+                    lb_endpoints,
+                    priority,
+                    ..Default::default()
+                },
+            )
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn lb_endpoint_at(
+    address: envoy_types::pb::envoy::config::core::v3::Address,
+    health: HealthStatus,
+    weight: u32,
+) -> LbEndpoint {
+    LbEndpoint {
+        host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
+            address: Some(address),
+            ..Default::default()
+        })),
+        health_status: health as i32,
+        load_balancing_weight: u32v(weight),
+        ..Default::default()
+    }
+}

@@ -1,0 +1,234 @@
+//! LDS: three listeners per local pod, each bound inside the pod's netns:
+//! - `outbound` on 127.0.0.1:18081: HTTP, routed by authority (RDS `outbound`), with
+//!   on-demand CDS for mesh names outside the dependency set;
+//! - `inbound` on 0.0.0.0:18008: traffic from peers, delivered to the app on
+//!   127.0.0.1:<port> (HTTP by the port header, anything else to the primary port);
+//! - `capture` on 127.0.0.1:18001: connections the pod's nft rules redirected from a
+//!   mesh VIP, matched by original destination VIP:port.
+
+use envoy_types::pb::envoy::config::core::v3::CidrRange;
+use envoy_types::pb::envoy::config::listener::v3::{
+    Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter, listener_filter,
+};
+use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+use envoy_types::pb::envoy::extensions::filters::http::on_demand::v3::{OnDemand, OnDemandCds};
+use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+use envoy_types::pb::envoy::extensions::filters::listener::http_inspector::v3::HttpInspector;
+use envoy_types::pb::envoy::extensions::filters::listener::original_dst::v3::OriginalDst;
+use envoy_types::pb::envoy::extensions::filters::network::direct_response::v3::Config as DirectResponse;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    HttpConnectionManager, HttpFilter, Rds, http_connection_manager, http_filter,
+};
+use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpProxy, tcp_proxy};
+use envoy_types::pb::google::protobuf::{Any, UInt32Value};
+
+use super::clusters::local_name;
+use super::routes::{OUTBOUND_ROUTES, inbound_routes, service_routes};
+use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
+use super::{Inputs, MeshService, is_http};
+use crate::pod::LocalPod;
+
+pub fn outbound_name(pod: &LocalPod) -> String {
+    format!("outbound|{}", pod.id())
+}
+
+pub fn inbound_name(pod: &LocalPod) -> String {
+    format!("inbound|{}", pod.id())
+}
+
+pub fn capture_name(pod: &LocalPod) -> String {
+    format!("capture|{}", pod.id())
+}
+
+pub fn listeners(inputs: &Inputs, services: &[MeshService]) -> Vec<(String, Any)> {
+    let mut out = Vec::new();
+    for pod in inputs.pods {
+        let netns = pod.netns.to_string_lossy();
+        out.push((outbound_name(pod), any(&outbound(pod, &netns))));
+        if let Some(inbound) = inbound(pod, &netns) {
+            out.push((inbound_name(pod), any(&inbound)));
+        }
+        out.push((capture_name(pod), any(&capture(pod, &netns, services))));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn outbound(pod: &LocalPod, netns: &str) -> Listener {
+    let on_demand = OnDemand {
+        odcds: Some(OnDemandCds {
+            source: ads(),
+            timeout: millis(2000),
+            ..Default::default()
+        }),
+    };
+    let hcm = HttpConnectionManager {
+        stat_prefix: format!("outbound.{}", pod.id().replace('/', ".")),
+        route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
+            config_source: ads(),
+            route_config_name: OUTBOUND_ROUTES.to_owned(),
+        })),
+        http_filters: vec![
+            http_filter_of("envoy.filters.http.on_demand", &on_demand),
+            http_filter_of("envoy.filters.http.router", &Router::default()),
+        ],
+        ..Default::default()
+    };
+    Listener {
+        name: outbound_name(pod),
+        stat_prefix: stat_name(&outbound_name(pod)),
+        address: Some(address("127.0.0.1", OUTBOUND_PORT, Some(netns))),
+        filter_chains: vec![chain(
+            None,
+            network_filter("envoy.filters.network.http_connection_manager", &hcm),
+        )],
+        ..Default::default()
+    }
+}
+
+fn inbound(pod: &LocalPod, netns: &str) -> Option<Listener> {
+    let ports = pod.info.mesh_ports();
+    let (primary, _) = *ports.first()?;
+    let http_ports: Vec<u16> = ports.iter().filter(|(_, p)| p.is_http()).map(|(p, _)| *p).collect();
+    let mut filter_chains = Vec::new();
+    if !http_ports.is_empty() {
+        let hcm = hcm_inline(
+            &format!("inbound.{}", pod.id().replace('/', ".")),
+            inbound_routes(pod, &http_ports),
+        );
+        let mut matched = chain(
+            None,
+            network_filter("envoy.filters.network.http_connection_manager", &hcm),
+        );
+        matched.filter_chain_match = Some(FilterChainMatch {
+            application_protocols: vec!["http/1.1".into(), "h2c".into()],
+            ..Default::default()
+        });
+        filter_chains.push(matched);
+    }
+    let tcp = tcp_proxy_to(
+        &format!("inbound_tcp.{}", pod.id().replace('/', ".")),
+        &local_name(pod, primary),
+    );
+    Some(Listener {
+        name: inbound_name(pod),
+        stat_prefix: stat_name(&inbound_name(pod)),
+        address: Some(address("0.0.0.0", INBOUND_PORT, Some(netns))),
+        listener_filters: vec![listener_filter(
+            "envoy.filters.listener.http_inspector",
+            &HttpInspector::default(),
+        )],
+        listener_filters_timeout: millis(1000),
+        continue_on_listener_filters_timeout: true,
+        filter_chains,
+        default_filter_chain: Some(chain(None, tcp)),
+        ..Default::default()
+    })
+}
+
+fn capture(pod: &LocalPod, netns: &str, services: &[MeshService]) -> Listener {
+    let mut filter_chains = Vec::new();
+    for service in services {
+        for (port, protocol) in &service.ports {
+            let name = service.cluster(*port);
+            let stat = format!("capture.{}", name.replace(':', "_"));
+            let filter = if is_http(*protocol) {
+                let hcm = hcm_inline(
+                    &stat,
+                    RouteConfiguration {
+                        name: format!("capture|{name}"),
+                        virtual_hosts: vec![service_routes(service, *port, "capture", &["*".to_owned()])],
+                        ..Default::default()
+                    },
+                );
+                network_filter("envoy.filters.network.http_connection_manager", &hcm)
+            } else {
+                tcp_proxy_to(&stat, &name)
+            };
+            filter_chains.push(chain(
+                Some(FilterChainMatch {
+                    destination_port: Some(UInt32Value { value: *port }),
+                    prefix_ranges: vec![CidrRange {
+                        address_prefix: service.vip.to_owned(),
+                        prefix_len: Some(UInt32Value {
+                            value: if service.vip.contains(':') { 128 } else { 32 },
+                        }),
+                    }],
+                    ..Default::default()
+                }),
+                filter,
+            ));
+        }
+    }
+    Listener {
+        name: capture_name(pod),
+        stat_prefix: stat_name(&capture_name(pod)),
+        address: Some(address("127.0.0.1", CAPTURE_PORT, Some(netns))),
+        listener_filters: vec![listener_filter(
+            "envoy.filters.listener.original_dst",
+            &OriginalDst::default(),
+        )],
+        filter_chains,
+        // A VIP:port the node does not depend on: close at once rather than hang.
+        default_filter_chain: Some(chain(
+            None,
+            network_filter("envoy.filters.network.direct_response", &DirectResponse::default()),
+        )),
+        ..Default::default()
+    }
+}
+
+/// Listeners with one address in different netns would share stats without a prefix.
+fn stat_name(listener: &str) -> String {
+    listener.replace(['|', '/'], ".")
+}
+
+fn hcm_inline(stat_prefix: &str, routes: RouteConfiguration) -> HttpConnectionManager {
+    HttpConnectionManager {
+        stat_prefix: stat_prefix.to_owned(),
+        route_specifier: Some(http_connection_manager::RouteSpecifier::RouteConfig(routes)),
+        http_filters: vec![http_filter_of("envoy.filters.http.router", &Router::default())],
+        ..Default::default()
+    }
+}
+
+fn tcp_proxy_to(stat_prefix: &str, cluster: &str) -> Filter {
+    let proxy = TcpProxy {
+        stat_prefix: stat_prefix.to_owned(),
+        cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(cluster.to_owned())),
+        ..Default::default()
+    };
+    network_filter("envoy.filters.network.tcp_proxy", &proxy)
+}
+
+fn chain(filter_chain_match: Option<FilterChainMatch>, filter: Filter) -> FilterChain {
+    FilterChain {
+        filter_chain_match,
+        filters: vec![filter],
+        transport_socket: super::transport::downstream(),
+        ..Default::default()
+    }
+}
+
+fn network_filter<T: prost::Name>(name: &str, config: &T) -> Filter {
+    Filter {
+        name: name.to_owned(),
+        config_type: Some(filter::ConfigType::TypedConfig(any(config))),
+    }
+}
+
+fn listener_filter<T: prost::Name>(name: &str, config: &T) -> ListenerFilter {
+    ListenerFilter {
+        name: name.to_owned(),
+        config_type: Some(listener_filter::ConfigType::TypedConfig(any(config))),
+        ..Default::default()
+    }
+}
+
+fn http_filter_of<T: prost::Name>(name: &str, config: &T) -> HttpFilter {
+    HttpFilter {
+        name: name.to_owned(),
+        config_type: Some(http_filter::ConfigType::TypedConfig(any(config))),
+        ..Default::default()
+    }
+}

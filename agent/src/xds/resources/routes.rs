@@ -1,0 +1,203 @@
+//! RDS: the node's shared `outbound` route table (one virtual host per dependency
+//! service port, a catch-all that sends any other mesh authority to the cluster of
+//! that name via on-demand CDS, and a 404 for the rest), and the per-pod inbound
+//! table that picks the app port from the port header.
+
+use envoy_types::pb::envoy::config::core::v3::{DataSource, data_source};
+use envoy_types::pb::envoy::config::route::v3::{
+    DirectResponseAction, HeaderMatcher, RetryPolicy, Route, RouteAction, RouteConfiguration, RouteMatch, VirtualHost,
+    header_matcher, retry_policy, route, route_action, route_match,
+};
+use envoy_types::pb::envoy::extensions::retry::host::previous_hosts::v3::PreviousHostsPredicate;
+use envoy_types::pb::envoy::r#type::matcher::v3::{RegexMatcher, StringMatcher, string_matcher};
+use envoy_types::pb::google::protobuf::Any;
+
+use super::clusters::local_name;
+use super::util::{PORT_HEADER, any, millis, u32v};
+use super::{Inputs, MeshService};
+use crate::pod::LocalPod;
+
+pub const OUTBOUND_ROUTES: &str = "outbound";
+
+pub fn route_configs(inputs: &Inputs, services: &[MeshService]) -> Vec<(String, Any)> {
+    let mut virtual_hosts = Vec::new();
+    for service in services {
+        if service.ports.is_empty() {
+            // Known, but nothing serves it right now: a retryable 503, not a 404.
+            virtual_hosts.push(VirtualHost {
+                name: service.fqdn.clone(),
+                domains: vec![service.fqdn.clone(), format!("{}:*", service.fqdn)],
+                routes: vec![direct(503, "no endpoints for this mesh service\n")],
+                ..Default::default()
+            });
+            continue;
+        }
+        let default = service.default_port();
+        for port in service.ports.keys() {
+            let mut domains = vec![service.cluster(*port)];
+            if Some(*port) == default {
+                domains.push(service.fqdn.clone());
+            }
+            virtual_hosts.push(service_routes(service, *port, "outbound", &domains));
+        }
+    }
+    virtual_hosts.push(catch_all(inputs.mesh_domain));
+    let config = RouteConfiguration {
+        name: OUTBOUND_ROUTES.to_owned(),
+        virtual_hosts,
+        ..Default::default()
+    };
+    vec![(OUTBOUND_ROUTES.to_owned(), any(&config))]
+}
+
+/// A virtual host sending everything to one service port's cluster.
+pub fn service_routes(service: &MeshService, port: u32, prefix: &str, domains: &[String]) -> VirtualHost {
+    let cluster = service.cluster(port);
+    VirtualHost {
+        name: format!("{prefix}|{cluster}"),
+        domains: domains.to_vec(),
+        routes: vec![Route {
+            r#match: Some(prefix_match("/")),
+            action: Some(route::Action::Route(RouteAction {
+                cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(cluster)),
+                retry_policy: Some(retries()),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// Any `<svc>.<ns>.<domain>[:port]` not declared: route by authority to the cluster
+/// of that name, which the on_demand filter fetches (404 if the catalog has no such
+/// service). Anything else: 404.
+fn catch_all(mesh_domain: &str) -> VirtualHost {
+    let pattern = format!(
+        "^[a-z0-9-]+\\.[a-z0-9-]+\\.{}(:[0-9]+)?$",
+        mesh_domain.replace('.', "\\.")
+    );
+    VirtualHost {
+        name: "mesh-on-demand".to_owned(),
+        domains: vec!["*".to_owned()],
+        routes: vec![
+            Route {
+                r#match: Some(RouteMatch {
+                    headers: vec![HeaderMatcher {
+                        name: ":authority".to_owned(),
+                        header_match_specifier: Some(header_matcher::HeaderMatchSpecifier::StringMatch(
+                            StringMatcher {
+                                match_pattern: Some(string_matcher::MatchPattern::SafeRegex(RegexMatcher {
+                                    regex: pattern,
+                                    ..Default::default()
+                                })),
+                                ..Default::default()
+                            },
+                        )),
+                        ..Default::default()
+                    }],
+                    ..prefix_match("/")
+                }),
+                action: Some(route::Action::Route(RouteAction {
+                    cluster_specifier: Some(route_action::ClusterSpecifier::ClusterHeader(":authority".to_owned())),
+                    cluster_not_found_response_code: route_action::ClusterNotFoundResponseCode::NotFound as i32,
+                    retry_policy: Some(retries()),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            },
+            direct(404, "not a mesh service\n"),
+        ],
+        ..Default::default()
+    }
+}
+
+/// The pod's inbound table: the port header picks the app port; no header means the
+/// pod's first HTTP port. The header never reaches the app.
+pub fn inbound_routes(pod: &LocalPod, http_ports: &[u16]) -> RouteConfiguration {
+    let mut routes: Vec<Route> = http_ports
+        .iter()
+        .map(|port| Route {
+            r#match: Some(RouteMatch {
+                headers: vec![HeaderMatcher {
+                    name: PORT_HEADER.to_owned(),
+                    header_match_specifier: Some(header_matcher::HeaderMatchSpecifier::StringMatch(StringMatcher {
+                        match_pattern: Some(string_matcher::MatchPattern::Exact(port.to_string())),
+                        ..Default::default()
+                    })),
+                    ..Default::default()
+                }],
+                ..prefix_match("/")
+            }),
+            action: Some(route::Action::Route(to_cluster(local_name(pod, *port)))),
+            ..Default::default()
+        })
+        .collect();
+    routes.push(Route {
+        r#match: Some(prefix_match("/")),
+        action: Some(route::Action::Route(to_cluster(local_name(pod, http_ports[0])))),
+        ..Default::default()
+    });
+    RouteConfiguration {
+        name: format!("inbound|{}", pod.id()),
+        virtual_hosts: vec![VirtualHost {
+            name: "app".to_owned(),
+            domains: vec!["*".to_owned()],
+            routes,
+            ..Default::default()
+        }],
+        request_headers_to_remove: vec![PORT_HEADER.to_owned()],
+        ..Default::default()
+    }
+}
+
+fn to_cluster(cluster: String) -> RouteAction {
+    RouteAction {
+        cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(cluster)),
+        ..Default::default()
+    }
+}
+
+fn prefix_match(prefix: &str) -> RouteMatch {
+    RouteMatch {
+        path_specifier: Some(route_match::PathSpecifier::Prefix(prefix.to_owned())),
+        ..Default::default()
+    }
+}
+
+fn direct(status: u32, body: &str) -> Route {
+    Route {
+        r#match: Some(prefix_match("/")),
+        action: Some(route::Action::DirectResponse(DirectResponseAction {
+            status,
+            body: Some(DataSource {
+                specifier: Some(data_source::Specifier::InlineString(body.to_owned())),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// Retry what is safe to retry: connection failures, refused streams, resets before
+/// the request went out, and 503s; on another host, with a short backoff.
+fn retries() -> RetryPolicy {
+    RetryPolicy {
+        retry_on: "connect-failure,refused-stream,reset-before-request,retriable-status-codes".to_owned(),
+        retriable_status_codes: vec![503],
+        num_retries: u32v(2),
+        retry_host_predicate: vec![retry_policy::RetryHostPredicate {
+            name: "envoy.retry_host_predicates.previous_hosts".to_owned(),
+            config_type: Some(retry_policy::retry_host_predicate::ConfigType::TypedConfig(any(
+                &PreviousHostsPredicate::default(),
+            ))),
+        }],
+        host_selection_retry_max_attempts: 3,
+        retry_back_off: Some(retry_policy::RetryBackOff {
+            base_interval: millis(25),
+            max_interval: millis(250),
+        }),
+        ..Default::default()
+    }
+}

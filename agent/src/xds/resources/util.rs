@@ -1,0 +1,58 @@
+//! Small builders shared by the generators.
+
+use envoy_types::pb::envoy::config::core::v3::{
+    Address, AggregatedConfigSource, ApiVersion, ConfigSource, SocketAddress, address, config_source, socket_address,
+};
+use envoy_types::pb::google::protobuf::{Any, Duration, UInt32Value};
+use prost::Name;
+
+/// The pod's inbound mTLS listener port (DESIGN: pod_ip:18008).
+pub const INBOUND_PORT: u32 = 18008;
+/// The explicit outbound HTTP listener, on the pod's loopback.
+pub const OUTBOUND_PORT: u32 = 18081;
+/// Where the pod's capture rules redirect mesh VIP traffic.
+pub const CAPTURE_PORT: u32 = 18001;
+/// Tells the destination's inbound listener which app port a request is for (the
+/// plaintext seam; with mTLS the port travels as SNI).
+pub const PORT_HEADER: &str = "x-aether-port";
+
+pub fn any<T: Name>(message: &T) -> Any {
+    envoy_types::pb::google::protobuf::Any {
+        type_url: T::type_url(),
+        value: prost::Message::encode_to_vec(message),
+    }
+}
+
+pub fn socket(ip: &str, port: u32, netns: Option<&str>) -> SocketAddress {
+    SocketAddress {
+        address: ip.to_owned(),
+        port_specifier: Some(socket_address::PortSpecifier::PortValue(port)),
+        network_namespace_filepath: netns.unwrap_or_default().to_owned(),
+        ..Default::default()
+    }
+}
+
+pub fn address(ip: &str, port: u32, netns: Option<&str>) -> Address {
+    Address {
+        address: Some(address::Address::SocketAddress(socket(ip, port, netns))),
+    }
+}
+
+pub fn millis(ms: u64) -> Option<Duration> {
+    Some(Duration {
+        seconds: (ms / 1000) as i64,
+        nanos: ((ms % 1000) * 1_000_000) as i32,
+    })
+}
+
+pub fn u32v(value: u32) -> Option<UInt32Value> {
+    Some(UInt32Value { value })
+}
+
+pub fn ads() -> Option<ConfigSource> {
+    Some(ConfigSource {
+        resource_api_version: ApiVersion::V3 as i32,
+        config_source_specifier: Some(config_source::ConfigSourceSpecifier::Ads(AggregatedConfigSource {})),
+        ..Default::default()
+    })
+}

@@ -1,0 +1,242 @@
+//! A whole node of the mesh for end-to-end tests: the registrar binary (embedded
+//! store), `aether-agent run` with the static pod source, and a real Envoy fed by
+//! the agent over its xDS socket; pods are network namespaces on a bridge.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use aether_proto::cni::v1::cni_plugin_client::CniPluginClient;
+use aether_proto::cni::v1::{AddPodRequest, AddPodResponse, PodRef, RemovePodRequest, RemovePodResponse};
+use serde_json::json;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::{ChildGuard, Envoy, TestNode, TestPod, admin_address_json, binary, free_port, http_get, unique_base_id};
+
+pub const NAMESPACE: &str = "demo";
+pub const MESH_DOMAIN: &str = "aether.internal";
+
+pub struct Mesh {
+    pub dir: tempfile::TempDir,
+    pub node: TestNode,
+    pub registrar: ChildGuard,
+    pub registrar_url: String,
+    pub registrar_admin: SocketAddr,
+    pub agent: Option<ChildGuard>,
+    pub agent_admin: SocketAddr,
+    pub envoy: Option<Envoy>,
+}
+
+impl Mesh {
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    pub fn cni_socket(&self) -> PathBuf {
+        self.path("run/cni.sock")
+    }
+
+    pub fn xds_socket(&self) -> PathBuf {
+        self.path("run/xds.sock")
+    }
+
+    /// Registrar and agent running, Envoy connected and ready.
+    pub async fn start() -> Mesh {
+        crate::require_root();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("pods")).unwrap();
+        let grpc_port = free_port();
+        let registrar_admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let mut cmd = Command::new(binary("aether-registrar"));
+        cmd.args(["--listen", &format!("127.0.0.1:{grpc_port}")])
+            .args(["--admin", &registrar_admin.to_string()])
+            .arg("--data-dir")
+            .arg(dir.path().join("registrar"));
+        let registrar = ChildGuard::spawn("registrar", cmd);
+        wait_ready(registrar_admin, &registrar).await;
+        let mut mesh = Mesh {
+            node: TestNode::new(),
+            registrar,
+            registrar_url: format!("http://127.0.0.1:{grpc_port}"),
+            registrar_admin,
+            agent: None,
+            agent_admin: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+            envoy: None,
+            dir,
+        };
+        mesh.start_agent().await;
+        mesh.start_envoy();
+        mesh
+    }
+
+    pub async fn start_agent(&mut self) {
+        let mut cmd = Command::new(binary("aether-agent"));
+        cmd.arg("run")
+            .args(["--node-name", "test-node", "--registrar", &self.registrar_url])
+            .arg("--state-dir")
+            .arg(self.path("state"))
+            .arg("--cni-socket")
+            .arg(self.cni_socket())
+            .arg("--xds-socket")
+            .arg(self.xds_socket())
+            .args(["--admin", &self.agent_admin.to_string()])
+            .arg("--pod-dir")
+            .arg(self.path("pods"))
+            .args(["--zone", "z1", "--region", "r1"])
+            .env("RUST_LOG", "info,aether_agent=debug");
+        let agent = ChildGuard::spawn("agent", cmd);
+        wait_ready(self.agent_admin, &agent).await;
+        self.agent = Some(agent);
+    }
+
+    pub fn start_envoy(&mut self) {
+        let admin_port = free_port();
+        let bootstrap = json!({
+            "node": {"id": "test-node", "cluster": "aether"},
+            "admin": admin_address_json(admin_port),
+            "dynamic_resources": {
+                "ads_config": {
+                    "api_type": "DELTA_GRPC",
+                    "transport_api_version": "V3",
+                    "grpc_services": [{"envoy_grpc": {"cluster_name": "xds"}}],
+                    "set_node_on_first_message_only": true
+                },
+                "cds_config": {"ads": {}, "resource_api_version": "V3"},
+                "lds_config": {"ads": {}, "resource_api_version": "V3"}
+            },
+            "static_resources": {"clusters": [{
+                "name": "xds",
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                "typed_extension_protocol_options": {
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": {"http2_protocol_options": {}}
+                    }
+                },
+                "load_assignment": {"cluster_name": "xds", "endpoints": [{"lb_endpoints": [{"endpoint": {
+                    "address": {"pipe": {"path": self.xds_socket().to_string_lossy()}}
+                }}]}]}
+            }]}
+        });
+        self.envoy = Some(Envoy::start(&bootstrap, unique_base_id()));
+    }
+
+    pub fn envoy(&self) -> &Envoy {
+        self.envoy.as_ref().expect("envoy running")
+    }
+
+    /// Writes the pod's manifest for the static pod source.
+    pub fn describe_pod(
+        &self,
+        pod: &TestPod,
+        name: &str,
+        service_account: &str,
+        upstreams: &str,
+        ports: &[(&str, u16)],
+    ) {
+        let ports: Vec<_> = ports
+            .iter()
+            .map(|(n, p)| json!({"name": n, "containerPort": p}))
+            .collect();
+        let manifest = json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {
+                "name": name, "namespace": NAMESPACE, "uid": format!("uid-{}", pod.netns_name()),
+                "labels": {"aether.io/managed": "true"},
+                "annotations": {"config.aether.io/upstreams": upstreams}
+            },
+            "spec": {"serviceAccountName": service_account, "containers": [{"name": "app", "ports": ports}]}
+        });
+        std::fs::write(
+            self.path(&format!("pods/{name}.json")),
+            serde_json::to_vec(&manifest).unwrap(),
+        )
+        .unwrap();
+    }
+
+    pub async fn cni(&self) -> CniPluginClient<Channel> {
+        let channel = Endpoint::from_shared(format!("unix:{}", self.cni_socket().display()))
+            .unwrap()
+            .connect()
+            .await
+            .expect("connecting to the agent's CNI socket");
+        CniPluginClient::new(channel)
+    }
+
+    pub async fn add_pod(&self, pod: &TestPod, name: &str) -> Result<AddPodResponse, tonic::Status> {
+        self.cni()
+            .await
+            .add_pod(AddPodRequest {
+                container_id: format!("sandbox-{}", pod.netns_name()),
+                netns_path: pod.netns_path().to_string_lossy().into(),
+                interface_name: "eth0".into(),
+                pod: Some(PodRef {
+                    namespace: NAMESPACE.into(),
+                    name: name.into(),
+                    uid: format!("uid-{}", pod.netns_name()),
+                }),
+                ips: vec![pod.ip().to_string()],
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+
+    pub async fn remove_pod(&self, pod: &TestPod, name: &str) -> Result<RemovePodResponse, tonic::Status> {
+        self.cni()
+            .await
+            .remove_pod(RemovePodRequest {
+                container_id: format!("sandbox-{}", pod.netns_name()),
+                pod: Some(PodRef {
+                    namespace: NAMESPACE.into(),
+                    name: name.into(),
+                    uid: String::new(),
+                }),
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+
+    pub async fn agent_get(&self, path: &str) -> String {
+        http_get(&format!("http://{}{path}", self.agent_admin), None)
+            .await
+            .expect("agent admin")
+            .body
+    }
+
+    /// The names of Envoy's dynamic clusters, sorted.
+    pub fn envoy_clusters(&self) -> Vec<String> {
+        let dump = self.envoy().config_dump();
+        let mut names = Vec::new();
+        for config in dump["configs"].as_array().into_iter().flatten() {
+            for c in config["dynamic_active_clusters"].as_array().into_iter().flatten() {
+                names.push(c["cluster"]["name"].as_str().unwrap_or_default().to_owned());
+            }
+        }
+        names.sort();
+        names
+    }
+}
+
+pub fn fqdn(service: &str) -> String {
+    format!("{service}.{NAMESPACE}.{MESH_DOMAIN}")
+}
+
+async fn wait_ready(admin: SocketAddr, child: &ChildGuard) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(reply) = http_get(&format!("http://{admin}/ready"), None).await
+            && reply.status == 200
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} did not become ready:\n{}",
+            child.name(),
+            child.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
