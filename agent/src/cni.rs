@@ -23,8 +23,6 @@ use crate::pod_source::PodDirectory;
 use crate::registrar::Registrar;
 use crate::xds;
 
-/// How long ADD waits for the pod source to report a pod it has not seen yet.
-pub const POD_LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long ADD waits for Envoy to ACK the pod's listeners.
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -35,6 +33,8 @@ pub struct CniService {
     pub directory: PodDirectory,
     pub registrar: Registrar,
     pub excluded_namespaces: BTreeSet<String>,
+    /// How long ADD waits for the pod source to report a pod it has not seen yet.
+    pub pod_lookup_timeout: Duration,
     pub calls: Family<Labels, Counter>,
 }
 
@@ -105,7 +105,7 @@ impl CniService {
         }
         let info = self
             .directory
-            .wait_for(&key, POD_LOOKUP_TIMEOUT)
+            .wait_for(&key, self.pod_lookup_timeout)
             .await
             .ok_or_else(|| Status::unavailable(format!("pod {key} is not known to the pod source yet; retry")))?;
         if !pod_ref.uid.is_empty() && !info.uid.is_empty() && pod_ref.uid != info.uid {

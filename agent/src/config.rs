@@ -72,6 +72,10 @@ pub struct Config {
     )]
     pub excluded_namespaces: Vec<String>,
 
+    /// How long a CNI ADD waits for the pod source to report a pod it has not seen.
+    #[arg(long, env = "AETHER_POD_LOOKUP_TIMEOUT", default_value = "5s", value_parser = aether_common::duration::parse)]
+    pub pod_lookup_timeout: std::time::Duration,
+
     /// Log format: text or json.
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,

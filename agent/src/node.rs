@@ -49,6 +49,8 @@ struct OnDemand {
     services: BTreeMap<String, Instant>,
     /// Cluster names asked for, with their service, until the lookup ends.
     pending: BTreeMap<String, String>,
+    /// Every cluster name asked for, with its service (expires with the service).
+    clusters: BTreeMap<String, String>,
 }
 
 #[derive(Clone)]
@@ -97,6 +99,8 @@ impl Node {
         }
         let mut on_demand = self.on_demand.lock().expect("on-demand lock");
         on_demand.services.retain(|_, at| at.elapsed() < ON_DEMAND_TTL);
+        let OnDemand { services, clusters, .. } = &mut *on_demand;
+        clusters.retain(|_, service| services.contains_key(service));
         deps.extend(on_demand.services.keys().cloned());
         deps
     }
@@ -115,7 +119,8 @@ impl Node {
                 if let Some((service, _)) = resources::parse_authority(name, &self.mesh_domain) {
                     tracing::info!(cluster = %name, %service, "on-demand lookup");
                     on_demand.services.insert(service.clone(), Instant::now());
-                    on_demand.pending.insert(name.clone(), service);
+                    on_demand.pending.insert(name.clone(), service.clone());
+                    on_demand.clusters.insert(name.clone(), service);
                     marked.push((type_url.to_owned(), name.clone()));
                 }
             }
@@ -184,20 +189,22 @@ impl Node {
                 .collect(),
         };
         // A lookup ends when the registrar has answered for a filter including it.
-        let pending: BTreeSet<(String, String)> = {
+        let (pending, on_demand_clusters) = {
             let mut on_demand = self.on_demand.lock().expect("on-demand lock");
             on_demand.pending.retain(|_, service| !watched.filter.contains(service));
-            on_demand
+            let pending: BTreeSet<(String, String)> = on_demand
                 .pending
                 .keys()
                 .map(|name| (xds::CLUSTER.to_owned(), name.clone()))
-                .collect()
+                .collect();
+            (pending, on_demand.clusters.clone())
         };
         let resources = resources::generate(&Inputs {
             pods: &pods,
             catalog: &catalog,
             mesh_domain: &self.mesh_domain,
             locality: &self.locality,
+            on_demand: &on_demand_clusters,
         });
         self.metrics.dependencies.set(deps.len() as i64);
         self.metrics.pods.set(pods.len() as i64);

@@ -198,6 +198,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         directory,
         registrar,
         excluded_namespaces: config.excluded(),
+        pod_lookup_timeout: config.pod_lookup_timeout,
         calls: cni_calls,
     };
     let cni_server = tonic::transport::Server::builder()

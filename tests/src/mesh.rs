@@ -26,6 +26,8 @@ pub struct Mesh {
     pub agent: Option<ChildGuard>,
     pub agent_admin: SocketAddr,
     pub envoy: Option<Envoy>,
+    /// Extra flags for `aether-agent run`.
+    pub agent_args: Vec<String>,
 }
 
 impl Mesh {
@@ -43,6 +45,11 @@ impl Mesh {
 
     /// Registrar and agent running, Envoy connected and ready.
     pub async fn start() -> Mesh {
+        Self::start_with(&[]).await
+    }
+
+    /// [`Mesh::start`] with extra agent flags.
+    pub async fn start_with(agent_args: &[&str]) -> Mesh {
         crate::require_root();
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("pods")).unwrap();
@@ -63,6 +70,7 @@ impl Mesh {
             agent: None,
             agent_admin: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
             envoy: None,
+            agent_args: agent_args.iter().map(|a| a.to_string()).collect(),
             dir,
         };
         mesh.start_agent().await;
@@ -84,6 +92,7 @@ impl Mesh {
             .arg("--pod-dir")
             .arg(self.path("pods"))
             .args(["--zone", "z1", "--region", "r1"])
+            .args(&self.agent_args)
             .env("RUST_LOG", "info,aether_agent=debug");
         let agent = ChildGuard::spawn("agent", cmd);
         wait_ready(self.agent_admin, &agent).await;
@@ -196,6 +205,27 @@ impl Mesh {
             })
             .await
             .map(|r| r.into_inner())
+    }
+
+    pub async fn registrar(&self) -> aether_proto::registrar::v1::registrar_client::RegistrarClient<Channel> {
+        aether_proto::registrar::v1::registrar_client::RegistrarClient::connect(self.registrar_url.clone())
+            .await
+            .expect("connecting to the registrar")
+    }
+
+    /// The mesh VIP of `demo/<service>`.
+    pub async fn vip(&self, service: &str) -> String {
+        self.registrar()
+            .await
+            .list_endpoints(aether_proto::registrar::v1::ListEndpointsRequest {
+                service: format!("{NAMESPACE}/{service}"),
+            })
+            .await
+            .expect("list endpoints")
+            .into_inner()
+            .service
+            .expect("service")
+            .vip
     }
 
     pub async fn agent_get(&self, path: &str) -> String {

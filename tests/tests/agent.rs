@@ -119,3 +119,432 @@ async fn pods_reach_their_upstreams_through_the_node_envoy() {
     let catalog: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/xds").await).unwrap();
     assert!(catalog["serial"].as_u64().unwrap() > 0);
 }
+
+/// Frontend (upstreams: backend) and one backend replica, both added.
+async fn two_pods(mesh: &Mesh) -> (TestPod, TestPod, Vec<aether_tests::HttpServer>) {
+    let frontend = mesh.node.add_pod("frontend");
+    let backend = mesh.node.add_pod("backend");
+    let apps = vec![
+        frontend.serve_http(APP.parse().unwrap(), "frontend"),
+        backend.serve_http(APP.parse().unwrap(), "backend"),
+    ];
+    mesh.describe_pod(&frontend, "frontend", "frontend", "backend", &[("http", 8080)]);
+    mesh.describe_pod(&backend, "backend", "backend", "", &[("http", 8080)]);
+    for (pod, name) in [(&backend, "backend"), (&frontend, "frontend")] {
+        let added = mesh
+            .add_pod(pod, name)
+            .await
+            .unwrap_or_else(|s| panic!("AddPod {name}: {s:?}"));
+        assert_eq!(
+            added.outcome,
+            aether_proto::cni::v1::Outcome::Success as i32,
+            "{added:?}"
+        );
+    }
+    (frontend, backend, apps)
+}
+
+/// Redirects TCP to the mesh VIP range to the capture port, inside `pod` (what the
+/// agent programs once the CNI work lands).
+fn capture_vips(pod: &TestPod) {
+    let rules = "table inet aether-test {\n  chain output {\n    type nat hook output priority -100; policy accept;\n    ip daddr 240.240.0.0/16 meta l4proto tcp redirect to :18001\n  }\n}\n";
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), rules).unwrap();
+    pod.exec_ok(&["nft", "-f", &file.path().to_string_lossy()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_to_a_service_vip_is_captured_and_served() {
+    let mesh = Mesh::start().await;
+    let (frontend, _backend, _apps) = two_pods(&mesh).await;
+    capture_vips(&frontend);
+    let vip = mesh.vip("backend").await;
+    let reply = eventually(&frontend, &format!("http://{vip}:8080/by-vip"), None, |r| {
+        r.status == 200
+    })
+    .await;
+    assert_eq!(served_by(&reply), "backend");
+    assert_eq!(reply.json()["path"], "/by-vip");
+    // A VIP:port the node does not depend on is closed at once, not hung.
+    let err = frontend.http_get(&format!("http://{vip}:9999/"), None).await;
+    assert!(err.is_err(), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undeclared_services_are_reached_on_demand_and_unknown_names_get_404() {
+    let mesh = Mesh::start().await;
+    let (frontend, _backend, _apps) = two_pods(&mesh).await;
+    // "remote" runs on another node: its endpoint is in the catalog, its inbound
+    // listener (here a stand-in server on :18008) answers for it.
+    let remote = mesh.node.add_pod("remote");
+    let _remote_app = remote.serve_http(format!("{}:18008", remote.ip()).parse().unwrap(), "remote");
+    let mut registrar = mesh.registrar().await;
+    let mut endpoint = aether_proto::registry::v1::Endpoint {
+        service: "demo/remote".into(),
+        address: remote.ip().to_string(),
+        ports: vec![aether_proto::registry::v1::Port {
+            name: "http".into(),
+            port: 8080,
+            protocol: aether_proto::registry::v1::Protocol::Http as i32,
+        }],
+        node: "other-node".into(),
+        ..Default::default()
+    };
+    registrar
+        .register_endpoint(aether_proto::registrar::v1::RegisterEndpointRequest {
+            endpoint: Some(endpoint.clone()),
+        })
+        .await
+        .unwrap();
+    assert!(
+        !mesh.envoy_clusters().iter().any(|c| c.contains("remote")),
+        "remote was configured before use"
+    );
+
+    let host = format!("{}:8080", fqdn("remote"));
+    let reply = frontend
+        .http_get("http://127.0.0.1:18081/cold", Some(&host))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(served_by(&reply), "remote");
+    assert_eq!(reply.json()["headers"]["x-aether-port"], "8080");
+    assert!(mesh.envoy_clusters().contains(&host));
+
+    // Not in the catalog: 404, quickly; not a mesh name at all: 404 too.
+    let reply = frontend
+        .http_get("http://127.0.0.1:18081/", Some(&fqdn("nothing-here")))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 404, "{reply:?}");
+    let reply = frontend
+        .http_get("http://127.0.0.1:18081/", Some("example.com"))
+        .await
+        .unwrap();
+    assert_eq!((reply.status, reply.body.as_str()), (404, "not a mesh service\n"));
+
+    // Known but with no endpoints: a retryable 503, not a 404.
+    endpoint.service = "demo/drained".into();
+    registrar
+        .register_endpoint(aether_proto::registrar::v1::RegisterEndpointRequest {
+            endpoint: Some(endpoint.clone()),
+        })
+        .await
+        .unwrap();
+    registrar
+        .unregister_endpoint(aether_proto::registrar::v1::UnregisterEndpointRequest {
+            service: "demo/drained".into(),
+            address: endpoint.address.clone(),
+        })
+        .await
+        .unwrap();
+    let reply = frontend
+        .http_get("http://127.0.0.1:18081/", Some(&format!("{}:8080", fqdn("drained"))))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 503, "{reply:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_envoy_rejects_is_nacked_counted_and_the_last_good_one_keeps_serving() {
+    let mesh = Mesh::start().await;
+    let (frontend, _backend, _apps) = two_pods(&mesh).await;
+    let host = format!("{}:8080", fqdn("backend"));
+    eventually(&frontend, "http://127.0.0.1:18081/", Some(&host), |r| r.status == 200).await;
+
+    // A second pod record claiming the frontend's netns: its listeners collide with
+    // the frontend's addresses there, and Envoy rejects them.
+    let twin = mesh.node.add_pod("twin");
+    mesh.describe_pod(&twin, "twin", "twin", "", &[("http", 8080)]);
+    let mut cni = mesh.cni().await;
+    let status = cni
+        .add_pod(aether_proto::cni::v1::AddPodRequest {
+            container_id: "sandbox-twin".into(),
+            netns_path: frontend.netns_path().to_string_lossy().into(),
+            interface_name: "eth0".into(),
+            pod: Some(aether_proto::cni::v1::PodRef {
+                namespace: "demo".into(),
+                name: "twin".into(),
+                uid: String::new(),
+            }),
+            ips: vec![twin.ip().to_string()],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+    assert!(status.message().contains("Envoy rejected"), "{status:?}");
+
+    let metrics = mesh.agent_get("/metrics").await;
+    let nacks: u64 = metrics
+        .lines()
+        .find(|l| l.starts_with("aether_agent_xds_nacks_total{type=\"Listener\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(nacks >= 1, "no NACK counted:\n{metrics}");
+    assert!(
+        mesh.agent
+            .as_ref()
+            .unwrap()
+            .logs()
+            .contains("Envoy rejected a config push"),
+        "the NACK was not logged"
+    );
+    // The failed pod left nothing behind, and the frontend still reaches its backend.
+    assert!(!mesh.agent_get("/debug/pods").await.contains("demo/twin"));
+    let reply = eventually(&frontend, "http://127.0.0.1:18081/", Some(&host), |r| r.status == 200).await;
+    assert_eq!(served_by(&reply), "backend");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_keeps_serving_while_the_agent_restarts_and_the_agent_recovers_its_pods() {
+    let mut mesh = Mesh::start().await;
+    let (frontend, _backend, _apps) = two_pods(&mesh).await;
+    let host = format!("{}:8080", fqdn("backend"));
+    eventually(&frontend, "http://127.0.0.1:18081/", Some(&host), |r| r.status == 200).await;
+
+    mesh.agent.take().unwrap().kill();
+    for _ in 0..20 {
+        let reply = frontend.http_get("http://127.0.0.1:18081/", Some(&host)).await.unwrap();
+        assert_eq!(
+            reply.status, 200,
+            "a request failed while the agent was down: {reply:?}"
+        );
+    }
+
+    mesh.start_agent().await;
+    let pods = mesh.agent_get("/debug/pods").await;
+    assert!(
+        pods.contains("demo/frontend") && pods.contains("demo/backend"),
+        "{pods}"
+    );
+    // Envoy reconnects and is served the same config (nothing churns), then changes flow again.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let xds: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/xds").await).unwrap();
+        let listener = &xds["types"]["type.googleapis.com/envoy.config.listener.v3.Listener"]["outbound|demo/frontend"];
+        if listener["acked"] == listener["served"] && !listener["served"].is_null() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "Envoy did not resync with the restarted agent: {xds}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for _ in 0..10 {
+        let reply = frontend.http_get("http://127.0.0.1:18081/", Some(&host)).await.unwrap();
+        assert_eq!(reply.status, 200, "{reply:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_cni_call_answers_bad_input_with_the_field_named() {
+    use aether_proto::cni::v1::{AddPodRequest, CheckPodRequest, Outcome, PodRef, RemovePodRequest};
+    let mesh = Mesh::start_with(&["--pod-lookup-timeout", "200ms", "--excluded-namespaces", "kube-system"]).await;
+    let pod = mesh.node.add_pod("p");
+    let good = || AddPodRequest {
+        container_id: "sandbox-1".into(),
+        netns_path: pod.netns_path().to_string_lossy().into(),
+        interface_name: "eth0".into(),
+        pod: Some(PodRef {
+            namespace: "demo".into(),
+            name: "p".into(),
+            uid: String::new(),
+        }),
+        ips: vec![pod.ip().to_string()],
+    };
+    let mut cni = mesh.cni().await;
+    let cases: Vec<(AddPodRequest, tonic::Code, &str)> = vec![
+        (
+            AddPodRequest {
+                container_id: "".into(),
+                ..good()
+            },
+            tonic::Code::InvalidArgument,
+            "container_id: must be set",
+        ),
+        (
+            AddPodRequest {
+                container_id: "a b".into(),
+                ..good()
+            },
+            tonic::Code::InvalidArgument,
+            "container_id: \"a b\" is not a container id",
+        ),
+        (
+            AddPodRequest {
+                netns_path: "".into(),
+                ..good()
+            },
+            tonic::Code::InvalidArgument,
+            "netns_path: must be set",
+        ),
+        (
+            AddPodRequest {
+                netns_path: "relative/ns".into(),
+                ..good()
+            },
+            tonic::Code::InvalidArgument,
+            "netns_path: \"relative/ns\" is not an absolute path",
+        ),
+        (
+            AddPodRequest {
+                netns_path: "/nonexistent/ns".into(),
+                ..good()
+            },
+            tonic::Code::InvalidArgument,
+            "netns_path: \"/nonexistent/ns\" does not exist",
+        ),
+        (
+            AddPodRequest { pod: None, ..good() },
+            tonic::Code::InvalidArgument,
+            "pod: must be set",
+        ),
+        (
+            AddPodRequest {
+                pod: Some(PodRef {
+                    namespace: "Bad_NS".into(),
+                    name: "p".into(),
+                    uid: String::new(),
+                }),
+                ..good()
+            },
+            tonic::Code::InvalidArgument,
+            "pod.namespace: \"Bad_NS\" is not a DNS-1123 label (lowercase letters, digits and '-')",
+        ),
+        (
+            AddPodRequest {
+                pod: Some(PodRef {
+                    namespace: "demo".into(),
+                    name: "".into(),
+                    uid: String::new(),
+                }),
+                ..good()
+            },
+            tonic::Code::InvalidArgument,
+            "pod.name: must be 1..=253 characters",
+        ),
+        (
+            AddPodRequest {
+                ips: vec![pod.ip().to_string(), "10.0.0.300".into()],
+                ..good()
+            },
+            tonic::Code::InvalidArgument,
+            "ips[1]: \"10.0.0.300\" is not an IP address",
+        ),
+        (
+            AddPodRequest { ips: vec![], ..good() },
+            tonic::Code::InvalidArgument,
+            "ips: at least one pod IP is required",
+        ),
+        // Not (yet) known to the pod source: retryable.
+        (
+            good(),
+            tonic::Code::Unavailable,
+            "pod demo/p is not known to the pod source yet; retry",
+        ),
+    ];
+    for (request, code, message) in cases {
+        let status = cni.add_pod(request).await.unwrap_err();
+        assert_eq!((status.code(), status.message()), (code, message));
+    }
+
+    // Unmanaged and excluded pods are IGNORED, not errors.
+    let mut manifest: serde_json::Value = serde_json::json!({
+        "kind": "Pod",
+        "metadata": {"name": "p", "namespace": "demo", "labels": {}},
+        "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8080}]}]}
+    });
+    std::fs::write(mesh.path("pods/p.json"), manifest.to_string()).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let ignored = loop {
+        match cni.add_pod(good()).await {
+            Ok(reply) => break reply.into_inner(),
+            Err(s) if s.code() == tonic::Code::Unavailable && std::time::Instant::now() < deadline => continue,
+            Err(s) => panic!("{s:?}"),
+        }
+    };
+    assert_eq!(ignored.outcome, Outcome::Ignored as i32);
+    assert_eq!(
+        ignored.message,
+        "pod demo/p is not managed (label aether.io/managed=true)"
+    );
+    let excluded = cni
+        .add_pod(AddPodRequest {
+            pod: Some(PodRef {
+                namespace: "kube-system".into(),
+                name: "dns".into(),
+                uid: String::new(),
+            }),
+            ..good()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(excluded.outcome, Outcome::Ignored as i32);
+
+    // A malformed upstream entry is reported and skipped; the pod still joins.
+    manifest["metadata"]["labels"] = serde_json::json!({"aether.io/managed": "true"});
+    manifest["metadata"]["annotations"] = serde_json::json!({"config.aether.io/upstreams": "backend, Not_Valid"});
+    std::fs::write(mesh.path("pods/p.json"), manifest.to_string()).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match cni.add_pod(good()).await {
+            Ok(reply) if reply.get_ref().outcome == Outcome::Success as i32 => break,
+            Ok(_) if std::time::Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(50)).await,
+            other => panic!("{other:?}"),
+        }
+    }
+    let pods: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/pods").await).unwrap();
+    let p = &pods["pods"][0];
+    assert_eq!(p["upstreams"], serde_json::json!(["demo/backend"]));
+    assert_eq!(
+        p["config_errors"],
+        serde_json::json!([
+            "config.aether.io/upstreams[1]: \"Not_Valid\": \"Not_Valid\" is not a DNS-1123 label (lowercase letters, digits and '-')"
+        ])
+    );
+
+    // CHECK and DEL.
+    cni.check_pod(CheckPodRequest {
+        container_id: "sandbox-1".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let status = cni
+        .check_pod(CheckPodRequest {
+            container_id: "missing".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (status.code(), status.message()),
+        (
+            tonic::Code::NotFound,
+            "container_id: sandbox missing is not in the mesh"
+        )
+    );
+    let status = cni.remove_pod(RemovePodRequest::default()).await.unwrap_err();
+    assert_eq!(
+        (status.code(), status.message()),
+        (tonic::Code::InvalidArgument, "container_id: must be set")
+    );
+    for _ in 0..2 {
+        let removed = cni
+            .remove_pod(RemovePodRequest {
+                container_id: "sandbox-1".into(),
+                pod: None,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(removed.outcome, Outcome::Success as i32, "DEL must be idempotent");
+    }
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&mesh.agent_get("/debug/pods").await).unwrap()["pods"],
+        serde_json::json!([])
+    );
+}

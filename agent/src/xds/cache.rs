@@ -46,10 +46,14 @@ pub type Sent = Vec<(String, Option<String>)>;
 /// What the connected Envoy has ACKed: type URL → name → version.
 pub type Acked = HashMap<String, HashMap<String, String>>;
 
+/// What Envoy rejected: (type URL, name) → (version, Envoy's error).
+pub type Rejected = HashMap<(String, String), (String, String)>;
+
 #[derive(Clone)]
 pub struct Cache {
     snapshot: Arc<watch::Sender<Arc<Snapshot>>>,
     acked: Arc<watch::Sender<Acked>>,
+    rejected: Arc<Mutex<Rejected>>,
     /// Serialises updates (generators may run from more than one task).
     update: Arc<Mutex<()>>,
 }
@@ -59,6 +63,7 @@ impl Default for Cache {
         Self {
             snapshot: Arc::new(watch::channel(Arc::new(Snapshot::default())).0),
             acked: Arc::new(watch::channel(Acked::default()).0),
+            rejected: Arc::default(),
             update: Arc::default(),
         }
     }
@@ -159,6 +164,20 @@ impl Cache {
         });
     }
 
+    /// Records that Envoy rejected these versions, with its error.
+    pub fn record_nack(&self, type_url: &str, resources: &Sent, error: &str) {
+        {
+            let mut rejected = self.rejected.lock().expect("rejected lock");
+            for (name, version) in resources {
+                if let Some(version) = version {
+                    rejected.insert((type_url.to_owned(), name.clone()), (version.clone(), error.to_owned()));
+                }
+            }
+        }
+        // Wake waiters so they see the rejection.
+        self.acked.send_modify(|_| {});
+    }
+
     /// Forgets everything acked (the Envoy stream ended).
     pub fn clear_acks(&self) {
         self.acked.send_replace(Acked::default());
@@ -168,7 +187,8 @@ impl Cache {
         self.acked.borrow().clone()
     }
 
-    /// Waits until Envoy has ACKed the current version of every named resource.
+    /// Waits until Envoy has ACKed the current version of every named resource; fails
+    /// at once if Envoy rejected one of them.
     pub async fn wait_acked(&self, wanted: &[(&str, String)], timeout: Duration) -> Result<(), String> {
         let mut acks = self.acked.subscribe();
         let mut snapshots = self.snapshot.subscribe();
@@ -189,6 +209,18 @@ impl Cache {
             };
             if missing.is_empty() {
                 return Ok(());
+            }
+            {
+                let snapshot = snapshots.borrow().clone();
+                let rejected = self.rejected.lock().expect("rejected lock");
+                for (type_url, name) in wanted {
+                    let key = ((*type_url).to_owned(), name.clone());
+                    if let Some((version, error)) = rejected.get(&key)
+                        && snapshot.version_of(type_url, name) == Some(version.as_str())
+                    {
+                        return Err(format!("Envoy rejected {name}: {error}"));
+                    }
+                }
             }
             tokio::select! {
                 _ = tokio::time::sleep_until(deadline) => {

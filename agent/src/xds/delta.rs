@@ -65,6 +65,7 @@ pub async fn serve<S>(
                     match &request.error_detail {
                         Some(error) => {
                             hooks.metrics.nacks.get_or_create(&[("type", short(&sent.type_url))]).inc();
+                            cache.record_nack(&sent.type_url, &sent.resources, &error.message);
                             tracing::warn!(type_url = %sent.type_url, error = %error.message,
                                 "Envoy rejected a config push; it keeps its last good config");
                         }
@@ -75,6 +76,13 @@ pub async fn serve<S>(
                 if !state.started {
                     state.started = true;
                     state.held.extend(request.initial_resource_versions.clone());
+                    // A reconnecting Envoy already runs these versions.
+                    let running: Vec<(String, Option<String>)> = request
+                        .initial_resource_versions
+                        .iter()
+                        .map(|(name, version)| (name.clone(), Some(version.clone())))
+                        .collect();
+                    cache.record_ack(&request.type_url, &running);
                     // A first request naming nothing is a wildcard subscription (legacy form).
                     if request.resource_names_subscribe.is_empty() {
                         state.wildcard = true;

@@ -31,6 +31,8 @@ pub struct Inputs<'a> {
     pub catalog: &'a Catalog,
     pub mesh_domain: &'a str,
     pub locality: &'a Locality,
+    /// Cluster names Envoy asked for on demand, with their service key.
+    pub on_demand: &'a BTreeMap<String, String>,
 }
 
 /// A service in the node's dependency set, as the generators see it.
@@ -111,8 +113,22 @@ pub fn services<'a>(catalog: &'a Catalog, mesh_domain: &str) -> Vec<MeshService<
 pub fn generate(inputs: &Inputs) -> BTreeMap<String, Vec<(String, Any)>> {
     let services = services(inputs.catalog, inputs.mesh_domain);
     let mut out = BTreeMap::new();
-    out.insert(super::CLUSTER.to_owned(), clusters::clusters(inputs, &services));
-    out.insert(super::ENDPOINT.to_owned(), clusters::endpoints(inputs, &services));
+    let mut cluster_list = clusters::clusters(inputs, &services);
+    let mut endpoint_list = clusters::endpoints(inputs, &services);
+    // Asked for on demand, known, but with nothing serving that port: serve the cluster
+    // empty, so callers get a retryable 503 instead of a 404.
+    let served: BTreeSet<String> = cluster_list.iter().map(|(n, _)| n.clone()).collect();
+    for (name, service) in inputs.on_demand {
+        if served.contains(name) || !inputs.catalog.services.contains_key(service) {
+            continue;
+        }
+        cluster_list.push((name.clone(), clusters::empty_cluster(name)));
+        endpoint_list.push((name.clone(), clusters::empty_assignment(name)));
+    }
+    cluster_list.sort_by(|a, b| a.0.cmp(&b.0));
+    endpoint_list.sort_by(|a, b| a.0.cmp(&b.0));
+    out.insert(super::CLUSTER.to_owned(), cluster_list);
+    out.insert(super::ENDPOINT.to_owned(), endpoint_list);
     out.insert(super::LISTENER.to_owned(), listeners::listeners(inputs, &services));
     out.insert(super::ROUTE.to_owned(), routes::route_configs(inputs, &services));
     out

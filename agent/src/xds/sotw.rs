@@ -41,6 +41,7 @@ where
                         match &request.error_detail {
                             Some(error) => {
                                 hooks.metrics.nacks.get_or_create(&[("type", short(&request.type_url))]).inc();
+                                cache.record_nack(&request.type_url, &resources, &error.message);
                                 tracing::warn!(type_url = %request.type_url, error = %error.message,
                                     "Envoy rejected a config push; it keeps its last good config");
                             }

@@ -112,6 +112,18 @@ fn mesh_cluster(name: &str, port: u32, protocol: Protocol) -> Cluster {
     }
 }
 
+/// A mesh cluster with no endpoints (see `generate`): HTTP, since on-demand is.
+pub fn empty_cluster(name: &str) -> Any {
+    any(&mesh_cluster(name, 0, Protocol::Http))
+}
+
+pub fn empty_assignment(name: &str) -> Any {
+    any(&ClusterLoadAssignment {
+        cluster_name: name.to_owned(),
+        ..Default::default()
+    })
+}
+
 fn stamp_port(port: u32) -> HeaderMutation {
     HeaderMutation {
         mutations: Some(Mutations {
