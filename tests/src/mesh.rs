@@ -28,6 +28,8 @@ pub struct Mesh {
     pub envoy: Option<Envoy>,
     /// Extra flags for `aether-agent run`.
     pub agent_args: Vec<String>,
+    /// Envoy's ADS flavour: `DELTA_GRPC` (default) or `GRPC` (state of the world).
+    pub ads_api: &'static str,
 }
 
 impl Mesh {
@@ -71,9 +73,19 @@ impl Mesh {
             agent_admin: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
             envoy: None,
             agent_args: agent_args.iter().map(|a| a.to_string()).collect(),
+            ads_api: "DELTA_GRPC",
             dir,
         };
         mesh.start_agent().await;
+        mesh.start_envoy();
+        mesh
+    }
+
+    /// [`Mesh::start`] with Envoy on state-of-the-world ADS.
+    pub async fn start_sotw() -> Mesh {
+        let mut mesh = Self::start_with(&[]).await;
+        mesh.envoy = None;
+        mesh.ads_api = "GRPC";
         mesh.start_envoy();
         mesh
     }
@@ -106,7 +118,7 @@ impl Mesh {
             "admin": admin_address_json(admin_port),
             "dynamic_resources": {
                 "ads_config": {
-                    "api_type": "DELTA_GRPC",
+                    "api_type": self.ads_api,
                     "transport_api_version": "V3",
                     "grpc_services": [{"envoy_grpc": {"cluster_name": "xds"}}],
                     "set_node_on_first_message_only": true
@@ -145,11 +157,28 @@ impl Mesh {
         upstreams: &str,
         ports: &[(&str, u16)],
     ) {
+        self.write_manifest(pod, name, service_account, upstreams, ports, false);
+    }
+
+    /// The pod's manifest with a deletionTimestamp: it is terminating.
+    pub fn describe_terminating_pod(&self, pod: &TestPod, name: &str, service_account: &str, ports: &[(&str, u16)]) {
+        self.write_manifest(pod, name, service_account, "", ports, true);
+    }
+
+    fn write_manifest(
+        &self,
+        pod: &TestPod,
+        name: &str,
+        service_account: &str,
+        upstreams: &str,
+        ports: &[(&str, u16)],
+        terminating: bool,
+    ) {
         let ports: Vec<_> = ports
             .iter()
             .map(|(n, p)| json!({"name": n, "containerPort": p}))
             .collect();
-        let manifest = json!({
+        let mut manifest = json!({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {
                 "name": name, "namespace": NAMESPACE, "uid": format!("uid-{}", pod.netns_name()),
@@ -158,6 +187,9 @@ impl Mesh {
             },
             "spec": {"serviceAccountName": service_account, "containers": [{"name": "app", "ports": ports}]}
         });
+        if terminating {
+            manifest["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        }
         std::fs::write(
             self.path(&format!("pods/{name}.json")),
             serde_json::to_vec(&manifest).unwrap(),

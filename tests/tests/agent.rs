@@ -548,3 +548,50 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
         serde_json::json!([])
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_of_the_world_ads_serves_the_same_mesh() {
+    let mesh = Mesh::start_sotw().await;
+    let (frontend, _backend, _apps) = two_pods(&mesh).await;
+    let host = format!("{}:8080", fqdn("backend"));
+    let reply = eventually(&frontend, "http://127.0.0.1:18081/sotw", Some(&host), |r| {
+        r.status == 200
+    })
+    .await;
+    assert_eq!(served_by(&reply), "backend");
+    let dump = mesh.envoy().admin_get("/config_dump");
+    assert!(dump.contains("outbound|demo/frontend"), "listeners missing over SotW");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminating_pod_drains_then_leaves_the_catalog() {
+    let mesh = Mesh::start().await;
+    let (_frontend, backend, _apps) = two_pods(&mesh).await;
+    let health = || async {
+        let mut registrar = mesh.registrar().await;
+        registrar
+            .list_endpoints(aether_proto::registrar::v1::ListEndpointsRequest {
+                service: "demo/backend".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .endpoints
+            .iter()
+            .map(|e| e.health)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(health().await, [aether_proto::registry::v1::Health::Healthy as i32]);
+    mesh.describe_terminating_pod(&backend, "backend", "backend", &[("http", 8080)]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while health().await != [aether_proto::registry::v1::Health::Draining as i32] {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the endpoint never drained: {:?}",
+            health().await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    mesh.remove_pod(&backend, "backend").await.unwrap();
+    assert_eq!(health().await, Vec::<i32>::new());
+}
