@@ -4,7 +4,8 @@
 //! - `inbound` on 0.0.0.0:18008: traffic from peers, delivered to the app on
 //!   127.0.0.1:<port> (HTTP by the port header, anything else to the primary port);
 //! - `capture` on 127.0.0.1:18001: connections the pod's nft rules redirected from a
-//!   mesh VIP, matched by original destination VIP:port.
+//!   mesh VIP, matched by original destination VIP:port for the pod's declared
+//!   upstreams, else treated as HTTP routed by authority.
 
 use envoy_types::pb::envoy::config::core::v3::CidrRange;
 use envoy_types::pb::envoy::config::listener::v3::{
@@ -15,7 +16,6 @@ use envoy_types::pb::envoy::extensions::filters::http::on_demand::v3::{OnDemand,
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::listener::http_inspector::v3::HttpInspector;
 use envoy_types::pb::envoy::extensions::filters::listener::original_dst::v3::OriginalDst;
-use envoy_types::pb::envoy::extensions::filters::network::direct_response::v3::Config as DirectResponse;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
     HttpConnectionManager, HttpFilter, Rds, http_connection_manager, http_filter,
 };
@@ -55,6 +55,21 @@ pub fn listeners(inputs: &Inputs, services: &[MeshService]) -> Vec<(String, Any)
 }
 
 fn outbound(pod: &LocalPod, netns: &str) -> Listener {
+    Listener {
+        name: outbound_name(pod),
+        stat_prefix: stat_name(&outbound_name(pod)),
+        address: Some(address("127.0.0.1", OUTBOUND_PORT, Some(netns))),
+        filter_chains: vec![chain(
+            None,
+            routed_by_authority(&format!("outbound.{}", pod.id().replace('/', "."))),
+        )],
+        ..Default::default()
+    }
+}
+
+/// HTTP routed by authority through the node's `outbound` table, with on-demand CDS
+/// for mesh names outside the dependency set.
+fn routed_by_authority(stat_prefix: &str) -> Filter {
     let on_demand = OnDemand {
         odcds: Some(OnDemandCds {
             source: ads(),
@@ -63,7 +78,7 @@ fn outbound(pod: &LocalPod, netns: &str) -> Listener {
         }),
     };
     let hcm = HttpConnectionManager {
-        stat_prefix: format!("outbound.{}", pod.id().replace('/', ".")),
+        stat_prefix: stat_prefix.to_owned(),
         route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
             config_source: ads(),
             route_config_name: OUTBOUND_ROUTES.to_owned(),
@@ -74,16 +89,7 @@ fn outbound(pod: &LocalPod, netns: &str) -> Listener {
         ],
         ..Default::default()
     };
-    Listener {
-        name: outbound_name(pod),
-        stat_prefix: stat_name(&outbound_name(pod)),
-        address: Some(address("127.0.0.1", OUTBOUND_PORT, Some(netns))),
-        filter_chains: vec![chain(
-            None,
-            network_filter("envoy.filters.network.http_connection_manager", &hcm),
-        )],
-        ..Default::default()
-    }
+    network_filter("envoy.filters.network.http_connection_manager", &hcm)
 }
 
 fn inbound(pod: &LocalPod, netns: &str) -> Option<Listener> {
@@ -126,9 +132,13 @@ fn inbound(pod: &LocalPod, netns: &str) -> Option<Listener> {
     })
 }
 
+/// Chains for the VIP:ports of the services this pod declared; any other captured
+/// connection is treated as HTTP routed by its authority (so an undeclared mesh name
+/// still works on demand), and anything that is not HTTP is closed.
 fn capture(pod: &LocalPod, netns: &str, services: &[MeshService]) -> Listener {
+    let declared = pod.info.upstreams().services;
     let mut filter_chains = Vec::new();
-    for service in services {
+    for service in services.iter().filter(|s| declared.contains(s.key)) {
         for (port, protocol) in &service.ports {
             let name = service.cluster(*port);
             let stat = format!("capture.{}", name.replace(':', "_"));
@@ -169,10 +179,9 @@ fn capture(pod: &LocalPod, netns: &str, services: &[MeshService]) -> Listener {
             &OriginalDst::default(),
         )],
         filter_chains,
-        // A VIP:port the node does not depend on: close at once rather than hang.
         default_filter_chain: Some(chain(
             None,
-            network_filter("envoy.filters.network.direct_response", &DirectResponse::default()),
+            routed_by_authority(&format!("capture.{}", pod.id().replace('/', "."))),
         )),
         ..Default::default()
     }
