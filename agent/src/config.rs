@@ -11,6 +11,8 @@ use aether_common::telemetry::LogFormat;
 pub enum PodSourceKind {
     /// A directory of Pod manifests (JSON), for local runs and tests.
     Static,
+    /// A watch of this node's Pods on the Kubernetes API (in-cluster config or kubeconfig).
+    Kubernetes,
 }
 
 #[derive(Clone, Debug, clap::Args)]

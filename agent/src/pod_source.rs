@@ -2,6 +2,7 @@
 //! `static` source reads Pod manifests (Kubernetes JSON) from a directory, for local
 //! runs and tests; the `kubernetes` source watches this node's Pods.
 
+pub mod kubernetes;
 pub mod manifest;
 pub mod static_dir;
 

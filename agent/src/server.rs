@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use crate::cni::CniService;
 use crate::config::{Config, PodSourceKind};
 use crate::node::{Node, NodeMetrics, WatchedCatalog};
-use crate::pod_source::{PodDirectory, static_dir};
+use crate::pod_source::{PodDirectory, kubernetes, static_dir};
 use crate::pod_store::{PodStore, PodStoreError};
 use crate::registrar::Registrar;
 use crate::xds::cache::Cache;
@@ -39,6 +39,8 @@ pub enum StartError {
     Socket { path: String, source: std::io::Error },
     #[error(transparent)]
     Admin(#[from] AdminError),
+    #[error("--pod-source kubernetes: {0}")]
+    Kubernetes(String),
 }
 
 pub struct Running {
@@ -157,6 +159,15 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         PodSourceKind::Static => {
             tokio::spawn(static_dir::run(
                 config.pod_dir.clone(),
+                directory.clone(),
+                shutdown.clone(),
+            ));
+        }
+        PodSourceKind::Kubernetes => {
+            let client = kubernetes::client_from_env().await.map_err(StartError::Kubernetes)?;
+            tokio::spawn(kubernetes::run(
+                client,
+                config.node_name.clone(),
                 directory.clone(),
                 shutdown.clone(),
             ));

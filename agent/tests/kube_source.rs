@@ -1,0 +1,512 @@
+//! The `kubernetes` pod source against a fake API server speaking real list and watch
+//! JSON over plain HTTP. Each test scripts the server request by request: it sees every
+//! request the watcher sends, checks its query, and answers with a list, a status, or a
+//! watch stream it then feeds event by event (or cuts).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::time::Duration;
+
+use aether_agent::pod_source::PodDirectory;
+use aether_agent::pod_source::kubernetes;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Request, Response, StatusCode, Uri};
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, timeout, timeout_at};
+use tokio_util::sync::CancellationToken;
+
+const NODE: &str = "node-a";
+/// Bound on every wait: kube's first backoff step is under 2s.
+const WAIT: Duration = Duration::from_secs(15);
+
+// ---------------------------------------------------------------- the fake API server
+
+type Body = BoxBody<Bytes, std::io::Error>;
+
+/// One request the watcher sent, waiting for the test to answer it.
+struct Call {
+    uri: Uri,
+    reply: oneshot::Sender<Reply>,
+}
+
+enum Reply {
+    Json(StatusCode, Value),
+    Watch(mpsc::UnboundedReceiver<Chunk>),
+}
+
+enum Chunk {
+    Line(Value),
+    /// Abort the connection mid-stream (no final chunk).
+    Cut,
+}
+
+struct FakeApi {
+    url: String,
+    calls: mpsc::UnboundedReceiver<Call>,
+}
+
+impl FakeApi {
+    async fn start() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (calls_tx, calls) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let calls_tx = calls_tx.clone();
+                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                    let calls_tx = calls_tx.clone();
+                    async move { Ok::<_, Infallible>(answer(req, calls_tx).await) }
+                });
+                tokio::spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Self { url, calls }
+    }
+
+    fn client(&self) -> kube::Client {
+        let config = kube::Config::new(self.url.parse().unwrap());
+        kube::Client::try_from(config).unwrap()
+    }
+
+    async fn next(&mut self, what: &str) -> Call {
+        match timeout(WAIT, self.calls.recv()).await {
+            Ok(Some(call)) => call,
+            _ => panic!("no {what} request within {WAIT:?}"),
+        }
+    }
+
+    /// Expects a list of the node's pods and answers it.
+    async fn expect_list(&mut self, resource_version: &str, items: Vec<Value>) {
+        let call = self.expect_list_call().await;
+        call.list(resource_version, items);
+    }
+
+    async fn expect_list_call(&mut self) -> Call {
+        let call = self.next("list").await;
+        let query = call.query();
+        assert_eq!(call.uri.path(), "/api/v1/pods", "{}", call.uri);
+        assert!(!query.contains_key("watch"), "expected a list, got {}", call.uri);
+        call.assert_node_selector();
+        call
+    }
+
+    /// Expects a watch from `resource_version` and returns the stream's controls.
+    async fn expect_watch(&mut self, resource_version: &str) -> Watch {
+        let call = self.expect_watch_call(resource_version).await;
+        call.watch()
+    }
+
+    async fn expect_watch_call(&mut self, resource_version: &str) -> Call {
+        let call = self.next("watch").await;
+        let query = call.query();
+        assert_eq!(call.uri.path(), "/api/v1/pods", "{}", call.uri);
+        assert_eq!(
+            query.get("watch").map(String::as_str),
+            Some("true"),
+            "expected a watch, got {}",
+            call.uri
+        );
+        assert_eq!(
+            query.get("resourceVersion").map(String::as_str),
+            Some(resource_version),
+            "{}",
+            call.uri
+        );
+        assert_eq!(query.get("allowWatchBookmarks").map(String::as_str), Some("true"));
+        call.assert_node_selector();
+        call
+    }
+}
+
+impl Call {
+    fn query(&self) -> HashMap<String, String> {
+        self.uri
+            .query()
+            .unwrap_or_default()
+            .split('&')
+            .filter(|p| !p.is_empty())
+            .map(|pair| {
+                let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+                (percent_decode(k), percent_decode(v))
+            })
+            .collect()
+    }
+
+    fn assert_node_selector(&self) {
+        let raw = self.uri.query().unwrap_or_default();
+        assert!(
+            raw.contains("fieldSelector=spec.nodeName%3Dnode-a"),
+            "no node field selector in {raw}"
+        );
+        assert_eq!(self.query()["fieldSelector"], format!("spec.nodeName={NODE}"));
+    }
+
+    fn list(self, resource_version: &str, items: Vec<Value>) {
+        // List items come without apiVersion/kind, as from a real API server.
+        let items: Vec<Value> = items
+            .into_iter()
+            .map(|mut pod| {
+                let object = pod.as_object_mut().unwrap();
+                object.remove("apiVersion");
+                object.remove("kind");
+                pod
+            })
+            .collect();
+        let list = json!({
+            "apiVersion": "v1", "kind": "PodList",
+            "metadata": {"resourceVersion": resource_version},
+            "items": items,
+        });
+        self.reply.send(Reply::Json(StatusCode::OK, list)).ok().unwrap();
+    }
+
+    fn status(self, code: StatusCode, reason: &str, message: &str) {
+        let status = json!({
+            "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code.as_u16(),
+        });
+        self.reply.send(Reply::Json(code, status)).ok().unwrap();
+    }
+
+    fn watch(self) -> Watch {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.reply.send(Reply::Watch(rx)).ok().unwrap();
+        Watch(tx)
+    }
+}
+
+/// The test's end of one watch response.
+struct Watch(mpsc::UnboundedSender<Chunk>);
+
+impl Watch {
+    fn send(&self, kind: &str, object: Value) {
+        self.0
+            .send(Chunk::Line(json!({"type": kind, "object": object})))
+            .unwrap();
+    }
+
+    fn bookmark(&self, resource_version: &str) {
+        self.send(
+            "BOOKMARK",
+            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"resourceVersion": resource_version}}),
+        );
+    }
+
+    fn expired(&self, resource_version: &str) {
+        self.send(
+            "ERROR",
+            json!({"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+                   "message": format!("too old resource version: {resource_version} (50)"),
+                   "reason": "Expired", "code": 410}),
+        );
+    }
+
+    /// The connection is dropped mid-stream.
+    fn cut(self) {
+        let _ = self.0.send(Chunk::Cut);
+    }
+
+    /// The server ends the response cleanly (as at the end of `timeoutSeconds`).
+    fn end(self) {}
+}
+
+async fn answer(req: Request<Incoming>, calls: mpsc::UnboundedSender<Call>) -> Response<Body> {
+    let (reply, replied) = oneshot::channel();
+    if calls
+        .send(Call {
+            uri: req.uri().clone(),
+            reply,
+        })
+        .is_err()
+    {
+        return json_response(StatusCode::SERVICE_UNAVAILABLE, json!({}));
+    }
+    match replied.await {
+        Ok(Reply::Json(code, body)) => json_response(code, body),
+        Ok(Reply::Watch(chunks)) => {
+            let frames = futures::stream::unfold(Some(chunks), |chunks| async move {
+                let mut chunks = chunks?;
+                match chunks.recv().await? {
+                    Chunk::Line(event) => {
+                        let line = format!("{event}\n");
+                        Some((Ok(Frame::data(Bytes::from(line))), Some(chunks)))
+                    }
+                    Chunk::Cut => Some((Err(std::io::Error::other("cut")), None)),
+                }
+            });
+            Response::builder()
+                .header("content-type", "application/json")
+                .body(BodyExt::boxed(StreamBody::new(frames)))
+                .unwrap()
+        }
+        // The test is over.
+        Err(_) => json_response(StatusCode::SERVICE_UNAVAILABLE, json!({})),
+    }
+}
+
+fn json_response(code: StatusCode, body: Value) -> Response<Body> {
+    Response::builder()
+        .status(code)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())).map_err(|e| match e {}).boxed())
+        .unwrap()
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap();
+                out.push(u8::from_str_radix(hex, 16).unwrap());
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).unwrap()
+}
+
+// ---------------------------------------------------------------- helpers
+
+/// A Pod as the API server sends it in a watch event.
+fn pod(name: &str, resource_version: &str, port: i64) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": name, "namespace": "shop", "uid": format!("uid-{name}"),
+            "resourceVersion": resource_version,
+            "labels": {"aether.io/managed": "true", "app": name},
+            "annotations": {"config.aether.io/upstreams": "cart"},
+        },
+        "spec": {
+            "nodeName": NODE, "serviceAccountName": "web",
+            "containers": [{"name": "app", "image": "app:1",
+                            "ports": [{"name": "http", "containerPort": port}]}],
+        },
+        "status": {"phase": "Running"},
+    })
+}
+
+fn terminating(mut pod: Value, resource_version: &str) -> Value {
+    pod["metadata"]["deletionTimestamp"] = json!("2025-06-01T12:00:00Z");
+    pod["metadata"]["resourceVersion"] = json!(resource_version);
+    pod
+}
+
+/// Waits (bounded) until `check` holds for the directory.
+async fn eventually(pods: &PodDirectory, what: &str, check: impl Fn(&PodDirectory) -> bool) {
+    let mut changes = pods.subscribe();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if check(pods) {
+            return;
+        }
+        if timeout_at(deadline, changes.changed()).await.is_err() {
+            panic!("timed out after {WAIT:?} waiting until {what}");
+        }
+    }
+}
+
+fn has(pods: &PodDirectory, name: &str) -> bool {
+    pods.get(&format!("shop/{name}")).is_some()
+}
+
+struct Running {
+    pods: PodDirectory,
+    shutdown: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+fn start(api: &FakeApi) -> Running {
+    let pods = PodDirectory::default();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(kubernetes::run(
+        api.client(),
+        NODE.into(),
+        pods.clone(),
+        shutdown.clone(),
+    ));
+    Running { pods, shutdown, task }
+}
+
+impl Running {
+    async fn stop(self) {
+        assert!(!self.task.is_finished(), "the pod source exited before shutdown");
+        self.shutdown.cancel();
+        timeout(WAIT, self.task)
+            .await
+            .expect("the pod source stops on shutdown")
+            .unwrap();
+    }
+}
+
+// ---------------------------------------------------------------- tests
+
+#[tokio::test]
+async fn lists_then_follows_the_watch_across_cut_and_ended_streams() {
+    let mut api = FakeApi::start().await;
+    let run = start(&api);
+    let pods = &run.pods;
+
+    // Initial list: two good pods and one whose port is out of range.
+    api.expect_list(
+        "1",
+        vec![pod("a", "1", 8080), pod("b", "1", 8081), pod("bad", "1", 70000)],
+    )
+    .await;
+    eventually(pods, "the initial list is served", |p| has(p, "a") && has(p, "b")).await;
+    assert!(!has(pods, "bad"), "a pod with an out-of-range port is skipped");
+    let a = pods.get("shop/a").unwrap();
+    assert_eq!(a.uid, "uid-a");
+    assert_eq!(a.service(), "shop/web");
+    assert!(a.is_managed());
+    assert_eq!(a.annotations["config.aether.io/upstreams"], "cart");
+    assert_eq!(
+        (a.ports[0].name.as_str(), a.ports[0].port, a.ports[0].protocol.as_str()),
+        ("http", 8080, "TCP")
+    );
+    assert!(!a.terminating);
+
+    // Watch from the list's resourceVersion.
+    let watch = api.expect_watch("1").await;
+    watch.send("ADDED", pod("c", "2", 8082));
+    eventually(pods, "ADDED c is served", |p| has(p, "c")).await;
+    watch.send("MODIFIED", terminating(pod("a", "3", 8080), "3"));
+    eventually(pods, "a is terminating", |p| {
+        p.get("shop/a").is_some_and(|a| a.terminating)
+    })
+    .await;
+    watch.send("DELETED", terminating(pod("a", "4", 8080), "4"));
+    eventually(pods, "DELETED a is gone", |p| !has(p, "a")).await;
+    assert!(has(pods, "b") && has(pods, "c"));
+    watch.bookmark("10");
+    // The server ends the response cleanly (timeoutSeconds): the watcher resumes from the bookmark.
+    watch.end();
+
+    let watch = api.expect_watch("10").await;
+    // What happened while away, plus a pod that does not convert.
+    watch.send("DELETED", pod("b", "11", 8081));
+    watch.send("ADDED", pod("bad2", "12", 0));
+    watch.send("ADDED", pod("e", "13", 8083));
+    eventually(pods, "the resumed watch converges", |p| has(p, "e") && !has(p, "b")).await;
+    assert!(!has(pods, "bad2"), "a pod with port 0 is skipped");
+    assert!(has(pods, "c"), "other pods still served");
+    // The connection drops mid-stream: the watcher resumes from the last event it saw.
+    watch.cut();
+
+    let watch = api.expect_watch("13").await;
+    // What happened while away: c went, and the bad pod was fixed.
+    watch.send("DELETED", pod("c", "14", 8082));
+    watch.send("MODIFIED", pod("bad2", "15", 8084));
+    eventually(pods, "the re-watch converges", |p| has(p, "bad2") && !has(p, "c")).await;
+    assert_eq!(pods.get("shop/bad2").unwrap().ports[0].port, 8084);
+    assert!(has(pods, "e") && !has(pods, "a") && !has(pods, "b"));
+
+    run.stop().await;
+}
+
+#[tokio::test]
+async fn an_expired_resource_version_in_the_watch_relists() {
+    let mut api = FakeApi::start().await;
+    let run = start(&api);
+    let pods = &run.pods;
+
+    api.expect_list("1", vec![pod("a", "1", 8080), pod("b", "1", 8081)])
+        .await;
+    eventually(pods, "the initial list is served", |p| has(p, "a") && has(p, "b")).await;
+
+    let watch = api.expect_watch("1").await;
+    watch.expired("1");
+
+    // A fresh list, no resourceVersion: the most recent state.
+    let list = api.expect_list_call().await;
+    assert!(!list.query().contains_key("resourceVersion"), "{}", list.uri);
+    // Until the re-list completes the last good set stays served.
+    assert!(has(pods, "a") && has(pods, "b"));
+    list.list(
+        "50",
+        vec![terminating(pod("a", "45", 8080), "45"), pod("c", "48", 8082)],
+    );
+    eventually(pods, "the re-list replaces the set", |p| has(p, "c") && !has(p, "b")).await;
+    assert!(pods.get("shop/a").unwrap().terminating);
+
+    let watch = api.expect_watch("50").await;
+    watch.send("ADDED", pod("d", "51", 8083));
+    eventually(pods, "the new watch is followed", |p| has(p, "d")).await;
+
+    run.stop().await;
+}
+
+#[tokio::test]
+async fn a_410_answering_the_watch_request_relists() {
+    let mut api = FakeApi::start().await;
+    let run = start(&api);
+    let pods = &run.pods;
+
+    api.expect_list("1", vec![pod("a", "1", 8080)]).await;
+    eventually(pods, "the initial list is served", |p| has(p, "a")).await;
+
+    api.expect_watch_call("1")
+        .await
+        .status(StatusCode::GONE, "Expired", "too old resource version: 1 (60)");
+
+    api.expect_list("60", vec![pod("b", "60", 8081)]).await;
+    eventually(pods, "the re-list replaces the set", |p| has(p, "b") && !has(p, "a")).await;
+    let watch = api.expect_watch("60").await;
+    watch.send("ADDED", pod("c", "61", 8082));
+    eventually(pods, "the new watch is followed", |p| has(p, "c")).await;
+
+    run.stop().await;
+}
+
+#[tokio::test]
+async fn failing_requests_are_retried_with_backoff() {
+    let mut api = FakeApi::start().await;
+    let run = start(&api);
+    let pods = &run.pods;
+
+    // No RBAC yet: the list is refused, then retried after a backoff.
+    let refused = Instant::now();
+    api.expect_list_call()
+        .await
+        .status(StatusCode::FORBIDDEN, "Forbidden", "pods is forbidden");
+    api.expect_list("1", vec![pod("a", "1", 8080)]).await;
+    assert!(
+        refused.elapsed() >= Duration::from_millis(300),
+        "retried without backoff"
+    );
+    eventually(pods, "the list is served once allowed", |p| has(p, "a")).await;
+
+    // A watch that fails to start is retried from the same resourceVersion; pods stay served.
+    api.expect_watch_call("1")
+        .await
+        .status(StatusCode::INTERNAL_SERVER_ERROR, "InternalError", "etcd is down");
+    assert!(has(pods, "a"));
+    let watch = api.expect_watch("1").await;
+    watch.send("DELETED", pod("a", "2", 8080));
+    eventually(pods, "the retried watch is followed", |p| !has(p, "a")).await;
+
+    run.stop().await;
+}
