@@ -40,6 +40,8 @@ pub struct NodeMetrics {
     pub dependencies: Gauge,
     pub clusters: Gauge,
     pub pods: Gauge,
+    /// Annotation entries skipped as malformed, across local pods.
+    pub pod_config_errors: Gauge,
     pub rebuilds: prometheus_client::metrics::counter::Counter,
 }
 
@@ -208,6 +210,9 @@ impl Node {
         });
         self.metrics.dependencies.set(deps.len() as i64);
         self.metrics.pods.set(pods.len() as i64);
+        self.metrics
+            .pod_config_errors
+            .set(pods.iter().map(|p| p.info.config_errors().len()).sum::<usize>() as i64);
         self.metrics
             .clusters
             .set(resources.get(xds::CLUSTER).map_or(0, Vec::len) as i64);

@@ -107,6 +107,11 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     );
     metrics.register("pods", "Mesh pods on this node", node_metrics.pods.clone());
     metrics.register(
+        "pod_config_errors",
+        "Malformed mesh annotation entries on this node's pods (skipped; see /debug/pods)",
+        node_metrics.pod_config_errors.clone(),
+    );
+    metrics.register(
         "rebuilds",
         "xDS snapshots that changed something",
         node_metrics.rebuilds.clone(),

@@ -515,6 +515,9 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
         ])
     );
 
+    let metrics = mesh.agent_get("/metrics").await;
+    assert!(metrics.lines().any(|l| l == "aether_agent_pod_config_errors 1"), "{metrics}");
+
     // CHECK and DEL.
     cni.check_pod(CheckPodRequest {
         container_id: "sandbox-1".into(),
