@@ -23,7 +23,7 @@ fn main() {
                 vip: format!("240.240.{}.{}", s / 250, s % 250 + 1),
             },
         );
-        let endpoints = (0..10)
+        let endpoints: BTreeMap<String, Endpoint> = (0..10)
             .map(|e| {
                 let address = format!("10.{}.{}.{}", s / 250, s % 250, e + 1);
                 let endpoint = Endpoint {
@@ -46,7 +46,7 @@ fn main() {
                 (address, endpoint)
             })
             .collect();
-        catalog.endpoints.insert(key, endpoints);
+        catalog.endpoints.insert(key, std::sync::Arc::new(endpoints));
     }
     let pods: Vec<LocalPod> = (0..100)
         .map(|p| {

@@ -3,15 +3,20 @@
 //! registrar's tests use it to check what a watcher would believe.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use crate::registrar::v1::{Version, WatchResponse, change, watch_response};
 use crate::registry::v1::{Endpoint, Service};
+
+/// A service's endpoints by address. Shared: cloning a catalog is cheap, and a
+/// service whose endpoints did not change keeps the same `Arc` (consumers can skip it).
+pub type Endpoints = Arc<BTreeMap<String, Endpoint>>;
 
 /// Services by key (`<ns>/<name>`), and their endpoints by address.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Catalog {
     pub services: BTreeMap<String, Service>,
-    pub endpoints: BTreeMap<String, BTreeMap<String, Endpoint>>,
+    pub endpoints: BTreeMap<String, Endpoints>,
 }
 
 /// What a client believes after the messages it has applied.
@@ -73,7 +78,7 @@ impl Catalog {
                 address: endpoint.address,
             });
         };
-        endpoints.insert(endpoint.address.clone(), endpoint);
+        Arc::make_mut(endpoints).insert(endpoint.address.clone(), endpoint);
         Ok(())
     }
 
@@ -133,7 +138,7 @@ impl WatchView {
                         }
                         change::Change::EndpointRemoved(removed) => {
                             if let Some(endpoints) = self.catalog.endpoints.get_mut(&removed.service) {
-                                endpoints.remove(&removed.address);
+                                Arc::make_mut(endpoints).remove(&removed.address);
                             }
                         }
                     }

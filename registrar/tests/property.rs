@@ -10,6 +10,7 @@
 mod support;
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registrar::v1::{RegisterEndpointRequest, UnregisterEndpointRequest, WatchRequest, watch_response};
@@ -186,7 +187,7 @@ impl Case {
                     .expect("register")
                     .into_inner();
                 let key = SERVICES[service].to_string();
-                let endpoints = self.model.endpoints.entry(key.clone()).or_default();
+                let endpoints = Arc::make_mut(self.model.endpoints.entry(key.clone()).or_default());
                 let changed = endpoints.get(&e.address) != Some(&e);
                 endpoints.insert(e.address.clone(), e);
                 let new_service = !self.model.services.contains_key(&key);
@@ -207,7 +208,7 @@ impl Case {
                     .model
                     .endpoints
                     .get_mut(SERVICES[service])
-                    .and_then(|e| e.remove(ADDRESSES[address]))
+                    .and_then(|e| Arc::make_mut(e).remove(ADDRESSES[address]))
                     .is_some();
                 assert_eq!(reply.existed, had);
                 self.record(reply.version.unwrap().seq, had);
@@ -272,10 +273,7 @@ impl Case {
                     for ((e, reply), &v) in endpoints.iter().zip(&replies).zip(&versions) {
                         if v <= seq {
                             state.services.insert(e.service.clone(), reply.service.clone().unwrap());
-                            state
-                                .endpoints
-                                .entry(e.service.clone())
-                                .or_default()
+                            Arc::make_mut(state.endpoints.entry(e.service.clone()).or_default())
                                 .insert(e.address.clone(), e.clone());
                         }
                     }

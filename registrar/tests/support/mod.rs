@@ -191,7 +191,7 @@ pub async fn catalog(client: &mut RegistrarClient<Channel>, matches: impl Fn(&st
             .endpoints;
         catalog.endpoints.insert(
             key.clone(),
-            endpoints.into_iter().map(|e| (e.address.clone(), e)).collect(),
+            std::sync::Arc::new(endpoints.into_iter().map(|e| (e.address.clone(), e)).collect()),
         );
         catalog.services.insert(key, service);
     }

@@ -4,8 +4,8 @@
 //! - `inbound` on 0.0.0.0:18008: traffic from peers, delivered to the app on
 //!   127.0.0.1:<port> (HTTP by the port header, anything else to the primary port);
 //! - `capture` on 127.0.0.1:18001: connections the pod's nft rules redirected from a
-//!   mesh VIP, matched by original destination VIP:port for the pod's declared
-//!   upstreams, else treated as HTTP routed by authority.
+//!   mesh VIP: HTTP routed by authority (name or VIP), plain TCP by original
+//!   destination VIP:port for the pod's declared upstreams.
 
 use envoy_types::pb::envoy::config::core::v3::CidrRange;
 use envoy_types::pb::envoy::config::listener::v3::{
@@ -23,7 +23,7 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpPro
 use envoy_types::pb::google::protobuf::{Any, UInt32Value};
 
 use super::clusters::local_name;
-use super::routes::{OUTBOUND_ROUTES, inbound_routes, service_routes};
+use super::routes::{OUTBOUND_ROUTES, inbound_routes};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
 use super::{Inputs, MeshService, is_http};
 use crate::pod::LocalPod;
@@ -132,29 +132,17 @@ fn inbound(pod: &LocalPod, netns: &str) -> Option<Listener> {
     })
 }
 
-/// Chains for the VIP:ports of the services this pod declared; any other captured
-/// connection is treated as HTTP routed by its authority (so an undeclared mesh name
-/// still works on demand), and anything that is not HTTP is closed.
+/// Captured connections: plain TCP to a VIP:port of a service this pod declared goes
+/// to that service port's cluster by original destination; everything else is HTTP
+/// routed by authority through the node's `outbound` table, whose virtual hosts answer
+/// to each service's VIP as well as its name (and on demand for undeclared mesh names).
+/// Anything that is neither is closed.
 fn capture(pod: &LocalPod, netns: &str, services: &[MeshService]) -> Listener {
     let declared = pod.info.upstreams().services;
     let mut filter_chains = Vec::new();
     for service in services.iter().filter(|s| declared.contains(s.key)) {
-        for (port, protocol) in &service.ports {
+        for (port, _) in service.ports.iter().filter(|(_, p)| !is_http(**p)) {
             let name = service.cluster(*port);
-            let stat = format!("capture.{}", name.replace(':', "_"));
-            let filter = if is_http(*protocol) {
-                let hcm = hcm_inline(
-                    &stat,
-                    RouteConfiguration {
-                        name: format!("capture|{name}"),
-                        virtual_hosts: vec![service_routes(service, *port, "capture", &["*".to_owned()])],
-                        ..Default::default()
-                    },
-                );
-                network_filter("envoy.filters.network.http_connection_manager", &hcm)
-            } else {
-                tcp_proxy_to(&stat, &name)
-            };
             filter_chains.push(chain(
                 Some(FilterChainMatch {
                     destination_port: Some(UInt32Value { value: *port }),
@@ -166,7 +154,7 @@ fn capture(pod: &LocalPod, netns: &str, services: &[MeshService]) -> Listener {
                     }],
                     ..Default::default()
                 }),
-                filter,
+                tcp_proxy_to(&format!("capture.{}", name.replace(':', "_")), &name),
             ));
         }
     }

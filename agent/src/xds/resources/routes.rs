@@ -24,21 +24,30 @@ pub fn route_configs(inputs: &Inputs, services: &[MeshService]) -> Vec<(String, 
     for service in services {
         if service.ports.is_empty() {
             // Known, but nothing serves it right now: a retryable 503, not a 404.
+            let vip = host_literal(service.vip);
             virtual_hosts.push(VirtualHost {
                 name: service.fqdn.clone(),
-                domains: vec![service.fqdn.clone(), format!("{}:*", service.fqdn)],
+                domains: vec![
+                    service.fqdn.clone(),
+                    format!("{}:*", service.fqdn),
+                    vip.clone(),
+                    format!("{vip}:*"),
+                ],
                 routes: vec![direct(503, "no endpoints for this mesh service\n")],
                 ..Default::default()
             });
             continue;
         }
         let default = service.default_port();
+        // By name, or by VIP: a captured HTTP connection carries the VIP as its authority.
+        let vip = host_literal(service.vip);
         for port in service.ports.keys() {
-            let mut domains = vec![service.cluster(*port)];
+            let mut domains = vec![service.cluster(*port), format!("{vip}:{port}")];
             if Some(*port) == default {
                 domains.push(service.fqdn.clone());
+                domains.push(vip.clone());
             }
-            virtual_hosts.push(service_routes(service, *port, "outbound", &domains));
+            virtual_hosts.push(service_routes(service, *port, domains));
         }
     }
     virtual_hosts.push(catch_all(inputs.mesh_domain));
@@ -51,11 +60,11 @@ pub fn route_configs(inputs: &Inputs, services: &[MeshService]) -> Vec<(String, 
 }
 
 /// A virtual host sending everything to one service port's cluster.
-pub fn service_routes(service: &MeshService, port: u32, prefix: &str, domains: &[String]) -> VirtualHost {
+fn service_routes(service: &MeshService, port: u32, domains: Vec<String>) -> VirtualHost {
     let cluster = service.cluster(port);
     VirtualHost {
-        name: format!("{prefix}|{cluster}"),
-        domains: domains.to_vec(),
+        name: cluster.clone(),
+        domains,
         routes: vec![Route {
             r#match: Some(prefix_match("/")),
             action: Some(route::Action::Route(RouteAction {
@@ -148,6 +157,15 @@ pub fn inbound_routes(pod: &LocalPod, http_ports: &[u16]) -> RouteConfiguration 
         }],
         request_headers_to_remove: vec![PORT_HEADER.to_owned()],
         ..Default::default()
+    }
+}
+
+/// An address as it appears in a Host header (IPv6 in brackets).
+fn host_literal(ip: &str) -> String {
+    if ip.contains(':') {
+        format!("[{ip}]")
+    } else {
+        ip.to_owned()
     }
 }
 
