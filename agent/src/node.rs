@@ -19,7 +19,7 @@ use crate::pod::LocalPod;
 use crate::pod_store::PodStore;
 use crate::xds;
 use crate::xds::cache::Cache;
-use crate::xds::resources::{self, Inputs};
+use crate::xds::resources::{self, Generator, Inputs};
 
 /// Quiet time that ends a burst of changes.
 pub const DEBOUNCE: Duration = Duration::from_millis(5);
@@ -64,6 +64,7 @@ pub struct Node {
     pub catalog: watch::Receiver<Arc<WatchedCatalog>>,
     dependencies: Arc<watch::Sender<BTreeSet<String>>>,
     on_demand: Arc<Mutex<OnDemand>>,
+    generator: Arc<Mutex<Generator>>,
     wake: Arc<Notify>,
     pub metrics: NodeMetrics,
 }
@@ -86,6 +87,7 @@ impl Node {
             catalog,
             dependencies: Arc::new(dependencies),
             on_demand: Arc::default(),
+            generator: Arc::default(),
             wake: Arc::default(),
             metrics,
         }
@@ -165,6 +167,9 @@ impl Node {
     }
 
     pub fn rebuild(&self) {
+        // Reading inputs, generating and publishing happen under one lock, so
+        // concurrent rebuilds publish in the order they read their inputs.
+        let mut generator = self.generator.lock().expect("generator lock");
         let pods = self.pods.all();
         let deps = self.dependencies(&pods);
         self.dependencies.send_if_modified(|current| {
@@ -201,7 +206,7 @@ impl Node {
                 .collect();
             (pending, on_demand.clusters.clone())
         };
-        let resources = resources::generate(&Inputs {
+        let resources = generator.generate(&Inputs {
             pods: &pods,
             catalog: &catalog,
             mesh_domain: &self.mesh_domain,

@@ -12,12 +12,22 @@ use aether_common::hash::{fnv1a, fnv1a_extend};
 use envoy_types::pb::google::protobuf::Any;
 use tokio::sync::watch;
 
-/// One resource as served.
+/// One resource as served. Its version is computed once, when it is generated.
 #[derive(Debug, PartialEq)]
 pub struct Resource {
     pub name: String,
     pub version: String,
     pub body: Any,
+}
+
+impl Resource {
+    pub fn new(name: String, body: Any) -> Arc<Self> {
+        Arc::new(Self {
+            version: version_of(&body),
+            name,
+            body,
+        })
+    }
 }
 
 /// Everything served at one moment: type URL → name → resource.
@@ -78,14 +88,14 @@ impl Cache {
     /// Replaces the served resources with `resources` (type URL → named bodies).
     /// Resources whose bytes did not change keep their `Arc` and version. Returns
     /// whether anything changed.
-    pub fn set(&self, resources: BTreeMap<String, Vec<(String, Any)>>) -> bool {
+    pub fn set(&self, resources: BTreeMap<String, Vec<Arc<Resource>>>) -> bool {
         self.set_with_pending(resources, BTreeSet::new())
     }
 
     /// [`Cache::set`], with the names still being looked up on demand.
     pub fn set_with_pending(
         &self,
-        resources: BTreeMap<String, Vec<(String, Any)>>,
+        resources: BTreeMap<String, Vec<Arc<Resource>>>,
         pending: BTreeSet<(String, String)>,
     ) -> bool {
         let _serial = self.update.lock().expect("cache update lock");
@@ -95,20 +105,15 @@ impl Cache {
         for (type_url, items) in resources {
             let old = current.types.get(&type_url);
             let mut named = BTreeMap::new();
-            for (name, body) in items {
-                let version = version_of(&body);
-                let resource = match old.and_then(|o| o.get(&name)) {
-                    Some(prev) if prev.version == version => prev.clone(),
+            for resource in items {
+                let resource = match old.and_then(|o| o.get(&resource.name)) {
+                    Some(prev) if prev.version == resource.version => prev.clone(),
                     _ => {
                         changed = true;
-                        Arc::new(Resource {
-                            name: name.clone(),
-                            version,
-                            body,
-                        })
+                        resource
                     }
                 };
-                named.insert(name, resource);
+                named.insert(resource.name.clone(), resource);
             }
             if old.map_or(0, BTreeMap::len) != named.len() {
                 changed = true;
@@ -250,7 +255,7 @@ mod tests {
         let set = |a: &[u8], b: &[u8]| {
             cache.set(BTreeMap::from([(
                 "t".to_string(),
-                vec![("a".to_string(), any(a)), ("b".to_string(), any(b))],
+                vec![Resource::new("a".into(), any(a)), Resource::new("b".into(), any(b))],
             )]))
         };
         assert!(set(b"1", b"2"));
@@ -261,14 +266,20 @@ mod tests {
         assert_eq!(second.serial, first.serial + 1);
         assert!(Arc::ptr_eq(&first.types["t"]["a"], &second.types["t"]["a"]));
         assert_ne!(first.types["t"]["b"].version, second.types["t"]["b"].version);
-        assert!(cache.set(BTreeMap::from([("t".to_string(), vec![("a".to_string(), any(b"1"))])])));
+        assert!(cache.set(BTreeMap::from([(
+            "t".to_string(),
+            vec![Resource::new("a".into(), any(b"1"))]
+        )])));
         assert_eq!(cache.snapshot().types["t"].len(), 1, "a dropped resource stayed");
     }
 
     #[tokio::test(start_paused = true)]
     async fn waiting_for_an_ack_sees_the_ack_or_times_out() {
         let cache = Cache::default();
-        cache.set(BTreeMap::from([("t".to_string(), vec![("a".to_string(), any(b"1"))])]));
+        cache.set(BTreeMap::from([(
+            "t".to_string(),
+            vec![Resource::new("a".into(), any(b"1"))],
+        )]));
         let version = cache.snapshot().types["t"]["a"].version.clone();
         let err = cache.wait_acked(&[("t", "a".into())], Duration::from_secs(1)).await;
         assert_eq!(err, Err("Envoy has not acknowledged a".into()));

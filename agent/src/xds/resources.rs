@@ -16,10 +16,14 @@ mod util;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use aether_proto::registry::v1::{Locality, Protocol};
-use aether_proto::view::Catalog;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use aether_proto::registry::v1::{Locality, Protocol, Service};
+use aether_proto::view::{Catalog, Endpoints};
 use envoy_types::pb::google::protobuf::Any;
 
+use super::cache::Resource;
 use crate::pod::LocalPod;
 
 pub use util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, PORT_HEADER};
@@ -38,10 +42,12 @@ pub struct Inputs<'a> {
 /// A service in the node's dependency set, as the generators see it.
 pub struct MeshService<'a> {
     pub key: &'a str,
+    pub service: &'a Service,
     pub fqdn: String,
     pub vip: &'a str,
     /// The ports its endpoints serve, with their protocol.
     pub ports: BTreeMap<u32, Protocol>,
+    pub endpoints: Option<&'a Endpoints>,
 }
 
 impl MeshService<'_> {
@@ -101,37 +107,165 @@ pub fn services<'a>(catalog: &'a Catalog, mesh_domain: &str) -> Vec<MeshService<
             }
             MeshService {
                 key,
+                service,
                 fqdn: fqdn(key, mesh_domain),
                 vip: &service.vip,
                 ports,
+                endpoints: catalog.endpoints.get(key),
             }
         })
         .collect()
 }
 
-/// All resources for the node, by type URL.
-pub fn generate(inputs: &Inputs) -> BTreeMap<String, Vec<(String, Any)>> {
-    let services = services(inputs.catalog, inputs.mesh_domain);
-    let mut out = BTreeMap::new();
-    let mut cluster_list = clusters::clusters(inputs, &services);
-    let mut endpoint_list = clusters::endpoints(inputs, &services);
-    // Asked for on demand, known, but with nothing serving that port: serve the cluster
-    // empty, so callers get a retryable 503 instead of a 404.
-    let served: BTreeSet<String> = cluster_list.iter().map(|(n, _)| n.clone()).collect();
-    for (name, service) in inputs.on_demand {
-        if served.contains(name) || !inputs.catalog.services.contains_key(service) {
-            continue;
+/// Resources by type URL, each with its version.
+pub type Generated = BTreeMap<String, Vec<Arc<Resource>>>;
+
+/// The generators with their memory: a service's clusters and assignments are rebuilt
+/// only when the service or its endpoints changed (the catalog view shares unchanged
+/// endpoint sets), a pod's listeners only when the pod or its declared services'
+/// addresses changed, the route table only when some service's name, VIP or ports did.
+#[derive(Default)]
+pub struct Generator {
+    services: HashMap<String, ServiceMemo>,
+    pods: HashMap<String, PodMemo>,
+    routes: Option<(Vec<RouteKey>, Vec<Arc<Resource>>)>,
+}
+
+struct ServiceMemo {
+    service: Service,
+    endpoints: Option<Endpoints>,
+    clusters: Vec<Arc<Resource>>,
+    assignments: Vec<Arc<Resource>>,
+}
+
+struct PodMemo {
+    pod: LocalPod,
+    declared: Vec<RouteKey>,
+    listeners: Vec<Arc<Resource>>,
+    clusters: Vec<Arc<Resource>>,
+}
+
+/// What a service contributes to routes and capture chains.
+#[derive(Clone, PartialEq)]
+struct RouteKey {
+    key: String,
+    vip: String,
+    ports: BTreeMap<u32, Protocol>,
+}
+
+impl RouteKey {
+    fn of(service: &MeshService) -> Self {
+        Self {
+            key: service.key.to_owned(),
+            vip: service.vip.to_owned(),
+            ports: service.ports.clone(),
         }
-        cluster_list.push((name.clone(), clusters::empty_cluster(name)));
-        endpoint_list.push((name.clone(), clusters::empty_assignment(name)));
     }
-    cluster_list.sort_by(|a, b| a.0.cmp(&b.0));
-    endpoint_list.sort_by(|a, b| a.0.cmp(&b.0));
-    out.insert(super::CLUSTER.to_owned(), cluster_list);
-    out.insert(super::ENDPOINT.to_owned(), endpoint_list);
-    out.insert(super::LISTENER.to_owned(), listeners::listeners(inputs, &services));
-    out.insert(super::ROUTE.to_owned(), routes::route_configs(inputs, &services));
-    out
+}
+
+fn resources(items: Vec<(String, Any)>) -> Vec<Arc<Resource>> {
+    items
+        .into_iter()
+        .map(|(name, body)| Resource::new(name, body))
+        .collect()
+}
+
+impl Generator {
+    /// All resources for the node, by type URL.
+    pub fn generate(&mut self, inputs: &Inputs) -> Generated {
+        let services = services(inputs.catalog, inputs.mesh_domain);
+        let mut clusters = Vec::new();
+        let mut assignments = Vec::new();
+        let mut listeners = Vec::new();
+
+        let mut fresh = HashMap::new();
+        for service in &services {
+            let memo = match self.services.remove(service.key) {
+                Some(memo)
+                    if memo.service == *service.service
+                        && match (&memo.endpoints, service.endpoints) {
+                            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                            (None, None) => true,
+                            _ => false,
+                        } =>
+                {
+                    memo
+                }
+                _ => {
+                    let (c, a) = clusters::service_resources(service, inputs.locality);
+                    ServiceMemo {
+                        service: service.service.clone(),
+                        endpoints: service.endpoints.cloned(),
+                        clusters: resources(c),
+                        assignments: resources(a),
+                    }
+                }
+            };
+            clusters.extend(memo.clusters.iter().cloned());
+            assignments.extend(memo.assignments.iter().cloned());
+            fresh.insert(service.key.to_owned(), memo);
+        }
+        self.services = fresh;
+
+        let by_key: HashMap<&str, &MeshService> = services.iter().map(|s| (s.key, s)).collect();
+        let mut fresh = HashMap::new();
+        for pod in inputs.pods {
+            let declared: Vec<&MeshService> = pod
+                .info
+                .upstreams()
+                .services
+                .iter()
+                .filter_map(|key| by_key.get(key.as_str()).copied())
+                .collect();
+            let declared_keys: Vec<RouteKey> = declared.iter().map(|s| RouteKey::of(s)).collect();
+            let memo = match self.pods.remove(&pod.id()) {
+                Some(memo) if memo.pod == *pod && memo.declared == declared_keys => memo,
+                _ => PodMemo {
+                    pod: pod.clone(),
+                    declared: declared_keys,
+                    listeners: resources(listeners::pod_listeners(pod, &declared)),
+                    clusters: resources(clusters::pod_clusters(pod)),
+                },
+            };
+            listeners.extend(memo.listeners.iter().cloned());
+            clusters.extend(memo.clusters.iter().cloned());
+            fresh.insert(pod.id(), memo);
+        }
+        self.pods = fresh;
+
+        // Asked for on demand, known, but with nothing serving that port: serve the cluster
+        // empty, so callers get a retryable 503 instead of a 404.
+        let served: BTreeSet<String> = clusters.iter().map(|r| r.name.clone()).collect();
+        for (name, service) in inputs.on_demand {
+            if served.contains(name) || !inputs.catalog.services.contains_key(service) {
+                continue;
+            }
+            clusters.push(Resource::new(name.clone(), clusters::empty_cluster(name)));
+            assignments.push(Resource::new(name.clone(), clusters::empty_assignment(name)));
+        }
+
+        let route_keys: Vec<RouteKey> = services.iter().map(RouteKey::of).collect();
+        let routes = match self.routes.take() {
+            Some((keys, routes)) if keys == route_keys => routes,
+            _ => resources(routes::route_configs(inputs.mesh_domain, &services)),
+        };
+        self.routes = Some((route_keys, routes.clone()));
+
+        clusters.sort_by(|a, b| a.name.cmp(&b.name));
+        assignments.sort_by(|a, b| a.name.cmp(&b.name));
+        listeners.sort_by(|a, b| a.name.cmp(&b.name));
+        BTreeMap::from([
+            (super::CLUSTER.to_owned(), clusters),
+            (super::ENDPOINT.to_owned(), assignments),
+            (super::LISTENER.to_owned(), listeners),
+            (super::ROUTE.to_owned(), routes),
+        ])
+    }
+}
+
+/// All resources for the node, computed from scratch.
+pub fn generate(inputs: &Inputs) -> Generated {
+    Generator::default().generate(inputs)
 }
 
 /// The names of a pod's listeners (what AddPod waits for Envoy to ACK).

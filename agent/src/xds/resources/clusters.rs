@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use aether_proto::registry::v1::{Endpoint as MeshEndpoint, Health, Protocol};
+use aether_proto::registry::v1::{Endpoint as MeshEndpoint, Health, Locality as MeshLocality, Protocol};
 use envoy_types::pb::envoy::config::cluster::v3::{Cluster, OutlierDetection, cluster};
 use envoy_types::pb::envoy::config::core::v3::{BindConfig, HealthStatus, Http2ProtocolOptions, Locality};
 use envoy_types::pb::envoy::config::endpoint::v3::{
@@ -21,7 +21,7 @@ use envoy_types::pb::envoy::extensions::filters::http::upstream_codec::v3::Upstr
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{HttpFilter, http_filter};
 
 use super::util::{INBOUND_PORT, PORT_HEADER, address, ads, any, millis, socket, u32v};
-use super::{Inputs, MeshService, is_http};
+use super::{MeshService, is_http};
 
 const HTTP_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
 
@@ -42,22 +42,35 @@ pub fn service_clusters(service: &MeshService) -> Vec<(String, u32, Protocol)> {
     names
 }
 
-pub fn clusters(inputs: &Inputs, services: &[MeshService]) -> Vec<(String, Any)> {
-    let mut out = Vec::new();
-    for service in services {
-        for (name, port, protocol) in service_clusters(service) {
-            out.push((name.clone(), any(&mesh_cluster(&name, port, protocol))));
-        }
+/// A dependency service's clusters and their endpoint assignments.
+pub fn service_resources(service: &MeshService, here: &MeshLocality) -> (Vec<(String, Any)>, Vec<(String, Any)>) {
+    let endpoints: Vec<&MeshEndpoint> = service.endpoints.map(|e| e.values().collect()).unwrap_or_default();
+    let mut clusters = Vec::new();
+    let mut assignments = Vec::new();
+    for (name, port, protocol) in service_clusters(service) {
+        clusters.push((name.clone(), any(&mesh_cluster(&name, port, protocol))));
+        let serving: Vec<&MeshEndpoint> = endpoints
+            .iter()
+            .copied()
+            .filter(|e| e.ports.iter().any(|p| p.port == port))
+            .collect();
+        assignments.push((name.clone(), any(&load_assignment(&name, &serving, here))));
     }
-    for pod in inputs.pods {
-        let netns = pod.netns.to_string_lossy();
-        for (port, _) in pod.info.mesh_ports() {
+    (clusters, assignments)
+}
+
+/// A local pod's delivery clusters, one per mesh port.
+pub fn pod_clusters(pod: &crate::pod::LocalPod) -> Vec<(String, Any)> {
+    let netns = pod.netns.to_string_lossy();
+    pod.info
+        .mesh_ports()
+        .into_iter()
+        .map(|(port, _)| {
             let name = local_name(pod, port);
-            out.push((name.clone(), any(&local_cluster(&name, u32::from(port), &netns))));
-        }
-    }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
+            let cluster = any(&local_cluster(&name, u32::from(port), &netns));
+            (name, cluster)
+        })
+        .collect()
 }
 
 fn mesh_cluster(name: &str, port: u32, protocol: Protocol) -> Cluster {
@@ -178,28 +191,6 @@ fn local_cluster(name: &str, port: u32, netns: &str) -> Cluster {
         }),
         ..Default::default()
     }
-}
-
-pub fn endpoints(inputs: &Inputs, services: &[MeshService]) -> Vec<(String, Any)> {
-    let mut out = Vec::new();
-    for service in services {
-        let endpoints: Vec<&MeshEndpoint> = inputs
-            .catalog
-            .endpoints
-            .get(service.key)
-            .map(|e| e.values().collect())
-            .unwrap_or_default();
-        for (name, port, _) in service_clusters(service) {
-            let serving: Vec<&MeshEndpoint> = endpoints
-                .iter()
-                .copied()
-                .filter(|e| e.ports.iter().any(|p| p.port == port))
-                .collect();
-            out.push((name.clone(), any(&load_assignment(&name, &serving, inputs.locality))));
-        }
-    }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
 }
 
 /// Endpoints grouped by locality; priority 0 in this node's zone, 1 in its region, 2

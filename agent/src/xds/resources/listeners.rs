@@ -25,7 +25,7 @@ use envoy_types::pb::google::protobuf::{Any, UInt32Value};
 use super::clusters::local_name;
 use super::routes::{OUTBOUND_ROUTES, inbound_routes};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
-use super::{Inputs, MeshService, is_http};
+use super::{MeshService, is_http};
 use crate::pod::LocalPod;
 
 pub fn outbound_name(pod: &LocalPod) -> String {
@@ -40,17 +40,14 @@ pub fn capture_name(pod: &LocalPod) -> String {
     format!("capture|{}", pod.id())
 }
 
-pub fn listeners(inputs: &Inputs, services: &[MeshService]) -> Vec<(String, Any)> {
-    let mut out = Vec::new();
-    for pod in inputs.pods {
-        let netns = pod.netns.to_string_lossy();
-        out.push((outbound_name(pod), any(&outbound(pod, &netns))));
-        if let Some(inbound) = inbound(pod, &netns) {
-            out.push((inbound_name(pod), any(&inbound)));
-        }
-        out.push((capture_name(pod), any(&capture(pod, &netns, services))));
+/// A local pod's listeners; `services` are the dependency services it declared.
+pub fn pod_listeners(pod: &LocalPod, services: &[&MeshService]) -> Vec<(String, Any)> {
+    let netns = pod.netns.to_string_lossy();
+    let mut out = vec![(outbound_name(pod), any(&outbound(pod, &netns)))];
+    if let Some(inbound) = inbound(pod, &netns) {
+        out.push((inbound_name(pod), any(&inbound)));
     }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out.push((capture_name(pod), any(&capture(pod, &netns, services))));
     out
 }
 
@@ -137,10 +134,9 @@ fn inbound(pod: &LocalPod, netns: &str) -> Option<Listener> {
 /// routed by authority through the node's `outbound` table, whose virtual hosts answer
 /// to each service's VIP as well as its name (and on demand for undeclared mesh names).
 /// Anything that is neither is closed.
-fn capture(pod: &LocalPod, netns: &str, services: &[MeshService]) -> Listener {
-    let declared = pod.info.upstreams().services;
+fn capture(pod: &LocalPod, netns: &str, declared: &[&MeshService]) -> Listener {
     let mut filter_chains = Vec::new();
-    for service in services.iter().filter(|s| declared.contains(s.key)) {
+    for service in declared {
         for (port, _) in service.ports.iter().filter(|(_, p)| !is_http(**p)) {
             let name = service.cluster(*port);
             filter_chains.push(chain(

@@ -12,14 +12,14 @@ use envoy_types::pb::envoy::extensions::retry::host::previous_hosts::v3::Previou
 use envoy_types::pb::envoy::r#type::matcher::v3::{RegexMatcher, StringMatcher, string_matcher};
 use envoy_types::pb::google::protobuf::Any;
 
+use super::MeshService;
 use super::clusters::local_name;
 use super::util::{PORT_HEADER, any, millis, u32v};
-use super::{Inputs, MeshService};
 use crate::pod::LocalPod;
 
 pub const OUTBOUND_ROUTES: &str = "outbound";
 
-pub fn route_configs(inputs: &Inputs, services: &[MeshService]) -> Vec<(String, Any)> {
+pub fn route_configs(mesh_domain: &str, services: &[MeshService]) -> Vec<(String, Any)> {
     let mut virtual_hosts = Vec::new();
     for service in services {
         if service.ports.is_empty() {
@@ -50,7 +50,7 @@ pub fn route_configs(inputs: &Inputs, services: &[MeshService]) -> Vec<(String, 
             virtual_hosts.push(service_routes(service, *port, domains));
         }
     }
-    virtual_hosts.push(catch_all(inputs.mesh_domain));
+    virtual_hosts.push(catch_all(mesh_domain));
     let config = RouteConfiguration {
         name: OUTBOUND_ROUTES.to_owned(),
         virtual_hosts,
