@@ -117,6 +117,9 @@ pub fn services<'a>(catalog: &'a Catalog, mesh_domain: &str) -> Vec<MeshService<
         .collect()
 }
 
+/// Named resource bodies, as a generator makes them.
+pub type Named = Vec<(String, Any)>;
+
 /// Resources by type URL, each with its version.
 pub type Generated = BTreeMap<String, Vec<Arc<Resource>>>;
 

@@ -21,7 +21,7 @@ use envoy_types::pb::envoy::extensions::filters::http::upstream_codec::v3::Upstr
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{HttpFilter, http_filter};
 
 use super::util::{INBOUND_PORT, PORT_HEADER, address, ads, any, millis, socket, u32v};
-use super::{MeshService, is_http};
+use super::{MeshService, Named, is_http};
 
 const HTTP_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
 
@@ -43,7 +43,8 @@ pub fn service_clusters(service: &MeshService) -> Vec<(String, u32, Protocol)> {
 }
 
 /// A dependency service's clusters and their endpoint assignments.
-pub fn service_resources(service: &MeshService, here: &MeshLocality) -> (Vec<(String, Any)>, Vec<(String, Any)>) {
+/// Returns (clusters, assignments).
+pub fn service_resources(service: &MeshService, here: &MeshLocality) -> (Named, Named) {
     let endpoints: Vec<&MeshEndpoint> = service.endpoints.map(|e| e.values().collect()).unwrap_or_default();
     let mut clusters = Vec::new();
     let mut assignments = Vec::new();
