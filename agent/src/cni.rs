@@ -148,13 +148,38 @@ impl CniService {
             Status::unavailable(format!("registering {} with the registrar: {}", pod.id(), s.message()))
         })?;
         self.node.poke();
-        let names: Vec<(&str, String)> = xds::resources::pod_listener_names(pod)
+        let deadline = tokio::time::Instant::now() + ACK_TIMEOUT;
+        // The pod's upstreams must be usable when ADD returns: wait until the registrar
+        // has answered for a watch filter that includes them...
+        let upstreams = pod.info.upstreams().services;
+        let mut catalog = self.node.catalog.clone();
+        let watched = loop {
+            let watched = catalog.borrow_and_update().clone();
+            if upstreams.iter().all(|u| watched.filter.contains(u)) {
+                break watched;
+            }
+            if tokio::time::timeout_at(deadline, catalog.changed()).await.is_err() {
+                return Err(Status::deadline_exceeded(format!(
+                    "the registrar has not answered for {}'s upstreams; retry",
+                    pod.id()
+                )));
+            }
+        };
+        // ...then until Envoy has ACKed the pod's listeners and those upstreams' clusters.
+        let mut wanted: Vec<(&str, String)> = xds::resources::pod_listener_names(pod)
             .into_iter()
             .map(|n| (xds::LISTENER, n))
             .collect();
+        for upstream in &upstreams {
+            for name in xds::resources::cluster_names(&watched.catalog, upstream, &self.node.mesh_domain) {
+                wanted.push((xds::CLUSTER, name.clone()));
+                wanted.push((xds::ENDPOINT, name));
+            }
+        }
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
         self.node
             .cache
-            .wait_acked(&names, ACK_TIMEOUT)
+            .wait_acked(&wanted, remaining)
             .await
             .map_err(Status::deadline_exceeded)
     }

@@ -61,10 +61,12 @@ async fn pods_reach_their_upstreams_through_the_node_envoy() {
 
     // By name through the explicit outbound listener, from inside the frontend pod.
     let host = format!("{}:8080", fqdn("backend"));
-    let reply = eventually(&frontend, "http://127.0.0.1:18081/hello", Some(&host), |r| {
-        r.status == 200
-    })
-    .await;
+    // No waiting: when AddPod returned, the pod's upstreams were already live in Envoy.
+    let reply = frontend
+        .http_get("http://127.0.0.1:18081/hello", Some(&host))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
     assert_eq!(served_by(&reply), "backend-1");
     assert_eq!(reply.json()["path"], "/hello");
     assert!(
@@ -516,7 +518,10 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
     );
 
     let metrics = mesh.agent_get("/metrics").await;
-    assert!(metrics.lines().any(|l| l == "aether_agent_pod_config_errors 1"), "{metrics}");
+    assert!(
+        metrics.lines().any(|l| l == "aether_agent_pod_config_errors 1"),
+        "{metrics}"
+    );
 
     // CHECK and DEL.
     cni.check_pod(CheckPodRequest {

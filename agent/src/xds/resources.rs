@@ -271,6 +271,16 @@ pub fn generate(inputs: &Inputs) -> Generated {
     Generator::default().generate(inputs)
 }
 
+/// The names of the clusters a dependency service is served as (none while no
+/// endpoint serves it).
+pub fn cluster_names(catalog: &Catalog, key: &str, mesh_domain: &str) -> Vec<String> {
+    services(catalog, mesh_domain)
+        .iter()
+        .filter(|s| s.key == key)
+        .flat_map(|s| clusters::service_clusters(s).into_iter().map(|(name, _, _)| name))
+        .collect()
+}
+
 /// The names of a pod's listeners (what AddPod waits for Envoy to ACK).
 pub fn pod_listener_names(pod: &LocalPod) -> BTreeSet<String> {
     let mut names = BTreeSet::from([listeners::outbound_name(pod), listeners::capture_name(pod)]);
