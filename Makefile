@@ -48,6 +48,7 @@ fmt: ## format the code
 
 bench: $(STAMP) ## run the benchmarks
 	@test -x "$(ENVOY_BIN)" || { echo "no Envoy binary in $(VENV); run make setup" >&2; exit 1; }
+	$(CARGO) build --workspace --bins --release --locked
 	$(RUN_ENV) $(CARGO) bench --workspace --locked
 
 demo: ## (not available yet)

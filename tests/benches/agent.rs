@@ -1,0 +1,663 @@
+//! The node agent at scale (`cargo bench -p aether-tests --bench agent`, as root, after
+//! `cargo build --workspace --bins --release`): a real registrar, `aether-agent run` and
+//! Envoy 1.40 (the `aether_tests::mesh::Mesh` fixture).
+//!
+//! Setup: a catalog of 2,000 services / 20,000 endpoints (`bench/svc-NNNN`, fake 10.64.x.y
+//! addresses, one HTTP port 8080) registered straight at the registrar, 64 calls in flight;
+//! then 100 pods (network namespaces, no app) added one after the other through the CNI
+//! API, each declaring 20 upstreams drawn uniformly from the catalog.
+//!
+//! Prints, one line each:
+//! - catalog load rate, AddPod latency (p50/p99: each AddPod returns once Envoy ACKed the
+//!   pod's listeners), and the time until the whole node config is ACKed;
+//! - endpoint change → applied by Envoy: RegisterEndpoint of a new address in a service
+//!   of the node's dependency set, until Envoy's admin (EDS config dump of that cluster,
+//!   which Envoy builds from the cluster's live host set) shows the address, polled every
+//!   1 ms from a dedicated thread;
+//! - the agent's VmRSS / VmHWM after setup and after the changes;
+//! - demand scoping's effect: the xDS resources Envoy holds (clusters, endpoint
+//!   assignments, listeners, RDS tables as compact JSON from `/config_dump?include_eds`,
+//!   each once), the whole dump by section, counts, and Envoy's `/memory` for this node,
+//!   against a second agent + Envoy (on the same registrar) whose one pod declares all
+//!   2,000 services as upstreams.
+//!
+//! An AddPod that fails is reported (with log tails) and the rest is measured on the
+//! pods added so far.
+//!
+//! Knobs (env): AETHER_BENCH_SERVICES (2000), AETHER_BENCH_ENDPOINTS_PER_SERVICE (10),
+//! AETHER_BENCH_PODS (100), AETHER_BENCH_UPSTREAMS (20), AETHER_BENCH_UPSTREAM_SETS (= pods:
+//! every pod draws its own upstreams; N < pods: pods are replicas of N workloads that share
+//! one drawn list), AETHER_BENCH_CHANGES (200), AETHER_BENCH_SKIP_FULL (1: no second node).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aether_proto::cni::v1::Outcome;
+use aether_proto::registrar::v1::RegisterEndpointRequest;
+use aether_proto::registrar::v1::registrar_client::RegistrarClient;
+use aether_proto::registry::v1::{Endpoint, Health, Locality, PodInfo, Port, Protocol};
+use aether_tests::TestPod;
+use aether_tests::mesh::{MESH_DOMAIN, Mesh};
+use tonic::transport::Channel;
+
+const NAMESPACE: &str = "bench";
+const PORT: u32 = 8080;
+const LOAD_CONCURRENCY: usize = 64;
+const LOAD_CONNECTIONS: usize = 4;
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(180);
+const CHANGE_TIMEOUT: Duration = Duration::from_secs(10);
+const POLL_EVERY: Duration = Duration::from_millis(1);
+/// Quiet time between two measured changes, so each is its own push.
+const CHANGE_GAP: Duration = Duration::from_millis(20);
+const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+
+fn knob(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// xorshift64*: reproducible draws without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    /// `k` distinct values of `0..n`, sorted.
+    fn distinct(&mut self, k: usize, n: usize) -> BTreeSet<usize> {
+        let mut out = BTreeSet::new();
+        while out.len() < k.min(n) {
+            out.insert(self.below(n));
+        }
+        out
+    }
+}
+
+fn service_name(s: usize) -> String {
+    format!("svc-{s:04}")
+}
+
+fn service_key(s: usize) -> String {
+    format!("{NAMESPACE}/{}", service_name(s))
+}
+
+/// The Envoy cluster of the service's port (named by its authority).
+fn cluster_name(s: usize) -> String {
+    format!("{}.{NAMESPACE}.{MESH_DOMAIN}:{PORT}", service_name(s))
+}
+
+/// Fake pod addresses 10.64.0.1 and up (never put on the wire).
+fn catalog_address(n: usize) -> String {
+    let n = n + 1;
+    format!("10.{}.{}.{}", 64 + (n >> 16), (n >> 8) & 0xff, n & 0xff)
+}
+
+/// Addresses of the measured changes, apart from the catalog's.
+fn change_address(i: usize) -> String {
+    format!("10.250.{}.{}", i / 250, i % 250 + 1)
+}
+
+fn endpoint(service: usize, address: String, ordinal: usize) -> Endpoint {
+    Endpoint {
+        service: service_key(service),
+        address,
+        ports: vec![Port {
+            name: "http".into(),
+            port: PORT,
+            protocol: Protocol::Http as i32,
+        }],
+        locality: Some(Locality {
+            region: "r1".into(),
+            zone: format!("z{}", 1 + ordinal % 3),
+            subzone: String::new(),
+        }),
+        weight: 1,
+        health: Health::Healthy as i32,
+        metadata: Default::default(),
+        pod: Some(PodInfo {
+            namespace: NAMESPACE.into(),
+            name: format!("{}-{ordinal}", service_name(service)),
+            uid: format!("00000000-0000-0000-0000-{ordinal:012}"),
+            service_account: service_name(service),
+        }),
+        node: format!("node-{}", ordinal % 500),
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1e3)
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+/// A `/proc/<pid>/status` field in bytes (the kernel reports kB).
+fn proc_status(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0)
+        * 1024
+}
+
+fn agent_pid(mesh: &Mesh) -> u32 {
+    mesh.agent.as_ref().expect("agent running").pid()
+}
+
+fn tail(logs: &str, lines: usize) -> String {
+    let all: Vec<&str> = logs.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Registers every endpoint with LOAD_CONCURRENCY calls in flight over a few connections.
+async fn register_all(url: &str, endpoints: Vec<Endpoint>) -> Duration {
+    let mut clients = Vec::new();
+    for _ in 0..LOAD_CONNECTIONS {
+        clients.push(RegistrarClient::connect(url.to_owned()).await.expect("registrar"));
+    }
+    let started = Instant::now();
+    let permits = Arc::new(tokio::sync::Semaphore::new(LOAD_CONCURRENCY));
+    let mut tasks = tokio::task::JoinSet::new();
+    for (n, e) in endpoints.into_iter().enumerate() {
+        let permit = permits.clone().acquire_owned().await.unwrap();
+        let mut client = clients[n % clients.len()].clone();
+        tasks.spawn(async move {
+            client
+                .register_endpoint(RegisterEndpointRequest { endpoint: Some(e) })
+                .await
+                .expect("RegisterEndpoint");
+            drop(permit);
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.expect("register task");
+    }
+    started.elapsed()
+}
+
+/// Waits until the agent watches exactly its dependency set, knows every service of
+/// it, and Envoy has ACKed every resource served (and holds as many active clusters).
+/// Returns the time it took.
+async fn settle(mesh: &Mesh, what: &str) -> Duration {
+    let started = Instant::now();
+    let mut last;
+    loop {
+        let deps: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/dependencies").await).unwrap();
+        let set = |v: &serde_json::Value| -> BTreeSet<String> {
+            v.as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|s| s.as_str().map(str::to_owned))
+                .collect()
+        };
+        let (wanted, watched, known) = (set(&deps["dependencies"]), set(&deps["watched"]), set(&deps["known"]));
+        if wanted != watched || known != wanted {
+            last = format!(
+                "dependencies {}, watched {}, known {}",
+                wanted.len(),
+                watched.len(),
+                known.len()
+            );
+        } else {
+            let xds: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/xds").await).unwrap();
+            let mut unacked = 0;
+            for resources in xds["types"].as_object().into_iter().flat_map(|m| m.values()) {
+                for r in resources.as_object().into_iter().flat_map(|m| m.values()) {
+                    if r["served"] != r["acked"] {
+                        unacked += 1;
+                    }
+                }
+            }
+            // Every known service (all have endpoints on one port) is two clusters (its
+            // port's and the bare name's), plus one delivery cluster per local pod.
+            let pods: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/pods").await).unwrap();
+            let expected = 2 * known.len() + pods["pods"].as_array().map_or(0, Vec::len);
+            let served_clusters = xds["types"][CLUSTER_TYPE].as_object().map_or(0, |m| m.len());
+            if unacked == 0 && served_clusters == expected && envoy_active_clusters(mesh) == Some(served_clusters) {
+                return started.elapsed();
+            }
+            last = format!("{unacked} resources not ACKed, {served_clusters} clusters served of {expected}");
+        }
+        if started.elapsed() > SETTLE_TIMEOUT {
+            panic!(
+                "{what}: the node did not settle within {SETTLE_TIMEOUT:?} ({last}); agent log tail:\n{}",
+                tail(&mesh.agent.as_ref().unwrap().logs(), 60)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// How many dynamic clusters Envoy has active; `None` while its admin does not answer
+/// (its main thread, which also applies xDS, may be busy for seconds).
+fn envoy_active_clusters(mesh: &Mesh) -> Option<usize> {
+    match mesh
+        .envoy()
+        .admin_request("GET", "/config_dump?resource=dynamic_active_clusters")
+    {
+        Ok((200, body)) => serde_json::from_str::<serde_json::Value>(&body)
+            .ok()
+            .map(|dump| dump["configs"].as_array().map_or(0, Vec::len)),
+        _ => None,
+    }
+}
+
+/// AddPod through the CNI API; its latency, or what went wrong (with the tails of the
+/// agent's and Envoy's logs).
+async fn try_add_pod(mesh: &Mesh, pod: &TestPod, name: &str) -> Result<Duration, String> {
+    let started = Instant::now();
+    let result = mesh.add_pod(pod, name).await;
+    let took = started.elapsed();
+    match result {
+        Ok(r) if r.outcome == Outcome::Success as i32 => Ok(took),
+        other => {
+            let envoy_logs = mesh.envoy().logs();
+            let lds: Vec<&str> = envoy_logs.lines().filter(|l| l.contains("lds:")).collect();
+            Err(format!(
+                "AddPod {name} failed after {}: {other:?}\n--- agent log tail ---\n{}\n--- Envoy: {} LDS log lines, the last ones ---\n{}",
+                ms(took),
+                tail(&mesh.agent.as_ref().unwrap().logs(), 15),
+                lds.len(),
+                lds[lds.len().saturating_sub(6)..].join("\n")
+            ))
+        }
+    }
+}
+
+/// [`try_add_pod`], panicking on failure.
+async fn add_pod(mesh: &Mesh, pod: &TestPod, name: &str) -> Duration {
+    try_add_pod(mesh, pod, name).await.unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// What the node's Envoy holds and what it costs.
+struct Footprint {
+    dump_body: usize,
+    /// The xDS-delivered resources only, each once (compact JSON): active clusters,
+    /// endpoint assignments, active listeners and RDS route tables. The dump's
+    /// static_route_configs repeat the route tables inlined in listeners.
+    xds_bytes: usize,
+    sections: BTreeMap<String, usize>,
+    clusters: usize,
+    endpoints: usize,
+    listeners: usize,
+    filter_chains: usize,
+    allocated: u64,
+    heap: u64,
+    envoy_rss: u64,
+    agent_rss: u64,
+    agent_hwm: u64,
+}
+
+fn footprint(mesh: &Mesh) -> Footprint {
+    let envoy = mesh.envoy();
+    let body = envoy.admin_get("/config_dump?include_eds");
+    let dump: serde_json::Value = serde_json::from_str(&body).expect("config dump JSON");
+    let mut f = Footprint {
+        dump_body: body.len(),
+        xds_bytes: 0,
+        sections: BTreeMap::new(),
+        clusters: 0,
+        endpoints: 0,
+        listeners: 0,
+        filter_chains: 0,
+        allocated: 0,
+        heap: 0,
+        envoy_rss: proc_status(envoy.child().pid(), "VmRSS:"),
+        agent_rss: proc_status(agent_pid(mesh), "VmRSS:"),
+        agent_hwm: proc_status(agent_pid(mesh), "VmHWM:"),
+    };
+    for config in dump["configs"].as_array().into_iter().flatten() {
+        let kind = config["@type"]
+            .as_str()
+            .unwrap_or("?")
+            .rsplit('.')
+            .next()
+            .unwrap_or("?")
+            .trim_end_matches("ConfigDump")
+            .to_owned();
+        *f.sections.entry(kind).or_default() += serde_json::to_string(config).unwrap().len();
+        let size = |v: &serde_json::Value| serde_json::to_string(v).unwrap().len();
+        for c in config["dynamic_active_clusters"].as_array().into_iter().flatten() {
+            f.clusters += 1;
+            f.xds_bytes += size(&c["cluster"]);
+        }
+        for e in config["dynamic_endpoint_configs"].as_array().into_iter().flatten() {
+            f.xds_bytes += size(&e["endpoint_config"]);
+            for locality in e["endpoint_config"]["endpoints"].as_array().into_iter().flatten() {
+                f.endpoints += locality["lb_endpoints"].as_array().map_or(0, Vec::len);
+            }
+        }
+        for l in config["dynamic_listeners"].as_array().into_iter().flatten() {
+            if let Some(active) = l.get("active_state") {
+                f.listeners += 1;
+                f.filter_chains += active["listener"]["filter_chains"].as_array().map_or(0, Vec::len);
+                f.xds_bytes += size(&active["listener"]);
+            }
+        }
+        for r in config["dynamic_route_configs"].as_array().into_iter().flatten() {
+            f.xds_bytes += size(&r["route_config"]);
+        }
+    }
+    let memory: serde_json::Value = serde_json::from_str(&envoy.admin_get("/memory")).expect("/memory JSON");
+    let number = |v: &serde_json::Value| -> u64 {
+        v.as_str()
+            .and_then(|s| s.parse().ok())
+            .or_else(|| v.as_u64())
+            .unwrap_or(0)
+    };
+    f.allocated = number(&memory["allocated"]);
+    f.heap = number(&memory["heap_size"]);
+    f
+}
+
+fn print_footprint(label: &str, f: &Footprint) {
+    let total: usize = f.sections.values().sum();
+    let sections: Vec<String> = f
+        .sections
+        .iter()
+        .map(|(k, v)| format!("{k} {:.2} MB", *v as f64 / 1e6))
+        .collect();
+    println!(
+        "{label}: xDS resources {:.2} MB (compact JSON from config_dump?include_eds, each once); whole dump {:.2} MB \
+         compact ({:.2} MB as served; {}) | {} clusters, {} endpoints, {} listeners / {} filter chains",
+        f.xds_bytes as f64 / 1e6,
+        total as f64 / 1e6,
+        f.dump_body as f64 / 1e6,
+        sections.join(", "),
+        f.clusters,
+        f.endpoints,
+        f.listeners,
+        f.filter_chains
+    );
+    println!(
+        "{label}: Envoy memory allocated {} (heap {}, VmRSS {}); agent VmRSS {} (VmHWM {})",
+        mib(f.allocated),
+        mib(f.heap),
+        mib(f.envoy_rss),
+        mib(f.agent_rss),
+        mib(f.agent_hwm)
+    );
+}
+
+/// Envoy's EDS dump of one cluster (built from its live host set), as a poll path.
+fn eds_probe(cluster: &str) -> String {
+    // `^`/`$` percent-encoded; the dots of the name match themselves (and anything).
+    format!("/config_dump?resource=dynamic_endpoint_configs&include_eds&name_regex=%5E{cluster}%24")
+}
+
+fn main() {
+    aether_tests::require_root();
+    let services = knob("AETHER_BENCH_SERVICES", 2000);
+    let per_service = knob("AETHER_BENCH_ENDPOINTS_PER_SERVICE", 10);
+    let pods = knob("AETHER_BENCH_PODS", 100);
+    let upstreams = knob("AETHER_BENCH_UPSTREAMS", 20);
+    let sets = knob("AETHER_BENCH_UPSTREAM_SETS", pods).clamp(1, pods.max(1));
+    let changes = knob("AETHER_BENCH_CHANGES", 200);
+    let skip_full = knob("AETHER_BENCH_SKIP_FULL", 0) == 1;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let bench_started = Instant::now();
+
+    // ---- Node A: registrar + agent + Envoy, the catalog, 100 pods.
+    let mesh = rt.block_on(Mesh::start());
+    let endpoints: Vec<Endpoint> = (0..services * per_service)
+        .map(|n| endpoint(n % services, catalog_address(n), n))
+        .collect();
+    let took = rt.block_on(register_all(&mesh.registrar_url, endpoints));
+    println!(
+        "catalog: {services} services / {} endpoints registered in {:.2} s ({:.0} endpoints/s, {LOAD_CONCURRENCY} in flight)",
+        services * per_service,
+        took.as_secs_f64(),
+        (services * per_service) as f64 / took.as_secs_f64()
+    );
+
+    let mut rng = Rng(0x5eed_a37e_0000_0001);
+    let workload_upstreams: Vec<BTreeSet<usize>> = (0..sets).map(|_| rng.distinct(upstreams, services)).collect();
+    let mut drawn = BTreeSet::new();
+    let mut test_pods = Vec::new();
+    let started = Instant::now();
+    for p in 0..pods {
+        let workload = p % sets;
+        let name = format!("bench-{p:03}");
+        let pod = mesh.node.add_pod(&name);
+        let list: Vec<String> = workload_upstreams[workload].iter().map(|s| service_key(*s)).collect();
+        drawn.extend(workload_upstreams[workload].iter().copied());
+        mesh.describe_pod(
+            &pod,
+            &name,
+            &format!("app-{workload:03}"),
+            &list.join(","),
+            &[("http", 8080)],
+        );
+        test_pods.push((pod, name, workload));
+    }
+    // The static pod source polls its directory every 200 ms.
+    std::thread::sleep(Duration::from_millis(600));
+    println!(
+        "node A: {pods} pods (netns) created in {:.2} s; {sets} distinct upstream lists of {upstreams} → all pods together \
+         depend on {} catalog services (+ {} pod services)",
+        started.elapsed().as_secs_f64(),
+        drawn.len(),
+        sets.min(pods)
+    );
+    // One after the other; stops at the first failure and measures the node as it is then.
+    let mut add_latencies = Vec::new();
+    let mut deps = BTreeSet::new();
+    let mut failure = None;
+    let started = Instant::now();
+    for (pod, name, workload) in &test_pods {
+        match rt.block_on(try_add_pod(&mesh, pod, name)) {
+            Ok(took) => {
+                add_latencies.push(took);
+                deps.extend(workload_upstreams[*workload].iter().copied());
+            }
+            Err(e) => {
+                failure = Some(e);
+                break;
+            }
+        }
+    }
+    let adds_took = started.elapsed();
+    let added = add_latencies.len();
+    let progression: Vec<String> = add_latencies
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i == 0 || (i + 1) % 10 == 0 || i + 1 == added)
+        .map(|(i, d)| format!("#{} {}", i + 1, ms(*d)))
+        .collect();
+    println!("AddPod latency as the node fills: {}", progression.join(", "));
+    if let Some(failure) = &failure {
+        println!(
+            "PRODUCT PROBLEM: AddPod #{} failed; the rest of the bench measures the node with its {added} pods\n{failure}",
+            added + 1
+        );
+    }
+    let settle_took = rt.block_on(settle(&mesh, "node A"));
+    let mut sorted = add_latencies.clone();
+    sorted.sort();
+    println!(
+        "AddPod ({added} of {pods} sequential, each until Envoy ACKed the pod's listeners): p50 {}, p99 {}, max {}, \
+         total {:.2} s; whole config ACKed {} after the last AddPod; node dependency set {} catalog services",
+        ms(percentile(&sorted, 0.5)),
+        ms(percentile(&sorted, 0.99)),
+        ms(sorted.last().copied().unwrap_or_default()),
+        adds_took.as_secs_f64(),
+        ms(settle_took),
+        deps.len()
+    );
+    let pid = agent_pid(&mesh);
+    let (rss, hwm) = (proc_status(pid, "VmRSS:"), proc_status(pid, "VmHWM:"));
+    println!(
+        "agent after setup: VmRSS {}, VmHWM {} (goal < 60 MB)",
+        mib(rss),
+        mib(hwm)
+    );
+
+    // ---- (1) endpoint change at the registrar → applied by Envoy.
+    let envoy = mesh.envoy();
+    let dep_list: Vec<usize> = {
+        let mut v: Vec<usize> = deps.iter().copied().collect();
+        // Spread the changes over the set in a fixed, shuffled order.
+        for i in (1..v.len()).rev() {
+            v.swap(i, rng.below(i + 1));
+        }
+        v
+    };
+    let client = rt
+        .block_on(RegistrarClient::<Channel>::connect(mesh.registrar_url.clone()))
+        .unwrap();
+    // The probe sees the catalog's endpoints (at the inbound port of each).
+    let probe = eds_probe(&cluster_name(dep_list[0]));
+    let body = envoy.admin_get(&probe);
+    assert!(
+        body.contains("\"port_value\": 18008"),
+        "the EDS probe {probe} does not show the cluster's endpoints: {body}"
+    );
+    let mut probe_costs = Vec::new();
+    let mut latencies = Vec::new();
+    let mut rpc_latencies = Vec::new();
+    let mut timeouts = Vec::new();
+    for i in 0..changes {
+        let s = dep_list[i % dep_list.len()];
+        let address = change_address(i);
+        let needle = format!("\"{address}\"");
+        let probe = eds_probe(&cluster_name(s));
+        assert!(
+            !envoy.admin_get(&probe).contains(&needle),
+            "{address} is already in {}",
+            cluster_name(s)
+        );
+        let mut client = client.clone();
+        let e = endpoint(s, address.clone(), services * per_service + i);
+        let t0 = Instant::now();
+        let rpc = rt.spawn(async move {
+            client
+                .register_endpoint(RegisterEndpointRequest { endpoint: Some(e) })
+                .await
+                .expect("RegisterEndpoint");
+            t0.elapsed()
+        });
+        loop {
+            let asked = Instant::now();
+            let answer = envoy.admin_request("GET", &probe);
+            probe_costs.push(asked.elapsed());
+            if let Ok((200, body)) = answer
+                && body.contains(&needle)
+            {
+                latencies.push(t0.elapsed());
+                break;
+            }
+            if t0.elapsed() > CHANGE_TIMEOUT {
+                timeouts.push(format!("{address} in {}", service_key(s)));
+                break;
+            }
+            std::thread::sleep(POLL_EVERY);
+        }
+        rpc_latencies.push(rt.block_on(rpc).unwrap());
+        std::thread::sleep(CHANGE_GAP);
+    }
+    latencies.sort();
+    rpc_latencies.sort();
+    probe_costs.sort();
+    println!(
+        "endpoint change → applied in Envoy ({} changes over {} services, probe every {} + admin poll p50 {} / p99 {}): \
+         p50 {}, p99 {}, max {} (goal p99 < 100 ms); RegisterEndpoint RPC alone p50 {}, p99 {}; {} not applied within {:?}",
+        latencies.len(),
+        dep_list.len().min(changes),
+        ms(POLL_EVERY),
+        ms(percentile(&probe_costs, 0.5)),
+        ms(percentile(&probe_costs, 0.99)),
+        ms(percentile(&latencies, 0.5)),
+        ms(percentile(&latencies, 0.99)),
+        ms(latencies.last().copied().unwrap_or_default()),
+        ms(percentile(&rpc_latencies, 0.5)),
+        ms(percentile(&rpc_latencies, 0.99)),
+        timeouts.len(),
+        CHANGE_TIMEOUT
+    );
+    if !timeouts.is_empty() {
+        println!(
+            "  not applied: {}; agent log tail:\n{}",
+            timeouts.join(", "),
+            tail(&mesh.agent.as_ref().unwrap().logs(), 40)
+        );
+    }
+    let (rss, hwm) = (proc_status(pid, "VmRSS:"), proc_status(pid, "VmHWM:"));
+    println!(
+        "agent after the changes: VmRSS {}, VmHWM {} (goal < 60 MB)",
+        mib(rss),
+        mib(hwm)
+    );
+
+    // ---- (3) demand scoping: this node against one whose pod depends on everything.
+    rt.block_on(settle(&mesh, "node A after the changes"));
+    let scoped = footprint(&mesh);
+    print_footprint(&format!("node A (scoped, {added} pods)"), &scoped);
+
+    if skip_full {
+        println!("total bench time {:.0} s", bench_started.elapsed().as_secs_f64());
+        return;
+    }
+    // A second node on the same registrar: start a whole Mesh, drop its own registrar and
+    // restart its agent against node A's.
+    let mut full = rt.block_on(Mesh::start());
+    full.agent = None;
+    full.registrar.kill();
+    full.registrar_url = mesh.registrar_url.clone();
+    rt.block_on(full.start_agent());
+    let pod = full.node.add_pod("all-deps");
+    let everything: Vec<String> = (0..services).map(service_key).collect();
+    full.describe_pod(&pod, "all-deps", "all-deps", &everything.join(","), &[("http", 8080)]);
+    std::thread::sleep(Duration::from_millis(600));
+    let add = rt.block_on(add_pod(&full, &pod, "all-deps"));
+    let settled = rt.block_on(settle(&full, "node B"));
+    println!(
+        "node B: 1 pod declaring all {services} services: AddPod {}, whole config ACKed {} later",
+        ms(add),
+        ms(settled)
+    );
+    let unscoped = footprint(&full);
+    print_footprint("node B (1 pod, all services)", &unscoped);
+    let ratio = |a: f64, b: f64| if a > 0.0 { b / a } else { f64::NAN };
+    println!(
+        "scoping effect (node B / node A): xDS resource bytes {:.1}x, whole config dump {:.1}x, Envoy memory \
+         allocated {:.1}x, clusters {:.1}x, endpoints {:.1}x (goal ≥ 10x)",
+        ratio(scoped.xds_bytes as f64, unscoped.xds_bytes as f64),
+        ratio(
+            scoped.sections.values().sum::<usize>() as f64,
+            unscoped.sections.values().sum::<usize>() as f64
+        ),
+        ratio(scoped.allocated as f64, unscoped.allocated as f64),
+        ratio(scoped.clusters as f64, unscoped.clusters as f64),
+        ratio(scoped.endpoints as f64, unscoped.endpoints as f64),
+    );
+    println!("total bench time {:.0} s", bench_started.elapsed().as_secs_f64());
+    drop(full);
+    drop(test_pods);
+    if failure.is_some() {
+        println!("(node A has only {added} of {pods} pods: see PRODUCT PROBLEM above)");
+    }
+    drop(mesh);
+}
