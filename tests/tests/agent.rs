@@ -612,3 +612,39 @@ async fn a_terminating_pod_drains_then_leaves_the_catalog() {
     mesh.remove_pod(&backend, "backend").await.unwrap();
     assert_eq!(health().await, Vec::<i32>::new());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_tcp_to_a_declared_service_vip_is_captured_and_delivered() {
+    let mesh = Mesh::start().await;
+    let client = mesh.node.add_pod("client");
+    let cache = mesh.node.add_pod("cache");
+    let _app = cache.serve_tcp_echo("127.0.0.1:6379".parse().unwrap());
+    mesh.describe_pod(&client, "client", "client", "cache", &[]);
+    mesh.describe_pod(&cache, "cache", "cache", "", &[("redis", 6379)]);
+    for (pod, name) in [(&cache, "cache"), (&client, "client")] {
+        let added = mesh
+            .add_pod(pod, name)
+            .await
+            .unwrap_or_else(|s| panic!("AddPod {name}: {s:?}"));
+        assert_eq!(added.outcome, aether_proto::cni::v1::Outcome::Success as i32);
+    }
+    capture_vips(&client);
+    let vip = mesh.vip("cache").await;
+    let target: std::net::SocketAddr = format!("{vip}:6379").parse().unwrap();
+    let echoed = client.run(move || {
+        use std::io::{BufRead, BufReader, Write};
+        let stream = std::net::TcpStream::connect_timeout(&target, Duration::from_secs(5))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let mut reader = BufReader::new(stream.try_clone()?);
+        let mut greeting = String::new();
+        reader.read_line(&mut greeting)?;
+        (&stream).write_all(b"ping\n")?;
+        let mut echo = String::new();
+        reader.read_line(&mut echo)?;
+        Ok::<_, std::io::Error>((greeting, echo))
+    });
+    let (greeting, echo) = echoed.expect("TCP through the mesh");
+    // The cache pod's own server answered, inside its netns, on its loopback port.
+    assert_eq!(greeting, "cache\n");
+    assert_eq!(echo, "ping\n");
+}
