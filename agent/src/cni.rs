@@ -25,6 +25,8 @@ use crate::xds;
 
 /// How long ADD waits for Envoy to ACK the pod's listeners.
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long DEL waits for Envoy to drop the pod's listeners (it succeeds either way).
+pub const REMOVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 type Labels = [(&'static str, &'static str); 2];
 
@@ -199,6 +201,15 @@ impl CniService {
         if let Err(status) = self.registrar.unregister(&pod.info.service(), &pod.ips).await {
             // DEL must not fail on a registrar outage; the endpoint's TTL reaps it.
             tracing::error!(pod = %pod.id(), %status, "could not unregister a removed pod's endpoints");
+        }
+        // Let Envoy close the pod's listeners before the runtime tears the netns down.
+        self.node.poke();
+        let names: Vec<(&str, String)> = xds::resources::pod_listener_names(&pod)
+            .into_iter()
+            .map(|n| (xds::LISTENER, n))
+            .collect();
+        if let Err(error) = self.node.cache.wait_removed(&names, REMOVE_TIMEOUT).await {
+            tracing::warn!(pod = %pod.id(), %error, "the pod's listeners outlived its removal");
         }
         tracing::info!(pod = %pod.id(), "pod removed from the mesh");
         Ok(RemovePodResponse {

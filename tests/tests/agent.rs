@@ -107,8 +107,9 @@ async fn pods_reach_their_upstreams_through_the_node_envoy() {
     }
     assert_eq!(seen, BTreeSet::from(["backend-1".to_string(), "backend-2".to_string()]));
 
-    // Removing it takes it out of rotation.
+    // Removing it takes it out of rotation; DEL returns once Envoy dropped its listeners.
     mesh.remove_pod(&backend2, "backend-2").await.unwrap();
+    assert!(!mesh.envoy().admin_get("/listeners").contains("demo/backend-2"));
     tokio::time::sleep(Duration::from_millis(300)).await;
     for _ in 0..10 {
         let reply = eventually(&frontend, "http://127.0.0.1:18081/", Some(&host), |r| r.status == 200).await;

@@ -192,6 +192,29 @@ impl Cache {
         self.acked.borrow().clone()
     }
 
+    /// Waits until Envoy no longer holds any of the named resources (their removal was
+    /// ACKed, or no Envoy is connected).
+    pub async fn wait_removed(&self, names: &[(&str, String)], timeout: Duration) -> Result<(), String> {
+        let mut acks = self.acked.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let held: Vec<String> = {
+                let acked = acks.borrow_and_update();
+                names
+                    .iter()
+                    .filter(|(type_url, name)| acked.get(*type_url).is_some_and(|m| m.contains_key(name)))
+                    .map(|(_, name)| name.clone())
+                    .collect()
+            };
+            if held.is_empty() {
+                return Ok(());
+            }
+            if tokio::time::timeout_at(deadline, acks.changed()).await.is_err() {
+                return Err(format!("Envoy still holds {}", held.join(", ")));
+            }
+        }
+    }
+
     /// Waits until Envoy has ACKed the current version of every named resource; fails
     /// at once if Envoy rejected one of them.
     pub async fn wait_acked(&self, wanted: &[(&str, String)], timeout: Duration) -> Result<(), String> {
