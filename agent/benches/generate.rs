@@ -149,6 +149,21 @@ fn main() {
         times[times.len() - 1].as_secs_f64() * 1e3,
         times.len()
     );
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0
+    };
+    println!(
+        "  process RSS with catalog, memo and last output live: {:.1} MiB (peak {:.1} MiB)",
+        field("VmRSS:"),
+        field("VmHWM:")
+    );
     for (type_url, resources) in &last {
         let bytes: usize = resources.iter().map(|r| r.body.value.len()).sum();
         println!(
