@@ -82,9 +82,7 @@ async fn pods_reach_their_upstreams_through_the_node_envoy() {
             .collect()
     };
     let expected: BTreeSet<String> = [
-        fqdn("backend"),
         format!("{}:8080", fqdn("backend")),
-        fqdn("frontend"),
         format!("{}:8080", fqdn("frontend")),
     ]
     .into();
@@ -222,6 +220,16 @@ async fn undeclared_services_are_reached_on_demand_and_unknown_names_get_404() {
     assert_eq!(served_by(&reply), "remote");
     assert_eq!(reply.json()["headers"]["x-aether-port"], "8080");
     assert!(mesh.envoy_clusters().contains(&host));
+    // An authority without a port asks for the bare name: the default port, on demand too.
+    let reply = frontend
+        .http_get("http://127.0.0.1:18081/bare", Some(&fqdn("remote")))
+        .await
+        .unwrap();
+    assert_eq!(
+        (reply.status, served_by(&reply)),
+        (200, "remote".to_string()),
+        "{reply:?}"
+    );
 
     // Not in the catalog: 404, quickly; not a mesh name at all: 404 too.
     let reply = frontend

@@ -4,7 +4,7 @@
 //!
 //! Names: a service port's cluster is named by its authority, `<svc>.<ns>.<domain>:<port>`
 //! (so on-demand CDS can ask for what a request's authority names); the bare
-//! `<svc>.<ns>.<domain>` cluster serves the service's default port. Per pod:
+//! `<svc>.<ns>.<domain>` cluster serves the service's default port, when asked for. Per pod:
 //! `outbound|<ns>/<pod>`, `inbound|<ns>/<pod>`, `capture|<ns>/<pod>` listeners and
 //! `local|<ns>/<pod>|<port>` delivery clusters.
 
@@ -48,6 +48,10 @@ pub struct MeshService<'a> {
     /// The ports its endpoints serve, with their protocol.
     pub ports: BTreeMap<u32, Protocol>,
     pub endpoints: Option<&'a Endpoints>,
+    /// Also serve the default port's cluster under the bare name: only when it was
+    /// asked for on demand (a request whose authority had no port); declared
+    /// dependencies reach the default port through the route table instead.
+    pub bare: bool,
 }
 
 impl MeshService<'_> {
@@ -112,6 +116,7 @@ pub fn services<'a>(catalog: &'a Catalog, mesh_domain: &str) -> Vec<MeshService<
                 vip: &service.vip,
                 ports,
                 endpoints: catalog.endpoints.get(key),
+                bare: false,
             }
         })
         .collect()
@@ -136,6 +141,7 @@ pub struct Generator {
 
 struct ServiceMemo {
     service: Service,
+    bare: bool,
     endpoints: Option<Endpoints>,
     clusters: Vec<Arc<Resource>>,
     assignments: Vec<Arc<Resource>>,
@@ -176,7 +182,10 @@ fn resources(items: Vec<(String, Any)>) -> Vec<Arc<Resource>> {
 impl Generator {
     /// All resources for the node, by type URL.
     pub fn generate(&mut self, inputs: &Inputs) -> Generated {
-        let services = services(inputs.catalog, inputs.mesh_domain);
+        let mut services = services(inputs.catalog, inputs.mesh_domain);
+        for service in &mut services {
+            service.bare = inputs.on_demand.contains_key(&service.fqdn);
+        }
         let mut clusters = Vec::new();
         let mut assignments = Vec::new();
         let mut listeners = Vec::new();
@@ -186,6 +195,7 @@ impl Generator {
             let memo = match self.services.remove(service.key) {
                 Some(memo)
                     if memo.service == *service.service
+                        && memo.bare == service.bare
                         && match (&memo.endpoints, service.endpoints) {
                             (Some(a), Some(b)) => Arc::ptr_eq(a, b),
                             (None, None) => true,
@@ -198,6 +208,7 @@ impl Generator {
                     let (c, a) = clusters::service_resources(service, inputs.locality);
                     ServiceMemo {
                         service: service.service.clone(),
+                        bare: service.bare,
                         endpoints: service.endpoints.cloned(),
                         clusters: resources(c),
                         assignments: resources(a),

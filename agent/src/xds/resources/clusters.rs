@@ -36,7 +36,7 @@ pub fn service_clusters(service: &MeshService) -> Vec<(String, u32, Protocol)> {
         .iter()
         .map(|(port, protocol)| (service.cluster(*port), *port, *protocol))
         .collect();
-    if let Some(port) = service.default_port() {
+    if let Some(port) = service.default_port().filter(|_| service.bare) {
         names.push((service.fqdn.clone(), port, service.ports[&port]));
     }
     names
