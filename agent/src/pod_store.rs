@@ -54,10 +54,6 @@ impl PodStore {
         self.pods.lock().expect("pod store lock").values().cloned().collect()
     }
 
-    pub fn get(&self, id: &str) -> Option<LocalPod> {
-        self.pods.lock().expect("pod store lock").get(id).cloned()
-    }
-
     pub fn by_container(&self, container_id: &str) -> Option<LocalPod> {
         let pods = self.pods.lock().expect("pod store lock");
         pods.values().find(|p| p.container_id == container_id).cloned()

@@ -227,10 +227,11 @@ async fn settle(mesh: &Mesh, what: &str) -> Duration {
                     }
                 }
             }
-            // Every known service (all have endpoints on one port) is two clusters (its
-            // port's and the bare name's), plus one delivery cluster per local pod.
+            // Every known service (all have endpoints on one port) is one cluster (its
+            // port's; the bare name is served only on demand), plus one delivery cluster
+            // per local pod.
             let pods: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/pods").await).unwrap();
-            let expected = 2 * known.len() + pods["pods"].as_array().map_or(0, Vec::len);
+            let expected = known.len() + pods["pods"].as_array().map_or(0, Vec::len);
             let served_clusters = xds["types"][CLUSTER_TYPE].as_object().map_or(0, |m| m.len());
             if unacked == 0 && served_clusters == expected && envoy_active_clusters(mesh) == Some(served_clusters) {
                 return started.elapsed();
