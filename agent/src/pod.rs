@@ -36,6 +36,22 @@ pub struct ContainerPort {
     pub protocol: String,
 }
 
+impl ContainerPort {
+    /// A container port as a Pod spec states it; `field` names it in the error
+    /// (`spec.containers[0].ports[1]`). Name and protocol default as Kubernetes does.
+    pub fn from_spec(field: &str, number: i64, name: Option<&str>, protocol: Option<&str>) -> Result<Self, String> {
+        let port = u16::try_from(number)
+            .ok()
+            .filter(|n| *n != 0)
+            .ok_or_else(|| format!("{field}.containerPort: {number} is out of range (1..=65535)"))?;
+        Ok(Self {
+            name: name.unwrap_or_default().to_owned(),
+            port,
+            protocol: protocol.unwrap_or("TCP").to_owned(),
+        })
+    }
+}
+
 /// How the mesh carries a port, from its name (`http`, `http-*`, `grpc*`, `h2*`), as
 /// Kubernetes port-naming conventions do; anything else is plain TCP.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

@@ -68,20 +68,12 @@ pub fn parse(json: &[u8]) -> Result<PodInfo, String> {
     let mut ports = Vec::new();
     for (c, container) in spec.containers.iter().enumerate() {
         for (p, port) in container.ports.iter().enumerate() {
-            let number = u16::try_from(port.container_port)
-                .ok()
-                .filter(|n| *n != 0)
-                .ok_or_else(|| {
-                    format!(
-                        "spec.containers[{c}].ports[{p}].containerPort: {} is out of range (1..=65535)",
-                        port.container_port
-                    )
-                })?;
-            ports.push(ContainerPort {
-                name: port.name.clone().unwrap_or_default(),
-                port: number,
-                protocol: port.protocol.clone().unwrap_or_else(|| "TCP".into()),
-            });
+            ports.push(ContainerPort::from_spec(
+                &format!("spec.containers[{c}].ports[{p}]"),
+                port.container_port,
+                port.name.as_deref(),
+                port.protocol.as_deref(),
+            )?);
         }
     }
     Ok(PodInfo {
