@@ -1,9 +1,14 @@
 //! The agent's side of the registrar: registering this node's endpoints, and one
 //! Watch stream whose filter is the node's dependency set, resumed across reconnects.
+//!
+//! Registrations are leases, not facts: the registrar removes the endpoints of a node
+//! whose agent has not re-registered within its `--endpoint-ttl`, so a vanished node
+//! leaves no ghosts. The agent therefore re-registers every endpoint it holds every
+//! [`REFRESH_INTERVAL`] (an identical re-registration is a no-op for watchers).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
@@ -21,27 +26,66 @@ use tonic::{Code, Status};
 use crate::node::WatchedCatalog;
 use crate::pod::{AppProtocol, LocalPod};
 
+/// How often every registered endpoint is registered again (the registrar's default
+/// endpoint TTL is 60 s, so three refreshes can be missed before anything expires).
+pub const REFRESH_INTERVAL: Duration = Duration::from_secs(15);
+
+/// How long an unregistration is repeated by the refresher: if the replica that took
+/// it died before its store had it, another replica gets it within one interval.
+const UNREGISTER_REPEAT: Duration = Duration::from_secs(120);
+
+/// What this agent has registered, by (service, address), and what it recently
+/// unregistered (with when).
+#[derive(Default)]
+struct Book {
+    registered: BTreeMap<(String, String), Endpoint>,
+    unregistered: BTreeMap<(String, String), std::time::Instant>,
+}
+
+type Registered = Mutex<Book>;
+/// (service, address).
+type Key = (String, String);
+
 #[derive(Clone)]
 pub struct Registrar {
     client: RegistrarClient<Channel>,
     node: String,
     locality: Locality,
+    registered: Arc<Registered>,
+    /// Held by each refresh call and by unregistration, so a refresh never
+    /// re-registers an endpoint just unregistered.
+    gate: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Registrar {
     /// A lazily connected client: the agent serves its pods even while the registrar
     /// is away, and catches up when it returns.
+    /// Must be called within a tokio runtime: it starts the refresher, which stops
+    /// when the last clone of the returned value is dropped.
     pub fn new(address: &str, node: String, locality: Locality) -> Result<Self, String> {
+        Self::with_refresh(address, node, locality, REFRESH_INTERVAL)
+    }
+
+    fn with_refresh(address: &str, node: String, locality: Locality, every: Duration) -> Result<Self, String> {
         let endpoint = GrpcEndpoint::from_shared(address.to_owned())
             .map_err(|e| format!("--registrar {address:?}: {e}"))?
             .connect_timeout(Duration::from_secs(2))
             .http2_keep_alive_interval(Duration::from_secs(20))
             .keep_alive_timeout(Duration::from_secs(10));
-        Ok(Self {
+        let registrar = Self {
             client: RegistrarClient::new(endpoint.connect_lazy()),
             node,
             locality,
-        })
+            registered: Arc::default(),
+            gate: Arc::default(),
+        };
+        tokio::spawn(refresh(
+            registrar.client.clone(),
+            Arc::downgrade(&registrar.registered),
+            registrar.gate.clone(),
+            every,
+        ));
+        Ok(registrar)
     }
 
     /// The endpoints a pod is registered as (one per pod IP).
@@ -94,6 +138,14 @@ impl Registrar {
             if endpoint.ports.is_empty() {
                 continue;
             }
+            // Remembered first: if the registrar is away now, the refresher registers it
+            // when it returns.
+            {
+                let mut book = self.registered.lock().expect("registered endpoints lock poisoned");
+                let key = (endpoint.service.clone(), endpoint.address.clone());
+                book.unregistered.remove(&key);
+                book.registered.insert(key, endpoint.clone());
+            }
             let call = || {
                 let mut client = self.client.clone();
                 let endpoint = endpoint.clone();
@@ -111,7 +163,14 @@ impl Registrar {
     }
 
     pub async fn unregister(&self, service: &str, ips: &[IpAddr]) -> Result<(), Status> {
+        let _gate = self.gate.lock().await;
         for ip in ips {
+            {
+                let mut book = self.registered.lock().expect("registered endpoints lock poisoned");
+                let key = (service.to_owned(), ip.to_string());
+                book.registered.remove(&key);
+                book.unregistered.insert(key, std::time::Instant::now());
+            }
             let call = || {
                 let mut client = self.client.clone();
                 let request = UnregisterEndpointRequest {
@@ -152,6 +211,7 @@ impl Registrar {
                 wildcard: false,
                 resume_from: if resume { view.resume_from(filter_id) } else { None },
                 filter_id,
+                ..Default::default()
             };
             let _ = requests.send(first).await;
             let mut client = self.client.clone();
@@ -228,6 +288,77 @@ impl Registrar {
     }
 }
 
+/// Re-registers every remembered endpoint every `every`, until the registrar handle
+/// is gone. Failures are logged and retried at the next tick.
+async fn refresh(
+    client: RegistrarClient<Channel>,
+    registered: Weak<Registered>,
+    gate: Arc<tokio::sync::Mutex<()>>,
+    every: Duration,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let Some(registered) = registered.upgrade() else { return };
+        let (keys, gone): (Vec<Key>, Vec<Key>) = {
+            let mut book = registered.lock().expect("registered endpoints lock poisoned");
+            book.unregistered.retain(|_, at| at.elapsed() < UNREGISTER_REPEAT);
+            (
+                book.registered.keys().cloned().collect(),
+                book.unregistered.keys().cloned().collect(),
+            )
+        };
+        let mut failed = 0usize;
+        for (service, address) in gone {
+            let _gate = gate.lock().await;
+            let key = (service, address);
+            if !registered
+                .lock()
+                .expect("registered endpoints lock poisoned")
+                .unregistered
+                .contains_key(&key)
+            {
+                continue;
+            }
+            let mut client = client.clone();
+            let request = UnregisterEndpointRequest {
+                service: key.0,
+                address: key.1,
+            };
+            if let Err(status) = client.unregister_endpoint(request).await {
+                failed += 1;
+                tracing::debug!(%status, "repeating an unregistration failed");
+            }
+        }
+        for key in keys {
+            let _gate = gate.lock().await;
+            // Still registered? (It may have been unregistered since the pass began.)
+            let Some(endpoint) = registered
+                .lock()
+                .expect("registered endpoints lock poisoned")
+                .registered
+                .get(&key)
+                .cloned()
+            else {
+                continue;
+            };
+            let mut client = client.clone();
+            let request = RegisterEndpointRequest {
+                endpoint: Some(endpoint),
+            };
+            if let Err(status) = client.register_endpoint(request).await {
+                failed += 1;
+                tracing::debug!(%status, "refreshing a registration failed");
+            }
+        }
+        if failed > 0 {
+            tracing::warn!(failed, retry_in = ?every, "could not refresh some registrations with the registrar");
+        }
+    }
+}
+
 fn retry_policy() -> ExponentialBuilder {
     ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(100))
@@ -240,4 +371,127 @@ fn retryable(status: &Status) -> bool {
         status.code(),
         Code::Unavailable | Code::DeadlineExceeded | Code::Unknown
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aether_proto::registrar::v1::registrar_server::{Registrar as RegistrarApi, RegistrarServer};
+    use aether_proto::registrar::v1::{
+        ListEndpointsRequest, ListEndpointsResponse, ListServicesRequest, ListServicesResponse,
+        RegisterEndpointResponse, UnregisterEndpointResponse, WatchResponse,
+    };
+    use tokio_stream::wrappers::TcpListenerStream;
+
+    /// Records every Register and Unregister it gets.
+    #[derive(Clone, Default)]
+    struct Fake(Arc<Mutex<Vec<String>>>);
+
+    #[tonic::async_trait]
+    impl RegistrarApi for Fake {
+        async fn register_endpoint(
+            &self,
+            request: tonic::Request<RegisterEndpointRequest>,
+        ) -> Result<tonic::Response<RegisterEndpointResponse>, Status> {
+            let e = request.into_inner().endpoint.unwrap();
+            self.0.lock().unwrap().push(format!("+{}/{}", e.service, e.address));
+            Ok(tonic::Response::new(RegisterEndpointResponse::default()))
+        }
+        async fn unregister_endpoint(
+            &self,
+            request: tonic::Request<UnregisterEndpointRequest>,
+        ) -> Result<tonic::Response<UnregisterEndpointResponse>, Status> {
+            let r = request.into_inner();
+            self.0.lock().unwrap().push(format!("-{}/{}", r.service, r.address));
+            Ok(tonic::Response::new(UnregisterEndpointResponse::default()))
+        }
+        async fn list_services(
+            &self,
+            _: tonic::Request<ListServicesRequest>,
+        ) -> Result<tonic::Response<ListServicesResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        async fn list_endpoints(
+            &self,
+            _: tonic::Request<ListEndpointsRequest>,
+        ) -> Result<tonic::Response<ListEndpointsResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        type WatchStream = futures::stream::Empty<Result<WatchResponse, Status>>;
+        async fn watch(
+            &self,
+            _: tonic::Request<tonic::Streaming<WatchRequest>>,
+        ) -> Result<tonic::Response<Self::WatchStream>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+    }
+
+    #[tokio::test]
+    async fn registrations_are_refreshed_until_unregistered_or_dropped() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = format!("http://{}", listener.local_addr().unwrap());
+        let fake = Fake::default();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(RegistrarServer::new(fake.clone()))
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        );
+        let registrar = Registrar::with_refresh(
+            &address,
+            "node-1".into(),
+            Locality::default(),
+            Duration::from_millis(50),
+        )
+        .unwrap();
+        for ip in ["10.0.0.1", "10.0.0.2"] {
+            let endpoint = Endpoint {
+                service: "ns/web".into(),
+                address: ip.into(),
+                ..Default::default()
+            };
+            registrar
+                .registered
+                .lock()
+                .unwrap()
+                .registered
+                .insert(("ns/web".into(), ip.into()), endpoint);
+        }
+        let count = |what: &str| fake.0.lock().unwrap().iter().filter(|c| *c == what).count();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let until = |f: &dyn Fn() -> bool| {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timed out: {:?}",
+                fake.0.lock().unwrap()
+            );
+            !f()
+        };
+        // Both endpoints are registered again and again.
+        while until(&|| count("+ns/web/10.0.0.1") >= 3 && count("+ns/web/10.0.0.2") >= 3) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // An unregistered one is never refreshed again.
+        registrar
+            .unregister("ns/web", &["10.0.0.1".parse().unwrap()])
+            .await
+            .unwrap();
+        let after = count("+ns/web/10.0.0.1");
+        let two = count("+ns/web/10.0.0.2");
+        while until(&|| count("+ns/web/10.0.0.2") >= two + 3) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(count("+ns/web/10.0.0.1"), after, "refreshed after unregistering");
+        // The unregistration itself is repeated (another replica may need it).
+        assert!(count("-ns/web/10.0.0.1") >= 2, "{:?}", fake.0.lock().unwrap());
+        // Dropping the last handle stops the refresher.
+        drop(registrar);
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        let total = fake.0.lock().unwrap().len();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            fake.0.lock().unwrap().len(),
+            total,
+            "refreshing went on after the handle was dropped"
+        );
+    }
 }

@@ -13,6 +13,12 @@ use ipnet::IpNet;
 pub enum StoreKind {
     /// A redb file under --data-dir (one replica).
     Embedded,
+    /// etcd v3 (--etcd-endpoints, --etcd-prefix); active/active replicas.
+    Etcd,
+    /// A DynamoDB table (or any DynamoDB-API endpoint); active/active replicas.
+    Dynamodb,
+    /// Read-only, derived from managed Pods and Nodes.
+    Kubernetes,
 }
 
 #[derive(Clone, Debug, clap::Parser)]
@@ -49,6 +55,73 @@ pub struct Config {
     /// How long a service with no endpoints keeps its VIP before it is removed.
     #[arg(long, env = "AETHER_REGISTRAR_EMPTY_SERVICE_TTL", default_value = "1h", value_parser = duration::parse)]
     pub empty_service_ttl: Duration,
+
+    /// Endpoints whose agent (node) has not re-registered for this long are removed.
+    /// Agents refresh every 15 s, so keep this well above that.
+    #[arg(long, env = "AETHER_REGISTRAR_ENDPOINT_TTL", default_value = "60s", value_parser = duration::parse)]
+    pub endpoint_ttl: Duration,
+
+    /// Writes accepted while the store is unreachable are queued (in order, in memory)
+    /// up to this many store operations; beyond it writes are refused with
+    /// Unavailable. 0 disables the queue (every write needs the store).
+    #[arg(long, env = "AETHER_REGISTRAR_WRITE_BEHIND_LIMIT", default_value_t = 10_000)]
+    pub write_behind_limit: usize,
+
+    /// etcd client URLs, comma-separated (--store etcd).
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_ETCD_ENDPOINTS",
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:2379"
+    )]
+    pub etcd_endpoints: Vec<String>,
+
+    /// Key prefix of the catalog in etcd (--store etcd); see proposals/003 for the layout.
+    #[arg(long, env = "AETHER_REGISTRAR_ETCD_PREFIX", default_value = "/aether/v1")]
+    pub etcd_prefix: String,
+
+    /// Timeout of one etcd request (--store etcd).
+    #[arg(long, env = "AETHER_REGISTRAR_ETCD_TIMEOUT", default_value = "5s", value_parser = duration::parse)]
+    pub etcd_timeout: Duration,
+
+    // ---- DynamoDB / Kubernetes store flags (owned by the DynamoDB/Kubernetes helper) go below ----
+    /// DynamoDB table of the catalog (--store dynamodb); see proposals/004 for its layout.
+    #[arg(long, env = "AETHER_REGISTRAR_DYNAMODB_TABLE", default_value = crate::store::dynamodb::DEFAULT_TABLE)]
+    pub dynamodb_table: String,
+
+    /// DynamoDB-API endpoint URL (--store dynamodb); unset means AWS's endpoint for the region.
+    #[arg(long, env = "AETHER_REGISTRAR_DYNAMODB_ENDPOINT_URL")]
+    pub dynamodb_endpoint_url: Option<String>,
+
+    /// AWS region (--store dynamodb); unset means AWS_REGION or the AWS profile's.
+    #[arg(long, env = "AETHER_REGISTRAR_DYNAMODB_REGION")]
+    pub dynamodb_region: Option<String>,
+
+    /// How often a replica syncs other replicas' changes from DynamoDB (--store dynamodb).
+    #[arg(long, env = "AETHER_REGISTRAR_DYNAMODB_SYNC_INTERVAL", default_value = "1s", value_parser = duration::parse)]
+    pub dynamodb_sync_interval: Duration,
+
+    /// Create the DynamoDB table (on-demand billing) if it does not exist (--store dynamodb).
+    #[arg(long, env = "AETHER_REGISTRAR_DYNAMODB_CREATE_TABLE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub dynamodb_create_table: bool,
+
+    /// Timeout of one DynamoDB request attempt (--store dynamodb).
+    #[arg(long, env = "AETHER_REGISTRAR_DYNAMODB_TIMEOUT", default_value = "5s", value_parser = duration::parse)]
+    pub dynamodb_timeout: Duration,
+
+    /// Items per DynamoDB Scan/Query page (--store dynamodb); unset means DynamoDB's 1 MB pages.
+    #[arg(long, env = "AETHER_REGISTRAR_DYNAMODB_PAGE_SIZE", value_parser = clap::value_parser!(i32).range(1..))]
+    pub dynamodb_page_size: Option<i32>,
+
+    /// ConfigMap `<namespace>/<name>` holding the mesh VIPs (--store kubernetes): the
+    /// endpoints come from Pods, but VIPs must be stored to stay stable.
+    #[arg(long, env = "AETHER_REGISTRAR_KUBE_VIP_CONFIGMAP", default_value = crate::store::kubernetes::DEFAULT_VIP_CONFIGMAP)]
+    pub kube_vip_configmap: String,
+
+    // ---- end of DynamoDB / Kubernetes store flags ----
+    /// OpenTelemetry export (metrics, traces).
+    #[command(flatten)]
+    pub telemetry: aether_common::telemetry::TelemetryConfig,
 
     /// Log format: text or json.
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text")]

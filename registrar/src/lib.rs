@@ -12,4 +12,4 @@ pub mod vip;
 pub mod watch;
 
 pub use config::Config;
-pub use server::{Running, StartError, start};
+pub use server::{Running, StartError, TELEMETRY, start};

@@ -8,7 +8,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let config = aether_registrar::Config::parse();
-    aether_common::telemetry::init_logging(config.log_format);
+    let _traces = aether_common::telemetry::init(config.log_format, &config.telemetry, &aether_registrar::TELEMETRY)?;
     let shutdown = aether_common::shutdown::on_signal()?;
     let running = aether_registrar::start(config, shutdown).await?;
     running.wait().await;

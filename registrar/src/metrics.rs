@@ -1,10 +1,11 @@
-//! The registrar's Prometheus instruments (`aether_registrar_*`).
+//! The registrar's Prometheus instruments: `aether_registrar_<what>[_<unit>]` (counters get `_total` at
+//! /metrics). The same instruments are pushed over OTLP (aether_common::telemetry).
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Registry, Unit};
 
 type Labels = [(&'static str, &'static str); 1];
 
@@ -20,6 +21,15 @@ pub struct Metrics {
     pub store_unreadable_records: Gauge,
     pub watch_snapshots: Family<Labels, Counter>,
     pub invalid_requests: Family<Labels, Counter>,
+    pub store_up: Gauge,
+    pub write_behind_ops: Gauge,
+    pub write_behind_refused: Counter,
+    pub write_behind_dropped: Counter,
+    pub feed_changes: Counter,
+    pub feed_resyncs: Counter,
+    pub feed_unusable: Counter,
+    pub expired_endpoints: Counter,
+    pub store_conflicts: Counter,
 }
 
 impl Metrics {
@@ -35,6 +45,15 @@ impl Metrics {
             store_unreadable_records: Gauge::default(),
             watch_snapshots: Family::default(),
             invalid_requests: Family::default(),
+            store_up: Gauge::default(),
+            write_behind_ops: Gauge::default(),
+            write_behind_refused: Counter::default(),
+            write_behind_dropped: Counter::default(),
+            feed_changes: Counter::default(),
+            feed_resyncs: Counter::default(),
+            feed_unusable: Counter::default(),
+            expired_endpoints: Counter::default(),
+            store_conflicts: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("aether_registrar");
         r.register("watchers", "Open Watch streams", metrics.watchers.clone());
@@ -46,9 +65,10 @@ impl Metrics {
             metrics.catalog_version.clone(),
         );
         r.register("changes", "Catalog changes committed", metrics.changes.clone());
-        r.register(
-            "store_commit_seconds",
+        r.register_with_unit(
+            "store_commit_duration",
             "Time to commit one batch of writes to the store",
+            Unit::Seconds,
             metrics.store_commit_seconds.clone(),
         );
         r.register(
@@ -70,6 +90,51 @@ impl Metrics {
             "invalid_requests",
             "Requests refused as invalid, by method",
             metrics.invalid_requests.clone(),
+        );
+        r.register(
+            "store_up",
+            "1 while the catalog store is reachable (writes go straight to it), 0 while writes are queued",
+            metrics.store_up.clone(),
+        );
+        r.register(
+            "write_behind_ops",
+            "Store operations accepted and waiting in the write-behind queue",
+            metrics.write_behind_ops.clone(),
+        );
+        r.register(
+            "write_behind_refused",
+            "Writes refused with Unavailable because the write-behind queue was full",
+            metrics.write_behind_refused.clone(),
+        );
+        r.register(
+            "write_behind_dropped",
+            "Queued store operations dropped because the store kept refusing them",
+            metrics.write_behind_dropped.clone(),
+        );
+        r.register(
+            "feed_changes",
+            "Changes made by other replicas applied from the store's feed",
+            metrics.feed_changes.clone(),
+        );
+        r.register(
+            "feed_resyncs",
+            "Full resyncs from the store (feed continuity lost)",
+            metrics.feed_resyncs.clone(),
+        );
+        r.register(
+            "feed_unusable_records",
+            "Records on the store's feed that could not be used",
+            metrics.feed_unusable.clone(),
+        );
+        r.register(
+            "expired_endpoints",
+            "Endpoints removed because their node stopped refreshing (timestamp stores)",
+            metrics.expired_endpoints.clone(),
+        );
+        r.register(
+            "store_conflicts",
+            "Commits refused because another replica won a race (the records were adopted and the writes re-planned)",
+            metrics.store_conflicts.clone(),
         );
         metrics
     }

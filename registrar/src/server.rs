@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aether_common::admin::{AdminError, AdminServer, Readiness};
+use aether_common::telemetry::{Identity, MetricsPush};
 use aether_proto::registrar::v1::registrar_server::RegistrarServer;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
@@ -18,9 +19,19 @@ use crate::api::RegistrarApi;
 use crate::catalog::{Catalog, CatalogConfig, OpenError};
 use crate::config::{Config, StoreKind};
 use crate::metrics::Metrics;
+use crate::store::dynamodb::{DynamoConfig, DynamoStore};
 use crate::store::embedded::EmbeddedStore;
-use crate::store::{Store, StoreError};
+use crate::store::etcd::{DEFAULT_MAX_TXN_OPS, EtcdConfig, EtcdStore};
+use crate::store::kubernetes::{KubeConfig, KubeStore};
+use crate::store::{Store, StoreError, StoreSettings};
 use crate::vip::{VipAllocator, VipError};
+
+/// Names the registrar's telemetry (`aether_registrar_*`, service.name aether-registrar).
+pub const TELEMETRY: Identity = Identity {
+    component: "registrar",
+    binary: "aether-registrar",
+    version: env!("CARGO_PKG_VERSION"),
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -34,6 +45,8 @@ pub enum StartError {
     Bind { addr: SocketAddr, source: std::io::Error },
     #[error(transparent)]
     Admin(#[from] AdminError),
+    #[error("telemetry: {0}")]
+    Telemetry(#[from] aether_common::telemetry::TelemetryError),
 }
 
 /// A started registrar.
@@ -53,14 +66,67 @@ impl Running {
     }
 }
 
+/// Opens the store `--store` names.
+pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StoreError> {
+    let settings = StoreSettings {
+        endpoint_ttl: config.endpoint_ttl,
+    };
+    Ok(match config.store {
+        StoreKind::Embedded => Arc::new(EmbeddedStore::open(&config.data_dir, settings)?),
+        StoreKind::Etcd => Arc::new(
+            EtcdStore::connect(
+                EtcdConfig {
+                    endpoints: config.etcd_endpoints.clone(),
+                    prefix: config.etcd_prefix.clone(),
+                    timeout: config.etcd_timeout,
+                    max_txn_ops: DEFAULT_MAX_TXN_OPS,
+                },
+                settings,
+            )
+            .await?,
+        ),
+        // ---- DynamoDB/Kubernetes helper: replace these two arms with your stores ----
+        StoreKind::Dynamodb => Arc::new(
+            DynamoStore::connect(DynamoConfig {
+                table: config.dynamodb_table.clone(),
+                endpoint_url: config.dynamodb_endpoint_url.clone(),
+                region: config.dynamodb_region.clone(),
+                sync_interval: config.dynamodb_sync_interval,
+                create_table: config.dynamodb_create_table,
+                page_size: config.dynamodb_page_size,
+                request_timeout: config.dynamodb_timeout,
+                static_credentials: None,
+                settings,
+            })
+            .await?,
+        ),
+        StoreKind::Kubernetes => {
+            let client = kube::Client::try_default().await.map_err(|e| {
+                StoreError::Config(format!(
+                    "--store kubernetes: cannot build a Kubernetes client (tried KUBECONFIG, ~/.kube/config and \
+                     the in-cluster service account): {e}"
+                ))
+            })?;
+            let vips =
+                VipAllocator::new(config.vip_cidr).map_err(|e| StoreError::Config(format!("--vip-cidr: {e}")))?;
+            Arc::new(KubeStore::start(
+                client,
+                KubeConfig {
+                    vip_configmap: config.kube_vip_configmap.clone(),
+                    vips,
+                },
+            )?)
+        }
+    })
+}
+
 /// Opens the store, loads the catalog and starts serving; runs until `shutdown`.
 pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Running, StartError> {
     let vips = VipAllocator::new(config.vip_cidr)?;
-    let store: Arc<dyn Store> = match config.store {
-        StoreKind::Embedded => Arc::new(EmbeddedStore::open(&config.data_dir)?),
-    };
+    let store = open_store(&config).await?;
     let mut registry = Registry::default();
     let metrics = Metrics::new(&mut registry);
+    let metrics_push = MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
     let readiness = Readiness::new("loading the catalog");
 
     let (catalog, writer) = Catalog::open(
@@ -70,6 +136,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
             history_changes: config.history_changes,
             watch_buffer: config.watch_buffer,
             empty_service_ttl: config.empty_service_ttl,
+            endpoint_ttl: config.endpoint_ttl,
+            write_behind_limit: config.write_behind_limit,
         },
         metrics,
     )
@@ -94,7 +162,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         addr: config.listen,
         source,
     })?;
-    let admin = AdminServer::bind(config.admin, readiness.clone(), Arc::new(registry)).await?;
+    let registry = Arc::new(registry);
+    let admin = AdminServer::bind(config.admin, readiness.clone(), registry.clone()).await?;
     let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
         addr: config.admin,
         source,
@@ -102,10 +171,13 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
 
     // The writer outlives the gRPC server so in-flight writes still get answers.
     let writer_stop = CancellationToken::new();
+    let writer = writer.with_readiness(readiness.clone(), shutdown.clone());
     let writer_task = tokio::spawn(writer.run(writer_stop.clone()));
     tokio::spawn(catalog.clone().run_reaper(shutdown.clone()));
     let admin_stop = CancellationToken::new();
     let admin_task = tokio::spawn(admin.serve(admin_stop.clone()));
+    // Stops with the admin server, after the writer: the last push carries the final values.
+    let push_task = metrics_push.spawn(registry, None, admin_stop.clone())?;
 
     let api = RegistrarApi::new(catalog.clone(), shutdown.clone());
     let server = tonic::transport::Server::builder()
@@ -134,6 +206,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         }
         admin_stop.cancel();
         let _ = admin_task.await;
+        if let Some(push) = push_task {
+            let _ = push.await;
+        }
         drop(store);
         tracing::info!("registrar stopped");
     });

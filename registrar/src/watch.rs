@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
-use crate::catalog::{Batch, Catalog, KeyedChange, State};
+use crate::catalog::{Batch, Catalog, Event, KeyedChange, State};
 use crate::model::{InvalidField, ServiceKey};
 
 /// Endpoints per snapshot message, so no message nears gRPC's 4 MiB default limit.
@@ -39,15 +39,18 @@ pub struct Filter {
     id: u64,
     wildcard: bool,
     services: HashSet<ServiceKey>,
+    /// Every service's record and no endpoints (what a node needs for DNS).
+    services_only: bool,
 }
 
 impl Filter {
     pub fn parse(request: &WatchRequest) -> Result<Self, InvalidField> {
-        if request.wildcard {
+        if request.wildcard || request.services_only {
             return Ok(Self {
                 id: request.filter_id,
                 wildcard: true,
                 services: HashSet::new(),
+                services_only: request.services_only,
             });
         }
         if request.services.len() > MAX_FILTER_SERVICES {
@@ -66,11 +69,18 @@ impl Filter {
             id: request.filter_id,
             wildcard: false,
             services,
+            services_only: false,
         })
     }
 
     pub fn matches(&self, key: &str) -> bool {
         self.wildcard || self.services.contains(key)
+    }
+
+    /// Whether this filter sends `change`: a services-only filter drops endpoint changes.
+    fn passes(&self, change: &KeyedChange) -> bool {
+        let is_service = matches!(change.event, Event::ServiceAdded(_) | Event::ServiceRemoved);
+        self.matches(change.service.as_str()) && (is_service || !self.services_only)
     }
 
     /// The catalog's services this filter selects.
@@ -259,7 +269,7 @@ impl Watcher {
             let changes: Vec<Change> = batch
                 .changes
                 .iter()
-                .filter(|c| self.filter.matches(c.service.as_str()))
+                .filter(|c| self.filter.passes(c))
                 .map(KeyedChange::to_proto)
                 .collect();
             self.processed = batch.seq;
@@ -325,6 +335,12 @@ impl Watcher {
     /// filter, then one Delta (at the current version) removes the services the new
     /// filter drops and adds those it brings in, with their endpoints.
     async fn change_filter(&mut self, filter: Filter) -> Result<(), Gone> {
+        if filter.services_only != self.filter.services_only {
+            // Endpoints come or go for services the client already has: a fresh snapshot
+            // is simpler and exact.
+            self.filter = filter;
+            return self.resync(SnapshotReason::FilterChanged).await;
+        }
         let (pending, filter_delta) = {
             let state = self.catalog.read();
             let mut pending = Vec::new();
@@ -356,6 +372,9 @@ impl Watcher {
                 changes.push(Change {
                     change: Some(change::Change::ServiceAdded(entry.service.clone())),
                 });
+                if filter.services_only {
+                    continue;
+                }
                 changes.extend(entry.endpoints.values().map(|e| Change {
                     change: Some(change::Change::EndpointAdded(Endpoint::clone(e))),
                 }));
@@ -380,7 +399,12 @@ fn collect(state: &State, filter: &Filter) -> Selection {
         .selected(state)
         .map(|key| {
             let entry = state.service(key.as_str()).expect("selected services exist");
-            (entry.service.clone(), entry.endpoints.values().cloned().collect())
+            let endpoints = if filter.services_only {
+                Vec::new()
+            } else {
+                entry.endpoints.values().cloned().collect()
+            };
+            (entry.service.clone(), endpoints)
         })
         .collect();
     services.sort_by(|a, b| (&a.0.namespace, &a.0.name).cmp(&(&b.0.namespace, &b.0.name)));

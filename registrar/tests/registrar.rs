@@ -615,7 +615,7 @@ async fn health_readiness_and_metrics_are_served() {
         "aether_registrar_endpoints 1",
         "aether_registrar_catalog_version 1",
         "aether_registrar_changes_total 2",
-        "aether_registrar_store_commit_seconds_count 1",
+        "aether_registrar_store_commit_duration_seconds_count 1",
     ] {
         assert!(metrics.lines().any(|l| l == line), "missing {line:?} in\n{metrics}");
     }

@@ -5,17 +5,26 @@
 //! - `services`: `<ns>/<name>` → `aether.registry.v1.Service`
 //! - `vips`: VIP text → service key (the uniqueness index for VIPs)
 //! - `endpoints`: `<ns>/<name>/<address>` → `aether.registry.v1.Endpoint`
-//! - `meta`: `schema` → format version
+//! - `meta`: `schema` → format version, `revision` → revision of the last commit
+//!
+//! No other replica writes here, so the feed is empty; node liveness (for the
+//! endpoint TTL) is kept in memory, and every node found at start-up counts as
+//! refreshed then, so a registrar that was down does not expire the whole catalog.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use aether_proto::registry::v1::{Endpoint, Service};
 use async_trait::async_trait;
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
-use super::{Contents, Store, StoreError, StoreOp, UnreadableRecord};
+use super::{
+    Conflict, Contents, Feed, Revision, Store, StoreError, StoreOp, StoreSettings, Stored, UnreadableRecord, no_feed,
+};
+use crate::model::ServiceKey;
 
 const SERVICES: TableDefinition<&str, &[u8]> = TableDefinition::new("services");
 const VIPS: TableDefinition<&str, &str> = TableDefinition::new("vips");
@@ -31,11 +40,14 @@ pub const FILE_NAME: &str = "catalog.redb";
 pub struct EmbeddedStore {
     db: Arc<Database>,
     path: PathBuf,
+    settings: StoreSettings,
+    /// Last refresh of each node with endpoints.
+    nodes: Mutex<HashMap<String, Instant>>,
 }
 
 impl EmbeddedStore {
     /// Opens (or creates) the catalog file in `data_dir`.
-    pub fn open(data_dir: &Path) -> Result<Self, StoreError> {
+    pub fn open(data_dir: &Path, settings: StoreSettings) -> Result<Self, StoreError> {
         std::fs::create_dir_all(data_dir)
             .map_err(|e| StoreError::Unavailable(format!("creating data dir {}: {e}", data_dir.display())))?;
         let path = data_dir.join(FILE_NAME);
@@ -46,7 +58,12 @@ impl EmbeddedStore {
                 .set_cache_size(CACHE_BYTES)
                 .create(&path)
                 .map_err(|e| StoreError::Unavailable(format!("opening {}: {e}", path.display())))?;
-        let store = Self { db: Arc::new(db), path };
+        let store = Self {
+            db: Arc::new(db),
+            path,
+            settings,
+            nodes: Mutex::new(HashMap::new()),
+        };
         store.init_schema()?;
         Ok(store)
     }
@@ -85,6 +102,14 @@ fn endpoint_key(service: &str, address: &str) -> String {
     format!("{service}/{address}")
 }
 
+fn touch_nodes<'a>(nodes: &Mutex<HashMap<String, Instant>>, names: impl Iterator<Item = &'a str>) {
+    let now = Instant::now();
+    let mut nodes = nodes.lock().expect("node liveness lock poisoned");
+    for name in names.filter(|n| !n.is_empty()) {
+        nodes.insert(name.to_owned(), now);
+    }
+}
+
 #[async_trait]
 impl Store for EmbeddedStore {
     fn kind(&self) -> &'static str {
@@ -97,10 +122,13 @@ impl Store for EmbeddedStore {
         let read = move || -> Result<Contents, redb::Error> {
             let txn = db.begin_read()?;
             let mut contents = Contents::default();
+            // One writer: every record is as new as the last commit.
+            let revision = txn.open_table(META)?.get("revision")?.map(|v| v.value()).unwrap_or(0);
+            contents.revision = revision;
             for row in txn.open_table(SERVICES)?.iter()? {
                 let (key, value) = row?;
                 match Service::decode(value.value()) {
-                    Ok(service) => contents.services.push(service),
+                    Ok(value) => contents.services.push(Stored { value, revision }),
                     Err(e) => contents.unreadable.push(UnreadableRecord {
                         key: format!("services/{}", key.value()),
                         reason: format!("not a Service protobuf: {e}"),
@@ -110,7 +138,7 @@ impl Store for EmbeddedStore {
             for row in txn.open_table(ENDPOINTS)?.iter()? {
                 let (key, value) = row?;
                 match Endpoint::decode(value.value()) {
-                    Ok(endpoint) => contents.endpoints.push(endpoint),
+                    Ok(value) => contents.endpoints.push(Stored { value, revision }),
                     Err(e) => contents.unreadable.push(UnreadableRecord {
                         key: format!("endpoints/{}", key.value()),
                         reason: format!("not an Endpoint protobuf: {e}"),
@@ -119,34 +147,70 @@ impl Store for EmbeddedStore {
             }
             Ok(contents)
         };
-        tokio::task::spawn_blocking(read)
+        let contents = tokio::task::spawn_blocking(read)
             .await
             .map_err(|e| StoreError::Unavailable(format!("load task failed: {e}")))?
-            .map_err(|e| StoreError::Unavailable(format!("reading {}: {e}", path.display())))
+            .map_err(|e| StoreError::Unavailable(format!("reading {}: {e}", path.display())))?;
+        touch_nodes(&self.nodes, contents.endpoints.iter().map(|e| e.value.node.as_str()));
+        Ok(contents)
     }
 
-    async fn commit(&self, ops: Vec<StoreOp>) -> Result<(), StoreError> {
+    async fn commit(&self, ops: Vec<StoreOp>) -> Result<Revision, StoreError> {
         let db = self.db.clone();
-        let write = move || -> Result<(), StoreError> {
+        let live: Vec<String> = ops
+            .iter()
+            .filter_map(|op| match op {
+                StoreOp::PutEndpoint(e) => Some(e.node.clone()),
+                _ => None,
+            })
+            .collect();
+        let forgotten: Vec<String> = ops
+            .iter()
+            .filter_map(|op| match op {
+                StoreOp::ForgetNode(node) => Some(node.clone()),
+                _ => None,
+            })
+            .collect();
+        let write = move || -> Result<Revision, StoreError> {
             let fail = |e: &dyn std::fmt::Display| StoreError::Unavailable(e.to_string());
             let txn = db.begin_write().map_err(|e| fail(&e))?;
+            let revision;
             {
                 let mut services = txn.open_table(SERVICES).map_err(|e| fail(&e))?;
                 let mut vips = txn.open_table(VIPS).map_err(|e| fail(&e))?;
                 let mut endpoints = txn.open_table(ENDPOINTS).map_err(|e| fail(&e))?;
+                let mut meta = txn.open_table(META).map_err(|e| fail(&e))?;
+                let stored_service =
+                    |services: &redb::Table<&str, &[u8]>, key: &str| -> Result<Option<Service>, StoreError> {
+                        match services.get(key).map_err(|e| fail(&e))? {
+                            Some(v) => Service::decode(v.value())
+                                .map(Some)
+                                .map_err(|e| StoreError::Corrupt(format!("services/{key}: {e}"))),
+                            None => Ok(None),
+                        }
+                    };
                 for op in &ops {
                     match op {
                         StoreOp::CreateService(service) => {
                             let key = format!("{}/{}", service.namespace, service.name);
-                            if services.get(key.as_str()).map_err(|e| fail(&e))?.is_some() {
-                                return Err(StoreError::Conflict(format!("service {key} already exists")));
+                            if let Some(existing) = stored_service(&services, &key)? {
+                                return Err(StoreError::Conflict(Conflict {
+                                    existing: vec![existing],
+                                    missing: vec![],
+                                    detail: format!("service {key} already exists"),
+                                }));
                             }
-                            if let Some(owner) = vips.get(service.vip.as_str()).map_err(|e| fail(&e))? {
-                                return Err(StoreError::Conflict(format!(
-                                    "VIP {} already belongs to {}",
-                                    service.vip,
-                                    owner.value()
-                                )));
+                            let owner = vips
+                                .get(service.vip.as_str())
+                                .map_err(|e| fail(&e))?
+                                .map(|o| o.value().to_owned());
+                            if let Some(owner) = owner {
+                                let existing = stored_service(&services, &owner)?;
+                                return Err(StoreError::Conflict(Conflict {
+                                    existing: existing.into_iter().collect(),
+                                    missing: vec![],
+                                    detail: format!("VIP {} already belongs to {owner}", service.vip),
+                                }));
                             }
                             services
                                 .insert(key.as_str(), service.encode_to_vec().as_slice())
@@ -156,8 +220,23 @@ impl Store for EmbeddedStore {
                         StoreOp::DeleteService { key, vip } => {
                             services.remove(key.as_str()).map_err(|e| fail(&e))?;
                             vips.remove(vip.as_str()).map_err(|e| fail(&e))?;
+                            // Its endpoints: keys "<ns>/<name>/<address>"; '0' follows '/'.
+                            let start = format!("{key}/");
+                            let end = format!("{key}0");
+                            endpoints
+                                .retain_in(start.as_str()..end.as_str(), |_, _| false)
+                                .map_err(|e| fail(&e))?;
                         }
                         StoreOp::PutEndpoint(endpoint) => {
+                            if services.get(endpoint.service.as_str()).map_err(|e| fail(&e))?.is_none() {
+                                let missing = ServiceKey::parse("service", &endpoint.service)
+                                    .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                                return Err(StoreError::Conflict(Conflict {
+                                    existing: vec![],
+                                    missing: vec![missing],
+                                    detail: format!("service {} is not in the store", endpoint.service),
+                                }));
+                            }
                             let key = endpoint_key(&endpoint.service, &endpoint.address);
                             endpoints
                                 .insert(key.as_str(), endpoint.encode_to_vec().as_slice())
@@ -167,16 +246,54 @@ impl Store for EmbeddedStore {
                             let key = endpoint_key(service.as_str(), address);
                             endpoints.remove(key.as_str()).map_err(|e| fail(&e))?;
                         }
+                        StoreOp::ForgetNode(_) => {}
                     }
                 }
+                revision = meta
+                    .get("revision")
+                    .map_err(|e| fail(&e))?
+                    .map(|v| v.value())
+                    .unwrap_or(0)
+                    + 1;
+                meta.insert("revision", revision).map_err(|e| fail(&e))?;
             }
             // Dropping an uncommitted transaction aborts it, so an early return above
             // leaves the store untouched.
-            txn.commit().map_err(|e| fail(&e))
+            txn.commit().map_err(|e| fail(&e))?;
+            Ok(revision)
         };
-        tokio::task::spawn_blocking(write)
+        let revision = tokio::task::spawn_blocking(write)
             .await
-            .map_err(|e| StoreError::Unavailable(format!("commit task failed: {e}")))?
+            .map_err(|e| StoreError::Unavailable(format!("commit task failed: {e}")))??;
+        touch_nodes(&self.nodes, live.iter().map(String::as_str));
+        let mut nodes = self.nodes.lock().expect("node liveness lock poisoned");
+        for node in forgotten {
+            nodes.remove(&node);
+        }
+        Ok(revision)
+    }
+
+    fn feed(&self, _after: Revision) -> Feed {
+        no_feed()
+    }
+
+    async fn refresh(&self, nodes: Vec<String>) -> Result<(), StoreError> {
+        touch_nodes(&self.nodes, nodes.iter().map(String::as_str));
+        Ok(())
+    }
+
+    async fn expired_nodes(&self) -> Result<Vec<String>, StoreError> {
+        let ttl = self.settings.endpoint_ttl;
+        let nodes = self.nodes.lock().expect("node liveness lock poisoned");
+        Ok(nodes
+            .iter()
+            .filter(|(_, at)| at.elapsed() >= ttl)
+            .map(|(node, _)| node.clone())
+            .collect())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
     }
 }
 
@@ -185,6 +302,12 @@ mod tests {
     use super::*;
     use crate::model::ServiceKey;
     use std::sync::Arc;
+
+    fn settings() -> StoreSettings {
+        StoreSettings {
+            endpoint_ttl: std::time::Duration::from_secs(60),
+        }
+    }
 
     fn service(name: &str, vip: &str) -> Service {
         Service {
@@ -206,7 +329,7 @@ mod tests {
     async fn commits_survive_reopening() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let store = EmbeddedStore::open(dir.path()).unwrap();
+            let store = EmbeddedStore::open(dir.path(), settings()).unwrap();
             store
                 .commit(vec![
                     StoreOp::CreateService(service("a", "240.240.0.1")),
@@ -223,17 +346,20 @@ mod tests {
                 .await
                 .unwrap();
         }
-        let store = EmbeddedStore::open(dir.path()).unwrap();
+        let store = EmbeddedStore::open(dir.path(), settings()).unwrap();
         let contents = store.load().await.unwrap();
-        assert_eq!(contents.services, vec![service("a", "240.240.0.1")]);
-        assert_eq!(contents.endpoints, vec![endpoint("ns/a", "10.0.0.2")]);
+        let services: Vec<_> = contents.services.into_iter().map(|s| s.value).collect();
+        let endpoints: Vec<_> = contents.endpoints.into_iter().map(|e| e.value).collect();
+        assert_eq!(services, vec![service("a", "240.240.0.1")]);
+        assert_eq!(endpoints, vec![endpoint("ns/a", "10.0.0.2")]);
+        assert_eq!(contents.revision, 2, "two commits");
         assert!(contents.unreadable.is_empty());
     }
 
     #[tokio::test]
     async fn a_conflicting_batch_changes_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let store = EmbeddedStore::open(dir.path()).unwrap();
+        let store = EmbeddedStore::open(dir.path(), settings()).unwrap();
         store
             .commit(vec![StoreOp::CreateService(service("a", "240.240.0.1"))])
             .await
@@ -246,7 +372,8 @@ mod tests {
             .await
             .unwrap_err();
         assert!(
-            matches!(&err, StoreError::Conflict(m) if m.contains("VIP 240.240.0.1 already belongs to ns/a")),
+            matches!(&err, StoreError::Conflict(c) if c.detail.contains("VIP 240.240.0.1 already belongs to ns/a")
+                && c.existing == vec![service("a", "240.240.0.1")]),
             "{err}"
         );
         let err = store
@@ -254,7 +381,8 @@ mod tests {
             .await
             .unwrap_err();
         assert!(
-            matches!(&err, StoreError::Conflict(m) if m.contains("service ns/a already exists")),
+            matches!(&err, StoreError::Conflict(c) if c.detail.contains("service ns/a already exists")
+                && c.existing == vec![service("a", "240.240.0.1")]),
             "{err}"
         );
         let contents = store.load().await.unwrap();
@@ -268,7 +396,7 @@ mod tests {
     #[tokio::test]
     async fn undecodable_records_are_reported_and_kept() {
         let dir = tempfile::tempdir().unwrap();
-        let store = EmbeddedStore::open(dir.path()).unwrap();
+        let store = EmbeddedStore::open(dir.path(), settings()).unwrap();
         {
             let txn = store.db.begin_write().unwrap();
             txn.open_table(ENDPOINTS)
@@ -288,8 +416,86 @@ mod tests {
     #[test]
     fn a_second_process_cannot_open_the_same_file() {
         let dir = tempfile::tempdir().unwrap();
-        let _first = EmbeddedStore::open(dir.path()).unwrap();
-        let second = EmbeddedStore::open(dir.path());
+        let _first = EmbeddedStore::open(dir.path(), settings()).unwrap();
+        let second = EmbeddedStore::open(dir.path(), settings());
         assert!(second.is_err(), "two registrars shared one catalog file");
+    }
+
+    #[tokio::test]
+    async fn an_endpoint_of_a_missing_service_is_a_conflict_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path(), settings()).unwrap();
+        let err = store
+            .commit(vec![StoreOp::PutEndpoint(Arc::new(endpoint("ns/gone", "10.0.0.1")))])
+            .await
+            .unwrap_err();
+        let StoreError::Conflict(conflict) = err else {
+            panic!("{err}")
+        };
+        assert_eq!(conflict.missing, vec![ServiceKey::parse("s", "ns/gone").unwrap()]);
+        assert!(store.load().await.unwrap().endpoints.is_empty());
+    }
+
+    #[tokio::test]
+    async fn deleting_a_service_deletes_its_endpoints_and_only_its() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path(), settings()).unwrap();
+        store
+            .commit(vec![
+                StoreOp::CreateService(service("a", "240.240.0.1")),
+                StoreOp::CreateService(service("ab", "240.240.0.2")),
+                StoreOp::PutEndpoint(Arc::new(endpoint("ns/a", "10.0.0.1"))),
+                StoreOp::PutEndpoint(Arc::new(endpoint("ns/ab", "10.0.0.2"))),
+            ])
+            .await
+            .unwrap();
+        let revision = store
+            .commit(vec![StoreOp::DeleteService {
+                key: ServiceKey::parse("s", "ns/a").unwrap(),
+                vip: "240.240.0.1".into(),
+            }])
+            .await
+            .unwrap();
+        let contents = store.load().await.unwrap();
+        assert_eq!(contents.revision, revision);
+        let endpoints: Vec<_> = contents.endpoints.iter().map(|e| e.value.address.as_str()).collect();
+        assert_eq!(endpoints, ["10.0.0.2"]);
+        // The VIP is free again.
+        store
+            .commit(vec![StoreOp::CreateService(service("c", "240.240.0.1"))])
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn nodes_expire_unless_refreshed_and_are_forgotten_on_request() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(
+            dir.path(),
+            StoreSettings {
+                endpoint_ttl: std::time::Duration::from_millis(200),
+            },
+        )
+        .unwrap();
+        let mut a = endpoint("ns/a", "10.0.0.1");
+        a.node = "n1".into();
+        let mut b = endpoint("ns/a", "10.0.0.2");
+        b.node = "n2".into();
+        store
+            .commit(vec![
+                StoreOp::CreateService(service("a", "240.240.0.1")),
+                StoreOp::PutEndpoint(Arc::new(a)),
+                StoreOp::PutEndpoint(Arc::new(b)),
+            ])
+            .await
+            .unwrap();
+        assert!(store.expired_nodes().await.unwrap().is_empty());
+        for _ in 0..4 {
+            tokio::time::sleep(std::time::Duration::from_millis(80)).await;
+            store.refresh(vec!["n1".into()]).await.unwrap();
+        }
+        assert_eq!(store.expired_nodes().await.unwrap(), ["n2"]);
+        store.commit(vec![StoreOp::ForgetNode("n2".into())]).await.unwrap();
+        assert!(store.expired_nodes().await.unwrap().is_empty());
     }
 }

@@ -2,6 +2,9 @@
 //! its view from the stream.
 #![allow(dead_code)] // each test binary uses a different part
 
+pub mod etcd;
+pub mod replicas;
+
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -39,6 +42,11 @@ pub struct Registrar {
 impl Registrar {
     /// Starts the binary on `data_dir` with `extra` flags and waits until /ready says so.
     pub async fn start(data_dir: &Path, extra: &[&str]) -> Registrar {
+        Self::start_with_env(data_dir, extra, &[]).await
+    }
+
+    /// As [`Registrar::start`], with extra environment variables for the process.
+    pub async fn start_with_env(data_dir: &Path, extra: &[&str], env: &[(String, String)]) -> Registrar {
         let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let log = data_dir.with_extension(format!("{}.log", grpc.port()));
@@ -50,6 +58,7 @@ impl Registrar {
             .arg("--data-dir")
             .arg(data_dir)
             .args(extra)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -87,6 +96,11 @@ impl Registrar {
 
     pub fn pid(&self) -> Pid {
         Pid::from_raw(self.child.as_ref().expect("running").id() as i32)
+    }
+
+    /// SIGKILL: the replica dies without any goodbye (reaped on drop).
+    pub fn kill(&self) {
+        kill(self.pid(), Signal::SIGKILL).unwrap();
     }
 
     pub async fn client(&self) -> RegistrarClient<Channel> {
@@ -205,6 +219,8 @@ pub struct Watcher {
     pub view: WatchView,
     /// Every message received, in order.
     pub received: Vec<WatchResponse>,
+    /// Fail on a delta that adds what the view has or removes what it lacks.
+    strict: bool,
 }
 
 impl Watcher {
@@ -221,7 +237,28 @@ impl Watcher {
             stream,
             view: WatchView::default(),
             received: Vec::new(),
+            strict: false,
         }
+    }
+
+    /// Panics on duplicate adds and ghost removals (see [`check_delta`]).
+    pub fn strict(mut self) -> Self {
+        self.strict = true;
+        self
+    }
+
+    /// Continues from a view built on another stream (a reconnect).
+    pub fn with_view(mut self, view: WatchView) -> Self {
+        self.view = view;
+        self
+    }
+
+    fn apply(&mut self, message: WatchResponse) {
+        if self.strict {
+            check_delta(&self.view, &message);
+        }
+        self.view.apply(message.clone()).expect("a valid watch message");
+        self.received.push(message);
     }
 
     /// The next message, applied to the view.
@@ -231,8 +268,7 @@ impl Watcher {
             .expect("timed out waiting for a watch message")
             .expect("watch stream failed")
             .expect("watch stream ended");
-        self.view.apply(message.clone()).expect("a valid watch message");
-        self.received.push(message.clone());
+        self.apply(message.clone());
         message
     }
 
@@ -245,8 +281,7 @@ impl Watcher {
             .now_or_never()?
             .expect("watch stream failed")
             .expect("watch stream ended");
-        self.view.apply(message.clone()).expect("a valid watch message");
-        self.received.push(message.clone());
+        self.apply(message.clone());
         Some(message)
     }
 
@@ -275,5 +310,68 @@ impl Watcher {
 
     pub async fn send(&self, request: WatchRequest) {
         self.requests.send(request).await.unwrap();
+    }
+}
+
+/// A delta must not add an endpoint the view already has, nor update or remove one
+/// it lacks: either would mean a duplicate or a ghost somewhere.
+pub fn check_delta(view: &WatchView, message: &WatchResponse) {
+    use aether_proto::registrar::v1::{change, watch_response};
+    let Some(watch_response::Event::Delta(delta)) = &message.event else {
+        return;
+    };
+    let mut catalog = view.catalog.clone();
+    for c in &delta.changes {
+        match c.change.as_ref().expect("change has content") {
+            change::Change::ServiceAdded(s) => {
+                let key = format!("{}/{}", s.namespace, s.name);
+                assert_ne!(catalog.services.get(&key), Some(s), "duplicate ServiceAdded {key}");
+                catalog.endpoints.entry(key.clone()).or_default();
+                catalog.services.insert(key, s.clone());
+            }
+            change::Change::ServiceRemoved(key) => {
+                assert!(catalog.services.remove(key).is_some(), "ghost ServiceRemoved {key}");
+                catalog.endpoints.remove(key);
+            }
+            change::Change::EndpointAdded(e) => {
+                let eps = catalog
+                    .endpoints
+                    .get_mut(&e.service)
+                    .expect("endpoint of a known service");
+                let eps = std::sync::Arc::make_mut(eps);
+                assert!(
+                    eps.insert(e.address.clone(), e.clone()).is_none(),
+                    "duplicate EndpointAdded {}/{}",
+                    e.service,
+                    e.address
+                );
+            }
+            change::Change::EndpointUpdated(e) => {
+                let eps = catalog
+                    .endpoints
+                    .get_mut(&e.service)
+                    .expect("endpoint of a known service");
+                let eps = std::sync::Arc::make_mut(eps);
+                assert!(
+                    eps.insert(e.address.clone(), e.clone()).is_some(),
+                    "EndpointUpdated of absent {}/{}",
+                    e.service,
+                    e.address
+                );
+            }
+            change::Change::EndpointRemoved(r) => {
+                let eps = catalog
+                    .endpoints
+                    .get_mut(&r.service)
+                    .expect("endpoint of a known service");
+                let eps = std::sync::Arc::make_mut(eps);
+                assert!(
+                    eps.remove(&r.address).is_some(),
+                    "ghost EndpointRemoved {}/{}",
+                    r.service,
+                    r.address
+                );
+            }
+        }
     }
 }

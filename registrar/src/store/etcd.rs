@@ -1,0 +1,718 @@
+//! The etcd v3 store: every replica reads and writes one etcd cluster and follows
+//! the other replicas' writes through an etcd Watch.
+//!
+//! Key layout under `--etcd-prefix` P (default `/aether/v1`; values are protobuf):
+//! - `P/services/<ns>/<name>` → `aether.registry.v1.Service`
+//! - `P/vips/<vip>` → `<ns>/<name>` (text): the VIP uniqueness index
+//! - `P/endpoints/<ns>/<name>/<address>` → `aether.registry.v1.Endpoint`, attached to
+//!   the lease of the endpoint's node (no lease when `node` is empty)
+//! - `P/nodes/<node>` → lease id (decimal text), attached to that same lease
+//!
+//! Revisions are etcd's: a record's revision is its `mod_revision`, a commit's is
+//! the transaction's header revision. Service creation is one transaction comparing
+//! `create_revision == 0` on the service key and on the VIP key, so of two replicas
+//! creating the same service one wins and the other reads the winner's record back.
+//! Endpoint TTL uses leases: one per node, granted on its first endpoint and kept
+//! alive by every re-registration; when it lapses etcd deletes the node's endpoints
+//! and every replica sees the deletions on its Watch.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use aether_proto::registry::v1::{Endpoint, Service};
+use async_trait::async_trait;
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse,
+    WatchOptions,
+};
+use prost::Message;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::{
+    Conflict, Contents, Feed, FeedChange, FeedChangeKind, FeedEvent, Revision, Store, StoreError, StoreOp,
+    StoreSettings, Stored, UnreadableRecord,
+};
+use crate::model::ServiceKey;
+
+/// Keys read per page while loading.
+const PAGE: i64 = 2_000;
+/// etcd's default `--max-txn-ops`.
+pub const DEFAULT_MAX_TXN_OPS: usize = 128;
+const FEED_BUFFER: usize = 256;
+const LEASE_NOT_FOUND: &str = "requested lease not found";
+
+#[derive(Clone, Debug)]
+pub struct EtcdConfig {
+    pub endpoints: Vec<String>,
+    /// Key prefix without a trailing slash.
+    pub prefix: String,
+    /// Timeout of one request.
+    pub timeout: Duration,
+    /// The cluster's `--max-txn-ops`.
+    pub max_txn_ops: usize,
+}
+
+pub struct EtcdStore {
+    client: Client,
+    keys: Keys,
+    timeout: Duration,
+    max_txn_ops: usize,
+    lease_ttl: i64,
+    /// node → its lease, as last seen.
+    leases: Mutex<HashMap<String, i64>>,
+}
+
+#[derive(Clone, Debug)]
+struct Keys {
+    prefix: String,
+}
+
+/// What a key under the prefix is.
+enum Record<'a> {
+    Service(&'a str),
+    Endpoint { service: &'a str, address: &'a str },
+    Other,
+}
+
+impl Keys {
+    fn all(&self) -> String {
+        format!("{}/", self.prefix)
+    }
+    fn service(&self, key: &str) -> String {
+        format!("{}/services/{key}", self.prefix)
+    }
+    fn vip(&self, vip: &str) -> String {
+        format!("{}/vips/{vip}", self.prefix)
+    }
+    fn endpoint(&self, service: &str, address: &str) -> String {
+        format!("{}/endpoints/{service}/{address}", self.prefix)
+    }
+    fn endpoints_of(&self, service: &str) -> String {
+        format!("{}/endpoints/{service}/", self.prefix)
+    }
+    fn node(&self, node: &str) -> String {
+        format!("{}/nodes/{node}", self.prefix)
+    }
+
+    fn classify<'a>(&self, key: &'a str) -> Record<'a> {
+        let Some(rest) = key.strip_prefix(self.prefix.as_str()).and_then(|k| k.strip_prefix('/')) else {
+            return Record::Other;
+        };
+        if let Some(service) = rest.strip_prefix("services/") {
+            return Record::Service(service);
+        }
+        if let Some(rest) = rest.strip_prefix("endpoints/") {
+            // <ns>/<name>/<address>: addresses never contain '/'.
+            if let Some((service, address)) = rest.rsplit_once('/') {
+                return Record::Endpoint { service, address };
+            }
+        }
+        Record::Other
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    #[error("--etcd-prefix {0:?}: must start with '/' and not end with '/'")]
+    Prefix(String),
+    #[error("--etcd-endpoints: at least one endpoint is needed")]
+    NoEndpoints,
+}
+
+fn unavailable(what: &str, e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(format!("etcd {what}: {e}"))
+}
+
+impl EtcdStore {
+    /// Connects to etcd (fails if no endpoint answers within the timeout).
+    pub async fn connect(config: EtcdConfig, settings: StoreSettings) -> Result<Self, StoreError> {
+        let prefix = config.prefix.clone();
+        if !prefix.starts_with('/') || prefix.ends_with('/') || prefix.len() < 2 {
+            return Err(StoreError::Config(EtcdError::Prefix(prefix).to_string()));
+        }
+        if config.endpoints.is_empty() {
+            return Err(StoreError::Config(EtcdError::NoEndpoints.to_string()));
+        }
+        let options = ConnectOptions::new()
+            .with_connect_timeout(config.timeout)
+            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
+            .with_keep_alive_while_idle(true);
+        let client = tokio::time::timeout(config.timeout, Client::connect(&config.endpoints, Some(options)))
+            .await
+            .map_err(|_| unavailable("connect", format!("no answer from {:?} in time", config.endpoints)))?
+            .map_err(|e| unavailable("connect", e))?;
+        let lease_ttl = settings.endpoint_ttl.as_secs_f64().ceil().max(1.0) as i64;
+        Ok(Self {
+            client,
+            keys: Keys { prefix },
+            timeout: config.timeout,
+            max_txn_ops: config.max_txn_ops.max(8),
+            lease_ttl,
+            leases: Mutex::new(HashMap::new()),
+        })
+    }
+
+    async fn timed<T, F>(&self, what: &str, f: F) -> Result<T, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, etcd_client::Error>>,
+    {
+        match tokio::time::timeout(self.timeout, f).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(unavailable(what, e)),
+            Err(_) => Err(unavailable(what, format!("no answer within {:?}", self.timeout))),
+        }
+    }
+
+    async fn get_one(&self, key: String) -> Result<Option<KeyValue>, StoreError> {
+        let mut client = self.client.clone();
+        let mut response = self.timed("get", client.get(key, None)).await?;
+        Ok(response.take_kvs().into_iter().next())
+    }
+
+    async fn get_service(&self, key: &str) -> Result<Option<Service>, StoreError> {
+        match self.get_one(self.keys.service(key)).await? {
+            Some(kv) => Service::decode(kv.value())
+                .map(Some)
+                .map_err(|e| StoreError::Corrupt(format!("{}: not a Service protobuf: {e}", self.keys.service(key)))),
+            None => Ok(None),
+        }
+    }
+
+    /// The lease of `node`, granted (once, across replicas) if it has none.
+    async fn lease_of(&self, node: &str) -> Result<i64, StoreError> {
+        if let Some(id) = self.leases.lock().expect("lease cache poisoned").get(node) {
+            return Ok(*id);
+        }
+        let key = self.keys.node(node);
+        if let Some(kv) = self.get_one(key.clone()).await? {
+            let id = parse_lease(&kv)?;
+            self.leases
+                .lock()
+                .expect("lease cache poisoned")
+                .insert(node.to_owned(), id);
+            return Ok(id);
+        }
+        let mut client = self.client.clone();
+        let granted = self
+            .timed("lease grant", client.lease_grant(self.lease_ttl, None))
+            .await?
+            .id();
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key.clone(),
+                granted.to_string(),
+                Some(PutOptions::new().with_lease(granted)),
+            )])
+            .or_else([TxnOp::get(key.clone(), None)]);
+        let response = self.timed("lease txn", client.txn(txn)).await?;
+        let id = if response.succeeded() {
+            granted
+        } else {
+            // Another replica granted one first: use theirs, drop ours.
+            let _ = self.timed("lease revoke", client.lease_revoke(granted)).await;
+            let winner = response.op_responses().into_iter().find_map(|r| match r {
+                TxnOpResponse::Get(mut get) => get.take_kvs().into_iter().next(),
+                _ => None,
+            });
+            match winner {
+                Some(kv) => parse_lease(&kv)?,
+                None => {
+                    return Err(unavailable(
+                        "lease txn",
+                        format!("{key} vanished while granting; retry"),
+                    ));
+                }
+            }
+        };
+        self.leases
+            .lock()
+            .expect("lease cache poisoned")
+            .insert(node.to_owned(), id);
+        Ok(id)
+    }
+
+    fn forget_leases<'a>(&self, nodes: impl Iterator<Item = &'a str>) {
+        let mut leases = self.leases.lock().expect("lease cache poisoned");
+        for node in nodes {
+            leases.remove(node);
+        }
+    }
+
+    async fn try_commit(&self, ops: &[StoreOp]) -> Result<Revision, StoreError> {
+        // etcd refuses a transaction that writes one key twice, so the last op on a key
+        // wins (the catalog plans each key's final state anyway).
+        let mut txn_ops: Vec<Option<TxnOp>> = Vec::new();
+        let mut slots: HashMap<String, usize> = HashMap::new();
+        let mut compares = Vec::new();
+        let mut created: Vec<&Service> = Vec::new();
+        let mut created_keys: Vec<String> = Vec::new();
+        let mut needs_service: Vec<&str> = Vec::new();
+        fn put(key: String, op: TxnOp, txn_ops: &mut Vec<Option<TxnOp>>, slots: &mut HashMap<String, usize>) {
+            match slots.get(&key) {
+                Some(&i) => txn_ops[i] = Some(op),
+                None => {
+                    slots.insert(key, txn_ops.len());
+                    txn_ops.push(Some(op));
+                }
+            }
+        }
+        for op in ops {
+            match op {
+                StoreOp::CreateService(service) => {
+                    let key = key_of(service);
+                    let skey = self.keys.service(&key);
+                    let vkey = self.keys.vip(&service.vip);
+                    compares.push(Compare::create_revision(skey.clone(), CompareOp::Equal, 0));
+                    compares.push(Compare::create_revision(vkey.clone(), CompareOp::Equal, 0));
+                    put(
+                        skey.clone(),
+                        TxnOp::put(skey, service.encode_to_vec(), None),
+                        &mut txn_ops,
+                        &mut slots,
+                    );
+                    put(
+                        vkey.clone(),
+                        TxnOp::put(vkey, key.into_bytes(), None),
+                        &mut txn_ops,
+                        &mut slots,
+                    );
+                    created.push(service);
+                    created_keys.push(key_of(service));
+                }
+                StoreOp::DeleteService { key, vip } => {
+                    let skey = self.keys.service(key.as_str());
+                    let vkey = self.keys.vip(vip);
+                    let prefix = self.keys.endpoints_of(key.as_str());
+                    // Earlier puts of its endpoints in this batch would overlap the range delete.
+                    for (k, &i) in slots.iter() {
+                        if k.starts_with(&prefix) {
+                            txn_ops[i] = None;
+                        }
+                    }
+                    put(skey.clone(), TxnOp::delete(skey, None), &mut txn_ops, &mut slots);
+                    put(vkey.clone(), TxnOp::delete(vkey, None), &mut txn_ops, &mut slots);
+                    let range = TxnOp::delete(prefix.clone(), Some(etcd_client::DeleteOptions::new().with_prefix()));
+                    put(prefix, range, &mut txn_ops, &mut slots);
+                }
+                StoreOp::PutEndpoint(endpoint) => {
+                    let key = self.keys.endpoint(&endpoint.service, &endpoint.address);
+                    let options = if endpoint.node.is_empty() {
+                        None
+                    } else {
+                        Some(PutOptions::new().with_lease(self.lease_of(&endpoint.node).await?))
+                    };
+                    put(
+                        key.clone(),
+                        TxnOp::put(key, endpoint.encode_to_vec(), options),
+                        &mut txn_ops,
+                        &mut slots,
+                    );
+                    needs_service.push(&endpoint.service);
+                }
+                StoreOp::DeleteEndpoint { service, address } => {
+                    let key = self.keys.endpoint(service.as_str(), address);
+                    put(key.clone(), TxnOp::delete(key, None), &mut txn_ops, &mut slots);
+                }
+                StoreOp::ForgetNode(node) => {
+                    let key = self.keys.node(node);
+                    put(key.clone(), TxnOp::delete(key, None), &mut txn_ops, &mut slots);
+                    self.forget_leases(std::iter::once(node.as_str()));
+                }
+            }
+        }
+        needs_service.sort_unstable();
+        needs_service.dedup();
+        needs_service.retain(|s| !created_keys.iter().any(|c| c == s));
+        for service in &needs_service {
+            compares.push(Compare::create_revision(
+                self.keys.service(service),
+                CompareOp::Greater,
+                0,
+            ));
+        }
+        let txn_ops: Vec<TxnOp> = txn_ops.into_iter().flatten().collect();
+        if txn_ops.len() > self.max_txn_ops || compares.len() > self.max_txn_ops {
+            return Err(StoreError::Corrupt(format!(
+                "a batch of {} operations and {} conditions exceeds etcd's --max-txn-ops {}",
+                txn_ops.len(),
+                compares.len(),
+                self.max_txn_ops
+            )));
+        }
+        let mut client = self.client.clone();
+        let response = self
+            .timed("txn", client.txn(Txn::new().when(compares).and_then(txn_ops)))
+            .await?;
+        let revision = response.header().map(|h| h.revision()).unwrap_or_default();
+        if response.succeeded() {
+            return Ok(revision as Revision);
+        }
+        // Find out which condition failed and who won.
+        let mut conflict = Conflict::default();
+        let mut details = Vec::new();
+        for service in created {
+            let key = format!("{}/{}", service.namespace, service.name);
+            if let Some(existing) = self.get_service(&key).await? {
+                details.push(format!("service {key} already exists with VIP {}", existing.vip));
+                conflict.existing.push(existing);
+                continue;
+            }
+            if let Some(owner) = self.get_one(self.keys.vip(&service.vip)).await? {
+                let owner = String::from_utf8_lossy(owner.value()).into_owned();
+                details.push(format!("VIP {} already belongs to {owner}", service.vip));
+                if let Some(existing) = self.get_service(&owner).await? {
+                    conflict.existing.push(existing);
+                }
+            }
+        }
+        for service in needs_service {
+            if self.get_service(service).await?.is_none() {
+                details.push(format!("service {service} is not in the store"));
+                let key = ServiceKey::parse("service", service).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                conflict.missing.push(key);
+            }
+        }
+        if conflict.existing.is_empty() && conflict.missing.is_empty() {
+            return Err(unavailable(
+                "txn",
+                "its conditions failed but the conflicting records changed again; retry",
+            ));
+        }
+        conflict.detail = details.join("; ");
+        Err(StoreError::Conflict(conflict))
+    }
+}
+
+fn key_of(service: &Service) -> String {
+    format!("{}/{}", service.namespace, service.name)
+}
+
+fn parse_lease(kv: &KeyValue) -> Result<i64, StoreError> {
+    std::str::from_utf8(kv.value())
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| StoreError::Corrupt(format!("{}: not a lease id", String::from_utf8_lossy(kv.key()))))
+}
+
+/// Reads everything under the prefix at one revision, page by page.
+async fn load(client: &Client, keys: &Keys, timeout: Duration) -> Result<Contents, StoreError> {
+    let start = keys.all();
+    // The end of the prefix range: '/' + 1 == '0'.
+    let end = format!("{}0", keys.prefix);
+    let mut contents = Contents::default();
+    let mut revision = 0i64;
+    let mut from = start.into_bytes();
+    loop {
+        let mut options = GetOptions::new().with_range(end.clone()).with_limit(PAGE);
+        if revision > 0 {
+            options = options.with_revision(revision);
+        }
+        let mut c = client.clone();
+        let mut response = tokio::time::timeout(timeout, c.get(from.clone(), Some(options)))
+            .await
+            .map_err(|_| unavailable("get", format!("no answer within {timeout:?}")))?
+            .map_err(|e| unavailable("get", e))?;
+        if revision == 0 {
+            revision = response.header().map(|h| h.revision()).unwrap_or_default();
+        }
+        let more = response.more();
+        let kvs = response.take_kvs();
+        for kv in &kvs {
+            match decode(keys, kv) {
+                Some(FeedChangeKind::ServicePut(value)) => contents.services.push(Stored {
+                    value,
+                    revision: kv.mod_revision() as Revision,
+                }),
+                Some(FeedChangeKind::EndpointPut(value)) => contents.endpoints.push(Stored {
+                    value,
+                    revision: kv.mod_revision() as Revision,
+                }),
+                Some(FeedChangeKind::Unreadable(record)) => contents.unreadable.push(record),
+                _ => {}
+            }
+        }
+        match (more, kvs.last()) {
+            (true, Some(last)) => {
+                from = last.key().to_vec();
+                from.push(0);
+            }
+            _ => break,
+        }
+    }
+    contents.revision = revision as Revision;
+    Ok(contents)
+}
+
+/// A put's record, or None for keys the catalog does not hold (VIP index, nodes).
+fn decode(keys: &Keys, kv: &KeyValue) -> Option<FeedChangeKind> {
+    let key = String::from_utf8_lossy(kv.key());
+    let unreadable = |reason: String| {
+        Some(FeedChangeKind::Unreadable(UnreadableRecord {
+            key: key.to_string(),
+            reason,
+        }))
+    };
+    match keys.classify(&key) {
+        Record::Service(_) => match Service::decode(kv.value()) {
+            Ok(s) => Some(FeedChangeKind::ServicePut(s)),
+            Err(e) => unreadable(format!("not a Service protobuf: {e}")),
+        },
+        Record::Endpoint { .. } => match Endpoint::decode(kv.value()) {
+            Ok(e) => Some(FeedChangeKind::EndpointPut(e)),
+            Err(e) => unreadable(format!("not an Endpoint protobuf: {e}")),
+        },
+        Record::Other => None,
+    }
+}
+
+enum WatchEnd {
+    /// The feed's reader is gone.
+    Closed,
+    /// The start revision was compacted away.
+    Compacted(i64),
+    Failed(String),
+}
+
+/// Follows the prefix from `next` until the stream breaks.
+async fn watch(client: &Client, keys: &Keys, next: &mut i64, tx: &mpsc::Sender<FeedEvent>) -> WatchEnd {
+    let options = WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(*next)
+        .with_progress_notify();
+    let mut c = client.clone();
+    let mut stream = match c.watch(keys.all(), Some(options)).await {
+        Ok(stream) => stream,
+        Err(e) => return WatchEnd::Failed(e.to_string()),
+    };
+    loop {
+        let response = match stream.message().await {
+            Ok(Some(response)) => response,
+            Ok(None) => return WatchEnd::Failed("watch stream ended".into()),
+            Err(e) => return WatchEnd::Failed(e.to_string()),
+        };
+        if response.compact_revision() > 0 {
+            return WatchEnd::Compacted(response.compact_revision());
+        }
+        if response.canceled() {
+            return WatchEnd::Failed(format!("watch canceled: {}", response.cancel_reason()));
+        }
+        let mut changes = Vec::with_capacity(response.events().len());
+        let mut progress = None;
+        for event in response.events() {
+            let Some(kv) = event.kv() else { continue };
+            let revision = kv.mod_revision();
+            progress = Some(revision);
+            let key = String::from_utf8_lossy(kv.key());
+            let kind = match event.event_type() {
+                EventType::Put => decode(keys, kv),
+                EventType::Delete => match keys.classify(&key) {
+                    Record::Service(key) => Some(FeedChangeKind::ServiceDeleted { key: key.to_owned() }),
+                    Record::Endpoint { service, address } => Some(FeedChangeKind::EndpointDeleted {
+                        service: service.to_owned(),
+                        address: address.to_owned(),
+                    }),
+                    Record::Other => None,
+                },
+            };
+            if let Some(kind) = kind {
+                changes.push(FeedChange {
+                    revision: revision as Revision,
+                    kind,
+                });
+            }
+        }
+        if progress.is_none() && !response.created() {
+            // A progress notification: everything up to the header's revision was sent.
+            progress = response.header().map(|h| h.revision()).filter(|r| *r >= *next);
+        }
+        let Some(progress) = progress else { continue };
+        *next = progress + 1;
+        let event = FeedEvent::Changes {
+            revision: progress as Revision,
+            changes,
+        };
+        if tx.send(event).await.is_err() {
+            return WatchEnd::Closed;
+        }
+    }
+}
+
+async fn run_feed(client: Client, keys: Keys, timeout: Duration, after: Revision, tx: mpsc::Sender<FeedEvent>) {
+    let mut next = after as i64 + 1;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let reason = match watch(&client, &keys, &mut next, &tx).await {
+            WatchEnd::Closed => return,
+            WatchEnd::Compacted(at) => {
+                tracing::warn!(
+                    from = next,
+                    compacted = at,
+                    "etcd compacted the history the watch needed; reloading"
+                );
+                match load(&client, &keys, timeout).await {
+                    Ok(contents) => {
+                        next = contents.revision as i64 + 1;
+                        backoff = Duration::from_millis(100);
+                        if tx.send(FeedEvent::Resync(contents)).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    Err(e) => e.to_string(),
+                }
+            }
+            WatchEnd::Failed(reason) => reason,
+        };
+        if tx.send(FeedEvent::Down(reason)).await.is_err() {
+            return;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+#[async_trait]
+impl Store for EtcdStore {
+    fn kind(&self) -> &'static str {
+        "etcd"
+    }
+
+    async fn load(&self) -> Result<Contents, StoreError> {
+        load(&self.client, &self.keys, self.timeout).await
+    }
+
+    async fn commit(&self, ops: Vec<StoreOp>) -> Result<Revision, StoreError> {
+        match self.try_commit(&ops).await {
+            // A node's lease lapsed since we cached it: grant a new one and retry once.
+            Err(StoreError::Unavailable(m)) if m.contains(LEASE_NOT_FOUND) => {
+                self.forget_leases(ops.iter().filter_map(|op| match op {
+                    StoreOp::PutEndpoint(e) => Some(e.node.as_str()),
+                    _ => None,
+                }));
+                self.try_commit(&ops).await
+            }
+            other => other,
+        }
+    }
+
+    fn feed(&self, after: Revision) -> Feed {
+        let (tx, rx) = mpsc::channel(FEED_BUFFER);
+        tokio::spawn(run_feed(
+            self.client.clone(),
+            self.keys.clone(),
+            self.timeout,
+            after,
+            tx,
+        ));
+        Box::pin(ReceiverStream::new(rx))
+    }
+
+    async fn refresh(&self, nodes: Vec<String>) -> Result<(), StoreError> {
+        for node in nodes.iter().filter(|n| !n.is_empty()) {
+            let cached = self.leases.lock().expect("lease cache poisoned").get(node).copied();
+            let id = match cached {
+                Some(id) => id,
+                None => match self.get_one(self.keys.node(node)).await? {
+                    Some(kv) => parse_lease(&kv)?,
+                    // No lease: its endpoints expired; the agent's registrations recreate them.
+                    None => continue,
+                },
+            };
+            let mut client = self.client.clone();
+            let (mut keeper, mut responses) = self.timed("lease keep-alive", client.lease_keep_alive(id)).await?;
+            self.timed("lease keep-alive", keeper.keep_alive()).await?;
+            let alive = self
+                .timed("lease keep-alive", responses.message())
+                .await?
+                .is_some_and(|r| r.ttl() > 0);
+            if alive {
+                self.leases
+                    .lock()
+                    .expect("lease cache poisoned")
+                    .insert(node.clone(), id);
+            } else {
+                self.forget_leases(std::iter::once(node.as_str()));
+            }
+        }
+        Ok(())
+    }
+
+    async fn expired_nodes(&self) -> Result<Vec<String>, StoreError> {
+        // Leases expire the endpoints; the deletions arrive on the feed.
+        Ok(Vec::new())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.get_one(self.keys.node("")).await.map(|_| ())
+    }
+
+    fn max_batch_ops(&self) -> usize {
+        // A DeleteService is three etcd operations.
+        self.max_txn_ops / 3
+    }
+}
+
+/// Shared by tests: the key of a service record under `prefix`.
+pub fn service_key(prefix: &str, service: &str) -> String {
+    Keys {
+        prefix: prefix.to_owned(),
+    }
+    .service(service)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn keys() -> Keys {
+        Keys {
+            prefix: "/aether/v1".into(),
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn record_keys_round_trip(
+            ns in "[a-z]([a-z0-9-]{0,20}[a-z0-9])?",
+            name in "[a-z]([a-z0-9-]{0,20}[a-z0-9])?",
+            address in prop_oneof![
+                any::<std::net::Ipv4Addr>().prop_map(|a| a.to_string()),
+                any::<std::net::Ipv6Addr>().prop_map(|a| a.to_string()),
+            ],
+        ) {
+            let keys = keys();
+            let service = format!("{ns}/{name}");
+            match keys.classify(&keys.endpoint(&service, &address)) {
+                Record::Endpoint { service: s, address: a } => {
+                    prop_assert_eq!(s, service.as_str());
+                    prop_assert_eq!(a, address.as_str());
+                }
+                _ => prop_assert!(false, "an endpoint key was not classified as one"),
+            }
+            match keys.classify(&keys.service(&service)) {
+                Record::Service(s) => prop_assert_eq!(s, service.as_str()),
+                _ => prop_assert!(false, "a service key was not classified as one"),
+            }
+            prop_assert!(matches!(keys.classify(&keys.vip(&address)), Record::Other));
+            prop_assert!(matches!(keys.classify(&keys.node(&name)), Record::Other));
+        }
+
+        #[test]
+        fn any_key_is_classified_without_panicking(key in ".{0,80}") {
+            let _ = keys().classify(&key);
+            let _ = keys().classify(&format!("/aether/v1/{key}"));
+        }
+    }
+
+    #[test]
+    fn keys_outside_the_prefix_are_not_records() {
+        let keys = keys();
+        assert!(matches!(keys.classify("/aether/v10/services/a/b"), Record::Other));
+        assert!(matches!(keys.classify("/other/services/a/b"), Record::Other));
+        assert!(matches!(keys.classify("/aether/v1/endpoints/no-slash"), Record::Other));
+    }
+}

@@ -1,0 +1,627 @@
+//! The DynamoDB store against a real DynamoDB-API server: `moto_server` from the
+//! project venv on a free loopback port with dummy credentials, one per test.
+//!
+//! moto keeps its data in memory, so a killed moto loses everything. To test what a
+//! real DynamoDB outage is (the service unreachable, its data intact), the fixture runs
+//! moto with its request recorder on and puts a TCP proxy in front: "stop" closes the
+//! proxy and kills moto; "resume" starts a new moto, replays the recording into it
+//! directly (moto's own way to rebuild state) and only then reopens the proxy. The
+//! in-memory case itself (moto restarted empty) is tested separately: the table is
+//! recreated and revisions never go backwards.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aether_proto::registry::v1::{Endpoint, Service};
+use aether_registrar::model::ServiceKey;
+use aether_registrar::store::dynamodb::{DynamoConfig, DynamoStore};
+use aether_registrar::store::{FeedEvent, Store, StoreError, StoreOp, StoreSettings};
+use futures::StreamExt;
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use support::replicas::{self, StoreFixture};
+use support::{TIMEOUT, free_port, http_get};
+use tokio::task::JoinHandle;
+
+/// Where tests find moto_server; override with `AETHER_MOTO_BIN`.
+const MOTO_BIN_ENV: &str = "AETHER_MOTO_BIN";
+const REGION: &str = "us-east-1";
+
+fn moto_bin() -> PathBuf {
+    let bin = std::env::var_os(MOTO_BIN_ENV)
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("AETHER_VENV").map(|v| PathBuf::from(v).join("bin/moto_server")))
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.venv/bin/moto_server")));
+    assert!(
+        bin.exists(),
+        "moto_server not found at {} (run scripts/setup.sh, or set {MOTO_BIN_ENV})",
+        bin.display()
+    );
+    bin
+}
+
+/// A TCP proxy the registrars reach moto through; closing it makes the store unreachable.
+struct Proxy {
+    addr: SocketAddr,
+    target: SocketAddr,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Proxy {
+    fn new(target: SocketAddr) -> Proxy {
+        Proxy {
+            addr: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+            target,
+            task: None,
+        }
+    }
+
+    fn open(&mut self) {
+        assert!(self.task.is_none(), "proxy already open");
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_reuseaddr(true).unwrap();
+        socket.bind(self.addr).expect("binding the proxy port again");
+        let listener = socket.listen(128).unwrap();
+        let target = self.target;
+        self.task = Some(tokio::spawn(async move {
+            // Dropping the set (when this task is aborted) cuts every connection.
+            let mut connections = tokio::task::JoinSet::new();
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    return;
+                };
+                connections.spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                while connections.try_join_next().is_some() {}
+            }
+        }));
+    }
+
+    fn close(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// moto_server in its own process group, recording every request.
+struct Moto {
+    child: Option<Child>,
+    port: u16,
+    proxy: Proxy,
+    dir: tempfile::TempDir,
+    pub table: String,
+}
+
+impl Moto {
+    async fn start() -> Moto {
+        let port = free_port();
+        let mut moto = Moto {
+            child: None,
+            port,
+            proxy: Proxy::new(format!("127.0.0.1:{port}").parse().unwrap()),
+            dir: tempfile::Builder::new().prefix("aether-moto-").tempdir().unwrap(),
+            table: format!("aether-test-{}", std::process::id()),
+        };
+        moto.spawn().await;
+        moto.proxy.open();
+        moto
+    }
+
+    /// What the registrars use (through the proxy).
+    fn url(&self) -> String {
+        format!("http://{}", self.proxy.addr)
+    }
+
+    fn direct(&self) -> SocketAddr {
+        format!("127.0.0.1:{}", self.port).parse().unwrap()
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("moto.log")
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    async fn spawn(&mut self) {
+        assert!(self.child.is_none(), "moto already running");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .unwrap();
+        let child = Command::new(moto_bin())
+            .args(["-H", "127.0.0.1", "-p", &self.port.to_string()])
+            .env("MOTO_ENABLE_RECORDING", "True")
+            .env("MOTO_RECORDER_FILEPATH", self.dir.path().join("recording.jsonl"))
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log.try_clone().unwrap()))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("spawning moto_server");
+        self.child = Some(child);
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Ok((200, _)) = http_get(self.direct(), "/moto-api/").await {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("moto_server exited with {status} before answering:\n{}", self.logs());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "moto_server did not answer in time:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
+            let _ = child.wait();
+        }
+    }
+
+    /// Kills moto; a new one starts empty (what a restarted in-memory store is).
+    async fn restart_empty(&mut self) {
+        self.kill();
+        std::fs::remove_file(self.dir.path().join("recording.jsonl")).ok();
+        self.spawn().await;
+    }
+
+    /// Rebuilds the killed moto's state from its recording, with nobody else connected.
+    async fn replay(&self) {
+        let mut stream = tokio::net::TcpStream::connect(self.direct()).await.unwrap();
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        // moto replays to the host this request names: moto itself, not the proxy.
+        let request = format!(
+            "POST /moto-api/recorder/replay-recording HTTP/1.0\r\nHost: {}\r\nContent-Length: 0\r\n\r\n",
+            self.direct()
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        assert!(
+            response.starts_with("HTTP/1.1 200") || response.starts_with("HTTP/1.0 200"),
+            "replaying moto's recording failed: {response}\n{}",
+            self.logs()
+        );
+    }
+
+    fn config(&self, sync: Duration) -> DynamoConfig {
+        DynamoConfig {
+            table: self.table.clone(),
+            endpoint_url: Some(self.url()),
+            region: Some(REGION.into()),
+            sync_interval: sync,
+            create_table: true,
+            page_size: None,
+            request_timeout: Duration::from_secs(2),
+            static_credentials: Some(aws_sdk_dynamodb::config::Credentials::new(
+                "test", "test", None, None, "tests",
+            )),
+            settings: StoreSettings {
+                endpoint_ttl: Duration::from_secs(60),
+            },
+        }
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+impl StoreFixture for Moto {
+    fn name(&self) -> &'static str {
+        "dynamodb (moto)"
+    }
+
+    fn registrar_args(&self) -> Vec<String> {
+        vec![
+            "--store=dynamodb".into(),
+            format!("--dynamodb-endpoint-url={}", self.url()),
+            format!("--dynamodb-region={REGION}"),
+            format!("--dynamodb-table={}", self.table),
+            "--dynamodb-sync-interval=1s".into(),
+            "--dynamodb-timeout=2s".into(),
+        ]
+    }
+
+    fn env(&self) -> Vec<(String, String)> {
+        vec![
+            ("AWS_ACCESS_KEY_ID".into(), "test".into()),
+            ("AWS_SECRET_ACCESS_KEY".into(), "test".into()),
+            // No profile files or instance metadata lookups in tests.
+            ("AWS_EC2_METADATA_DISABLED".into(), "true".into()),
+        ]
+    }
+
+    async fn stop(&mut self) {
+        self.proxy.close();
+        self.kill();
+    }
+
+    async fn resume(&mut self) {
+        self.spawn().await;
+        self.replay().await;
+        self.proxy.open();
+    }
+}
+
+// ------------------------------------------------------------- replica scenarios
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registration_on_one_replica_reaches_a_watcher_on_the_other() {
+    let mut moto = Moto::start().await;
+    replicas::registration_reaches_other_replica(&mut moto).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creation_of_a_service_on_two_replicas_yields_one_vip() {
+    let mut moto = Moto::start().await;
+    replicas::concurrent_creation_yields_one_vip(&mut moto).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_unreachable_then_back_loses_nothing_acknowledged() {
+    let mut moto = Moto::start().await;
+    replicas::store_outage_loses_nothing_acknowledged(&mut moto).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_whose_replica_dies_converges_on_the_other() {
+    let mut moto = Moto::start().await;
+    replicas::replica_death_watcher_converges(&mut moto).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_of_an_agent_that_stops_refreshing_expire_by_timestamp() {
+    let mut moto = Moto::start().await;
+    replicas::ttl_expires_vanished_agents(&mut moto).await;
+}
+
+// ------------------------------------------------------------- the store itself
+
+fn service(name: &str, vip: &str) -> Service {
+    Service {
+        namespace: "ns".into(),
+        name: name.into(),
+        vip: vip.into(),
+    }
+}
+
+fn endpoint(service: &str, address: &str, node: &str) -> Arc<Endpoint> {
+    Arc::new(Endpoint {
+        service: service.into(),
+        address: address.into(),
+        node: node.into(),
+        ..Default::default()
+    })
+}
+
+fn key(k: &str) -> ServiceKey {
+    ServiceKey::parse("service", k).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_every_page_and_splits_batches_bigger_than_one_transaction() {
+    let moto = Moto::start().await;
+    let mut config = moto.config(Duration::from_secs(1));
+    config.page_size = Some(7);
+    let store = DynamoStore::connect(config).await.unwrap();
+    assert_eq!(store.max_batch_ops(), 50);
+    let mut ops = Vec::new();
+    for s in 0..4 {
+        ops.push(StoreOp::CreateService(service(
+            &format!("s{s}"),
+            &format!("240.240.0.{}", s + 1),
+        )));
+    }
+    store.commit(ops).await.unwrap();
+    // 160 endpoints in one commit: two transactions' worth, plus their condition checks.
+    let ops: Vec<_> = (0..160)
+        .map(|i| {
+            StoreOp::PutEndpoint(endpoint(
+                &format!("ns/s{}", i % 4),
+                &format!("10.0.{}.{}", i / 100, i % 100),
+                "n1",
+            ))
+        })
+        .collect();
+    let revision = store.commit(ops).await.unwrap();
+    let contents = store.load().await.unwrap();
+    assert!(contents.revision >= revision);
+    assert_eq!(contents.services.len(), 4);
+    assert_eq!(contents.endpoints.len(), 160, "a page was lost (7 items per page)");
+    assert!(contents.endpoints.iter().all(|e| e.revision == revision));
+    assert!(contents.unreadable.is_empty());
+
+    // Deleting a service takes its endpoints (found with a paginated Query) and frees its VIP.
+    store
+        .commit(vec![StoreOp::DeleteService {
+            key: key("ns/s0"),
+            vip: "240.240.0.1".into(),
+        }])
+        .await
+        .unwrap();
+    let contents = store.load().await.unwrap();
+    assert_eq!(contents.services.len(), 3);
+    assert_eq!(contents.endpoints.len(), 120);
+    store
+        .commit(vec![StoreOp::CreateService(service("reuse", "240.240.0.1"))])
+        .await
+        .expect("a freed VIP can be allocated again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conditional_writes_make_one_winner_and_tell_the_loser() {
+    let moto = Moto::start().await;
+    let a = DynamoStore::connect(moto.config(Duration::from_secs(1))).await.unwrap();
+    let b = DynamoStore::connect(moto.config(Duration::from_secs(1))).await.unwrap();
+
+    // Both replicas create the same service at once, with the same hash-chosen VIP.
+    let create = || vec![StoreOp::CreateService(service("web", "240.240.1.1"))];
+    let (ra, rb) = tokio::join!(a.commit(create()), b.commit(create()));
+    let (won, lost) = match (ra, rb) {
+        (Ok(r), Err(e)) | (Err(e), Ok(r)) => (r, e),
+        other => panic!("expected exactly one winner: {other:?}"),
+    };
+    assert!(won > 0);
+    let StoreError::Conflict(conflict) = lost else {
+        panic!("the loser gets a conflict: {lost}");
+    };
+    assert_eq!(
+        conflict.existing,
+        vec![service("web", "240.240.1.1")],
+        "{}",
+        conflict.detail
+    );
+
+    // Another service wanting the same VIP learns its owner; the batch leaves nothing behind.
+    let err = b
+        .commit(vec![
+            StoreOp::PutEndpoint(endpoint("ns/web", "10.1.0.1", "n1")),
+            StoreOp::CreateService(service("other", "240.240.1.1")),
+        ])
+        .await
+        .unwrap_err();
+    let StoreError::Conflict(conflict) = err else {
+        panic!("expected a conflict: {err}");
+    };
+    assert_eq!(conflict.existing, vec![service("web", "240.240.1.1")]);
+    assert!(
+        conflict.detail.contains("VIP 240.240.1.1 already belongs to ns/web"),
+        "{}",
+        conflict.detail
+    );
+    let contents = a.load().await.unwrap();
+    assert!(
+        contents.endpoints.is_empty(),
+        "the cancelled transaction wrote an endpoint"
+    );
+
+    // An endpoint of a service nobody created is refused, naming the service.
+    let err = a
+        .commit(vec![StoreOp::PutEndpoint(endpoint("ns/ghost", "10.1.0.2", "n1"))])
+        .await
+        .unwrap_err();
+    let StoreError::Conflict(conflict) = err else {
+        panic!("expected a conflict: {err}");
+    };
+    assert_eq!(conflict.missing, vec![key("ns/ghost")]);
+
+    // Revisions grow with every commit, on either replica.
+    let r1 = a
+        .commit(vec![StoreOp::PutEndpoint(endpoint("ns/web", "10.1.0.3", "n1"))])
+        .await
+        .unwrap();
+    let r2 = b
+        .commit(vec![StoreOp::DeleteEndpoint {
+            service: key("ns/web"),
+            address: "10.1.0.3".into(),
+        }])
+        .await
+        .unwrap();
+    assert!(won < r1 && r1 < r2, "{won} {r1} {r2}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_feed_brings_another_replicas_writes_with_their_revisions() {
+    let moto = Moto::start().await;
+    let sync = Duration::from_millis(200);
+    let a = DynamoStore::connect(moto.config(sync)).await.unwrap();
+    let b = DynamoStore::connect(moto.config(sync)).await.unwrap();
+    let start = b.load().await.unwrap().revision;
+    let mut feed = b.feed(start);
+    let revision = a
+        .commit(vec![
+            StoreOp::CreateService(service("fed", "240.240.2.1")),
+            StoreOp::PutEndpoint(endpoint("ns/fed", "10.2.0.1", "n1")),
+        ])
+        .await
+        .unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let event = tokio::time::timeout_at(deadline.into(), feed.next())
+            .await
+            .expect("the feed brought nothing in time")
+            .expect("feeds never end");
+        if let FeedEvent::Resync(contents) = event
+            && contents.endpoints.iter().any(|e| e.value.address == "10.2.0.1")
+        {
+            assert!(contents.revision >= revision);
+            let stored = contents
+                .endpoints
+                .iter()
+                .find(|e| e.value.address == "10.2.0.1")
+                .unwrap();
+            assert_eq!(stored.revision, revision);
+            break;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_liveness_is_a_timestamp_that_expires() {
+    let moto = Moto::start().await;
+    let mut config = moto.config(Duration::from_secs(1));
+    config.settings.endpoint_ttl = Duration::from_millis(1500);
+    let store = DynamoStore::connect(config).await.unwrap();
+    store
+        .commit(vec![
+            StoreOp::CreateService(service("ttl", "240.240.3.1")),
+            StoreOp::PutEndpoint(endpoint("ns/ttl", "10.3.0.1", "quiet")),
+            StoreOp::PutEndpoint(endpoint("ns/ttl", "10.3.0.2", "chatty")),
+        ])
+        .await
+        .unwrap();
+    assert!(store.expired_nodes().await.unwrap().is_empty());
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        store.refresh(vec!["chatty".into()]).await.unwrap();
+        let expired = store.expired_nodes().await.unwrap();
+        if !expired.is_empty() {
+            assert_eq!(expired, ["quiet"]);
+            break;
+        }
+        assert!(Instant::now() < deadline, "the quiet node never expired");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    store.commit(vec![StoreOp::ForgetNode("quiet".into())]).await.unwrap();
+    assert!(store.expired_nodes().await.unwrap().is_empty());
+}
+
+/// moto is in-memory: killed and restarted, it comes back empty. The store recreates
+/// the table for the writes that follow, and never hands out a revision at or below
+/// one it has already seen (the counter starts again from zero in the new table).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_lost_its_data_is_recreated_and_revisions_never_go_back() {
+    let mut moto = Moto::start().await;
+    let store = DynamoStore::connect(moto.config(Duration::from_secs(1))).await.unwrap();
+    let mut last = 0;
+    for i in 0..5 {
+        last = store
+            .commit(vec![StoreOp::CreateService(service(
+                &format!("old-{i}"),
+                &format!("240.240.4.{}", i + 1),
+            ))])
+            .await
+            .unwrap();
+    }
+    moto.restart_empty().await;
+    let revision = store
+        .commit(vec![
+            StoreOp::CreateService(service("new", "240.240.4.100")),
+            StoreOp::PutEndpoint(endpoint("ns/new", "10.4.0.1", "n1")),
+        ])
+        .await
+        .expect("the table is recreated and the commit lands");
+    assert!(
+        revision > last,
+        "revision {revision} reused after the reset (last {last})"
+    );
+    let contents = store.load().await.unwrap();
+    let names: BTreeSet<_> = contents.services.iter().map(|s| s.value.name.clone()).collect();
+    assert_eq!(
+        names,
+        BTreeSet::from(["new".to_owned()]),
+        "an empty moto keeps nothing from before"
+    );
+    assert!(contents.revision >= revision);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_configuration_is_refused_naming_the_flag() {
+    let moto = Moto::start().await;
+    let mut config = moto.config(Duration::from_secs(1));
+    config.table = String::new();
+    let err = DynamoStore::connect(config)
+        .await
+        .err()
+        .expect("an empty table name is refused");
+    assert!(err.to_string().contains("--dynamodb-table"), "{err}");
+    let mut config = moto.config(Duration::from_secs(1));
+    config.create_table = false;
+    config.table = "no-such-table".into();
+    let err = DynamoStore::connect(config)
+        .await
+        .err()
+        .expect("a missing table is refused");
+    assert!(err.to_string().contains("--dynamodb-create-table"), "{err}");
+}
+
+/// The snapshot rule the catalog relies on: every commit *of this replica* that returns
+/// a revision at or below a snapshot's revision is in that snapshot, even when its
+/// commits and snapshots overlap. Another replica's commit may reserve a revision
+/// before the snapshot reads the counter and land after the scan (no replica can see
+/// another's in-flight transactions); it is in the next snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_holds_every_commit_at_or_below_its_revision() {
+    let moto = Moto::start().await;
+    let a = Arc::new(DynamoStore::connect(moto.config(Duration::from_secs(1))).await.unwrap());
+    let b = Arc::new(DynamoStore::connect(moto.config(Duration::from_secs(1))).await.unwrap());
+    a.commit(vec![StoreOp::CreateService(service("snap", "240.240.5.1"))])
+        .await
+        .unwrap();
+    let writer = |store: Arc<DynamoStore>, base: u8| {
+        tokio::spawn(async move {
+            let mut committed = Vec::new();
+            for i in 0..60u8 {
+                let address = format!("10.5.{base}.{i}");
+                let r = store
+                    .commit(vec![StoreOp::PutEndpoint(endpoint("ns/snap", &address, "n1"))])
+                    .await
+                    .unwrap();
+                committed.push((r, address));
+            }
+            committed
+        })
+    };
+    let (wa, wb) = (writer(a.clone(), 1), writer(b.clone(), 2));
+    let mut snapshots = Vec::new();
+    while !(wa.is_finished() && wb.is_finished()) {
+        let contents = a.load().await.unwrap();
+        let addresses: BTreeSet<String> = contents.endpoints.iter().map(|e| e.value.address.clone()).collect();
+        snapshots.push((contents.revision, addresses));
+    }
+    let own = wa.await.unwrap();
+    let others = wb.await.unwrap();
+    assert!(snapshots.len() > 3, "the snapshots did not overlap the commits");
+    for (horizon, addresses) in &snapshots {
+        for (r, address) in &own {
+            assert!(
+                r > horizon || addresses.contains(address),
+                "commit of {address} returned revision {r} but the snapshot at {horizon} lacks it"
+            );
+        }
+    }
+    let last = a.load().await.unwrap();
+    let addresses: BTreeSet<String> = last.endpoints.iter().map(|e| e.value.address.clone()).collect();
+    for (r, address) in own.iter().chain(&others) {
+        assert!(addresses.contains(address), "{address} (revision {r}) is missing");
+        assert!(*r <= last.revision);
+    }
+}

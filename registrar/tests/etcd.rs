@@ -1,0 +1,369 @@
+//! The etcd store against a real etcd 3.4 (Debian `etcd-server`), one per test: the
+//! replica scenarios shared with the other distributed stores, the key layout, and
+//! the feed's recovery from compacted history.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use aether_proto::registry::v1::{Endpoint, Service};
+use aether_registrar::catalog::{Catalog, CatalogConfig, Event};
+use aether_registrar::metrics::Metrics;
+use aether_registrar::store::etcd::{DEFAULT_MAX_TXN_OPS, EtcdConfig, EtcdStore};
+use aether_registrar::store::{Contents, Feed, Revision, Store, StoreError, StoreOp, StoreSettings};
+use aether_registrar::vip::VipAllocator;
+use async_trait::async_trait;
+use futures::StreamExt;
+use prost::Message;
+use support::etcd::Etcd;
+use support::register;
+use support::replicas::{self, node_endpoint, start_replica};
+use tokio_util::sync::CancellationToken;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registration_on_one_replica_reaches_a_watcher_on_the_other() {
+    let mut etcd = Etcd::start().await;
+    replicas::registration_reaches_other_replica(&mut etcd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creation_of_a_service_on_two_replicas_yields_one_vip() {
+    let mut etcd = Etcd::start().await;
+    replicas::concurrent_creation_yields_one_vip(&mut etcd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_killed_and_restarted_loses_nothing_acknowledged() {
+    let mut etcd = Etcd::start().await;
+    replicas::store_outage_loses_nothing_acknowledged(&mut etcd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_whose_replica_dies_converges_on_the_other() {
+    let mut etcd = Etcd::start().await;
+    replicas::replica_death_watcher_converges(&mut etcd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_of_an_agent_that_stops_refreshing_expire_with_its_lease() {
+    let mut etcd = Etcd::start().await;
+    replicas::ttl_expires_vanished_agents(&mut etcd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_write_behind_queue_refuses_with_unavailable() {
+    let mut etcd = Etcd::start().await;
+    replicas::full_write_behind_queue_refuses(&mut etcd).await;
+}
+
+fn etcd_config(etcd: &Etcd) -> EtcdConfig {
+    EtcdConfig {
+        endpoints: vec![etcd.endpoint()],
+        prefix: etcd.prefix.clone(),
+        timeout: Duration::from_secs(2),
+        max_txn_ops: DEFAULT_MAX_TXN_OPS,
+    }
+}
+
+fn settings() -> StoreSettings {
+    StoreSettings {
+        endpoint_ttl: Duration::from_secs(60),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_follow_the_documented_layout_with_protobuf_values_and_node_leases() {
+    let etcd = Etcd::start().await;
+    let replica = start_replica(&etcd, &[]).await;
+    let mut client = replica.client().await;
+    register(&mut client, node_endpoint("shop/cart", "10.0.0.1", "node-7")).await;
+
+    let mut kv = etcd.client().await;
+    let p = &etcd.prefix;
+    let get = |key: String| {
+        let mut kv = kv.clone();
+        async move {
+            kv.get(key.clone(), None)
+                .await
+                .unwrap()
+                .take_kvs()
+                .into_iter()
+                .next()
+                .unwrap_or_else(|| panic!("{key} is missing"))
+        }
+    };
+    let service = Service::decode(get(format!("{p}/services/shop/cart")).await.value()).unwrap();
+    assert_eq!((service.namespace.as_str(), service.name.as_str()), ("shop", "cart"));
+    let vip = get(format!("{p}/vips/{}", service.vip)).await;
+    assert_eq!(vip.value(), b"shop/cart");
+    let endpoint_kv = get(format!("{p}/endpoints/shop/cart/10.0.0.1")).await;
+    let endpoint = Endpoint::decode(endpoint_kv.value()).unwrap();
+    assert_eq!(endpoint.node, "node-7");
+    let node = get(format!("{p}/nodes/node-7")).await;
+    let lease: i64 = std::str::from_utf8(node.value()).unwrap().parse().unwrap();
+    assert_eq!(endpoint_kv.lease(), lease, "the endpoint hangs off its node's lease");
+    assert_eq!(node.lease(), lease);
+    let everything = kv
+        .get(
+            format!("{p}/"),
+            Some(etcd_client::GetOptions::new().with_prefix().with_keys_only()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        everything.kvs().len(),
+        4,
+        "services, vips, endpoints, nodes: nothing else"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_loser_of_a_creation_race_learns_the_winners_vip() {
+    let etcd = Etcd::start().await;
+    let a = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    let b = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    let service = |vip: &str| Service {
+        namespace: "ns".into(),
+        name: "web".into(),
+        vip: vip.into(),
+    };
+    a.commit(vec![StoreOp::CreateService(service("240.240.0.1"))])
+        .await
+        .unwrap();
+    let err = b
+        .commit(vec![StoreOp::CreateService(service("240.240.0.2"))])
+        .await
+        .unwrap_err();
+    let StoreError::Conflict(conflict) = err else {
+        panic!("{err}")
+    };
+    assert_eq!(conflict.existing, vec![service("240.240.0.1")]);
+    // Another service wanting a taken VIP learns who holds it.
+    let other = Service {
+        namespace: "ns".into(),
+        name: "api".into(),
+        vip: "240.240.0.1".into(),
+    };
+    let StoreError::Conflict(conflict) = b.commit(vec![StoreOp::CreateService(other)]).await.unwrap_err() else {
+        panic!("expected a conflict")
+    };
+    assert_eq!(conflict.existing, vec![service("240.240.0.1")]);
+    // An endpoint of a service nobody stored is refused, and nothing of its batch lands.
+    let orphan = Arc::new(Endpoint {
+        service: "ns/ghost".into(),
+        address: "10.0.0.9".into(),
+        ..Default::default()
+    });
+    let StoreError::Conflict(conflict) = a.commit(vec![StoreOp::PutEndpoint(orphan)]).await.unwrap_err() else {
+        panic!("expected a conflict")
+    };
+    assert_eq!(conflict.missing.len(), 1);
+    assert_eq!(conflict.missing[0].as_str(), "ns/ghost");
+    let contents = a.load().await.unwrap();
+    assert_eq!(contents.services.len(), 1);
+    assert!(contents.endpoints.is_empty());
+}
+
+/// A store whose feed starts only when the test says so: lets history be compacted
+/// between the catalog's load and its first watch.
+struct GatedFeed {
+    inner: Arc<EtcdStore>,
+    gate: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
+}
+
+#[async_trait]
+impl Store for GatedFeed {
+    fn kind(&self) -> &'static str {
+        "etcd"
+    }
+    async fn load(&self) -> Result<Contents, StoreError> {
+        self.inner.load().await
+    }
+    async fn commit(&self, ops: Vec<StoreOp>) -> Result<Revision, StoreError> {
+        self.inner.commit(ops).await
+    }
+    fn feed(&self, after: Revision) -> Feed {
+        let gate = self.gate.lock().unwrap().take().expect("the feed is opened once");
+        let inner = self.inner.clone();
+        Box::pin(futures::stream::once(gate).flat_map(move |_| inner.feed(after)))
+    }
+    async fn refresh(&self, nodes: Vec<String>) -> Result<(), StoreError> {
+        self.inner.refresh(nodes).await
+    }
+    async fn expired_nodes(&self) -> Result<Vec<String>, StoreError> {
+        self.inner.expired_nodes().await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+    fn max_batch_ops(&self) -> usize {
+        self.inner.max_batch_ops()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() {
+    let etcd = Etcd::start().await;
+    let other = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    let svc = |name: &str, vip: &str| Service {
+        namespace: "ns".into(),
+        name: name.into(),
+        vip: vip.into(),
+    };
+    let ep = |service: &str, address: &str| {
+        Arc::new(Endpoint {
+            service: service.into(),
+            address: address.into(),
+            ports: vec![aether_proto::registry::v1::Port {
+                name: "http".into(),
+                port: 80,
+                protocol: aether_proto::registry::v1::Protocol::Http as i32,
+            }],
+            weight: 1,
+            health: aether_proto::registry::v1::Health::Healthy as i32,
+            ..Default::default()
+        })
+    };
+    other
+        .commit(vec![
+            StoreOp::CreateService(svc("a", "240.240.0.10")),
+            StoreOp::PutEndpoint(ep("ns/a", "10.0.0.1")),
+            StoreOp::PutEndpoint(ep("ns/a", "10.0.0.2")),
+            StoreOp::CreateService(svc("b", "240.240.0.11")),
+        ])
+        .await
+        .unwrap();
+
+    let (open, gate) = tokio::sync::oneshot::channel();
+    let store = GatedFeed {
+        inner: Arc::new(EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap()),
+        gate: std::sync::Mutex::new(Some(gate)),
+    };
+    let mut registry = prometheus_client::registry::Registry::default();
+    let (catalog, writer) = Catalog::open(
+        Arc::new(store),
+        CatalogConfig {
+            vips: VipAllocator::new("240.240.0.0/16".parse().unwrap()).unwrap(),
+            history_changes: 1000,
+            watch_buffer: 64,
+            empty_service_ttl: Duration::from_secs(3600),
+            endpoint_ttl: Duration::from_secs(60),
+            write_behind_limit: 100,
+        },
+        Metrics::new(&mut registry),
+    )
+    .await
+    .unwrap();
+    let mut batches = catalog.read().subscribe();
+    let stop = CancellationToken::new();
+    let writer = tokio::spawn(writer.run(stop.clone()));
+
+    // While this replica is not watching: changes, then the history is compacted away.
+    other
+        .commit(vec![StoreOp::DeleteEndpoint {
+            service: aether_registrar::model::ServiceKey::parse("s", "ns/a").unwrap(),
+            address: "10.0.0.1".into(),
+        }])
+        .await
+        .unwrap();
+    other
+        .commit(vec![StoreOp::PutEndpoint(ep("ns/a", "10.0.0.3"))])
+        .await
+        .unwrap();
+    other
+        .commit(vec![StoreOp::DeleteService {
+            key: aether_registrar::model::ServiceKey::parse("s", "ns/b").unwrap(),
+            vip: "240.240.0.11".into(),
+        }])
+        .await
+        .unwrap();
+    other
+        .commit(vec![
+            StoreOp::CreateService(svc("c", "240.240.0.12")),
+            StoreOp::PutEndpoint(ep("ns/c", "10.0.1.1")),
+        ])
+        .await
+        .unwrap();
+    etcd.compact().await;
+    open.send(()).unwrap();
+
+    let batch = tokio::time::timeout(support::TIMEOUT, batches.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut seen: Vec<String> = batch
+        .changes
+        .iter()
+        .map(|c| match &c.event {
+            Event::ServiceAdded(s) => format!("+service {}/{} {}", s.namespace, s.name, s.vip),
+            Event::ServiceRemoved => format!("-service {}", c.service),
+            Event::EndpointAdded(e) => format!("+endpoint {}/{}", e.service, e.address),
+            Event::EndpointUpdated(e) => format!("~endpoint {}/{}", e.service, e.address),
+            Event::EndpointRemoved(a) => format!("-endpoint {}/{a}", c.service),
+        })
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            "+endpoint ns/a/10.0.0.3",
+            "+endpoint ns/c/10.0.1.1",
+            "+service ns/c 240.240.0.12",
+            "-endpoint ns/a/10.0.0.1",
+            "-service ns/b",
+        ],
+        "one resync batch with exactly the differences"
+    );
+    assert_eq!(catalog.metrics().feed_resyncs.get(), 1);
+    {
+        let state = catalog.read();
+        let a: Vec<String> = state
+            .service("ns/a")
+            .unwrap()
+            .endpoints
+            .keys()
+            .map(|a| a.to_string())
+            .collect();
+        assert_eq!(a, ["10.0.0.2", "10.0.0.3"]);
+        assert!(state.service("ns/b").is_none());
+        assert_eq!(state.service("ns/c").unwrap().service.vip, "240.240.0.12");
+    }
+    // The watch continues after the resync.
+    other
+        .commit(vec![StoreOp::PutEndpoint(ep("ns/c", "10.0.1.2"))])
+        .await
+        .unwrap();
+    let batch = tokio::time::timeout(support::TIMEOUT, batches.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(batch.changes.len(), 1);
+    assert!(matches!(&batch.changes[0].event, Event::EndpointAdded(e) if e.address == "10.0.1.2"));
+    stop.cancel();
+    writer.await.unwrap();
+}
+
+/// Runs the binary expecting it to refuse to start; returns what it said.
+fn refused(args: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_aether-registrar"))
+        .args(["--listen=127.0.0.1:0", "--admin=127.0.0.1:0", "--data-dir"])
+        .arg(dir.path())
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(!output.status.success(), "the registrar started with {args:?}");
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn bad_etcd_flags_and_an_unreachable_etcd_are_refused_clearly() {
+    let err = refused(&["--store=etcd", "--etcd-prefix=aether"]);
+    assert!(err.contains("--etcd-prefix \"aether\": must start with '/'"), "{err}");
+    let err = refused(&["--store=etcd", "--etcd-prefix=/aether/"]);
+    assert!(err.contains("not end with '/'"), "{err}");
+    let dead = format!("http://127.0.0.1:{}", support::free_port());
+    let err = refused(&["--store=etcd", &format!("--etcd-endpoints={dead}"), "--etcd-timeout=1s"]);
+    assert!(err.contains("etcd"), "{err}");
+}
