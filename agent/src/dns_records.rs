@@ -1,0 +1,385 @@
+//! The record file mesh-dns answers from: every service's VIP, written atomically to
+//! `<state dir>/mesh-dns/records` whenever the catalog's services or VIPs change, and
+//! re-stamped every `--dns-records-restamp` so mesh-dns can tell a stale file (agent
+//! gone) from a quiet mesh. The format is `aether_mesh_dns::records`.
+//!
+//! The node's main Watch stream carries only its dependency set, so this module keeps
+//! a second, services-only stream (`WatchRequest.services_only`): every service's
+//! record, no endpoints.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use aether_mesh_dns::records::{self, Addresses, RecordFile};
+use aether_proto::registrar::v1::WatchRequest;
+use aether_proto::registrar::v1::registrar_client::RegistrarClient;
+use aether_proto::view::{Applied, Catalog, WatchView};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint as GrpcEndpoint};
+
+/// The filter id of the services-only stream (it never changes filter).
+const FILTER_ID: u64 = 1;
+/// Record files are read by mesh-dns, another process: world-readable, owner-writable.
+const FILE_MODE: u32 = 0o644;
+const DIR_MODE: u32 = 0o755;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DnsRecordsError {
+    #[error("--registrar {0:?}: {1}")]
+    Registrar(String, String),
+    #[error("creating {path}: {source}")]
+    Dir { path: String, source: std::io::Error },
+}
+
+#[derive(Clone, Default)]
+pub struct DnsRecordsMetrics {
+    pub generation: Gauge,
+    pub records: Gauge,
+    pub writes: Counter,
+    pub write_errors: Counter,
+    /// Services whose VIP is not an IP address (left out of the file).
+    pub bad_vips: Gauge,
+    pub connected: Gauge,
+}
+
+impl DnsRecordsMetrics {
+    /// Registers under the agent's `aether_agent` registry as `dns_records_*`.
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("dns_records");
+        r.register(
+            "generation",
+            "Generation of the mesh-dns record file written",
+            self.generation.clone(),
+        );
+        r.register("services", "Services in the mesh-dns record file", self.records.clone());
+        r.register(
+            "writes",
+            "mesh-dns record file writes (changes and re-stamps)",
+            self.writes.clone(),
+        );
+        r.register(
+            "write_errors",
+            "Failed mesh-dns record file writes",
+            self.write_errors.clone(),
+        );
+        r.register(
+            "bad_vips",
+            "Services left out of the record file: VIP not an IP",
+            self.bad_vips.clone(),
+        );
+        r.register(
+            "watch_connected",
+            "1 while the services-only registrar watch is up",
+            self.connected.clone(),
+        );
+    }
+}
+
+/// The record file's path under the agent's state dir.
+pub fn path(state_dir: &Path) -> PathBuf {
+    state_dir.join(records::DIR).join(records::FILE)
+}
+
+/// Every service's addresses, from a catalog view. The count is of VIPs that are not IPs.
+pub fn records_of(catalog: &Catalog) -> (BTreeMap<(String, String), Addresses>, usize) {
+    let mut out = BTreeMap::new();
+    let mut bad = 0;
+    for service in catalog.services.values() {
+        let mut addresses = Addresses::default();
+        match service.vip.parse::<IpAddr>() {
+            Ok(IpAddr::V4(v4)) => addresses.v4 = Some(v4),
+            Ok(IpAddr::V6(v6)) => addresses.v6 = Some(v6),
+            Err(_) => {
+                bad += 1;
+                continue;
+            }
+        }
+        // The registrar validates names as DNS labels; anything else cannot be a DNS name.
+        if !records::valid_label(&service.namespace) || !records::valid_label(&service.name) {
+            bad += 1;
+            continue;
+        }
+        out.insert((service.namespace.clone(), service.name.clone()), addresses);
+    }
+    (out, bad)
+}
+
+pub struct DnsRecords {
+    client: RegistrarClient<Channel>,
+    path: PathBuf,
+    restamp: Duration,
+    metrics: DnsRecordsMetrics,
+    /// The file as last written, or as a previous run left it.
+    current: Option<RecordFile>,
+    /// Whether a catalog view arrived in this run (only then is anything written).
+    have_view: bool,
+    /// Whether `current` is on disk as this run meant it (false after a failed write).
+    written: bool,
+}
+
+impl DnsRecords {
+    pub fn new(
+        registrar: &str,
+        state_dir: &Path,
+        restamp: Duration,
+        metrics: DnsRecordsMetrics,
+    ) -> Result<Self, DnsRecordsError> {
+        let endpoint = GrpcEndpoint::from_shared(registrar.to_owned())
+            .map_err(|e| DnsRecordsError::Registrar(registrar.to_owned(), e.to_string()))?
+            .connect_timeout(Duration::from_secs(2))
+            .http2_keep_alive_interval(Duration::from_secs(20))
+            .keep_alive_timeout(Duration::from_secs(10));
+        let path = path(state_dir);
+        let dir = path.parent().expect("the record path has a directory");
+        let dir_error = |source| DnsRecordsError::Dir {
+            path: dir.display().to_string(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(dir_error)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(DIR_MODE)).map_err(dir_error)?;
+        // Continue the generation of a file a previous run left, so it never goes back.
+        let previous = std::fs::read(&path).ok().and_then(|b| RecordFile::parse(&b).ok());
+        Ok(Self {
+            client: RegistrarClient::new(endpoint.connect_lazy()),
+            path,
+            restamp,
+            metrics,
+            current: previous,
+            have_view: false,
+            written: false,
+        })
+    }
+
+    /// Writes the file for `records` if they changed (new generation), or re-stamps it
+    /// if `restamp`. Nothing is written before the first catalog view: an old file is
+    /// better than an empty one.
+    async fn write(&mut self, records: Option<BTreeMap<(String, String), Addresses>>, restamp: bool) {
+        let now = SystemTime::now();
+        let file = match (records, &self.current) {
+            (Some(records), Some(current)) if records == current.records => {
+                if self.have_view && self.written && !restamp {
+                    return;
+                }
+                RecordFile {
+                    written_at: now,
+                    ..current.clone()
+                }
+            }
+            (Some(records), current) => RecordFile {
+                generation: current.as_ref().map_or(1, |c| c.generation + 1),
+                written_at: now,
+                records,
+            },
+            (None, Some(current)) if self.have_view => RecordFile {
+                written_at: now,
+                ..current.clone()
+            },
+            (None, _) => return,
+        };
+        self.have_view = true;
+        let bytes = file.to_json();
+        let path = self.path.clone();
+        let result = tokio::task::spawn_blocking(move || aether_common::fs::write_atomic(&path, &bytes, FILE_MODE))
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+        match result {
+            Ok(()) => {
+                self.metrics.writes.inc();
+                self.metrics.generation.set(file.generation as i64);
+                self.metrics.records.set(file.records.len() as i64);
+                if self.current.as_ref().is_none_or(|c| c.generation != file.generation) {
+                    tracing::info!(path = %self.path.display(), generation = file.generation,
+                        services = file.records.len(), "mesh-dns record file written");
+                }
+                self.current = Some(file);
+                self.written = true;
+            }
+            Err(error) => {
+                self.metrics.write_errors.inc();
+                tracing::error!(path = %self.path.display(), %error, "writing the mesh-dns record file failed; retrying");
+                // Keep the new content so the retry writes it with the same generation.
+                self.current = Some(file);
+                self.written = false;
+            }
+        }
+    }
+
+    /// Follows every service's record until `shutdown`, keeping the file current.
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let mut view = WatchView::default();
+        let mut backoff = Duration::from_millis(100);
+        let mut restamp = tokio::time::interval(self.restamp);
+        restamp.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        restamp.reset();
+        loop {
+            let (requests, outbox) = mpsc::channel(1);
+            let _ = requests
+                .send(WatchRequest {
+                    services_only: true,
+                    resume_from: view.resume_from(FILTER_ID),
+                    filter_id: FILTER_ID,
+                    ..Default::default()
+                })
+                .await;
+            let mut client = self.client.clone();
+            let opened = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                opened = client.watch(ReceiverStream::new(outbox)) => opened,
+            };
+            match opened {
+                Ok(response) => {
+                    let mut stream = response.into_inner();
+                    self.metrics.connected.set(1);
+                    loop {
+                        tokio::select! {
+                            _ = shutdown.cancelled() => return,
+                            _ = restamp.tick() => self.write(None, true).await,
+                            message = stream.message() => match message {
+                                Ok(Some(message)) => match view.apply(message) {
+                                    Ok(Applied::SnapshotChunk) => {}
+                                    Ok(_) => {
+                                        backoff = Duration::from_millis(100);
+                                        let (records, bad) = records_of(&view.catalog);
+                                        self.metrics.bad_vips.set(bad as i64);
+                                        self.write(Some(records), false).await;
+                                    }
+                                    Err(error) => {
+                                        tracing::error!(%error, "invalid services-only watch message; resyncing");
+                                        view = WatchView::default();
+                                        break;
+                                    }
+                                },
+                                Ok(None) => break,
+                                Err(status) => {
+                                    tracing::warn!(%status, "services-only registrar watch ended; reconnecting");
+                                    break;
+                                }
+                            },
+                        }
+                    }
+                    // Keep the open request stream alive until here.
+                    drop(requests);
+                    self.metrics.connected.set(0);
+                }
+                Err(status) => {
+                    tracing::warn!(%status, retry_in = ?backoff, "cannot open the services-only registrar watch");
+                }
+            }
+            // Still re-stamp while the registrar is away: the agent is alive and the
+            // file is its best knowledge.
+            let sleep = tokio::time::sleep(backoff);
+            tokio::pin!(sleep);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = &mut sleep => break,
+                    _ = restamp.tick() => self.write(None, true).await,
+                }
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aether_proto::registry::v1::Service;
+
+    fn service(ns: &str, name: &str, vip: &str) -> Service {
+        Service {
+            namespace: ns.into(),
+            name: name.into(),
+            vip: vip.into(),
+        }
+    }
+
+    #[test]
+    fn every_service_with_an_ip_vip_is_a_record() {
+        let mut catalog = Catalog::default();
+        for s in [
+            service("a", "web", "240.240.0.1"),
+            service("b", "api", "fd00::1"),
+            service("b", "broken", "not-an-ip"),
+            service("b", "Upper", "240.240.0.2"),
+        ] {
+            catalog.services.insert(format!("{}/{}", s.namespace, s.name), s);
+        }
+        let (records, bad) = records_of(&catalog);
+        assert_eq!(bad, 2);
+        assert_eq!(records.len(), 2);
+        assert_eq!(
+            records[&("a".into(), "web".into())].v4,
+            Some("240.240.0.1".parse().unwrap())
+        );
+        assert_eq!(
+            records[&("b".into(), "api".into())].v6,
+            Some("fd00::1".parse().unwrap())
+        );
+    }
+
+    #[tokio::test]
+    async fn writes_on_change_keeps_generation_on_restamp_and_continues_it_after_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = DnsRecordsMetrics::default();
+        let mut writer = DnsRecords::new("http://127.0.0.1:1", dir.path(), Duration::from_secs(60), metrics).unwrap();
+        let file = path(dir.path());
+        // Nothing before a first view.
+        writer.write(None, true).await;
+        assert!(!file.exists());
+        let mut records = BTreeMap::new();
+        records.insert(
+            ("a".to_owned(), "web".to_owned()),
+            Addresses {
+                v4: Some("240.240.0.1".parse().unwrap()),
+                v6: None,
+            },
+        );
+        writer.write(Some(records.clone()), false).await;
+        let first = RecordFile::parse(&std::fs::read(&file).unwrap()).unwrap();
+        assert_eq!(first.generation, 1);
+        assert_eq!(first.records, records);
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o644);
+        // Same records: no write; a re-stamp keeps the generation and moves the stamp.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        writer.write(Some(records.clone()), false).await;
+        assert_eq!(writer.metrics.writes.get(), 1);
+        writer.write(None, true).await;
+        let stamped = RecordFile::parse(&std::fs::read(&file).unwrap()).unwrap();
+        assert_eq!(stamped.generation, 1);
+        assert!(stamped.written_at > first.written_at);
+        // A restarted writer writes nothing before its first view, keeps the generation
+        // for the same records and continues it for new ones.
+        let mut again = DnsRecords::new(
+            "http://127.0.0.1:1",
+            dir.path(),
+            Duration::from_secs(60),
+            DnsRecordsMetrics::default(),
+        )
+        .unwrap();
+        again.write(None, true).await;
+        assert_eq!(again.metrics.writes.get(), 0);
+        again.write(Some(records.clone()), false).await;
+        assert_eq!(again.metrics.writes.get(), 1);
+        assert_eq!(RecordFile::parse(&std::fs::read(&file).unwrap()).unwrap().generation, 1);
+        records.insert(
+            ("b".to_owned(), "api".to_owned()),
+            Addresses {
+                v4: None,
+                v6: Some("fd00::2".parse().unwrap()),
+            },
+        );
+        again.write(Some(records.clone()), false).await;
+        let changed = RecordFile::parse(&std::fs::read(&file).unwrap()).unwrap();
+        assert_eq!((changed.generation, changed.records), (2, records));
+    }
+}

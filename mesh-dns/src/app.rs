@@ -1,0 +1,198 @@
+//! Wiring: configuration → sockets, record table, forwarder, admin server.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aether_common::admin::{AdminError, AdminServer, Pages, Readiness};
+use aether_common::telemetry::{Identity, MetricsPush};
+use prometheus_client::registry::Registry;
+use tokio::net::{TcpListener, UdpSocket};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{Config, RESOLV_CONF};
+use crate::forward::{ForwardError, Forwarder, parse_resolv_conf, parse_upstream};
+use crate::handler::{Handler, HandlerError};
+use crate::metrics::Metrics;
+use crate::ratelimit::SharedRateLimited;
+use crate::reload::Reloader;
+use crate::server::{self, Server, ServerError};
+use crate::table::Store;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Handler(#[from] HandlerError),
+    #[error("--upstream: {0}")]
+    Upstream(#[from] ForwardError),
+    #[error("--upstream not given and {RESOLV_CONF} has no usable nameserver")]
+    NoUpstream,
+    #[error(transparent)]
+    Bind(#[from] ServerError),
+    #[error(transparent)]
+    Admin(#[from] AdminError),
+    #[error("registering sockets with the runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error("telemetry: {0}")]
+    Telemetry(#[from] aether_common::telemetry::TelemetryError),
+}
+
+/// Names mesh-dns's telemetry (`aether_mesh_dns_*`, service.name aether-mesh-dns).
+pub const TELEMETRY: Identity = Identity {
+    component: "mesh_dns",
+    binary: "aether-mesh-dns",
+    version: env!("CARGO_PKG_VERSION"),
+};
+
+pub struct Running {
+    pub dns_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    tasks: TaskTracker,
+}
+
+impl Running {
+    pub async fn wait(self) {
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+}
+
+/// The worker count `--workers 0` means.
+pub fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Running, StartError> {
+    let resolv = std::fs::read_to_string(RESOLV_CONF).unwrap_or_default();
+    let (resolv_servers, resolv_search) = parse_resolv_conf(&resolv);
+    let upstreams = if config.upstreams.is_empty() {
+        if resolv_servers.is_empty() {
+            return Err(StartError::NoUpstream);
+        }
+        resolv_servers
+    } else {
+        config
+            .upstreams
+            .iter()
+            .enumerate()
+            .map(|(i, u)| parse_upstream(u).ok_or_else(|| ForwardError::BadUpstream(i, u.clone())))
+            .collect::<Result<Vec<_>, _>>()?
+    };
+    let mut search = config.search_domains.clone();
+    search.extend(resolv_search);
+
+    let store = Arc::new(Store::default());
+    let handler = Handler::new(store.clone(), &config.mesh_domain, &config.cluster_domain, &search)?;
+    let metrics = Metrics::new();
+    let forwarder = Forwarder::new(upstreams.clone(), config.upstream_timeout, metrics.forward.clone())?;
+    let mut registry = Registry::default();
+    metrics.register(&mut registry);
+    let metrics_push = MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
+
+    let mut reloader = Reloader {
+        path: config.records.clone(),
+        store: store.clone(),
+        metrics: metrics.clone(),
+        poll_interval: config.poll_interval,
+        stale_after: config.stale_after,
+        initial: None,
+    };
+    // Load before binding so a restarted instance answers mesh names from its first query.
+    if let Err(error) = reloader.load_now() {
+        tracing::info!(%error, "no usable record file at start; mesh names get SERVFAIL until one loads");
+    }
+
+    let workers = if config.workers == 0 {
+        default_workers()
+    } else {
+        config.workers
+    };
+    let (udp, tcp) = server::bind(config.listen, workers)?;
+    let dns_addr = tcp.local_addr().map_err(StartError::Runtime)?;
+    let server = Arc::new(Server {
+        handler,
+        forwarder,
+        metrics,
+        inflight: Semaphore::new(config.max_inflight.max(1)),
+        tcp_idle_timeout: config.tcp_idle_timeout,
+        upstream_errors_log: SharedRateLimited::new(Duration::from_secs(10)),
+        malformed_log: SharedRateLimited::new(Duration::from_secs(10)),
+    });
+    let tasks = TaskTracker::new();
+    // One thread and single-threaded runtime per UDP socket: a query is received,
+    // answered and sent on one core with no cross-thread wake-ups (the kernel spreads
+    // queries over the SO_REUSEPORT sockets). Forwards run as tasks on the same thread.
+    for (i, socket) in udp.into_iter().enumerate() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(StartError::Runtime)?;
+        let socket = {
+            let _entered = runtime.enter();
+            Arc::new(UdpSocket::from_std(socket).map_err(StartError::Runtime)?)
+        };
+        let (server, shutdown) = (server.clone(), shutdown.clone());
+        let done = tasks.token();
+        std::thread::Builder::new()
+            .name(format!("dns-udp-{i}"))
+            .spawn(move || {
+                runtime.block_on(async {
+                    let local = TaskTracker::new();
+                    server::serve_udp(server, socket, local.clone(), shutdown).await;
+                    local.close();
+                    local.wait().await;
+                });
+                drop(done);
+            })
+            .map_err(StartError::Runtime)?;
+    }
+    let listener = TcpListener::from_std(tcp).map_err(StartError::Runtime)?;
+    tasks.spawn(server::serve_tcp(
+        server.clone(),
+        listener,
+        tasks.clone(),
+        shutdown.clone(),
+    ));
+    tasks.spawn(reloader.run(shutdown.clone()));
+
+    let readiness = Readiness::new("starting");
+    let registry = Arc::new(registry);
+    if let Some(push) = metrics_push.spawn(registry.clone(), None, shutdown.clone())? {
+        tasks.spawn(async move {
+            let _ = push.await;
+        });
+    }
+    let admin = AdminServer::bind(config.admin, readiness.clone(), registry)
+        .await?
+        .with_pages(debug_pages(store, upstreams, config.mesh_domain.clone()));
+    let admin_addr = admin.local_addr().map_err(StartError::Runtime)?;
+    tasks.spawn(admin.serve(shutdown.clone()));
+    readiness.set_ready();
+    tracing::info!(%dns_addr, %admin_addr, workers, upstreams = ?server.forwarder.upstreams(),
+        mesh_domain = %config.mesh_domain, records = %config.records.display(), "mesh-dns serving");
+    Ok(Running {
+        dns_addr,
+        admin_addr,
+        tasks,
+    })
+}
+
+fn debug_pages(store: Arc<Store>, upstreams: Vec<SocketAddr>, domain: String) -> Pages {
+    Arc::new(move |path: &str| {
+        if path != "/debug/records" {
+            return None;
+        }
+        let table = store.load();
+        let body = serde_json::json!({
+            "mesh_domain": domain,
+            "upstreams": upstreams.iter().map(|u| u.to_string()).collect::<Vec<_>>(),
+            "loaded": table.is_some(),
+            "generation": table.as_ref().map(|t| t.generation),
+            "records": table.as_ref().map(|t| t.len()),
+            "written_at_unix_ms": table.as_ref().and_then(|t| t.written_at.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_millis() as u64),
+        });
+        Some((200, serde_json::to_string_pretty(&body).expect("JSON serialises")))
+    })
+}

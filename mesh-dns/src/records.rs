@@ -1,0 +1,321 @@
+//! The record file: the agent writes it, mesh-dns reads it.
+//!
+//! JSON, one object:
+//! ```json
+//! {"version": 1, "generation": 7, "written_at_unix_ms": 1764500000000,
+//!  "records": {"default/web": {"v4": "240.240.0.7"}, "shop/cart": {"v4": "240.240.0.9", "v6": "fd00::9"}}}
+//! ```
+//! `generation` grows whenever the records change; `written_at_unix_ms` is refreshed
+//! on every write, including the periodic re-stamp of unchanged records, so a reader
+//! can tell a stale file (writer gone) from a quiet mesh. Keys are `<ns>/<svc>`, both
+//! DNS labels (lowercase letters, digits, `-`, at most 63 characters).
+//! The parser is strict: any bad field rejects the whole file and names the field.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+/// The only format version this code reads and writes.
+pub const VERSION: u32 = 1;
+/// The record file's directory under the agent's state dir.
+pub const DIR: &str = "mesh-dns";
+/// The record file's name in [`DIR`].
+pub const FILE: &str = "records";
+/// Largest record file a reader accepts (10,000 services take about 600 KiB).
+pub const MAX_FILE_BYTES: u64 = 64 * 1024 * 1024;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RecordsError {
+    #[error("not a record file: {0}")]
+    Json(String),
+    #[error("version: {0} is not supported (this reader knows version {VERSION})")]
+    Version(u32),
+    #[error("records[{key:?}]: {reason}")]
+    Key { key: String, reason: String },
+    #[error("records[{key:?}].{family}: {value:?} is not an IP{family} address")]
+    Address {
+        key: String,
+        family: &'static str,
+        value: String,
+    },
+    #[error("records[{key:?}]: has neither v4 nor v6")]
+    NoAddress { key: String },
+    #[error("file is {0} bytes (at most {MAX_FILE_BYTES})")]
+    TooLarge(u64),
+}
+
+/// A service's addresses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Addresses {
+    pub v4: Option<Ipv4Addr>,
+    pub v6: Option<Ipv6Addr>,
+}
+
+/// A parsed, validated record file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordFile {
+    pub generation: u64,
+    pub written_at: SystemTime,
+    /// `(namespace, service)` → addresses.
+    pub records: BTreeMap<(String, String), Addresses>,
+}
+
+impl Default for RecordFile {
+    fn default() -> Self {
+        Self {
+            generation: 0,
+            written_at: UNIX_EPOCH,
+            records: BTreeMap::new(),
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Wire {
+    version: u32,
+    generation: u64,
+    written_at_unix_ms: u64,
+    records: BTreeMap<String, WireAddresses>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WireAddresses {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    v4: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    v6: Option<String>,
+}
+
+/// Whether `label` is a DNS label as Kubernetes names namespaces and services (RFC 1123).
+pub fn valid_label(label: &str) -> bool {
+    let b = label.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0] != b'-'
+        && b[b.len() - 1] != b'-'
+}
+
+fn split_key(key: &str) -> Result<(String, String), RecordsError> {
+    let bad = |reason: &str| RecordsError::Key {
+        key: key.to_owned(),
+        reason: reason.to_owned(),
+    };
+    let (ns, svc) = key.split_once('/').ok_or_else(|| bad("is not <namespace>/<service>"))?;
+    if !valid_label(ns) {
+        return Err(bad("namespace is not a DNS label (a-z, 0-9, '-', 1-63 characters)"));
+    }
+    if !valid_label(svc) {
+        return Err(bad("service is not a DNS label (a-z, 0-9, '-', 1-63 characters)"));
+    }
+    Ok((ns.to_owned(), svc.to_owned()))
+}
+
+impl RecordFile {
+    pub fn parse(bytes: &[u8]) -> Result<Self, RecordsError> {
+        if bytes.len() as u64 > MAX_FILE_BYTES {
+            return Err(RecordsError::TooLarge(bytes.len() as u64));
+        }
+        // The version is checked first so a future format gets a clear error, not a
+        // complaint about an unknown field.
+        #[derive(Deserialize)]
+        struct VersionOnly {
+            version: u32,
+        }
+        let version: VersionOnly = serde_json::from_slice(bytes).map_err(|e| RecordsError::Json(e.to_string()))?;
+        if version.version != VERSION {
+            return Err(RecordsError::Version(version.version));
+        }
+        let wire: Wire = serde_json::from_slice(bytes).map_err(|e| RecordsError::Json(e.to_string()))?;
+        let mut records = BTreeMap::new();
+        for (key, addresses) in wire.records {
+            let name = split_key(&key)?;
+            let v4 = match addresses.v4 {
+                Some(v) => Some(v.parse::<Ipv4Addr>().map_err(|_| RecordsError::Address {
+                    key: key.clone(),
+                    family: "v4",
+                    value: v,
+                })?),
+                None => None,
+            };
+            let v6 = match addresses.v6 {
+                Some(v) => Some(v.parse::<Ipv6Addr>().map_err(|_| RecordsError::Address {
+                    key: key.clone(),
+                    family: "v6",
+                    value: v,
+                })?),
+                None => None,
+            };
+            if v4.is_none() && v6.is_none() {
+                return Err(RecordsError::NoAddress { key });
+            }
+            records.insert(name, Addresses { v4, v6 });
+        }
+        Ok(Self {
+            generation: wire.generation,
+            written_at: UNIX_EPOCH + Duration::from_millis(wire.written_at_unix_ms),
+            records,
+        })
+    }
+
+    /// The file's bytes. Keys and addresses are validated by the writer's caller;
+    /// [`RecordFile::parse`] of the result gives `self` back for valid content.
+    pub fn to_json(&self) -> Vec<u8> {
+        let written_at_unix_ms = self
+            .written_at
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let wire = Wire {
+            version: VERSION,
+            generation: self.generation,
+            written_at_unix_ms,
+            records: self
+                .records
+                .iter()
+                .map(|((ns, svc), a)| {
+                    (
+                        format!("{ns}/{svc}"),
+                        WireAddresses {
+                            v4: a.v4.map(|v| v.to_string()),
+                            v6: a.v6.map(|v| v.to_string()),
+                        },
+                    )
+                })
+                .collect(),
+        };
+        let mut out = serde_json::to_vec(&wire).expect("the record file serialises");
+        out.push(b'\n');
+        out
+    }
+
+    /// How old the file's stamp is at `now` (zero if it is from the future).
+    pub fn age(&self, now: SystemTime) -> Duration {
+        now.duration_since(self.written_at).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample() -> RecordFile {
+        let mut records = BTreeMap::new();
+        records.insert(
+            ("default".into(), "web".into()),
+            Addresses {
+                v4: Some(Ipv4Addr::new(240, 240, 0, 7)),
+                v6: None,
+            },
+        );
+        records.insert(
+            ("shop".into(), "cart".into()),
+            Addresses {
+                v4: Some(Ipv4Addr::new(240, 240, 0, 9)),
+                v6: Some("fd00::9".parse().unwrap()),
+            },
+        );
+        RecordFile {
+            generation: 7,
+            written_at: UNIX_EPOCH + Duration::from_millis(1_764_500_000_123),
+            records,
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let file = sample();
+        assert_eq!(RecordFile::parse(&file.to_json()).unwrap(), file);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases: &[(&str, &str)] = &[
+            (
+                r#"{"version":2,"generation":1,"written_at_unix_ms":1,"records":{}}"#,
+                "version: 2",
+            ),
+            (
+                r#"{"version":1,"generation":1,"written_at_unix_ms":1,"records":{"a":{"v4":"1.2.3.4"}}}"#,
+                r#"records["a"]: is not"#,
+            ),
+            (
+                r#"{"version":1,"generation":1,"written_at_unix_ms":1,"records":{"A/b":{"v4":"1.2.3.4"}}}"#,
+                "namespace is not a DNS label",
+            ),
+            (
+                r#"{"version":1,"generation":1,"written_at_unix_ms":1,"records":{"a/b":{"v4":"::1"}}}"#,
+                r#"records["a/b"].v4: "::1""#,
+            ),
+            (
+                r#"{"version":1,"generation":1,"written_at_unix_ms":1,"records":{"a/b":{"v6":"1.2.3.4"}}}"#,
+                r#"records["a/b"].v6"#,
+            ),
+            (
+                r#"{"version":1,"generation":1,"written_at_unix_ms":1,"records":{"a/b":{}}}"#,
+                "neither v4 nor v6",
+            ),
+            (r#"{"version":1,"generation":1,"records":{}}"#, "written_at_unix_ms"),
+            (r#"{"version":1"#, "not a record file"),
+        ];
+        for (input, want) in cases {
+            let error = RecordFile::parse(input.as_bytes()).unwrap_err().to_string();
+            assert!(error.contains(want), "{input}: {error:?} does not mention {want:?}");
+        }
+    }
+
+    fn label() -> impl Strategy<Value = String> {
+        "[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?"
+    }
+
+    fn addresses() -> impl Strategy<Value = Addresses> {
+        (any::<Option<[u8; 4]>>(), any::<Option<[u8; 16]>>())
+            .prop_filter("one address at least", |(a, b)| a.is_some() || b.is_some())
+            .prop_map(|(v4, v6)| Addresses {
+                v4: v4.map(Ipv4Addr::from),
+                v6: v6.map(Ipv6Addr::from),
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn any_valid_file_round_trips(
+            generation in any::<u64>(),
+            ms in 0u64..4_000_000_000_000,
+            records in proptest::collection::btree_map((label(), label()), addresses(), 0..20),
+        ) {
+            let file = RecordFile { generation, written_at: UNIX_EPOCH + Duration::from_millis(ms), records };
+            prop_assert_eq!(RecordFile::parse(&file.to_json()).unwrap(), file);
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = RecordFile::parse(&bytes);
+        }
+
+        #[test]
+        fn mutated_files_parse_or_fail_cleanly(index in any::<prop::sample::Index>(), byte in any::<u8>()) {
+            let mut bytes = sample().to_json();
+            let i = index.index(bytes.len());
+            bytes[i] = byte;
+            if let Ok(file) = RecordFile::parse(&bytes) {
+                // Whatever parsed is valid: it writes back to something that parses the same.
+                prop_assert_eq!(RecordFile::parse(&file.to_json()).unwrap(), file);
+            }
+        }
+
+        #[test]
+        fn bad_keys_are_rejected(key in "[^/]{0,10}(/[^/]{0,10})?") {
+            let valid = key.split_once('/').is_some_and(|(a, b)| valid_label(a) && valid_label(b));
+            let json = serde_json::json!({"version":1,"generation":1,"written_at_unix_ms":1,
+                "records":{key.clone():{"v4":"1.2.3.4"}}});
+            let parsed = RecordFile::parse(json.to_string().as_bytes());
+            prop_assert_eq!(parsed.is_ok(), valid, "{:?}: {:?}", key, parsed);
+        }
+    }
+}

@@ -1,0 +1,297 @@
+//! Registrar → agent → record file → mesh-dns → dig: every service's VIP reaches DNS,
+//! including services outside the node's dependency set (the agent's services-only watch).
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use aether_proto::registrar::v1::{RegisterEndpointRequest, SnapshotReason, WatchRequest, change, watch_response};
+use aether_proto::registry::v1::{Endpoint, Port, Protocol};
+use aether_tests::mesh::Mesh;
+use aether_tests::{ChildGuard, binary, free_port};
+use tokio_stream::wrappers::ReceiverStream;
+
+fn endpoint(service: &str, address: &str) -> Endpoint {
+    Endpoint {
+        service: service.into(),
+        address: address.into(),
+        ports: vec![Port {
+            name: "http".into(),
+            port: 8080,
+            protocol: Protocol::Http as i32,
+        }],
+        node: "elsewhere".into(),
+        weight: 1,
+        ..Default::default()
+    }
+}
+
+async fn register(mesh: &Mesh, service: &str, address: &str) {
+    mesh.registrar()
+        .await
+        .register_endpoint(RegisterEndpointRequest {
+            endpoint: Some(endpoint(service, address)),
+        })
+        .await
+        .unwrap_or_else(|s| panic!("register {service} {address}: {s}"));
+}
+
+async fn vip_of(mesh: &Mesh, service: &str) -> String {
+    mesh.registrar()
+        .await
+        .list_endpoints(aether_proto::registrar::v1::ListEndpointsRequest {
+            service: service.into(),
+        })
+        .await
+        .expect("list endpoints")
+        .into_inner()
+        .service
+        .expect("service")
+        .vip
+}
+
+/// The record file as JSON: (generation, "<ns>/<svc>" → v4).
+fn read_records(mesh: &Mesh) -> Option<(u64, BTreeMap<String, String>)> {
+    let bytes = std::fs::read(mesh.path("state/mesh-dns/records")).ok()?;
+    let json: serde_json::Value = serde_json::from_slice(&bytes).expect("the record file is JSON");
+    assert_eq!(json["version"], 1, "{json}");
+    assert!(json["written_at_unix_ms"].as_u64().is_some(), "{json}");
+    let records = json["records"]
+        .as_object()
+        .expect("records")
+        .iter()
+        .map(|(k, v)| (k.clone(), v["v4"].as_str().unwrap_or_default().to_owned()))
+        .collect();
+    Some((json["generation"].as_u64().expect("generation"), records))
+}
+
+async fn wait_records(
+    mesh: &Mesh,
+    what: &str,
+    ok: impl Fn(&(u64, BTreeMap<String, String>)) -> bool,
+) -> (u64, BTreeMap<String, String>) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(records) = read_records(mesh)
+            && ok(&records)
+        {
+            return records;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}: {:?}",
+            read_records(mesh)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn dig_a(port: u16, name: &str) -> Vec<String> {
+    let out = Command::new("dig")
+        .args([
+            "@127.0.0.1",
+            "-p",
+            &port.to_string(),
+            name,
+            "A",
+            "+short",
+            "+tries=1",
+            "+time=2",
+        ])
+        .output()
+        .expect("dig is not installed (Debian bind9-dnsutils, from scripts/setup.sh)");
+    assert!(
+        out.status.success(),
+        "dig {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_writes_every_service_vip_and_mesh_dns_answers_them() {
+    let mesh = Mesh::start_plaintext().await;
+    // Services on no pod of this node: outside its dependency set.
+    register(&mesh, "shop/cart", "10.9.0.1").await;
+    register(&mesh, "shop/pay", "10.9.0.2").await;
+    register(&mesh, "web/front", "10.9.0.3").await;
+    let mut vips = BTreeMap::new();
+    for s in ["shop/cart", "shop/pay", "web/front"] {
+        vips.insert(s.to_owned(), vip_of(&mesh, s).await);
+    }
+    let (generation, records) = wait_records(&mesh, "all three services", |(_, r)| {
+        vips.iter().all(|(k, v)| r.get(k) == Some(v))
+    })
+    .await;
+    assert_eq!(records.len(), 3, "{records:?}");
+    let path = mesh.path("state/mesh-dns/records");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o644);
+    let debug = mesh.agent_get("/debug/dependencies").await;
+    assert!(
+        !debug.contains("shop/cart"),
+        "cart must not be a dependency of this node: {debug}"
+    );
+
+    // The real mesh-dns on that file answers with the VIPs.
+    let port = free_port();
+    let mut cmd = Command::new(binary("aether-mesh-dns"));
+    cmd.args(["--listen", &format!("127.0.0.1:{port}")])
+        .arg("--records")
+        .arg(&path)
+        .args(["--admin", &format!("127.0.0.1:{}", free_port())])
+        .args(["--upstream", "127.0.0.1:9"]);
+    let dns = ChildGuard::spawn("mesh-dns", cmd);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while dig_a(port, "cart.shop.aether.internal") != vec![vips["shop/cart"].clone()] {
+        assert!(Instant::now() < deadline, "mesh-dns never answered:\n{}", dns.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        dig_a(port, "front.web.aether.internal"),
+        vec![vips["web/front"].clone()]
+    );
+
+    // A new service: a new generation, and mesh-dns picks it up.
+    register(&mesh, "shop/ship", "10.9.0.4").await;
+    let ship = vip_of(&mesh, "shop/ship").await;
+    let (next, _) = wait_records(&mesh, "the new service", |(_, r)| r.get("shop/ship") == Some(&ship)).await;
+    assert!(next > generation, "generation {next} after {generation}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while dig_a(port, "ship.shop.aether.internal") != vec![ship.clone()] {
+        assert!(
+            Instant::now() < deadline,
+            "mesh-dns never picked up the new service:\n{}",
+            dns.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let metrics = mesh.agent_get("/metrics").await;
+    assert!(metrics.contains("aether_agent_dns_records_services 4"), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_services_only_watch_carries_every_service_and_no_endpoint() {
+    let mesh = Mesh::start_plaintext().await;
+    register(&mesh, "shop/cart", "10.9.0.1").await;
+    register(&mesh, "shop/cart", "10.9.0.5").await;
+    register(&mesh, "web/front", "10.9.0.3").await;
+    let (requests, outbox) = tokio::sync::mpsc::channel(4);
+    requests
+        .send(WatchRequest {
+            services_only: true,
+            filter_id: 7,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut stream = mesh
+        .registrar()
+        .await
+        .watch(ReceiverStream::new(outbox))
+        .await
+        .expect("watch")
+        .into_inner();
+    let mut services = Vec::new();
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(10), stream.message())
+            .await
+            .expect("a snapshot in time")
+            .expect("stream")
+            .expect("message");
+        match message.event.expect("event") {
+            watch_response::Event::Snapshot(chunk) => {
+                assert!(
+                    chunk.endpoints.is_empty(),
+                    "endpoints in a services-only snapshot: {chunk:?}"
+                );
+                services.extend(
+                    chunk
+                        .services
+                        .into_iter()
+                        .map(|s| format!("{}/{}", s.namespace, s.name)),
+                );
+            }
+            watch_response::Event::SnapshotComplete(c) => {
+                assert_eq!(c.filter_id, 7);
+                break;
+            }
+            other => panic!("unexpected before the snapshot completes: {other:?}"),
+        }
+    }
+    services.sort();
+    assert_eq!(services, vec!["shop/cart", "web/front"]);
+
+    // A new endpoint of a known service sends nothing; a new service sends only itself.
+    register(&mesh, "web/front", "10.9.0.6").await;
+    register(&mesh, "web/back", "10.9.0.7").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let message = tokio::time::timeout(deadline - Instant::now(), stream.message())
+            .await
+            .expect("the new service in time")
+            .expect("stream")
+            .expect("message");
+        let watch_response::Event::Delta(delta) = message.event.expect("event") else {
+            panic!("only deltas after the snapshot");
+        };
+        let mut added = Vec::new();
+        for c in delta.changes {
+            match c.change.expect("change") {
+                change::Change::ServiceAdded(s) => added.push(format!("{}/{}", s.namespace, s.name)),
+                other => panic!("a services-only watch got {other:?}"),
+            }
+        }
+        if !added.is_empty() {
+            assert_eq!(added, vec!["web/back"]);
+            break;
+        }
+    }
+
+    // Switching to an ordinary filter on the same stream: a fresh snapshot, with endpoints.
+    requests
+        .send(WatchRequest {
+            services: vec!["shop/cart".into()],
+            filter_id: 8,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let (mut services, mut endpoints) = (Vec::new(), Vec::new());
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(10), stream.message())
+            .await
+            .expect("the resync in time")
+            .expect("stream")
+            .expect("message");
+        match message.event.expect("event") {
+            watch_response::Event::Snapshot(chunk) => {
+                assert_eq!(chunk.reason, SnapshotReason::FilterChanged as i32);
+                services.extend(
+                    chunk
+                        .services
+                        .into_iter()
+                        .map(|s| format!("{}/{}", s.namespace, s.name)),
+                );
+                endpoints.extend(chunk.endpoints.into_iter().map(|e| e.address));
+            }
+            watch_response::Event::SnapshotComplete(c) => {
+                assert_eq!(c.filter_id, 8);
+                break;
+            }
+            // Deltas already in flight under the old filter may come first.
+            watch_response::Event::Delta(d) => assert_eq!(d.filter_id, 7),
+        }
+    }
+    endpoints.sort();
+    assert_eq!(
+        (services, endpoints),
+        (
+            vec!["shop/cart".to_owned()],
+            vec!["10.9.0.1".to_owned(), "10.9.0.5".to_owned()]
+        )
+    );
+}
