@@ -5,18 +5,19 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use aether_proto::cni::v1::cni_plugin_server::CniPlugin;
 use aether_proto::cni::v1::{
-    AddPodRequest, AddPodResponse, CheckPodRequest, CheckPodResponse, Outcome, PodRef, RemovePodRequest,
-    RemovePodResponse,
+    AddPodRequest, AddPodResponse, CheckPodRequest, CheckPodResponse, GarbageCollectRequest, GarbageCollectResponse,
+    Outcome, PodRef, ReadyRequest, ReadyResponse, RemovePodRequest, RemovePodResponse,
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use tonic::{Request, Response, Status};
 
+use crate::capture::{self, CaptureConfig, Verdict};
 use crate::node::Node;
 use crate::pod::LocalPod;
 use crate::pod_source::PodDirectory;
@@ -38,6 +39,10 @@ pub struct CniService {
     /// How long ADD waits for the pod source to report a pod it has not seen yet.
     pub pod_lookup_timeout: Duration,
     pub calls: Family<Labels, Counter>,
+    /// How pods' traffic is captured (nftables in their netns).
+    pub capture: CaptureConfig,
+    /// The CNI plugin's netns pins; the agent removes those under it.
+    pub pin_dir: PathBuf,
 }
 
 fn invalid(field: &str, reason: impl std::fmt::Display) -> Status {
@@ -96,8 +101,16 @@ impl CniService {
             ips.push(parsed);
         }
         if ips.is_empty() {
-            return Err(invalid("ips", "at least one pod IP is required"));
+            // The plugin had no prevResult IPs: read them from the pod's netns.
+            ips = capture::pod_addresses(Path::new(&request.netns_path))
+                .await
+                .map_err(|e| Status::failed_precondition(format!("ips: none given and {e}")))?;
         }
+        if ips.is_empty() {
+            return Err(invalid("ips", "none given and the netns has no address"));
+        }
+        let capture = capture::pod_capture(&self.capture, request.capture.as_ref())
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let key = format!("{}/{}", pod_ref.namespace, pod_ref.name);
         if self.excluded_namespaces.contains(&pod_ref.namespace) {
             return Ok(outcome(
@@ -141,7 +154,18 @@ impl CniService {
             let _ = self.registrar.unregister(&pod.info.service(), &pod.ips).await;
             return Err(error);
         }
-        tracing::info!(pod = %key, service = %pod.info.service(), "pod added to the mesh");
+        if let Some(capture) = &capture
+            && let Err(error) = capture::apply(&self.capture, &pod.container_id, &pod.netns, capture).await
+        {
+            // Fail closed: never a mesh pod without its capture.
+            let _ = self.node.pods.remove(&pod.id());
+            let _ = self.registrar.unregister(&pod.info.service(), &pod.ips).await;
+            self.node.poke();
+            return Err(Status::internal(format!(
+                "programming the capture rules of {key}: {error}"
+            )));
+        }
+        tracing::info!(pod = %key, service = %pod.info.service(), captured = capture.is_some(), "pod added to the mesh");
         Ok(outcome(Outcome::Success, String::new()))
     }
 
@@ -189,6 +213,14 @@ impl CniService {
     async fn remove(&self, request: RemovePodRequest) -> Result<RemovePodResponse, Status> {
         check_container_id(&request.container_id)?;
         let Some(pod) = self.node.pods.by_container(&request.container_id) else {
+            // Nothing registered, but a pin or capture state may be left from a failed ADD.
+            let pin = self.pin_dir.join(&request.container_id);
+            if let Err(error) = capture::remove(&self.capture, &request.container_id, &pin).await {
+                tracing::warn!(container = %request.container_id, %error, "removing leftover capture rules failed");
+            }
+            if let Err(error) = capture::unpin(&self.pin_dir, &pin) {
+                tracing::warn!(container = %request.container_id, %error, "removing a leftover netns pin failed");
+            }
             return Ok(RemovePodResponse {
                 outcome: Outcome::Success as i32,
                 message: "unknown sandbox; nothing to do".into(),
@@ -210,6 +242,13 @@ impl CniService {
             .collect();
         if let Err(error) = self.node.cache.wait_removed(&names, REMOVE_TIMEOUT).await {
             tracing::warn!(pod = %pod.id(), %error, "the pod's listeners outlived its removal");
+        }
+        // The listeners are gone: drop the capture and the pin (ours from AddPod on).
+        if let Err(error) = capture::remove(&self.capture, &pod.container_id, &pod.netns).await {
+            tracing::warn!(pod = %pod.id(), %error, "removing the pod's capture rules failed");
+        }
+        if let Err(error) = capture::unpin(&self.pin_dir, &pod.netns) {
+            tracing::warn!(pod = %pod.id(), netns = %pod.netns.display(), %error, "removing the netns pin failed");
         }
         tracing::info!(pod = %pod.id(), "pod removed from the mesh");
         Ok(RemovePodResponse {
@@ -241,11 +280,89 @@ impl CniService {
             .wait_acked(&names, Duration::from_millis(200))
             .await
             .map_err(Status::failed_precondition)?;
+        match capture::check(&self.capture, &pod.container_id, &pod.netns).await {
+            Ok(Verdict::Intact | Verdict::NotCaptured) => {}
+            Ok(Verdict::Drifted) => {
+                return Err(Status::failed_precondition(format!(
+                    "capture: the nftables table {} in {} is missing or changed",
+                    capture::TABLE,
+                    pod.netns.display()
+                )));
+            }
+            Err(error) => return Err(Status::internal(format!("capture: {error}"))),
+        }
         Ok(CheckPodResponse {
             outcome: Outcome::Success as i32,
             message: String::new(),
         })
     }
+}
+
+impl CniService {
+    async fn garbage_collect(&self, request: GarbageCollectRequest) -> Result<GarbageCollectResponse, Status> {
+        for (i, id) in request.valid_container_ids.iter().enumerate() {
+            check_container_id(id).map_err(|s| invalid(&format!("valid_container_ids[{i}]"), s.message()))?;
+        }
+        let valid: BTreeSet<&str> = request.valid_container_ids.iter().map(String::as_str).collect();
+        let mut removed = BTreeSet::new();
+        for pod in self.node.pods.all() {
+            if !valid.contains(pod.container_id.as_str()) {
+                self.remove(RemovePodRequest {
+                    container_id: pod.container_id.clone(),
+                    pod: None,
+                })
+                .await?;
+                removed.insert(pod.container_id);
+            }
+        }
+        // Pins and capture state without a pod (a failed or interrupted ADD).
+        let known: Vec<String> = self.node.pods.all().into_iter().map(|p| p.container_id).collect();
+        let mut leftovers = capture::orphans(&self.capture, &known);
+        if let Ok(entries) = std::fs::read_dir(&self.pin_dir) {
+            leftovers.extend(entries.filter_map(|e| e.ok()?.file_name().into_string().ok()));
+        }
+        for id in leftovers {
+            if valid.contains(id.as_str()) || known.contains(&id) || check_container_id(&id).is_err() {
+                continue;
+            }
+            let pin = self.pin_dir.join(&id);
+            if let Err(error) = capture::remove(&self.capture, &id, &pin).await {
+                tracing::warn!(container = %id, %error, "GC: removing leftover capture rules failed");
+            }
+            match capture::unpin(&self.pin_dir, &pin) {
+                Ok(_) => {}
+                Err(error) => tracing::warn!(container = %id, %error, "GC: removing a leftover pin failed"),
+            }
+            removed.insert(id);
+        }
+        if !removed.is_empty() {
+            tracing::info!(removed = ?removed, "CNI GC removed stale sandboxes");
+        }
+        Ok(GarbageCollectResponse {
+            removed: removed.into_iter().collect(),
+        })
+    }
+}
+
+/// Start-up: every known pod's capture is checked and repaired; desired state left by
+/// pods that are gone is dropped.
+pub async fn reconcile_capture(config: &CaptureConfig, pods: &[LocalPod]) {
+    let mut repaired = 0;
+    for pod in pods {
+        match capture::repair(config, &pod.container_id, &pod.netns).await {
+            Ok(true) => {
+                repaired += 1;
+                tracing::warn!(pod = %pod.id(), "capture rules were missing or changed; repaired");
+            }
+            Ok(false) => {}
+            Err(error) => tracing::error!(pod = %pod.id(), %error, "checking the pod's capture rules failed"),
+        }
+    }
+    let known: Vec<String> = pods.iter().map(|p| p.container_id.clone()).collect();
+    for id in capture::orphans(config, &known) {
+        let _ = capture::forget(config, &id);
+    }
+    tracing::info!(pods = pods.len(), repaired, "capture rules reconciled");
 }
 
 fn outcome(outcome: Outcome, message: String) -> AddPodResponse {
@@ -281,5 +398,21 @@ impl CniPlugin for CniService {
         let result = self.check(request.into_inner()).await;
         self.count("CheckPod", result_label(&result));
         result.map(Response::new)
+    }
+
+    async fn garbage_collect(
+        &self,
+        request: Request<GarbageCollectRequest>,
+    ) -> Result<Response<GarbageCollectResponse>, Status> {
+        let result = CniService::garbage_collect(self, request.into_inner()).await;
+        self.count("GarbageCollect", result_label(&result));
+        result.map(Response::new)
+    }
+
+    async fn ready(&self, _request: Request<ReadyRequest>) -> Result<Response<ReadyResponse>, Status> {
+        self.count("Ready", "ok");
+        Ok(Response::new(ReadyResponse {
+            pods: self.node.pods.all().len() as u32,
+        }))
     }
 }

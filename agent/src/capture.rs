@@ -1,0 +1,566 @@
+//! Traffic capture inside a pod's netns: the agent (not the CNI plugin) renders an
+//! nftables ruleset per pod and applies it in one `nft -f -` transaction inside the
+//! pod's pinned netns, so the rules are atomic, idempotent and repairable after an
+//! agent restart.
+//!
+//! The ruleset (own table `inet aether`, NAT output hook):
+//! - Envoy's own sockets (socket mark) and loopback are never touched;
+//! - configured destination CIDRs and ports are never touched;
+//! - TCP to the mesh VIP CIDR is redirected to the capture listener (`127.0.0.1:18001`);
+//! - DNS (UDP and TCP `:53`) is DNATed to mesh-dns, when an address is configured.
+//!
+//! The rendered ruleset of every captured pod is kept in `<state>/capture/<container id>.nft`
+//! (the desired state); a fingerprint comment on the first rule lets a check tell whether
+//! the pod's netns still holds exactly that ruleset.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use aether_proto::cni::v1::{CaptureMode, CaptureOptions};
+use futures::TryStreamExt;
+use ipnet::IpNet;
+use tokio::io::AsyncWriteExt;
+
+/// The nftables table the agent owns in every captured pod's netns.
+pub const TABLE: &str = "inet aether";
+/// Default mesh VIP range (the range Istio uses for auto-allocated VIPs).
+pub const DEFAULT_VIP_CIDR: &str = "240.240.0.0/16";
+/// Default mark Envoy's upstream sockets carry (`SO_MARK`); such traffic is never captured.
+pub const DEFAULT_PROXY_MARK: u32 = 0x4145;
+/// How long one `nft` invocation may take.
+const NFT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Sub-directory of the state dir holding the desired ruleset per pod.
+const STATE_SUBDIR: &str = "capture";
+/// The comment prefix that carries the ruleset's fingerprint.
+const FINGERPRINT: &str = "aether-capture";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    #[error("capture.mesh_dns: {0:?} is not an ip:port address")]
+    MeshDns(String),
+    #[error("capture.excluded_cidrs[{index}]: {value:?} is not a CIDR")]
+    Cidr { index: usize, value: String },
+    #[error("capture.excluded_ports[{index}]: {value} is not a port (1..=65535)")]
+    Port { index: usize, value: u32 },
+    #[error("capture.mode: {0} is not a known capture mode")]
+    Mode(i32),
+    #[error("running `{command}` in {netns}: {source}")]
+    Spawn {
+        command: String,
+        netns: String,
+        source: std::io::Error,
+    },
+    #[error("`{command}` in {netns} failed: {stderr}")]
+    Nft {
+        command: String,
+        netns: String,
+        stderr: String,
+    },
+    #[error("`{command}` in {netns} did not finish within {NFT_TIMEOUT:?}")]
+    Timeout { command: String, netns: String },
+    #[error("capture state {path}: {source}")]
+    State { path: String, source: std::io::Error },
+    #[error("reading the addresses of {netns}: {reason}")]
+    Netlink { netns: String, reason: String },
+}
+
+/// Node-wide capture settings (agent flags).
+#[derive(Clone, Debug)]
+pub struct CaptureConfig {
+    pub vip_cidr: IpNet,
+    /// mesh-dns on this node; a pod's own option overrides it.
+    pub mesh_dns: Option<SocketAddr>,
+    pub proxy_mark: u32,
+    /// Where the desired rulesets live (`<state>/capture`).
+    pub state_dir: PathBuf,
+    /// The `nft` binary.
+    pub nft: PathBuf,
+}
+
+impl CaptureConfig {
+    pub fn new(state_dir: &Path, vip_cidr: IpNet, mesh_dns: Option<SocketAddr>, proxy_mark: u32) -> Self {
+        CaptureConfig {
+            vip_cidr,
+            mesh_dns,
+            proxy_mark,
+            state_dir: state_dir.join(STATE_SUBDIR),
+            nft: PathBuf::from("nft"),
+        }
+    }
+}
+
+/// One pod's capture, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodCapture {
+    pub vip_cidr: IpNet,
+    pub mesh_dns: Option<SocketAddr>,
+    pub proxy_mark: u32,
+    pub excluded_ports: Vec<u16>,
+    pub excluded_cidrs: Vec<IpNet>,
+}
+
+/// Validates a request's options against the node's settings. `None`: the pod is not captured.
+pub fn pod_capture(
+    config: &CaptureConfig,
+    options: Option<&CaptureOptions>,
+) -> Result<Option<PodCapture>, CaptureError> {
+    let default = CaptureOptions::default();
+    let options = options.unwrap_or(&default);
+    match CaptureMode::try_from(options.mode) {
+        Ok(CaptureMode::None) => return Ok(None),
+        Ok(CaptureMode::Vip | CaptureMode::Unspecified) => {}
+        Err(_) => return Err(CaptureError::Mode(options.mode)),
+    }
+    let mesh_dns = if options.mesh_dns.is_empty() {
+        config.mesh_dns
+    } else {
+        Some(
+            options
+                .mesh_dns
+                .parse()
+                .map_err(|_| CaptureError::MeshDns(options.mesh_dns.clone()))?,
+        )
+    };
+    let mut excluded_ports = Vec::new();
+    for (index, &value) in options.excluded_ports.iter().enumerate() {
+        match u16::try_from(value) {
+            Ok(p) if p != 0 => excluded_ports.push(p),
+            _ => return Err(CaptureError::Port { index, value }),
+        }
+    }
+    let mut excluded_cidrs = Vec::new();
+    for (index, value) in options.excluded_cidrs.iter().enumerate() {
+        let cidr = value
+            .parse::<IpNet>()
+            .or_else(|_| value.parse::<IpAddr>().map(IpNet::from))
+            .map_err(|_| CaptureError::Cidr {
+                index,
+                value: value.clone(),
+            })?;
+        excluded_cidrs.push(cidr.trunc());
+    }
+    excluded_ports.sort_unstable();
+    excluded_ports.dedup();
+    excluded_cidrs.sort();
+    excluded_cidrs.dedup();
+    Ok(Some(PodCapture {
+        vip_cidr: config.vip_cidr,
+        mesh_dns,
+        proxy_mark: config.proxy_mark,
+        excluded_ports,
+        excluded_cidrs,
+    }))
+}
+
+fn family(net: &IpNet) -> &'static str {
+    match net {
+        IpNet::V4(_) => "ip",
+        IpNet::V6(_) => "ip6",
+    }
+}
+
+/// The rules of the table's output chain, one statement per line (nft 1.0.6 rejects
+/// several on one line).
+fn rules(capture: &PodCapture) -> Vec<String> {
+    let mut rules = vec![
+        format!("meta mark {:#x} return", capture.proxy_mark),
+        "ip daddr 127.0.0.0/8 return".to_owned(),
+        "ip6 daddr ::1 return".to_owned(),
+    ];
+    for cidr in &capture.excluded_cidrs {
+        rules.push(format!("{} daddr {cidr} return", family(cidr)));
+    }
+    for port in &capture.excluded_ports {
+        rules.push(format!("tcp dport {port} return"));
+        rules.push(format!("udp dport {port} return"));
+    }
+    rules.push(format!(
+        "{} daddr {} meta l4proto tcp redirect to :{}",
+        family(&capture.vip_cidr),
+        capture.vip_cidr,
+        crate::xds::resources::CAPTURE_PORT
+    ));
+    if let Some(dns) = capture.mesh_dns {
+        let (nfproto, fam, target) = match dns {
+            SocketAddr::V4(a) => ("ipv4", "ip", a.to_string()),
+            SocketAddr::V6(a) => ("ipv6", "ip6", format!("[{}]:{}", a.ip(), a.port())),
+        };
+        for proto in ["udp", "tcp"] {
+            rules.push(format!(
+                "meta nfproto {nfproto} {proto} dport 53 dnat {fam} to {target}"
+            ));
+        }
+    }
+    rules
+}
+
+fn fingerprint(rules: &[String]) -> String {
+    let hash = aether_common::hash::fnv1a(rules.join("\n").as_bytes());
+    format!("{FINGERPRINT} {hash:016x}")
+}
+
+/// The whole `nft -f` transaction: create-then-delete makes it idempotent (the delete
+/// never fails), and the table is re-added with its complete contents, atomically.
+pub fn render(capture: &PodCapture) -> String {
+    let rules = rules(capture);
+    let fp = fingerprint(&rules);
+    let mut out = format!("table {TABLE} {{\n}}\ndelete table {TABLE}\ntable {TABLE} {{\n  chain output {{\n");
+    out.push_str("    type nat hook output priority -100\n    policy accept\n");
+    for (i, rule) in rules.iter().enumerate() {
+        if i == 0 {
+            out.push_str(&format!("    {rule} comment \"{fp}\"\n"));
+        } else {
+            out.push_str(&format!("    {rule}\n"));
+        }
+    }
+    out.push_str("  }\n}\n");
+    out
+}
+
+/// The fingerprint comment a rendered ruleset carries.
+fn fingerprint_of(ruleset: &str) -> Option<&str> {
+    let start = ruleset.find(FINGERPRINT)?;
+    let rest = &ruleset[start..];
+    let end = rest.find('"')?;
+    Some(&rest[..end])
+}
+
+/// Removing the table: idempotent (an absent table is created first).
+fn render_removal() -> String {
+    format!("table {TABLE} {{\n}}\ndelete table {TABLE}\n")
+}
+
+async fn nft(config: &CaptureConfig, netns: &Path, args: &[&str], stdin: Option<&str>) -> Result<String, CaptureError> {
+    let command = format!("nft {}", args.join(" "));
+    let netns_s = netns.display().to_string();
+    let mut cmd = tokio::process::Command::new("nsenter");
+    cmd.arg(format!("--net={}", netns.display()))
+        .arg("--")
+        .arg(&config.nft)
+        .args(args)
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().map_err(|source| CaptureError::Spawn {
+        command: command.clone(),
+        netns: netns_s.clone(),
+        source,
+    })?;
+    if let Some(input) = stdin {
+        let mut pipe = child.stdin.take().expect("stdin is piped");
+        pipe.write_all(input.as_bytes())
+            .await
+            .map_err(|source| CaptureError::Spawn {
+                command: command.clone(),
+                netns: netns_s.clone(),
+                source,
+            })?;
+        drop(pipe);
+    }
+    let output = tokio::time::timeout(NFT_TIMEOUT, child.wait_with_output())
+        .await
+        .map_err(|_| CaptureError::Timeout {
+            command: command.clone(),
+            netns: netns_s.clone(),
+        })?
+        .map_err(|source| CaptureError::Spawn {
+            command: command.clone(),
+            netns: netns_s.clone(),
+            source,
+        })?;
+    if !output.status.success() {
+        return Err(CaptureError::Nft {
+            command,
+            netns: netns_s,
+            stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+fn state_path(config: &CaptureConfig, container_id: &str) -> PathBuf {
+    config.state_dir.join(format!("{container_id}.nft"))
+}
+
+/// Applies `capture` inside `netns` and records it as the pod's desired state.
+pub async fn apply(
+    config: &CaptureConfig,
+    container_id: &str,
+    netns: &Path,
+    capture: &PodCapture,
+) -> Result<(), CaptureError> {
+    let ruleset = render(capture);
+    nft(config, netns, &["-f", "-"], Some(&ruleset)).await?;
+    let path = state_path(config, container_id);
+    let fail = |source| CaptureError::State {
+        path: path.display().to_string(),
+        source,
+    };
+    std::fs::create_dir_all(&config.state_dir).map_err(fail)?;
+    aether_common::fs::write_atomic(&path, ruleset.as_bytes(), 0o600).map_err(fail)
+}
+
+/// Removes the pod's table (if its netns still exists) and its desired state. Idempotent.
+pub async fn remove(config: &CaptureConfig, container_id: &str, netns: &Path) -> Result<(), CaptureError> {
+    if netns.exists() {
+        nft(config, netns, &["-f", "-"], Some(&render_removal())).await?;
+    }
+    forget(config, container_id)
+}
+
+/// Drops the pod's desired state only (its netns is gone).
+pub fn forget(config: &CaptureConfig, container_id: &str) -> Result<(), CaptureError> {
+    let path = state_path(config, container_id);
+    match std::fs::remove_file(&path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(CaptureError::State {
+            path: path.display().to_string(),
+            source,
+        }),
+    }
+}
+
+/// What a check found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The pod is not captured (no desired state).
+    NotCaptured,
+    /// The netns holds the desired ruleset.
+    Intact,
+    /// The table is missing or differs.
+    Drifted,
+}
+
+/// Does the pod's netns still hold its desired ruleset?
+pub async fn check(config: &CaptureConfig, container_id: &str, netns: &Path) -> Result<Verdict, CaptureError> {
+    let Some(desired) = desired(config, container_id)? else {
+        return Ok(Verdict::NotCaptured);
+    };
+    let Some(want) = fingerprint_of(&desired) else {
+        return Ok(Verdict::Drifted);
+    };
+    match nft(config, netns, &["list", "table", "inet", "aether"], None).await {
+        Ok(listing) if fingerprint_of(&listing) == Some(want) => Ok(Verdict::Intact),
+        Ok(_) => Ok(Verdict::Drifted),
+        Err(CaptureError::Nft { stderr, .. }) if stderr.contains("No such file or directory") => Ok(Verdict::Drifted),
+        Err(e) => Err(e),
+    }
+}
+
+fn desired(config: &CaptureConfig, container_id: &str) -> Result<Option<String>, CaptureError> {
+    let path = state_path(config, container_id);
+    match std::fs::read_to_string(&path) {
+        Ok(s) => Ok(Some(s)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(CaptureError::State {
+            path: path.display().to_string(),
+            source,
+        }),
+    }
+}
+
+/// Checks the pod's rules and re-applies the desired ruleset if they drifted. Returns
+/// whether a repair was needed.
+pub async fn repair(config: &CaptureConfig, container_id: &str, netns: &Path) -> Result<bool, CaptureError> {
+    match check(config, container_id, netns).await? {
+        Verdict::NotCaptured | Verdict::Intact => Ok(false),
+        Verdict::Drifted => {
+            let ruleset = desired(config, container_id)?.unwrap_or_default();
+            nft(config, netns, &["-f", "-"], Some(&ruleset)).await?;
+            Ok(true)
+        }
+    }
+}
+
+/// Desired-state files whose pod the agent no longer knows (e.g. the agent died between
+/// forgetting a pod and dropping its state).
+pub fn orphans(config: &CaptureConfig, known: &[String]) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(&config.state_dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str()?.strip_suffix(".nft").map(str::to_owned))
+        .filter(|id| !known.contains(id))
+        .collect()
+}
+
+/// Unmounts and deletes a netns pin the CNI plugin made, if `netns` is under `pin_dir`
+/// (anything else, e.g. an `ip netns` name, is not ours to remove). Idempotent.
+pub fn unpin(pin_dir: &Path, netns: &Path) -> std::io::Result<bool> {
+    if netns.parent() != Some(pin_dir) {
+        return Ok(false);
+    }
+    match nix::mount::umount2(netns, nix::mount::MntFlags::MNT_DETACH) {
+        Ok(()) | Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => {}
+        Err(e) => return Err(std::io::Error::from(e)),
+    }
+    match std::fs::remove_file(netns) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// The pod's global addresses, read with netlink inside its netns (loopback and
+/// link-local skipped): the fallback when AddPod carries no IPs.
+pub async fn pod_addresses(netns: &Path) -> Result<Vec<IpAddr>, CaptureError> {
+    let path = netns.to_owned();
+    let fail = |reason: String| CaptureError::Netlink {
+        netns: netns.display().to_string(),
+        reason,
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    // setns changes the calling thread for good: use a thread of our own, then drop it.
+    std::thread::spawn(move || {
+        let _ = tx.send(read_addresses(&path));
+    });
+    rx.await
+        .map_err(|_| fail("netlink thread panicked".to_owned()))?
+        .map_err(fail)
+}
+
+fn read_addresses(path: &Path) -> Result<Vec<IpAddr>, String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("opening: {e}"))?;
+    nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| format!("setns: {e}"))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(|e| format!("runtime: {e}"))?;
+    rt.block_on(async {
+        let (conn, handle, _) = rtnetlink::new_connection().map_err(|e| format!("netlink socket: {e}"))?;
+        tokio::spawn(conn);
+        let mut out = Vec::new();
+        let mut addrs = handle.address().get().execute();
+        while let Some(msg) = addrs.try_next().await.map_err(|e| format!("address dump: {e}"))? {
+            for attr in &msg.attributes {
+                if let netlink_packet_route::address::AddressAttribute::Address(ip) = attr
+                    && is_pod_address(ip)
+                {
+                    out.push(*ip);
+                }
+            }
+        }
+        out.sort();
+        out.dedup();
+        Ok(out)
+    })
+}
+
+fn is_pod_address(ip: &IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => !v4.is_loopback() && !v4.is_link_local(),
+        IpAddr::V6(v6) => !v6.is_loopback() && !v6.is_unicast_link_local(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> CaptureConfig {
+        CaptureConfig::new(
+            Path::new("/tmp/x"),
+            DEFAULT_VIP_CIDR.parse().unwrap(),
+            Some("10.0.0.1:18054".parse().unwrap()),
+            DEFAULT_PROXY_MARK,
+        )
+    }
+
+    #[test]
+    fn the_default_ruleset_captures_vips_and_dns_one_statement_per_line() {
+        let capture = pod_capture(&config(), None).unwrap().unwrap();
+        let text = render(&capture);
+        assert!(text.starts_with("table inet aether {\n}\ndelete table inet aether\ntable inet aether {\n"));
+        assert!(text.contains("    type nat hook output priority -100\n    policy accept\n"));
+        assert!(text.contains("    meta mark 0x4145 return comment \"aether-capture "));
+        assert!(text.contains("    ip daddr 240.240.0.0/16 meta l4proto tcp redirect to :18001\n"));
+        assert!(text.contains("    meta nfproto ipv4 udp dport 53 dnat ip to 10.0.0.1:18054\n"));
+        assert!(text.contains("    meta nfproto ipv4 tcp dport 53 dnat ip to 10.0.0.1:18054\n"));
+        for line in text.lines() {
+            assert!(line.matches(';').count() == 0, "{line}");
+        }
+        // Exclusions come before the capture rules.
+        let exclusion = text.find("127.0.0.0/8 return").unwrap();
+        assert!(exclusion < text.find("redirect").unwrap());
+    }
+
+    #[test]
+    fn options_override_and_are_validated_with_the_field_named() {
+        let options = CaptureOptions {
+            mode: CaptureMode::Vip as i32,
+            mesh_dns: "[fd00::1]:53".into(),
+            excluded_ports: vec![15000, 80, 80],
+            excluded_cidrs: vec!["10.1.2.3/8".into(), "192.0.2.7".into()],
+        };
+        let capture = pod_capture(&config(), Some(&options)).unwrap().unwrap();
+        assert_eq!(capture.excluded_ports, vec![80, 15000]);
+        let text = render(&capture);
+        assert!(text.contains("    ip daddr 10.0.0.0/8 return\n"));
+        assert!(text.contains("    ip daddr 192.0.2.7/32 return\n"));
+        assert!(text.contains("    tcp dport 15000 return\n"));
+        assert!(text.contains("dnat ip6 to [fd00::1]:53\n"));
+        let bad = |o: CaptureOptions| pod_capture(&config(), Some(&o)).unwrap_err().to_string();
+        assert_eq!(
+            bad(CaptureOptions {
+                mesh_dns: "nope".into(),
+                ..Default::default()
+            }),
+            "capture.mesh_dns: \"nope\" is not an ip:port address"
+        );
+        assert_eq!(
+            bad(CaptureOptions {
+                excluded_ports: vec![1, 70000],
+                ..Default::default()
+            }),
+            "capture.excluded_ports[1]: 70000 is not a port (1..=65535)"
+        );
+        assert_eq!(
+            bad(CaptureOptions {
+                excluded_cidrs: vec!["10.0.0.0/33".into()],
+                ..Default::default()
+            }),
+            "capture.excluded_cidrs[0]: \"10.0.0.0/33\" is not a CIDR"
+        );
+        assert_eq!(
+            bad(CaptureOptions {
+                mode: 9,
+                ..Default::default()
+            }),
+            "capture.mode: 9 is not a known capture mode"
+        );
+        let none = CaptureOptions {
+            mode: CaptureMode::None as i32,
+            ..Default::default()
+        };
+        assert_eq!(pod_capture(&config(), Some(&none)).unwrap(), None);
+    }
+
+    #[test]
+    fn the_fingerprint_follows_the_rules() {
+        let a = render(&pod_capture(&config(), None).unwrap().unwrap());
+        let mut other = config();
+        other.mesh_dns = None;
+        let b = render(&pod_capture(&other, None).unwrap().unwrap());
+        assert_ne!(fingerprint_of(&a), fingerprint_of(&b));
+        assert_eq!(fingerprint_of(&a), fingerprint_of(&a.clone()));
+        assert!(!b.contains("dport 53"));
+    }
+
+    #[test]
+    fn only_pins_under_the_pin_dir_are_removed() {
+        assert!(!unpin(Path::new("/var/run/aether/netns"), Path::new("/var/run/netns/x")).unwrap());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn cidr_options_never_panic(s in "\\PC{0,24}") {
+            let o = CaptureOptions { excluded_cidrs: vec![s], ..Default::default() };
+            let _ = pod_capture(&config(), Some(&o));
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! The network configuration on stdin: the CNI standard keys plus ours.
+//!
+//! ```json
+//! {"cniVersion": "1.1.0", "name": "k8s-pod-network", "type": "aether-cni",
+//!  "agentSocket": "/run/aether/cni.sock", "excludedNamespaces": ["kube-system"],
+//!  "captureMode": "vip", "meshDns": "10.0.0.1:18054", "excludedPorts": [15000],
+//!  "excludedCidrs": ["169.254.0.0/16"], "logFile": "/var/log/aether-cni.log",
+//!  "stateDir": "/var/run/aether", "agentTimeoutMs": 20000, "agentAttempts": 3,
+//!  "prevResult": {…}}
+//! ```
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
+
+use crate::error::{CniError, Code, invalid_config};
+
+pub const DEFAULT_AGENT_SOCKET: &str = "/run/aether/cni.sock";
+pub const DEFAULT_LOG_FILE: &str = "/var/log/aether-cni.log";
+/// Pins live in `<stateDir>/netns/<container id>`.
+pub const DEFAULT_STATE_DIR: &str = "/var/run/aether";
+pub const DEFAULT_EXCLUDED_NAMESPACES: &[&str] = &["kube-system"];
+/// mesh-dns's port when `meshDns` names only an address.
+pub const MESH_DNS_PORT: u16 = 18054;
+const DEFAULT_AGENT_TIMEOUT: Duration = Duration::from_secs(20);
+const DEFAULT_AGENT_ATTEMPTS: u32 = 3;
+pub const VALID_ATTACHMENTS: &str = "cni.dev/valid-attachments";
+
+/// Every CNI version a runtime may send us (VERSION, DEL).
+pub const ALL_VERSIONS: &[&str] = &["0.1.0", "0.2.0", "0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
+/// The versions whose ADD/CHECK we implement.
+pub const MODERN_VERSIONS: &[&str] = &["1.0.0", "1.1.0"];
+/// GC and STATUS arrived in 1.1.0.
+pub const GC_VERSIONS: &[&str] = &["1.1.0"];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CaptureMode {
+    /// TCP to mesh VIPs and DNS are captured.
+    Vip,
+    /// Registered in the mesh, no nftables rules (explicit outbound listener only).
+    None,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attachment {
+    pub container_id: String,
+    pub ifname: String,
+}
+
+#[derive(Clone, Debug)]
+pub struct NetConf {
+    pub cni_version: String,
+    pub name: String,
+    pub agent_socket: PathBuf,
+    pub excluded_namespaces: Vec<String>,
+    pub capture_mode: CaptureMode,
+    pub mesh_dns: Option<SocketAddr>,
+    pub excluded_ports: Vec<u32>,
+    pub excluded_cidrs: Vec<String>,
+    pub log_file: PathBuf,
+    pub log_level: String,
+    pub state_dir: PathBuf,
+    pub agent_timeout: Duration,
+    pub agent_attempts: u32,
+    pub prev_result: Option<Value>,
+    pub valid_attachments: Option<Vec<Attachment>>,
+}
+
+impl NetConf {
+    pub fn pin_dir(&self) -> PathBuf {
+        self.state_dir.join("netns")
+    }
+}
+
+/// Reads `cniVersion` only (VERSION needs nothing else, and errors need it early).
+pub fn peek_version(stdin: &[u8]) -> Option<String> {
+    let v: Value = serde_json::from_slice(stdin).ok()?;
+    v.get("cniVersion")?.as_str().map(str::to_owned)
+}
+
+fn field<T: DeserializeOwned>(obj: &Map<String, Value>, key: &str) -> Result<Option<T>, CniError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => serde_json::from_value(v.clone())
+            .map(Some)
+            .map_err(|e| invalid_config(format!("{key}: {e}"))),
+    }
+}
+
+fn absolute(key: &str, value: Option<String>, default: &str) -> Result<PathBuf, CniError> {
+    let value = value.unwrap_or_else(|| default.to_owned());
+    if !value.starts_with('/') {
+        return Err(invalid_config(format!("{key}: {value:?} is not an absolute path")));
+    }
+    Ok(PathBuf::from(value))
+}
+
+fn parse_mesh_dns(text: &str) -> Result<SocketAddr, CniError> {
+    if let Ok(addr) = text.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    if let Ok(ip) = text.parse::<IpAddr>() {
+        return Ok(SocketAddr::new(ip, MESH_DNS_PORT));
+    }
+    Err(invalid_config(format!(
+        "meshDns: {text:?} is not an ip or ip:port address"
+    )))
+}
+
+/// Parses stdin. Errors: 6 when it is not a JSON object, 7 for a bad value (field
+/// named), 2 for a value we do not support.
+pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
+    let value: Value = serde_json::from_slice(stdin).map_err(|e| {
+        CniError::new(
+            Code::DecodeFailure,
+            format!("network configuration on stdin is not JSON: {e}"),
+        )
+    })?;
+    let Value::Object(obj) = value else {
+        return Err(CniError::new(
+            Code::DecodeFailure,
+            "network configuration on stdin is not a JSON object",
+        ));
+    };
+    let cni_version: String = field(&obj, "cniVersion")?.ok_or_else(|| invalid_config("cniVersion: missing"))?;
+    let name: String = field(&obj, "name")?.unwrap_or_default();
+    let agent_socket = absolute("agentSocket", field(&obj, "agentSocket")?, DEFAULT_AGENT_SOCKET)?;
+    let excluded_namespaces: Vec<String> = field(&obj, "excludedNamespaces")?
+        .unwrap_or_else(|| DEFAULT_EXCLUDED_NAMESPACES.iter().map(|s| s.to_string()).collect());
+    let capture_mode = match field::<String>(&obj, "captureMode")?.as_deref() {
+        None | Some("vip") => CaptureMode::Vip,
+        Some("none") => CaptureMode::None,
+        Some(other) => {
+            return Err(CniError::new(
+                Code::UnsupportedField,
+                format!("captureMode: {other:?} is not supported (use \"vip\" or \"none\")"),
+            ));
+        }
+    };
+    let mesh_dns = match field::<String>(&obj, "meshDns")? {
+        Some(s) if !s.is_empty() => Some(parse_mesh_dns(&s)?),
+        _ => None,
+    };
+    let excluded_ports: Vec<u32> = field(&obj, "excludedPorts")?.unwrap_or_default();
+    for (i, p) in excluded_ports.iter().enumerate() {
+        if *p == 0 || *p > 65535 {
+            return Err(invalid_config(format!(
+                "excludedPorts[{i}]: {p} is not a port (1..=65535)"
+            )));
+        }
+    }
+    let excluded_cidrs: Vec<String> = field(&obj, "excludedCidrs")?.unwrap_or_default();
+    for (i, c) in excluded_cidrs.iter().enumerate() {
+        if c.parse::<ipnet::IpNet>().is_err() && c.parse::<IpAddr>().is_err() {
+            return Err(invalid_config(format!("excludedCidrs[{i}]: {c:?} is not a CIDR")));
+        }
+    }
+    let log_file = absolute("logFile", field(&obj, "logFile")?, DEFAULT_LOG_FILE)?;
+    let log_level: String = field(&obj, "logLevel")?.unwrap_or_else(|| "info".into());
+    let state_dir = absolute("stateDir", field(&obj, "stateDir")?, DEFAULT_STATE_DIR)?;
+    let agent_timeout = match field::<u64>(&obj, "agentTimeoutMs")? {
+        Some(0) => return Err(invalid_config("agentTimeoutMs: must be > 0")),
+        Some(ms) => Duration::from_millis(ms),
+        None => DEFAULT_AGENT_TIMEOUT,
+    };
+    let agent_attempts = match field::<u32>(&obj, "agentAttempts")? {
+        Some(0) => return Err(invalid_config("agentAttempts: must be > 0")),
+        Some(n) => n,
+        None => DEFAULT_AGENT_ATTEMPTS,
+    };
+    let prev_result = match obj.get("prevResult") {
+        None | Some(Value::Null) => None,
+        Some(v @ Value::Object(_)) => Some(v.clone()),
+        Some(_) => return Err(invalid_config("prevResult: is not a JSON object")),
+    };
+    let valid_attachments = match obj.get(VALID_ATTACHMENTS) {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(items)) => {
+            let mut out = Vec::new();
+            for (i, item) in items.iter().enumerate() {
+                let id = item.get("containerID").and_then(Value::as_str).unwrap_or_default();
+                crate::env::check_container_id(id)
+                    .map_err(|r| invalid_config(format!("{VALID_ATTACHMENTS}[{i}].containerID: {r}")))?;
+                out.push(Attachment {
+                    container_id: id.to_owned(),
+                    ifname: item
+                        .get("ifname")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned(),
+                });
+            }
+            Some(out)
+        }
+        Some(_) => return Err(invalid_config(format!("{VALID_ATTACHMENTS}: is not a list"))),
+    };
+    Ok(NetConf {
+        cni_version,
+        name,
+        agent_socket,
+        excluded_namespaces,
+        capture_mode,
+        mesh_dns,
+        excluded_ports,
+        excluded_cidrs,
+        log_file,
+        log_level,
+        state_dir,
+        agent_timeout,
+        agent_attempts,
+        prev_result,
+        valid_attachments,
+    })
+}
+
+/// Is `version` one of `supported`? Error 1 names the command and what we support.
+pub fn require_version(version: &str, supported: &[&str], command: &str) -> Result<(), CniError> {
+    if supported.contains(&version) {
+        return Ok(());
+    }
+    Err(CniError::new(
+        Code::IncompatibleVersion,
+        format!(
+            "cniVersion: {version:?} is not supported for {command} (supported: {})",
+            supported.join(", ")
+        ),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_fields() {
+        let c = parse(br#"{"cniVersion":"1.1.0","name":"n","type":"aether-cni","meshDns":"10.0.0.1"}"#).unwrap();
+        assert_eq!(c.agent_socket, PathBuf::from(DEFAULT_AGENT_SOCKET));
+        assert_eq!(c.mesh_dns, Some("10.0.0.1:18054".parse().unwrap()));
+        assert_eq!(c.excluded_namespaces, vec!["kube-system".to_string()]);
+        assert_eq!(c.capture_mode, CaptureMode::Vip);
+        assert_eq!(c.pin_dir(), PathBuf::from("/var/run/aether/netns"));
+    }
+
+    #[test]
+    fn bad_values_name_the_field_with_the_right_code() {
+        let e = |s: &str| parse(s.as_bytes()).unwrap_err();
+        assert_eq!(e("{nope").code, Code::DecodeFailure);
+        assert_eq!(e("[1]").code, Code::DecodeFailure);
+        assert_eq!(e("{}").message, "cniVersion: missing");
+        let bad = e(r#"{"cniVersion":"1.1.0","agentSocket":7}"#);
+        assert_eq!(bad.code, Code::InvalidConfig);
+        assert!(bad.message.starts_with("agentSocket: invalid type"), "{}", bad.message);
+        assert_eq!(
+            e(r#"{"cniVersion":"1.1.0","agentSocket":"rel"}"#).message,
+            "agentSocket: \"rel\" is not an absolute path"
+        );
+        let unsupported = e(r#"{"cniVersion":"1.1.0","captureMode":"all"}"#);
+        assert_eq!(unsupported.code, Code::UnsupportedField);
+        assert_eq!(
+            e(r#"{"cniVersion":"1.1.0","meshDns":"x:y"}"#).message,
+            "meshDns: \"x:y\" is not an ip or ip:port address"
+        );
+        assert_eq!(
+            e(r#"{"cniVersion":"1.1.0","excludedPorts":[80,0]}"#).message,
+            "excludedPorts[1]: 0 is not a port (1..=65535)"
+        );
+        assert_eq!(
+            e(r#"{"cniVersion":"1.1.0","prevResult":[]}"#).message,
+            "prevResult: is not a JSON object"
+        );
+        assert_eq!(
+            require_version("0.4.0", MODERN_VERSIONS, "ADD").unwrap_err().code,
+            Code::IncompatibleVersion
+        );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_stdin_is_an_answer_never_a_panic(s in "\\PC{0,128}") {
+            let _ = parse(s.as_bytes());
+        }
+
+        #[test]
+        fn any_json_object_is_an_answer_never_a_panic(
+            keys in proptest::collection::vec("(cniVersion|agentSocket|meshDns|captureMode|excludedPorts|prevResult|cni.dev/valid-attachments|stateDir)", 0..6),
+            vals in proptest::collection::vec(proptest::prop_oneof![
+                proptest::strategy::Just(serde_json::json!("1.1.0")),
+                proptest::strategy::Just(serde_json::json!(1)),
+                proptest::strategy::Just(serde_json::json!([])),
+                proptest::strategy::Just(serde_json::json!({})),
+                proptest::strategy::Just(serde_json::json!(null)),
+                proptest::strategy::Just(serde_json::json!("/abs")),
+                proptest::strategy::Just(serde_json::json!([{"containerID": "a b"}])),
+            ], 0..6),
+        ) {
+            let obj: Map<String, Value> = keys.into_iter().zip(vals).collect();
+            let _ = parse(serde_json::to_vec(&Value::Object(obj)).unwrap().as_slice());
+        }
+    }
+}

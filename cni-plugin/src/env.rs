@@ -1,0 +1,195 @@
+//! The CNI environment: CNI_COMMAND, CNI_CONTAINERID, CNI_NETNS, CNI_IFNAME, CNI_ARGS,
+//! CNI_PATH.
+
+use std::collections::BTreeMap;
+
+use crate::error::{CniError, invalid_env};
+
+pub const CNI_COMMAND: &str = "CNI_COMMAND";
+pub const CNI_CONTAINERID: &str = "CNI_CONTAINERID";
+pub const CNI_NETNS: &str = "CNI_NETNS";
+pub const CNI_IFNAME: &str = "CNI_IFNAME";
+pub const CNI_ARGS: &str = "CNI_ARGS";
+pub const CNI_PATH: &str = "CNI_PATH";
+pub const K8S_POD_NAMESPACE: &str = "K8S_POD_NAMESPACE";
+pub const K8S_POD_NAME: &str = "K8S_POD_NAME";
+pub const K8S_POD_UID: &str = "K8S_POD_UID";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Command {
+    Add,
+    Del,
+    Check,
+    Gc,
+    Status,
+    Version,
+}
+
+impl Command {
+    pub fn parse(value: Option<&str>) -> Result<Command, CniError> {
+        match value {
+            None | Some("") => Err(invalid_env(format!("{CNI_COMMAND}: missing"))),
+            Some("ADD") => Ok(Command::Add),
+            Some("DEL") => Ok(Command::Del),
+            Some("CHECK") => Ok(Command::Check),
+            Some("GC") => Ok(Command::Gc),
+            Some("STATUS") => Ok(Command::Status),
+            Some("VERSION") => Ok(Command::Version),
+            Some(other) => Err(invalid_env(format!(
+                "{CNI_COMMAND}: {other:?} is not a CNI command (ADD, DEL, CHECK, GC, STATUS, VERSION)"
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Command::Add => "ADD",
+            Command::Del => "DEL",
+            Command::Check => "CHECK",
+            Command::Gc => "GC",
+            Command::Status => "STATUS",
+            Command::Version => "VERSION",
+        }
+    }
+}
+
+/// The Kubernetes pod a sandbox belongs to (from CNI_ARGS).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodArgs {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+/// The per-sandbox variables of ADD, DEL and CHECK.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sandbox {
+    pub container_id: String,
+    /// Empty on DEL when the runtime no longer has a netns.
+    pub netns: String,
+    pub ifname: String,
+    /// None when CNI_ARGS does not name a Kubernetes pod.
+    pub pod: Option<PodArgs>,
+}
+
+/// Container ids: the spec allows alphanumerics, underscore, hyphen and period.
+pub fn check_container_id(id: &str) -> Result<(), String> {
+    if id.is_empty() {
+        return Err("missing".into());
+    }
+    if id.len() > 256 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
+        return Err(format!("{id:?} is not a container id (letters, digits, '-', '_', '.')"));
+    }
+    Ok(())
+}
+
+/// `KEY=VALUE;KEY=VALUE` (CNI_ARGS).
+pub fn parse_args(args: &str) -> Result<BTreeMap<String, String>, CniError> {
+    let mut out = BTreeMap::new();
+    for pair in args.split(';').filter(|p| !p.is_empty()) {
+        let (k, v) = pair
+            .split_once('=')
+            .ok_or_else(|| invalid_env(format!("{CNI_ARGS}: {pair:?} is not KEY=VALUE")))?;
+        if k.is_empty() {
+            return Err(invalid_env(format!("{CNI_ARGS}: {pair:?} has an empty key")));
+        }
+        out.insert(k.to_owned(), v.to_owned());
+    }
+    Ok(out)
+}
+
+impl Sandbox {
+    /// Reads the sandbox variables; `needs_netns` for ADD and CHECK.
+    pub fn from_env(get: impl Fn(&str) -> Option<String>, needs_netns: bool) -> Result<Sandbox, CniError> {
+        let container_id = get(CNI_CONTAINERID).unwrap_or_default();
+        check_container_id(&container_id).map_err(|r| invalid_env(format!("{CNI_CONTAINERID}: {r}")))?;
+        let netns = get(CNI_NETNS).unwrap_or_default();
+        if needs_netns && netns.is_empty() {
+            return Err(invalid_env(format!("{CNI_NETNS}: missing")));
+        }
+        if !netns.is_empty() && !netns.starts_with('/') {
+            return Err(invalid_env(format!("{CNI_NETNS}: {netns:?} is not an absolute path")));
+        }
+        let ifname = get(CNI_IFNAME).unwrap_or_default();
+        if ifname.is_empty() {
+            return Err(invalid_env(format!("{CNI_IFNAME}: missing")));
+        }
+        if ifname.len() > 15 || ifname.contains('/') || ifname.chars().any(char::is_whitespace) {
+            return Err(invalid_env(format!(
+                "{CNI_IFNAME}: {ifname:?} is not an interface name"
+            )));
+        }
+        let args = parse_args(&get(CNI_ARGS).unwrap_or_default())?;
+        let pod = match (args.get(K8S_POD_NAMESPACE), args.get(K8S_POD_NAME)) {
+            (Some(ns), Some(name)) if !ns.is_empty() && !name.is_empty() => Some(PodArgs {
+                namespace: ns.clone(),
+                name: name.clone(),
+                uid: args.get(K8S_POD_UID).cloned().unwrap_or_default(),
+            }),
+            _ => None,
+        };
+        Ok(Sandbox {
+            container_id,
+            netns,
+            ifname,
+            pod,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: BTreeMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| map.get(k).cloned()
+    }
+
+    #[test]
+    fn sandbox_variables_are_checked_with_the_variable_named() {
+        let ok = [
+            (CNI_CONTAINERID, "abc"),
+            (CNI_NETNS, "/var/run/netns/x"),
+            (CNI_IFNAME, "eth0"),
+            (
+                CNI_ARGS,
+                "IgnoreUnknown=1;K8S_POD_NAMESPACE=demo;K8S_POD_NAME=web;K8S_POD_UID=u1",
+            ),
+        ];
+        let s = Sandbox::from_env(env(&ok), true).unwrap();
+        assert_eq!(
+            s.pod,
+            Some(PodArgs {
+                namespace: "demo".into(),
+                name: "web".into(),
+                uid: "u1".into()
+            })
+        );
+        let err = |pairs: &[(&str, &str)]| Sandbox::from_env(env(pairs), true).unwrap_err();
+        assert_eq!(err(&ok[1..]).message, "CNI_CONTAINERID: missing");
+        assert_eq!(err(&[ok[0], ok[2]]).message, "CNI_NETNS: missing");
+        assert_eq!(err(&[ok[0], ok[1]]).message, "CNI_IFNAME: missing");
+        assert_eq!(
+            err(&[ok[0], ok[1], ok[2], (CNI_ARGS, "oops")]).message,
+            "CNI_ARGS: \"oops\" is not KEY=VALUE"
+        );
+        assert_eq!(
+            err(&[(CNI_CONTAINERID, "a b"), ok[1], ok[2]]).code,
+            crate::error::Code::InvalidEnvironment
+        );
+        // DEL may come without a netns.
+        assert!(Sandbox::from_env(env(&[ok[0], ok[2]]), false).is_ok());
+        assert_eq!(
+            Command::parse(Some("NOPE")).unwrap_err().code,
+            crate::error::Code::InvalidEnvironment
+        );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn cni_args_never_panic(s in "\\PC{0,64}") {
+            let _ = parse_args(&s);
+        }
+    }
+}

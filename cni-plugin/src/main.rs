@@ -1,0 +1,125 @@
+//! `aether-cni`: with no arguments it is a CNI plugin (CNI_COMMAND in the environment,
+//! config on stdin, result or error JSON on stdout, logs to a file); `aether-cni
+//! install` / `uninstall` manage its installation on the node.
+
+use std::io::{Read, Write};
+use std::process::ExitCode;
+
+use aether_cni::install::{self, Change, InstallConfig, UninstallConfig};
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "aether-cni", about = "Aether's chained CNI plugin and its installer")]
+struct Cli {
+    #[command(subcommand)]
+    command: Sub,
+}
+
+#[derive(Subcommand)]
+enum Sub {
+    /// Copy the plugin into the CNI bin dir and chain it into the first CNI config; keep it there.
+    Install(InstallConfig),
+    /// Remove the plugin from every CNI config and the bin dir.
+    Uninstall(UninstallConfig),
+}
+
+fn main() -> ExitCode {
+    if std::env::args_os().len() <= 1 {
+        return plugin_main();
+    }
+    let cli = Cli::parse();
+    aether_cni_logging_stderr();
+    let result = match cli.command {
+        Sub::Install(config) => run_install(&config),
+        Sub::Uninstall(config) => install::uninstall(&config)
+            .map(|changed| tracing::info!(?changed, "aether-cni uninstalled"))
+            .context("uninstall"),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("aether-cni: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_install(config: &InstallConfig) -> anyhow::Result<()> {
+    install::install(config, &mut |change| match change {
+        Change::NoConfig => {
+            tracing::warn!(dir = %config.conf_dir.display(), "no CNI config yet; waiting for the primary CNI")
+        }
+        Change::Unchanged(path) => tracing::debug!(path = %path.display(), "our plugin is chained"),
+        Change::Written(path) => tracing::info!(path = %path.display(), "chained our plugin into the CNI config"),
+    })
+    .context("install")
+}
+
+fn aether_cni_logging_stderr() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Plugin mode: stdout carries only the CNI answer; logs go to the config's `logFile`.
+fn plugin_main() -> ExitCode {
+    let mut stdin = Vec::new();
+    if let Err(e) = std::io::stdin().read_to_end(&mut stdin) {
+        stdin.clear();
+        eprintln!("aether-cni: reading stdin: {e}");
+    }
+    log_to_file(&stdin);
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            let error = aether_cni::error::CniError::new(aether_cni::error::Code::Other, format!("tokio runtime: {e}"));
+            println!("{}", error.to_json("1.1.0"));
+            return ExitCode::FAILURE;
+        }
+    };
+    let output = runtime.block_on(aether_cni::plugin::run(|k| std::env::var(k).ok(), &stdin));
+    let mut out = std::io::stdout().lock();
+    if !output.stdout.is_empty() {
+        let _ = writeln!(out, "{}", output.stdout);
+    }
+    let _ = out.flush();
+    if output.exit_code == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(output.exit_code as u8)
+    }
+}
+
+/// Best effort: a log file we cannot open means no logs, never logs on stdout.
+fn log_to_file(stdin: &[u8]) {
+    let value: serde_json::Value = serde_json::from_slice(stdin).unwrap_or_default();
+    let path = value
+        .get("logFile")
+        .and_then(|v| v.as_str())
+        .filter(|p| p.starts_with('/'))
+        .unwrap_or(aether_cni::config::DEFAULT_LOG_FILE)
+        .to_owned();
+    let level = value
+        .get("logLevel")
+        .and_then(|v| v.as_str())
+        .unwrap_or("info")
+        .to_owned();
+    let path = std::path::PathBuf::from(path);
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let Ok(file) = std::fs::OpenOptions::new().create(true).append(true).open(&path) else {
+        return;
+    };
+    let filter =
+        tracing_subscriber::EnvFilter::try_new(&level).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .with_writer(std::sync::Mutex::new(file))
+        .try_init();
+}

@@ -1,0 +1,208 @@
+//! ADD latency of `aether-cni` alone (`cargo bench -p aether-tests --bench cni`, as root, after
+//! `cargo build --workspace --bins --release`): the main plugin is left out — each ADD gets a synthetic
+//! `prevResult` for a pre-made network namespace — and runs against the real agent, registrar and Envoy (the
+//! `Mesh` fixture), so one ADD is: process start, config parse, netns pin, AddPod over the UDS (the agent registers
+//! the endpoint, programs the nftables capture in the netns and waits for Envoy to ACK the pod's listeners), exit.
+//!
+//! Prints p50/p99/max of ADD wall time measured around the plugin process, one at a time
+//! (AETHER_BENCH_CNI_SINGLE, default 100 ADDs) and 50 at a time (AETHER_BENCH_CNI_PARALLEL, default 50, for
+//! AETHER_BENCH_CNI_ROUNDS rounds, default 3). Goals: p99 < 20 ms single, < 150 ms at 50 in parallel. Every sandbox
+//! is DELeted (untimed) before the next round.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use aether_tests::binary;
+use aether_tests::cni::{BareNetns, PinSweeper, PluginRun, Sandbox, exec_plugin};
+use aether_tests::mesh::{Mesh, NAMESPACE};
+use serde_json::json;
+
+fn knob(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1e3)
+}
+
+struct Bench {
+    plugin: PathBuf,
+    conf: serde_json::Value,
+}
+
+impl Bench {
+    fn stdin(&self, sandbox: &Sandbox, ip: &str) -> Vec<u8> {
+        let mut conf = self.conf.clone();
+        conf["prevResult"] = json!({
+            "cniVersion": "1.1.0",
+            "interfaces": [{"name": "eth0", "mac": "0a:58:0a:00:00:01", "sandbox": sandbox.netns}],
+            "ips": [{"address": format!("{ip}/16"), "gateway": "10.251.0.1", "interface": 0}]
+        });
+        serde_json::to_vec(&conf).unwrap()
+    }
+
+    fn run(&self, command: &str, sandbox: &Sandbox, ip: &str) -> (Duration, PluginRun) {
+        let mut env = sandbox.env();
+        env.push(("CNI_PATH".into(), "/usr/lib/cni".into()));
+        let stdin = self.stdin(sandbox, ip);
+        let started = Instant::now();
+        let run = exec_plugin(&self.plugin, command, &env, &stdin);
+        (started.elapsed(), run)
+    }
+}
+
+fn describe(mesh: &Mesh, name: &str, uid: &str) {
+    let manifest = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "uid": uid, "labels": {"aether.io/managed": "true"}},
+        "spec": {"serviceAccountName": "bench", "containers": [{"name": "app", "ports": [{"name": "http", "containerPort": 8080}]}]}
+    });
+    std::fs::write(
+        mesh.path(&format!("pods/{name}.json")),
+        serde_json::to_vec(&manifest).unwrap(),
+    )
+    .unwrap();
+}
+
+fn report(label: &str, mut samples: Vec<Duration>, goal: &str) {
+    samples.sort();
+    println!(
+        "{label}: n {}, p50 {}, p99 {}, max {} (goal p99 < {goal})",
+        samples.len(),
+        ms(percentile(&samples, 0.5)),
+        ms(percentile(&samples, 0.99)),
+        ms(samples.last().copied().unwrap_or_default()),
+    );
+}
+
+fn main() {
+    aether_tests::require_root();
+    let single = knob("AETHER_BENCH_CNI_SINGLE", 100);
+    let parallel = knob("AETHER_BENCH_CNI_PARALLEL", 50);
+    let rounds = knob("AETHER_BENCH_CNI_ROUNDS", 3);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let _pins = PinSweeper(state.join("netns"));
+    let mesh = rt.block_on(Mesh::start_with(&[
+        "--netns-pin-dir",
+        &state.join("netns").display().to_string(),
+    ]));
+    let bench = Bench {
+        plugin: binary("aether-cni"),
+        conf: json!({
+            "cniVersion": "1.1.0", "name": "bench", "type": "aether-cni",
+            "agentSocket": mesh.cni_socket(), "stateDir": state,
+            "logFile": dir.path().join("cni.log"), "meshDns": "10.251.0.1:18054",
+        }),
+    };
+    let pool = single.max(parallel);
+    let netns: Vec<BareNetns> = (0..pool).map(|_| BareNetns::new()).collect();
+    let sandboxes: Vec<(Sandbox, String)> = netns
+        .iter()
+        .enumerate()
+        .map(|(i, ns)| {
+            let name = format!("bench-{i}");
+            let sb = Sandbox::new(&format!("ctr-{}", ns.name()), &ns.path(), NAMESPACE, &name);
+            describe(&mesh, &name, &sb.pod.as_ref().unwrap().2);
+            let ip = format!("10.251.{}.{}", i / 250, i % 250 + 2);
+            // What the main plugin would have left: eth0 with the pod's address (Envoy binds the pod's
+            // inbound listener on it).
+            for cmd in [
+                vec!["link", "add", "eth0", "type", "veth", "peer", "name", "peer0"],
+                vec!["link", "set", "peer0", "up"],
+                vec!["addr", "add", &format!("{ip}/16"), "dev", "eth0"],
+                vec!["link", "set", "eth0", "up"],
+            ] {
+                let out = ns.exec(&[&["ip"][..], &cmd[..]].concat());
+                assert!(
+                    out.status.success(),
+                    "ip {cmd:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            (sb, ip)
+        })
+        .collect();
+    // Warm up (the pod source picks the manifests up; first-connection costs).
+    let warm = &sandboxes[0];
+    let (_, run) = bench.run("ADD", &warm.0, &warm.1);
+    assert!(
+        run.success,
+        "warm-up ADD failed: {run:?}\nagent:\n{}",
+        mesh.agent.as_ref().unwrap().logs()
+    );
+    bench.run("DEL", &warm.0, &warm.1);
+
+    let check = |run: &PluginRun, what: &str| {
+        assert!(run.success, "{what} failed: {run:?}");
+    };
+    let mut samples = Vec::new();
+    for (sb, ip) in sandboxes.iter().take(single) {
+        let (took, run) = bench.run("ADD", sb, ip);
+        check(&run, "ADD");
+        samples.push(took);
+        check(&bench.run("DEL", sb, ip).1, "DEL");
+    }
+    report("aether-cni ADD, one at a time", samples, "20 ms");
+
+    let mut samples = Vec::new();
+    let mut wall = Vec::new();
+    for _ in 0..rounds {
+        let started = Instant::now();
+        let took: Vec<Duration> = std::thread::scope(|s| {
+            let handles: Vec<_> = sandboxes
+                .iter()
+                .take(parallel)
+                .map(|(sb, ip)| {
+                    let bench = &bench;
+                    s.spawn(move || {
+                        let (took, run) = bench.run("ADD", sb, ip);
+                        assert!(run.success, "parallel ADD failed: {run:?}");
+                        took
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        wall.push(started.elapsed());
+        samples.extend(took);
+        std::thread::scope(|s| {
+            for (sb, ip) in sandboxes.iter().take(parallel) {
+                let bench = &bench;
+                s.spawn(move || assert!(bench.run("DEL", sb, ip).1.success));
+            }
+        });
+    }
+    report(
+        &format!("aether-cni ADD, {parallel} in parallel ({rounds} rounds)"),
+        samples,
+        "150 ms",
+    );
+    wall.sort();
+    println!(
+        "  whole batch of {parallel}: best {}, worst {}",
+        ms(wall[0]),
+        ms(*wall.last().unwrap())
+    );
+    // The plugin's own start-up: VERSION (no agent call).
+    let mut version = Vec::new();
+    for _ in 0..50 {
+        let started = Instant::now();
+        let run = exec_plugin(&bench.plugin, "VERSION", &[], br#"{"cniVersion":"1.1.0"}"#);
+        version.push(started.elapsed());
+        assert!(run.success);
+    }
+    report("aether-cni VERSION (process start-up floor)", version, "-");
+}
