@@ -28,6 +28,18 @@ impl Resource {
             body,
         })
     }
+
+    /// A resource whose version also covers `depends_on` (a version string), so it is
+    /// re-sent whenever that changes even if its own bytes did not: Envoy re-creates an
+    /// updated EDS cluster and waits for its endpoints again.
+    pub fn depending_on(name: String, body: Any, depends_on: &str) -> Arc<Self> {
+        let hash = fnv1a_extend(fnv1a(version_of(&body).as_bytes()), depends_on.as_bytes());
+        Arc::new(Self {
+            version: format!("{hash:016x}"),
+            name,
+            body,
+        })
+    }
 }
 
 /// Everything served at one moment: type URL → name → resource.

@@ -24,7 +24,9 @@ use aether_proto::view::{Catalog, Endpoints};
 use envoy_types::pb::google::protobuf::Any;
 
 use super::cache::Resource;
+use crate::identity::Identities;
 use crate::pod::LocalPod;
+use transport::Mtls;
 
 pub use util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, PORT_HEADER};
 
@@ -137,10 +139,16 @@ pub struct Generator {
     services: HashMap<String, ServiceMemo>,
     pods: HashMap<String, PodMemo>,
     routes: Option<(Vec<RouteKey>, Vec<Arc<Resource>>)>,
+    /// mTLS between pods; `None`: plaintext (`--identity none`, not for production).
+    mtls: Option<Mtls>,
+    /// The pods' SVIDs and trust bundles (with mTLS).
+    identities: Arc<Identities>,
 }
 
 struct ServiceMemo {
     service: Service,
+    /// The local pods its clusters carry a client certificate for.
+    sources: Arc<Vec<String>>,
     bare: bool,
     endpoints: Option<Endpoints>,
     clusters: Vec<Arc<Resource>>,
@@ -172,6 +180,22 @@ impl RouteKey {
     }
 }
 
+/// Endpoint assignments versioned with their cluster: when a cluster changes (e.g. a
+/// local pod joins and every mesh cluster gains its client certificate), Envoy warms the
+/// new cluster until it gets endpoints again, so its assignment is re-sent with it.
+fn with_cluster_versions(items: Vec<(String, Any)>, clusters: &[Arc<Resource>]) -> Vec<Arc<Resource>> {
+    items
+        .into_iter()
+        .map(|(name, body)| {
+            let cluster = clusters
+                .iter()
+                .find(|c| c.name == name)
+                .map_or("", |c| c.version.as_str());
+            Resource::depending_on(name, body, cluster)
+        })
+        .collect()
+}
+
 fn resources(items: Vec<(String, Any)>) -> Vec<Arc<Resource>> {
     items
         .into_iter()
@@ -180,8 +204,42 @@ fn resources(items: Vec<(String, Any)>) -> Vec<Arc<Resource>> {
 }
 
 impl Generator {
+    /// A generator for mTLS between pods in `trust_domain`.
+    pub fn with_mtls(trust_domain: &str) -> Self {
+        Self {
+            mtls: Some(Mtls {
+                trust_domain: trust_domain.to_owned(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// The identities the next [`Generator::generate`] serves (SDS). With mTLS, a pod
+    /// without an SVID gets no listeners: it cannot join the mesh without an identity
+    /// (its CNI ADD waits, then fails, and kubelet retries).
+    pub fn set_identities(&mut self, identities: Arc<Identities>) {
+        self.identities = identities;
+    }
+
     /// All resources for the node, by type URL.
     pub fn generate(&mut self, inputs: &Inputs) -> Generated {
+        let mtls = self.mtls.clone();
+        let mtls = mtls.as_ref();
+        // With mTLS, the local pods that hold an SVID: every mesh cluster carries a client
+        // certificate for each (see `transport`).
+        let sources: Vec<String> = match mtls {
+            Some(_) => inputs
+                .pods
+                .iter()
+                .map(LocalPod::id)
+                .filter(|id| self.identities.svids.contains_key(id))
+                .collect(),
+            None => Vec::new(),
+        };
+        let sources = match self.services.values().next() {
+            Some(memo) if *memo.sources == sources => memo.sources.clone(),
+            _ => Arc::new(sources),
+        };
         let mut services = services(inputs.catalog, inputs.mesh_domain);
         for service in &mut services {
             service.bare = inputs.on_demand.contains_key(&service.fqdn);
@@ -195,6 +253,7 @@ impl Generator {
             let memo = match self.services.remove(service.key) {
                 Some(memo)
                     if memo.service == *service.service
+                        && memo.sources == sources
                         && memo.bare == service.bare
                         && match (&memo.endpoints, service.endpoints) {
                             (Some(a), Some(b)) => Arc::ptr_eq(a, b),
@@ -205,13 +264,16 @@ impl Generator {
                     memo
                 }
                 _ => {
-                    let (c, a) = clusters::service_resources(service, inputs.locality);
+                    let (c, a) = clusters::service_resources(service, inputs.locality, mtls, &sources);
+                    let clusters = resources(c);
+                    let assignments = with_cluster_versions(a, &clusters);
                     ServiceMemo {
                         service: service.service.clone(),
+                        sources: sources.clone(),
                         bare: service.bare,
                         endpoints: service.endpoints.cloned(),
-                        clusters: resources(c),
-                        assignments: resources(a),
+                        clusters,
+                        assignments,
                     }
                 }
             };
@@ -224,6 +286,10 @@ impl Generator {
         let by_key: HashMap<&str, &MeshService> = services.iter().map(|s| (s.key, s)).collect();
         let mut fresh = HashMap::new();
         for pod in inputs.pods {
+            if mtls.is_some() && !self.identities.svids.contains_key(&pod.id()) {
+                tracing::debug!(pod = %pod.id(), "no SVID yet: the pod's listeners wait for it");
+                continue;
+            }
             let declared: Vec<&MeshService> = pod
                 .info
                 .upstreams()
@@ -237,7 +303,7 @@ impl Generator {
                 _ => PodMemo {
                     pod: pod.clone(),
                     declared: declared_keys,
-                    listeners: resources(listeners::pod_listeners(pod, &declared)),
+                    listeners: resources(listeners::pod_listeners(pod, &declared, mtls)),
                     clusters: resources(clusters::pod_clusters(pod)),
                 },
             };
@@ -254,8 +320,13 @@ impl Generator {
             if served.contains(name) || !inputs.catalog.services.contains_key(service) {
                 continue;
             }
-            clusters.push(Resource::new(name.clone(), clusters::empty_cluster(name)));
-            assignments.push(Resource::new(name.clone(), clusters::empty_assignment(name)));
+            let cluster = Resource::new(name.clone(), clusters::empty_cluster(name, service, mtls, &sources));
+            assignments.push(Resource::depending_on(
+                name.clone(),
+                clusters::empty_assignment(name),
+                &cluster.version,
+            ));
+            clusters.push(cluster);
         }
 
         let route_keys: Vec<RouteKey> = services.iter().map(RouteKey::of).collect();
@@ -268,12 +339,20 @@ impl Generator {
         clusters.sort_by(|a, b| a.name.cmp(&b.name));
         assignments.sort_by(|a, b| a.name.cmp(&b.name));
         listeners.sort_by(|a, b| a.name.cmp(&b.name));
-        BTreeMap::from([
+        let mut generated = BTreeMap::from([
             (super::CLUSTER.to_owned(), clusters),
             (super::ENDPOINT.to_owned(), assignments),
             (super::LISTENER.to_owned(), listeners),
             (super::ROUTE.to_owned(), routes),
-        ])
+        ]);
+        if mtls.is_some() {
+            // Only the pods still local: a deleted pod's secret is withdrawn with it.
+            let local: BTreeSet<String> = inputs.pods.iter().map(LocalPod::id).collect();
+            let mut identities = (*self.identities).clone();
+            identities.svids.retain(|id, _| local.contains(id));
+            generated.insert(super::SECRET.to_owned(), resources(transport::secrets(&identities)));
+        }
+        generated
     }
 }
 

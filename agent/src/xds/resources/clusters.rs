@@ -20,6 +20,7 @@ use envoy_types::pb::envoy::extensions::filters::http::header_mutation::v3::{Hea
 use envoy_types::pb::envoy::extensions::filters::http::upstream_codec::v3::UpstreamCodec;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{HttpFilter, http_filter};
 
+use super::transport::{self, Mtls};
 use super::util::{INBOUND_PORT, PORT_HEADER, address, ads, any, millis, socket, u32v};
 use super::{MeshService, Named, is_http};
 
@@ -44,12 +45,23 @@ pub fn service_clusters(service: &MeshService) -> Vec<(String, u32, Protocol)> {
 
 /// A dependency service's clusters and their endpoint assignments.
 /// Returns (clusters, assignments).
-pub fn service_resources(service: &MeshService, here: &MeshLocality) -> (Named, Named) {
+pub fn service_resources(
+    service: &MeshService,
+    here: &MeshLocality,
+    mtls: Option<&Mtls>,
+    sources: &[String],
+) -> (Named, Named) {
     let endpoints: Vec<&MeshEndpoint> = service.endpoints.map(|e| e.values().collect()).unwrap_or_default();
+    let sans = mtls
+        .map(|m| server_sans(m, service.key, &endpoints))
+        .unwrap_or_default();
     let mut clusters = Vec::new();
     let mut assignments = Vec::new();
     for (name, port, protocol) in service_clusters(service) {
-        clusters.push((name.clone(), any(&mesh_cluster(&name, port, protocol))));
+        clusters.push((
+            name.clone(),
+            any(&mesh_cluster(&name, port, protocol, mtls, &sans, sources)),
+        ));
         let serving: Vec<&MeshEndpoint> = endpoints
             .iter()
             .copied()
@@ -58,6 +70,31 @@ pub fn service_resources(service: &MeshService, here: &MeshLocality) -> (Named, 
         assignments.push((name.clone(), any(&load_assignment(&name, &serving, here))));
     }
     (clusters, assignments)
+}
+
+/// The identities a service's endpoints may present: the SPIFFE IDs of the service
+/// accounts its endpoints' pods run as (from the catalog), or, with none known, the
+/// service account the service is named after (its name defaults to it). Sorted, so
+/// the cluster's bytes change only when the set does.
+pub fn server_sans(mtls: &Mtls, service_key: &str, endpoints: &[&MeshEndpoint]) -> Vec<String> {
+    let (ns, name) = service_key.split_once('/').unwrap_or(("", service_key));
+    let mut sans: Vec<String> = endpoints
+        .iter()
+        .filter_map(|e| e.pod.as_ref())
+        .filter(|p| !p.service_account.is_empty())
+        .map(|p| {
+            mtls.spiffe_id(
+                if p.namespace.is_empty() { ns } else { &p.namespace },
+                &p.service_account,
+            )
+        })
+        .collect();
+    if sans.is_empty() {
+        sans.push(mtls.spiffe_id(ns, name));
+    }
+    sans.sort();
+    sans.dedup();
+    sans
 }
 
 /// A local pod's delivery clusters, one per mesh port.
@@ -74,10 +111,18 @@ pub fn pod_clusters(pod: &crate::pod::LocalPod) -> Vec<(String, Any)> {
         .collect()
 }
 
-fn mesh_cluster(name: &str, port: u32, protocol: Protocol) -> Cluster {
+fn mesh_cluster(
+    name: &str,
+    port: u32,
+    protocol: Protocol,
+    mtls: Option<&Mtls>,
+    sans: &[String],
+    sources: &[String],
+) -> Cluster {
+    let tls = transport::upstream(mtls, sans, is_http(protocol), sources);
     let mut typed_extension_protocol_options = std::collections::HashMap::new();
     if is_http(protocol) {
-        // HTTP travels to the peer's inbound listener as HTTP/2 (h2c until mTLS).
+        // HTTP travels to the peer's inbound listener as HTTP/2 (over mTLS, ALPN h2).
         let options = HttpProtocolOptions {
             upstream_protocol_options: Some(http_protocol_options::UpstreamProtocolOptions::ExplicitHttpConfig(
                 http_protocol_options::ExplicitHttpConfig {
@@ -99,6 +144,8 @@ fn mesh_cluster(name: &str, port: u32, protocol: Protocol) -> Cluster {
     }
     Cluster {
         name: name.to_owned(),
+        // Request metrics: a dot-free stats name the bootstrap's stats_tags read (crate::request_metrics).
+        alt_stat_name: crate::request_metrics::authority_stat_name(name, port),
         cluster_discovery_type: Some(cluster::ClusterDiscoveryType::Type(cluster::DiscoveryType::Eds as i32)),
         eds_cluster_config: Some(cluster::EdsClusterConfig {
             eds_config: ads(),
@@ -121,14 +168,17 @@ fn mesh_cluster(name: &str, port: u32, protocol: Protocol) -> Cluster {
         }),
         ignore_health_on_host_removal: true,
         close_connections_on_host_health_failure: true,
-        transport_socket: crate::xds::resources::transport::upstream(),
+        transport_socket: tls.socket,
+        transport_socket_matches: tls.matches,
+        transport_socket_matcher: tls.matcher,
         ..Default::default()
     }
 }
 
 /// A mesh cluster with no endpoints (see `generate`): HTTP, since on-demand is.
-pub fn empty_cluster(name: &str) -> Any {
-    any(&mesh_cluster(name, 0, Protocol::Http))
+pub fn empty_cluster(name: &str, service_key: &str, mtls: Option<&Mtls>, sources: &[String]) -> Any {
+    let sans = mtls.map(|m| server_sans(m, service_key, &[])).unwrap_or_default();
+    any(&mesh_cluster(name, 0, Protocol::Http, mtls, &sans, sources))
 }
 
 pub fn empty_assignment(name: &str) -> Any {

@@ -6,6 +6,10 @@
 //! - `capture` on 127.0.0.1:18001: connections the pod's nft rules redirected from a
 //!   mesh VIP: HTTP routed by authority (name or VIP), plain TCP by original
 //!   destination VIP:port for the pod's declared upstreams.
+//!
+//! With mTLS, the inbound chains terminate TLS with the pod's SVID (HTTP chosen by ALPN
+//! h2 through the TLS inspector) and the outgoing listeners mark connections with the
+//! pod's identity (see `transport`).
 
 use envoy_types::pb::envoy::config::core::v3::CidrRange;
 use envoy_types::pb::envoy::config::listener::v3::{
@@ -16,6 +20,7 @@ use envoy_types::pb::envoy::extensions::filters::http::on_demand::v3::{OnDemand,
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::listener::http_inspector::v3::HttpInspector;
 use envoy_types::pb::envoy::extensions::filters::listener::original_dst::v3::OriginalDst;
+use envoy_types::pb::envoy::extensions::filters::listener::tls_inspector::v3::TlsInspector;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
     HttpConnectionManager, HttpFilter, Rds, http_connection_manager, http_filter,
 };
@@ -24,6 +29,7 @@ use envoy_types::pb::google::protobuf::{Any, UInt32Value};
 
 use super::clusters::local_name;
 use super::routes::{OUTBOUND_ROUTES, inbound_routes};
+use super::transport::{self, Mtls};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
 use super::{MeshService, is_http};
 use crate::pod::LocalPod;
@@ -41,32 +47,50 @@ pub fn capture_name(pod: &LocalPod) -> String {
 }
 
 /// A local pod's listeners; `services` are the dependency services it declared.
-pub fn pod_listeners(pod: &LocalPod, services: &[&MeshService]) -> Vec<(String, Any)> {
+pub fn pod_listeners(pod: &LocalPod, services: &[&MeshService], mtls: Option<&Mtls>) -> Vec<(String, Any)> {
     let netns = pod.netns.to_string_lossy();
-    let mut out = vec![(outbound_name(pod), any(&outbound(pod, &netns)))];
-    if let Some(inbound) = inbound(pod, &netns) {
+    let mut out = vec![(outbound_name(pod), any(&outbound(pod, &netns, mtls)))];
+    if let Some(inbound) = inbound(pod, &netns, mtls) {
         out.push((inbound_name(pod), any(&inbound)));
     }
-    out.push((capture_name(pod), any(&capture(pod, &netns, services))));
+    out.push((capture_name(pod), any(&capture(pod, &netns, services, mtls))));
     out
 }
 
-fn outbound(pod: &LocalPod, netns: &str) -> Listener {
+/// A chain of a pod's outgoing listeners: the source marker (mTLS: which SVID the
+/// upstream connection presents), then `filter`.
+fn outgoing(
+    pod: &LocalPod,
+    mtls: Option<&Mtls>,
+    filter_chain_match: Option<FilterChainMatch>,
+    filter: Filter,
+) -> FilterChain {
+    let mut chain = chain(filter_chain_match, filter);
+    if let Some(source) = transport::source_filter(mtls, &pod.id()) {
+        chain.filters.insert(0, source);
+    }
+    chain
+}
+
+fn outbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>) -> Listener {
     Listener {
         name: outbound_name(pod),
         stat_prefix: stat_name(&outbound_name(pod)),
         address: Some(address("127.0.0.1", OUTBOUND_PORT, Some(netns))),
-        filter_chains: vec![chain(
+        filter_chains: vec![outgoing(
+            pod,
+            mtls,
             None,
-            routed_by_authority(&format!("outbound.{}", pod.id().replace('/', "."))),
+            routed_by_authority(&format!("outbound.{}", pod.id().replace('/', ".")), &pod.info.service()),
         )],
         ..Default::default()
     }
 }
 
 /// HTTP routed by authority through the node's `outbound` table, with on-demand CDS
-/// for mesh names outside the dependency set.
-fn routed_by_authority(stat_prefix: &str) -> Filter {
+/// for mesh names outside the dependency set. Requests are stamped with the source pod's
+/// service `source` for request metrics (crate::request_metrics).
+fn routed_by_authority(stat_prefix: &str, source: &str) -> Filter {
     let on_demand = OnDemand {
         odcds: Some(OnDemandCds {
             source: ads(),
@@ -82,14 +106,19 @@ fn routed_by_authority(stat_prefix: &str) -> Filter {
         })),
         http_filters: vec![
             http_filter_of("envoy.filters.http.on_demand", &on_demand),
+            http_filter_of(
+                "envoy.filters.http.header_mutation",
+                &crate::request_metrics::source_stamp(source),
+            ),
             http_filter_of("envoy.filters.http.router", &Router::default()),
         ],
+        access_log: crate::request_metrics::access_log(source).into_iter().collect(),
         ..Default::default()
     };
     network_filter("envoy.filters.network.http_connection_manager", &hcm)
 }
 
-fn inbound(pod: &LocalPod, netns: &str) -> Option<Listener> {
+fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>) -> Option<Listener> {
     let ports = pod.info.mesh_ports();
     let (primary, _) = *ports.first()?;
     let http_ports: Vec<u16> = ports.iter().filter(|(_, p)| p.is_http()).map(|(p, _)| *p).collect();
@@ -104,27 +133,37 @@ fn inbound(pod: &LocalPod, netns: &str) -> Option<Listener> {
             network_filter("envoy.filters.network.http_connection_manager", &hcm),
         );
         matched.filter_chain_match = Some(FilterChainMatch {
-            application_protocols: vec!["http/1.1".into(), "h2c".into()],
+            // mTLS: peers' HTTP clusters offer ALPN h2; plaintext: the HTTP inspector's guess.
+            application_protocols: if mtls.is_some() {
+                vec![transport::ALPN_H2.into()]
+            } else {
+                vec!["http/1.1".into(), "h2c".into()]
+            },
             ..Default::default()
         });
+        matched.transport_socket = transport::downstream(mtls, &pod.id(), true);
         filter_chains.push(matched);
     }
     let tcp = tcp_proxy_to(
         &format!("inbound_tcp.{}", pod.id().replace('/', ".")),
         &local_name(pod, primary),
     );
+    let mut default_chain = chain(None, tcp);
+    default_chain.transport_socket = transport::downstream(mtls, &pod.id(), false);
+    let inspector = if mtls.is_some() {
+        listener_filter("envoy.filters.listener.tls_inspector", &TlsInspector::default())
+    } else {
+        listener_filter("envoy.filters.listener.http_inspector", &HttpInspector::default())
+    };
     Some(Listener {
         name: inbound_name(pod),
         stat_prefix: stat_name(&inbound_name(pod)),
         address: Some(address("0.0.0.0", INBOUND_PORT, Some(netns))),
-        listener_filters: vec![listener_filter(
-            "envoy.filters.listener.http_inspector",
-            &HttpInspector::default(),
-        )],
+        listener_filters: vec![inspector],
         listener_filters_timeout: millis(1000),
         continue_on_listener_filters_timeout: true,
         filter_chains,
-        default_filter_chain: Some(chain(None, tcp)),
+        default_filter_chain: Some(default_chain),
         ..Default::default()
     })
 }
@@ -134,12 +173,14 @@ fn inbound(pod: &LocalPod, netns: &str) -> Option<Listener> {
 /// routed by authority through the node's `outbound` table, whose virtual hosts answer
 /// to each service's VIP as well as its name (and on demand for undeclared mesh names).
 /// Anything that is neither is closed.
-fn capture(pod: &LocalPod, netns: &str, declared: &[&MeshService]) -> Listener {
+fn capture(pod: &LocalPod, netns: &str, declared: &[&MeshService], mtls: Option<&Mtls>) -> Listener {
     let mut filter_chains = Vec::new();
     for service in declared {
         for (port, _) in service.ports.iter().filter(|(_, p)| !is_http(**p)) {
             let name = service.cluster(*port);
-            filter_chains.push(chain(
+            filter_chains.push(outgoing(
+                pod,
+                mtls,
                 Some(FilterChainMatch {
                     destination_port: Some(UInt32Value { value: *port }),
                     prefix_ranges: vec![CidrRange {
@@ -163,9 +204,11 @@ fn capture(pod: &LocalPod, netns: &str, declared: &[&MeshService]) -> Listener {
             &OriginalDst::default(),
         )],
         filter_chains,
-        default_filter_chain: Some(chain(
+        default_filter_chain: Some(outgoing(
+            pod,
+            mtls,
             None,
-            routed_by_authority(&format!("capture.{}", pod.id().replace('/', "."))),
+            routed_by_authority(&format!("capture.{}", pod.id().replace('/', ".")), &pod.info.service()),
         )),
         ..Default::default()
     }
@@ -181,6 +224,12 @@ fn hcm_inline(stat_prefix: &str, routes: RouteConfiguration) -> HttpConnectionMa
         stat_prefix: stat_prefix.to_owned(),
         route_specifier: Some(http_connection_manager::RouteSpecifier::RouteConfig(routes)),
         http_filters: vec![http_filter_of("envoy.filters.http.router", &Router::default())],
+        // The app learns its peer's SPIFFE ID from XFCC, and nothing a client sent in it.
+        forward_client_cert_details: http_connection_manager::ForwardClientCertDetails::SanitizeSet as i32,
+        set_current_client_cert_details: Some(http_connection_manager::SetCurrentClientCertDetails {
+            uri: true,
+            ..Default::default()
+        }),
         ..Default::default()
     }
 }
@@ -198,7 +247,6 @@ fn chain(filter_chain_match: Option<FilterChainMatch>, filter: Filter) -> Filter
     FilterChain {
         filter_chain_match,
         filters: vec![filter],
-        transport_socket: super::transport::downstream(),
         ..Default::default()
     }
 }

@@ -1,0 +1,196 @@
+//! What mTLS between pods costs (`cargo bench -p aether-tests --bench mtls`, as root, after
+//! `cargo build --workspace --bins --release`): a real registrar, `aether-agent run`, Envoy 1.40.
+//!
+//! 1. Added latency: `wrk` inside a frontend pod POSTs 1 KB bodies to the backend service
+//!    through the node Envoy (frontend's outbound listener → mesh cluster → backend's inbound
+//!    listener → app), keep-alive, fixed concurrency; p50/p99 and throughput with
+//!    `--identity none` (plaintext, NOT FOR PRODUCTION, the baseline) and with mTLS
+//!    (`--identity builtin`).
+//! 2. SVID issued → Envoy serving it: the fake SPIRE agent rotates the backend's SVID; the
+//!    clock stops when Envoy's `/certs` lists the new serial for the backend's inbound listener
+//!    (polled every 1 ms). Includes the agent's stream receive, parse, rebuild, SDS push and
+//!    Envoy applying it.
+//!
+//! Knobs (env): AETHER_BENCH_DURATION (10 s), AETHER_BENCH_CONNECTIONS (8), AETHER_BENCH_ROTATIONS (20).
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use aether_tests::HttpServer;
+use aether_tests::TestPod;
+use aether_tests::mesh::{Mesh, MeshIdentity, fqdn};
+
+const APP: &str = "127.0.0.1:8080";
+
+fn knob(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+async fn two_pods(mesh: &Mesh) -> (TestPod, TestPod, Vec<HttpServer>) {
+    let frontend = mesh.node.add_pod("frontend");
+    let backend = mesh.node.add_pod("backend");
+    let apps = vec![
+        frontend.serve_http(APP.parse().unwrap(), "frontend"),
+        backend.serve_http(APP.parse().unwrap(), "backend"),
+    ];
+    mesh.describe_pod(&frontend, "frontend", "frontend", "backend", &[("http", 8080)]);
+    mesh.describe_pod(&backend, "backend", "backend", "", &[("http", 8080)]);
+    for (pod, name) in [(&backend, "backend"), (&frontend, "frontend")] {
+        let added = mesh
+            .add_pod(pod, name)
+            .await
+            .unwrap_or_else(|s| panic!("AddPod {name}: {s:?}"));
+        assert_eq!(
+            added.outcome,
+            aether_proto::cni::v1::Outcome::Success as i32,
+            "{added:?}"
+        );
+    }
+    (frontend, backend, apps)
+}
+
+struct Wrk {
+    rps: f64,
+    p50: String,
+    p99: String,
+    errors: String,
+}
+
+fn wrk(pod: &TestPod, host: &str, seconds: u64, connections: u64, dir: &std::path::Path) -> Wrk {
+    let script = dir.join("post1k.lua");
+    std::fs::write(
+        &script,
+        "wrk.method = \"POST\"\nwrk.body = string.rep(\"x\", 1024)\nwrk.headers[\"Content-Type\"] = \"application/octet-stream\"\n",
+    )
+    .unwrap();
+    let out = pod.exec_ok(&[
+        "wrk",
+        "-t1",
+        &format!("-c{connections}"),
+        &format!("-d{seconds}s"),
+        "--latency",
+        "-H",
+        &format!("Host: {host}"),
+        "-s",
+        &script.to_string_lossy(),
+        "http://127.0.0.1:18081/bench",
+    ]);
+    let find = |prefix: &str| {
+        out.lines()
+            .map(str::trim)
+            .find(|l| l.starts_with(prefix))
+            .map(|l| l[prefix.len()..].trim().to_owned())
+            .unwrap_or_else(|| format!("? ({out})"))
+    };
+    let errors = out
+        .lines()
+        .filter(|l| l.contains("Non-2xx") || l.contains("Socket errors"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    Wrk {
+        rps: find("Requests/sec:").parse().unwrap_or(0.0),
+        p50: find("50%"),
+        p99: find("99%"),
+        errors: if errors.is_empty() { "none".into() } else { errors },
+    }
+}
+
+/// Serials of the certificates Envoy serves whose SAN names `spiffe_id`.
+fn serving_serials(mesh: &Mesh, spiffe_id: &str) -> BTreeSet<String> {
+    let certs: serde_json::Value = serde_json::from_str(&mesh.envoy().admin_get("/certs")).unwrap_or_default();
+    let mut out = BTreeSet::new();
+    for context in certs["certificates"].as_array().into_iter().flatten() {
+        for cert in context["cert_chain"].as_array().into_iter().flatten() {
+            let names = cert["subject_alt_names"].to_string();
+            if names.contains(spiffe_id) {
+                out.insert(cert["serial_number"].as_str().unwrap_or_default().to_owned());
+            }
+        }
+    }
+    out
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return; // `cargo test --benches` probes harness=false benches with --list.
+    }
+    let seconds = knob("AETHER_BENCH_DURATION", 10);
+    let connections = knob("AETHER_BENCH_CONNECTIONS", 8);
+    let rotations = knob("AETHER_BENCH_ROTATIONS", 20) as usize;
+    let dir = tempfile::tempdir().unwrap();
+    let host = format!("{}:8080", fqdn("backend"));
+
+    println!("mtls bench: 1 KB POST through the node Envoy, wrk -t1 -c{connections} -d{seconds}s, keep-alive");
+    let mut results = Vec::new();
+    for (label, identity) in [
+        (
+            "plaintext (--identity none, NOT FOR PRODUCTION)",
+            MeshIdentity::Plaintext,
+        ),
+        ("mTLS (--identity builtin)", MeshIdentity::DEFAULT),
+    ] {
+        let mesh = Mesh::start_identity(identity, &[]).await;
+        let (frontend, _backend, _apps) = two_pods(&mesh).await;
+        // Warm-up: connections established, caches hot.
+        let _ = wrk(&frontend, &host, 2, connections, dir.path());
+        let r = wrk(&frontend, &host, seconds, connections, dir.path());
+        println!(
+            "  {label:<48} p50 {:>9}  p99 {:>9}  {:>9.0} req/s  errors: {}",
+            r.p50, r.p99, r.rps, r.errors
+        );
+        results.push(r);
+    }
+    if let [plain, mtls] = &results[..] {
+        println!(
+            "  throughput with mTLS: {:.1}% of plaintext",
+            100.0 * mtls.rps / plain.rps.max(1.0)
+        );
+    }
+
+    // SVID issued → Envoy serving it.
+    let mesh = Mesh::start_identity(
+        MeshIdentity::Spire {
+            ttl: Duration::from_secs(3600),
+        },
+        &[],
+    )
+    .await;
+    let (_frontend, _backend, _apps) = two_pods(&mesh).await;
+    let spire = mesh.spire.as_ref().unwrap();
+    let backend_id = aether_tests::identity::spiffe_id("demo", "backend");
+    let mut samples = Vec::new();
+    for _ in 0..rotations {
+        let before = serving_serials(&mesh, &backend_id);
+        let issued_before = spire.issued().len();
+        spire.rotate_all();
+        let issued_at = spire.issued()[issued_before..]
+            .iter()
+            .find(|(id, _, _)| *id == backend_id)
+            .map(|(_, _, at)| *at)
+            .expect("the backend's SVID was issued");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let now = serving_serials(&mesh, &backend_id);
+            if now.iter().any(|s| !before.contains(s)) {
+                samples.push(issued_at.elapsed());
+                break;
+            }
+            assert!(Instant::now() < deadline, "Envoy never served the new SVID");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    samples.sort();
+    println!(
+        "SVID issued (fake SPIRE) -> Envoy serving it (/certs), {} rotations: p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms",
+        samples.len(),
+        percentile(&samples, 0.5).as_secs_f64() * 1e3,
+        percentile(&samples, 0.99).as_secs_f64() * 1e3,
+        samples.last().unwrap().as_secs_f64() * 1e3,
+    );
+}
