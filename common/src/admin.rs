@@ -20,6 +20,8 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::telemetry::otlp::Refresh;
+
 const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +63,7 @@ pub struct AdminServer {
     readiness: Readiness,
     registry: Arc<Registry>,
     pages: Option<Pages>,
+    refresh: Option<Refresh>,
 }
 
 impl AdminServer {
@@ -73,12 +76,20 @@ impl AdminServer {
             readiness,
             registry,
             pages: None,
+            refresh: None,
         })
     }
 
     /// Serves `pages` beside the standard endpoints.
     pub fn with_pages(mut self, pages: Pages) -> Self {
         self.pages = Some(pages);
+        self
+    }
+
+    /// Runs `refresh` before answering each `/metrics` (e.g. reading values another process holds); it must bound
+    /// its own time.
+    pub fn with_refresh(mut self, refresh: Refresh) -> Self {
+        self.refresh = Some(refresh);
         self
     }
 
@@ -101,10 +112,19 @@ impl AdminServer {
             let readiness = self.readiness.clone();
             let registry = self.registry.clone();
             let pages = self.pages.clone();
+            let refresh = self.refresh.clone();
             tokio::spawn(async move {
-                let service = service_fn(move |req| {
-                    let response = respond(&req, &readiness, &registry, pages.as_ref());
-                    async move { Ok::<_, Infallible>(response) }
+                let service = service_fn(move |req: Request<Incoming>| {
+                    let (readiness, registry, pages, refresh) =
+                        (readiness.clone(), registry.clone(), pages.clone(), refresh.clone());
+                    async move {
+                        if req.uri().path() == "/metrics"
+                            && let Some(refresh) = refresh
+                        {
+                            refresh().await;
+                        }
+                        Ok::<_, Infallible>(respond(&req, &readiness, &registry, pages.as_ref()))
+                    }
                 });
                 let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
                 if let Err(error) = conn.await {

@@ -4,5 +4,6 @@ pub mod admin;
 pub mod duration;
 pub mod fs;
 pub mod hash;
+pub mod pod_meta;
 pub mod shutdown;
 pub mod telemetry;
