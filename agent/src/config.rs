@@ -78,6 +78,46 @@ pub struct Config {
     #[arg(long, env = "AETHER_POD_LOOKUP_TIMEOUT", default_value = "5s", value_parser = aether_common::duration::parse)]
     pub pod_lookup_timeout: std::time::Duration,
 
+    /// How often the mesh-dns record file is re-stamped when nothing changed (so mesh-dns
+    /// can tell a stale file from a quiet mesh).
+    #[arg(long, env = "AETHER_DNS_RECORDS_RESTAMP", default_value = "60s", value_parser = aether_common::duration::parse)]
+    pub dns_records_restamp: std::time::Duration,
+
+    /// Where the CNI plugin pins pod netns (bind mounts); the agent owns and removes
+    /// the pins under it on RemovePod and GC.
+    #[arg(long, env = "AETHER_NETNS_PIN_DIR", default_value = "/var/run/aether/netns")]
+    pub netns_pin_dir: PathBuf,
+
+    /// The mesh VIP range: TCP to it is captured inside managed pods.
+    #[arg(long, env = "AETHER_MESH_VIP_CIDR", default_value = crate::capture::DEFAULT_VIP_CIDR)]
+    pub mesh_vip_cidr: ipnet::IpNet,
+
+    /// mesh-dns on this node (ip:port): DNS from managed pods is sent there. Unset: no
+    /// DNS capture unless the CNI config names an address.
+    #[arg(long, env = "AETHER_MESH_DNS")]
+    pub mesh_dns: Option<SocketAddr>,
+
+    /// The socket mark of Envoy's own upstream connections (never captured); decimal or 0x hex.
+    #[arg(long, env = "AETHER_PROXY_MARK", default_value = "0x4145", value_parser = parse_mark)]
+    pub proxy_mark: u32,
+
+    /// Workload identity: SVIDs for local pods, mTLS between pods.
+    #[command(flatten)]
+    pub identity: crate::identity::IdentityConfig,
+
+    /// Envoy's admin address (loopback): the agent reads Envoy's request metrics there and re-exposes them at its
+    /// /metrics.
+    #[arg(long, env = "AETHER_ENVOY_ADMIN", default_value = "127.0.0.1:15000")]
+    pub envoy_admin: SocketAddr,
+
+    /// Envoy's OTLP access log of the pods' HTTP requests, to --otlp-endpoint (one log record per request).
+    #[arg(long, env = "AETHER_ENVOY_ACCESS_LOG")]
+    pub envoy_access_log: bool,
+
+    /// OpenTelemetry export (metrics, traces).
+    #[command(flatten)]
+    pub telemetry: aether_common::telemetry::TelemetryConfig,
+
     /// Log format: text or json.
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,
@@ -91,4 +131,13 @@ impl Config {
             .filter(|s| !s.is_empty())
             .collect()
     }
+}
+
+fn parse_mark(text: &str) -> Result<u32, String> {
+    let t = text.trim();
+    let parsed = match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => t.parse(),
+    };
+    parsed.map_err(|_| format!("{text:?} is not a 32-bit mark"))
 }

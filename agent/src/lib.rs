@@ -1,12 +1,17 @@
 //! aether-agent: the node agent.
 
+pub mod capture;
 pub mod cni;
 pub mod config;
+pub mod dns_records;
+pub mod identity;
 pub mod node;
 pub mod pod;
 pub mod pod_source;
 pub mod pod_store;
+pub mod proxy;
 pub mod registrar;
+pub mod request_metrics;
 pub mod server;
 pub mod upstreams;
 pub mod xds;

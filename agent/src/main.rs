@@ -11,20 +11,39 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+// Parsed once at start-up: the size difference between the configs costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum Command {
     /// Serve the node: CNI socket, registrar stream, xDS for the node's Envoy.
     Run(aether_agent::config::Config),
+    /// Supervise the node's Envoy: hot restarts, takeover of a predecessor's Envoy, crash restarts, drain.
+    Proxy(aether_agent::proxy::ProxyConfig),
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Run(config) => {
-            aether_common::telemetry::init_logging(config.log_format);
+        Command::Run(mut config) => {
+            config
+                .telemetry
+                .otel_node_name
+                .get_or_insert_with(|| config.node_name.clone());
+            let _traces =
+                aether_common::telemetry::init(config.log_format, &config.telemetry, &aether_agent::server::TELEMETRY)?;
             let shutdown = aether_common::shutdown::on_signal()?;
             let running = aether_agent::server::start(config, shutdown).await?;
             running.wait().await;
+        }
+        Command::Proxy(mut config) => {
+            config
+                .telemetry
+                .otel_node_name
+                .get_or_insert_with(|| config.node_name.clone());
+            let _traces =
+                aether_common::telemetry::init(config.log_format, &config.telemetry, &aether_agent::proxy::TELEMETRY)?;
+            let shutdown = aether_common::shutdown::on_signal()?;
+            aether_agent::proxy::run(config, shutdown).await?;
         }
     }
     Ok(())

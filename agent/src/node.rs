@@ -15,6 +15,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::identity::Identity;
 use crate::pod::LocalPod;
 use crate::pod_store::PodStore;
 use crate::xds;
@@ -67,6 +68,8 @@ pub struct Node {
     generator: Arc<Mutex<Generator>>,
     wake: Arc<Notify>,
     pub metrics: NodeMetrics,
+    /// Where local pods' SVIDs come from; `None`: plaintext between pods.
+    pub identity: Option<Identity>,
 }
 
 impl Node {
@@ -90,7 +93,15 @@ impl Node {
             generator: Arc::default(),
             wake: Arc::default(),
             metrics,
+            identity: None,
         }
+    }
+
+    /// mTLS between pods, with SVIDs from `identity` (served as SDS secrets).
+    pub fn with_identity(mut self, identity: Identity) -> Self {
+        self.generator = Arc::new(Mutex::new(Generator::with_mtls(&identity.current().trust_domain)));
+        self.identity = Some(identity);
+        self
     }
 
     /// The node's dependency set: local pods' upstreams and own services, and what
@@ -144,12 +155,16 @@ impl Node {
     pub async fn run(self, shutdown: CancellationToken) {
         let mut pods_changed = self.pods.subscribe();
         let mut catalog = self.catalog.clone();
+        // Without a provider this channel never changes.
+        let (_never, idle) = watch::channel(Arc::default());
+        let mut identities = self.identity.as_ref().map_or(idle, Identity::subscribe);
         loop {
             self.rebuild();
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = pods_changed.changed() => {}
                 _ = catalog.changed() => {}
+                _ = identities.changed() => {}
                 _ = self.wake.notified() => {}
             }
             // Coalesce a burst: wait for quiet, but never longer than DEBOUNCE_MAX.
@@ -160,6 +175,7 @@ impl Node {
                     _ = tokio::time::sleep_until(quiet.min(deadline)) => break,
                     _ = pods_changed.changed() => {}
                     _ = catalog.changed() => {}
+                    _ = identities.changed() => {}
                     _ = self.wake.notified() => {}
                 }
             }
@@ -167,10 +183,17 @@ impl Node {
     }
 
     pub fn rebuild(&self) {
+        // One span per rebuild: what --trace-sample-rate samples and OTLP exports.
+        let _span = tracing::info_span!("xds_rebuild").entered();
         // Reading inputs, generating and publishing happen under one lock, so
         // concurrent rebuilds publish in the order they read their inputs.
         let mut generator = self.generator.lock().expect("generator lock");
         let pods = self.pods.all();
+        if let Some(identity) = &self.identity {
+            // New pods get an SVID (the built-in CA issues at once), gone ones lose it.
+            identity.sync(&pods);
+            generator.set_identities(identity.current());
+        }
         let deps = self.dependencies(&pods);
         self.dependencies.send_if_modified(|current| {
             let changed = *current != deps;

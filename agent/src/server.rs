@@ -7,6 +7,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use aether_common::admin::{AdminError, AdminServer, Pages, Readiness};
+use aether_common::telemetry::otlp::Refresh;
+use aether_common::telemetry::{Identity, MetricsPush};
 use aether_proto::cni::v1::cni_plugin_server::CniPluginServer;
 use aether_proto::registry::v1::Locality;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
@@ -24,8 +26,18 @@ use crate::node::{Node, NodeMetrics, WatchedCatalog};
 use crate::pod_source::{PodDirectory, kubernetes, static_dir};
 use crate::pod_store::{PodStore, PodStoreError};
 use crate::registrar::Registrar;
+use crate::request_metrics::EnvoyRequestMetrics;
 use crate::xds::cache::Cache;
 use crate::xds::{AdsServer, Hooks, XdsMetrics};
+
+/// Names the agent's telemetry (`aether_agent_*`, service.name aether-agent).
+pub const TELEMETRY: Identity = Identity {
+    component: "agent",
+    binary: "aether-agent",
+    version: env!("CARGO_PKG_VERSION"),
+};
+/// Longest a read of Envoy's request metrics may take (per /metrics scrape or OTLP push).
+const ENVOY_STATS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -41,6 +53,12 @@ pub enum StartError {
     Admin(#[from] AdminError),
     #[error("--pod-source kubernetes: {0}")]
     Kubernetes(String),
+    #[error("mesh-dns records: {0}")]
+    DnsRecords(#[from] crate::dns_records::DnsRecordsError),
+    #[error("telemetry: {0}")]
+    Telemetry(#[from] aether_common::telemetry::TelemetryError),
+    #[error(transparent)]
+    Identity(#[from] crate::identity::IdentityError),
 }
 
 pub struct Running {
@@ -124,6 +142,30 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     );
     let cni_calls = prometheus_client::metrics::family::Family::default();
     metrics.register("cni_calls", "CNI plugin calls, by method and result", cni_calls.clone());
+    if config.envoy_access_log {
+        crate::request_metrics::enable_access_log(&config.telemetry.otlp_endpoint);
+    }
+    let envoy_requests = EnvoyRequestMetrics::new(config.envoy_admin, ENVOY_STATS_TIMEOUT);
+    metrics.register(
+        "envoy_stats_failures",
+        "Reads of Envoy's request metrics from its admin that failed (the last values are kept)",
+        envoy_requests.failures.clone(),
+    );
+    registry.register_collector(Box::new(envoy_requests.clone()));
+    let metrics_push = MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
+    let metrics = registry.sub_registry_with_prefix("aether_agent");
+
+    let identity_metrics = crate::identity::IdentityMetrics::default();
+    identity_metrics.register(metrics);
+    let dns_records_metrics = crate::dns_records::DnsRecordsMetrics::default();
+    dns_records_metrics.register(metrics);
+    let dns_records = crate::dns_records::DnsRecords::new(
+        &config.registrar,
+        &config.state_dir,
+        config.dns_records_restamp,
+        dns_records_metrics,
+    )?;
+    let identity = crate::identity::Identity::start(&config.identity, identity_metrics, shutdown.clone())?;
 
     let (catalog_tx, catalog_rx) = watch::channel(Arc::new(WatchedCatalog::default()));
     let (deps_tx, deps_rx) = watch::channel(BTreeSet::new());
@@ -137,6 +179,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         deps_tx,
         node_metrics,
     );
+    let node = match identity {
+        Some(identity) => node.with_identity(identity),
+        None => node,
+    };
 
     // Pods from a previous run: drop those whose sandbox is gone, re-register the rest.
     let mut known = 0;
@@ -157,6 +203,16 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         });
     }
     tracing::info!(pods = known, "local pods recovered from the state dir");
+    let capture = crate::capture::CaptureConfig::new(
+        &config.state_dir,
+        config.mesh_vip_cidr,
+        config.mesh_dns,
+        config.proxy_mark,
+    );
+    {
+        let (capture, pods) = (capture.clone(), pods.all());
+        tokio::spawn(async move { crate::cni::reconcile_capture(&capture, &pods).await });
+    }
     node.rebuild();
 
     let directory = PodDirectory::default();
@@ -190,6 +246,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
             .watch(deps_rx, catalog_tx, registrar_connected, shutdown.clone()),
     );
     tokio::spawn(node.clone().run(shutdown.clone()));
+    tokio::spawn(dns_records.run(shutdown.clone()));
 
     let hooks = Hooks {
         metrics: xds_metrics,
@@ -216,6 +273,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         excluded_namespaces: config.excluded(),
         pod_lookup_timeout: config.pod_lookup_timeout,
         calls: cni_calls,
+        capture,
+        pin_dir: config.netns_pin_dir.clone(),
     };
     let cni_server = tonic::transport::Server::builder()
         .add_service(CniPluginServer::new(cni))
@@ -225,9 +284,16 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         );
 
     let readiness = Readiness::new("starting");
-    let admin = AdminServer::bind(config.admin, readiness.clone(), Arc::new(registry))
+    let registry = Arc::new(registry);
+    let refresh: Refresh = Arc::new(move || {
+        let envoy_requests = envoy_requests.clone();
+        Box::pin(async move { envoy_requests.refresh().await })
+    });
+    metrics_push.spawn(registry.clone(), Some(refresh.clone()), shutdown.clone())?;
+    let admin = AdminServer::bind(config.admin, readiness.clone(), registry)
         .await?
-        .with_pages(debug_pages(node.clone()));
+        .with_pages(debug_pages(node.clone()))
+        .with_refresh(refresh);
     let admin_addr = admin.local_addr().map_err(|source| StartError::Socket {
         path: config.admin.to_string(),
         source,

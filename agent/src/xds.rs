@@ -18,7 +18,8 @@ use futures::Stream;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -37,19 +38,59 @@ pub const SECRET: &str = "type.googleapis.com/envoy.extensions.transport_sockets
 pub const PUSH_ORDER: [&str; 5] = [CLUSTER, ENDPOINT, SECRET, LISTENER, ROUTE];
 
 type Labels = [(&'static str, &'static str); 1];
+type Histograms = Family<Labels, Histogram, fn() -> Histogram>;
 
-#[derive(Clone, Default)]
+/// The ADS server's instruments, `aether_agent_xds_*`.
+#[derive(Clone)]
 pub struct XdsMetrics {
     pub streams: Gauge,
     pub pushes: Family<Labels, Counter>,
+    pub acks: Family<Labels, Counter>,
     pub nacks: Family<Labels, Counter>,
+    /// From sending a response to Envoy's ACK or NACK of it, by type.
+    pub push_duration: Histograms,
+}
+
+fn push_histogram() -> Histogram {
+    // 0.25 ms to ~8 s.
+    Histogram::new(exponential_buckets(0.000_25, 2.0, 16))
+}
+
+impl Default for XdsMetrics {
+    fn default() -> Self {
+        Self {
+            streams: Gauge::default(),
+            pushes: Family::default(),
+            acks: Family::default(),
+            nacks: Family::default(),
+            push_duration: Family::new_with_constructor(push_histogram),
+        }
+    }
 }
 
 impl XdsMetrics {
     pub fn register(&self, registry: &mut Registry) {
         registry.register("xds_streams", "Connected ADS streams", self.streams.clone());
         registry.register("xds_pushes", "xDS responses sent, by type", self.pushes.clone());
+        registry.register("xds_acks", "xDS responses Envoy accepted, by type", self.acks.clone());
         registry.register("xds_nacks", "xDS responses Envoy rejected, by type", self.nacks.clone());
+        registry.register_with_unit(
+            "xds_push_duration",
+            "Time from sending an xDS response to Envoy's ACK or NACK of it, by type",
+            Unit::Seconds,
+            self.push_duration.clone(),
+        );
+    }
+
+    /// Envoy answered a response sent `elapsed` ago.
+    pub fn answered(&self, type_url: &str, elapsed: std::time::Duration, accepted: bool) {
+        let labels = [("type", delta::short(type_url))];
+        if accepted {
+            self.acks.get_or_create(&labels).inc();
+        } else {
+            self.nacks.get_or_create(&labels).inc();
+        }
+        self.push_duration.get_or_create(&labels).observe(elapsed.as_secs_f64());
     }
 }
 

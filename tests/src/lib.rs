@@ -7,11 +7,18 @@
 //! panicking test cleans up too.
 
 pub mod bins;
+pub mod cni;
+pub mod demo;
 pub mod envoy;
 pub mod http;
+pub mod identity;
+pub mod load;
 pub mod mesh;
 pub mod netns;
+pub mod otlp;
 pub mod process;
+pub mod spire;
+pub mod supervisor;
 
 pub use bins::binary;
 pub use envoy::{Envoy, admin_address_json, envoy_bin, shared_memory_path, unique_base_id};

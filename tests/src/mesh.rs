@@ -12,6 +12,10 @@ use aether_proto::cni::v1::{AddPodRequest, AddPodResponse, PodRef, RemovePodRequ
 use serde_json::json;
 use tonic::transport::{Channel, Endpoint};
 
+use std::sync::Arc;
+
+use crate::identity::TestCa;
+use crate::spire::FakeSpire;
 use crate::{ChildGuard, Envoy, TestNode, TestPod, admin_address_json, binary, free_port, http_get, unique_base_id};
 
 pub const NAMESPACE: &str = "demo";
@@ -30,6 +34,29 @@ pub struct Mesh {
     pub agent_args: Vec<String>,
     /// Envoy's ADS flavour: `DELTA_GRPC` (default) or `GRPC` (state of the world).
     pub ads_api: &'static str,
+    /// Envoy run by `aether-agent proxy` from the shipped bootstrap ([`Mesh::start_with_proxy`]).
+    pub proxy: Option<crate::supervisor::ProxySupervisor>,
+    /// The mesh's CA (the built-in provider's files, or what the fake SPIRE signs with).
+    pub ca: Arc<TestCa>,
+    /// The fake SPIRE agent, with `MeshIdentity::Spire`.
+    pub spire: Option<FakeSpire>,
+}
+
+/// How the mesh's pods get their identity.
+#[derive(Clone, Copy, Debug)]
+pub enum MeshIdentity {
+    /// The built-in CA (the product default), SVIDs valid for the TTL.
+    Builtin { ttl: Duration },
+    /// A fake SPIRE agent's Delegated Identity API issuing SVIDs valid for the TTL.
+    Spire { ttl: Duration },
+    /// `--identity none`: plaintext between pods (NOT FOR PRODUCTION; benches, stand-ins).
+    Plaintext,
+}
+
+impl MeshIdentity {
+    pub const DEFAULT: Self = Self::Builtin {
+        ttl: Duration::from_secs(3600),
+    };
 }
 
 impl Mesh {
@@ -50,11 +77,45 @@ impl Mesh {
         Self::start_with(&[]).await
     }
 
-    /// [`Mesh::start`] with extra agent flags.
+    /// [`Mesh::start`] with extra agent flags (mTLS with the built-in CA unless they
+    /// name `--identity`).
     pub async fn start_with(agent_args: &[&str]) -> Mesh {
+        Self::start_identity(MeshIdentity::DEFAULT, agent_args).await
+    }
+
+    /// [`Mesh::start`] with plaintext between pods (`--identity none`).
+    pub async fn start_plaintext() -> Mesh {
+        Self::start_identity(MeshIdentity::Plaintext, &[]).await
+    }
+
+    /// [`Mesh::start`] with the given identity provider and extra agent flags.
+    pub async fn start_identity(identity: MeshIdentity, agent_args: &[&str]) -> Mesh {
         crate::require_root();
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("pods")).unwrap();
+        let ca = Arc::new(TestCa::new("aether test CA"));
+        let mut spire = None;
+        let mut args: Vec<String> = Vec::new();
+        if !agent_args.contains(&"--identity") {
+            let td = crate::identity::TRUST_DOMAIN.to_string();
+            match identity {
+                MeshIdentity::Builtin { ttl } => {
+                    let (cert, key) = ca.write(&dir.path().join("ca"));
+                    args.extend(["--identity".into(), "builtin".into(), "--trust-domain".into(), td]);
+                    args.extend(["--ca-cert".into(), cert.display().to_string()]);
+                    args.extend(["--ca-key".into(), key.display().to_string()]);
+                    args.extend(["--svid-ttl".into(), format!("{}ms", ttl.as_millis())]);
+                }
+                MeshIdentity::Spire { ttl } => {
+                    let fake = FakeSpire::start(dir.path(), ca.clone(), ttl);
+                    args.extend(["--identity".into(), "spire".into(), "--trust-domain".into(), td]);
+                    args.extend(["--spire-admin-socket".into(), fake.socket.display().to_string()]);
+                    spire = Some(fake);
+                }
+                MeshIdentity::Plaintext => args.extend(["--identity".into(), "none".into()]),
+            }
+        }
+        args.extend(agent_args.iter().map(|a| a.to_string()));
         let grpc_port = free_port();
         let registrar_admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let mut cmd = Command::new(binary("aether-registrar"));
@@ -72,8 +133,11 @@ impl Mesh {
             agent: None,
             agent_admin: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
             envoy: None,
-            agent_args: agent_args.iter().map(|a| a.to_string()).collect(),
+            agent_args: args,
             ads_api: "DELTA_GRPC",
+            proxy: None,
+            ca,
+            spire,
             dir,
         };
         mesh.start_agent().await;
@@ -112,8 +176,14 @@ impl Mesh {
     }
 
     pub fn start_envoy(&mut self) {
-        let admin_port = free_port();
-        let bootstrap = json!({
+        let bootstrap = self.envoy_bootstrap(free_port());
+        self.envoy = Some(Envoy::start(&bootstrap, unique_base_id()));
+    }
+
+    /// The bootstrap [`Mesh::start_envoy`] runs, with Envoy's admin on `127.0.0.1:admin_port` (tests add stats
+    /// config to it).
+    pub fn envoy_bootstrap(&self, admin_port: u16) -> serde_json::Value {
+        json!({
             "node": {"id": "test-node", "cluster": "aether"},
             "admin": admin_address_json(admin_port),
             "dynamic_resources": {
@@ -140,8 +210,31 @@ impl Mesh {
                     "address": {"pipe": {"path": self.xds_socket().to_string_lossy()}}
                 }}]}]}
             }]}
-        });
-        self.envoy = Some(Envoy::start(&bootstrap, unique_base_id()));
+        })
+    }
+
+    /// Registrar and agent running, and Envoy run by the supervisor (`aether-agent proxy`) from the shipped
+    /// bootstrap template, LIVE at epoch 0 (instead of the test-built bootstrap of [`Mesh::start`]).
+    pub async fn start_with_proxy(agent_args: &[&str]) -> Mesh {
+        let mut mesh = Self::start_with(agent_args).await;
+        mesh.envoy = None;
+        mesh.start_proxy().await;
+        mesh
+    }
+
+    /// The supervisor options this mesh uses: its xDS socket, node name, state dir and template copy under
+    /// `<dir>/proxy/`. A successor supervisor uses [`crate::supervisor::ProxyOptions::successor`] of these.
+    pub fn proxy_options(&self) -> crate::supervisor::ProxyOptions {
+        match &self.proxy {
+            Some(proxy) => proxy.options.clone(),
+            None => crate::supervisor::ProxyOptions::new(&self.path("proxy"), "test-node", &self.xds_socket()),
+        }
+    }
+
+    /// Starts the supervisor with [`Mesh::proxy_options`] and waits for epoch 0 LIVE.
+    pub async fn start_proxy(&mut self) {
+        let options = self.proxy_options();
+        self.proxy = Some(crate::supervisor::ProxySupervisor::start(&options, 0).await);
     }
 
     pub fn envoy(&self) -> &Envoy {
@@ -219,6 +312,7 @@ impl Mesh {
                     uid: format!("uid-{}", pod.netns_name()),
                 }),
                 ips: vec![pod.ip().to_string()],
+                capture: None,
             })
             .await
             .map(|r| r.into_inner())

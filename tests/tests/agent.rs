@@ -145,13 +145,14 @@ async fn two_pods(mesh: &Mesh) -> (TestPod, TestPod, Vec<aether_tests::HttpServe
     (frontend, backend, apps)
 }
 
-/// Redirects TCP to the mesh VIP range to the capture port, inside `pod` (what the
-/// agent programs once the CNI work lands).
+/// The agent programmed the capture inside `pod` on AddPod (its nftables table `inet aether`
+/// redirects TCP to the mesh VIP range to the capture port): check it is there.
 fn capture_vips(pod: &TestPod) {
-    let rules = "table inet aether-test {\n  chain output {\n    type nat hook output priority -100; policy accept;\n    ip daddr 240.240.0.0/16 meta l4proto tcp redirect to :18001\n  }\n}\n";
-    let file = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(file.path(), rules).unwrap();
-    pod.exec_ok(&["nft", "-f", &file.path().to_string_lossy()]);
+    let rules = pod.exec_ok(&["nft", "list", "table", "inet", "aether"]);
+    assert!(
+        rules.contains("ip daddr 240.240.0.0/16 meta l4proto tcp redirect to :18001"),
+        "{rules}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -182,7 +183,8 @@ async fn a_connection_to_a_service_vip_is_captured_and_served() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undeclared_services_are_reached_on_demand_and_unknown_names_get_404() {
-    let mesh = Mesh::start().await;
+    // The stand-in for a remote node's inbound listener speaks plaintext: no mTLS here.
+    let mesh = Mesh::start_plaintext().await;
     let (frontend, _backend, _apps) = two_pods(&mesh).await;
     // "remote" runs on another node: its endpoint is in the catalog, its inbound
     // listener (here a stand-in server on :18008) answers for it.
@@ -288,6 +290,7 @@ async fn a_config_envoy_rejects_is_nacked_counted_and_the_last_good_one_keeps_se
                 uid: String::new(),
             }),
             ips: vec![twin.ip().to_string()],
+            capture: None,
         })
         .await
         .unwrap_err();
@@ -373,6 +376,7 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
             uid: String::new(),
         }),
         ips: vec![pod.ip().to_string()],
+        capture: None,
     };
     let mut cni = mesh.cni().await;
     let cases: Vec<(AddPodRequest, tonic::Code, &str)> = vec![
@@ -453,10 +457,12 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
             tonic::Code::InvalidArgument,
             "ips[1]: \"10.0.0.300\" is not an IP address",
         ),
+        // No IPs given: the agent reads them from the netns (with netlink), so this gets as
+        // far as the pod lookup.
         (
             AddPodRequest { ips: vec![], ..good() },
-            tonic::Code::InvalidArgument,
-            "ips: at least one pod IP is required",
+            tonic::Code::Unavailable,
+            "pod demo/p is not known to the pod source yet; retry",
         ),
         // Not (yet) known to the pod source: retryable.
         (

@@ -34,6 +34,7 @@ struct TypeState {
 struct Sent {
     type_url: String,
     resources: Vec<(String, Option<String>)>,
+    at: std::time::Instant,
 }
 
 pub async fn serve<S>(
@@ -62,9 +63,9 @@ pub async fn serve<S>(
                     None => break,
                 };
                 if let Some(sent) = request_nonce(&request).and_then(|n| pending.remove(n)) {
+                    hooks.metrics.answered(&sent.type_url, sent.at.elapsed(), request.error_detail.is_none());
                     match &request.error_detail {
                         Some(error) => {
-                            hooks.metrics.nacks.get_or_create(&[("type", short(&sent.type_url))]).inc();
                             cache.record_nack(&sent.type_url, &sent.resources, &error.message);
                             tracing::warn!(type_url = %sent.type_url, error = %error.message,
                                 "Envoy rejected a config push; it keeps its last good config");
@@ -214,6 +215,7 @@ fn diff(
         Sent {
             type_url: type_url.to_owned(),
             resources: sent,
+            at: std::time::Instant::now(),
         },
     );
     Some(DeltaDiscoveryResponse {

@@ -20,6 +20,8 @@ struct TypeState {
     sent_version: Option<String>,
     /// The nonce of the last response, and what it carried.
     pending: Option<(String, Sent)>,
+    /// When the pending response was sent.
+    sent_at: Option<std::time::Instant>,
 }
 
 pub async fn serve<S>(cache: Cache, hooks: Hooks, mut inbound: S, out: mpsc::Sender<Result<DiscoveryResponse, Status>>)
@@ -38,9 +40,11 @@ where
                 let state = types.entry(request.type_url.clone()).or_default();
                 if let Some((sent_nonce, resources)) = state.pending.take() {
                     if sent_nonce == request.response_nonce {
+                        if let Some(at) = state.sent_at.take() {
+                            hooks.metrics.answered(&request.type_url, at.elapsed(), request.error_detail.is_none());
+                        }
                         match &request.error_detail {
                             Some(error) => {
-                                hooks.metrics.nacks.get_or_create(&[("type", short(&request.type_url))]).inc();
                                 cache.record_nack(&request.type_url, &resources, &error.message);
                                 tracing::warn!(type_url = %request.type_url, error = %error.message,
                                     "Envoy rejected a config push; it keeps its last good config");
@@ -92,6 +96,7 @@ fn respond(type_url: &str, state: &mut TypeState, snapshot: &Snapshot, nonce: &m
     *nonce += 1;
     let nonce = nonce.to_string();
     state.sent_version = Some(version.clone());
+    state.sent_at = Some(std::time::Instant::now());
     state.pending = Some((
         nonce.clone(),
         selected
