@@ -410,7 +410,10 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str) {
             }
         }
     } else {
-        assert!(r.roles.is_empty() && r.role_bindings.is_empty(), "{ctx}: no Role without the Kubernetes store");
+        assert!(
+            r.roles.is_empty() && r.role_bindings.is_empty(),
+            "{ctx}: no Role without the Kubernetes store"
+        );
     }
     for sa in &r.service_accounts {
         let name = sa.metadata.name.as_deref().unwrap();
