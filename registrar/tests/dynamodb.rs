@@ -8,6 +8,15 @@
 //! directly (moto's own way to rebuild state) and only then reopens the proxy. The
 //! in-memory case itself (moto restarted empty) is tested separately: the table is
 //! recreated and revisions never go backwards.
+//!
+//! moto_server serves requests on parallel threads without isolating them: a cancelled
+//! TransactWriteItems rolls back by restoring a copy of the whole table taken when it
+//! began, erasing every write other requests made (and were told succeeded) meanwhile,
+//! the revision counter included. Real DynamoDB never does that (a cancelled
+//! transaction writes nothing, and transactions are serializable), but a replica that
+//! loses a creation race cancels one by design, so the concurrent-creation scenario
+//! lost acknowledged endpoints about one run in four. The fixture therefore runs moto
+//! through [`MOTO_LAUNCHER`], which serves DynamoDB requests one at a time.
 
 mod support;
 
@@ -45,6 +54,56 @@ fn moto_bin() -> PathBuf {
         bin.display()
     );
     bin
+}
+
+/// Runs moto_server (`main`, same flags) with its DynamoDB requests served one at a
+/// time, which gives every request the isolation DynamoDB guarantees (see the module
+/// doc). Scans stay paginated, so a snapshot still interleaves with other writes page
+/// by page, as on DynamoDB. `/moto-api/` stays unserialized: replaying a recording
+/// sends its requests back to this server while that request is open.
+const MOTO_LAUNCHER: &str = r#"
+import sys, threading
+import moto.server as server
+
+lock = threading.Lock()
+run_simple = server.run_simple
+
+def serialized(app):
+    def call(environ, start_response):
+        if environ.get("PATH_INFO", "").startswith("/moto-api/"):
+            return app(environ, start_response)
+        with lock:
+            body = app(environ, start_response)
+            try:
+                return [b"".join(body)]
+            finally:
+                if hasattr(body, "close"):
+                    body.close()
+    return call
+
+server.run_simple = lambda host, port, app, **kw: run_simple(host, port, serialized(app), **kw)
+sys.exit(server.main(sys.argv[1:]))
+"#;
+
+/// The interpreter moto_server runs on (its `#!` line), to run [`MOTO_LAUNCHER`] with.
+fn moto_python() -> (PathBuf, Vec<String>) {
+    let bin = moto_bin();
+    let script = std::fs::read(&bin).unwrap_or_else(|e| panic!("reading {}: {e}", bin.display()));
+    let first = String::from_utf8_lossy(script.split(|b| *b == b'\n').next().unwrap_or_default()).into_owned();
+    let mut words = first
+        .strip_prefix("#!")
+        .unwrap_or_else(|| {
+            panic!(
+                "{} is not a Python script with a #! line (set {MOTO_BIN_ENV} to the moto_server script)",
+                bin.display()
+            )
+        })
+        .split_whitespace()
+        .map(str::to_owned);
+    let interpreter = words
+        .next()
+        .unwrap_or_else(|| panic!("{}: empty #! line", bin.display()));
+    (PathBuf::from(interpreter), words.collect())
 }
 
 /// A TCP proxy the registrars reach moto through; closing it makes the store unreachable.
@@ -148,8 +207,10 @@ impl Moto {
             .append(true)
             .open(self.log_path())
             .unwrap();
-        let child = Command::new(moto_bin())
-            .args(["-H", "127.0.0.1", "-p", &self.port.to_string()])
+        let (python, python_args) = moto_python();
+        let child = Command::new(python)
+            .args(python_args)
+            .args(["-c", MOTO_LAUNCHER, "-H", "127.0.0.1", "-p", &self.port.to_string()])
             .env("MOTO_ENABLE_RECORDING", "True")
             .env("MOTO_RECORDER_FILEPATH", self.dir.path().join("recording.jsonl"))
             .process_group(0)
