@@ -706,11 +706,11 @@ impl Demo {
 
     async fn create_pods(&mut self) -> Result<Vec<String>, DemoError> {
         let pid = std::process::id();
-        // The frontend first: its ADD does not wait for a service that has no endpoints yet.
+        // Servers before their client, as a rollout usually goes.
         let specs = [
-            ("frontend", "frontend", "backend", true),
             ("backend-1", "backend", "", true),
             ("backend-2", "backend", "", true),
+            ("frontend", "frontend", "backend", true),
             ("legacy", "legacy", "", false),
         ];
         let mut lines = Vec::new();
