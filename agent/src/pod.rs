@@ -5,14 +5,13 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+use aether_common::pod_meta;
 use serde::{Deserialize, Serialize};
 
 use crate::upstreams::{self, Upstreams};
 
-/// Label that puts a pod in the mesh.
-pub const MANAGED_LABEL: &str = "aether.io/managed";
-/// Annotation overriding the pod's service name (default: its service account).
-pub const SERVICE_ANNOTATION: &str = "config.aether.io/service";
+// The conventions are shared with the registrar's Kubernetes store, so both read a pod the same way.
+pub use aether_common::pod_meta::{AppProtocol, MANAGED_LABEL, SERVICE_ANNOTATION};
 
 /// A pod's metadata as the pod source reports it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,57 +51,23 @@ impl ContainerPort {
     }
 }
 
-/// How the mesh carries a port, from its name (`http`, `http-*`, `grpc*`, `h2*`), as
-/// Kubernetes port-naming conventions do; anything else is plain TCP.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum AppProtocol {
-    Tcp,
-    Http,
-    Http2,
-    Grpc,
-}
-
-impl AppProtocol {
-    pub fn from_port_name(name: &str) -> Self {
-        let name = name.to_ascii_lowercase();
-        if name.starts_with("grpc") {
-            Self::Grpc
-        } else if name.starts_with("h2") || name.starts_with("http2") {
-            Self::Http2
-        } else if name.starts_with("http") {
-            Self::Http
-        } else {
-            Self::Tcp
-        }
-    }
-
-    pub fn is_http(self) -> bool {
-        self != Self::Tcp
-    }
-}
-
 impl PodInfo {
     pub fn key(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
     }
 
     pub fn is_managed(&self) -> bool {
-        self.labels.get(MANAGED_LABEL).is_some_and(|v| v == "true")
+        pod_meta::is_managed(self.labels.iter().map(|(k, v)| (k.as_str(), v.as_str())))
     }
 
     /// The service this pod serves: `<ns>/<annotation or service account>`.
     pub fn service(&self) -> String {
-        let name = self
-            .annotations
-            .get(SERVICE_ANNOTATION)
-            .map(|s| s.trim())
-            .filter(|s| !s.is_empty())
-            .unwrap_or(if self.service_account.is_empty() {
-                "default"
-            } else {
-                &self.service_account
-            });
-        format!("{}/{}", self.namespace, name)
+        let annotation = self.annotations.get(SERVICE_ANNOTATION).map(String::as_str);
+        format!(
+            "{}/{}",
+            self.namespace,
+            pod_meta::service_name(annotation, &self.service_account)
+        )
     }
 
     pub fn upstreams(&self) -> Upstreams {
@@ -114,15 +79,11 @@ impl PodInfo {
 
     /// The TCP ports the pod serves in the mesh, sorted.
     pub fn mesh_ports(&self) -> Vec<(u16, AppProtocol)> {
-        let mut ports: Vec<_> = self
-            .ports
-            .iter()
-            .filter(|p| p.protocol.is_empty() || p.protocol.eq_ignore_ascii_case("TCP"))
-            .map(|p| (p.port, AppProtocol::from_port_name(&p.name)))
-            .collect();
-        ports.sort();
-        ports.dedup_by_key(|p| p.0);
-        ports
+        pod_meta::mesh_ports(
+            self.ports
+                .iter()
+                .map(|p| (p.port, p.name.as_str(), p.protocol.as_str())),
+        )
     }
 
     /// Problems with the pod's own mesh configuration, each naming its field.
