@@ -21,7 +21,6 @@ use aether_tests::mesh::{Mesh, fqdn};
 use aether_tests::supervisor::{ProxySupervisor, metric_sum};
 use nix::sys::signal::Signal;
 
-const APP: &str = "127.0.0.1:8080";
 const OUTBOUND: &str = "127.0.0.1:18081";
 const LIVE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -62,19 +61,7 @@ async fn main() {
     }
     let restarts = knob("AETHER_BENCH_RESTARTS", 200) as u64;
     let mut mesh = Mesh::start_with_proxy(&[]).await;
-    let frontend = mesh.node.add_pod("frontend");
-    let backend = mesh.node.add_pod("backend");
-    let _apps = [
-        frontend.serve_http(APP.parse().unwrap(), "frontend"),
-        backend.serve_http(APP.parse().unwrap(), "backend"),
-    ];
-    mesh.describe_pod(&frontend, "frontend", "frontend", "backend", &[("http", 8080)]);
-    mesh.describe_pod(&backend, "backend", "backend", "", &[("http", 8080)]);
-    for (pod, name) in [(&backend, "backend"), (&frontend, "frontend")] {
-        mesh.add_pod(pod, name)
-            .await
-            .unwrap_or_else(|s| panic!("AddPod {name}: {s:?}"));
-    }
+    let (frontend, _backend, _apps) = mesh.frontend_and_backend().await;
     let host = format!("{}:8080", fqdn("backend"));
     let spec = |protocol, connections, streams| LoadSpec {
         target: OUTBOUND.parse().unwrap(),

@@ -16,37 +16,11 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use aether_tests::HttpServer;
 use aether_tests::TestPod;
 use aether_tests::mesh::{Mesh, MeshIdentity, fqdn};
 
-const APP: &str = "127.0.0.1:8080";
-
 fn knob(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-async fn two_pods(mesh: &Mesh) -> (TestPod, TestPod, Vec<HttpServer>) {
-    let frontend = mesh.node.add_pod("frontend");
-    let backend = mesh.node.add_pod("backend");
-    let apps = vec![
-        frontend.serve_http(APP.parse().unwrap(), "frontend"),
-        backend.serve_http(APP.parse().unwrap(), "backend"),
-    ];
-    mesh.describe_pod(&frontend, "frontend", "frontend", "backend", &[("http", 8080)]);
-    mesh.describe_pod(&backend, "backend", "backend", "", &[("http", 8080)]);
-    for (pod, name) in [(&backend, "backend"), (&frontend, "frontend")] {
-        let added = mesh
-            .add_pod(pod, name)
-            .await
-            .unwrap_or_else(|s| panic!("AddPod {name}: {s:?}"));
-        assert_eq!(
-            added.outcome,
-            aether_proto::cni::v1::Outcome::Success as i32,
-            "{added:?}"
-        );
-    }
-    (frontend, backend, apps)
 }
 
 struct Wrk {
@@ -135,7 +109,7 @@ async fn main() {
         ("mTLS (--identity builtin)", MeshIdentity::DEFAULT),
     ] {
         let mesh = Mesh::start_identity(identity, &[]).await;
-        let (frontend, _backend, _apps) = two_pods(&mesh).await;
+        let (frontend, _backend, _apps) = mesh.frontend_and_backend().await;
         // Warm-up: connections established, caches hot.
         let _ = wrk(&frontend, &host, 2, connections, dir.path());
         let r = wrk(&frontend, &host, seconds, connections, dir.path());
@@ -160,7 +134,7 @@ async fn main() {
         &[],
     )
     .await;
-    let (_frontend, _backend, _apps) = two_pods(&mesh).await;
+    let (_frontend, _backend, _apps) = mesh.frontend_and_backend().await;
     let spire = mesh.spire.as_ref().unwrap();
     let backend_id = aether_tests::identity::spiffe_id("demo", "backend");
     let mut samples = Vec::new();

@@ -16,7 +16,12 @@ use std::sync::Arc;
 
 use crate::identity::TestCa;
 use crate::spire::FakeSpire;
-use crate::{ChildGuard, Envoy, TestNode, TestPod, admin_address_json, binary, free_port, http_get, unique_base_id};
+use crate::{
+    ChildGuard, Envoy, HttpServer, TestNode, TestPod, admin_address_json, binary, free_port, http_get, unique_base_id,
+};
+
+/// Where the test pods' apps listen, inside their netns.
+pub const APP: &str = "127.0.0.1:8080";
 
 pub const NAMESPACE: &str = "demo";
 pub const MESH_DOMAIN: &str = "aether.internal";
@@ -297,6 +302,35 @@ impl Mesh {
             .await
             .expect("connecting to the agent's CNI socket");
         CniPluginClient::new(channel)
+    }
+
+    /// AddPod that must succeed; on failure the panic carries the agent's log.
+    pub async fn add_pod_ok(&self, pod: &TestPod, name: &str) {
+        let added = self.add_pod(pod, name).await.unwrap_or_else(|s| {
+            let logs = self.agent.as_ref().map(ChildGuard::logs).unwrap_or_default();
+            panic!("AddPod {name}: {s:?}\nagent:\n{logs}")
+        });
+        assert_eq!(
+            added.outcome,
+            aether_proto::cni::v1::Outcome::Success as i32,
+            "{added:?}"
+        );
+    }
+
+    /// The usual two-pod mesh: `frontend` (upstreams: backend) and one `backend` replica, each serving HTTP on
+    /// [`APP`] (echoing its pod name), described and added (backend first).
+    pub async fn frontend_and_backend(&self) -> (TestPod, TestPod, Vec<HttpServer>) {
+        let frontend = self.node.add_pod("frontend");
+        let backend = self.node.add_pod("backend");
+        let apps = vec![
+            frontend.serve_http(APP.parse().unwrap(), "frontend"),
+            backend.serve_http(APP.parse().unwrap(), "backend"),
+        ];
+        self.describe_pod(&frontend, "frontend", "frontend", "backend", &[("http", 8080)]);
+        self.describe_pod(&backend, "backend", "backend", "", &[("http", 8080)]);
+        self.add_pod_ok(&backend, "backend").await;
+        self.add_pod_ok(&frontend, "frontend").await;
+        (frontend, backend, apps)
     }
 
     pub async fn add_pod(&self, pod: &TestPod, name: &str) -> Result<AddPodResponse, tonic::Status> {

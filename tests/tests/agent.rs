@@ -4,10 +4,8 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use aether_tests::mesh::{Mesh, fqdn};
+use aether_tests::mesh::{APP, Mesh, fqdn};
 use aether_tests::{HttpReply, TestPod};
-
-const APP: &str = "127.0.0.1:8080";
 
 /// GETs `url` from inside `pod` with `host` until `ok` holds (config propagates
 /// asynchronously), failing with the last answer after a deadline.
@@ -121,30 +119,6 @@ async fn pods_reach_their_upstreams_through_the_node_envoy() {
     assert!(catalog["serial"].as_u64().unwrap() > 0);
 }
 
-/// Frontend (upstreams: backend) and one backend replica, both added.
-async fn two_pods(mesh: &Mesh) -> (TestPod, TestPod, Vec<aether_tests::HttpServer>) {
-    let frontend = mesh.node.add_pod("frontend");
-    let backend = mesh.node.add_pod("backend");
-    let apps = vec![
-        frontend.serve_http(APP.parse().unwrap(), "frontend"),
-        backend.serve_http(APP.parse().unwrap(), "backend"),
-    ];
-    mesh.describe_pod(&frontend, "frontend", "frontend", "backend", &[("http", 8080)]);
-    mesh.describe_pod(&backend, "backend", "backend", "", &[("http", 8080)]);
-    for (pod, name) in [(&backend, "backend"), (&frontend, "frontend")] {
-        let added = mesh
-            .add_pod(pod, name)
-            .await
-            .unwrap_or_else(|s| panic!("AddPod {name}: {s:?}"));
-        assert_eq!(
-            added.outcome,
-            aether_proto::cni::v1::Outcome::Success as i32,
-            "{added:?}"
-        );
-    }
-    (frontend, backend, apps)
-}
-
 /// The agent programmed the capture inside `pod` on AddPod (its nftables table `inet aether`
 /// redirects TCP to the mesh VIP range to the capture port): check it is there.
 fn capture_vips(pod: &TestPod) {
@@ -158,7 +132,7 @@ fn capture_vips(pod: &TestPod) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_to_a_service_vip_is_captured_and_served() {
     let mesh = Mesh::start().await;
-    let (frontend, _backend, _apps) = two_pods(&mesh).await;
+    let (frontend, _backend, _apps) = mesh.frontend_and_backend().await;
     capture_vips(&frontend);
     let vip = mesh.vip("backend").await;
     let reply = eventually(&frontend, &format!("http://{vip}:8080/by-vip"), None, |r| {
@@ -185,7 +159,7 @@ async fn a_connection_to_a_service_vip_is_captured_and_served() {
 async fn undeclared_services_are_reached_on_demand_and_unknown_names_get_404() {
     // The stand-in for a remote node's inbound listener speaks plaintext: no mTLS here.
     let mesh = Mesh::start_plaintext().await;
-    let (frontend, _backend, _apps) = two_pods(&mesh).await;
+    let (frontend, _backend, _apps) = mesh.frontend_and_backend().await;
     // "remote" runs on another node: its endpoint is in the catalog, its inbound
     // listener (here a stand-in server on :18008) answers for it.
     let remote = mesh.node.add_pod("remote");
@@ -270,7 +244,7 @@ async fn undeclared_services_are_reached_on_demand_and_unknown_names_get_404() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_config_envoy_rejects_is_nacked_counted_and_the_last_good_one_keeps_serving() {
     let mesh = Mesh::start().await;
-    let (frontend, _backend, _apps) = two_pods(&mesh).await;
+    let (frontend, _backend, _apps) = mesh.frontend_and_backend().await;
     let host = format!("{}:8080", fqdn("backend"));
     eventually(&frontend, "http://127.0.0.1:18081/", Some(&host), |r| r.status == 200).await;
 
@@ -322,7 +296,7 @@ async fn a_config_envoy_rejects_is_nacked_counted_and_the_last_good_one_keeps_se
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_keeps_serving_while_the_agent_restarts_and_the_agent_recovers_its_pods() {
     let mut mesh = Mesh::start().await;
-    let (frontend, _backend, _apps) = two_pods(&mesh).await;
+    let (frontend, _backend, _apps) = mesh.frontend_and_backend().await;
     let host = format!("{}:8080", fqdn("backend"));
     eventually(&frontend, "http://127.0.0.1:18081/", Some(&host), |r| r.status == 200).await;
 
@@ -584,7 +558,7 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn state_of_the_world_ads_serves_the_same_mesh() {
     let mesh = Mesh::start_sotw().await;
-    let (frontend, _backend, _apps) = two_pods(&mesh).await;
+    let (frontend, _backend, _apps) = mesh.frontend_and_backend().await;
     let host = format!("{}:8080", fqdn("backend"));
     let reply = eventually(&frontend, "http://127.0.0.1:18081/sotw", Some(&host), |r| {
         r.status == 200
@@ -598,7 +572,7 @@ async fn state_of_the_world_ads_serves_the_same_mesh() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_terminating_pod_drains_then_leaves_the_catalog() {
     let mesh = Mesh::start().await;
-    let (_frontend, backend, _apps) = two_pods(&mesh).await;
+    let (_frontend, backend, _apps) = mesh.frontend_and_backend().await;
     let health = || async {
         let mut registrar = mesh.registrar().await;
         registrar

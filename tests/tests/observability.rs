@@ -10,9 +10,8 @@ use aether_agent::request_metrics::{stats_config_json, stats_sinks_json};
 use aether_common::telemetry::exposition::{self, Family, Format};
 use aether_tests::mesh::{Mesh, fqdn};
 use aether_tests::otlp::OtlpReceiver;
-use aether_tests::{ChildGuard, Envoy, TestPod, binary, free_port, http_get, unique_base_id};
+use aether_tests::{ChildGuard, Envoy, binary, free_port, http_get, unique_base_id};
 
-const APP: &str = "127.0.0.1:8080";
 /// Requests the frontend sends the backend.
 const N: u64 = 7;
 
@@ -79,27 +78,6 @@ async fn observed_mesh(otlp: &str, sink: bool, extra_agent_args: &[&str]) -> Mes
     mesh
 }
 
-/// Frontend (upstreams: backend) and backend, both added; returns them with their apps.
-async fn two_pods(mesh: &Mesh) -> (TestPod, TestPod, aether_tests::HttpServer) {
-    let frontend = mesh.node.add_pod("frontend");
-    let backend = mesh.node.add_pod("backend");
-    let app = backend.serve_http(APP.parse().unwrap(), "backend");
-    mesh.describe_pod(&frontend, "frontend", "frontend", "backend", &[("http", 8080)]);
-    mesh.describe_pod(&backend, "backend", "backend", "", &[("http", 8080)]);
-    for (pod, name) in [(&backend, "backend"), (&frontend, "frontend")] {
-        let added = mesh
-            .add_pod(pod, name)
-            .await
-            .unwrap_or_else(|s| panic!("AddPod {name}: {s:?}\nagent:\n{}", mesh.agent.as_ref().unwrap().logs()));
-        assert_eq!(
-            added.outcome,
-            aether_proto::cni::v1::Outcome::Success as i32,
-            "{added:?}"
-        );
-    }
-    (frontend, backend, app)
-}
-
 const REQUESTS_200: &str = "aether_proxy_requests_total{source_workload=\"demo/frontend\",destination_service=\"demo/backend\",destination_port=\"8080\",response_code=\"200\",response_code_class=\"2xx\"}";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -111,7 +89,8 @@ async fn requests_between_two_pods_are_envoy_stats_exported_over_otlp_and_at_the
         &["--trace-sample-rate", "1", "--envoy-access-log"],
     )
     .await;
-    let (frontend, _backend, app) = two_pods(&mesh).await;
+    let (frontend, _backend, mut apps) = mesh.frontend_and_backend().await;
+    let app = apps.pop().expect("the backend's app");
 
     let host = format!("{}:8080", fqdn("backend"));
     for i in 0..N {
@@ -266,7 +245,7 @@ async fn requests_between_two_pods_are_envoy_stats_exported_over_otlp_and_at_the
 async fn every_metrics_endpoint_is_valid_exposition_with_consistent_names() {
     let otlp = OtlpReceiver::start().await;
     let mesh = observed_mesh(&otlp.endpoint(), false, &[]).await;
-    let (frontend, _backend, _app) = two_pods(&mesh).await;
+    let (frontend, _backend, _app) = mesh.frontend_and_backend().await;
     let reply = frontend
         .http_get("http://127.0.0.1:18081/", Some(&format!("{}:8080", fqdn("backend"))))
         .await
@@ -408,7 +387,7 @@ async fn a_collector_that_is_down_blocks_nothing_and_is_counted_until_it_comes_b
     let (registrar, registrar_admin, registrar_url) = registrar_pushing_to(&endpoint, dir.path()).await;
 
     // The data path works: pods are added and served, the registrar answers.
-    let (frontend, _backend, _app) = two_pods(&mesh).await;
+    let (frontend, _backend, _app) = mesh.frontend_and_backend().await;
     let host = format!("{}:8080", fqdn("backend"));
     for _ in 0..3 {
         let reply = frontend.http_get("http://127.0.0.1:18081/", Some(&host)).await.unwrap();
@@ -509,7 +488,8 @@ async fn the_shipped_bootstrap_tags_request_metrics_exports_them_and_they_surviv
         .map(String::from),
     );
     mesh.proxy = Some(aether_tests::supervisor::ProxySupervisor::start(&options, 0).await);
-    let (frontend, _backend, app) = two_pods(&mesh).await;
+    let (frontend, _backend, mut apps) = mesh.frontend_and_backend().await;
+    let app = apps.pop().expect("the backend's app");
     let host = format!("{}:8080", fqdn("backend"));
     for _ in 0..N {
         let reply = frontend.http_get("http://127.0.0.1:18081/", Some(&host)).await.unwrap();

@@ -10,32 +10,13 @@ use aether_tests::supervisor::{LIVE_TIMEOUT, ProxySupervisor};
 use aether_tests::{HttpServer, TestPod};
 use nix::sys::signal::Signal;
 
-const APP: &str = "127.0.0.1:8080";
 const OUTBOUND: &str = "127.0.0.1:18081";
 
 /// A mesh with Envoy under the supervisor, a frontend (upstreams: backend) and a backend pod, both added; returns
 /// once the frontend reaches the backend through Envoy.
 async fn mesh_with_pods() -> (Mesh, TestPod, TestPod, Vec<HttpServer>) {
     let mesh = Mesh::start_with_proxy(&[]).await;
-    let frontend = mesh.node.add_pod("frontend");
-    let backend = mesh.node.add_pod("backend");
-    let apps = vec![
-        frontend.serve_http(APP.parse().unwrap(), "frontend"),
-        backend.serve_http(APP.parse().unwrap(), "backend"),
-    ];
-    mesh.describe_pod(&frontend, "frontend", "frontend", "backend", &[("http", 8080)]);
-    mesh.describe_pod(&backend, "backend", "backend", "", &[("http", 8080)]);
-    for (pod, name) in [(&backend, "backend"), (&frontend, "frontend")] {
-        let added = mesh
-            .add_pod(pod, name)
-            .await
-            .unwrap_or_else(|s| panic!("AddPod {name}: {s:?}"));
-        assert_eq!(
-            added.outcome,
-            aether_proto::cni::v1::Outcome::Success as i32,
-            "{added:?}"
-        );
-    }
+    let (frontend, backend, apps) = mesh.frontend_and_backend().await;
     let reply = served(&frontend).await;
     assert_eq!(reply.json()["pod"], "backend");
     (mesh, frontend, backend, apps)
