@@ -293,14 +293,24 @@ pub async fn apply(
     capture: &PodCapture,
 ) -> Result<(), CaptureError> {
     let ruleset = render(capture);
-    nft(config, netns, &["-f", "-"], Some(&ruleset)).await?;
     let path = state_path(config, container_id);
-    let fail = |source| CaptureError::State {
-        path: path.display().to_string(),
-        source,
+    // The desired state is written (fsynced) while nft runs; a failure of either
+    // fails the ADD, which removes both.
+    let record = {
+        let (dir, path, ruleset) = (config.state_dir.clone(), path.clone(), ruleset.clone());
+        tokio::task::spawn_blocking(move || {
+            std::fs::create_dir_all(&dir)?;
+            aether_common::fs::write_atomic(&path, ruleset.as_bytes(), 0o600)
+        })
     };
-    std::fs::create_dir_all(&config.state_dir).map_err(fail)?;
-    aether_common::fs::write_atomic(&path, ruleset.as_bytes(), 0o600).map_err(fail)
+    let (applied, recorded) = tokio::join!(nft(config, netns, &["-f", "-"], Some(&ruleset)), record);
+    applied?;
+    recorded
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+        .map_err(|source| CaptureError::State {
+            path: path.display().to_string(),
+            source,
+        })
 }
 
 /// Removes the pod's table (if its netns still exists) and its desired state. Idempotent.

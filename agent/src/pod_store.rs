@@ -21,10 +21,21 @@ pub enum PodStoreError {
     Write { path: PathBuf, source: std::io::Error },
 }
 
+#[derive(Default)]
+struct Pods {
+    by_id: BTreeMap<String, LocalPod>,
+    /// Bumped by every change; the file holds the state of some generation.
+    generation: u64,
+}
+
 #[derive(Clone)]
 pub struct PodStore {
     path: PathBuf,
-    pods: Arc<Mutex<BTreeMap<String, LocalPod>>>,
+    pods: Arc<Mutex<Pods>>,
+    /// The generation last written to disk. Held while writing, so concurrent changes
+    /// share one write (group commit): a change already covered by the last write
+    /// returns at once.
+    written: Arc<tokio::sync::Mutex<u64>>,
     changed: Arc<watch::Sender<u64>>,
 }
 
@@ -32,7 +43,7 @@ impl PodStore {
     /// Opens the store in `state_dir`, reading what a previous run left.
     pub fn open(state_dir: &Path) -> Result<Self, PodStoreError> {
         let path = state_dir.join(FILE);
-        let pods = match std::fs::read(&path) {
+        let by_id = match std::fs::read(&path) {
             Ok(bytes) => {
                 let list: Vec<LocalPod> = serde_json::from_slice(&bytes).map_err(|e| PodStoreError::Corrupt {
                     path: path.clone(),
@@ -45,54 +56,78 @@ impl PodStore {
         };
         Ok(Self {
             path,
-            pods: Arc::new(Mutex::new(pods)),
+            pods: Arc::new(Mutex::new(Pods { by_id, generation: 0 })),
+            written: Arc::default(),
             changed: Arc::new(watch::channel(0).0),
         })
     }
 
     pub fn all(&self) -> Vec<LocalPod> {
-        self.pods.lock().expect("pod store lock").values().cloned().collect()
+        self.pods.lock().expect("pod store lock").by_id.values().cloned().collect()
     }
 
     pub fn by_container(&self, container_id: &str) -> Option<LocalPod> {
         let pods = self.pods.lock().expect("pod store lock");
-        pods.values().find(|p| p.container_id == container_id).cloned()
+        pods.by_id.values().find(|p| p.container_id == container_id).cloned()
     }
 
-    /// Adds or replaces a pod, durably, then tells watchers.
-    pub fn put(&self, pod: LocalPod) -> Result<(), PodStoreError> {
+    /// Adds or replaces a pod; see [`PodStore::change`].
+    pub async fn put(&self, pod: LocalPod) -> Result<(), PodStoreError> {
         self.change(|pods| {
             pods.insert(pod.id(), pod);
             true
         })
+        .await
     }
 
-    /// Removes a pod; returns it if it was there.
-    pub fn remove(&self, id: &str) -> Result<Option<LocalPod>, PodStoreError> {
+    /// Removes a pod; returns it if it was there. See [`PodStore::change`].
+    pub async fn remove(&self, id: &str) -> Result<Option<LocalPod>, PodStoreError> {
         let mut removed = None;
         self.change(|pods| {
             removed = pods.remove(id);
             removed.is_some()
-        })?;
+        })
+        .await?;
         Ok(removed)
     }
 
-    /// Applies `f`; when it reports a change, persists and notifies.
-    pub fn change(&self, f: impl FnOnce(&mut BTreeMap<String, LocalPod>) -> bool) -> Result<(), PodStoreError> {
-        let mut pods = self.pods.lock().expect("pod store lock");
-        let mut next = pods.clone();
-        if !f(&mut next) {
+    /// Applies `f`; when it reports a change, watchers are told at once (the node
+    /// starts rebuilding while the change is written) and the call returns once the
+    /// change is on disk. On a write error the change stays in memory: the caller
+    /// decides (an ADD undoes it), and the next write carries it.
+    pub async fn change(&self, f: impl FnOnce(&mut BTreeMap<String, LocalPod>) -> bool) -> Result<(), PodStoreError> {
+        let generation = {
+            let mut pods = self.pods.lock().expect("pod store lock");
+            if !f(&mut pods.by_id) {
+                return Ok(());
+            }
+            pods.generation += 1;
+            pods.generation
+        };
+        self.changed.send_modify(|n| *n += 1);
+        self.write(generation).await
+    }
+
+    /// Returns once the file holds `generation` or a later one.
+    async fn write(&self, generation: u64) -> Result<(), PodStoreError> {
+        let mut written = self.written.lock().await;
+        if *written >= generation {
             return Ok(());
         }
-        let list: Vec<&LocalPod> = next.values().collect();
-        let bytes = serde_json::to_vec_pretty(&list).expect("pods serialise");
-        aether_common::fs::write_atomic(&self.path, &bytes, 0o600).map_err(|source| PodStoreError::Write {
-            path: self.path.clone(),
-            source,
-        })?;
-        *pods = next;
-        drop(pods);
-        self.changed.send_modify(|n| *n += 1);
+        let (latest, bytes) = {
+            let pods = self.pods.lock().expect("pod store lock");
+            let list: Vec<&LocalPod> = pods.by_id.values().collect();
+            (pods.generation, serde_json::to_vec_pretty(&list).expect("pods serialise"))
+        };
+        let path = self.path.clone();
+        tokio::task::spawn_blocking(move || aether_common::fs::write_atomic(&path, &bytes, 0o600))
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+            .map_err(|source| PodStoreError::Write {
+                path: self.path.clone(),
+                source,
+            })?;
+        *written = latest;
         Ok(())
     }
 
@@ -119,13 +154,13 @@ mod tests {
         }
     }
 
-    #[test]
-    fn pods_survive_a_restart_and_a_corrupt_file_is_an_error() {
+    #[tokio::test]
+    async fn pods_survive_a_restart_and_a_corrupt_file_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let store = PodStore::open(dir.path()).unwrap();
-        store.put(pod("a")).unwrap();
-        store.put(pod("b")).unwrap();
-        assert_eq!(store.remove("ns/a").unwrap().map(|p| p.id()), Some("ns/a".into()));
+        store.put(pod("a")).await.unwrap();
+        store.put(pod("b")).await.unwrap();
+        assert_eq!(store.remove("ns/a").await.unwrap().map(|p| p.id()), Some("ns/a".into()));
         let reopened = PodStore::open(dir.path()).unwrap();
         assert_eq!(reopened.all(), vec![pod("b")]);
         assert_eq!(reopened.by_container("c-b").map(|p| p.id()), Some("ns/b".into()));
@@ -133,5 +168,22 @@ mod tests {
         std::fs::write(dir.path().join(FILE), b"[{").unwrap();
         let err = PodStore::open(dir.path()).err().unwrap().to_string();
         assert!(err.contains("is not a pod store"), "{err}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_changes_all_reach_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = PodStore::open(dir.path()).unwrap();
+        let puts = (0..50).map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move { store.put(pod(&format!("p{i:02}"))).await })
+        });
+        for put in puts {
+            put.await.unwrap().unwrap();
+        }
+        let reopened = PodStore::open(dir.path()).unwrap();
+        let names: Vec<String> = reopened.all().into_iter().map(|p| p.info.name).collect();
+        let expected: Vec<String> = (0..50).map(|i| format!("p{i:02}")).collect();
+        assert_eq!(names, expected);
     }
 }

@@ -142,6 +142,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     );
     let cni_calls = prometheus_client::metrics::family::Family::default();
     metrics.register("cni_calls", "CNI plugin calls, by method and result", cni_calls.clone());
+    let cni_add_phases = crate::cni::add_phases();
+    metrics.register(
+        "cni_add_phase_seconds",
+        "Time successful AddPod calls spent registering, waiting for Envoy, programming capture, and in total",
+        cni_add_phases.clone(),
+    );
     if config.envoy_access_log {
         crate::request_metrics::enable_access_log(&config.telemetry.otlp_endpoint);
     }
@@ -189,7 +195,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     for pod in pods.all() {
         if !pod.netns.exists() {
             tracing::info!(pod = %pod.id(), netns = %pod.netns.display(), "forgetting a pod whose sandbox is gone");
-            let _ = pods.remove(&pod.id());
+            let _ = pods.remove(&pod.id()).await;
             let registrar = registrar.clone();
             tokio::spawn(async move { registrar.unregister(&pod.info.service(), &pod.ips).await });
             continue;
@@ -273,6 +279,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         excluded_namespaces: config.excluded(),
         pod_lookup_timeout: config.pod_lookup_timeout,
         calls: cni_calls,
+        add_phases: cni_add_phases,
         capture,
         pin_dir: config.netns_pin_dir.clone(),
     };
@@ -327,7 +334,7 @@ async fn sync_pod_info(directory: PodDirectory, node: Node, registrar: Registrar
             }
             let mut updated = pod.clone();
             updated.info = info;
-            if let Err(error) = node.pods.put(updated.clone()) {
+            if let Err(error) = node.pods.put(updated.clone()).await {
                 tracing::error!(pod = %pod.id(), %error, "saving updated pod metadata failed");
                 continue;
             }

@@ -205,4 +205,20 @@ fn main() {
         assert!(run.success);
     }
     report("aether-cni VERSION (process start-up floor)", version, "-");
+
+    // Where the agent's AddPod time went (its phases run concurrently; `total` is the slowest plus the set-up).
+    let metrics = rt.block_on(mesh.agent_get("/metrics"));
+    let series = |name: &str, phase: &str| {
+        let prefix = format!("aether_agent_cni_add_phase_seconds_{name}{{phase=\"{phase}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in the agent's /metrics"))
+    };
+    let means: Vec<String> = ["register", "envoy", "capture", "total"]
+        .iter()
+        .map(|phase| format!("{phase} {:.1} ms", 1e3 * series("sum", phase) / series("count", phase)))
+        .collect();
+    println!("agent AddPod mean per phase, all ADDs above: {}", means.join(", "));
 }
