@@ -23,7 +23,7 @@ use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
 pub use config::ProxyConfig;
-pub use supervisor::{Status, Supervisor, SupervisorError};
+pub use supervisor::{Ended, Status, Supervisor, SupervisorError};
 
 /// How often a successor retries its admin port while the predecessor (on the host network) still holds it.
 const ADMIN_BIND_RETRY: Duration = Duration::from_millis(500);
@@ -43,13 +43,16 @@ pub enum ProxyError {
     Telemetry(#[from] aether_common::telemetry::TelemetryError),
 }
 
-/// Runs the supervisor until SIGTERM (after draining Envoy) or until a successor has taken its Envoy over.
+/// Runs the supervisor until SIGTERM: draining Envoy, or, once a successor has taken it over, idle.
 pub async fn run(config: ProxyConfig, shutdown: CancellationToken) -> Result<(), ProxyError> {
     let mut registry = Registry::default();
     let metrics = metrics::ProxyMetrics::default();
     metrics.register(registry.sub_registry_with_prefix("aether_proxy"));
     let metrics_push = MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
-    let readiness = Readiness::new("starting Envoy");
+    let mut readiness = Readiness::new("starting Envoy");
+    if let Some(path) = &config.ready_file {
+        readiness = readiness.with_file(path);
+    }
     let status = Arc::new(Mutex::new(Status::default()));
     let admin_stop = CancellationToken::new();
     let registry = Arc::new(registry);
@@ -62,13 +65,20 @@ pub async fn run(config: ProxyConfig, shutdown: CancellationToken) -> Result<(),
         admin_stop.clone(),
     ));
     let supervisor = Supervisor::new(config, metrics, readiness, status)?;
-    let result = supervisor.run(shutdown).await;
+    let ended = supervisor.run(shutdown.clone()).await;
+    // Frees the admin address for the successor.
     admin_stop.cancel();
-    Ok(result?)
+    if let Ok(Ended::HandedOff) = ended {
+        // Exiting now would make the kubelet restart this container, and a restarted supervisor would take the
+        // Envoy back from the successor: stay until this pod is deleted.
+        tracing::info!("our Envoy now belongs to the successor; idle until SIGTERM");
+        shutdown.cancelled().await;
+    }
+    ended?;
+    Ok(())
 }
 
-/// Binds the admin server, retrying while the address is in use: during a surge rollout on the host network the
-/// predecessor holds it until it exits.
+/// Serves the supervisor's admin endpoints once the address is free (see [`AdminServer::bind_retrying`]).
 async fn serve_admin(
     addr: std::net::SocketAddr,
     readiness: Readiness,
@@ -76,25 +86,9 @@ async fn serve_admin(
     pages: Pages,
     stop: CancellationToken,
 ) {
-    let mut warned = false;
-    loop {
-        match AdminServer::bind(addr, readiness.clone(), registry.clone()).await {
-            Ok(server) => {
-                tracing::info!(%addr, "supervisor admin serving");
-                server.with_pages(pages).serve(stop).await;
-                return;
-            }
-            Err(error) => {
-                if !warned {
-                    tracing::warn!(%error, "supervisor admin address busy; retrying");
-                    warned = true;
-                }
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(ADMIN_BIND_RETRY) => {}
-                }
-            }
-        }
+    if let Some(server) = AdminServer::bind_retrying(addr, readiness, registry, ADMIN_BIND_RETRY, &stop).await {
+        tracing::info!(%addr, "supervisor admin serving");
+        server.with_pages(pages).serve(stop).await;
     }
 }
 

@@ -31,25 +31,63 @@ pub enum AdminError {
 }
 
 /// Whether the process is ready, and if not, why. Cheap to clone and share.
+///
+/// With [`Readiness::with_file`] the state is mirrored to a file that exists exactly
+/// while ready. Host-network pods rolled with a surge share their loopback ports with
+/// their predecessor, so an HTTP probe may be answered by the old pod; a probe that
+/// tests a file in the pod's own volume cannot be.
 #[derive(Clone, Debug)]
-pub struct Readiness(Arc<Mutex<Result<(), String>>>);
+pub struct Readiness {
+    state: Arc<Mutex<Result<(), String>>>,
+    file: Option<Arc<std::path::Path>>,
+}
 
 impl Readiness {
     /// Starts not ready, with `reason`.
     pub fn new(reason: impl Into<String>) -> Self {
-        Self(Arc::new(Mutex::new(Err(reason.into()))))
+        Self {
+            state: Arc::new(Mutex::new(Err(reason.into()))),
+            file: None,
+        }
+    }
+
+    /// Mirrors readiness to `path` (created while ready, removed otherwise); a stale
+    /// file from an earlier run is removed now.
+    pub fn with_file(mut self, path: &std::path::Path) -> Self {
+        remove_ready_file(path);
+        self.file = Some(path.into());
+        self
     }
 
     pub fn set_ready(&self) {
-        *self.0.lock().expect("readiness lock") = Ok(());
+        let mut state = self.state.lock().expect("readiness lock");
+        if let Some(path) = &self.file
+            && state.is_err()
+            && let Err(error) = std::fs::write(path, b"ready\n")
+        {
+            tracing::warn!(path = %path.display(), %error, "writing the ready file failed");
+        }
+        *state = Ok(());
     }
 
     pub fn set_not_ready(&self, reason: impl Into<String>) {
-        *self.0.lock().expect("readiness lock") = Err(reason.into());
+        let mut state = self.state.lock().expect("readiness lock");
+        if let Some(path) = &self.file {
+            remove_ready_file(path);
+        }
+        *state = Err(reason.into());
     }
 
     pub fn get(&self) -> Result<(), String> {
-        self.0.lock().expect("readiness lock").clone()
+        self.state.lock().expect("readiness lock").clone()
+    }
+}
+
+fn remove_ready_file(path: &std::path::Path) {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => tracing::warn!(path = %path.display(), %error, "removing the ready file failed"),
     }
 }
 
@@ -78,6 +116,39 @@ impl AdminServer {
             pages: None,
             refresh: None,
         })
+    }
+
+    /// [`AdminServer::bind`], retrying every `retry` while the address is in use; `None`
+    /// once `stop` is cancelled. During a surge rollout on the host network the
+    /// predecessor pod holds the address until it exits.
+    pub async fn bind_retrying(
+        addr: SocketAddr,
+        readiness: Readiness,
+        registry: Arc<Registry>,
+        retry: std::time::Duration,
+        stop: &CancellationToken,
+    ) -> Option<Self> {
+        let mut warned = false;
+        loop {
+            match Self::bind(addr, readiness.clone(), registry.clone()).await {
+                Ok(server) => {
+                    if warned {
+                        tracing::info!(%addr, "admin address free again; serving");
+                    }
+                    return Some(server);
+                }
+                Err(error) => {
+                    if !warned {
+                        tracing::warn!(%error, "admin address busy (a predecessor still holds it?); retrying");
+                        warned = true;
+                    }
+                    tokio::select! {
+                        _ = stop.cancelled() => return None,
+                        _ = tokio::time::sleep(retry) => {}
+                    }
+                }
+            }
+        }
     }
 
     /// Serves `pages` beside the standard endpoints.

@@ -30,6 +30,8 @@ pub struct ProxyOptions {
     pub envoy_admin: SocketAddr,
     /// The supervisor's own admin (/metrics, /debug/proxy).
     pub admin: SocketAddr,
+    /// `--ready-file`: exists while the supervisor is ready.
+    pub ready_file: PathBuf,
     pub drain_time: String,
     pub parent_shutdown_time: String,
     /// `delta` or `sotw`.
@@ -54,6 +56,7 @@ impl ProxyOptions {
             envoy_bin: envoy_bin(),
             envoy_admin: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
             admin: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+            ready_file: dir.join("ready"),
             drain_time: "1s".into(),
             parent_shutdown_time: "2s".into(),
             ads: "delta".into(),
@@ -61,10 +64,12 @@ impl ProxyOptions {
         }
     }
 
-    /// The same Envoy (state dir, Envoy admin) under another supervisor admin port: a successor's options.
+    /// A successor's options, as a surge rollout on the host network gives them: the same Envoy (state dir, Envoy
+    /// admin) and the same supervisor admin address (held by the predecessor until it steps aside), but a ready
+    /// file of its own (the pod's own volume).
     pub fn successor(&self) -> ProxyOptions {
         ProxyOptions {
-            admin: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+            ready_file: self.ready_file.with_extension("successor"),
             ..self.clone()
         }
     }
@@ -95,6 +100,8 @@ impl ProxySupervisor {
             .args(["--ads", &options.ads])
             .args(["--envoy-admin", &options.envoy_admin.to_string()])
             .args(["--admin", &options.admin.to_string()])
+            .arg("--ready-file")
+            .arg(&options.ready_file)
             .args(["--drain-time", &options.drain_time])
             .args(["--parent-shutdown-time", &options.parent_shutdown_time])
             .args(["--concurrency", "1", "--watch-interval", "200ms"])

@@ -295,8 +295,13 @@ async fn a_killed_envoy_serves_again_with_config_resynced_from_the_agent() {
     proxy.wait_epoch_live(1, LIVE_TIMEOUT).await;
 }
 
+/// A surge rollout on the host network: the successor shares the Envoy, the state dir and the supervisor's admin
+/// address with its predecessor. It takes the Envoy over by hot restart; the predecessor frees the admin address
+/// once its epoch has retired and then stays (an exited container would be restarted and take the Envoy back)
+/// until SIGTERM, which it answers at once without touching the successor's Envoy. Readiness goes by each one's own
+/// ready file, never by the shared port.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_second_supervisor_takes_over_by_hot_restart_and_the_first_exits() {
+async fn a_surge_successor_takes_over_and_the_predecessor_steps_aside_until_sigterm() {
     let (mut mesh, frontend, _backend, _apps) = mesh_with_pods().await;
     let h1 = load(&frontend, Protocol::Http1, 4, 1);
     let h2 = load(&frontend, Protocol::Http2, 2, 4);
@@ -304,30 +309,50 @@ async fn a_second_supervisor_takes_over_by_hot_restart_and_the_first_exits() {
     h2.wait_ok(100, Duration::from_secs(10)).await;
 
     let first_options = proxy(&mesh).options.clone();
-    let mut second = ProxySupervisor::spawn(&first_options.successor());
+    assert!(first_options.ready_file.exists(), "a LIVE supervisor has its ready file");
+    let successor_options = first_options.successor();
+    assert_eq!(successor_options.admin, first_options.admin, "one admin address, as on the host network");
+    let mut second = ProxySupervisor::spawn(&successor_options);
+    // Until its Envoy is LIVE the successor is not ready, whatever the shared admin port answers.
+    assert!(!successor_options.ready_file.exists());
     second.wait_epoch_live(1, LIVE_TIMEOUT).await;
+    assert!(successor_options.ready_file.exists(), "the successor is ready once it owns a LIVE Envoy");
+    assert!(!first_options.ready_file.exists(), "a superseded supervisor is not ready");
     h1.wait_ok(50, Duration::from_secs(10)).await;
     h2.wait_ok(50, Duration::from_secs(10)).await;
-    // The first supervisor exits on its own, cleanly, once Envoy's parent shutdown retired its epoch.
+
+    // The predecessor stepped aside: its epoch retired, the admin address is the successor's, and it keeps running.
     let first = proxy_mut(&mut mesh);
-    let status = first
-        .child
-        .wait_timeout(Duration::from_secs(20))
-        .unwrap_or_else(|| panic!("the first supervisor did not exit; logs:\n{}", first.child.logs()));
+    until("the predecessor idles", Duration::from_secs(20), async || {
+        first.child.logs().contains("idle until SIGTERM")
+    })
+    .await;
+    assert!(first.child.logs().contains("retired by"), "{}", first.child.logs());
+    tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(
-        status.success(),
-        "first supervisor: {status}; logs:\n{}",
+        first.child.try_wait().is_none(),
+        "the predecessor must not exit before SIGTERM; logs:\n{}",
         first.child.logs()
     );
-    assert!(first.child.logs().contains("retired by"), "{}", first.child.logs());
-    mesh.proxy = Some(second);
-    let second = proxy_mut(&mut mesh);
-    assert_eq!(second.envoy_pids().len(), 1);
-    assert_eq!(second.metric("aether_proxy_takeovers_total").await, 1.0);
+    assert_eq!(second.metric("aether_proxy_takeovers_total").await, 1.0, "the successor serves the admin address");
     let state: serde_json::Value =
         serde_json::from_slice(&std::fs::read(first_options.state_dir.join("proxy-state.json")).unwrap()).unwrap();
     assert_eq!(state["owner_pid"], second.pid());
     assert_eq!(state["epoch"], 1);
+
+    // SIGTERM (the DaemonSet deleting the old pod): it exits at once and the successor's Envoy serves on.
+    first.signal(Signal::SIGTERM);
+    let status = first
+        .child
+        .wait_timeout(Duration::from_secs(5))
+        .unwrap_or_else(|| panic!("the predecessor did not exit on SIGTERM; logs:\n{}", first.child.logs()));
+    assert!(status.success(), "predecessor: {status}; logs:\n{}", first.child.logs());
+    mesh.proxy = Some(second);
+    let second = proxy_mut(&mut mesh);
+    assert_eq!(second.envoy_pids().len(), 1);
+    assert_eq!(second.envoy_epoch().await.unwrap(), ("LIVE".to_owned(), 1));
+    h1.wait_ok(50, Duration::from_secs(10)).await;
+    h2.wait_ok(50, Duration::from_secs(10)).await;
 
     // It continues the epochs.
     second.signal(Signal::SIGHUP);

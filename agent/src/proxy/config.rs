@@ -124,6 +124,11 @@ pub struct ProxyConfig {
     #[arg(long, env = "AETHER_PROXY_ADMIN", default_value = "127.0.0.1:18093")]
     pub admin: SocketAddr,
 
+    /// A file that exists exactly while /ready answers 200, for an exec readiness probe: on the host network a
+    /// successor pod's HTTP probe would be answered by its predecessor until that one frees the admin address.
+    #[arg(long, env = "AETHER_PROXY_READY_FILE")]
+    pub ready_file: Option<PathBuf>,
+
     /// OpenTelemetry export of the supervisor's metrics (and traces), and Envoy's own OTLP stats sink to the same
     /// endpoint when --otel-enabled.
     #[command(flatten)]

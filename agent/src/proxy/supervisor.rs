@@ -164,6 +164,15 @@ enum Next {
     Exit,
 }
 
+/// Why [`Supervisor::run`] returned.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// SIGTERM: our Envoy drained and stopped (or, if a successor had claimed it, left to the successor).
+    Stopped,
+    /// A successor took our Envoy over and our last epoch has exited.
+    HandedOff,
+}
+
 impl Supervisor {
     pub fn new(
         cfg: ProxyConfig,
@@ -210,7 +219,7 @@ impl Supervisor {
 
     /// Starts (or takes over) Envoy, then supervises it until `shutdown` (drain) or until a successor took it over
     /// and the old epoch exited.
-    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), SupervisorError> {
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<Ended, SupervisorError> {
         self.start().await?;
         let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).map_err(|source| {
             SupervisorError::Spawn {
@@ -226,7 +235,7 @@ impl Supervisor {
             let next = tokio::select! {
                 _ = shutdown.cancelled() => {
                     self.stop().await;
-                    return Ok(());
+                    return Ok(Ended::Stopped);
                 }
                 _ = hangup.recv() => {
                     tracing::info!("SIGHUP: hot restart");
@@ -250,7 +259,7 @@ impl Supervisor {
                 }
             };
             if let Next::Exit = next {
-                return Ok(());
+                return Ok(Ended::HandedOff);
             }
         }
     }
@@ -758,12 +767,12 @@ impl Supervisor {
         }
         if let Some((successor, _)) = &self.superseded {
             tracing::info!(epoch = epoch.number, %status, %successor,
-                "our Envoy was retired by the successor's epoch; exiting");
+                "our Envoy was retired by the successor's epoch");
             return Next::Exit;
         }
         // Did a successor claim it between two ticks?
         if self.check_superseded(epoch.number) {
-            tracing::info!(epoch = epoch.number, %status, "our Envoy was retired by a successor; exiting");
+            tracing::info!(epoch = epoch.number, %status, "our Envoy was retired by a successor");
             return Next::Exit;
         }
         self.metrics.crashes.inc();
