@@ -21,6 +21,9 @@ use crate::reload::Reloader;
 use crate::server::{self, Server, ServerError};
 use crate::table::Store;
 
+/// How often a surge successor retries the admin address its predecessor still holds.
+const ADMIN_BIND_RETRY: Duration = Duration::from_millis(500);
+
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error(transparent)]
@@ -157,18 +160,39 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     ));
     tasks.spawn(reloader.run(shutdown.clone()));
 
-    let readiness = Readiness::new("starting");
+    let mut readiness = Readiness::new("starting");
+    if let Some(path) = &config.ready_file {
+        readiness = readiness.with_file(path);
+    }
     let registry = Arc::new(registry);
     if let Some(push) = metrics_push.spawn(registry.clone(), None, shutdown.clone())? {
         tasks.spawn(async move {
             let _ = push.await;
         });
     }
-    let admin = AdminServer::bind(config.admin, readiness.clone(), registry)
-        .await?
-        .with_pages(debug_pages(store, upstreams, config.mesh_domain.clone()));
-    let admin_addr = admin.local_addr().map_err(StartError::Runtime)?;
-    tasks.spawn(admin.serve(shutdown.clone()));
+    let pages = debug_pages(store, upstreams, config.mesh_domain.clone());
+    let admin_addr = match AdminServer::bind(config.admin, readiness.clone(), registry.clone()).await {
+        Ok(admin) => {
+            let addr = admin.local_addr().map_err(StartError::Runtime)?;
+            tasks.spawn(admin.with_pages(pages).serve(shutdown.clone()));
+            addr
+        }
+        // A surge rollout on the host network: the predecessor holds the address until it is deleted. DNS is
+        // served meanwhile (SO_REUSEPORT); the admin endpoints follow once the address is free.
+        Err(AdminError::Bind { source, .. }) if source.kind() == std::io::ErrorKind::AddrInUse => {
+            let (readiness, shutdown) = (readiness.clone(), shutdown.clone());
+            let addr = config.admin;
+            tasks.spawn(async move {
+                if let Some(admin) =
+                    AdminServer::bind_retrying(addr, readiness, registry, ADMIN_BIND_RETRY, &shutdown).await
+                {
+                    admin.with_pages(pages).serve(shutdown).await;
+                }
+            });
+            addr
+        }
+        Err(error) => return Err(error.into()),
+    };
     readiness.set_ready();
     tracing::info!(%dns_addr, %admin_addr, workers, upstreams = ?server.forwarder.upstreams(),
         mesh_domain = %config.mesh_domain, records = %config.records.display(), "mesh-dns serving");

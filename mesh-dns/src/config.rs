@@ -75,6 +75,11 @@ pub struct Config {
     #[arg(long, env = "AETHER_MESH_DNS_ADMIN", default_value = "127.0.0.1:18094")]
     pub admin: SocketAddr,
 
+    /// A file that exists exactly while /ready answers 200, for an exec readiness probe: on the host network a
+    /// surge successor's HTTP probe would be answered by its predecessor, which holds the admin address.
+    #[arg(long, env = "AETHER_MESH_DNS_READY_FILE")]
+    pub ready_file: Option<PathBuf>,
+
     /// OpenTelemetry export (metrics, traces).
     #[command(flatten)]
     pub telemetry: aether_common::telemetry::TelemetryConfig,

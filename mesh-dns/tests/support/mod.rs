@@ -190,6 +190,13 @@ impl MeshDns {
     /// Starts mesh-dns on 127.0.0.1:`port` reading `records`, with more `args`.
     pub fn start(port: u16, records: &Path, args: &[&str]) -> MeshDns {
         let admin = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
+        let mut dns = Self::spawn(port, admin, records, args);
+        dns.wait_for("/ready", |d| http_get(d.admin, "/ready").is_some_and(|(code, _)| code == 200));
+        dns
+    }
+
+    /// Starts mesh-dns with the admin address given (it may be busy); returns at once.
+    pub fn spawn(port: u16, admin: SocketAddr, records: &Path, args: &[&str]) -> MeshDns {
         let mut cmd = Command::new(MESH_DNS);
         cmd.arg("--listen")
             .arg(format!("127.0.0.1:{port}"))
@@ -200,18 +207,7 @@ impl MeshDns {
             .args(args)
             .env("RUST_LOG", "info");
         let proc = Proc::spawn("mesh-dns", cmd);
-        let mut dns = MeshDns { proc, port, admin };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while http_get(admin, "/ready").is_none_or(|(code, _)| code != 200) {
-            dns.proc.assert_running();
-            assert!(
-                Instant::now() < deadline,
-                "mesh-dns did not become ready:\n{}",
-                dns.proc.logs()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        dns
+        MeshDns { proc, port, admin }
     }
 
     pub fn addr(&self) -> SocketAddr {
