@@ -135,12 +135,25 @@ fn render(values: Value) -> Rendered {
     r
 }
 
+/// Memory limits set by [`values`] per component, to check that `resources` values are applied.
+const LIMITS: [(&str, &str); 4] = [
+    ("aether-agent", "300Mi"),
+    ("aether-proxy", "900Mi"),
+    ("aether-mesh-dns", "80Mi"),
+    ("aether-registrar", "700Mi"),
+];
+
 fn values(store: &str, identity: &str) -> Value {
     let replicas = if store == "embedded" { 1 } else { 2 };
+    let limits = |name: &str| json!({"limits": {"memory": LIMITS.iter().find(|(n, _)| *n == name).unwrap().1}});
     json!({
+        "agent": {"resources": limits("aether-agent")},
+        "proxy": {"resources": limits("aether-proxy")},
+        "meshDns": {"resources": limits("aether-mesh-dns")},
         "identity": {"provider": identity},
         "otel": {"enabled": true, "endpoint": "http://otel-collector.observability:4317"},
         "registrar": {
+            "resources": limits("aether-registrar"),
             "replicas": replicas,
             "store": {
                 "type": store,
@@ -200,8 +213,8 @@ fn arg<'a>(c: &'a Container, flag: &str) -> Option<&'a str> {
     c.args.iter().flatten().find_map(|a| a.strip_prefix(prefix.as_str()))
 }
 
-fn assert_invariants(r: &Rendered, store: &str, identity: &str) {
-    let ctx = format!("store={store} identity={identity}");
+fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
+    let ctx = format!("store={store} identity={identity} otel={otel}");
 
     // Every container: no privilege, nothing but the named capabilities, a memory limit, a read-only root.
     for (pod, spec) in r.pod_specs() {
@@ -425,43 +438,134 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str) {
         );
     }
 
-    // OpenTelemetry flags reach every binary.
+    // OpenTelemetry flags reach every binary (when on).
     for (pod, spec) in r.pod_specs() {
         for c in spec.containers.iter() {
-            assert_eq!(
-                arg(c, "--otlp-endpoint"),
-                Some("http://otel-collector.observability:4317"),
-                "{ctx}: {pod}/{}",
-                c.name
-            );
+            let want = otel.then_some("http://otel-collector.observability:4317");
+            assert_eq!(arg(c, "--otlp-endpoint"), want, "{ctx}: {pod}/{}", c.name);
+            assert_eq!(has_flag(c, "--otel-enabled"), otel, "{ctx}: {pod}/{}", c.name);
         }
     }
+
+    assert_wiring(r, &ctx);
 }
 
+fn has_flag(c: &Container, flag: &str) -> bool {
+    c.args.iter().flatten().any(|a| a == flag)
+}
+
+fn pod_spec<'a>(r: &'a Rendered, name: &str) -> &'a PodSpec {
+    r.pod_specs()
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .unwrap_or_else(|| panic!("no workload {name}"))
+        .1
+}
+
+fn container<'a>(spec: &'a PodSpec, name: &str) -> &'a Container {
+    containers(spec)
+        .find(|c| c.name == name)
+        .unwrap_or_else(|| panic!("no container {name}"))
+}
+
+fn flag<'a>(c: &'a Container, name: &str) -> &'a str {
+    arg(c, name).unwrap_or_else(|| panic!("{}: no {name} in {:?}", c.name, c.args))
+}
+
+/// The host directory `path` lives in, if `c` mounts it from a hostPath volume of `spec`.
+fn host_path_of(spec: &PodSpec, c: &Container, path: &str) -> Option<String> {
+    let mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .filter(|m| path.starts_with(&format!("{}/", m.mount_path)) || path == m.mount_path)
+        .max_by_key(|m| m.mount_path.len())?;
+    let volume = spec.volumes.iter().flatten().find(|v| v.name == mount.name)?;
+    let host = &volume.host_path.as_ref()?.path;
+    Some(format!("{host}{}", &path[mount.mount_path.len()..]))
+}
+
+/// A path in `c`'s own pod-local (emptyDir) volume.
+fn in_empty_dir(spec: &PodSpec, c: &Container, path: &str) -> bool {
+    c.volume_mounts.iter().flatten().any(|m| {
+        path.starts_with(&format!("{}/", m.mount_path))
+            && spec
+                .volumes
+                .iter()
+                .flatten()
+                .any(|v| v.name == m.name && v.empty_dir.is_some())
+    })
+}
+
+/// The components find each other through host paths and node ports: every pair must agree, and every path must be
+/// on a hostPath volume both sides mount.
+fn assert_wiring(r: &Rendered, ctx: &str) {
+    let (agent_spec, proxy_spec, dns_spec, registrar_spec) = (
+        pod_spec(r, "aether-agent"),
+        pod_spec(r, "aether-proxy"),
+        pod_spec(r, "aether-mesh-dns"),
+        pod_spec(r, "aether-registrar"),
+    );
+    let agent = container(agent_spec, "agent");
+    let install = container(agent_spec, "cni-install");
+    let proxy = container(proxy_spec, "proxy");
+    let dns = container(dns_spec, "mesh-dns");
+    let registrar = &registrar_spec.containers[0];
+    // Where a container's path is on the host (through its hostPath volumes).
+    let host = |spec: &PodSpec, c: &Container, path: &str| {
+        host_path_of(spec, c, path).unwrap_or_else(|| panic!("{ctx}: {}: {path} is not on a hostPath volume", c.name))
+    };
+    // Envoy's ADS: the agent serves the socket the supervisor bootstraps Envoy with.
+    assert_eq!(
+        host(agent_spec, agent, flag(agent, "--xds-socket")),
+        host(proxy_spec, proxy, flag(proxy, "--xds-socket")),
+        "{ctx}: xDS socket"
+    );
+    // The CNI plugin runs on the host (kubelet), with the host paths the installer wrote into its config: the
+    // agent's socket, and pins under <state dir>/netns that the agent and the proxy (Envoy binds in pod netns) see.
+    assert_eq!(
+        host(agent_spec, agent, flag(agent, "--cni-socket")),
+        flag(install, "--agent-socket"),
+        "{ctx}: CNI socket"
+    );
+    let pins = format!("{}/netns", flag(install, "--state-dir"));
+    assert_eq!(host(agent_spec, agent, flag(agent, "--netns-pin-dir")), pins, "{ctx}: netns pins");
+    assert_eq!(host(proxy_spec, proxy, &pins), pins, "{ctx}: the proxy sees the pins");
+    // The agent writes mesh-dns's record file.
+    let records = format!("{}/mesh-dns/records", flag(agent, "--state-dir"));
+    assert_eq!(
+        host(agent_spec, agent, &records),
+        host(dns_spec, dns, flag(dns, "--records")),
+        "{ctx}: mesh-dns records"
+    );
+    // Pods' DNS is DNAT'ed to where mesh-dns listens; Envoy's admin is where the agent reads request metrics.
+    assert_eq!(flag(agent, "--mesh-dns"), flag(dns, "--listen"), "{ctx}: mesh-dns address");
+    assert_eq!(flag(agent, "--envoy-admin"), flag(proxy, "--envoy-admin"), "{ctx}: Envoy admin");
+    // One VIP range and one mesh domain everywhere.
+    assert_eq!(flag(agent, "--mesh-vip-cidr"), flag(registrar, "--vip-cidr"), "{ctx}: VIP range");
+    assert_eq!(flag(agent, "--mesh-domain"), flag(dns, "--mesh-domain"), "{ctx}: mesh domain");
+    assert_eq!(flag(agent, "--registrar").rsplit(':').next(), flag(registrar, "--listen").rsplit(':').next());
+    // Host-network pods rolled with a surge: readiness is a file in the pod's own volume, not the shared port.
+    for (spec, c) in [(proxy_spec, proxy), (dns_spec, dns)] {
+        let ready = flag(c, "--ready-file");
+        assert!(in_empty_dir(spec, c, ready), "{ctx}: {}: {ready} must be pod-local", c.name);
+        let probe = c.readiness_probe.as_ref().and_then(|p| p.exec.as_ref()).and_then(|e| e.command.clone());
+        assert_eq!(
+            probe,
+            Some(vec!["test".to_owned(), "-e".to_owned(), ready.to_owned()]),
+            "{ctx}: {}",
+            c.name
+        );
+    }
+    // mesh-dns forwards to the cluster DNS, where pods' queries went before capture.
+    assert_eq!(dns_spec.dns_policy.as_deref(), Some("ClusterFirstWithHostNet"), "{ctx}");
+}
+
+/// Defaults: the Kubernetes store (no extra infrastructure, active/active), the built-in CA, OTLP off.
 #[test]
 fn default_values_render_lint_clean_and_hold_the_invariants() {
     let r = render(json!({}));
-    assert_invariants_default(&r);
-}
-
-fn assert_invariants_default(r: &Rendered) {
-    // Defaults: the Kubernetes store (no extra infrastructure, active/active) and the built-in CA.
-    let registrar = r.registrar();
-    let rc = &registrar
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .spec
-        .as_ref()
-        .unwrap()
-        .containers[0];
-    assert_eq!(arg(rc, "--store"), Some("kubernetes"));
-    assert_eq!(registrar.spec.as_ref().unwrap().replicas, Some(2));
-    let agent = r.daemon_set("aether-agent");
-    let ac = &agent.spec.as_ref().unwrap().template.spec.as_ref().unwrap().containers[0];
-    assert_eq!(arg(ac, "--identity"), Some("builtin"));
-    assert_eq!(arg(ac, "--otlp-endpoint"), None, "OTLP is off by default");
+    assert_invariants(&r, "kubernetes", "builtin", false);
 }
 
 #[test]
@@ -469,7 +573,14 @@ fn every_store_and_identity_combination_renders_and_holds_the_invariants() {
     for store in STORES {
         for identity in IDENTITIES {
             let r = render(values(store, identity));
-            assert_invariants(&r, store, identity);
+            assert_invariants(&r, store, identity, true);
+            // Every component's resources come from its values.
+            for (pod, spec) in r.pod_specs() {
+                let want = LIMITS.iter().find(|(n, _)| *n == pod).unwrap().1;
+                let c = &spec.containers[0];
+                let limit = c.resources.as_ref().and_then(|r| r.limits.as_ref()).and_then(|l| l.get("memory"));
+                assert_eq!(limit.map(|q| q.0.as_str()), Some(want), "{pod}: resources.limits.memory");
+            }
         }
     }
 }
@@ -498,50 +609,51 @@ fn the_chart_refuses_values_that_cannot_work() {
     }
 }
 
-/// Every flag the chart passes to a binary is one that binary's `--help` lists, for every combination: the chart
-/// and the binaries cannot drift apart unnoticed.
+/// Every command line the chart gives a binary is one that binary parses, for the defaults and every combination:
+/// the binary runs with the rendered arguments (kubelet's `$(VAR)` expansion done with plausible values) plus one
+/// unknown flag at the end, so it must get through every rendered argument and stop exactly at that one. A flag that
+/// does not exist, takes no value or gets a malformed one fails here, as it would on the node.
 #[test]
-fn every_flag_the_chart_passes_is_one_the_binary_accepts() {
-    let mut help_cache: std::collections::BTreeMap<Vec<String>, String> = Default::default();
+fn every_command_line_the_chart_renders_is_one_the_binary_parses() {
+    const PROBE: &str = "--aether-chart-test-unknown-flag";
+    let expand = |arg: &str| arg.replace("$(NODE_NAME)", "node-a").replace("$(HOST_IP)", "10.0.0.7");
+    let mut renders = vec![("defaults".to_owned(), render(json!({})))];
     for store in STORES {
         for identity in IDENTITIES {
-            let r = render(values(store, identity));
-            for (pod, spec) in r.pod_specs() {
-                for c in containers(spec) {
-                    let command = c
-                        .command
-                        .as_ref()
-                        .unwrap_or_else(|| panic!("{pod}/{}: no command", c.name));
-                    let args = c.args.clone().unwrap_or_default();
-                    let subcommands: Vec<String> = args.iter().take_while(|a| !a.starts_with('-')).cloned().collect();
-                    let mut key = command.clone();
-                    key.extend(subcommands.iter().cloned());
-                    let help = help_cache.entry(key).or_insert_with(|| {
-                        let out = Command::new(aether_tests::binary(&command[0]))
-                            .args(&subcommands)
-                            .arg("--help")
-                            .output()
-                            .expect("run --help");
-                        assert!(out.status.success(), "{command:?} {subcommands:?} --help failed");
-                        String::from_utf8_lossy(&out.stdout).into_owned()
-                    });
-                    for flag in args.iter().skip(subcommands.len()) {
-                        let name = flag.split('=').next().unwrap();
-                        assert!(name.starts_with("--"), "{pod}/{}: {flag} is not a --flag", c.name);
-                        let listed = help.lines().any(|line| {
-                            line.split(|ch: char| ch.is_whitespace() || ch == ',' || ch == '=' || ch == '<')
-                                .any(|word| word == name)
-                        });
-                        assert!(
-                            listed,
-                            "{pod}/{}: `{} {}` does not accept {name} (store={store} identity={identity})",
-                            c.name,
-                            command.join(" "),
-                            subcommands.join(" ")
-                        );
-                    }
+            renders.push((format!("store={store} identity={identity}"), render(values(store, identity))));
+        }
+    }
+    let mut checked = 0;
+    for (ctx, r) in &renders {
+        for (pod, spec) in r.pod_specs() {
+            for c in containers(spec) {
+                let command = c
+                    .command
+                    .as_ref()
+                    .unwrap_or_else(|| panic!("{pod}/{}: no command", c.name));
+                let args: Vec<String> = c.args.iter().flatten().map(|a| expand(a)).collect();
+                for a in &args {
+                    assert!(!a.contains("$("), "{ctx}: {pod}/{}: {a} refers to an unknown variable", c.name);
                 }
+                let out = Command::new(aether_tests::binary(&command[0]))
+                    .args(&command[1..])
+                    .args(&args)
+                    .arg(PROBE)
+                    .env_clear()
+                    .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+                    .output()
+                    .expect("run the binary");
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                assert!(
+                    !out.status.success() && stderr.contains(&format!("unexpected argument '{PROBE}'")),
+                    "{ctx}: {pod}/{}: `{} {}` did not parse up to the probe flag:\n{stderr}",
+                    c.name,
+                    command.join(" "),
+                    args.join(" ")
+                );
+                checked += 1;
             }
         }
     }
+    assert_eq!(checked, renders.len() * 5, "agent, cni-install, proxy, mesh-dns, registrar per render");
 }

@@ -41,7 +41,7 @@ http://{{ include "aether.name" (list . "registrar") }}.{{ .Release.Namespace }}
 {{/* Telemetry flags every binary takes. */}}
 {{- define "aether.otelArgs" -}}
 {{- if .Values.otel.enabled }}
-- --otel-enabled=true
+- --otel-enabled
 - --otlp-endpoint={{ required "otel.endpoint is required when otel.enabled" .Values.otel.endpoint }}
 - --trace-sample-rate={{ .Values.otel.traceSampleRate }}
 {{- end }}
