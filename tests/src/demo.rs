@@ -407,18 +407,14 @@ impl Demo {
                 });
             }
         }
-        for tool in ["nft", "dig"] {
-            let found = Command::new(tool)
-                .arg(if tool == "dig" { "-v" } else { "--version" })
-                .output()
-                .is_ok();
-            if !found {
+        for (tool, flag, component) in [
+            ("nft", "--version", "nftables"),
+            ("dig", "-v", "bind9-dnsutils (dig)"),
+            ("curl", "--version", "curl"),
+        ] {
+            if Command::new(tool).arg(flag).output().is_err() {
                 return Err(DemoError::Missing {
-                    component: if tool == "nft" {
-                        "nftables"
-                    } else {
-                        "bind9-dnsutils (dig)"
-                    },
+                    component,
                     detail: format!("`{tool}` is not installed: run `make setup`"),
                 });
             }
@@ -716,6 +712,7 @@ impl Demo {
         let mut lines = Vec::new();
         for (name, sa, upstreams, managed) in specs {
             let netns = BareNetns::new();
+            write_pod_resolv_conf(netns.name())?;
             let sandbox = Sandbox::new(&format!("{WORK_PREFIX}{pid}-{name}"), &netns.path(), NAMESPACE, name);
             self.pods.push(Pod {
                 name: name.into(),
@@ -896,26 +893,38 @@ impl Demo {
         Ok(SocketAddr::from((vip, APP_PORT)))
     }
 
+    /// `curl http://backend.demo.aether.internal:8080/hello` in the frontend's netns, resolving the name itself
+    /// through the pod's resolv.conf (the cluster DNS address, captured to mesh-dns; the search-path expansions
+    /// `ndots:5` tries first are answered NXDOMAIN by mesh-dns without leaving the node).
     async fn call_by_name(&mut self) -> Result<Vec<String>, DemoError> {
         let target = self.backend_target()?;
-        let host = format!("{}:{APP_PORT}", Self::fqdn("backend"));
-        let netns = self.pod("frontend").netns_path();
+        let url = format!("http://{}:{APP_PORT}/hello", Self::fqdn("backend"));
+        let netns = self.pod("frontend").netns.as_ref().expect("netns").name().to_owned();
         let deadline = Instant::now() + CONVERGE_TIMEOUT;
-        let reply = loop {
-            let reply = get_in(&netns, target, &host, "/hello").await;
-            match reply {
-                Ok(r) if r.status == 200 => break r,
-                other if Instant::now() > deadline => {
-                    return Err(fail(format!(
-                        "GET http://{host}/hello from frontend (connecting to {target}) did not succeed: {other:?}\n\
-                         agent log (tail):\n{}",
-                        tail(&self.agent.as_ref().map(ChildGuard::logs).unwrap_or_default(), 15)
-                    )));
-                }
-                _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        let body = loop {
+            let out = tokio::process::Command::new("ip")
+                .args(["netns", "exec", &netns, "curl", "-sS", "--max-time", "5", "-w", "\n%{http_code} %{remote_ip}"])
+                .arg(&url)
+                .output()
+                .await
+                .map_err(|e| fail(format!("running curl in the frontend's netns: {e}")))?;
+            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+            let (body, status) = stdout.rsplit_once('\n').unwrap_or(("", stdout.as_str()));
+            if status == format!("200 {}", target.ip()) {
+                break serde_json::from_str::<Value>(body)
+                    .map_err(|e| fail(format!("the answer to {url} is not the echo JSON ({e}): {body}")))?;
             }
+            if Instant::now() > deadline {
+                return Err(fail(format!(
+                    "curl {url} from frontend did not get 200 from the VIP {} (got {status:?}, stderr {:?})\n\
+                     agent log (tail):\n{}",
+                    target.ip(),
+                    String::from_utf8_lossy(&out.stderr).trim(),
+                    tail(&self.agent.as_ref().map(ChildGuard::logs).unwrap_or_default(), 15)
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         };
-        let body = reply.json()?;
         let served_by = body["pod"].as_str().unwrap_or_default().to_owned();
         if !served_by.starts_with("backend-") {
             return Err(fail(format!("the answer did not come from a backend replica: {body}")));
@@ -934,6 +943,10 @@ impl Demo {
         }
         self.facts.spiffe_id = expected.clone();
         Ok(vec![
+            format!(
+                "curl {url} in frontend's netns: the name resolved through the pod's resolv.conf (mesh-dns) to {}",
+                target.ip()
+            ),
             format!(
                 "frontend -> {target} (VIP) -> captured to Envoy's :18001 in frontend's netns -> mTLS -> {served_by}:18008 -> 127.0.0.1:{APP_PORT}"
             ),
@@ -1292,7 +1305,11 @@ impl Demo {
             }
         }
         for pod in &mut self.pods {
-            pod.netns = None;
+            if let Some(netns) = pod.netns.take()
+                && let Err(e) = remove_pod_resolv_conf(netns.name())
+            {
+                problems.push(e);
+            }
         }
         let base_id = self.envoy_base_id.or_else(|| read_base_id(&self.path("proxy/state")));
         for (name, child) in [
@@ -1484,6 +1501,12 @@ pub fn leftovers(pid: u32, work: &Path, base_id: Option<u32>) -> Vec<String> {
     for ns in run_netns(pid) {
         left.push(format!("netns {ns}"));
     }
+    let prefix = format!("{NETNS_PREFIX}{pid:06x}");
+    for entry in std::fs::read_dir(ETC_NETNS).into_iter().flatten().flatten() {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            left.push(format!("pod resolv.conf {}", entry.path().display()));
+        }
+    }
     let links = Command::new("ip")
         .args(["-o", "link", "show"])
         .output()
@@ -1569,7 +1592,45 @@ pub fn sweep_leftovers() -> Vec<String> {
             swept.push(format!("netns {name}"));
         }
     }
+    // Their pods' resolv.conf (`/etc/netns/aen-<pid>…`).
+    for entry in std::fs::read_dir(ETC_NETNS).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(NETNS_PREFIX)
+            .and_then(|rest| rest.get(..6))
+            .and_then(|p| u32::from_str_radix(p, 16).ok())
+        else {
+            continue;
+        };
+        if !alive(pid) && std::fs::remove_dir_all(entry.path()).is_ok() {
+            swept.push(format!("pod resolv.conf {}", entry.path().display()));
+        }
+    }
     swept
+}
+
+/// Where `ip netns exec <name>` finds per-netns files it bind-mounts over `/etc` (here: the pod's resolv.conf).
+const ETC_NETNS: &str = "/etc/netns";
+
+/// The resolv.conf kubelet gives a pod (`dnsPolicy: ClusterFirst`): the cluster DNS, the namespace's search path.
+/// Commands run with `ip netns exec` in the pod see it as /etc/resolv.conf.
+fn write_pod_resolv_conf(netns: &str) -> Result<(), DemoError> {
+    let dir = Path::new(ETC_NETNS).join(netns);
+    let conf = format!(
+        "nameserver {CLUSTER_DNS}\nsearch {NAMESPACE}.svc.cluster.local svc.cluster.local cluster.local\noptions ndots:5\n"
+    );
+    std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(dir.join("resolv.conf"), conf))
+        .map_err(|e| fail(format!("writing {}/resolv.conf: {e}", dir.display())))
+}
+
+fn remove_pod_resolv_conf(netns: &str) -> Result<(), String> {
+    let dir = Path::new(ETC_NETNS).join(netns);
+    match std::fs::remove_dir_all(&dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(format!("removing {}: {e}", dir.display())),
+    }
 }
 
 // ---- pods' apps and client --------------------------------------------------------------------------------------

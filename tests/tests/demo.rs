@@ -180,7 +180,8 @@ fn the_demo_runs_green_shows_the_mesh_and_leaves_nothing_behind() {
 
 #[test]
 fn an_interrupted_or_killed_demo_leaves_nothing_behind_and_the_next_run_works() {
-    // SIGINT in the middle (the hot restart step, with load running): cancel, clean up, exit non-zero.
+    // SIGINT in the middle (the hot restart step, with load running): cancel, clean up, exit non-zero. A step's
+    // line ends when the step is done, so step 12's whole line means step 13, the hot restart, has begun.
     let mut run = DemoRun::spawn();
     let (pid, work) = (run.pid(), run.work());
     run.wait_line("[12/");
