@@ -4,8 +4,9 @@
 //! primary CNI rewrites its file.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
@@ -13,6 +14,8 @@ use crate::config::{DEFAULT_AGENT_SOCKET, DEFAULT_LOG_FILE, DEFAULT_STATE_DIR};
 
 /// Our plugin's `type` (and binary name).
 pub const PLUGIN_TYPE: &str = "aether-cni";
+/// How often the watch loop looks at its stop flag.
+const STOP_POLL: Duration = Duration::from_millis(200);
 /// Extensions libcni loads, in its order (by file name).
 const CONF_EXTENSIONS: &[&str] = &["conf", "conflist", "json"];
 
@@ -70,6 +73,35 @@ pub struct InstallConfig {
     /// Re-check period while watching, in case an inotify event is missed (milliseconds).
     #[arg(long, env = "AETHER_CNI_RESYNC_MS", default_value_t = 5000)]
     pub resync_ms: u64,
+    /// `<namespace>/<name>` of the DaemonSet this installer runs in. On SIGTERM the plugin is removed from the
+    /// node if that DaemonSet is gone or being deleted (an uninstall), and kept otherwise (a rollout or restart:
+    /// new pods wait, fail-closed, for the next agent). Unset: always kept.
+    #[arg(long, env = "AETHER_CNI_OWNER_DAEMONSET", value_parser = parse_owner)]
+    pub owner_daemonset: Option<Owner>,
+}
+
+/// A DaemonSet by namespace and name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Owner {
+    pub namespace: String,
+    pub name: String,
+}
+
+fn parse_owner(value: &str) -> Result<Owner, String> {
+    let valid = |part: &str| {
+        !part.is_empty()
+            && part.len() <= 253
+            && part
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+    };
+    match value.split_once('/') {
+        Some((namespace, name)) if valid(namespace) && valid(name) => Ok(Owner {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        }),
+        _ => Err(format!("{value:?} is not <namespace>/<name>")),
+    }
 }
 
 #[derive(Clone, Debug, clap::Args)]
@@ -249,8 +281,13 @@ pub fn uninstall(config: &UninstallConfig) -> Result<Vec<PathBuf>, InstallError>
 }
 
 /// Installs, then (with `watch`) repairs our entry on every change of the conf dir
-/// and every `resync_ms`. Returns only on an error, or after one pass without `watch`.
-pub fn install(config: &InstallConfig, on_change: &mut dyn FnMut(&Change)) -> Result<(), InstallError> {
+/// and every `resync_ms` until `stop` is set. Returns on an error, once `stop` is set,
+/// or after one pass without `watch`.
+pub fn install(
+    config: &InstallConfig,
+    stop: &AtomicBool,
+    on_change: &mut dyn FnMut(&Change),
+) -> Result<(), InstallError> {
     let source = match &config.source {
         Some(s) => s.clone(),
         None => std::env::current_exe().map_err(io(Path::new("/proc/self/exe")))?,
@@ -278,9 +315,16 @@ pub fn install(config: &InstallConfig, on_change: &mut dyn FnMut(&Change)) -> Re
         }
     })?;
     let resync = Duration::from_millis(config.resync_ms.max(100));
+    let mut last_pass = Instant::now();
     loop {
-        match rx.recv_timeout(resync) {
-            Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+        if stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        // Woken at least every STOP_POLL so a stop never waits for a whole resync period.
+        match rx.recv_timeout(STOP_POLL) {
+            Ok(_) => {}
+            Err(mpsc::RecvTimeoutError::Timeout) if last_pass.elapsed() < resync => continue,
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 return Err(InstallError::Watch {
                     path: config.conf_dir.display().to_string(),
@@ -291,6 +335,10 @@ pub fn install(config: &InstallConfig, on_change: &mut dyn FnMut(&Change)) -> Re
         // Let a burst of writes (the primary CNI's temp + rename) settle.
         std::thread::sleep(Duration::from_millis(50));
         while rx.try_recv().is_ok() {}
+        if stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        last_pass = Instant::now();
         match ensure_entry(&config.conf_dir, &entry) {
             Ok(change) => on_change(&change),
             // A half-written file from the primary CNI: the next event retries.
@@ -315,6 +363,21 @@ mod tests {
             excluded_namespaces: vec!["kube-system".into()],
             watch: false,
             resync_ms: 5000,
+            owner_daemonset: None,
+        }
+    }
+
+    #[test]
+    fn the_owner_is_namespace_slash_name() {
+        assert_eq!(
+            parse_owner("aether-system/aether-agent"),
+            Ok(Owner {
+                namespace: "aether-system".into(),
+                name: "aether-agent".into()
+            })
+        );
+        for bad in ["aether-agent", "/x", "x/", "a/b/c", "A/b", ""] {
+            assert!(parse_owner(bad).is_err(), "{bad:?} accepted");
         }
     }
 

@@ -9,5 +9,6 @@ pub mod env;
 pub mod error;
 pub mod install;
 pub mod netns;
+pub mod owner;
 pub mod plugin;
 pub mod result;

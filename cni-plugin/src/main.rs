@@ -4,8 +4,11 @@
 
 use std::io::{Read, Write};
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use aether_cni::install::{self, Change, InstallConfig, UninstallConfig};
+use aether_cni::owner::OwnerState;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
@@ -19,7 +22,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Sub {
     /// Copy the plugin into the CNI bin dir and chain it into the first CNI config; keep it there.
-    Install(InstallConfig),
+    Install(Box<InstallConfig>),
     /// Remove the plugin from every CNI config and the bin dir.
     Uninstall(UninstallConfig),
 }
@@ -45,15 +48,73 @@ fn main() -> ExitCode {
     }
 }
 
-fn run_install(config: &InstallConfig) -> anyhow::Result<()> {
-    install::install(config, &mut |change| match change {
+fn log_change(config: &InstallConfig, change: &Change) {
+    match change {
         Change::NoConfig => {
             tracing::warn!(dir = %config.conf_dir.display(), "no CNI config yet; waiting for the primary CNI")
         }
         Change::Unchanged(path) => tracing::debug!(path = %path.display(), "our plugin is chained"),
         Change::Written(path) => tracing::info!(path = %path.display(), "chained our plugin into the CNI config"),
+    }
+}
+
+/// Installs; with `--watch`, keeps the plugin chained until SIGTERM/SIGINT, then leaves it in place unless the
+/// owner DaemonSet is being uninstalled.
+fn run_install(config: &InstallConfig) -> anyhow::Result<()> {
+    if !config.watch {
+        return install::install(config, &AtomicBool::new(false), &mut |c| log_change(config, c)).context("install");
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let watcher = {
+        let (config, stop) = (config.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let result = install::install(&config, &stop, &mut |c| log_change(&config, c));
+            let _ = done_tx.send(result);
+        })
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut terminate = signal(SignalKind::terminate())?;
+        let mut interrupt = signal(SignalKind::interrupt())?;
+        tokio::select! {
+            result = done_rx => return result.context("the watcher thread died")?.context("install"),
+            _ = terminate.recv() => {}
+            _ = interrupt.recv() => {}
+        }
+        // Stop repairing first, or the watcher would put back what an uninstall removes.
+        stop.store(true, Ordering::Release);
+        let _ = tokio::task::spawn_blocking(move || watcher.join()).await;
+        let Some(owner) = &config.owner_daemonset else {
+            tracing::info!("stopping; the plugin stays chained");
+            return Ok(());
+        };
+        match aether_cni::owner::owner_state(owner).await {
+            Ok(OwnerState::Present) => {
+                tracing::info!(namespace = %owner.namespace, daemonset = %owner.name,
+                    "stopping for a rollout or restart; the plugin stays chained (new pods wait for the next agent)");
+                Ok(())
+            }
+            Ok(OwnerState::Going) => {
+                let changed = install::uninstall(&UninstallConfig {
+                    bin_dir: config.bin_dir.clone(),
+                    conf_dir: config.conf_dir.clone(),
+                })
+                .context("uninstall")?;
+                tracing::info!(namespace = %owner.namespace, daemonset = %owner.name, ?changed,
+                    "the DaemonSet is being deleted: removed the plugin from the node");
+                Ok(())
+            }
+            Err(error) => {
+                // Fail closed: a plugin left behind blocks pod starts visibly; one removed by mistake lets pods
+                // start without capture.
+                tracing::warn!(namespace = %owner.namespace, daemonset = %owner.name, %error,
+                    "cannot tell an uninstall from a rollout; the plugin stays chained (`aether-cni uninstall` removes it)");
+                Ok(())
+            }
+        }
     })
-    .context("install")
 }
 
 fn aether_cni_logging_stderr() {

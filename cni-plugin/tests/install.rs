@@ -189,3 +189,176 @@ fn a_broken_conf_dir_is_a_clear_error() {
     let bad = Command::new(BIN).args(["install", "--bogus"]).output().unwrap();
     assert!(!bad.status.success());
 }
+
+/// What the fake API server answers for the owner DaemonSet.
+#[derive(Clone, Copy, Debug)]
+enum Owner {
+    Present,
+    Deleting,
+    NotFound,
+    /// The release's RBAC or ServiceAccount is already gone.
+    Forbidden,
+}
+
+/// A minimal Kubernetes API server on loopback answering `GET` of one DaemonSet; records the paths asked for.
+struct FakeApi {
+    port: u16,
+    asked: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl FakeApi {
+    fn start(owner: Owner) -> FakeApi {
+        use std::io::{BufRead, BufReader, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = asked.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut request_line = String::new();
+                if reader.read_line(&mut request_line).is_err() {
+                    continue;
+                }
+                // Skip the headers (a GET has no body).
+                let mut line = String::new();
+                while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+                    line.clear();
+                }
+                let path = request_line.split_whitespace().nth(1).unwrap_or_default().to_owned();
+                log.lock().unwrap().push(path.clone());
+                let wanted =
+                    path.split('?').next() == Some("/apis/apps/v1/namespaces/aether-system/daemonsets/aether-agent");
+                let mut ds = json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+                    "metadata": {"name": "aether-agent", "namespace": "aether-system", "uid": "u-1"}});
+                let (status, body) = match owner {
+                    Owner::Present if wanted => ("200 OK", ds),
+                    Owner::Deleting if wanted => {
+                        ds["metadata"]["deletionTimestamp"] = json!("2026-11-30T12:00:00Z");
+                        ("200 OK", ds)
+                    }
+                    Owner::Forbidden => (
+                        "403 Forbidden",
+                        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden",
+                               "code": 403, "message": "daemonsets.apps \"aether-agent\" is forbidden"}),
+                    ),
+                    _ => (
+                        "404 Not Found",
+                        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound",
+                               "code": 404, "message": "daemonsets.apps \"aether-agent\" not found"}),
+                    ),
+                };
+                let body = body.to_string();
+                let mut stream = stream;
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        FakeApi { port, asked }
+    }
+}
+
+fn kubeconfig(dir: &Path, port: u16) -> PathBuf {
+    let path = dir.join("kubeconfig");
+    let config = format!(
+        "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
+         clusters: [{{name: fake, cluster: {{server: \"http://127.0.0.1:{port}\"}}}}]\n\
+         users: [{{name: fake, user: {{token: not-a-secret}}}}]\n\
+         contexts: [{{name: fake, context: {{cluster: fake, user: fake}}}}]\n"
+    );
+    std::fs::write(&path, config).unwrap();
+    path
+}
+
+/// Runs a watching installer owned by `aether-system/aether-agent` against `api_port`, sends it SIGTERM once our
+/// plugin is chained, and returns its stderr after it exited 0.
+fn stop_installer(root: &Path, api_port: u16) -> String {
+    let (bin, conf) = dirs(root);
+    primary_writes(&conf, "10-pods.conflist");
+    let mut child = Command::new(BIN)
+        .args(install_args(&bin, &conf))
+        .args(["--owner-daemonset", "aether-system/aether-agent"])
+        .env("KUBECONFIG", kubeconfig(root, api_port))
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let list = conf.join("10-pods.conflist");
+    eventually("our plugin is chained", || {
+        plugin_types(&list) == ["bridge", "portmap", "aether-cni"]
+    });
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the installer did not exit after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "installer: {status}\n{stderr}");
+    stderr
+}
+
+fn chained(root: &Path) -> bool {
+    plugin_types(&root.join("net.d/10-pods.conflist")).contains(&"aether-cni".to_owned())
+        && root.join("bin/aether-cni").exists()
+}
+
+/// On SIGTERM the installer asks the API server about its DaemonSet: present means a rollout (the plugin stays,
+/// so no pod starts without capture), gone, being deleted or no longer readable with the release's RBAC means
+/// `helm uninstall` (the plugin leaves the node, so pods can start again). An unreachable API server keeps it.
+#[test]
+fn on_sigterm_the_plugin_stays_for_a_rollout_and_leaves_on_an_uninstall() {
+    for (owner, stays) in [
+        (Owner::Present, true),
+        (Owner::Deleting, false),
+        (Owner::NotFound, false),
+        (Owner::Forbidden, false),
+    ] {
+        let root = tempfile::tempdir().unwrap();
+        let api = FakeApi::start(owner);
+        let stderr = stop_installer(root.path(), api.port);
+        assert_eq!(
+            chained(root.path()),
+            stays,
+            "{owner:?}: plugin chained after SIGTERM\n{stderr}"
+        );
+        assert_eq!(
+            api.asked
+                .lock()
+                .unwrap()
+                .first()
+                .map(|p| p.split('?').next().unwrap().to_owned()),
+            Some("/apis/apps/v1/namespaces/aether-system/daemonsets/aether-agent".to_owned()),
+            "{owner:?}"
+        );
+        assert!(
+            !stderr.contains("not-a-secret"),
+            "the token must never be logged:\n{stderr}"
+        );
+    }
+    // The API server cannot be reached: the plugin stays.
+    let root = tempfile::tempdir().unwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let stderr = stop_installer(root.path(), closed);
+    assert!(chained(root.path()), "{stderr}");
+    assert!(stderr.contains("cannot tell an uninstall from a rollout"), "{stderr}");
+}

@@ -404,14 +404,39 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
     }
     assert_eq!(role_names, want, "{ctx}: ClusterRoles");
     assert_eq!(r.cluster_role_bindings.len(), want.len(), "{ctx}");
+    // The agent's CNI installer reads its own DaemonSet (uninstall or rollout?), by name, nothing else.
+    let agent_role = r
+        .roles
+        .iter()
+        .find(|role| role.metadata.name.as_deref() == Some("aether-agent"))
+        .unwrap_or_else(|| panic!("{ctx}: no Role for the agent"));
+    let rules = agent_role.rules.as_deref().unwrap_or_default();
+    assert_eq!(rules.len(), 1, "{ctx}");
+    assert_eq!(
+        rules[0].resources.as_deref(),
+        Some(&["daemonsets".to_owned()][..]),
+        "{ctx}"
+    );
+    assert_eq!(
+        rules[0].resource_names.as_deref(),
+        Some(&["aether-agent".to_owned()][..]),
+        "{ctx}"
+    );
+    assert_eq!(rules[0].verbs, ["get"], "{ctx}");
+    assert_eq!(
+        arg(install, "--owner-daemonset"),
+        Some("aether-system/aether-agent"),
+        "{ctx}: the installer names its own DaemonSet"
+    );
+    let registrar_roles: Vec<&Role> = r.roles.iter().filter(|role| !std::ptr::eq(*role, agent_role)).collect();
     // The Kubernetes store keeps its VIPs in one ConfigMap: the only namespaced write anywhere in the chart, and
     // every verb but `create` (which cannot be scoped by name) is limited to that ConfigMap.
     if store == "kubernetes" {
-        assert_eq!(r.roles.len(), 1, "{ctx}: the registrar's VIP ConfigMap Role");
-        assert_eq!(r.role_bindings.len(), 1, "{ctx}");
+        assert_eq!(registrar_roles.len(), 1, "{ctx}: the registrar's VIP ConfigMap Role");
+        assert_eq!(r.role_bindings.len(), 2, "{ctx}");
         let vip_map = format!("{}/aether-registrar-vips", "aether-system");
         assert_eq!(arg(rc, "--kube-vip-configmap"), Some(vip_map.as_str()), "{ctx}");
-        for rule in r.roles[0].rules.iter().flatten() {
+        for rule in registrar_roles[0].rules.iter().flatten() {
             assert_eq!(rule.resources.as_deref(), Some(&["configmaps".to_owned()][..]), "{ctx}");
             if rule.verbs != ["create"] {
                 assert_eq!(
@@ -424,8 +449,8 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
         }
     } else {
         assert!(
-            r.roles.is_empty() && r.role_bindings.is_empty(),
-            "{ctx}: no Role without the Kubernetes store"
+            registrar_roles.is_empty() && r.role_bindings.len() == 1,
+            "{ctx}: no registrar Role without the Kubernetes store"
         );
     }
     for sa in &r.service_accounts {
@@ -529,7 +554,11 @@ fn assert_wiring(r: &Rendered, ctx: &str) {
         "{ctx}: CNI socket"
     );
     let pins = format!("{}/netns", flag(install, "--state-dir"));
-    assert_eq!(host(agent_spec, agent, flag(agent, "--netns-pin-dir")), pins, "{ctx}: netns pins");
+    assert_eq!(
+        host(agent_spec, agent, flag(agent, "--netns-pin-dir")),
+        pins,
+        "{ctx}: netns pins"
+    );
     assert_eq!(host(proxy_spec, proxy, &pins), pins, "{ctx}: the proxy sees the pins");
     // The agent writes mesh-dns's record file.
     let records = format!("{}/mesh-dns/records", flag(agent, "--state-dir"));
@@ -539,17 +568,44 @@ fn assert_wiring(r: &Rendered, ctx: &str) {
         "{ctx}: mesh-dns records"
     );
     // Pods' DNS is DNAT'ed to where mesh-dns listens; Envoy's admin is where the agent reads request metrics.
-    assert_eq!(flag(agent, "--mesh-dns"), flag(dns, "--listen"), "{ctx}: mesh-dns address");
-    assert_eq!(flag(agent, "--envoy-admin"), flag(proxy, "--envoy-admin"), "{ctx}: Envoy admin");
+    assert_eq!(
+        flag(agent, "--mesh-dns"),
+        flag(dns, "--listen"),
+        "{ctx}: mesh-dns address"
+    );
+    assert_eq!(
+        flag(agent, "--envoy-admin"),
+        flag(proxy, "--envoy-admin"),
+        "{ctx}: Envoy admin"
+    );
     // One VIP range and one mesh domain everywhere.
-    assert_eq!(flag(agent, "--mesh-vip-cidr"), flag(registrar, "--vip-cidr"), "{ctx}: VIP range");
-    assert_eq!(flag(agent, "--mesh-domain"), flag(dns, "--mesh-domain"), "{ctx}: mesh domain");
-    assert_eq!(flag(agent, "--registrar").rsplit(':').next(), flag(registrar, "--listen").rsplit(':').next());
+    assert_eq!(
+        flag(agent, "--mesh-vip-cidr"),
+        flag(registrar, "--vip-cidr"),
+        "{ctx}: VIP range"
+    );
+    assert_eq!(
+        flag(agent, "--mesh-domain"),
+        flag(dns, "--mesh-domain"),
+        "{ctx}: mesh domain"
+    );
+    assert_eq!(
+        flag(agent, "--registrar").rsplit(':').next(),
+        flag(registrar, "--listen").rsplit(':').next()
+    );
     // Host-network pods rolled with a surge: readiness is a file in the pod's own volume, not the shared port.
     for (spec, c) in [(proxy_spec, proxy), (dns_spec, dns)] {
         let ready = flag(c, "--ready-file");
-        assert!(in_empty_dir(spec, c, ready), "{ctx}: {}: {ready} must be pod-local", c.name);
-        let probe = c.readiness_probe.as_ref().and_then(|p| p.exec.as_ref()).and_then(|e| e.command.clone());
+        assert!(
+            in_empty_dir(spec, c, ready),
+            "{ctx}: {}: {ready} must be pod-local",
+            c.name
+        );
+        let probe = c
+            .readiness_probe
+            .as_ref()
+            .and_then(|p| p.exec.as_ref())
+            .and_then(|e| e.command.clone());
         assert_eq!(
             probe,
             Some(vec!["test".to_owned(), "-e".to_owned(), ready.to_owned()]),
@@ -578,8 +634,16 @@ fn every_store_and_identity_combination_renders_and_holds_the_invariants() {
             for (pod, spec) in r.pod_specs() {
                 let want = LIMITS.iter().find(|(n, _)| *n == pod).unwrap().1;
                 let c = &spec.containers[0];
-                let limit = c.resources.as_ref().and_then(|r| r.limits.as_ref()).and_then(|l| l.get("memory"));
-                assert_eq!(limit.map(|q| q.0.as_str()), Some(want), "{pod}: resources.limits.memory");
+                let limit = c
+                    .resources
+                    .as_ref()
+                    .and_then(|r| r.limits.as_ref())
+                    .and_then(|l| l.get("memory"));
+                assert_eq!(
+                    limit.map(|q| q.0.as_str()),
+                    Some(want),
+                    "{pod}: resources.limits.memory"
+                );
             }
         }
     }
@@ -620,7 +684,10 @@ fn every_command_line_the_chart_renders_is_one_the_binary_parses() {
     let mut renders = vec![("defaults".to_owned(), render(json!({})))];
     for store in STORES {
         for identity in IDENTITIES {
-            renders.push((format!("store={store} identity={identity}"), render(values(store, identity))));
+            renders.push((
+                format!("store={store} identity={identity}"),
+                render(values(store, identity)),
+            ));
         }
     }
     let mut checked = 0;
@@ -633,7 +700,11 @@ fn every_command_line_the_chart_renders_is_one_the_binary_parses() {
                     .unwrap_or_else(|| panic!("{pod}/{}: no command", c.name));
                 let args: Vec<String> = c.args.iter().flatten().map(|a| expand(a)).collect();
                 for a in &args {
-                    assert!(!a.contains("$("), "{ctx}: {pod}/{}: {a} refers to an unknown variable", c.name);
+                    assert!(
+                        !a.contains("$("),
+                        "{ctx}: {pod}/{}: {a} refers to an unknown variable",
+                        c.name
+                    );
                 }
                 let out = Command::new(aether_tests::binary(&command[0]))
                     .args(&command[1..])
@@ -655,5 +726,9 @@ fn every_command_line_the_chart_renders_is_one_the_binary_parses() {
             }
         }
     }
-    assert_eq!(checked, renders.len() * 5, "agent, cni-install, proxy, mesh-dns, registrar per render");
+    assert_eq!(
+        checked,
+        renders.len() * 5,
+        "agent, cni-install, proxy, mesh-dns, registrar per render"
+    );
 }
