@@ -57,7 +57,9 @@ pub struct Config {
     #[arg(long, env = "AETHER_MESH_DOMAIN", default_value = "aether.internal")]
     pub mesh_domain: String,
 
-    /// This node's locality (topology.kubernetes.io/region, zone, subzone).
+    /// This node's locality (topology.kubernetes.io/region, zone, subzone). With
+    /// `--pod-source kubernetes`, region and zone left empty are read once from the Node's
+    /// topology labels (a flag given wins).
     #[arg(long, env = "AETHER_REGION", default_value = "")]
     pub region: String,
     #[arg(long, env = "AETHER_ZONE", default_value = "")]

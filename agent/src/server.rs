@@ -100,11 +100,19 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     })?;
     let _ = std::fs::set_permissions(&config.state_dir, std::fs::Permissions::from_mode(0o700));
     let pods = PodStore::open(&config.state_dir)?;
-    let locality = Locality {
+    let mut locality = Locality {
         region: config.region.clone(),
         zone: config.zone.clone(),
         subzone: config.subzone.clone(),
     };
+    // The Kubernetes pod source's client, also used once here for the Node's locality.
+    let kube_client = match config.pod_source {
+        PodSourceKind::Kubernetes => Some(kubernetes::client_from_env().await.map_err(StartError::Kubernetes)?),
+        PodSourceKind::Static => None,
+    };
+    if let Some(client) = &kube_client {
+        locality = kubernetes::locality(locality, client.clone(), &config.node_name).await;
+    }
     let registrar =
         Registrar::new(&config.registrar, config.node_name.clone(), locality.clone()).map_err(StartError::Registrar)?;
 
@@ -222,16 +230,15 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     node.rebuild();
 
     let directory = PodDirectory::default();
-    match config.pod_source {
-        PodSourceKind::Static => {
+    match kube_client {
+        None => {
             tokio::spawn(static_dir::run(
                 config.pod_dir.clone(),
                 directory.clone(),
                 shutdown.clone(),
             ));
         }
-        PodSourceKind::Kubernetes => {
-            let client = kubernetes::client_from_env().await.map_err(StartError::Kubernetes)?;
+        Some(client) => {
             tokio::spawn(kubernetes::run(
                 client,
                 config.node_name.clone(),

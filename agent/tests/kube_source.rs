@@ -510,3 +510,285 @@ async fn failing_requests_are_retried_with_backoff() {
 
     run.stop().await;
 }
+
+// ---------------------------------------------------------------- the agent's locality from its Node
+
+/// `aether-agent run --pod-source kubernetes` against the fake API and a real registrar
+/// (embedded store): the registrar, the agent process (killed on drop), its log file.
+struct Agent {
+    registrar: aether_registrar::Running,
+    registrar_stop: CancellationToken,
+    child: tokio::process::Child,
+    admin: std::net::SocketAddr,
+    log: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+/// The pod the agent's state dir holds from a previous run (re-registered at start).
+const RECOVERED: &str = "a";
+const RECOVERED_IP: &str = "10.77.0.5";
+
+impl Agent {
+    /// Starts the registrar and the agent. The agent's state dir holds pod
+    /// [`RECOVERED`] (as the pod source describes it), so the agent registers it at
+    /// start, before any CNI call: with the locality it settled on.
+    async fn start(api: &FakeApi, flags: &[&str]) -> Agent {
+        let dir = tempfile::tempdir().unwrap();
+        let registrar_stop = CancellationToken::new();
+        let registrar = aether_registrar::start(
+            <aether_registrar::Config as clap::Parser>::parse_from([
+                "aether-registrar",
+                "--listen=127.0.0.1:0",
+                "--admin=127.0.0.1:0",
+                "--store=embedded",
+                &format!("--data-dir={}", dir.path().join("registrar").display()),
+            ]),
+            registrar_stop.clone(),
+        )
+        .await
+        .expect("the registrar starts");
+
+        // A sandbox path that exists but is no netns: capture repair fails harmlessly on it.
+        let sandbox = dir.path().join("sandbox");
+        std::fs::write(&sandbox, b"").unwrap();
+        let state = dir.path().join("state");
+        let pods = aether_agent::pod_store::PodStore::open(&state).unwrap();
+        let info = kubernetes::pod_info(&serde_json::from_value(pod(RECOVERED, "1", 8080)).unwrap()).unwrap();
+        std::fs::create_dir_all(&state).unwrap();
+        pods.put(aether_agent::pod::LocalPod {
+            container_id: "c-recovered".into(),
+            netns: sandbox,
+            ips: vec![RECOVERED_IP.parse().unwrap()],
+            info,
+        })
+        .await
+        .unwrap();
+
+        let kubeconfig = dir.path().join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
+                 clusters: [{{name: fake, cluster: {{server: \"{}\"}}}}]\n\
+                 users: [{{name: fake, user: {{}}}}]\n\
+                 contexts: [{{name: fake, context: {{cluster: fake, user: fake}}}}]\n",
+                api.url
+            ),
+        )
+        .unwrap();
+        let admin = {
+            let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            probe.local_addr().unwrap()
+        };
+        let log = dir.path().join("agent.log");
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_aether-agent"))
+            .arg("run")
+            .args(["--node-name", NODE, "--pod-source", "kubernetes", "--identity", "none"])
+            .arg(format!("--registrar=http://{}", registrar.grpc_addr))
+            .arg(format!("--state-dir={}", state.display()))
+            .arg(format!("--cni-socket={}", dir.path().join("cni.sock").display()))
+            .arg(format!("--xds-socket={}", dir.path().join("xds.sock").display()))
+            .arg(format!("--netns-pin-dir={}", dir.path().join("netns").display()))
+            .arg(format!("--admin={admin}"))
+            // Nothing listens there: no Envoy in these tests.
+            .arg("--envoy-admin=127.0.0.1:9")
+            .args(flags)
+            .env("KUBECONFIG", &kubeconfig)
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("aether-agent starts");
+        Agent {
+            registrar,
+            registrar_stop,
+            child,
+            admin,
+            log,
+            _dir: dir,
+        }
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The registrar's endpoints of `shop/web` once the recovered pod's is there.
+    async fn registered(&self) -> aether_proto::registry::v1::Endpoint {
+        let url = format!("http://{}", self.registrar.grpc_addr);
+        let mut client = aether_proto::registrar::v1::registrar_client::RegistrarClient::connect(url)
+            .await
+            .unwrap();
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let endpoints = client
+                .list_endpoints(aether_proto::registrar::v1::ListEndpointsRequest {
+                    service: "shop/web".into(),
+                })
+                .await
+                .map(|r| r.into_inner().endpoints)
+                .unwrap_or_default();
+            if let Some(endpoint) = endpoints.into_iter().find(|e| e.address == RECOVERED_IP) {
+                return endpoint;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the agent never registered {RECOVERED_IP}\nagent:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The agent answers `/ready` with 200.
+    async fn assert_ready(&self) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(self.admin).await.unwrap();
+        stream
+            .write_all(b"GET /ready HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).await.unwrap();
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}\nagent:\n{}", self.logs());
+    }
+
+    async fn stop(mut self) {
+        assert!(
+            self.child.try_wait().unwrap().is_none(),
+            "the agent exited\n{}",
+            self.logs()
+        );
+        self.child.kill().await.unwrap();
+        self.registrar_stop.cancel();
+        timeout(WAIT, self.registrar.wait()).await.expect("the registrar stops");
+    }
+}
+
+/// Serves the agent's pod list and opens its watch (the agent's pod source starting).
+async fn serve_pods(api: &mut FakeApi) -> Watch {
+    api.expect_list("1", vec![pod(RECOVERED, "1", 8080)]).await;
+    api.expect_watch("1").await
+}
+
+fn node(labels: Value) -> Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "resourceVersion": "7", "labels": labels}})
+}
+
+impl FakeApi {
+    /// Expects a read of the agent's Node.
+    async fn expect_node_call(&mut self) -> Call {
+        let call = self.next("node").await;
+        assert_eq!(call.uri.path(), format!("/api/v1/nodes/{NODE}"), "{}", call.uri);
+        call
+    }
+}
+
+impl Call {
+    fn object(self, object: Value) {
+        self.reply.send(Reply::Json(StatusCode::OK, object)).ok().unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_registers_its_pods_with_its_nodes_region_and_zone() {
+    let mut api = FakeApi::start().await;
+    let agent = Agent::start(&api, &[]).await;
+
+    api.expect_node_call().await.object(node(json!({
+        "kubernetes.io/hostname": NODE,
+        "topology.kubernetes.io/region": "eu-west-1",
+        "topology.kubernetes.io/zone": "eu-west-1b",
+    })));
+    let _watch = serve_pods(&mut api).await;
+
+    let endpoint = agent.registered().await;
+    let locality = endpoint.locality.clone().expect("a locality");
+    assert_eq!(
+        (
+            locality.region.as_str(),
+            locality.zone.as_str(),
+            locality.subzone.as_str()
+        ),
+        ("eu-west-1", "eu-west-1b", ""),
+        "{endpoint:?}"
+    );
+    assert_eq!(endpoint.node, NODE);
+    assert!(agent.logs().contains("locality from the node's topology labels"));
+    agent.assert_ready().await;
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explicit_locality_flags_win_over_the_nodes_labels() {
+    let mut api = FakeApi::start().await;
+    let agent = Agent::start(&api, &["--zone", "rack-9", "--subzone", "row-2"]).await;
+
+    // The region is not given: it still comes from the Node; the zone flag wins.
+    api.expect_node_call().await.object(node(json!({
+        "topology.kubernetes.io/region": "eu-west-1",
+        "topology.kubernetes.io/zone": "eu-west-1b",
+    })));
+    let _watch = serve_pods(&mut api).await;
+
+    let locality = agent.registered().await.locality.expect("a locality");
+    assert_eq!(
+        (
+            locality.region.as_str(),
+            locality.zone.as_str(),
+            locality.subzone.as_str()
+        ),
+        ("eu-west-1", "rack-9", "row-2")
+    );
+    agent.stop().await;
+
+    // Region and zone both given: the Node is not read at all (the first request is the pod list).
+    let mut api = FakeApi::start().await;
+    let agent = Agent::start(&api, &["--region", "r", "--zone", "z"]).await;
+    let _watch = serve_pods(&mut api).await;
+    let locality = agent.registered().await.locality.expect("a locality");
+    assert_eq!((locality.region.as_str(), locality.zone.as_str()), ("r", "z"));
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_its_node_the_agent_warns_once_and_registers_without_a_locality() {
+    let mut api = FakeApi::start().await;
+    let agent = Agent::start(&api, &[]).await;
+
+    // A transient failure is retried (after a pause); a 404 is final. (A 500: kube's
+    // own retry layer only covers 429/503/504.)
+    let failed = Instant::now();
+    api.expect_node_call()
+        .await
+        .status(StatusCode::INTERNAL_SERVER_ERROR, "InternalError", "etcd is down");
+    api.expect_node_call().await.status(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        &format!("nodes \"{NODE}\" not found"),
+    );
+    assert!(
+        failed.elapsed() >= Duration::from_millis(300),
+        "retried without a pause"
+    );
+    // Start-up goes on: the next request is the pod source's list, not another Node read.
+    let _watch = serve_pods(&mut api).await;
+
+    let endpoint = agent.registered().await;
+    assert_eq!(
+        endpoint.locality.unwrap_or_default(),
+        aether_proto::registry::v1::Locality::default(),
+        "{:?}",
+        endpoint.address
+    );
+    agent.assert_ready().await;
+    let logs = agent.logs();
+    assert_eq!(
+        logs.matches("the node's locality is unknown").count(),
+        1,
+        "one warning expected:\n{logs}"
+    );
+    assert!(logs.contains("not found"), "the warning says why:\n{logs}");
+    agent.stop().await;
+}

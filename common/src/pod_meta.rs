@@ -10,6 +10,30 @@ pub const MANAGED_LABEL: &str = "aether.io/managed";
 pub const SERVICE_ANNOTATION: &str = "config.aether.io/service";
 /// The service account Kubernetes assigns when a pod names none.
 pub const DEFAULT_SERVICE_ACCOUNT: &str = "default";
+/// Node labels giving the locality of the node's pods (well-known Kubernetes topology labels).
+pub const REGION_LABEL: &str = "topology.kubernetes.io/region";
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// A node's place in the topology, from its labels. No sub-zone: Kubernetes has no
+/// well-known label for one.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeLocality {
+    pub region: String,
+    pub zone: String,
+}
+
+/// The node's region and zone from its labels; a missing label is empty.
+pub fn locality_from_labels<'a>(labels: impl Iterator<Item = (&'a str, &'a str)>) -> NodeLocality {
+    let mut locality = NodeLocality::default();
+    for (key, value) in labels {
+        match key {
+            REGION_LABEL => locality.region = value.to_owned(),
+            ZONE_LABEL => locality.zone = value.to_owned(),
+            _ => {}
+        }
+    }
+    locality
+}
 
 /// How the mesh carries a port, from its name (`http`, `http-*`, `grpc*`, `h2*`), as
 /// Kubernetes port-naming conventions do; anything else is plain TCP.
@@ -104,6 +128,24 @@ mod tests {
                 (8080, AppProtocol::Tcp),
                 (9090, AppProtocol::Grpc)
             ]
+        );
+    }
+
+    #[test]
+    fn locality_reads_the_topology_labels() {
+        let locality = locality_from_labels(
+            [
+                ("kubernetes.io/hostname", "n1"),
+                ("topology.kubernetes.io/zone", "eu-west-1b"),
+                ("topology.kubernetes.io/region", "eu-west-1"),
+            ]
+            .into_iter(),
+        );
+        assert_eq!(locality.region, "eu-west-1");
+        assert_eq!(locality.zone, "eu-west-1b");
+        assert_eq!(
+            locality_from_labels([("failure-domain.beta.kubernetes.io/zone", "a")].into_iter()),
+            NodeLocality::default()
         );
     }
 

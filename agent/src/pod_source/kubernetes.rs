@@ -11,8 +11,10 @@ use std::collections::HashMap;
 use std::pin::pin;
 use std::time::Duration;
 
+use aether_common::pod_meta::{NodeLocality, locality_from_labels};
+use aether_proto::registry::v1::Locality;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::utils::Backoff;
 use kube::runtime::watcher::{self, DefaultBackoff, Event};
@@ -35,6 +37,69 @@ pub async fn client_from_env() -> Result<Client, String> {
              service account): {e}"
         )
     })
+}
+
+/// Attempts at reading the agent's Node before going on without its locality.
+pub const NODE_ATTEMPTS: u32 = 3;
+/// Bound on one read of the Node (an API server that accepts but never answers).
+pub const NODE_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pause before the first retry; doubled after each.
+const NODE_RETRY: Duration = Duration::from_millis(500);
+
+/// The locality of the Node `node_name` from its topology labels (as the registrar's
+/// Kubernetes store reads them). A transient failure (transport, timeout, 5xx, 429) is
+/// retried a few times; a refusal (403: no RBAC, 404: no such Node) is not. On failure
+/// the error names what went wrong; the caller goes on without a locality.
+pub async fn node_locality(client: Client, node_name: &str) -> Result<NodeLocality, String> {
+    let api: Api<Node> = Api::all(client);
+    let mut delay = NODE_RETRY;
+    let mut attempt = 1;
+    loop {
+        let error = match tokio::time::timeout(NODE_READ_TIMEOUT, api.get(node_name)).await {
+            Ok(Ok(node)) => {
+                let labels = node.metadata.labels.iter().flatten();
+                return Ok(locality_from_labels(labels.map(|(k, v)| (k.as_str(), v.as_str()))));
+            }
+            Ok(Err(kube::Error::Api(status))) if status.code < 500 && status.code != 429 => {
+                return Err(format!("reading Node {node_name}: {status}"));
+            }
+            Ok(Err(error)) => error.to_string(),
+            Err(_) => format!("no answer within {NODE_READ_TIMEOUT:?}"),
+        };
+        if attempt >= NODE_ATTEMPTS {
+            return Err(format!("reading Node {node_name} ({attempt} attempts): {error}"));
+        }
+        tracing::debug!(node = %node_name, %error, attempt, "reading the node failed; retrying");
+        tokio::time::sleep(delay).await;
+        delay *= 2;
+        attempt += 1;
+    }
+}
+
+/// The agent's locality: each of `flags` given (non-empty) wins; region and zone not
+/// given come from the Node's topology labels. A Node that cannot be read is logged
+/// once and leaves them empty: start-up goes on (bounded by [`node_locality`]'s retries).
+pub async fn locality(flags: Locality, client: Client, node_name: &str) -> Locality {
+    let mut locality = flags;
+    if !locality.region.is_empty() && !locality.zone.is_empty() {
+        return locality;
+    }
+    match node_locality(client, node_name).await {
+        Ok(labels) => {
+            if locality.region.is_empty() {
+                locality.region = labels.region;
+            }
+            if locality.zone.is_empty() {
+                locality.zone = labels.zone;
+            }
+            tracing::info!(node = %node_name, region = %locality.region, zone = %locality.zone,
+                subzone = %locality.subzone, "locality from the node's topology labels");
+        }
+        Err(error) => tracing::warn!(%error, region = %locality.region, zone = %locality.zone,
+            "the node's locality is unknown: its endpoints register without it, so locality-aware routing \
+             cannot prefer them (the agent needs `get` on `nodes`)"),
+    }
+    locality
 }
 
 /// Watches the Pods scheduled on `node_name` and keeps `directory` equal to them (keyed

@@ -47,8 +47,7 @@ use crate::vip::VipAllocator;
 
 /// Where VIPs are kept unless `--kube-vip-configmap` says otherwise.
 pub const DEFAULT_VIP_CONFIGMAP: &str = "aether-system/aether-registrar-vips";
-pub const REGION_LABEL: &str = "topology.kubernetes.io/region";
-pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+pub use aether_common::pod_meta::{REGION_LABEL, ZONE_LABEL};
 /// Changes kept for feeds that fall behind; further behind gets a Resync.
 const LOG_LIMIT: usize = 100_000;
 /// Events arriving within this window are folded into one recompute.
@@ -655,17 +654,11 @@ fn vip_entries(cm: &ConfigMap) -> BTreeMap<String, String> {
 
 /// A node's locality from its topology labels.
 fn locality(node: &Node) -> Locality {
-    let label = |name: &str| {
-        node.metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(name))
-            .cloned()
-            .unwrap_or_default()
-    };
+    let labels = node.metadata.labels.iter().flatten();
+    let topology = aether_common::pod_meta::locality_from_labels(labels.map(|(k, v)| (k.as_str(), v.as_str())));
     Locality {
-        region: label(REGION_LABEL),
-        zone: label(ZONE_LABEL),
+        region: topology.region,
+        zone: topology.zone,
         subzone: String::new(),
     }
 }
