@@ -8,6 +8,52 @@ use aether_common::duration;
 use aether_common::telemetry::LogFormat;
 use ipnet::IpNet;
 
+pub const ETCD_USERNAME_ENV: &str = "AETHER_ETCD_USERNAME";
+pub const ETCD_PASSWORD_ENV: &str = "AETHER_ETCD_PASSWORD";
+pub const ETCD_CA_FILE_ENV: &str = "AETHER_ETCD_CA_FILE";
+pub const ETCD_CERT_FILE_ENV: &str = "AETHER_ETCD_CERT_FILE";
+pub const ETCD_KEY_FILE_ENV: &str = "AETHER_ETCD_KEY_FILE";
+
+/// A credential: its Debug and Display print `<redacted>`, so logging a config never leaks it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The value, for the one place that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.to_owned()))
+    }
+}
+
+/// A path whose empty value means unset (a chart renders an unset value as ""); the
+/// etcd store drops empty credentials and paths.
+fn path_or_empty(s: &str) -> Result<PathBuf, std::convert::Infallible> {
+    Ok(PathBuf::from(s))
+}
+
 /// Where the registrar keeps the catalog.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum StoreKind {
@@ -84,6 +130,27 @@ pub struct Config {
     #[arg(long, env = "AETHER_REGISTRAR_ETCD_TIMEOUT", default_value = "5s", value_parser = duration::parse)]
     pub etcd_timeout: Duration,
 
+    /// etcd user (--store etcd, etcd auth enabled); needs --etcd-password.
+    #[arg(long, env = ETCD_USERNAME_ENV)]
+    pub etcd_username: Option<String>,
+
+    /// Password of --etcd-username; prefer the environment variable over the flag
+    /// (flags show in `ps`). Never logged.
+    #[arg(long, env = ETCD_PASSWORD_ENV, hide_env_values = true)]
+    pub etcd_password: Option<Secret>,
+
+    /// PEM CA bundle that verifies etcd's server certificate; needed by https:// endpoints.
+    #[arg(long, env = ETCD_CA_FILE_ENV, value_parser = path_or_empty)]
+    pub etcd_ca_file: Option<PathBuf>,
+
+    /// PEM client certificate (chain) for etcd mTLS (--client-cert-auth); needs --etcd-key-file.
+    #[arg(long, env = ETCD_CERT_FILE_ENV, value_parser = path_or_empty)]
+    pub etcd_cert_file: Option<PathBuf>,
+
+    /// PEM private key of --etcd-cert-file.
+    #[arg(long, env = ETCD_KEY_FILE_ENV, value_parser = path_or_empty)]
+    pub etcd_key_file: Option<PathBuf>,
+
     // ---- DynamoDB / Kubernetes store flags (owned by the DynamoDB/Kubernetes helper) go below ----
     /// DynamoDB table of the catalog (--store dynamodb); see proposals/004 for its layout.
     #[arg(long, env = "AETHER_REGISTRAR_DYNAMODB_TABLE", default_value = crate::store::dynamodb::DEFAULT_TABLE)]
@@ -126,4 +193,31 @@ pub struct Config {
     /// Log format: text or json.
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[test]
+    fn the_etcd_password_never_shows_in_debug_output() {
+        let config = Config::try_parse_from([
+            "aether-registrar",
+            "--store=etcd",
+            "--etcd-username=aether",
+            "--etcd-password=hunter2-s3cret",
+        ])
+        .unwrap();
+        assert_eq!(config.etcd_username.as_deref(), Some("aether"));
+        assert_eq!(
+            config.etcd_password.as_ref().map(Secret::expose),
+            Some("hunter2-s3cret")
+        );
+        let debug = format!("{config:?}");
+        assert!(!debug.contains("hunter2-s3cret"), "{debug}");
+        assert!(debug.contains("etcd_password: Some(<redacted>)"), "{debug}");
+        assert_eq!(Secret::new("x").to_string(), "<redacted>");
+    }
 }

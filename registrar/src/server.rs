@@ -21,7 +21,7 @@ use crate::config::{Config, StoreKind};
 use crate::metrics::Metrics;
 use crate::store::dynamodb::{DynamoConfig, DynamoStore};
 use crate::store::embedded::EmbeddedStore;
-use crate::store::etcd::{DEFAULT_MAX_TXN_OPS, EtcdConfig, EtcdStore};
+use crate::store::etcd::{DEFAULT_MAX_TXN_OPS, EtcdConfig, EtcdStore, EtcdTlsFiles};
 use crate::store::kubernetes::{KubeConfig, KubeStore};
 use crate::store::{Store, StoreError, StoreSettings};
 use crate::vip::{VipAllocator, VipError};
@@ -80,6 +80,13 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StoreError> {
                     prefix: config.etcd_prefix.clone(),
                     timeout: config.etcd_timeout,
                     max_txn_ops: DEFAULT_MAX_TXN_OPS,
+                    username: config.etcd_username.clone(),
+                    password: config.etcd_password.clone(),
+                    tls: EtcdTlsFiles {
+                        ca_file: config.etcd_ca_file.clone(),
+                        cert_file: config.etcd_cert_file.clone(),
+                        key_file: config.etcd_key_file.clone(),
+                    },
                 },
                 settings,
             )

@@ -1,6 +1,7 @@
 //! The etcd store against a real etcd 3.4 (Debian `etcd-server`), one per test: the
 //! replica scenarios shared with the other distributed stores, the key layout, and
-//! the feed's recovery from compacted history.
+//! the feed's recovery from compacted history, and the credentials: etcd auth
+//! (user/password) and mTLS.
 
 mod support;
 
@@ -9,16 +10,19 @@ use std::time::Duration;
 
 use aether_proto::registry::v1::{Endpoint, Service};
 use aether_registrar::catalog::{Catalog, CatalogConfig, Event};
+use aether_registrar::config::{
+    ETCD_CA_FILE_ENV, ETCD_CERT_FILE_ENV, ETCD_KEY_FILE_ENV, ETCD_PASSWORD_ENV, ETCD_USERNAME_ENV,
+};
 use aether_registrar::metrics::Metrics;
-use aether_registrar::store::etcd::{DEFAULT_MAX_TXN_OPS, EtcdConfig, EtcdStore};
+use aether_registrar::store::etcd::{EtcdConfig, EtcdStore};
 use aether_registrar::store::{Contents, Feed, Revision, Store, StoreError, StoreOp, StoreSettings};
 use aether_registrar::vip::VipAllocator;
 use async_trait::async_trait;
 use futures::StreamExt;
 use prost::Message;
-use support::etcd::Etcd;
+use support::etcd::{Etcd, REGISTRAR_USER};
 use support::register;
-use support::replicas::{self, node_endpoint, start_replica};
+use support::replicas::{self, StoreFixture, node_endpoint, start_replica};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -58,12 +62,7 @@ async fn a_full_write_behind_queue_refuses_with_unavailable() {
 }
 
 fn etcd_config(etcd: &Etcd) -> EtcdConfig {
-    EtcdConfig {
-        endpoints: vec![etcd.endpoint()],
-        prefix: etcd.prefix.clone(),
-        timeout: Duration::from_secs(2),
-        max_txn_ops: DEFAULT_MAX_TXN_OPS,
-    }
+    EtcdConfig::new(vec![etcd.endpoint()], etcd.prefix.clone(), Duration::from_secs(2))
 }
 
 fn settings() -> StoreSettings {
@@ -346,11 +345,17 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
 
 /// Runs the binary expecting it to refuse to start; returns what it said.
 fn refused(args: &[&str]) -> String {
+    refused_with_env(args, &[])
+}
+
+fn refused_with_env(args: &[&str], env: &[(&str, &str)]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_aether-registrar"))
         .args(["--listen=127.0.0.1:0", "--admin=127.0.0.1:0", "--data-dir"])
         .arg(dir.path())
         .args(args)
+        .envs(env.iter().copied())
+        .env("RUST_LOG", "debug")
         .output()
         .unwrap();
     assert!(!output.status.success(), "the registrar started with {args:?}");
@@ -366,4 +371,250 @@ fn bad_etcd_flags_and_an_unreachable_etcd_are_refused_clearly() {
     let dead = format!("http://127.0.0.1:{}", support::free_port());
     let err = refused(&["--store=etcd", &format!("--etcd-endpoints={dead}"), "--etcd-timeout=1s"]);
     assert!(err.contains("etcd"), "{err}");
+}
+
+#[test]
+fn half_given_credentials_and_bad_pem_files_are_refused_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let garbage = dir.path().join("garbage.pem");
+    std::fs::write(&garbage, "not a certificate\n").unwrap();
+    let garbage = garbage.to_str().unwrap();
+    let missing = dir.path().join("missing.pem");
+    let missing = missing.to_str().unwrap();
+    let https = "--etcd-endpoints=https://127.0.0.1:2379";
+
+    // Empty environment values (a chart's unset values) mean unset: the registrar gets
+    // as far as dialling the (dead) etcd.
+    let dead = format!("--etcd-endpoints=http://127.0.0.1:{}", support::free_port());
+    let empty = [
+        ETCD_USERNAME_ENV,
+        ETCD_PASSWORD_ENV,
+        ETCD_CA_FILE_ENV,
+        ETCD_CERT_FILE_ENV,
+        ETCD_KEY_FILE_ENV,
+    ]
+    .map(|k| (k, ""));
+    let err = refused_with_env(&["--store=etcd", &dead, "--etcd-timeout=1s"], &empty);
+    assert!(err.contains("store unavailable: etcd"), "{err}");
+
+    let err = refused(&["--store=etcd", "--etcd-username=aether"]);
+    assert!(
+        err.contains("--etcd-username is set but --etcd-password is not"),
+        "{err}"
+    );
+    let err = refused_with_env(&["--store=etcd"], &[(ETCD_PASSWORD_ENV, "lonely-secret-31")]);
+    assert!(
+        err.contains("--etcd-password is set but --etcd-username is not"),
+        "{err}"
+    );
+    assert!(!err.contains("lonely-secret-31"), "the password leaked: {err}");
+    let err = refused(&["--store=etcd", https, &format!("--etcd-cert-file={garbage}")]);
+    assert!(
+        err.contains("--etcd-cert-file is set but --etcd-key-file is not"),
+        "{err}"
+    );
+    let err = refused(&["--store=etcd", https, &format!("--etcd-key-file={garbage}")]);
+    assert!(
+        err.contains("--etcd-key-file is set but --etcd-cert-file is not"),
+        "{err}"
+    );
+    let err = refused(&["--store=etcd", https]);
+    assert!(
+        err.contains("--etcd-endpoints https://127.0.0.1:2379: https:// needs --etcd-ca-file"),
+        "{err}"
+    );
+    let err = refused(&["--store=etcd", https, &format!("--etcd-ca-file={missing}")]);
+    assert!(
+        err.contains(&format!("--etcd-ca-file {missing}: cannot read it")),
+        "{err}"
+    );
+    let err = refused(&["--store=etcd", https, &format!("--etcd-ca-file={garbage}")]);
+    assert!(
+        err.contains(&format!("--etcd-ca-file {garbage}: holds no PEM certificate")),
+        "{err}"
+    );
+    // A real certificate where the key belongs.
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+    let cert_path = dir.path().join("cert.pem");
+    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+    let cert_path = cert_path.to_str().unwrap();
+    let err = refused(&[
+        "--store=etcd",
+        https,
+        &format!("--etcd-ca-file={cert_path}"),
+        &format!("--etcd-cert-file={cert_path}"),
+        &format!("--etcd-key-file={cert_path}"),
+    ]);
+    assert!(
+        err.contains(&format!("--etcd-key-file {cert_path}: holds no valid PEM private key")),
+        "{err}"
+    );
+    let err = refused(&[
+        "--store=etcd",
+        "--etcd-endpoints=http://127.0.0.1:2379",
+        &format!("--etcd-ca-file={cert_path}"),
+    ]);
+    assert!(
+        err.contains(
+            "--etcd-endpoints http://127.0.0.1:2379: --etcd-ca-file is set, so every endpoint must be https://"
+        ),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_with_auth_serves_the_registrars_user_and_refuses_a_wrong_password() {
+    const ROOT_PASSWORD: &str = "root-pw-7f3a91";
+    const PASSWORD: &str = "registrar-pw-c41d07";
+    const WRONG: &str = "wrong-pw-9e2b55";
+    let mut etcd = Etcd::start().await;
+    etcd.enable_auth(ROOT_PASSWORD, PASSWORD);
+    // Auth is really on: anonymous requests are refused.
+    let mut anonymous = etcd_client::Client::connect([etcd.endpoint()], None).await.unwrap();
+    let err = anonymous.get(format!("{}/", etcd.prefix), None).await.unwrap_err();
+    assert!(err.to_string().contains("user name is empty"), "{err}");
+
+    // Two replicas as the least-privilege user: register on one, watch on the other.
+    replicas::registration_reaches_other_replica(&mut etcd).await;
+
+    let replica = start_replica(&etcd, &[]).await;
+    let mut client = replica.client().await;
+    register(&mut client, node_endpoint("auth/web", "10.20.0.1", "n-auth")).await;
+    let stored = etcd
+        .client()
+        .await
+        .get(format!("{}/endpoints/auth/web/10.20.0.1", etcd.prefix), None)
+        .await
+        .unwrap();
+    assert_eq!(stored.kvs().len(), 1, "the endpoint reached etcd as {REGISTRAR_USER}");
+    let logs = replica.logs();
+    assert!(!logs.is_empty());
+    assert!(
+        !logs.contains(PASSWORD),
+        "the password is in the registrar's log:\n{logs}"
+    );
+
+    // A wrong password: the registrar refuses to start and says which user was refused.
+    let args = etcd.registrar_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let err = refused_with_env(&args, &[(ETCD_PASSWORD_ENV, WRONG)]);
+    assert!(
+        err.contains(&format!(
+            "--etcd-username \"{REGISTRAR_USER}\": etcd refused to authenticate it (check --etcd-password)"
+        )),
+        "{err}"
+    );
+    assert!(err.contains("authentication failed"), "{err}");
+    assert!(
+        !err.contains(WRONG) && !err.contains(PASSWORD),
+        "a password leaked: {err}"
+    );
+
+    // The user may only touch its prefix: another prefix is refused.
+    let elsewhere: Vec<&str> = args
+        .iter()
+        .map(|a| {
+            if a.starts_with("--etcd-prefix=") {
+                "--etcd-prefix=/elsewhere"
+            } else {
+                a
+            }
+        })
+        .collect();
+    let err = refused_with_env(&elsewhere, &[(ETCD_PASSWORD_ENV, PASSWORD)]);
+    assert!(err.contains("etcdserver: permission denied"), "{err}");
+    assert!(!err.contains(PASSWORD), "the password leaked: {err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_over_mtls_needs_the_right_ca_and_a_client_certificate() {
+    let mut etcd = Etcd::start_mtls().await;
+    assert!(etcd.endpoint().starts_with("https://"));
+    // CA + client certificate: two replicas register and watch over https://.
+    replicas::registration_reaches_other_replica(&mut etcd).await;
+
+    let tls = etcd.tls.as_ref().unwrap();
+    let endpoint = format!("--etcd-endpoints={}", etcd.endpoint());
+    let prefix = format!("--etcd-prefix={}", etcd.prefix);
+    let ca = format!("--etcd-ca-file={}", tls.ca.display());
+    let cert = format!("--etcd-cert-file={}", tls.client_cert.display());
+    let key = format!("--etcd-key-file={}", tls.client_key.display());
+
+    // No client certificate: etcd (--client-cert-auth) ends the handshake.
+    let err = refused(&["--store=etcd", &endpoint, &prefix, "--etcd-timeout=2s", &ca]);
+    assert!(err.contains("loading the catalog from the etcd store"), "{err}");
+    // TLS 1.3: the client may write before etcd's alert arrives, so it sees the alert
+    // or the closed connection; etcd's log says why.
+    assert!(
+        err.contains("received fatal alert: BadCertificate") || err.contains("transport error"),
+        "{err}"
+    );
+    let logs = etcd.logs();
+    assert!(
+        logs.contains("client didn't provide a certificate"),
+        "etcd did not refuse for want of a client certificate:\n{logs}"
+    );
+
+    // A CA that did not sign etcd's certificate: the registrar refuses etcd.
+    let other = format!("--etcd-ca-file={}", tls.other_ca.display());
+    let err = refused(&[
+        "--store=etcd",
+        &endpoint,
+        &prefix,
+        "--etcd-timeout=2s",
+        &other,
+        &cert,
+        &key,
+    ]);
+    assert!(err.contains("loading the catalog from the etcd store"), "{err}");
+    assert!(err.contains("invalid peer certificate: UnknownIssuer"), "{err}");
+
+    // Plaintext to the TLS port gets nowhere either.
+    let plain = format!("--etcd-endpoints=http://127.0.0.1:{}", etcd.client_port);
+    let err = refused(&["--store=etcd", &plain, &prefix, "--etcd-timeout=2s"]);
+    assert!(
+        err.contains("loading the catalog from the etcd store: store unavailable: etcd get:"),
+        "{err}"
+    );
+    let logs = etcd.logs();
+    assert!(
+        logs.contains("first record does not look like a TLS handshake"),
+        "etcd did not see a plaintext client:\n{logs}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_auth_token_is_renewed_without_the_registrar_noticing() {
+    // etcd drops a simple token after this many idle seconds.
+    let mut etcd = Etcd::start_with(&["--auth-token-ttl=1"]).await;
+    etcd.enable_auth("root-pw-0b8e", "registrar-pw-5d2f");
+    let a = start_replica(&etcd, &[]).await;
+    let b = start_replica(&etcd, &[]).await;
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    let mut watcher = support::Watcher::open(&mut cb, support::wildcard()).await;
+    register(&mut ca, node_endpoint("ttl/web", "10.30.0.1", "n-ttl")).await;
+    replicas::wait_view(&mut watcher, "the first endpoint on B", |c| {
+        c.endpoints.get("ttl/web").is_some_and(|e| e.contains_key("10.30.0.1"))
+    })
+    .await;
+    // Idle past the token's TTL: A's next write carries an expired token.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    register(&mut ca, node_endpoint("ttl/web", "10.30.0.2", "n-ttl")).await;
+    replicas::wait_view(&mut watcher, "the second endpoint on B", |c| {
+        c.endpoints.get("ttl/web").is_some_and(|e| e.contains_key("10.30.0.2"))
+    })
+    .await;
+    let stored = etcd
+        .client()
+        .await
+        .get(format!("{}/endpoints/ttl/web/10.30.0.2", etcd.prefix), None)
+        .await
+        .unwrap();
+    assert_eq!(stored.kvs().len(), 1);
+    let logs = etcd.logs();
+    // etcd refused the expired token at least once: the renewal was exercised.
+    assert!(
+        logs.contains("invalid auth token"),
+        "etcd never refused an expired token, so this test proved nothing:\n{logs}"
+    );
 }

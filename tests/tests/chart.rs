@@ -157,7 +157,8 @@ fn values(store: &str, identity: &str) -> Value {
             "replicas": replicas,
             "store": {
                 "type": store,
-                "etcd": {"endpoints": ["http://etcd-0.etcd:2379", "http://etcd-1.etcd:2379"]},
+                "etcd": {"endpoints": ["https://etcd-0.etcd:2379", "https://etcd-1.etcd:2379"],
+                         "credentialsSecretName": "etcd-creds", "tlsSecretName": "etcd-tls"},
                 "dynamodb": {"endpointUrl": "http://dynamodb.local:8000", "credentialsSecretName": "aws-creds"}
             }
         }
@@ -372,9 +373,51 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
             env.name
         );
     }
-    if store == "dynamodb" {
-        let from = rc.env_from.as_ref().expect("dynamodb credentials");
-        assert_eq!(from[0].secret_ref.as_ref().map(|s| s.name.as_str()), Some("aws-creds"));
+    let credentials = rc
+        .env_from
+        .iter()
+        .flatten()
+        .filter_map(|f| f.secret_ref.as_ref())
+        .map(|s| s.name.as_str());
+    let want: &[&str] = match store {
+        "dynamodb" => &["aws-creds"],
+        "etcd" => &["etcd-creds"],
+        _ => &[],
+    };
+    assert_eq!(
+        credentials.collect::<Vec<_>>(),
+        want,
+        "{ctx}: store credentials by Secret"
+    );
+    if store == "etcd" {
+        // TLS material from a Secret volume readable by the registrar's group only, at the paths the flags name.
+        let rspec = rspec.template.spec.as_ref().unwrap();
+        let volume = rspec
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "etcd-tls")
+            .expect("etcd-tls volume");
+        let secret = volume.secret.as_ref().expect("a Secret volume");
+        assert_eq!(secret.secret_name.as_deref(), Some("etcd-tls"), "{ctx}");
+        assert_eq!(secret.default_mode, Some(0o440), "{ctx}");
+        let mount = rc
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == "etcd-tls")
+            .expect("etcd-tls mount");
+        for (flag_name, file) in [
+            ("--etcd-ca-file", "ca.crt"),
+            ("--etcd-cert-file", "tls.crt"),
+            ("--etcd-key-file", "tls.key"),
+        ] {
+            assert_eq!(
+                arg(rc, flag_name),
+                Some(format!("{}/{file}", mount.mount_path).as_str()),
+                "{ctx}"
+            );
+        }
     }
     assert_eq!(r.services.len(), 1, "{ctx}: one Service, the registrar's");
 

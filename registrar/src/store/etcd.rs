@@ -15,18 +15,27 @@
 //! Endpoint TTL uses leases: one per node, granted on its first endpoint and kept
 //! alive by every re-registration; when it lapses etcd deletes the node's endpoints
 //! and every replica sees the deletions on its Watch.
+//!
+//! Credentials: `--etcd-username`/`--etcd-password` authenticate with etcd's token
+//! auth (the token is refreshed when etcd expires it); `--etcd-ca-file` verifies an
+//! https:// etcd, and `--etcd-cert-file`/`--etcd-key-file` present a client
+//! certificate to an etcd run with `--client-cert-auth`. Bad combinations and
+//! unreadable PEM files are config errors naming the flag, found before dialling.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use aether_proto::registry::v1::{Endpoint, Service};
 use async_trait::async_trait;
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse,
-    WatchOptions,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity, KeyValue, PutOptions,
+    TlsOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
 };
 use prost::Message;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -34,6 +43,7 @@ use super::{
     Conflict, Contents, Feed, FeedChange, FeedChangeKind, FeedEvent, Revision, Store, StoreError, StoreOp,
     StoreSettings, Stored, UnreadableRecord,
 };
+use crate::config::Secret;
 use crate::model::ServiceKey;
 
 /// Keys read per page while loading.
@@ -43,6 +53,7 @@ pub const DEFAULT_MAX_TXN_OPS: usize = 128;
 const FEED_BUFFER: usize = 256;
 const LEASE_NOT_FOUND: &str = "requested lease not found";
 
+/// Debug redacts the password (see [`Secret`]).
 #[derive(Clone, Debug)]
 pub struct EtcdConfig {
     pub endpoints: Vec<String>,
@@ -52,6 +63,42 @@ pub struct EtcdConfig {
     pub timeout: Duration,
     /// The cluster's `--max-txn-ops`.
     pub max_txn_ops: usize,
+    /// `--etcd-username` / `--etcd-password`: both or neither.
+    pub username: Option<String>,
+    pub password: Option<Secret>,
+    pub tls: EtcdTlsFiles,
+}
+
+impl EtcdConfig {
+    /// A config without credentials or TLS.
+    pub fn new(endpoints: Vec<String>, prefix: impl Into<String>, timeout: Duration) -> Self {
+        Self {
+            endpoints,
+            prefix: prefix.into(),
+            timeout,
+            max_txn_ops: DEFAULT_MAX_TXN_OPS,
+            username: None,
+            password: None,
+            tls: EtcdTlsFiles::default(),
+        }
+    }
+}
+
+/// PEM files of the client's TLS (all optional; https:// endpoints need `ca_file`).
+#[derive(Clone, Debug, Default)]
+pub struct EtcdTlsFiles {
+    /// `--etcd-ca-file`: CA bundle verifying etcd's server certificate.
+    pub ca_file: Option<PathBuf>,
+    /// `--etcd-cert-file`: client certificate chain (mTLS); with `key_file`.
+    pub cert_file: Option<PathBuf>,
+    /// `--etcd-key-file`: the client certificate's private key.
+    pub key_file: Option<PathBuf>,
+}
+
+impl EtcdTlsFiles {
+    fn any(&self) -> bool {
+        self.ca_file.is_some() || self.cert_file.is_some() || self.key_file.is_some()
+    }
 }
 
 pub struct EtcdStore {
@@ -119,10 +166,176 @@ pub enum EtcdError {
     Prefix(String),
     #[error("--etcd-endpoints: at least one endpoint is needed")]
     NoEndpoints,
+    #[error("--etcd-username is set but --etcd-password is not: give both or neither")]
+    UsernameWithoutPassword,
+    #[error("--etcd-password is set but --etcd-username is not: give both or neither")]
+    PasswordWithoutUsername,
+    #[error("{given} is set but {missing} is not: the client certificate needs both")]
+    HalfIdentity { given: &'static str, missing: &'static str },
+    #[error("--etcd-endpoints {0}: https:// needs --etcd-ca-file (the CA that signed etcd's certificate)")]
+    HttpsWithoutCa(String),
+    #[error(
+        "--etcd-endpoints {endpoint}: {flag} is set, so every endpoint must be https:// (etcd-client does not mix \
+         TLS and plaintext endpoints)"
+    )]
+    TlsOnPlaintext { endpoint: String, flag: &'static str },
+    #[error("{flag} {path}: cannot read it: {source}")]
+    ReadPem {
+        flag: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{flag} {path}: {reason}")]
+    BadPem {
+        flag: &'static str,
+        path: PathBuf,
+        reason: String,
+    },
+    #[error("--etcd-username {user:?}: etcd refused to authenticate it (check --etcd-password): {reason}")]
+    AuthRefused { user: String, reason: String },
+}
+
+/// The error and its causes: tonic's transport errors keep the TLS detail in `source()`.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let said = cause.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+fn read_pem(flag: &'static str, path: &Path) -> Result<Vec<u8>, EtcdError> {
+    std::fs::read(path).map_err(|source| EtcdError::ReadPem {
+        flag,
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Reads a PEM file of certificates, checking it holds at least one.
+fn read_certificates(flag: &'static str, path: &Path) -> Result<Vec<u8>, EtcdError> {
+    let pem = read_pem(flag, path)?;
+    let bad = |reason: String| EtcdError::BadPem {
+        flag,
+        path: path.to_owned(),
+        reason,
+    };
+    let mut count = 0;
+    for cert in CertificateDer::pem_slice_iter(&pem) {
+        cert.map_err(|e| bad(format!("not a valid PEM certificate file: {e}")))?;
+        count += 1;
+    }
+    if count == 0 {
+        return Err(bad("holds no PEM certificate (-----BEGIN CERTIFICATE-----)".into()));
+    }
+    Ok(pem)
+}
+
+/// Reads a PEM private key (PKCS#8, PKCS#1 or SEC1).
+fn read_private_key(flag: &'static str, path: &Path) -> Result<Vec<u8>, EtcdError> {
+    let pem = read_pem(flag, path)?;
+    PrivateKeyDer::from_pem_slice(&pem).map_err(|e| EtcdError::BadPem {
+        flag,
+        path: path.to_owned(),
+        reason: format!("holds no valid PEM private key: {e}"),
+    })?;
+    Ok(pem)
+}
+
+/// Checks the credential flags and builds etcd-client's options from them.
+fn connect_options(config: &EtcdConfig) -> Result<ConnectOptions, EtcdError> {
+    // Empty values (unset chart values rendered as "") mean unset.
+    let username = config.username.as_ref().filter(|u| !u.is_empty());
+    let password = config.password.as_ref().filter(|p| !p.expose().is_empty());
+    let set = |p: &Option<PathBuf>| p.clone().filter(|p| !p.as_os_str().is_empty());
+    let files = EtcdTlsFiles {
+        ca_file: set(&config.tls.ca_file),
+        cert_file: set(&config.tls.cert_file),
+        key_file: set(&config.tls.key_file),
+    };
+    let mut options = ConnectOptions::new()
+        .with_connect_timeout(config.timeout)
+        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
+        .with_keep_alive_while_idle(true);
+    match (username, password) {
+        (Some(user), Some(password)) => {
+            // etcd's simple tokens expire (--auth-token-ttl): re-authenticate on "invalid auth token".
+            options = options
+                .with_user(user.clone(), password.expose())
+                .with_auto_token_refresh(true);
+        }
+        (Some(_), None) => return Err(EtcdError::UsernameWithoutPassword),
+        (None, Some(_)) => return Err(EtcdError::PasswordWithoutUsername),
+        (None, None) => {}
+    }
+    let identity = match (&files.cert_file, &files.key_file) {
+        (Some(cert), Some(key)) => Some(Identity::from_pem(
+            read_certificates("--etcd-cert-file", cert)?,
+            read_private_key("--etcd-key-file", key)?,
+        )),
+        (Some(_), None) => {
+            return Err(EtcdError::HalfIdentity {
+                given: "--etcd-cert-file",
+                missing: "--etcd-key-file",
+            });
+        }
+        (None, Some(_)) => {
+            return Err(EtcdError::HalfIdentity {
+                given: "--etcd-key-file",
+                missing: "--etcd-cert-file",
+            });
+        }
+        (None, None) => None,
+    };
+    if files.any() {
+        let flag = if files.ca_file.is_some() {
+            "--etcd-ca-file"
+        } else {
+            "--etcd-cert-file"
+        };
+        if let Some(endpoint) = config.endpoints.iter().find(|e| !e.starts_with("https://")) {
+            return Err(EtcdError::TlsOnPlaintext {
+                endpoint: endpoint.clone(),
+                flag,
+            });
+        }
+    }
+    let https = config.endpoints.iter().find(|e| e.starts_with("https://"));
+    match (&files.ca_file, https) {
+        (Some(ca), _) => {
+            let mut tls =
+                TlsOptions::new().ca_certificate(Certificate::from_pem(read_certificates("--etcd-ca-file", ca)?));
+            if let Some(identity) = identity {
+                tls = tls.identity(identity);
+            }
+            options = options.with_tls(tls);
+        }
+        (None, Some(endpoint)) => return Err(EtcdError::HttpsWithoutCa(endpoint.clone())),
+        (None, None) => {}
+    }
+    if username.is_some() && https.is_none() {
+        tracing::warn!("--etcd-username over plaintext http://: the password crosses the network unencrypted");
+    }
+    Ok(options)
 }
 
 fn unavailable(what: &str, e: impl std::fmt::Display) -> StoreError {
     StoreError::Unavailable(format!("etcd {what}: {e}"))
+}
+
+/// etcd's answers to bad credentials (`rpctypes.ErrAuthFailed` is InvalidArgument) or to
+/// a username when auth is off.
+fn auth_refusal(status: &tonic::Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::InvalidArgument | tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
+    ) || status.message().contains("authentication")
 }
 
 impl EtcdStore {
@@ -135,14 +348,21 @@ impl EtcdStore {
         if config.endpoints.is_empty() {
             return Err(StoreError::Config(EtcdError::NoEndpoints.to_string()));
         }
-        let options = ConnectOptions::new()
-            .with_connect_timeout(config.timeout)
-            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
-            .with_keep_alive_while_idle(true);
+        let options = connect_options(&config).map_err(|e| StoreError::Config(e.to_string()))?;
+        // With credentials, connect authenticates: a refusal is a config error, not an outage.
         let client = tokio::time::timeout(config.timeout, Client::connect(&config.endpoints, Some(options)))
             .await
             .map_err(|_| unavailable("connect", format!("no answer from {:?} in time", config.endpoints)))?
-            .map_err(|e| unavailable("connect", e))?;
+            .map_err(|e| match (&e, &config.username) {
+                (etcd_client::Error::GRpcStatus(status), Some(user)) if auth_refusal(status) => StoreError::Config(
+                    EtcdError::AuthRefused {
+                        user: user.clone(),
+                        reason: status.message().to_owned(),
+                    }
+                    .to_string(),
+                ),
+                _ => unavailable("connect", chain(&e)),
+            })?;
         let lease_ttl = settings.endpoint_ttl.as_secs_f64().ceil().max(1.0) as i64;
         Ok(Self {
             client,
@@ -160,7 +380,7 @@ impl EtcdStore {
     {
         match tokio::time::timeout(self.timeout, f).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(unavailable(what, e)),
+            Ok(Err(e)) => Err(unavailable(what, chain(&e))),
             Err(_) => Err(unavailable(what, format!("no answer within {:?}", self.timeout))),
         }
     }
@@ -414,7 +634,7 @@ async fn load(client: &Client, keys: &Keys, timeout: Duration) -> Result<Content
         let mut response = tokio::time::timeout(timeout, c.get(from.clone(), Some(options)))
             .await
             .map_err(|_| unavailable("get", format!("no answer within {timeout:?}")))?
-            .map_err(|e| unavailable("get", e))?;
+            .map_err(|e| unavailable("get", chain(&e)))?;
         if revision == 0 {
             revision = response.header().map(|h| h.revision()).unwrap_or_default();
         }
@@ -485,13 +705,13 @@ async fn watch(client: &Client, keys: &Keys, next: &mut i64, tx: &mpsc::Sender<F
     let mut c = client.clone();
     let mut stream = match c.watch(keys.all(), Some(options)).await {
         Ok(stream) => stream,
-        Err(e) => return WatchEnd::Failed(e.to_string()),
+        Err(e) => return WatchEnd::Failed(chain(&e)),
     };
     loop {
         let response = match stream.message().await {
             Ok(Some(response)) => response,
             Ok(None) => return WatchEnd::Failed("watch stream ended".into()),
-            Err(e) => return WatchEnd::Failed(e.to_string()),
+            Err(e) => return WatchEnd::Failed(chain(&e)),
         };
         if response.compact_revision() > 0 {
             return WatchEnd::Compacted(response.compact_revision());
