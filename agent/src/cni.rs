@@ -188,7 +188,9 @@ impl CniService {
             ("capture", captured.1),
             ("total", total),
         ] {
-            self.add_phases.get_or_create(&[("phase", phase)]).observe(took.as_secs_f64());
+            self.add_phases
+                .get_or_create(&[("phase", phase)])
+                .observe(took.as_secs_f64());
         }
         tracing::info!(pod = %key, service = %pod.info.service(), captured = capture.is_some(),
             took_ms = total.as_millis() as u64, register_ms = registered.1.as_millis() as u64,
@@ -198,9 +200,10 @@ impl CniService {
     }
 
     async fn register(&self, pod: &LocalPod) -> Result<(), Status> {
-        self.registrar.register(pod).await.map_err(|s| {
-            Status::unavailable(format!("registering {} with the registrar: {}", pod.id(), s.message()))
-        })
+        self.registrar
+            .register(pod)
+            .await
+            .map_err(|s| Status::unavailable(format!("registering {} with the registrar: {}", pod.id(), s.message())))
     }
 
     async fn capture(&self, pod: &LocalPod, capture: Option<&capture::PodCapture>) -> Result<(), Status> {

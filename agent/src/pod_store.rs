@@ -63,7 +63,13 @@ impl PodStore {
     }
 
     pub fn all(&self) -> Vec<LocalPod> {
-        self.pods.lock().expect("pod store lock").by_id.values().cloned().collect()
+        self.pods
+            .lock()
+            .expect("pod store lock")
+            .by_id
+            .values()
+            .cloned()
+            .collect()
     }
 
     pub fn by_container(&self, container_id: &str) -> Option<LocalPod> {
@@ -117,7 +123,10 @@ impl PodStore {
         let (latest, bytes) = {
             let pods = self.pods.lock().expect("pod store lock");
             let list: Vec<&LocalPod> = pods.by_id.values().collect();
-            (pods.generation, serde_json::to_vec_pretty(&list).expect("pods serialise"))
+            (
+                pods.generation,
+                serde_json::to_vec_pretty(&list).expect("pods serialise"),
+            )
         };
         let path = self.path.clone();
         tokio::task::spawn_blocking(move || aether_common::fs::write_atomic(&path, &bytes, 0o600))

@@ -439,19 +439,32 @@ fn a_surge_successor_serves_at_once_and_takes_the_admin_address_when_the_predece
     let (old_ready, new_ready) = (dir.path().join("old-ready"), dir.path().join("new-ready"));
     let upstream = upstream_arg(&unbound);
     let ready_arg = |p: &std::path::Path| p.display().to_string();
-    let mut old = MeshDns::start(port, &records.path, &["--upstream", &upstream, "--ready-file", &ready_arg(&old_ready)]);
+    let mut old = MeshDns::start(
+        port,
+        &records.path,
+        &["--upstream", &upstream, "--ready-file", &ready_arg(&old_ready)],
+    );
     assert!(old_ready.exists(), "a ready mesh-dns has its ready file");
-    let mut new = MeshDns::spawn(port, old.admin, &records.path, &["--upstream", &upstream, "--ready-file", &ready_arg(&new_ready)]);
+    let mut new = MeshDns::spawn(
+        port,
+        old.admin,
+        &records.path,
+        &["--upstream", &upstream, "--ready-file", &ready_arg(&new_ready)],
+    );
     new.wait_for("the successor's ready file", |_| new_ready.exists());
     assert!(new.proc.logs().contains("admin address busy"), "{}", new.proc.logs());
     // Both answer on the shared port; the admin address is still the predecessor's.
     let before = old.queries("answer", "udp");
     for _ in 0..40 {
-        let answer = query_udp(new.addr(), "cart.shop.aether.internal", A, IN, Duration::from_secs(2)).expect("an answer");
+        let answer =
+            query_udp(new.addr(), "cart.shop.aether.internal", A, IN, Duration::from_secs(2)).expect("an answer");
         assert_eq!(answer[3] & 0x0f, 0);
     }
     let by_old = old.queries("answer", "udp") - before;
-    assert!(by_old < 40.0, "the successor answers part of the queries (the predecessor answered {by_old} of 40)");
+    assert!(
+        by_old < 40.0,
+        "the successor answers part of the queries (the predecessor answered {by_old} of 40)"
+    );
     // The predecessor goes: the successor takes the admin address and has counted what it answered.
     old.proc.kill();
     new.wait_for("the successor's admin", |d| http_get(d.admin, "/healthz").is_some());

@@ -903,7 +903,17 @@ impl Demo {
         let deadline = Instant::now() + CONVERGE_TIMEOUT;
         let body = loop {
             let out = tokio::process::Command::new("ip")
-                .args(["netns", "exec", &netns, "curl", "-sS", "--max-time", "5", "-w", "\n%{http_code} %{remote_ip}"])
+                .args([
+                    "netns",
+                    "exec",
+                    &netns,
+                    "curl",
+                    "-sS",
+                    "--max-time",
+                    "5",
+                    "-w",
+                    "\n%{http_code} %{remote_ip}",
+                ])
                 .arg(&url)
                 .output()
                 .await

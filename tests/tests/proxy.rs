@@ -309,15 +309,27 @@ async fn a_surge_successor_takes_over_and_the_predecessor_steps_aside_until_sigt
     h2.wait_ok(100, Duration::from_secs(10)).await;
 
     let first_options = proxy(&mesh).options.clone();
-    assert!(first_options.ready_file.exists(), "a LIVE supervisor has its ready file");
+    assert!(
+        first_options.ready_file.exists(),
+        "a LIVE supervisor has its ready file"
+    );
     let successor_options = first_options.successor();
-    assert_eq!(successor_options.admin, first_options.admin, "one admin address, as on the host network");
+    assert_eq!(
+        successor_options.admin, first_options.admin,
+        "one admin address, as on the host network"
+    );
     let mut second = ProxySupervisor::spawn(&successor_options);
     // Until its Envoy is LIVE the successor is not ready, whatever the shared admin port answers.
     assert!(!successor_options.ready_file.exists());
     second.wait_epoch_live(1, LIVE_TIMEOUT).await;
-    assert!(successor_options.ready_file.exists(), "the successor is ready once it owns a LIVE Envoy");
-    assert!(!first_options.ready_file.exists(), "a superseded supervisor is not ready");
+    assert!(
+        successor_options.ready_file.exists(),
+        "the successor is ready once it owns a LIVE Envoy"
+    );
+    assert!(
+        !first_options.ready_file.exists(),
+        "a superseded supervisor is not ready"
+    );
     h1.wait_ok(50, Duration::from_secs(10)).await;
     h2.wait_ok(50, Duration::from_secs(10)).await;
 
@@ -334,7 +346,11 @@ async fn a_surge_successor_takes_over_and_the_predecessor_steps_aside_until_sigt
         "the predecessor must not exit before SIGTERM; logs:\n{}",
         first.child.logs()
     );
-    assert_eq!(second.metric("aether_proxy_takeovers_total").await, 1.0, "the successor serves the admin address");
+    assert_eq!(
+        second.metric("aether_proxy_takeovers_total").await,
+        1.0,
+        "the successor serves the admin address"
+    );
     let state: serde_json::Value =
         serde_json::from_slice(&std::fs::read(first_options.state_dir.join("proxy-state.json")).unwrap()).unwrap();
     assert_eq!(state["owner_pid"], second.pid());

@@ -191,7 +191,9 @@ impl MeshDns {
     pub fn start(port: u16, records: &Path, args: &[&str]) -> MeshDns {
         let admin = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
         let mut dns = Self::spawn(port, admin, records, args);
-        dns.wait_for("/ready", |d| http_get(d.admin, "/ready").is_some_and(|(code, _)| code == 200));
+        dns.wait_for("/ready", |d| {
+            http_get(d.admin, "/ready").is_some_and(|(code, _)| code == 200)
+        });
         dns
     }
 
