@@ -45,6 +45,7 @@ pub fn add_phases() -> AddPhases {
     Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.000_5, 2.0, 16)))
 }
 
+#[derive(Clone)]
 pub struct CniService {
     pub node: Node,
     pub directory: PodDirectory,
@@ -160,18 +161,18 @@ impl CniService {
             info,
         };
         let started = Instant::now();
-        // The pod store tells the node at once; it builds the pod's config while the
-        // pod is written to disk.
+        // The node builds the pod's config while the pod is written to disk.
+        let generation = self.node.pods.stage(pod.clone());
         let (saved, registered, envoy, captured) = tokio::join!(
-            self.node.pods.put(pod.clone()),
+            self.node.pods.persist(generation),
             timed(self.register(&pod)),
-            timed(self.wait_for_envoy(&pod)),
+            timed(self.wait_for_envoy(&pod, generation)),
             timed(self.capture(&pod, capture.as_ref())),
         );
         let saved = saved.map_err(|e| Status::internal(format!("saving pod {key}: {e}")));
         if let Err(error) = saved.and(registered.0).and(envoy.0).and(captured.0) {
             // Leave nothing half-configured (fail closed): the retried ADD starts clean.
-            let _ = self.node.pods.remove(&pod.id()).await;
+            let _ = self.node.pods.remove_sandbox(&pod.id(), &pod.container_id).await;
             let _ = self.registrar.unregister(&pod.info.service(), &pod.ips).await;
             if capture.is_some()
                 && let Err(e) = capture::remove(&self.capture, &pod.container_id, &pod.netns).await
@@ -182,12 +183,13 @@ impl CniService {
             return Err(error);
         }
         let total = started.elapsed();
-        for (phase, took) in [
-            ("register", registered.1),
-            ("envoy", envoy.1),
-            ("capture", captured.1),
-            ("total", total),
-        ] {
+        let phases = [
+            Some(("register", registered.1)),
+            Some(("envoy", envoy.1)),
+            capture.is_some().then_some(("capture", captured.1)),
+            Some(("total", total)),
+        ];
+        for (phase, took) in phases.into_iter().flatten() {
             self.add_phases
                 .get_or_create(&[("phase", phase)])
                 .observe(took.as_secs_f64());
@@ -213,10 +215,21 @@ impl CniService {
             .map_err(|error| Status::internal(format!("programming the capture rules of {}: {error}", pod.id())))
     }
 
-    /// Waits until Envoy can serve the pod: its listeners and its upstreams' clusters
-    /// (with their endpoints) ACKed.
-    async fn wait_for_envoy(&self, pod: &LocalPod) -> Result<(), Status> {
+    /// Waits until Envoy can serve the pod: a snapshot built from pod-store `generation`
+    /// (or later) is out, so a previous sandbox's ACKed listeners of the same name do not
+    /// count, and its listeners and its upstreams' clusters (with endpoints) are ACKed.
+    async fn wait_for_envoy(&self, pod: &LocalPod, generation: u64) -> Result<(), Status> {
         let deadline = tokio::time::Instant::now() + ACK_TIMEOUT;
+        let mut built = self.node.built_generation();
+        if tokio::time::timeout_at(deadline, built.wait_for(|built| *built >= generation))
+            .await
+            .is_err()
+        {
+            return Err(Status::deadline_exceeded(format!(
+                "the node has not rebuilt its config with {}; retry",
+                pod.id()
+            )));
+        }
         // The pod's upstreams must be usable when ADD returns: wait until the registrar
         // has answered for a watch filter that includes them...
         let upstreams = pod.info.upstreams().services;
@@ -270,7 +283,7 @@ impl CniService {
         };
         self.node
             .pods
-            .remove(&pod.id())
+            .remove_sandbox(&pod.id(), &pod.container_id)
             .await
             .map_err(|e| Status::internal(format!("forgetting pod {}: {e}", pod.id())))?;
         if let Err(status) = self.registrar.unregister(&pod.info.service(), &pod.ips).await {
@@ -433,7 +446,12 @@ fn result_label<T>(result: &Result<T, Status>) -> &'static str {
 #[tonic::async_trait]
 impl CniPlugin for CniService {
     async fn add_pod(&self, request: Request<AddPodRequest>) -> Result<Response<AddPodResponse>, Status> {
-        let result = self.add(request.into_inner()).await;
+        // On its own task: a plugin that gives up (timeout, killed) drops this RPC, and an
+        // ADD cut off half-way would skip its cleanup.
+        let this = self.clone();
+        let result = tokio::spawn(async move { this.add(request.into_inner()).await })
+            .await
+            .unwrap_or_else(|e| Err(Status::internal(format!("AddPod task failed: {e}"))));
         self.count("AddPod", result_label(&result));
         result.map(Response::new)
     }

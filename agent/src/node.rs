@@ -67,6 +67,8 @@ pub struct Node {
     on_demand: Arc<Mutex<OnDemand>>,
     generator: Arc<Mutex<Generator>>,
     wake: Arc<Notify>,
+    /// The pod-store generation the last published snapshot was built from.
+    built: Arc<watch::Sender<u64>>,
     pub metrics: NodeMetrics,
     /// Where local pods' SVIDs come from; `None`: plaintext between pods.
     pub identity: Option<Identity>,
@@ -92,6 +94,7 @@ impl Node {
             on_demand: Arc::default(),
             generator: Arc::default(),
             wake: Arc::default(),
+            built: Arc::new(watch::channel(0).0),
             metrics,
             identity: None,
         }
@@ -146,6 +149,11 @@ impl Node {
         }
     }
 
+    /// The pod-store generation of the last published snapshot, as it moves.
+    pub fn built_generation(&self) -> watch::Receiver<u64> {
+        self.built.subscribe()
+    }
+
     /// Asks for a rebuild (pods or catalog changed outside the watched channels).
     pub fn poke(&self) {
         self.wake.notify_one();
@@ -188,7 +196,7 @@ impl Node {
         // Reading inputs, generating and publishing happen under one lock, so
         // concurrent rebuilds publish in the order they read their inputs.
         let mut generator = self.generator.lock().expect("generator lock");
-        let pods = self.pods.all();
+        let (pods, generation) = self.pods.snapshot();
         if let Some(identity) = &self.identity {
             // New pods get an SVID (the built-in CA issues at once), gone ones lose it.
             identity.sync(&pods);
@@ -247,5 +255,10 @@ impl Node {
         if self.cache.set_with_pending(resources, pending) {
             self.metrics.rebuilds.inc();
         }
+        self.built.send_if_modified(|built| {
+            let newer = generation > *built;
+            *built = (*built).max(generation);
+            newer
+        });
     }
 }

@@ -77,20 +77,36 @@ impl PodStore {
         pods.by_id.values().find(|p| p.container_id == container_id).cloned()
     }
 
+    /// The pods and the generation they are at.
+    pub fn snapshot(&self) -> (Vec<LocalPod>, u64) {
+        let pods = self.pods.lock().expect("pod store lock");
+        (pods.by_id.values().cloned().collect(), pods.generation)
+    }
+
     /// Adds or replaces a pod; see [`PodStore::change`].
     pub async fn put(&self, pod: LocalPod) -> Result<(), PodStoreError> {
-        self.change(|pods| {
+        let generation = self.stage(pod);
+        self.persist(generation).await
+    }
+
+    /// Adds or replaces a pod in memory and tells watchers; returns the generation that
+    /// holds it, for [`PodStore::persist`].
+    pub fn stage(&self, pod: LocalPod) -> u64 {
+        self.apply(|pods| {
             pods.insert(pod.id(), pod);
             true
         })
-        .await
+        .unwrap_or_else(|| self.pods.lock().expect("pod store lock").generation)
     }
 
-    /// Removes a pod; returns it if it was there. See [`PodStore::change`].
-    pub async fn remove(&self, id: &str) -> Result<Option<LocalPod>, PodStoreError> {
+    /// Removes the pod `id` if it is still sandbox `container_id` (a newer sandbox of the
+    /// same pod stays); returns it if it was removed. See [`PodStore::change`].
+    pub async fn remove_sandbox(&self, id: &str, container_id: &str) -> Result<Option<LocalPod>, PodStoreError> {
         let mut removed = None;
         self.change(|pods| {
-            removed = pods.remove(id);
+            if pods.get(id).is_some_and(|p| p.container_id == container_id) {
+                removed = pods.remove(id);
+            }
             removed.is_some()
         })
         .await?;
@@ -102,21 +118,32 @@ impl PodStore {
     /// change is on disk. On a write error the change stays in memory: the caller
     /// decides (an ADD undoes it), and the next write carries it.
     pub async fn change(&self, f: impl FnOnce(&mut BTreeMap<String, LocalPod>) -> bool) -> Result<(), PodStoreError> {
+        match self.apply(f) {
+            Some(generation) => self.persist(generation).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Applies `f` in memory; when it reports a change, bumps the generation, tells
+    /// watchers and returns the new generation.
+    fn apply(&self, f: impl FnOnce(&mut BTreeMap<String, LocalPod>) -> bool) -> Option<u64> {
         let generation = {
             let mut pods = self.pods.lock().expect("pod store lock");
             if !f(&mut pods.by_id) {
-                return Ok(());
+                return None;
             }
             pods.generation += 1;
             pods.generation
         };
         self.changed.send_modify(|n| *n += 1);
-        self.write(generation).await
+        Some(generation)
     }
 
-    /// Returns once the file holds `generation` or a later one.
-    async fn write(&self, generation: u64) -> Result<(), PodStoreError> {
-        let mut written = self.written.lock().await;
+    /// Returns once the file holds `generation` or a later one. Concurrent callers share
+    /// one write. The write holds the lock until it ends even if this future is dropped
+    /// (a cancelled RPC), so two writes never overlap and the file never goes back.
+    pub async fn persist(&self, generation: u64) -> Result<(), PodStoreError> {
+        let mut written = self.written.clone().lock_owned().await;
         if *written >= generation {
             return Ok(());
         }
@@ -129,15 +156,17 @@ impl PodStore {
             )
         };
         let path = self.path.clone();
-        tokio::task::spawn_blocking(move || aether_common::fs::write_atomic(&path, &bytes, 0o600))
-            .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e)))
-            .map_err(|source| PodStoreError::Write {
-                path: self.path.clone(),
-                source,
-            })?;
-        *written = latest;
-        Ok(())
+        tokio::task::spawn_blocking(move || {
+            aether_common::fs::write_atomic(&path, &bytes, 0o600)?;
+            *written = latest;
+            Ok(())
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+        .map_err(|source| PodStoreError::Write {
+            path: self.path.clone(),
+            source,
+        })
     }
 
     pub fn subscribe(&self) -> watch::Receiver<u64> {
@@ -169,7 +198,12 @@ mod tests {
         let store = PodStore::open(dir.path()).unwrap();
         store.put(pod("a")).await.unwrap();
         store.put(pod("b")).await.unwrap();
-        assert_eq!(store.remove("ns/a").await.unwrap().map(|p| p.id()), Some("ns/a".into()));
+        // Another sandbox's removal leaves the pod alone.
+        assert_eq!(store.remove_sandbox("ns/a", "c-other").await.unwrap(), None);
+        assert_eq!(
+            store.remove_sandbox("ns/a", "c-a").await.unwrap().map(|p| p.id()),
+            Some("ns/a".into())
+        );
         let reopened = PodStore::open(dir.path()).unwrap();
         assert_eq!(reopened.all(), vec![pod("b")]);
         assert_eq!(reopened.by_container("c-b").map(|p| p.id()), Some("ns/b".into()));

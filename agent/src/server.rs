@@ -203,7 +203,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     for pod in pods.all() {
         if !pod.netns.exists() {
             tracing::info!(pod = %pod.id(), netns = %pod.netns.display(), "forgetting a pod whose sandbox is gone");
-            let _ = pods.remove(&pod.id()).await;
+            let _ = pods.remove_sandbox(&pod.id(), &pod.container_id).await;
             let registrar = registrar.clone();
             tokio::spawn(async move { registrar.unregister(&pod.info.service(), &pod.ips).await });
             continue;
@@ -341,8 +341,24 @@ async fn sync_pod_info(directory: PodDirectory, node: Node, registrar: Registrar
             }
             let mut updated = pod.clone();
             updated.info = info;
-            if let Err(error) = node.pods.put(updated.clone()).await {
+            // Only onto the same sandbox: a DEL or a new sandbox in the meantime wins.
+            let mut applied = false;
+            let saved = node
+                .pods
+                .change(|pods| match pods.get_mut(&pod.id()) {
+                    Some(current) if current.container_id == pod.container_id => {
+                        *current = updated.clone();
+                        applied = true;
+                        true
+                    }
+                    _ => false,
+                })
+                .await;
+            if let Err(error) = saved {
                 tracing::error!(pod = %pod.id(), %error, "saving updated pod metadata failed");
+                continue;
+            }
+            if !applied {
                 continue;
             }
             if let Err(status) = registrar.register(&updated).await {

@@ -15,7 +15,10 @@ pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> std::io::Result<
     let name = path
         .file_name()
         .ok_or_else(|| std::io::Error::other(format!("{} has no file name", path.display())))?;
-    let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    // Unique per call: two writers in one process never share a temp file.
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".{}.tmp-{}-{seq}", name.to_string_lossy(), std::process::id()));
     let result = (|| {
         let mut file = std::fs::OpenOptions::new()
             .write(true)
