@@ -339,6 +339,12 @@ pub fn install(
             return Ok(());
         }
         last_pass = Instant::now();
+        // Another installer's uninstall on this node may have taken the binary.
+        if !config.bin_dir.join(PLUGIN_TYPE).is_file()
+            && let Err(error) = install_binary(&source, &config.bin_dir)
+        {
+            tracing::warn!(%error, "re-installing the plugin binary");
+        }
         match ensure_entry(&config.conf_dir, &entry) {
             Ok(change) => on_change(&change),
             // A half-written file from the primary CNI: the next event retries.

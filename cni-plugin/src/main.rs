@@ -64,20 +64,21 @@ fn run_install(config: &InstallConfig) -> anyhow::Result<()> {
     if !config.watch {
         return install::install(config, &AtomicBool::new(false), &mut |c| log_change(config, c)).context("install");
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-    let watcher = {
-        let (config, stop) = (config.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let result = install::install(&config, &stop, &mut |c| log_change(&config, c));
-            let _ = done_tx.send(result);
-        })
-    };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async {
         use tokio::signal::unix::{SignalKind, signal};
+        // Before anything is installed: a SIGTERM from then on is ours to handle.
         let mut terminate = signal(SignalKind::terminate())?;
         let mut interrupt = signal(SignalKind::interrupt())?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let watcher = {
+            let (config, stop) = (config.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let result = install::install(&config, &stop, &mut |c| log_change(&config, c));
+                let _ = done_tx.send(result);
+            })
+        };
         tokio::select! {
             result = done_rx => return result.context("the watcher thread died")?.context("install"),
             _ = terminate.recv() => {}

@@ -8,6 +8,9 @@ use kube::Api;
 
 use crate::install::Owner;
 
+/// How long the API server gets to answer.
+const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// What the API server says about the owner DaemonSet.
 #[derive(Debug, PartialEq, Eq)]
 pub enum OwnerState {
@@ -25,7 +28,11 @@ pub enum OwnerState {
 pub async fn owner_state(owner: &Owner) -> Result<OwnerState, kube::Error> {
     let client = kube::Client::try_default().await?;
     let api: Api<DaemonSet> = Api::namespaced(client, &owner.namespace);
-    match api.get_opt(&owner.name).await {
+    // Well within a pod's termination grace period.
+    let answer = tokio::time::timeout(ANSWER_TIMEOUT, api.get_opt(&owner.name))
+        .await
+        .map_err(|_| kube::Error::Service(format!("no answer within {ANSWER_TIMEOUT:?}").into()))?;
+    match answer {
         Ok(Some(ds)) if ds.metadata.deletion_timestamp.is_none() => Ok(OwnerState::Present),
         Ok(_) => Ok(OwnerState::Going),
         Err(kube::Error::Api(status)) if status.code == 401 || status.code == 403 => Ok(OwnerState::Going),
