@@ -452,7 +452,9 @@ fn a_surge_successor_serves_at_once_and_takes_the_admin_address_when_the_predece
         &["--upstream", &upstream, "--ready-file", &ready_arg(&new_ready)],
     );
     new.wait_for("the successor's ready file", |_| new_ready.exists());
-    assert!(new.proc.logs().contains("admin address busy"), "{}", new.proc.logs());
+    new.wait_for("the successor finding the admin address busy", |d| {
+        d.proc.logs().contains("admin address busy")
+    });
     // Both answer on the shared port; the admin address is still the predecessor's.
     let before = old.queries("answer", "udp");
     for _ in 0..40 {
