@@ -692,6 +692,27 @@ fn every_store_and_identity_combination_renders_and_holds_the_invariants() {
     }
 }
 
+/// An etcd whose TLS Secret holds only `ca.crt` (server verification, no client certificate).
+#[test]
+fn etcd_tls_without_a_client_certificate_passes_only_the_ca() {
+    let mut v = values("etcd", "builtin");
+    v["registrar"]["store"]["etcd"]["clientCertificate"] = json!(false);
+    let r = render(v);
+    let rc = &r
+        .registrar()
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0];
+    assert_eq!(arg(rc, "--etcd-ca-file"), Some("/etc/aether/etcd-tls/ca.crt"));
+    assert_eq!(arg(rc, "--etcd-cert-file"), None);
+    assert_eq!(arg(rc, "--etcd-key-file"), None);
+}
+
 #[test]
 fn the_chart_refuses_values_that_cannot_work() {
     let cases = [
