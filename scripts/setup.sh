@@ -21,7 +21,7 @@ APT_PACKAGES=(
 # --- Debian packages ---------------------------------------------------------
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  [[ $(dpkg-query -W -f='${Status}' "$p" 2>/dev/null) == 'install ok installed' ]] || missing+=("$p")
 done
 if [[ ${#missing[@]} -eq 0 ]]; then
   echo "setup: Debian packages already installed"
@@ -53,5 +53,7 @@ fi
 
 echo "setup: envoy:       $PWD/$envoy"
 "$envoy" --version | sed '/^[[:space:]]*$/d'
-"$envoy" --version | grep -q "/$ENVOY_VERSION/" || { echo "setup: $envoy is not Envoy $ENVOY_VERSION (proxy/ENVOY_VERSION)" >&2; exit 1; }
+# Read whole, then matched: `| grep -q` under pipefail fails when grep's early exit SIGPIPEs Envoy.
+envoy_version=$("$envoy" --version)
+[[ $envoy_version == *"/$ENVOY_VERSION/"* ]] || { echo "setup: $envoy is not Envoy $ENVOY_VERSION (proxy/ENVOY_VERSION)" >&2; exit 1; }
 echo "setup: moto_server: $PWD/$VENV/bin/moto_server"
