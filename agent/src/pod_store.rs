@@ -96,7 +96,7 @@ impl PodStore {
             pods.insert(pod.id(), pod);
             true
         })
-        .unwrap_or_else(|| self.pods.lock().expect("pod store lock").generation)
+        .expect("an insert is always a change")
     }
 
     /// Removes the pod `id` if it is still sandbox `container_id` (a newer sandbox of the
