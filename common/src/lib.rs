@@ -5,5 +5,6 @@ pub mod duration;
 pub mod fs;
 pub mod hash;
 pub mod pod_meta;
+pub mod quote;
 pub mod shutdown;
 pub mod telemetry;
