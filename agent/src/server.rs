@@ -406,7 +406,9 @@ fn debug_pages(node: Node) -> Pages {
             }
             "/debug/xds" => {
                 let snapshot = node.cache.snapshot();
-                let acked = node.cache.acked();
+                // "acked": what the newest connected Envoy (the one serving) holds.
+                let streams = node.cache.streams();
+                let acked = streams.newest().map(|s| s.acked.clone()).unwrap_or_default();
                 let types: serde_json::Map<String, serde_json::Value> = snapshot
                     .types
                     .iter()
@@ -421,7 +423,7 @@ fn debug_pages(node: Node) -> Pages {
                         (type_url.clone(), serde_json::Value::Object(entries))
                     })
                     .collect();
-                serde_json::json!({ "serial": snapshot.serial, "types": types })
+                serde_json::json!({ "serial": snapshot.serial, "streams": streams.live.len(), "types": types })
             }
             _ => return None,
         };

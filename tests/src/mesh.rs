@@ -8,7 +8,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use aether_proto::cni::v1::cni_plugin_client::CniPluginClient;
-use aether_proto::cni::v1::{AddPodRequest, AddPodResponse, PodRef, RemovePodRequest, RemovePodResponse};
+use aether_proto::cni::v1::{
+    AddPodRequest, AddPodResponse, CheckPodRequest, CheckPodResponse, PodRef, RemovePodRequest, RemovePodResponse,
+};
 use serde_json::json;
 use tonic::transport::{Channel, Endpoint};
 
@@ -361,6 +363,22 @@ impl Mesh {
                     namespace: NAMESPACE.into(),
                     name: name.into(),
                     uid: String::new(),
+                }),
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+
+    pub async fn check_pod(&self, pod: &TestPod, name: &str) -> Result<CheckPodResponse, tonic::Status> {
+        self.cni()
+            .await
+            .check_pod(CheckPodRequest {
+                container_id: format!("sandbox-{}", pod.netns_name()),
+                netns_path: pod.netns_path().to_string_lossy().into(),
+                pod: Some(PodRef {
+                    namespace: NAMESPACE.into(),
+                    name: name.into(),
+                    uid: format!("uid-{}", pod.netns_name()),
                 }),
             })
             .await

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use aether_proto::cni::v1::Outcome;
 use aether_tests::load::{Load, LoadReport, LoadSpec, Protocol};
 use aether_tests::mesh::{Mesh, fqdn};
 use aether_tests::supervisor::{LIVE_TIMEOUT, ProxySupervisor};
@@ -447,4 +448,120 @@ async fn envoy_keeps_serving_while_the_agent_restarts() {
     assert_eq!(proxy.envoy_pids(), envoys, "Envoy was restarted");
     assert_eq!(proxy.metric("aether_proxy_envoy_crashes_total").await, 0.0);
     assert_eq!(proxy.envoy_epoch().await.unwrap(), ("LIVE".to_owned(), 0));
+}
+
+/// Names of the listeners Envoy serves (its active ones, not those draining after removal).
+async fn active_listeners(proxy: &ProxySupervisor) -> Vec<String> {
+    let dump: serde_json::Value = serde_json::from_str(&proxy.envoy_get("/config_dump").await).unwrap();
+    let mut names = Vec::new();
+    for config in dump["configs"].as_array().into_iter().flatten() {
+        for listener in config["dynamic_listeners"].as_array().into_iter().flatten() {
+            if listener.get("active_state").is_some() {
+                names.push(listener["name"].as_str().unwrap_or_default().to_owned());
+            }
+        }
+    }
+    names
+}
+
+/// What the agent believes Envoy holds must be what the live Envoy holds, whichever process restarted: once one
+/// Envoy is connected, `/debug/xds` shows every served resource ACKed by it, every pod passes CHECK, a pod whose upstreams
+/// are all unchanged is added (its wait is answered by the live Envoy, not the 10 s deadline), and RemovePod
+/// returns once that Envoy has really dropped the pod's listeners.
+async fn assert_acks_follow_the_live_envoy(mesh: &Mesh, pods: &[(&TestPod, &str)]) {
+    // (Envoy reconnects to a restarted agent after its own backoff.)
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let xds: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/xds").await).unwrap();
+        let mut served = 0;
+        let mut unacked = Vec::new();
+        for (type_url, resources) in xds["types"].as_object().unwrap() {
+            for (name, r) in resources.as_object().unwrap() {
+                served += 1;
+                if r["acked"] != r["served"] {
+                    unacked.push(format!("{type_url} {name}"));
+                }
+            }
+        }
+        if unacked.is_empty() && xds["streams"] == 1 {
+            eprintln!("all {served} served resources ACKed by the live Envoy");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {served} resources not ACKed, {} streams: {unacked:#?}",
+            unacked.len(),
+            xds["streams"]
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for (pod, name) in pods {
+        let checked = mesh.check_pod(pod, name).await;
+        assert!(
+            matches!(&checked, Ok(r) if r.outcome == Outcome::Success as i32),
+            "CheckPod {name}: {checked:?}"
+        );
+    }
+    let extra = mesh.node.add_pod("frontend-2");
+    mesh.describe_pod(&extra, "frontend-2", "frontend", "backend", &[("http", 8080)]);
+    let started = Instant::now();
+    mesh.add_pod_ok(&extra, "frontend-2").await;
+    eprintln!("AddPod with unchanged upstreams: {:?}", started.elapsed());
+    assert!(
+        active_listeners(proxy(mesh))
+            .await
+            .iter()
+            .any(|l| l.ends_with("demo/frontend-2")),
+        "the added pod's listeners are not in Envoy"
+    );
+    let started = Instant::now();
+    let removed = mesh.remove_pod(&extra, "frontend-2").await.expect("RemovePod");
+    let took = started.elapsed();
+    assert_eq!(removed.outcome, Outcome::Success as i32, "{removed:?}");
+    eprintln!("RemovePod: {took:?}");
+    let left: Vec<String> = active_listeners(proxy(mesh))
+        .await
+        .into_iter()
+        .filter(|l| l.ends_with("demo/frontend-2"))
+        .collect();
+    assert!(left.is_empty(), "RemovePod returned while Envoy still serves {left:?}");
+    // Its wait was answered by Envoy's ACK, not by running out (the agent's bound is 5 s).
+    assert!(
+        took < Duration::from_secs(4),
+        "RemovePod waited out its bound: {took:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_follow_the_new_envoy_after_a_hot_restart() {
+    let (mut mesh, frontend, backend, _apps) = mesh_with_pods().await;
+    let proxy = proxy_mut(&mut mesh);
+    proxy.signal(Signal::SIGHUP);
+    proxy.wait_epoch_live(1, LIVE_TIMEOUT).await;
+    // The old epoch's ADS stream ends only now, after the new one has ACKed everything.
+    wait_one_envoy(proxy).await;
+    assert_acks_follow_the_live_envoy(&mesh, &[(&frontend, "frontend"), (&backend, "backend")]).await;
+    assert_eq!(served(&frontend).await.json()["pod"], "backend");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_follow_the_envoy_the_supervisor_restarts_after_kill_9() {
+    let (mesh, frontend, backend, _apps) = mesh_with_pods().await;
+    let envoys = proxy(&mesh).envoy_pids();
+    assert_eq!(envoys.len(), 1, "{envoys:?}");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(envoys[0] as i32), Signal::SIGKILL).unwrap();
+    until("a new Envoy LIVE", Duration::from_secs(10), async || {
+        let now = proxy(&mesh).envoy_pids();
+        now.len() == 1 && now != envoys && proxy(&mesh).envoy_epoch().await.is_ok_and(|(state, _)| state == "LIVE")
+    })
+    .await;
+    assert_acks_follow_the_live_envoy(&mesh, &[(&frontend, "frontend"), (&backend, "backend")]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_follow_the_running_envoy_after_an_agent_restart() {
+    let (mut mesh, frontend, backend, _apps) = mesh_with_pods().await;
+    drop(mesh.agent.take());
+    mesh.start_agent().await;
+    assert_acks_follow_the_live_envoy(&mesh, &[(&frontend, "frontend"), (&backend, "backend")]).await;
 }

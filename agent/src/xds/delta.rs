@@ -49,6 +49,7 @@ pub async fn serve<S>(
     let mut types: HashMap<String, TypeState> = HashMap::new();
     let mut pending: HashMap<String, Sent> = HashMap::new();
     let mut nonce = 0u64;
+    let acks = cache.open_stream();
     hooks.metrics.streams.inc();
     let _streams = Decrement(hooks.metrics.streams.clone());
     loop {
@@ -66,11 +67,11 @@ pub async fn serve<S>(
                     hooks.metrics.answered(&sent.type_url, sent.at.elapsed(), request.error_detail.is_none());
                     match &request.error_detail {
                         Some(error) => {
-                            cache.record_nack(&sent.type_url, &sent.resources, &error.message);
+                            acks.record_nack(&sent.type_url, &sent.resources, &error.message);
                             tracing::warn!(type_url = %sent.type_url, error = %error.message,
                                 "Envoy rejected a config push; it keeps its last good config");
                         }
-                        None => cache.record_ack(&sent.type_url, &sent.resources),
+                        None => acks.record_ack(&sent.type_url, &sent.resources),
                     }
                 }
                 let state = types.entry(request.type_url.clone()).or_default();
@@ -83,7 +84,7 @@ pub async fn serve<S>(
                         .iter()
                         .map(|(name, version)| (name.clone(), Some(version.clone())))
                         .collect();
-                    cache.record_ack(&request.type_url, &running);
+                    acks.record_ack(&request.type_url, &running);
                     // A first request naming nothing is a wildcard subscription (legacy form).
                     if request.resource_names_subscribe.is_empty() {
                         state.wildcard = true;
@@ -96,6 +97,7 @@ pub async fn serve<S>(
                         state.names.insert(name.clone());
                     }
                 }
+                acks.forget(&request.type_url, &request.resource_names_unsubscribe);
                 for name in &request.resource_names_unsubscribe {
                     if name == "*" {
                         state.wildcard = false;
@@ -137,7 +139,6 @@ pub async fn serve<S>(
             }
         }
     }
-    cache.clear_acks();
 }
 
 fn request_nonce(request: &DeltaDiscoveryRequest) -> Option<&str> {

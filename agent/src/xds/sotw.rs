@@ -31,6 +31,7 @@ where
     let mut snapshots = cache.subscribe();
     let mut types: HashMap<String, TypeState> = HashMap::new();
     let mut nonce = 0u64;
+    let acks = cache.open_stream();
     hooks.metrics.streams.inc();
     let _streams = Decrement(hooks.metrics.streams.clone());
     loop {
@@ -45,11 +46,11 @@ where
                         }
                         match &request.error_detail {
                             Some(error) => {
-                                cache.record_nack(&request.type_url, &resources, &error.message);
+                                acks.record_nack(&request.type_url, &resources, &error.message);
                                 tracing::warn!(type_url = %request.type_url, error = %error.message,
                                     "Envoy rejected a config push; it keeps its last good config");
                             }
-                            None => cache.record_ack(&request.type_url, &resources),
+                            None => acks.record_ack_all(&request.type_url, &resources),
                         }
                     } else {
                         state.pending = Some((sent_nonce, resources));
@@ -75,7 +76,6 @@ where
             }
         }
     }
-    cache.clear_acks();
 }
 
 fn respond(type_url: &str, state: &mut TypeState, snapshot: &Snapshot, nonce: &mut u64) -> Option<DiscoveryResponse> {
