@@ -36,6 +36,8 @@ const MAX_CLIP_CHAR_BYTES: usize = 6;
 pub const MAX_QUOTED_BYTES: usize = 2 + QUOTE_CHARS * MAX_DEBUG_CHAR_BYTES + SUFFIX_BYTES;
 /// Upper bound of the text a [`Clipped`] prints, whatever the input.
 pub const MAX_CLIPPED_BYTES: usize = CLIP_CHARS * MAX_CLIP_CHAR_BYTES + SUFFIX_BYTES;
+// Both stay under 1 KiB, so a message quoting a value or two stays small.
+const _: () = assert!(MAX_QUOTED_BYTES < 1024 && MAX_CLIPPED_BYTES < 1024);
 
 /// Quotes `value` for an error or log line: `{:?}` of the value when it has at most
 /// [`QUOTE_CHARS`] characters, else `{:?}` of its first [`QUOTE_CHARS`] characters
@@ -201,7 +203,6 @@ mod tests {
             clip(&controls).to_string().len(),
             CLIP_CHARS * 6 + "… (131072 bytes)".len()
         );
-        assert!(MAX_QUOTED_BYTES < 1024 && MAX_CLIPPED_BYTES < 1024);
     }
 
     proptest::proptest! {

@@ -16,6 +16,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
 use aether_common::admin::Readiness;
+use aether_common::quote::quote;
 use aether_proto::registrar::v1::{Change, EndpointRef, Version, change};
 use aether_proto::registry::v1::{Endpoint, Service};
 use futures::StreamExt;
@@ -578,7 +579,7 @@ impl Catalog {
             }
         }
         for record in &unreadable {
-            tracing::error!(record = %record.key, reason = %record.reason,
+            tracing::error!(record = %quote(&record.key), reason = %record.reason,
                 "skipping an unusable store record (left in the store untouched)");
         }
         metrics.store_unreadable_records.set(unreadable.len() as i64);
@@ -1543,7 +1544,7 @@ impl Writer {
                 }
                 FeedChangeKind::Unreadable(record) => {
                     self.metrics.feed_unusable.inc();
-                    tracing::error!(record = %record.key, reason = %record.reason,
+                    tracing::error!(record = %quote(&record.key), reason = %record.reason,
                         "skipping an unusable store record (left in the store untouched)");
                 }
             }

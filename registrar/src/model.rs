@@ -6,6 +6,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use aether_common::quote::quote;
 use aether_proto::registry::v1::{Endpoint, Health, Protocol};
 
 /// Limits that keep one endpoint from bloating every watcher's stream.
@@ -15,6 +16,12 @@ pub const MAX_METADATA_BYTES: usize = 16 * 1024;
 pub const MAX_METADATA_KEY_BYTES: usize = 253;
 pub const MAX_LABEL_BYTES: usize = 253;
 pub const MAX_WEIGHT: u32 = 65_535;
+/// The longest valid service key: two DNS labels and the slash.
+pub const MAX_SERVICE_KEY_BYTES: usize = 63 + 1 + 63;
+/// Every [`InvalidField`] message fits in this, whatever the input: values are quoted
+/// with [`quote`] (a short prefix and the size), so a status carrying one stays far
+/// below gRPC clients' 16 KiB metadata limit.
+pub const MAX_ERROR_BYTES: usize = 1024;
 
 /// A validated service key, `<namespace>/<name>`, both parts DNS-1123 labels (they
 /// become `<name>.<namespace>.<meshDomain>`). Shared, since every change and index
@@ -25,7 +32,7 @@ pub struct ServiceKey(Arc<str>);
 impl ServiceKey {
     /// Parses `<namespace>/<name>`; `field` names the request field in the error.
     pub fn parse(field: &str, key: &str) -> Result<Self, InvalidField> {
-        let invalid = |reason: String| InvalidField::new(field, format!("{key:?}: {reason}"));
+        let invalid = |reason: String| InvalidField::new(field, format!("{}: {reason}", quote(key)));
         if key.is_empty() {
             return Err(InvalidField::new(field, "must be set to \"<namespace>/<name>\""));
         }
@@ -115,11 +122,11 @@ pub fn parse_address(field: &str, address: &str) -> Result<IpAddr, InvalidField>
     }
     let ip: IpAddr = address
         .parse()
-        .map_err(|_| InvalidField::new(field, format!("{address:?} is not an IP address")))?;
+        .map_err(|_| InvalidField::new(field, format!("{} is not an IP address", quote(address))))?;
     if ip.is_unspecified() || ip.is_loopback() || ip.is_multicast() {
         return Err(InvalidField::new(
             field,
-            format!("{address:?} is not a unicast pod address"),
+            format!("{} is not a unicast pod address", quote(address)),
         ));
     }
     Ok(ip)
@@ -189,17 +196,17 @@ pub fn validate_endpoint(field: &str, endpoint: Option<Endpoint>) -> Result<Vali
         }
         if !port.name.is_empty() {
             check_dns_label(&port.name)
-                .map_err(|r| InvalidField::new(format!("{at}.name"), format!("{:?} {r}", port.name)))?;
+                .map_err(|r| InvalidField::new(format!("{at}.name"), format!("{} {r}", quote(&port.name))))?;
             if port.name.len() > 15 {
                 return Err(InvalidField::new(
                     format!("{at}.name"),
-                    format!("{:?} is longer than 15 characters", port.name),
+                    format!("{} is longer than 15 characters", quote(&port.name)),
                 ));
             }
             if !names.insert(port.name.as_str()) {
                 return Err(InvalidField::new(
                     format!("{at}.name"),
-                    format!("{:?} is listed twice", port.name),
+                    format!("{} is listed twice", quote(&port.name)),
                 ));
             }
         }
@@ -258,7 +265,7 @@ pub fn validate_endpoint(field: &str, endpoint: Option<Endpoint>) -> Result<Vali
         if key.is_empty() || key.len() > MAX_METADATA_KEY_BYTES {
             return Err(InvalidField::new(
                 format!("{field}.metadata"),
-                format!("key {key:?} must be 1..={MAX_METADATA_KEY_BYTES} bytes"),
+                format!("key {} must be 1..={MAX_METADATA_KEY_BYTES} bytes", quote(key)),
             ));
         }
         total += key.len() + value.len();
@@ -287,7 +294,7 @@ fn check_label_value(field: &str, value: &str) -> Result<(), InvalidField> {
     if value.chars().any(char::is_control) {
         return Err(InvalidField::new(
             field,
-            format!("{value:?} contains control characters"),
+            format!("{} contains control characters", quote(value)),
         ));
     }
     Ok(())
@@ -360,6 +367,95 @@ mod tests {
         let mut ep = endpoint();
         ep.health = 9;
         assert_eq!(error(ep), "endpoint.health: unknown health 9");
+    }
+
+    /// Any string, from empty to 1 MiB: plain text, valid-looking keys and addresses,
+    /// control characters, and long runs of one character (ASCII or not).
+    fn any_text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        prop_oneof![
+            "(?s).{0,80}",
+            "[a-z0-9-]{0,70}/[a-z0-9-]{0,70}",
+            "[0-9a-f.:]{0,45}",
+            (any::<char>(), 0..(1usize << 20)).prop_map(|(c, n)| std::iter::repeat_n(c, n).collect()),
+            ("[a-z]{1,5}", 0..(1usize << 20)).prop_map(|(ns, n)| format!("{ns}/{}", "\u{1b}".repeat(n))),
+        ]
+    }
+
+    fn any_endpoint() -> impl proptest::strategy::Strategy<Value = Endpoint> {
+        use aether_proto::registry::v1::{Locality, PodInfo};
+        use proptest::prelude::*;
+        (
+            (any_text(), any_text(), any_text(), any_text()),
+            (any_text(), any_text(), any_text()),
+            (0..70_000u32, -1..5i32, 0..100_000u32, -1..6i32),
+            proptest::option::of((any_text(), any_text(), any_text(), any_text())),
+        )
+            .prop_map(
+                |(
+                    (service, address, port_name, node),
+                    (meta_key, meta_value, zone),
+                    (port, protocol, weight, health),
+                    pod,
+                )| {
+                    Endpoint {
+                        service,
+                        address,
+                        ports: vec![Port {
+                            name: port_name,
+                            port,
+                            protocol,
+                        }],
+                        weight,
+                        health,
+                        node,
+                        metadata: [(meta_key, meta_value)].into_iter().collect(),
+                        locality: Some(Locality {
+                            zone,
+                            ..Default::default()
+                        }),
+                        pod: pod.map(|(namespace, name, uid, service_account)| PodInfo {
+                            namespace,
+                            name,
+                            uid,
+                            service_account,
+                        }),
+                    }
+                },
+            )
+    }
+
+    fn check_bounded(error: InvalidField) -> Result<(), proptest::test_runner::TestCaseError> {
+        let status = tonic::Status::from(error);
+        proptest::prop_assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        proptest::prop_assert!(
+            status.message().len() <= MAX_ERROR_BYTES,
+            "{} bytes: {}",
+            status.message().len(),
+            status.message()
+        );
+        Ok(())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(200))]
+
+        #[test]
+        fn no_validation_error_exceeds_the_bound(
+            key in any_text(),
+            address in any_text(),
+            endpoint in any_endpoint(),
+        ) {
+            if let Err(e) = ServiceKey::parse("service", &key) {
+                check_bounded(e)?;
+            }
+            if let Err(e) = parse_address("address", &address) {
+                check_bounded(e)?;
+            }
+            if let Err(e) = validate_endpoint("endpoint", Some(endpoint)) {
+                check_bounded(e)?;
+            }
+        }
     }
 
     proptest::proptest! {

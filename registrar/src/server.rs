@@ -19,12 +19,14 @@ use crate::api::RegistrarApi;
 use crate::catalog::{Catalog, CatalogConfig, OpenError};
 use crate::config::{Config, StoreKind};
 use crate::metrics::Metrics;
+use crate::model::MAX_SERVICE_KEY_BYTES;
 use crate::store::dynamodb::{DynamoConfig, DynamoStore};
 use crate::store::embedded::EmbeddedStore;
 use crate::store::etcd::{DEFAULT_MAX_TXN_OPS, EtcdConfig, EtcdStore, EtcdTlsFiles};
 use crate::store::kubernetes::{KubeConfig, KubeStore};
 use crate::store::{Store, StoreError, StoreSettings};
 use crate::vip::{VipAllocator, VipError};
+use crate::watch::MAX_FILTER_SERVICES;
 
 /// Names the registrar's telemetry (`aether_registrar_*`, service.name aether-registrar).
 pub const TELEMETRY: Identity = Identity {
@@ -48,6 +50,22 @@ pub enum StartError {
     #[error("telemetry: {0}")]
     Telemetry(#[from] aether_common::telemetry::TelemetryError),
 }
+
+/// The largest gRPC message the registrar decodes. The largest valid request is a
+/// Watch filter naming [`MAX_FILTER_SERVICES`] keys of the longest valid form
+/// ([`MAX_SERVICE_KEY_BYTES`], plus 2 bytes of protobuf framing each): about 12.9 MB.
+/// Every other request is far smaller (a valid RegisterEndpoint is under 25 KiB: at
+/// most 16 KiB of metadata, 64 ports and a few 253-byte labels). A request above this
+/// cannot be valid and is refused by the transport from its length prefix, before it
+/// is buffered (OUT_OF_RANGE "decoded message length too large"); a smaller one with an
+/// oversized field is refused by validation, naming the field (INVALID_ARGUMENT).
+///
+/// No encoding limit: responses grow with the catalog (ListServices, ListEndpoints of a
+/// large service, the Delta that answers a filter change), Watch snapshots are already
+/// chunked ([`crate::watch::SNAPSHOT_CHUNK_ENDPOINTS`]), and each client decides how much
+/// it accepts.
+pub const MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
+const _: () = assert!(MAX_FILTER_SERVICES * (MAX_SERVICE_KEY_BYTES + 2) + 1024 <= MAX_REQUEST_BYTES);
 
 /// A started registrar.
 pub struct Running {
@@ -191,7 +209,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .tcp_keepalive(Some(Duration::from_secs(60)))
-        .add_service(RegistrarServer::new(api))
+        .add_service(RegistrarServer::new(api).max_decoding_message_size(MAX_REQUEST_BYTES))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), {
             let shutdown = shutdown.clone();
             let readiness = readiness.clone();

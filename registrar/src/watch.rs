@@ -435,3 +435,48 @@ fn scopeguard(f: impl FnOnce()) -> impl Drop {
     }
     Guard(Some(f))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::MAX_ERROR_BYTES;
+
+    #[test]
+    fn a_huge_service_in_a_filter_is_refused_with_a_short_message() {
+        let huge = "a".repeat(1 << 20);
+        let request = WatchRequest {
+            services: vec!["ns/a".into(), huge.clone(), "ns/b".into()],
+            ..Default::default()
+        };
+        let status = Status::from(Filter::parse(&request).unwrap_err());
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert_eq!(
+            status.message(),
+            format!(
+                "services[1]: {:?}… (1048576 bytes): expected \"<namespace>/<name>\"",
+                &huge[..64]
+            )
+        );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(100))]
+
+        #[test]
+        fn no_filter_error_exceeds_the_bound(
+            services in proptest::collection::vec("(?s).{0,80}", 0..4),
+            at in 0..4usize,
+            c in proptest::prelude::any::<char>(),
+            len in 0..(1usize << 20),
+        ) {
+            let mut services = services;
+            let at = at.min(services.len());
+            services.insert(at, std::iter::repeat_n(c, len).collect());
+            let request = WatchRequest { services, ..Default::default() };
+            if let Err(e) = Filter::parse(&request) {
+                let status = Status::from(e);
+                proptest::prop_assert!(status.message().len() <= MAX_ERROR_BYTES, "{}", status.message());
+            }
+        }
+    }
+}

@@ -654,3 +654,122 @@ async fn a_second_registrar_on_the_same_data_dir_refuses_to_start() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("catalog.redb"), "{stderr}");
 }
+
+/// A 1 MiB value in any field the registrar quotes: refused naming the field with a
+/// short message (it travels in trailers, which a standard client caps at 16 KiB), and
+/// nothing changes. The client has tonic's default limits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_fields_are_refused_with_a_short_message_naming_the_field() {
+    const MIB: usize = 1 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let registrar = Registrar::start(dir.path(), &[]).await;
+    let mut client = registrar.client().await;
+    register(&mut client, endpoint("ns/a", "10.0.6.1", 80)).await;
+    let mut watcher = Watcher::open(&mut client, filter(&["ns/a"])).await;
+    let (before, version) = catalog(&mut client, |_| true).await;
+    watcher.until(version.seq).await;
+
+    let huge = "a".repeat(MIB);
+    let check = |what: &str, status: tonic::Status, field: &str| {
+        assert_eq!(status.code(), Code::InvalidArgument, "{what}: {status:?}");
+        let message = status.message();
+        assert!(message.starts_with(&format!("{field}: ")), "{what}: {message}");
+        // The value is quoted by its start and its size.
+        assert!(message.contains("aaaa\"… (10485"), "{what}: {message}");
+        assert!(message.len() < 1024, "{what}: {} bytes: {message}", message.len());
+    };
+    let huge_endpoint = |f: &dyn Fn(&mut Endpoint)| {
+        let mut e = endpoint("ns/a", "10.0.6.2", 80);
+        f(&mut e);
+        RegisterEndpointRequest { endpoint: Some(e) }
+    };
+    let registrations = [
+        (
+            "service",
+            huge_endpoint(&|e| e.service = huge.clone()),
+            "endpoint.service",
+        ),
+        (
+            "service name",
+            huge_endpoint(&|e| e.service = format!("ns/{huge}")),
+            "endpoint.service",
+        ),
+        (
+            "address",
+            huge_endpoint(&|e| e.address = huge.clone()),
+            "endpoint.address",
+        ),
+        (
+            "port name",
+            huge_endpoint(&|e| e.ports[0].name = huge.clone()),
+            "endpoint.ports[0].name",
+        ),
+        (
+            "metadata key",
+            huge_endpoint(&|e| {
+                e.metadata.insert(huge.clone(), "v".into());
+            }),
+            "endpoint.metadata",
+        ),
+    ];
+    for (what, request, field) in registrations {
+        let status = client.register_endpoint(request).await.expect_err(what);
+        check(what, status, field);
+    }
+    // A label over 253 bytes is refused by its size alone.
+    let status = client
+        .register_endpoint(huge_endpoint(&|e| e.node = huge.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (status.code(), status.message()),
+        (Code::InvalidArgument, "endpoint.node: 1048576 bytes (at most 253)")
+    );
+
+    let status = client
+        .unregister_endpoint(UnregisterEndpointRequest {
+            service: huge.clone(),
+            address: "10.0.6.1".into(),
+        })
+        .await
+        .unwrap_err();
+    check("unregister service", status, "service");
+    let status = client
+        .unregister_endpoint(UnregisterEndpointRequest {
+            service: "ns/a".into(),
+            address: huge.clone(),
+        })
+        .await
+        .unwrap_err();
+    check("unregister address", status, "address");
+    let status = client
+        .list_endpoints(ListEndpointsRequest { service: huge.clone() })
+        .await
+        .unwrap_err();
+    check("list", status, "service");
+
+    // A Watch whose first message names a huge service, and one that changes to it.
+    let mut bad = Watcher::open(&mut client, filter(&["ns/a", &huge])).await;
+    check("watch", bad.end().await, "services[1]");
+    watcher.send(filter(&["ns/a", "ns/b", &huge])).await;
+    check("watch filter change", watcher.end().await, "services[2]");
+
+    // Over the registrar's decoding limit: refused by the transport from the message's
+    // length prefix, before it is read.
+    let status = client
+        .list_endpoints(ListEndpointsRequest {
+            service: "x".repeat(17 * MIB),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+    assert!(
+        status.message().contains("decoded message length too large") && status.message().len() < 1024,
+        "{status:?}"
+    );
+
+    // Nothing changed, and the registrar still serves.
+    let (after, after_version) = catalog(&mut client, |_| true).await;
+    assert_eq!(after, before);
+    assert_eq!(after_version, version);
+}

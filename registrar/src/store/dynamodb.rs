@@ -39,6 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use aether_common::quote::quote;
 use aether_proto::registry::v1::{Endpoint, Service};
 use async_trait::async_trait;
 use aws_sdk_dynamodb::Client;
@@ -427,8 +428,9 @@ impl Inner {
         match text(&item, "V") {
             Some(SCHEMA_VERSION) => Ok(()),
             other => Err(StoreError::Corrupt(format!(
-                "DynamoDB table {:?} has schema version {other:?}; this registrar reads version {SCHEMA_VERSION}",
-                self.table()
+                "DynamoDB table {:?} has schema version {}; this registrar reads version {SCHEMA_VERSION}",
+                self.table(),
+                other.map_or_else(|| "(none)".to_owned(), |v| quote(v).to_string())
             ))),
         }
     }
@@ -656,7 +658,10 @@ impl Inner {
                     }
                     Ok(value) => contents.unreadable.push(UnreadableRecord {
                         key: record,
-                        reason: format!("holds service {}/{}", value.namespace, value.name),
+                        reason: format!(
+                            "holds service {}",
+                            quote(&format!("{}/{}", value.namespace, value.name))
+                        ),
                     }),
                     Err(e) => contents.unreadable.push(UnreadableRecord {
                         key: record,

@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use aether_common::quote::quote;
 use aether_proto::registry::v1::{Endpoint, Service};
 use async_trait::async_trait;
 use etcd_client::{
@@ -614,7 +615,7 @@ fn parse_lease(kv: &KeyValue) -> Result<i64, StoreError> {
     std::str::from_utf8(kv.value())
         .ok()
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| StoreError::Corrupt(format!("{}: not a lease id", String::from_utf8_lossy(kv.key()))))
+        .ok_or_else(|| StoreError::Corrupt(format!("{}: not a lease id", quote(&String::from_utf8_lossy(kv.key())))))
 }
 
 /// Reads everything under the prefix at one revision, page by page.
