@@ -13,6 +13,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use aether_common::quote::{clip, quote};
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
@@ -86,14 +87,17 @@ fn field<T: DeserializeOwned>(obj: &Map<String, Value>, key: &str) -> Result<Opt
         None | Some(Value::Null) => Ok(None),
         Some(v) => serde_json::from_value(v.clone())
             .map(Some)
-            .map_err(|e| invalid_config(format!("{key}: {e}"))),
+            .map_err(|e| invalid_config(format!("{key}: {}", clip(&e.to_string())))),
     }
 }
 
 fn absolute(key: &str, value: Option<String>, default: &str) -> Result<PathBuf, CniError> {
     let value = value.unwrap_or_else(|| default.to_owned());
     if !value.starts_with('/') {
-        return Err(invalid_config(format!("{key}: {value:?} is not an absolute path")));
+        return Err(invalid_config(format!(
+            "{key}: {} is not an absolute path",
+            quote(&value)
+        )));
     }
     Ok(PathBuf::from(value))
 }
@@ -106,7 +110,8 @@ fn parse_mesh_dns(text: &str) -> Result<SocketAddr, CniError> {
         return Ok(SocketAddr::new(ip, MESH_DNS_PORT));
     }
     Err(invalid_config(format!(
-        "meshDns: {text:?} is not an ip or ip:port address"
+        "meshDns: {} is not an ip or ip:port address",
+        quote(text)
     )))
 }
 
@@ -136,7 +141,10 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         Some(other) => {
             return Err(CniError::new(
                 Code::UnsupportedField,
-                format!("captureMode: {other:?} is not supported (use \"vip\" or \"none\")"),
+                format!(
+                    "captureMode: {} is not supported (use \"vip\" or \"none\")",
+                    quote(other)
+                ),
             ));
         }
     };
@@ -155,7 +163,10 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
     let excluded_cidrs: Vec<String> = field(&obj, "excludedCidrs")?.unwrap_or_default();
     for (i, c) in excluded_cidrs.iter().enumerate() {
         if c.parse::<ipnet::IpNet>().is_err() && c.parse::<IpAddr>().is_err() {
-            return Err(invalid_config(format!("excludedCidrs[{i}]: {c:?} is not a CIDR")));
+            return Err(invalid_config(format!(
+                "excludedCidrs[{i}]: {} is not a CIDR",
+                quote(c)
+            )));
         }
     }
     let log_file = absolute("logFile", field(&obj, "logFile")?, DEFAULT_LOG_FILE)?;
@@ -224,7 +235,8 @@ pub fn require_version(version: &str, supported: &[&str], command: &str) -> Resu
     Err(CniError::new(
         Code::IncompatibleVersion,
         format!(
-            "cniVersion: {version:?} is not supported for {command} (supported: {})",
+            "cniVersion: {} is not supported for {command} (supported: {})",
+            quote(version),
             supported.join(", ")
         ),
     ))
@@ -277,7 +289,79 @@ mod tests {
         );
     }
 
+    #[test]
+    fn huge_values_are_quoted_by_their_start_and_size() {
+        let huge = "a".repeat(1 << 20);
+        let start = &huge[..64];
+        let with = |key: &str, value: Value| {
+            let mut conf = serde_json::json!({"cniVersion": "1.1.0"});
+            conf[key] = value;
+            parse(conf.to_string().as_bytes()).unwrap_err()
+        };
+        let cases = [
+            (
+                with("agentSocket", Value::from(huge.clone())),
+                format!("agentSocket: {start:?}… (1048576 bytes) is not an absolute path"),
+            ),
+            (
+                with("meshDns", Value::from(huge.clone())),
+                format!("meshDns: {start:?}… (1048576 bytes) is not an ip or ip:port address"),
+            ),
+            (
+                with("captureMode", Value::from(huge.clone())),
+                format!("captureMode: {start:?}… (1048576 bytes) is not supported (use \"vip\" or \"none\")"),
+            ),
+            (
+                with("excludedCidrs", serde_json::json!(["10.0.0.0/8", huge])),
+                format!("excludedCidrs[1]: {start:?}… (1048576 bytes) is not a CIDR"),
+            ),
+            (
+                with(VALID_ATTACHMENTS, serde_json::json!([{"containerID": huge}])),
+                format!(
+                    "{VALID_ATTACHMENTS}[0].containerID: {start:?}… (1048576 bytes) is not a container id \
+                     (letters, digits, '-', '_', '.')"
+                ),
+            ),
+        ];
+        for (error, message) in cases {
+            assert_eq!(error.message, message);
+        }
+        // A library's message that embeds the value is clipped, the field still named.
+        let error = with("agentTimeoutMs", Value::from(huge.clone()));
+        assert_eq!(error.code, Code::InvalidConfig);
+        assert!(
+            error.message.starts_with("agentTimeoutMs: invalid type: string \"aaaa"),
+            "{}",
+            error.message
+        );
+        assert!(error.message.len() < 1024, "{}", error.message);
+        let error = require_version(&huge, MODERN_VERSIONS, "ADD").unwrap_err();
+        assert!(
+            error.message.starts_with(&format!(
+                "cniVersion: {start:?}… (1048576 bytes) is not supported for ADD"
+            )),
+            "{}",
+            error.message
+        );
+    }
+
     proptest::proptest! {
+        #[test]
+        fn no_error_json_exceeds_the_bound(
+            key in "(cniVersion|agentSocket|meshDns|captureMode|excludedCidrs|excludedPorts|agentTimeoutMs|logFile|stateDir|name)",
+            c in proptest::prelude::any::<char>(),
+            len in 0..(1usize << 20),
+            in_list in proptest::prelude::any::<bool>(),
+        ) {
+            let value: String = std::iter::repeat_n(c, len).collect();
+            let mut conf = serde_json::json!({"cniVersion": "1.1.0"});
+            conf[key.as_str()] = if in_list { serde_json::json!([value]) } else { Value::from(value) };
+            if let Err(error) = parse(conf.to_string().as_bytes()) {
+                let json = error.to_json("1.1.0");
+                proptest::prop_assert!(json.len() < 2048, "{} bytes: {json}", json.len());
+            }
+        }
+
         #[test]
         fn any_stdin_is_an_answer_never_a_panic(s in "\\PC{0,128}") {
             let _ = parse(s.as_bytes());

@@ -3,6 +3,8 @@
 
 use std::collections::BTreeMap;
 
+use aether_common::quote::quote;
+
 use crate::error::{CniError, invalid_env};
 
 pub const CNI_COMMAND: &str = "CNI_COMMAND";
@@ -36,7 +38,8 @@ impl Command {
             Some("STATUS") => Ok(Command::Status),
             Some("VERSION") => Ok(Command::Version),
             Some(other) => Err(invalid_env(format!(
-                "{CNI_COMMAND}: {other:?} is not a CNI command (ADD, DEL, CHECK, GC, STATUS, VERSION)"
+                "{CNI_COMMAND}: {} is not a CNI command (ADD, DEL, CHECK, GC, STATUS, VERSION)",
+                quote(other)
             ))),
         }
     }
@@ -78,7 +81,10 @@ pub fn check_container_id(id: &str) -> Result<(), String> {
         return Err("missing".into());
     }
     if id.len() > 256 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
-        return Err(format!("{id:?} is not a container id (letters, digits, '-', '_', '.')"));
+        return Err(format!(
+            "{} is not a container id (letters, digits, '-', '_', '.')",
+            quote(id)
+        ));
     }
     Ok(())
 }
@@ -89,9 +95,9 @@ pub fn parse_args(args: &str) -> Result<BTreeMap<String, String>, CniError> {
     for pair in args.split(';').filter(|p| !p.is_empty()) {
         let (k, v) = pair
             .split_once('=')
-            .ok_or_else(|| invalid_env(format!("{CNI_ARGS}: {pair:?} is not KEY=VALUE")))?;
+            .ok_or_else(|| invalid_env(format!("{CNI_ARGS}: {} is not KEY=VALUE", quote(pair))))?;
         if k.is_empty() {
-            return Err(invalid_env(format!("{CNI_ARGS}: {pair:?} has an empty key")));
+            return Err(invalid_env(format!("{CNI_ARGS}: {} has an empty key", quote(pair))));
         }
         out.insert(k.to_owned(), v.to_owned());
     }
@@ -108,7 +114,10 @@ impl Sandbox {
             return Err(invalid_env(format!("{CNI_NETNS}: missing")));
         }
         if !netns.is_empty() && !netns.starts_with('/') {
-            return Err(invalid_env(format!("{CNI_NETNS}: {netns:?} is not an absolute path")));
+            return Err(invalid_env(format!(
+                "{CNI_NETNS}: {} is not an absolute path",
+                quote(&netns)
+            )));
         }
         let ifname = get(CNI_IFNAME).unwrap_or_default();
         if ifname.is_empty() {
@@ -116,7 +125,8 @@ impl Sandbox {
         }
         if ifname.len() > 15 || ifname.contains('/') || ifname.chars().any(char::is_whitespace) {
             return Err(invalid_env(format!(
-                "{CNI_IFNAME}: {ifname:?} is not an interface name"
+                "{CNI_IFNAME}: {} is not an interface name",
+                quote(&ifname)
             )));
         }
         let args = parse_args(&get(CNI_ARGS).unwrap_or_default())?;
@@ -183,6 +193,54 @@ mod tests {
         assert_eq!(
             Command::parse(Some("NOPE")).unwrap_err().code,
             crate::error::Code::InvalidEnvironment
+        );
+    }
+
+    #[test]
+    fn huge_variables_are_quoted_by_their_start_and_size() {
+        let huge = "a".repeat(1 << 20);
+        let start = &huge[..64];
+        let ok = [
+            (CNI_CONTAINERID, "abc"),
+            (CNI_NETNS, "/var/run/netns/x"),
+            (CNI_IFNAME, "eth0"),
+        ];
+        let err = |variable: &str, value: &str| {
+            let mut pairs = ok.to_vec();
+            pairs.retain(|(k, _)| *k != variable);
+            pairs.push((variable, value));
+            Sandbox::from_env(env(&pairs), true).unwrap_err().message
+        };
+        assert_eq!(
+            err(CNI_CONTAINERID, &huge),
+            format!(
+                "CNI_CONTAINERID: {start:?}… (1048576 bytes) is not a container id (letters, digits, '-', '_', '.')"
+            )
+        );
+        assert_eq!(
+            err(CNI_NETNS, &huge),
+            format!("CNI_NETNS: {start:?}… (1048576 bytes) is not an absolute path")
+        );
+        assert_eq!(
+            err(CNI_IFNAME, &huge),
+            format!("CNI_IFNAME: {start:?}… (1048576 bytes) is not an interface name")
+        );
+        assert_eq!(
+            err(CNI_ARGS, &huge),
+            format!("CNI_ARGS: {start:?}… (1048576 bytes) is not KEY=VALUE")
+        );
+        assert_eq!(
+            err(CNI_ARGS, &format!("={huge}")),
+            format!(
+                "CNI_ARGS: {:?}… (1048577 bytes) has an empty key",
+                &format!("={huge}")[..64]
+            )
+        );
+        assert_eq!(
+            Command::parse(Some(&huge)).unwrap_err().message,
+            format!(
+                "CNI_COMMAND: {start:?}… (1048576 bytes) is not a CNI command (ADD, DEL, CHECK, GC, STATUS, VERSION)"
+            )
         );
     }
 

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use aether_common::quote::{clip, quote};
 use serde_json::{Value, json};
 
 use crate::config::{DEFAULT_AGENT_SOCKET, DEFAULT_LOG_FILE, DEFAULT_STATE_DIR};
@@ -100,7 +101,7 @@ fn parse_owner(value: &str) -> Result<Owner, String> {
             namespace: namespace.to_owned(),
             name: name.to_owned(),
         }),
-        _ => Err(format!("{value:?} is not <namespace>/<name>")),
+        _ => Err(format!("{} is not <namespace>/<name>", quote(value))),
     }
 }
 
@@ -179,7 +180,7 @@ fn read_json(path: &Path) -> Result<Value, InstallError> {
     let text = std::fs::read(path).map_err(io(path))?;
     let value: Value = serde_json::from_slice(&text).map_err(|e| InstallError::BadConfig {
         path: path.display().to_string(),
-        reason: e.to_string(),
+        reason: clip(&e.to_string()).to_string(),
     })?;
     if !value.is_object() {
         return Err(InstallError::BadConfig {

@@ -5,6 +5,7 @@ use std::net::IpAddr;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use aether_common::quote::quote;
 use futures::TryStreamExt;
 use netlink_packet_route::address::AddressAttribute;
 use nix::mount::{MntFlags, MsFlags};
@@ -13,7 +14,7 @@ use crate::result::Cidr;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetnsError {
-    #[error("CNI_NETNS: {0} does not exist")]
+    #[error("CNI_NETNS: {} does not exist", quote(.0))]
     Missing(String),
     #[error("pinning {netns} at {pin}: {reason}")]
     Pin { netns: String, pin: String, reason: String },

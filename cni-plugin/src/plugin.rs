@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use aether_common::quote::quote;
 use aether_proto::cni::v1::{
     AddPodRequest, CaptureMode as ProtoCaptureMode, CaptureOptions, CheckPodRequest, GarbageCollectRequest, Outcome,
     PodRef, ReadyRequest, RemovePodRequest,
@@ -103,7 +104,10 @@ fn managed<'a>(conf: &NetConf, sandbox: &'a Sandbox) -> Option<&'a PodArgs> {
 }
 
 fn missing_netns(netns: &str) -> CniError {
-    CniError::new(Code::UnknownContainer, format!("CNI_NETNS: {netns} does not exist"))
+    CniError::new(
+        Code::UnknownContainer,
+        format!("CNI_NETNS: {} does not exist", quote(netns)),
+    )
 }
 
 fn netns_error(error: netns::NetnsError) -> CniError {

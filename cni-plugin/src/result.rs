@@ -3,6 +3,7 @@
 
 use std::net::IpAddr;
 
+use aether_common::quote::quote;
 use serde_json::Value;
 
 use crate::error::{CniError, invalid_config};
@@ -50,7 +51,8 @@ pub fn pod_addresses(prev: &Value, ifname: &str) -> Result<Vec<Cidr>, CniError> 
             .ok_or_else(|| invalid_config(format!("prevResult.ips[{i}].address: missing")))?;
         let cidr = parse_cidr(address).ok_or_else(|| {
             invalid_config(format!(
-                "prevResult.ips[{i}].address: {address:?} is not an address/prefix"
+                "prevResult.ips[{i}].address: {} is not an address/prefix",
+                quote(address)
             ))
         })?;
         let belongs = match entry.get("interface") {

@@ -275,7 +275,7 @@ fn every_error_case_has_its_spec_code_and_names_the_cause() {
         (r.code(), r.msg()),
         (
             3,
-            "CNI_NETNS: /var/run/netns/aether-no-such-netns does not exist".to_string()
+            "CNI_NETNS: \"/var/run/netns/aether-no-such-netns\" does not exist".to_string()
         )
     );
 

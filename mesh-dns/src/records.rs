@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use aether_common::quote::{clip, quote};
 use serde::{Deserialize, Serialize};
 
 /// The only format version this code reads and writes.
@@ -28,19 +29,19 @@ pub const MAX_FILE_BYTES: u64 = 64 * 1024 * 1024;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RecordsError {
-    #[error("not a record file: {0}")]
+    #[error("not a record file: {}", clip(.0))]
     Json(String),
     #[error("version: {0} is not supported (this reader knows version {VERSION})")]
     Version(u32),
-    #[error("records[{key:?}]: {reason}")]
+    #[error("records[{}]: {reason}", quote(.key))]
     Key { key: String, reason: String },
-    #[error("records[{key:?}].{family}: {value:?} is not an IP{family} address")]
+    #[error("records[{}].{family}: {} is not an IP{family} address", quote(.key), quote(.value))]
     Address {
         key: String,
         family: &'static str,
         value: String,
     },
-    #[error("records[{key:?}]: has neither v4 nor v6")]
+    #[error("records[{}]: has neither v4 nor v6", quote(.key))]
     NoAddress { key: String },
     #[error("file is {0} bytes (at most {MAX_FILE_BYTES})")]
     TooLarge(u64),
@@ -267,6 +268,32 @@ mod tests {
             let error = RecordFile::parse(input.as_bytes()).unwrap_err().to_string();
             assert!(error.contains(want), "{input}: {error:?} does not mention {want:?}");
         }
+    }
+
+    #[test]
+    fn huge_keys_and_values_are_quoted_by_their_start_and_size() {
+        let huge = "a".repeat(1 << 20);
+        let start = &huge[..64];
+        let file = |records: serde_json::Value| {
+            let json = serde_json::json!({"version": 1, "generation": 1, "written_at_unix_ms": 1, "records": records});
+            RecordFile::parse(json.to_string().as_bytes()).unwrap_err().to_string()
+        };
+        let mut records = serde_json::Map::new();
+        records.insert(huge.clone(), serde_json::json!({"v4": "1.2.3.4"}));
+        assert_eq!(
+            file(records.into()),
+            format!("records[{start:?}… (1048576 bytes)]: is not <namespace>/<service>")
+        );
+        assert_eq!(
+            file(serde_json::json!({"a/b": {"v4": huge}})),
+            format!("records[\"a/b\"].v4: {start:?}… (1048576 bytes) is not an IPv4 address")
+        );
+        // serde's message names an unknown field whole: clipped.
+        let mut records = serde_json::Map::new();
+        records.insert("a/b".into(), serde_json::json!({ huge.clone(): 1 }));
+        let error = file(records.into());
+        assert!(error.starts_with("not a record file: unknown field `aaaa"), "{error}");
+        assert!(error.len() < 1024, "{} bytes: {error}", error.len());
     }
 
     fn label() -> impl Strategy<Value = String> {
