@@ -198,7 +198,11 @@ impl Watcher {
     where
         S: Stream<Item = Result<WatchRequest, Status>> + Unpin,
     {
-        let mut progress = tokio::time::interval(PROGRESS_INTERVAL);
+        // The first progress check comes a whole interval after the stream started, on
+        // every path: a resumed stream whose last missed batches were all filtered out
+        // must not answer with an empty Delta at once, when a live one that skipped the
+        // same batches says nothing until its next tick. (`interval` would tick at once.)
+        let mut progress = tokio::time::interval_at(tokio::time::Instant::now() + PROGRESS_INTERVAL, PROGRESS_INTERVAL);
         progress.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut inbound_open = true;
         loop {

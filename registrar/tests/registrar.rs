@@ -222,6 +222,66 @@ async fn a_reconnecting_watcher_resumes_with_only_the_missed_deltas() {
     assert_eq!(resumed.view.catalog, expected);
 }
 
+/// A resumed Watch sends what a live one does: a Delta for each change in its filter,
+/// nothing for the changes outside it; both then tell the latest version with one
+/// progress Delta (no changes) within the progress interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_watch_sends_no_empty_delta_for_changes_outside_its_filter() {
+    use aether_registrar::watch::PROGRESS_INTERVAL;
+    use std::time::Duration;
+
+    let dir = tempfile::tempdir().unwrap();
+    let registrar = Registrar::start(dir.path(), &[]).await;
+    let mut client = registrar.client().await;
+    let v = register(&mut client, endpoint("ns/a", "10.0.7.1", 80)).await;
+    let mut live = Watcher::open(&mut client, filter(&["ns/a"])).await;
+    live.until(v.seq).await;
+    let view = live.view.clone();
+
+    let inside = register(&mut client, endpoint("ns/a", "10.0.7.2", 80)).await;
+    let mut last = inside.clone();
+    for i in 3..6 {
+        last = register(&mut client, endpoint("ns/other", &format!("10.0.7.{i}"), 80)).await;
+    }
+    let mut resumed = Watcher::open(
+        &mut client,
+        WatchRequest {
+            resume_from: view.version.clone(),
+            ..filter(&["ns/a"])
+        },
+    )
+    .await
+    .with_view(view);
+
+    for (path, watcher) in [("live", &mut live), ("resumed", &mut resumed)] {
+        let message = watcher.next().await;
+        let Some(watch_response::Event::Delta(delta)) = &message.event else {
+            panic!("{path}: expected a Delta, got {message:?}");
+        };
+        assert_eq!(delta.version.as_ref(), Some(&inside), "{path}");
+        assert_eq!(delta.changes.len(), 1, "{path}: {delta:?}");
+        // The changes outside the filter: nothing, not an empty Delta each (nor one at once).
+        if let Ok(message) = tokio::time::timeout(Duration::from_secs(1), watcher.next()).await {
+            panic!("{path}: sent {message:?} for changes outside its filter");
+        }
+    }
+    // Each stream then moves its client to the latest version with one progress Delta.
+    for (path, watcher) in [("live", &mut live), ("resumed", &mut resumed)] {
+        let message = tokio::time::timeout(PROGRESS_INTERVAL + Duration::from_secs(2), watcher.next())
+            .await
+            .unwrap_or_else(|_| panic!("{path}: no progress within {PROGRESS_INTERVAL:?}"));
+        let Some(watch_response::Event::Delta(delta)) = &message.event else {
+            panic!("{path}: expected a progress Delta, got {message:?}");
+        };
+        assert!(delta.changes.is_empty(), "{path}: {delta:?}");
+        assert_eq!(delta.version.as_ref(), Some(&last), "{path}");
+        assert_eq!(watcher.view.version.as_ref(), Some(&last), "{path}");
+    }
+    let (expected, _) = catalog(&mut client, |k| k == "ns/a").await;
+    assert_eq!(live.view.catalog, expected);
+    assert_eq!(resumed.view.catalog, expected);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_or_expired_version_gets_a_fresh_snapshot() {
     let dir = tempfile::tempdir().unwrap();
