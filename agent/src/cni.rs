@@ -251,6 +251,9 @@ impl CniService {
             .into_iter()
             .map(|n| (xds::LISTENER, n))
             .collect();
+        if self.node.identity.is_some() {
+            wanted.extend(xds::resources::pod_identity_names(pod));
+        }
         for upstream in &upstreams {
             for name in xds::resources::cluster_names(&watched.catalog, upstream, &self.node.mesh_domain) {
                 wanted.push((xds::CLUSTER, name.clone()));

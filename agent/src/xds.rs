@@ -45,6 +45,9 @@ type Histograms = Family<Labels, Histogram, fn() -> Histogram>;
 pub struct XdsMetrics {
     pub streams: Gauge,
     pub pushes: Family<Labels, Counter>,
+    /// Resources (added, updated or removed) and their encoded bytes in those responses.
+    pub resources_pushed: Family<Labels, Counter>,
+    pub bytes_pushed: Family<Labels, Counter>,
     pub acks: Family<Labels, Counter>,
     pub nacks: Family<Labels, Counter>,
     /// From sending a response to Envoy's ACK or NACK of it, by type.
@@ -61,6 +64,8 @@ impl Default for XdsMetrics {
         Self {
             streams: Gauge::default(),
             pushes: Family::default(),
+            resources_pushed: Family::default(),
+            bytes_pushed: Family::default(),
             acks: Family::default(),
             nacks: Family::default(),
             push_duration: Family::new_with_constructor(push_histogram),
@@ -72,6 +77,17 @@ impl XdsMetrics {
     pub fn register(&self, registry: &mut Registry) {
         registry.register("xds_streams", "Connected ADS streams", self.streams.clone());
         registry.register("xds_pushes", "xDS responses sent, by type", self.pushes.clone());
+        registry.register(
+            "xds_resources_pushed",
+            "Resources sent to Envoy (added, updated or removed), by type",
+            self.resources_pushed.clone(),
+        );
+        registry.register_with_unit(
+            "xds_pushed",
+            "Encoded bytes of the resources sent to Envoy, by type",
+            Unit::Bytes,
+            self.bytes_pushed.clone(),
+        );
         registry.register("xds_acks", "xDS responses Envoy accepted, by type", self.acks.clone());
         registry.register("xds_nacks", "xDS responses Envoy rejected, by type", self.nacks.clone());
         registry.register_with_unit(
@@ -80,6 +96,14 @@ impl XdsMetrics {
             Unit::Seconds,
             self.push_duration.clone(),
         );
+    }
+
+    /// A response of `type_url` carrying `resources` resources of `bytes` encoded bytes was sent.
+    pub fn pushed(&self, type_url: &str, resources: usize, bytes: usize) {
+        let labels = [("type", delta::short(type_url))];
+        self.pushes.get_or_create(&labels).inc();
+        self.resources_pushed.get_or_create(&labels).inc_by(resources as u64);
+        self.bytes_pushed.get_or_create(&labels).inc_by(bytes as u64);
     }
 
     /// Envoy answered a response sent `elapsed` ago.

@@ -193,6 +193,9 @@ impl Mesh {
         json!({
             "node": {"id": "test-node", "cluster": "aether"},
             "admin": admin_address_json(admin_port),
+            "bootstrap_extensions": [{"name": "envoy.bootstrap.internal_listener", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"
+            }}],
             "dynamic_resources": {
                 "ads_config": {
                     "api_type": self.ads_api,

@@ -72,11 +72,12 @@ async fn pods_reach_their_upstreams_through_the_node_envoy() {
         "the port header leaked to the app"
     );
 
-    // Envoy holds clusters for exactly the dependency set (backend and frontend's own service).
+    // Envoy holds clusters for exactly the dependency set (backend and frontend's own service), besides each local
+    // pod's own (delivery `local|…`, and with mTLS `originate|<pod>`, which its connections leave through).
     let mesh_clusters = || -> BTreeSet<String> {
         mesh.envoy_clusters()
             .into_iter()
-            .filter(|c| !c.starts_with("local|"))
+            .filter(|c| !c.starts_with("local|") && !c.starts_with("originate|"))
             .collect()
     };
     let expected: BTreeSet<String> = [
@@ -89,6 +90,12 @@ async fn pods_reach_their_upstreams_through_the_node_envoy() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(mesh_clusters(), expected);
+    let originate: Vec<String> = mesh
+        .envoy_clusters()
+        .into_iter()
+        .filter(|c| c.starts_with("originate|"))
+        .collect();
+    assert_eq!(originate, ["originate|demo/backend-1", "originate|demo/frontend"]);
 
     // A second replica gets traffic too.
     let added = mesh.add_pod(&backend2, "backend-2").await.unwrap();
@@ -450,6 +457,129 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
         assert_eq!((status.code(), status.message()), (code, message));
     }
 
+    // 1 MiB fields: refused naming the field, the value quoted by its start and its size,
+    // so the status fits in the trailers a default client accepts (16 KiB).
+    let huge = "a".repeat(1 << 20);
+    let start = &huge[..64];
+    let capture = |mesh_dns: &str, cidr: &str| aether_proto::cni::v1::CaptureOptions {
+        mesh_dns: mesh_dns.into(),
+        excluded_cidrs: vec![cidr.into()],
+        ..Default::default()
+    };
+    let huge_cases: Vec<(AddPodRequest, String)> = vec![
+        (
+            AddPodRequest {
+                container_id: huge.clone(),
+                ..good()
+            },
+            format!("container_id: {start:?}… (1048576 bytes) is not a container id"),
+        ),
+        (
+            AddPodRequest {
+                netns_path: huge.clone(),
+                ..good()
+            },
+            format!("netns_path: {start:?}… (1048576 bytes) is not an absolute path"),
+        ),
+        (
+            AddPodRequest {
+                netns_path: format!("/{huge}"),
+                ..good()
+            },
+            format!(
+                "netns_path: {:?}… (1048577 bytes) does not exist",
+                &format!("/{huge}")[..64]
+            ),
+        ),
+        (
+            AddPodRequest {
+                pod: Some(PodRef {
+                    namespace: huge.clone(),
+                    name: "p".into(),
+                    uid: String::new(),
+                }),
+                ..good()
+            },
+            format!("pod.namespace: {start:?}… (1048576 bytes) is longer than 63 characters"),
+        ),
+        (
+            AddPodRequest {
+                pod: Some(PodRef {
+                    namespace: "demo".into(),
+                    name: huge.clone(),
+                    uid: String::new(),
+                }),
+                ..good()
+            },
+            "pod.name: must be 1..=253 characters".into(),
+        ),
+        (
+            AddPodRequest {
+                ips: vec![huge.clone()],
+                ..good()
+            },
+            format!("ips[0]: {start:?}… (1048576 bytes) is not an IP address"),
+        ),
+        (
+            AddPodRequest {
+                capture: Some(capture(&huge, "10.0.0.0/8")),
+                ..good()
+            },
+            format!("capture.mesh_dns: {start:?}… (1048576 bytes) is not an ip:port address"),
+        ),
+        (
+            AddPodRequest {
+                capture: Some(capture("", &huge)),
+                ..good()
+            },
+            format!("capture.excluded_cidrs[0]: {start:?}… (1048576 bytes) is not a CIDR"),
+        ),
+    ];
+    for (request, message) in huge_cases {
+        let status = cni.add_pod(request).await.unwrap_err();
+        assert_eq!(
+            (status.code(), status.message()),
+            (tonic::Code::InvalidArgument, message.as_str())
+        );
+        assert!(status.message().len() < 1024);
+    }
+    let huge_id = format!("container_id: {start:?}… (1048576 bytes) is not a container id");
+    let status = cni
+        .remove_pod(RemovePodRequest {
+            container_id: huge.clone(),
+            pod: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (status.code(), status.message()),
+        (tonic::Code::InvalidArgument, huge_id.as_str())
+    );
+    let status = cni
+        .check_pod(CheckPodRequest {
+            container_id: huge.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (status.code(), status.message()),
+        (tonic::Code::InvalidArgument, huge_id.as_str())
+    );
+    let status = cni
+        .garbage_collect(aether_proto::cni::v1::GarbageCollectRequest {
+            valid_container_ids: vec!["sandbox-1".into(), huge.clone()],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (status.code(), status.message()),
+        (
+            tonic::Code::InvalidArgument,
+            format!("valid_container_ids[1]: {huge_id}").as_str()
+        )
+    );
+
     // Unmanaged and excluded pods are IGNORED, not errors.
     let mut manifest: serde_json::Value = serde_json::json!({
         "kind": "Pod",
@@ -486,7 +616,9 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
 
     // A malformed upstream entry is reported and skipped; the pod still joins.
     manifest["metadata"]["labels"] = serde_json::json!({"aether.io/managed": "true"});
-    manifest["metadata"]["annotations"] = serde_json::json!({"config.aether.io/upstreams": "backend, Not_Valid"});
+    // Also one of 1 MiB: reported by its start and its size.
+    manifest["metadata"]["annotations"] =
+        serde_json::json!({"config.aether.io/upstreams": format!("backend, Not_Valid, {huge}")});
     std::fs::write(mesh.path("pods/p.json"), manifest.to_string()).unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     loop {
@@ -502,13 +634,16 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
     assert_eq!(
         p["config_errors"],
         serde_json::json!([
-            "config.aether.io/upstreams[1]: \"Not_Valid\": \"Not_Valid\" is not a DNS-1123 label (lowercase letters, digits and '-')"
+            "config.aether.io/upstreams[1]: \"Not_Valid\": \"Not_Valid\" is not a DNS-1123 label (lowercase letters, digits and '-')",
+            format!(
+                "config.aether.io/upstreams[2]: {start:?}… (1048576 bytes): {start:?}… (1048576 bytes) is longer than 63 characters"
+            ),
         ])
     );
 
     let metrics = mesh.agent_get("/metrics").await;
     assert!(
-        metrics.lines().any(|l| l == "aether_agent_pod_config_errors 1"),
+        metrics.lines().any(|l| l == "aether_agent_pod_config_errors 2"),
         "{metrics}"
     );
 
@@ -636,4 +771,129 @@ async fn plain_tcp_to_a_declared_service_vip_is_captured_and_delivered() {
     // The cache pod's own server answered, inside its netns, on its loopback port.
     assert_eq!(greeting, "cache\n");
     assert_eq!(echo, "ping\n");
+}
+
+/// Resources and encoded bytes the agent has pushed to Envoy so far, by xDS type.
+async fn pushed(mesh: &Mesh) -> std::collections::BTreeMap<String, (u64, u64)> {
+    let text = mesh.agent_get("/metrics").await;
+    let mut by_type = std::collections::BTreeMap::<String, (u64, u64)>::new();
+    for line in text.lines() {
+        for (metric, bytes) in [
+            ("aether_agent_xds_resources_pushed_total{type=\"", false),
+            ("aether_agent_xds_pushed_bytes_total{type=\"", true),
+        ] {
+            if let Some(rest) = line.strip_prefix(metric) {
+                let (kind, value) = rest.split_once("\"} ").expect("a counter sample");
+                let entry = by_type.entry(kind.to_owned()).or_default();
+                let value: u64 = value.parse().expect("a counter value");
+                if bytes { entry.1 = value } else { entry.0 = value }
+            }
+        }
+    }
+    by_type
+}
+
+/// Envoy's dynamic clusters with the version it holds of each.
+fn cluster_versions(mesh: &Mesh) -> std::collections::BTreeMap<String, String> {
+    let dump = mesh.envoy().config_dump();
+    let mut versions = std::collections::BTreeMap::new();
+    for config in dump["configs"].as_array().into_iter().flatten() {
+        for c in config["dynamic_active_clusters"].as_array().into_iter().flatten() {
+            versions.insert(
+                c["cluster"]["name"].as_str().unwrap_or_default().to_owned(),
+                c["version_info"].as_str().unwrap_or_default().to_owned(),
+            );
+        }
+    }
+    versions
+}
+
+fn print_pushed(
+    what: &str,
+    before: &std::collections::BTreeMap<String, (u64, u64)>,
+    after: &std::collections::BTreeMap<String, (u64, u64)>,
+) {
+    let mut line = format!("{what}:");
+    for (kind, (resources, bytes)) in after {
+        let (r0, b0) = before.get(kind).copied().unwrap_or_default();
+        if resources > &r0 {
+            line += &format!(" {kind} {} ({} B)", resources - r0, bytes - b0);
+        }
+    }
+    eprintln!("{line}");
+}
+
+/// Node cost O(pods + dependencies): a pod whose upstreams already exist brings its own resources and changes no
+/// cluster Envoy already holds; removing it leaves no trace of it in anything Envoy is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_with_existing_upstreams_pushes_only_its_own_resources_and_leaves_no_trace() {
+    let mesh = Mesh::start().await;
+    let (_frontend, _backend, _apps) = mesh.frontend_and_backend().await;
+    // Settled: the frontend's own service is served once its registration came back from the registrar.
+    let own = format!("{}:8080", fqdn("frontend"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !cluster_versions(&mesh).contains_key(&own) {
+        assert!(std::time::Instant::now() < deadline, "{own} never served");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let clusters_before = cluster_versions(&mesh);
+    let before = pushed(&mesh).await;
+
+    let extra = mesh.node.add_pod("frontend-2");
+    let _app = extra.serve_http(APP.parse().unwrap(), "frontend-2");
+    mesh.describe_pod(&extra, "frontend-2", "frontend", "backend", &[("http", 8080)]);
+    mesh.add_pod_ok(&extra, "frontend-2").await;
+    let after = pushed(&mesh).await;
+    print_pushed("AddPod with existing upstreams pushed", &before, &after);
+    let clusters_after = cluster_versions(&mesh);
+    for (name, version) in &clusters_before {
+        assert_eq!(
+            clusters_after.get(name),
+            Some(version),
+            "AddPod re-pushed the existing cluster {name}"
+        );
+    }
+    let added: Vec<&String> = clusters_after
+        .keys()
+        .filter(|n| !clusters_before.contains_key(*n))
+        .collect();
+    assert_eq!(added, ["local|demo/frontend-2|8080", "originate|demo/frontend-2"]);
+    // Only those two clusters travelled: per pod a constant number of resources.
+    assert_eq!(after["Cluster"].0 - before["Cluster"].0, 2, "{before:?} → {after:?}");
+
+    // Removal withdraws those two and changes no other cluster.
+    let before = pushed(&mesh).await;
+    let removed = mesh.remove_pod(&extra, "frontend-2").await.expect("RemovePod");
+    assert_eq!(removed.outcome, aether_proto::cni::v1::Outcome::Success as i32);
+    let after = pushed(&mesh).await;
+    print_pushed("RemovePod pushed", &before, &after);
+    assert_eq!(after["Cluster"].0 - before["Cluster"].0, 2, "{before:?} → {after:?}");
+    assert_eq!(
+        cluster_versions(&mesh),
+        clusters_before,
+        "RemovePod changed another cluster"
+    );
+    let xds = mesh.agent_get("/debug/xds").await;
+    assert!(
+        !xds.contains("frontend-2"),
+        "the agent still serves a resource of the removed pod: {xds}"
+    );
+    let ip = extra.ip().to_string();
+    let dump = mesh.envoy().config_dump();
+    for config in dump["configs"].as_array().into_iter().flatten() {
+        // (Its secret stays in Envoy while its removed listeners drain; the agent serves it no more.)
+        for key in ["dynamic_active_clusters", "dynamic_endpoint_configs"] {
+            let text = config[key].to_string();
+            assert!(
+                !text.contains("frontend-2") && !text.contains(&format!("\"{ip}\"")),
+                "Envoy still holds {key} of the removed pod"
+            );
+        }
+        for listener in config["dynamic_listeners"].as_array().into_iter().flatten() {
+            if listener.get("active_state").is_some() {
+                assert!(!listener["name"].as_str().unwrap_or_default().contains("frontend-2"));
+            }
+        }
+    }
 }

@@ -652,3 +652,61 @@ async fn plaintext_mode_serves_no_secrets() {
     let names: BTreeSet<String> = envoy_secrets(&mesh).into_keys().collect();
     assert!(names.is_empty());
 }
+
+/// Two pods calling the same upstream at once, over several connections each: every request presents its own
+/// pod's SVID at the destination (a shared upstream connection would show the other pod's), and each pod's
+/// connections leave through its own originate cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_callers_of_one_upstream_each_present_their_own_svid() {
+    let mesh = Mesh::start_identity(
+        MeshIdentity::Builtin {
+            ttl: Duration::from_secs(3600),
+        },
+        &[],
+    )
+    .await;
+    let pods = add_pods(
+        &mesh,
+        &[
+            ("backend", "backend", ""),
+            ("a", "alpha", "backend"),
+            ("c", "gamma", "backend"),
+        ],
+    )
+    .await;
+    let callers = [("a", "alpha"), ("c", "gamma")];
+    let chains = callers.iter().flat_map(|(name, sa)| {
+        let pod = pods.get(name);
+        (0..4).map(move |chain| async move {
+            let mut seen = Vec::new();
+            for i in 0..25 {
+                let reply = pod
+                    .http_get(&format!("http://127.0.0.1:18081/{chain}/{i}"), Some(&backend_host()))
+                    .await
+                    .unwrap();
+                assert_eq!(reply.status, 200, "{name}: {reply:?}");
+                seen.push(peer_uris(&xfcc(&reply)));
+            }
+            (name, sa, seen)
+        })
+    });
+    let mut requests = 0;
+    for (name, sa, seen) in futures::future::join_all(chains).await {
+        for identities in seen {
+            assert_eq!(identities, [spiffe_id(NAMESPACE, sa)], "a request from {name}");
+            requests += 1;
+        }
+    }
+    assert_eq!(requests, 200);
+    let stats = mesh
+        .envoy()
+        .admin_get("/stats?filter=^cluster\\.originate_.*upstream_cx_total$");
+    let counts: Vec<u64> = stats
+        .lines()
+        .filter_map(|l| l.rsplit_once(": ")?.1.parse().ok())
+        .collect();
+    eprintln!("per-pod originate clusters' upstream connections: {stats}");
+    // backend, a and c each have one; a's and c's both carried connections.
+    assert_eq!(counts.len(), 3, "{stats}");
+    assert_eq!(counts.iter().filter(|c| **c > 0).count(), 2, "{stats}");
+}

@@ -132,7 +132,14 @@ pub async fn serve<S>(
         for type_url in PUSH_ORDER {
             let Some(state) = types.get_mut(type_url) else { continue };
             if let Some(response) = diff(type_url, state, &snapshot, &mut nonce, &mut pending) {
-                hooks.metrics.pushes.get_or_create(&[("type", short(type_url))]).inc();
+                let bytes: usize = response
+                    .resources
+                    .iter()
+                    .filter_map(|r| r.resource.as_ref())
+                    .map(|a| a.value.len())
+                    .sum();
+                let count = response.resources.len() + response.removed_resources.len();
+                hooks.metrics.pushed(type_url, count, bytes);
                 if out.send(Ok(response)).await.is_err() {
                     return;
                 }

@@ -6,10 +6,17 @@
 //! (so on-demand CDS can ask for what a request's authority names); the bare
 //! `<svc>.<ns>.<domain>` cluster serves the service's default port, when asked for. Per pod:
 //! `outbound|<ns>/<pod>`, `inbound|<ns>/<pod>`, `capture|<ns>/<pod>` listeners and
-//! `local|<ns>/<pod>|<port>` delivery clusters.
+//! `local|<ns>/<pod>|<port>` delivery clusters; with mTLS its `originate|<ns>/<pod>`
+//! cluster and secret, and per node the `originate|h2` and `originate|tcp` internal
+//! listeners (see `origination`).
+//!
+//! Cost: per pod a constant number of resources; per dependency service its clusters and
+//! assignments. Adding a pod adds its own resources and changes its own service's
+//! endpoints, never a shared cluster.
 
 mod clusters;
 mod listeners;
+mod origination;
 mod routes;
 pub mod transport;
 mod util;
@@ -147,8 +154,6 @@ pub struct Generator {
 
 struct ServiceMemo {
     service: Service,
-    /// The local pods its clusters carry a client certificate for.
-    sources: Arc<Vec<String>>,
     bare: bool,
     endpoints: Option<Endpoints>,
     clusters: Vec<Arc<Resource>>,
@@ -180,9 +185,9 @@ impl RouteKey {
     }
 }
 
-/// Endpoint assignments versioned with their cluster: when a cluster changes (e.g. a
-/// local pod joins and every mesh cluster gains its client certificate), Envoy warms the
-/// new cluster until it gets endpoints again, so its assignment is re-sent with it.
+/// Endpoint assignments versioned with their cluster: when a cluster changes (e.g. its
+/// service's identities or ports), Envoy warms the new cluster until it gets endpoints
+/// again, so its assignment is re-sent with it.
 fn with_cluster_versions(items: Vec<(String, Any)>, clusters: &[Arc<Resource>]) -> Vec<Arc<Resource>> {
     items
         .into_iter()
@@ -225,21 +230,6 @@ impl Generator {
     pub fn generate(&mut self, inputs: &Inputs) -> Generated {
         let mtls = self.mtls.clone();
         let mtls = mtls.as_ref();
-        // With mTLS, the local pods that hold an SVID: every mesh cluster carries a client
-        // certificate for each (see `transport`).
-        let sources: Vec<String> = match mtls {
-            Some(_) => inputs
-                .pods
-                .iter()
-                .map(LocalPod::id)
-                .filter(|id| self.identities.svids.contains_key(id))
-                .collect(),
-            None => Vec::new(),
-        };
-        let sources = match self.services.values().next() {
-            Some(memo) if *memo.sources == sources => memo.sources.clone(),
-            _ => Arc::new(sources),
-        };
         let mut services = services(inputs.catalog, inputs.mesh_domain);
         for service in &mut services {
             service.bare = inputs.on_demand.contains_key(&service.fqdn);
@@ -253,7 +243,6 @@ impl Generator {
             let memo = match self.services.remove(service.key) {
                 Some(memo)
                     if memo.service == *service.service
-                        && memo.sources == sources
                         && memo.bare == service.bare
                         && match (&memo.endpoints, service.endpoints) {
                             (Some(a), Some(b)) => Arc::ptr_eq(a, b),
@@ -264,12 +253,11 @@ impl Generator {
                     memo
                 }
                 _ => {
-                    let (c, a) = clusters::service_resources(service, inputs.locality, mtls, &sources);
+                    let (c, a) = clusters::service_resources(service, inputs.locality, mtls);
                     let clusters = resources(c);
                     let assignments = with_cluster_versions(a, &clusters);
                     ServiceMemo {
                         service: service.service.clone(),
-                        sources: sources.clone(),
                         bare: service.bare,
                         endpoints: service.endpoints.cloned(),
                         clusters,
@@ -304,7 +292,12 @@ impl Generator {
                     pod: pod.clone(),
                     declared: declared_keys,
                     listeners: resources(listeners::pod_listeners(pod, &declared, mtls)),
-                    clusters: resources(clusters::pod_clusters(pod)),
+                    clusters: resources(
+                        clusters::pod_clusters(pod)
+                            .into_iter()
+                            .chain(mtls.map(|m| origination::pod_cluster(m, &pod.id())))
+                            .collect(),
+                    ),
                 },
             };
             listeners.extend(memo.listeners.iter().cloned());
@@ -320,7 +313,7 @@ impl Generator {
             if served.contains(name) || !inputs.catalog.services.contains_key(service) {
                 continue;
             }
-            let cluster = Resource::new(name.clone(), clusters::empty_cluster(name, service, mtls, &sources));
+            let cluster = Resource::new(name.clone(), clusters::empty_cluster(name, service, mtls));
             assignments.push(Resource::depending_on(
                 name.clone(),
                 clusters::empty_assignment(name),
@@ -346,6 +339,9 @@ impl Generator {
             (super::ROUTE.to_owned(), routes),
         ]);
         if mtls.is_some() {
+            let listeners = generated.get_mut(super::LISTENER).expect("listeners generated");
+            listeners.extend(resources(origination::listeners()));
+            listeners.sort_by(|a, b| a.name.cmp(&b.name));
             // Only the pods still local: a deleted pod's secret is withdrawn with it.
             let local: BTreeSet<String> = inputs.pods.iter().map(LocalPod::id).collect();
             let mut identities = (*self.identities).clone();
@@ -369,6 +365,15 @@ pub fn cluster_names(catalog: &Catalog, key: &str, mesh_domain: &str) -> Vec<Str
         .filter(|s| s.key == key)
         .flat_map(|s| clusters::service_clusters(s).into_iter().map(|(name, _, _)| name))
         .collect()
+}
+
+/// With mTLS, what must be live before a pod's connections leave with its identity: its
+/// secret and its originate cluster.
+pub fn pod_identity_names(pod: &LocalPod) -> Vec<(&'static str, String)> {
+    vec![
+        (super::SECRET, crate::identity::svid_secret(&pod.id())),
+        (super::CLUSTER, origination::pod_cluster_name(&pod.id())),
+    ]
 }
 
 /// The names of a pod's listeners (what AddPod waits for Envoy to ACK).

@@ -11,7 +11,6 @@ use tokio::sync::mpsc;
 use tonic::Status;
 
 use super::cache::{Cache, Sent, Snapshot};
-use super::delta::short;
 use super::{Decrement, Hooks, PUSH_ORDER};
 
 #[derive(Default)]
@@ -69,7 +68,8 @@ where
         for type_url in PUSH_ORDER {
             let Some(state) = types.get_mut(type_url) else { continue };
             if let Some(response) = respond(type_url, state, &snapshot, &mut nonce) {
-                hooks.metrics.pushes.get_or_create(&[("type", short(type_url))]).inc();
+                let bytes: usize = response.resources.iter().map(|a| a.value.len()).sum();
+                hooks.metrics.pushed(type_url, response.resources.len(), bytes);
                 if out.send(Ok(response)).await.is_err() {
                     return;
                 }

@@ -20,7 +20,8 @@ use envoy_types::pb::envoy::extensions::filters::http::header_mutation::v3::{Hea
 use envoy_types::pb::envoy::extensions::filters::http::upstream_codec::v3::UpstreamCodec;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{HttpFilter, http_filter};
 
-use super::transport::{self, Mtls};
+use super::origination;
+use super::transport::Mtls;
 use super::util::{INBOUND_PORT, PORT_HEADER, address, ads, any, millis, socket, u32v};
 use super::{MeshService, Named, is_http};
 
@@ -45,12 +46,7 @@ pub fn service_clusters(service: &MeshService) -> Vec<(String, u32, Protocol)> {
 
 /// A dependency service's clusters and their endpoint assignments.
 /// Returns (clusters, assignments).
-pub fn service_resources(
-    service: &MeshService,
-    here: &MeshLocality,
-    mtls: Option<&Mtls>,
-    sources: &[String],
-) -> (Named, Named) {
+pub fn service_resources(service: &MeshService, here: &MeshLocality, mtls: Option<&Mtls>) -> (Named, Named) {
     let endpoints: Vec<&MeshEndpoint> = service.endpoints.map(|e| e.values().collect()).unwrap_or_default();
     let sans = mtls
         .map(|m| server_sans(m, service.key, &endpoints))
@@ -58,16 +54,14 @@ pub fn service_resources(
     let mut clusters = Vec::new();
     let mut assignments = Vec::new();
     for (name, port, protocol) in service_clusters(service) {
-        clusters.push((
-            name.clone(),
-            any(&mesh_cluster(&name, port, protocol, mtls, &sans, sources)),
-        ));
+        clusters.push((name.clone(), any(&mesh_cluster(&name, port, protocol, mtls, &sans))));
         let serving: Vec<&MeshEndpoint> = endpoints
             .iter()
             .copied()
             .filter(|e| e.ports.iter().any(|p| p.port == port))
             .collect();
-        assignments.push((name.clone(), any(&load_assignment(&name, &serving, here))));
+        let http = mtls.is_some().then_some(is_http(protocol));
+        assignments.push((name.clone(), any(&load_assignment(&name, &serving, here, http))));
     }
     (clusters, assignments)
 }
@@ -111,15 +105,10 @@ pub fn pod_clusters(pod: &crate::pod::LocalPod) -> Vec<(String, Any)> {
         .collect()
 }
 
-fn mesh_cluster(
-    name: &str,
-    port: u32,
-    protocol: Protocol,
-    mtls: Option<&Mtls>,
-    sans: &[String],
-    sources: &[String],
-) -> Cluster {
-    let tls = transport::upstream(mtls, sans, is_http(protocol), sources);
+/// A service port's cluster, shared by every local pod. With mTLS its endpoints are the
+/// internal origination hop (see `origination`), which the cluster's metadata tells
+/// whom to expect; without, the peers' inbound listeners in plaintext.
+fn mesh_cluster(name: &str, port: u32, protocol: Protocol, mtls: Option<&Mtls>, sans: &[String]) -> Cluster {
     let mut typed_extension_protocol_options = std::collections::HashMap::new();
     if is_http(protocol) {
         // HTTP travels to the peer's inbound listener as HTTP/2 (over mTLS, ALPN h2).
@@ -168,17 +157,16 @@ fn mesh_cluster(
         }),
         ignore_health_on_host_removal: true,
         close_connections_on_host_health_failure: true,
-        transport_socket: tls.socket,
-        transport_socket_matches: tls.matches,
-        transport_socket_matcher: tls.matcher,
+        transport_socket: mtls.map(|_| origination::service_socket()),
+        metadata: mtls.map(|_| origination::service_metadata(sans)),
         ..Default::default()
     }
 }
 
 /// A mesh cluster with no endpoints (see `generate`): HTTP, since on-demand is.
-pub fn empty_cluster(name: &str, service_key: &str, mtls: Option<&Mtls>, sources: &[String]) -> Any {
+pub fn empty_cluster(name: &str, service_key: &str, mtls: Option<&Mtls>) -> Any {
     let sans = mtls.map(|m| server_sans(m, service_key, &[])).unwrap_or_default();
-    any(&mesh_cluster(name, 0, Protocol::Http, mtls, &sans, sources))
+    any(&mesh_cluster(name, 0, Protocol::Http, mtls, &sans))
 }
 
 pub fn empty_assignment(name: &str) -> Any {
@@ -245,11 +233,13 @@ fn local_cluster(name: &str, port: u32, netns: &str) -> Cluster {
 }
 
 /// Endpoints grouped by locality; priority 0 in this node's zone, 1 in its region, 2
-/// elsewhere, so traffic stays close while it can.
+/// elsewhere, so traffic stays close while it can. `originate`: with mTLS, whether the
+/// endpoints are reached through the HTTP (`true`) or TCP origination hop.
 fn load_assignment(
     name: &str,
     endpoints: &[&MeshEndpoint],
     here: &aether_proto::registry::v1::Locality,
+    originate: Option<bool>,
 ) -> ClusterLoadAssignment {
     let mut groups: BTreeMap<(u32, String, String, String), Vec<LbEndpoint>> = BTreeMap::new();
     for endpoint in endpoints {
@@ -266,14 +256,23 @@ fn load_assignment(
             Ok(Health::Draining) => HealthStatus::Draining,
             _ => HealthStatus::Healthy,
         };
-        groups
-            .entry((priority, locality.region, locality.zone, locality.subzone))
-            .or_default()
-            .push(lb_endpoint_at(
+        let lb_endpoint = match originate {
+            Some(http) => {
+                let (address, metadata) = origination::endpoint(&endpoint.address, INBOUND_PORT, http);
+                let mut lb_endpoint = lb_endpoint_at(address, health, endpoint.weight.max(1));
+                lb_endpoint.metadata = Some(metadata);
+                lb_endpoint
+            }
+            None => lb_endpoint_at(
                 address(&endpoint.address, INBOUND_PORT, None),
                 health,
                 endpoint.weight.max(1),
-            ));
+            ),
+        };
+        groups
+            .entry((priority, locality.region, locality.zone, locality.subzone))
+            .or_default()
+            .push(lb_endpoint);
     }
     ClusterLoadAssignment {
         cluster_name: name.to_owned(),

@@ -1,7 +1,8 @@
 //! Small builders shared by the generators.
 
 use envoy_types::pb::envoy::config::core::v3::{
-    Address, AggregatedConfigSource, ApiVersion, ConfigSource, SocketAddress, address, config_source, socket_address,
+    Address, AggregatedConfigSource, ApiVersion, ConfigSource, DataSource, SocketAddress, SubstitutionFormatString,
+    address, config_source, data_source, socket_address, substitution_format_string,
 };
 use envoy_types::pb::google::protobuf::{Any, Duration, UInt32Value};
 use prost::Name;
@@ -55,4 +56,15 @@ pub fn ads() -> Option<ConfigSource> {
         config_source_specifier: Some(config_source::ConfigSourceSpecifier::Ads(AggregatedConfigSource {})),
         ..Default::default()
     })
+}
+
+/// A substitution format string (`%…%` operators expanded; a literal `%` is `%%`).
+pub fn format_string(text: String) -> SubstitutionFormatString {
+    SubstitutionFormatString {
+        format: Some(substitution_format_string::Format::TextFormatSource(DataSource {
+            specifier: Some(data_source::Specifier::InlineString(text)),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
 }
