@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use aether_common::quote::quote;
 use aether_proto::cni::v1::{CaptureMode, CaptureOptions};
 use futures::TryStreamExt;
 use ipnet::IpNet;
@@ -38,9 +39,9 @@ const FINGERPRINT: &str = "aether-capture";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
-    #[error("capture.mesh_dns: {0:?} is not an ip:port address")]
+    #[error("capture.mesh_dns: {} is not an ip:port address", quote(.0))]
     MeshDns(String),
-    #[error("capture.excluded_cidrs[{index}]: {value:?} is not a CIDR")]
+    #[error("capture.excluded_cidrs[{index}]: {} is not a CIDR", quote(.value))]
     Cidr { index: usize, value: String },
     #[error("capture.excluded_ports[{index}]: {value} is not a port (1..=65535)")]
     Port { index: usize, value: u32 },

@@ -11,7 +11,8 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use aether_proto::cni::v1::cni_plugin_server::CniPlugin;
+use aether_common::quote::quote;
+use aether_proto::cni::v1::cni_plugin_server::{CniPlugin, CniPluginServer};
 use aether_proto::cni::v1::{
     AddPodRequest, AddPodResponse, CheckPodRequest, CheckPodResponse, GarbageCollectRequest, GarbageCollectResponse,
     Outcome, PodRef, ReadyRequest, ReadyResponse, RemovePodRequest, RemovePodResponse,
@@ -32,6 +33,22 @@ use crate::xds;
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long DEL waits for Envoy to drop the pod's listeners (it succeeds either way).
 pub const REMOVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The largest CNI message the agent decodes or encodes. The largest valid one is a
+/// GarbageCollect listing every sandbox of the node (at most 256 bytes per id, so about
+/// 8,000 ids); AddPod is a few KiB (a container id, a netns path, a pod reference, its
+/// IPs and capture options). A bigger message is refused by the transport from its length
+/// prefix, before it is buffered (OUT_OF_RANGE); a smaller one with an oversized field is
+/// refused by validation, naming the field (INVALID_ARGUMENT).
+pub const MAX_MESSAGE_BYTES: usize = 2 * 1024 * 1024;
+
+/// The CNI service as the agent serves it on its Unix socket, with [`MAX_MESSAGE_BYTES`]
+/// as both its decoding and encoding limit.
+pub fn server(service: CniService) -> CniPluginServer<CniService> {
+    CniPluginServer::new(service)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
 
 type Labels = [(&'static str, &'static str); 2];
 type PhaseLabels = [(&'static str, &'static str); 1];
@@ -79,7 +96,7 @@ fn check_container_id(id: &str) -> Result<(), Status> {
         return Err(invalid("container_id", "must be set"));
     }
     if id.len() > 256 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
-        return Err(invalid("container_id", format!("{id:?} is not a container id")));
+        return Err(invalid("container_id", format!("{} is not a container id", quote(id))));
     }
     Ok(())
 }
@@ -90,10 +107,13 @@ fn check_netns(path: &str) -> Result<(), Status> {
     }
     let p = Path::new(path);
     if !p.is_absolute() {
-        return Err(invalid("netns_path", format!("{path:?} is not an absolute path")));
+        return Err(invalid(
+            "netns_path",
+            format!("{} is not an absolute path", quote(path)),
+        ));
     }
     if !p.exists() {
-        return Err(invalid("netns_path", format!("{path:?} does not exist")));
+        return Err(invalid("netns_path", format!("{} does not exist", quote(path))));
     }
     Ok(())
 }
@@ -113,7 +133,7 @@ impl CniService {
         for (i, ip) in request.ips.iter().enumerate() {
             let parsed: IpAddr = ip
                 .parse()
-                .map_err(|_| invalid(&format!("ips[{i}]"), format!("{ip:?} is not an IP address")))?;
+                .map_err(|_| invalid(&format!("ips[{i}]"), format!("{} is not an IP address", quote(ip))))?;
             ips.push(parsed);
         }
         if ips.is_empty() {
@@ -142,7 +162,8 @@ impl CniService {
         if !pod_ref.uid.is_empty() && !info.uid.is_empty() && pod_ref.uid != info.uid {
             return Err(Status::failed_precondition(format!(
                 "pod.uid: {} does not match the pod source's {} for {key}",
-                pod_ref.uid, info.uid
+                quote(&pod_ref.uid),
+                info.uid
             )));
         }
         if !info.is_managed() {

@@ -2,12 +2,18 @@
 //!
 //! Entries are comma-separated and trimmed; empty entries are dropped; a bare name
 //! means the pod's own namespace; duplicates collapse. A malformed entry is reported
-//! and skipped: the rest of the annotation still counts.
+//! and skipped: the rest of the annotation still counts. At most
+//! [`MAX_REPORTED_ERRORS`] malformed entries are reported one by one (each quoted
+//! briefly); one more line counts the rest, so a huge annotation cannot flood the log.
 
 use std::collections::BTreeSet;
 
+use aether_common::quote::quote;
+
 /// The annotation that declares a pod's upstreams.
 pub const ANNOTATION: &str = "config.aether.io/upstreams";
+/// Malformed entries reported one by one; the rest are counted in one more error.
+pub const MAX_REPORTED_ERRORS: usize = 16;
 
 /// Parsed upstreams: service keys `<ns>/<name>`, and the entries that were refused.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -18,6 +24,7 @@ pub struct Upstreams {
 
 pub fn parse(pod_namespace: &str, value: &str) -> Upstreams {
     let mut parsed = Upstreams::default();
+    let mut unreported = 0;
     for (i, entry) in value.split(',').map(str::trim).enumerate() {
         if entry.is_empty() {
             continue;
@@ -30,8 +37,16 @@ pub fn parse(pod_namespace: &str, value: &str) -> Upstreams {
             Ok(()) => {
                 parsed.services.insert(format!("{}/{}", key.0, key.1));
             }
-            Err(reason) => parsed.errors.push(format!("{ANNOTATION}[{i}]: {entry:?}: {reason}")),
+            Err(_) if parsed.errors.len() >= MAX_REPORTED_ERRORS => unreported += 1,
+            Err(reason) => parsed
+                .errors
+                .push(format!("{ANNOTATION}[{i}]: {}: {reason}", quote(entry))),
         }
+    }
+    if unreported > 0 {
+        parsed
+            .errors
+            .push(format!("{ANNOTATION}: {unreported} more malformed entries"));
     }
     parsed
 }
@@ -42,7 +57,7 @@ pub fn check(label: &str) -> Result<(), String> {
         return Err("empty namespace or name".into());
     }
     if label.len() > 63 {
-        return Err(format!("{label:?} is longer than 63 characters"));
+        return Err(format!("{} is longer than 63 characters", quote(label)));
     }
     let ok = label
         .bytes()
@@ -51,7 +66,8 @@ pub fn check(label: &str) -> Result<(), String> {
         && !label.ends_with('-');
     if !ok {
         return Err(format!(
-            "{label:?} is not a DNS-1123 label (lowercase letters, digits and '-')"
+            "{} is not a DNS-1123 label (lowercase letters, digits and '-')",
+            quote(label)
         ));
     }
     Ok(())
@@ -86,6 +102,30 @@ mod tests {
                 "config.aether.io/upstreams[3]: \"/x\": empty namespace or name",
             ]
         );
+    }
+
+    #[test]
+    fn a_huge_annotation_gives_a_bounded_report() {
+        let value = format!("ok, {}, {}", "Bad_".repeat(1 << 18), "x_,".repeat(100_000));
+        let parsed = parse("shop", &value);
+        assert_eq!(parsed.services.into_iter().collect::<Vec<_>>(), ["shop/ok"]);
+        assert_eq!(parsed.errors.len(), MAX_REPORTED_ERRORS + 1);
+        assert_eq!(
+            parsed.errors[0],
+            format!(
+                "config.aether.io/upstreams[1]: {:?}… (1048576 bytes): {:?}… (1048576 bytes) is longer than 63 characters",
+                &value[4..68],
+                &value[4..68]
+            )
+        );
+        assert_eq!(
+            parsed.errors[MAX_REPORTED_ERRORS],
+            format!(
+                "config.aether.io/upstreams: {} more malformed entries",
+                100_000 + 1 - MAX_REPORTED_ERRORS
+            )
+        );
+        assert!(parsed.errors.iter().all(|e| e.len() < 1024));
     }
 
     proptest::proptest! {

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use aether_common::quote::{clip, quote};
 use serde::Deserialize;
 
 use crate::pod::{ContainerPort, PodInfo};
@@ -51,11 +52,11 @@ struct Port {
 
 /// Parses one Pod manifest.
 pub fn parse(json: &[u8]) -> Result<PodInfo, String> {
-    let pod: Pod = serde_json::from_slice(json).map_err(|e| format!("not a Pod manifest: {e}"))?;
+    let pod: Pod = serde_json::from_slice(json).map_err(|e| format!("not a Pod manifest: {}", clip(&e.to_string())))?;
     if let Some(kind) = &pod.kind
         && kind != "Pod"
     {
-        return Err(format!("kind: {kind:?} is not Pod"));
+        return Err(format!("kind: {} is not Pod", quote(kind)));
     }
     let metadata = pod.metadata.ok_or("metadata: missing")?;
     let name = metadata
