@@ -9,7 +9,6 @@ use std::sync::Arc;
 use aether_common::admin::{AdminError, AdminServer, Pages, Readiness};
 use aether_common::telemetry::otlp::Refresh;
 use aether_common::telemetry::{Identity, MetricsPush};
-use aether_proto::cni::v1::cni_plugin_server::CniPluginServer;
 use aether_proto::registry::v1::Locality;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
 use prometheus_client::metrics::gauge::Gauge;
@@ -271,10 +270,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let xds_listener = bind_private(&config.xds_socket)?;
     let cni_listener = bind_private(&config.cni_socket)?;
     let xds_server = tonic::transport::Server::builder()
-        .add_service(AggregatedDiscoveryServiceServer::new(AdsServer::new(
-            cache.clone(),
-            hooks,
-        )))
+        // Envoy's requests are small (subscriptions, ACKs); an explicit bound, tonic's
+        // default. Responses (the node's config) are not bounded.
+        .add_service(
+            AggregatedDiscoveryServiceServer::new(AdsServer::new(cache.clone(), hooks))
+                .max_decoding_message_size(4 * 1024 * 1024),
+        )
         .serve_with_incoming_shutdown(
             UnixListenerStream::new(xds_listener),
             shutdown.clone().cancelled_owned(),
@@ -291,7 +292,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         pin_dir: config.netns_pin_dir.clone(),
     };
     let cni_server = tonic::transport::Server::builder()
-        .add_service(CniPluginServer::new(cni))
+        .add_service(crate::cni::server(cni))
         .serve_with_incoming_shutdown(
             UnixListenerStream::new(cni_listener),
             shutdown.clone().cancelled_owned(),
