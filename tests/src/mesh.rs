@@ -128,6 +128,9 @@ impl Mesh {
         let mut cmd = Command::new(binary("aether-registrar"));
         cmd.args(["--listen", &format!("127.0.0.1:{grpc_port}")])
             .args(["--admin", &registrar_admin.to_string()])
+            // Tests and benches register stand-in endpoints straight at the registrar, with no
+            // agent to refresh them: they must outlive a long run (agents refresh theirs).
+            .args(["--endpoint-ttl", "1h"])
             .arg("--data-dir")
             .arg(dir.path().join("registrar"));
         let registrar = ChildGuard::spawn("registrar", cmd);
@@ -193,6 +196,8 @@ impl Mesh {
         json!({
             "node": {"id": "test-node", "cluster": "aether"},
             "admin": admin_address_json(admin_port),
+            // As proxy/bootstrap.yaml: a cluster's traffic stats are created when first used.
+            "deferred_stat_options": {"enable_deferred_creation_stats": true},
             "bootstrap_extensions": [{"name": "envoy.bootstrap.internal_listener", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"
             }}],

@@ -706,7 +706,7 @@ async fn concurrent_callers_of_one_upstream_each_present_their_own_svid() {
         .filter_map(|l| l.rsplit_once(": ")?.1.parse().ok())
         .collect();
     eprintln!("per-pod originate clusters' upstream connections: {stats}");
-    // backend, a and c each have one; a's and c's both carried connections.
-    assert_eq!(counts.len(), 3, "{stats}");
+    // a's and c's own clusters both carried connections (stats of a cluster that never carried one, like
+    // backend's, are created on first use).
     assert_eq!(counts.iter().filter(|c| **c > 0).count(), 2, "{stats}");
 }
