@@ -228,15 +228,20 @@ async fn settle(mesh: &Mesh, what: &str) -> Duration {
                 }
             }
             // Every known service (all have endpoints on one port) is one cluster (its
-            // port's; the bare name is served only on demand), plus one delivery cluster
-            // per local pod.
-            let pods: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/pods").await).unwrap();
-            let expected = known.len() + pods["pods"].as_array().map_or(0, Vec::len);
-            let served_clusters = xds["types"][CLUSTER_TYPE].as_object().map_or(0, |m| m.len());
-            if unacked == 0 && served_clusters == expected && envoy_active_clusters(mesh) == Some(served_clusters) {
+            // port's; the bare name is served only on demand); each local pod adds its own
+            // (delivery, and with mTLS its originate cluster), which are not counted here.
+            let clusters = xds["types"][CLUSTER_TYPE].as_object();
+            let served_clusters = clusters.map_or(0, |m| m.len());
+            let service_clusters = clusters.map_or(0, |m| {
+                m.keys()
+                    .filter(|n| !n.starts_with("local|") && !n.starts_with("originate|"))
+                    .count()
+            });
+            let expected = known.len();
+            if unacked == 0 && service_clusters == expected && envoy_active_clusters(mesh) == Some(served_clusters) {
                 return started.elapsed();
             }
-            last = format!("{unacked} resources not ACKed, {served_clusters} clusters served of {expected}");
+            last = format!("{unacked} resources not ACKed, {service_clusters} service clusters served of {expected}");
         }
         if started.elapsed() > SETTLE_TIMEOUT {
             panic!(
