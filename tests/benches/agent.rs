@@ -30,19 +30,19 @@
 //! one drawn list), AETHER_BENCH_CHANGES (200), AETHER_BENCH_SKIP_FULL (1: no second node).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_proto::cni::v1::Outcome;
 use aether_proto::registrar::v1::RegisterEndpointRequest;
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
-use aether_proto::registry::v1::{Endpoint, Health, Locality, PodInfo, Port, Protocol};
+use aether_proto::registry::v1::Endpoint;
 use aether_tests::TestPod;
-use aether_tests::mesh::{MESH_DOMAIN, Mesh};
+use aether_tests::bench::{
+    catalog_address, cluster_name, endpoint, knob, proc_status, register_all, service_key, tail,
+};
+use aether_tests::mesh::Mesh;
 use tonic::transport::Channel;
 
-const NAMESPACE: &str = "bench";
-const PORT: u32 = 8080;
 const LOAD_CONCURRENCY: usize = 64;
 const LOAD_CONNECTIONS: usize = 4;
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(180);
@@ -51,10 +51,6 @@ const POLL_EVERY: Duration = Duration::from_millis(1);
 /// Quiet time between two measured changes, so each is its own push.
 const CHANGE_GAP: Duration = Duration::from_millis(20);
 const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
-
-fn knob(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 /// xorshift64*: reproducible draws without a dependency.
 struct Rng(u64);
@@ -81,55 +77,9 @@ impl Rng {
     }
 }
 
-fn service_name(s: usize) -> String {
-    format!("svc-{s:04}")
-}
-
-fn service_key(s: usize) -> String {
-    format!("{NAMESPACE}/{}", service_name(s))
-}
-
-/// The Envoy cluster of the service's port (named by its authority).
-fn cluster_name(s: usize) -> String {
-    format!("{}.{NAMESPACE}.{MESH_DOMAIN}:{PORT}", service_name(s))
-}
-
-/// Fake pod addresses 10.64.0.1 and up (never put on the wire).
-fn catalog_address(n: usize) -> String {
-    let n = n + 1;
-    format!("10.{}.{}.{}", 64 + (n >> 16), (n >> 8) & 0xff, n & 0xff)
-}
-
 /// Addresses of the measured changes, apart from the catalog's.
 fn change_address(i: usize) -> String {
     format!("10.250.{}.{}", i / 250, i % 250 + 1)
-}
-
-fn endpoint(service: usize, address: String, ordinal: usize) -> Endpoint {
-    Endpoint {
-        service: service_key(service),
-        address,
-        ports: vec![Port {
-            name: "http".into(),
-            port: PORT,
-            protocol: Protocol::Http as i32,
-        }],
-        locality: Some(Locality {
-            region: "r1".into(),
-            zone: format!("z{}", 1 + ordinal % 3),
-            subzone: String::new(),
-        }),
-        weight: 1,
-        health: Health::Healthy as i32,
-        metadata: Default::default(),
-        pod: Some(PodInfo {
-            namespace: NAMESPACE.into(),
-            name: format!("{}-{ordinal}", service_name(service)),
-            uid: format!("00000000-0000-0000-0000-{ordinal:012}"),
-            service_account: service_name(service),
-        }),
-        node: format!("node-{}", ordinal % 500),
-    }
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -147,51 +97,8 @@ fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
 
-/// A `/proc/<pid>/status` field in bytes (the kernel reports kB).
-fn proc_status(pid: u32, field: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0)
-        * 1024
-}
-
 fn agent_pid(mesh: &Mesh) -> u32 {
     mesh.agent.as_ref().expect("agent running").pid()
-}
-
-fn tail(logs: &str, lines: usize) -> String {
-    let all: Vec<&str> = logs.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
-}
-
-/// Registers every endpoint with LOAD_CONCURRENCY calls in flight over a few connections.
-async fn register_all(url: &str, endpoints: Vec<Endpoint>) -> Duration {
-    let mut clients = Vec::new();
-    for _ in 0..LOAD_CONNECTIONS {
-        clients.push(RegistrarClient::connect(url.to_owned()).await.expect("registrar"));
-    }
-    let started = Instant::now();
-    let permits = Arc::new(tokio::sync::Semaphore::new(LOAD_CONCURRENCY));
-    let mut tasks = tokio::task::JoinSet::new();
-    for (n, e) in endpoints.into_iter().enumerate() {
-        let permit = permits.clone().acquire_owned().await.unwrap();
-        let mut client = clients[n % clients.len()].clone();
-        tasks.spawn(async move {
-            client
-                .register_endpoint(RegisterEndpointRequest { endpoint: Some(e) })
-                .await
-                .expect("RegisterEndpoint");
-            drop(permit);
-        });
-    }
-    while let Some(done) = tasks.join_next().await {
-        done.expect("register task");
-    }
-    started.elapsed()
 }
 
 /// Waits until the agent watches exactly its dependency set, knows every service of
@@ -431,7 +338,12 @@ fn main() {
     let endpoints: Vec<Endpoint> = (0..services * per_service)
         .map(|n| endpoint(n % services, catalog_address(n), n))
         .collect();
-    let took = rt.block_on(register_all(&mesh.registrar_url, endpoints));
+    let took = rt.block_on(register_all(
+        &mesh.registrar_url,
+        endpoints,
+        LOAD_CONCURRENCY,
+        LOAD_CONNECTIONS,
+    ));
     println!(
         "catalog: {services} services / {} endpoints registered in {:.2} s ({:.0} endpoints/s, {LOAD_CONCURRENCY} in flight)",
         services * per_service,
@@ -534,11 +446,12 @@ fn main() {
     let client = rt
         .block_on(RegistrarClient::<Channel>::connect(mesh.registrar_url.clone()))
         .unwrap();
-    // The probe sees the catalog's endpoints (at the inbound port of each).
+    // The probe sees the catalog's endpoints (at the inbound port of each; with mTLS as the
+    // internal address `ip:18008` of the origination hop).
     let probe = eds_probe(&cluster_name(dep_list[0]));
     let body = envoy.admin_get(&probe);
     assert!(
-        body.contains("\"port_value\": 18008"),
+        body.contains("\"port_value\": 18008") || body.contains(":18008\""),
         "the EDS probe {probe} does not show the cluster's endpoints: {body}"
     );
     let mut probe_costs = Vec::new();
@@ -548,7 +461,8 @@ fn main() {
     for i in 0..changes {
         let s = dep_list[i % dep_list.len()];
         let address = change_address(i);
-        let needle = format!("\"{address}\"");
+        // The origination hop's endpoint id (`ip:18008`; the bench runs with mTLS, the default).
+        let needle = format!("\"{address}:18008\"");
         let probe = eds_probe(&cluster_name(s));
         assert!(
             !envoy.admin_get(&probe).contains(&needle),

@@ -25,19 +25,17 @@
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::process::Command;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_proto::cni::v1::Outcome;
-use aether_proto::registrar::v1::RegisterEndpointRequest;
-use aether_proto::registrar::v1::registrar_client::RegistrarClient;
-use aether_proto::registry::v1::{Endpoint, Health, Locality, PodInfo, Port, Protocol};
+use aether_proto::registry::v1::Endpoint;
+use aether_tests::bench::{
+    NAMESPACE, PORT, catalog_address, cluster_name, endpoint, knob, proc_status, register_all, service_key, tail,
+};
 use aether_tests::mesh::{MESH_DOMAIN, Mesh};
 use aether_tests::{ChildGuard, TestPod, envoy_bin, free_port, http_get};
 use futures::StreamExt;
 
-const NAMESPACE: &str = "bench";
-const PORT: u32 = 8080;
 const ENDPOINTS_PER_SERVICE: usize = 2;
 /// AddPod calls in flight.
 const ADD_CONCURRENCY: usize = 8;
@@ -68,29 +66,6 @@ fn list_knob(name: &str, default: &str) -> Vec<usize> {
     values.into_iter().collect()
 }
 
-fn knob(name: &str, default: usize) -> usize {
-    match std::env::var(name) {
-        Ok(v) => v
-            .trim()
-            .parse()
-            .unwrap_or_else(|e| panic!("{name}={v:?} is not a count ({e})")),
-        Err(_) => default,
-    }
-}
-
-fn service_name(s: usize) -> String {
-    format!("svc-{s:04}")
-}
-
-fn service_key(s: usize) -> String {
-    format!("{NAMESPACE}/{}", service_name(s))
-}
-
-/// The Envoy cluster of the service's port (named by its authority).
-fn cluster_name(s: usize) -> String {
-    format!("{}.{NAMESPACE}.{MESH_DOMAIN}:{PORT}", service_name(s))
-}
-
 /// Pod `p`'s workload (service account, hence SPIFFE ID and own service `demo/<workload>`).
 fn workload(p: usize, workloads: usize) -> String {
     if workloads == 0 {
@@ -98,57 +73,6 @@ fn workload(p: usize, workloads: usize) -> String {
     } else {
         format!("app-{:03}", p % workloads)
     }
-}
-
-/// Fake pod addresses 10.64.0.1 and up (never put on the wire).
-fn catalog_address(n: usize) -> String {
-    let n = n + 1;
-    format!("10.{}.{}.{}", 64 + (n >> 16), (n >> 8) & 0xff, n & 0xff)
-}
-
-fn endpoint(service: usize, address: String, ordinal: usize) -> Endpoint {
-    Endpoint {
-        service: service_key(service),
-        address,
-        ports: vec![Port {
-            name: "http".into(),
-            port: PORT,
-            protocol: Protocol::Http as i32,
-        }],
-        locality: Some(Locality {
-            region: "r1".into(),
-            zone: format!("z{}", 1 + ordinal % 3),
-            subzone: String::new(),
-        }),
-        weight: 1,
-        health: Health::Healthy as i32,
-        metadata: Default::default(),
-        pod: Some(PodInfo {
-            namespace: NAMESPACE.into(),
-            name: format!("{}-{ordinal}", service_name(service)),
-            uid: format!("00000000-0000-0000-0000-{ordinal:012}"),
-            service_account: service_name(service),
-        }),
-        node: format!("node-{}", ordinal % 500),
-    }
-}
-
-/// A `/proc/<pid>/status` field in bytes (the kernel reports kB); panics if it cannot be read.
-fn proc_status(pid: u32, field: &str) -> u64 {
-    let status =
-        std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_else(|e| panic!("/proc/{pid}/status: {e}"));
-    status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
-        * 1024
-}
-
-fn tail(logs: &str, lines: usize) -> String {
-    let all: Vec<&str> = logs.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 fn ms(d: Duration) -> String {
@@ -226,29 +150,6 @@ impl BenchEnvoy {
             .or_else(|| memory["allocated"].as_u64())
             .unwrap_or_else(|| panic!("Envoy /memory has no numeric \"allocated\": {memory}"))
     }
-}
-
-/// Registers every endpoint with LOAD_CONCURRENCY calls in flight.
-async fn register_all(url: &str, endpoints: Vec<Endpoint>) -> Duration {
-    let client = RegistrarClient::connect(url.to_owned()).await.expect("registrar");
-    let started = Instant::now();
-    let permits = Arc::new(tokio::sync::Semaphore::new(LOAD_CONCURRENCY));
-    let mut tasks = tokio::task::JoinSet::new();
-    for e in endpoints {
-        let permit = permits.clone().acquire_owned().await.unwrap();
-        let mut client = client.clone();
-        tasks.spawn(async move {
-            client
-                .register_endpoint(RegisterEndpointRequest { endpoint: Some(e) })
-                .await
-                .expect("RegisterEndpoint");
-            drop(permit);
-        });
-    }
-    while let Some(done) = tasks.join_next().await {
-        done.expect("register task");
-    }
-    started.elapsed()
 }
 
 /// AddPod through the CNI API; its latency, or what went wrong (with the tails of the agent's and Envoy's logs).
@@ -456,7 +357,7 @@ async fn measure(pods: usize, services: usize, workers: usize, workloads: usize)
     let endpoints: Vec<Endpoint> = (0..services * ENDPOINTS_PER_SERVICE)
         .map(|n| endpoint(n % services, catalog_address(n), n))
         .collect();
-    register_all(&mesh.registrar_url, endpoints).await;
+    register_all(&mesh.registrar_url, endpoints, LOAD_CONCURRENCY, 1).await;
 
     let upstreams: Vec<String> = (0..services).map(service_key).collect();
     let upstreams = upstreams.join(",");

@@ -6,6 +6,7 @@
 //! ([`require_root`]), it never silently passes. Every resource is owned by a guard whose `Drop` removes it, so a
 //! panicking test cleans up too.
 
+pub mod bench;
 pub mod bins;
 pub mod cni;
 pub mod demo;

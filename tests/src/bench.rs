@@ -1,0 +1,119 @@
+//! What the benchmarks share: knobs from the environment, and a synthetic catalog of services
+//! `bench/svc-NNNN` (one HTTP port, fake addresses never put on the wire) registered straight at the registrar.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aether_proto::registrar::v1::RegisterEndpointRequest;
+use aether_proto::registrar::v1::registrar_client::RegistrarClient;
+use aether_proto::registry::v1::{Endpoint, Health, Locality, PodInfo, Port, Protocol};
+
+use crate::mesh::MESH_DOMAIN;
+
+/// The catalog's namespace.
+pub const NAMESPACE: &str = "bench";
+/// Every catalog service's one (HTTP) port.
+pub const PORT: u32 = 8080;
+
+/// A count from the environment, `default` when unset; panics on anything else.
+pub fn knob(name: &str, default: usize) -> usize {
+    match std::env::var(name) {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{name}={v:?} is not a count ({e})")),
+        Err(_) => default,
+    }
+}
+
+pub fn service_name(s: usize) -> String {
+    format!("svc-{s:04}")
+}
+
+pub fn service_key(s: usize) -> String {
+    format!("{NAMESPACE}/{}", service_name(s))
+}
+
+/// The Envoy cluster of the service's port (named by its authority).
+pub fn cluster_name(s: usize) -> String {
+    format!("{}.{NAMESPACE}.{MESH_DOMAIN}:{PORT}", service_name(s))
+}
+
+/// Fake pod addresses 10.64.0.1 and up (never put on the wire).
+pub fn catalog_address(n: usize) -> String {
+    let n = n + 1;
+    format!("10.{}.{}.{}", 64 + (n >> 16), (n >> 8) & 0xff, n & 0xff)
+}
+
+/// Endpoint `ordinal` of service `service`, in one of three zones of region r1.
+pub fn endpoint(service: usize, address: String, ordinal: usize) -> Endpoint {
+    Endpoint {
+        service: service_key(service),
+        address,
+        ports: vec![Port {
+            name: "http".into(),
+            port: PORT,
+            protocol: Protocol::Http as i32,
+        }],
+        locality: Some(Locality {
+            region: "r1".into(),
+            zone: format!("z{}", 1 + ordinal % 3),
+            subzone: String::new(),
+        }),
+        weight: 1,
+        health: Health::Healthy as i32,
+        metadata: Default::default(),
+        pod: Some(PodInfo {
+            namespace: NAMESPACE.into(),
+            name: format!("{}-{ordinal}", service_name(service)),
+            uid: format!("00000000-0000-0000-0000-{ordinal:012}"),
+            service_account: service_name(service),
+        }),
+        node: format!("node-{}", ordinal % 500),
+    }
+}
+
+/// Registers every endpoint, `in_flight` calls at a time over `connections` connections; returns the time taken.
+pub async fn register_all(url: &str, endpoints: Vec<Endpoint>, in_flight: usize, connections: usize) -> Duration {
+    let mut clients = Vec::new();
+    for _ in 0..connections.max(1) {
+        clients.push(RegistrarClient::connect(url.to_owned()).await.expect("registrar"));
+    }
+    let started = Instant::now();
+    let permits = Arc::new(tokio::sync::Semaphore::new(in_flight));
+    let mut tasks = tokio::task::JoinSet::new();
+    for (n, e) in endpoints.into_iter().enumerate() {
+        let permit = permits.clone().acquire_owned().await.unwrap();
+        let mut client = clients[n % clients.len()].clone();
+        tasks.spawn(async move {
+            client
+                .register_endpoint(RegisterEndpointRequest { endpoint: Some(e) })
+                .await
+                .expect("RegisterEndpoint");
+            drop(permit);
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.expect("register task");
+    }
+    started.elapsed()
+}
+
+/// A `/proc/<pid>/status` field in bytes (the kernel reports kB); panics if it cannot be read.
+pub fn proc_status(pid: u32, field: &str) -> u64 {
+    let status =
+        std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_else(|e| panic!("/proc/{pid}/status: {e}"));
+    status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+        * 1024
+}
+
+/// The last `lines` lines of a log.
+pub fn tail(logs: &str, lines: usize) -> String {
+    let all: Vec<&str> = logs.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
