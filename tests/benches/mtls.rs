@@ -11,7 +11,12 @@
 //!    (polled every 1 ms). Includes the agent's stream receive, parse, rebuild, SDS push and
 //!    Envoy applying it.
 //!
-//! Knobs (env): AETHER_BENCH_DURATION (10 s), AETHER_BENCH_CONNECTIONS (8), AETHER_BENCH_ROTATIONS (20).
+//! 3. Next to both, a direct call (frontend pod → backend pod's IP, no mesh) in the same run, and all three
+//!    at a fixed 1,000 req/s (`hey -q`, 8 workers) as well as flat out (`wrk`). Goal: the mesh, doing L7 with
+//!    mTLS, adds ≤ 0.2 ms p99 over direct at 1,000 req/s.
+//!
+//! Knobs (env): AETHER_BENCH_DURATION (10 s), AETHER_BENCH_CONNECTIONS (8), AETHER_BENCH_ROTATIONS (20),
+//! AETHER_BENCH_RATE (1000 req/s).
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -30,7 +35,7 @@ struct Wrk {
     errors: String,
 }
 
-fn wrk(pod: &TestPod, host: &str, seconds: u64, connections: u64, dir: &std::path::Path) -> Wrk {
+fn wrk(pod: &TestPod, url: &str, host: &str, seconds: u64, connections: u64, dir: &std::path::Path) -> Wrk {
     let script = dir.join("post1k.lua");
     std::fs::write(
         &script,
@@ -47,7 +52,7 @@ fn wrk(pod: &TestPod, host: &str, seconds: u64, connections: u64, dir: &std::pat
         &format!("Host: {host}"),
         "-s",
         &script.to_string_lossy(),
-        "http://127.0.0.1:18081/bench",
+        url,
     ]);
     let find = |prefix: &str| {
         out.lines()
@@ -67,6 +72,46 @@ fn wrk(pod: &TestPod, host: &str, seconds: u64, connections: u64, dir: &std::pat
         p99: find("99%"),
         errors: if errors.is_empty() { "none".into() } else { errors },
     }
+}
+
+/// Latency at a fixed rate: `hey` with 8 workers of rate/8 req/s each, 1 KB POSTs, keep-alive. (p50, p99) in ms.
+fn hey_fixed(pod: &TestPod, url: &str, host: &str, seconds: u64, rate: u64, dir: &std::path::Path) -> (f64, f64) {
+    let body = dir.join("body1k");
+    std::fs::write(&body, "x".repeat(1024)).unwrap();
+    let workers = 8;
+    let out = pod.exec_ok(&[
+        "hey",
+        "-z",
+        &format!("{seconds}s"),
+        "-c",
+        &workers.to_string(),
+        "-q",
+        &(rate / workers).to_string(),
+        "-m",
+        "POST",
+        "-D",
+        &body.to_string_lossy(),
+        "-host",
+        host,
+        url,
+    ]);
+    let at = |pct: &str| {
+        out.lines()
+            .map(str::trim)
+            .find_map(|l| {
+                l.strip_prefix(&format!("{pct}% in "))?
+                    .strip_suffix(" secs")?
+                    .parse::<f64>()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("hey printed no {pct}% line:\n{out}"))
+            * 1e3
+    };
+    assert!(
+        !out.contains("Error distribution"),
+        "hey saw errors against {url}:\n{out}"
+    );
+    (at("50"), at("99"))
 }
 
 /// Serials of the certificates Envoy serves whose SAN names `spiffe_id`.
@@ -99,8 +144,11 @@ async fn main() {
     let dir = tempfile::tempdir().unwrap();
     let host = format!("{}:8080", fqdn("backend"));
 
+    let rate = knob("AETHER_BENCH_RATE", 1000);
     println!("mtls bench: 1 KB POST through the node Envoy, wrk -t1 -c{connections} -d{seconds}s, keep-alive");
+    let outbound = "http://127.0.0.1:18081/bench";
     let mut results = Vec::new();
+    let mut fixed = Vec::new();
     for (label, identity) in [
         (
             "plaintext (--identity none, NOT FOR PRODUCTION)",
@@ -109,20 +157,49 @@ async fn main() {
         ("mTLS (--identity builtin)", MeshIdentity::DEFAULT),
     ] {
         let mesh = Mesh::start_identity(identity, &[]).await;
-        let (frontend, _backend, _apps) = mesh.frontend_and_backend().await;
-        // Warm-up: connections established, caches hot.
-        let _ = wrk(&frontend, &host, 2, connections, dir.path());
-        let r = wrk(&frontend, &host, seconds, connections, dir.path());
-        println!(
-            "  {label:<48} p50 {:>9}  p99 {:>9}  {:>9.0} req/s  errors: {}",
-            r.p50, r.p99, r.rps, r.errors
-        );
-        results.push(r);
+        let (frontend, backend, mut apps) = mesh.frontend_and_backend().await;
+        let mut paths = vec![(label.to_owned(), outbound.to_owned(), host.clone())];
+        if matches!(identity, MeshIdentity::Builtin { .. }) {
+            // The same backend app, also on the pod's own address: reached directly, no mesh.
+            let direct = format!("{}:9080", backend.ip());
+            apps.push(backend.serve_http(direct.parse().unwrap(), "backend"));
+            paths.insert(
+                0,
+                (
+                    "direct (pod -> pod, no mesh)".to_owned(),
+                    format!("http://{direct}/bench"),
+                    direct,
+                ),
+            );
+        }
+        for (label, url, host) in paths {
+            // Warm-up: connections established, caches hot.
+            let _ = wrk(&frontend, &url, &host, 2, connections, dir.path());
+            let r = wrk(&frontend, &url, &host, seconds, connections, dir.path());
+            println!(
+                "  {label:<48} p50 {:>9}  p99 {:>9}  {:>9.0} req/s  errors: {}",
+                r.p50, r.p99, r.rps, r.errors
+            );
+            let (p50, p99) = hey_fixed(&frontend, &url, &host, seconds, rate, dir.path());
+            fixed.push((label, p50, p99));
+            results.push(r);
+        }
     }
-    if let [plain, mtls] = &results[..] {
+    if let [plain, _direct, mtls] = &results[..] {
         println!(
             "  throughput with mTLS: {:.1}% of plaintext",
             100.0 * mtls.rps / plain.rps.max(1.0)
+        );
+    }
+    println!("at a fixed {rate} req/s (hey, 8 workers, {seconds} s, keep-alive):");
+    for (label, p50, p99) in &fixed {
+        println!("  {label:<48} p50 {p50:>7.3} ms  p99 {p99:>7.3} ms");
+    }
+    let p99 = |prefix: &str| fixed.iter().find(|(l, _, _)| l.starts_with(prefix)).map(|(_, _, p)| *p);
+    if let (Some(direct), Some(mtls)) = (p99("direct"), p99("mTLS")) {
+        println!(
+            "  mesh (L7 + mTLS) adds {:+.3} ms p99 over direct at {rate} req/s (goal: <= 0.2 ms)",
+            mtls - direct
         );
     }
 
