@@ -5,7 +5,7 @@
 //! Names: a service port's cluster is named by its authority, `<svc>.<ns>.<domain>:<port>`
 //! (so on-demand CDS can ask for what a request's authority names); the bare
 //! `<svc>.<ns>.<domain>` cluster serves the service's default port, when asked for. Per pod:
-//! `outbound|<ns>/<pod>`, `inbound|<ns>/<pod>`, `capture|<ns>/<pod>` listeners and
+//! `outbound|<ns>/<pod>` (explicit and captured traffic) and `inbound|<ns>/<pod>` listeners and
 //! `local|<ns>/<pod>|<port>` delivery clusters; with mTLS its `originate|<ns>/<pod>`
 //! cluster and secret, and per node the `originate|h2` and `originate|tcp` internal
 //! listeners (see `origination`).
@@ -378,7 +378,7 @@ pub fn pod_identity_names(pod: &LocalPod) -> Vec<(&'static str, String)> {
 
 /// The names of a pod's listeners (what AddPod waits for Envoy to ACK).
 pub fn pod_listener_names(pod: &LocalPod) -> BTreeSet<String> {
-    let mut names = BTreeSet::from([listeners::outbound_name(pod), listeners::capture_name(pod)]);
+    let mut names = BTreeSet::from([listeners::outbound_name(pod)]);
     if !pod.info.mesh_ports().is_empty() {
         names.insert(listeners::inbound_name(pod));
     }

@@ -1,11 +1,12 @@
-//! LDS: three listeners per local pod, each bound inside the pod's netns:
-//! - `outbound` on 127.0.0.1:18081: HTTP, routed by authority (RDS `outbound`), with
-//!   on-demand CDS for mesh names outside the dependency set;
+//! LDS: two listeners per local pod, each bound inside the pod's netns:
+//! - `outbound` on 127.0.0.1:18081 and 127.0.0.1:18001: the pod's outgoing traffic. On
+//!   18081, HTTP the app sends explicitly; on 18001, connections the pod's nft rules
+//!   redirected from a mesh VIP. HTTP is routed by authority (name or VIP; RDS
+//!   `outbound`, with on-demand CDS for mesh names outside the dependency set); plain
+//!   TCP by original destination VIP:port for the pod's declared upstreams. (One
+//!   listener with two addresses: a listener costs Envoy far more than an address.)
 //! - `inbound` on 0.0.0.0:18008: traffic from peers, delivered to the app on
-//!   127.0.0.1:<port> (HTTP by the port header, anything else to the primary port);
-//! - `capture` on 127.0.0.1:18001: connections the pod's nft rules redirected from a
-//!   mesh VIP: HTTP routed by authority (name or VIP), plain TCP by original
-//!   destination VIP:port for the pod's declared upstreams.
+//!   127.0.0.1:<port> (HTTP by the port header, anything else to the primary port).
 //!
 //! With mTLS, the inbound chains terminate TLS with the pod's SVID (HTTP chosen by ALPN
 //! h2 through the TLS inspector) and the outgoing listeners mark connections with the
@@ -13,7 +14,7 @@
 
 use envoy_types::pb::envoy::config::core::v3::CidrRange;
 use envoy_types::pb::envoy::config::listener::v3::{
-    Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter, listener_filter,
+    AdditionalAddress, Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter, listener_filter,
 };
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::filters::http::on_demand::v3::{OnDemand, OnDemandCds};
@@ -42,18 +43,13 @@ pub fn inbound_name(pod: &LocalPod) -> String {
     format!("inbound|{}", pod.id())
 }
 
-pub fn capture_name(pod: &LocalPod) -> String {
-    format!("capture|{}", pod.id())
-}
-
 /// A local pod's listeners; `services` are the dependency services it declared.
 pub fn pod_listeners(pod: &LocalPod, services: &[&MeshService], mtls: Option<&Mtls>) -> Vec<(String, Any)> {
     let netns = pod.netns.to_string_lossy();
-    let mut out = vec![(outbound_name(pod), any(&outbound(pod, &netns, mtls)))];
+    let mut out = vec![(outbound_name(pod), any(&outbound(pod, &netns, services, mtls)))];
     if let Some(inbound) = inbound(pod, &netns, mtls) {
         out.push((inbound_name(pod), any(&inbound)));
     }
-    out.push((capture_name(pod), any(&capture(pod, &netns, services, mtls))));
     out
 }
 
@@ -70,21 +66,6 @@ fn outgoing(
         chain.filters.insert(0, source);
     }
     chain
-}
-
-fn outbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>) -> Listener {
-    Listener {
-        name: outbound_name(pod),
-        stat_prefix: stat_name(&outbound_name(pod)),
-        address: Some(address("127.0.0.1", OUTBOUND_PORT, Some(netns))),
-        filter_chains: vec![outgoing(
-            pod,
-            mtls,
-            None,
-            routed_by_authority(&format!("outbound.{}", pod.id().replace('/', ".")), &pod.info.service()),
-        )],
-        ..Default::default()
-    }
 }
 
 /// HTTP routed by authority through the node's `outbound` table, with on-demand CDS
@@ -168,12 +149,12 @@ fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>) -> Option<Listener>
     })
 }
 
-/// Captured connections: plain TCP to a VIP:port of a service this pod declared goes
-/// to that service port's cluster by original destination; everything else is HTTP
-/// routed by authority through the node's `outbound` table, whose virtual hosts answer
-/// to each service's VIP as well as its name (and on demand for undeclared mesh names).
-/// Anything that is neither is closed.
-fn capture(pod: &LocalPod, netns: &str, declared: &[&MeshService], mtls: Option<&Mtls>) -> Listener {
+/// The pod's outgoing traffic, explicit (18081) or captured (18001): plain TCP to a
+/// VIP:port of a service this pod declared goes to that service port's cluster by
+/// original destination; everything else is HTTP routed by authority through the node's
+/// `outbound` table, whose virtual hosts answer to each service's VIP as well as its name
+/// (and on demand for undeclared mesh names). Anything that is neither is closed.
+fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], mtls: Option<&Mtls>) -> Listener {
     let mut filter_chains = Vec::new();
     for service in declared {
         for (port, _) in service.ports.iter().filter(|(_, p)| !is_http(**p)) {
@@ -196,9 +177,15 @@ fn capture(pod: &LocalPod, netns: &str, declared: &[&MeshService], mtls: Option<
         }
     }
     Listener {
-        name: capture_name(pod),
-        stat_prefix: stat_name(&capture_name(pod)),
-        address: Some(address("127.0.0.1", CAPTURE_PORT, Some(netns))),
+        name: outbound_name(pod),
+        stat_prefix: stat_name(&outbound_name(pod)),
+        address: Some(address("127.0.0.1", OUTBOUND_PORT, Some(netns))),
+        additional_addresses: vec![AdditionalAddress {
+            address: Some(address("127.0.0.1", CAPTURE_PORT, Some(netns))),
+            ..Default::default()
+        }],
+        // A redirected connection's original destination (the VIP) picks its chain; on
+        // 18081 there is none and the local address stays.
         listener_filters: vec![listener_filter(
             "envoy.filters.listener.original_dst",
             &OriginalDst::default(),
@@ -208,7 +195,7 @@ fn capture(pod: &LocalPod, netns: &str, declared: &[&MeshService], mtls: Option<
             pod,
             mtls,
             None,
-            routed_by_authority(&format!("capture.{}", pod.id().replace('/', ".")), &pod.info.service()),
+            routed_by_authority(&format!("outbound.{}", pod.id().replace('/', ".")), &pod.info.service()),
         )),
         ..Default::default()
     }
