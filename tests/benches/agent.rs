@@ -108,15 +108,8 @@ async fn settle(mesh: &Mesh, what: &str) -> Duration {
     let started = Instant::now();
     let mut last;
     loop {
-        let deps: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/dependencies").await).unwrap();
-        let set = |v: &serde_json::Value| -> BTreeSet<String> {
-            v.as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|s| s.as_str().map(str::to_owned))
-                .collect()
-        };
-        let (wanted, watched, known) = (set(&deps["dependencies"]), set(&deps["watched"]), set(&deps["known"]));
+        let aether_tests::bench::Dependencies { wanted, watched, known } =
+            aether_tests::bench::dependencies(mesh).await;
         if wanted != watched || known != wanted {
             last = format!(
                 "dependencies {}, watched {}, known {}",

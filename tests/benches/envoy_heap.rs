@@ -279,15 +279,8 @@ async fn settle(mesh: &Mesh, envoy: &BenchEnvoy, want: &BTreeSet<String>) -> ser
     let started = Instant::now();
     loop {
         let last;
-        let deps: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/dependencies").await).unwrap();
-        let set = |v: &serde_json::Value| -> BTreeSet<String> {
-            v.as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|s| s.as_str().map(str::to_owned))
-                .collect()
-        };
-        let (wanted, watched, known) = (set(&deps["dependencies"]), set(&deps["watched"]), set(&deps["known"]));
+        let aether_tests::bench::Dependencies { wanted, watched, known } =
+            aether_tests::bench::dependencies(mesh).await;
         if &wanted != want || &watched != want || &known != want {
             last = format!(
                 "dependencies {} (the {} expected: {}), watched {}, known {}",

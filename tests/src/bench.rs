@@ -99,6 +99,30 @@ pub async fn register_all(url: &str, endpoints: Vec<Endpoint>, in_flight: usize,
     started.elapsed()
 }
 
+/// The agent's view of its dependency set (`/debug/dependencies`): what its pods depend on, what its Watch filter
+/// names, and what the registrar answered with.
+pub struct Dependencies {
+    pub wanted: std::collections::BTreeSet<String>,
+    pub watched: std::collections::BTreeSet<String>,
+    pub known: std::collections::BTreeSet<String>,
+}
+
+pub async fn dependencies(mesh: &crate::mesh::Mesh) -> Dependencies {
+    let deps: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/dependencies").await).unwrap();
+    let set = |v: &serde_json::Value| {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|s| s.as_str().map(str::to_owned))
+            .collect()
+    };
+    Dependencies {
+        wanted: set(&deps["dependencies"]),
+        watched: set(&deps["watched"]),
+        known: set(&deps["known"]),
+    }
+}
+
 /// A `/proc/<pid>/status` field in bytes (the kernel reports kB); panics if it cannot be read.
 pub fn proc_status(pid: u32, field: &str) -> u64 {
     let status =
