@@ -5,7 +5,8 @@
 //! connection). When the server closes a connection gracefully (`Connection: close`, GOAWAY) the worker opens a new
 //! one. A request is **failed** when it was sent and did not come back as a complete 200 within the timeout. A request
 //! hyper hands back as never written to the wire (the connection closed first, or an HTTP/2 stream above GOAWAY's
-//! last stream id) is sent again and counted as **retried_unsent**: HTTP lets every client do that, no server saw it.
+//! last stream id), or one written but above the last stream id of the server's graceful GOAWAY, is sent again and
+//! counted as **retried_unsent**: HTTP lets every client do that, no server processed it.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -231,10 +232,31 @@ enum Unsent {
 
 fn classify<T>(mut e: hyper::client::conn::TrySendError<T>) -> Unsent {
     if e.take_message().is_some() {
+        return Unsent::Unsent;
+    }
+    let error = e.into_error();
+    // Written, but above the last stream id of the server's graceful GOAWAY: the server
+    // says it did not process it, and HTTP/2 lets the client send it again (RFC 9113
+    // §6.8). hyper hands such a request back only when it had not been written yet.
+    let refused_by_goaway = std::error::Error::source(&error)
+        .and_then(|s| s.downcast_ref::<h2::Error>())
+        .is_some_and(|h2| h2.is_go_away() && h2.is_remote() && h2.reason() == Some(h2::Reason::NO_ERROR));
+    if refused_by_goaway {
         Unsent::Unsent
     } else {
-        Unsent::Failed(e.into_error().to_string())
+        Unsent::Failed(error_chain(&error))
     }
+}
+
+/// An error with its causes (hyper's own Display says only "http2 error").
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text += &format!(": {cause}");
+        source = cause.source();
+    }
+    text
 }
 
 impl Sender {
