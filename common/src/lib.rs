@@ -8,3 +8,4 @@ pub mod pod_meta;
 pub mod quote;
 pub mod shutdown;
 pub mod telemetry;
+pub mod tls;
