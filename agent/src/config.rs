@@ -21,13 +21,17 @@ pub struct Config {
     #[arg(long, env = "NODE_NAME")]
     pub node_name: String,
 
-    /// The registrar's gRPC URL.
+    /// The registrar's gRPC URL (https://: mTLS; http:// only for a test, in plaintext).
     #[arg(
         long,
         env = "AETHER_REGISTRAR",
-        default_value = "http://aether-registrar.aether-system.svc:18090"
+        default_value = "https://aether-registrar.aether-system.svc:18090"
     )]
     pub registrar: String,
+
+    /// How the agent proves itself to the registrar and checks it (proposals/010).
+    #[command(flatten)]
+    pub registrar_link: crate::registrar_link::LinkConfig,
 
     /// Where the agent keeps its state (the local pod store).
     #[arg(long, env = "AETHER_STATE_DIR", default_value = "/var/lib/aether")]

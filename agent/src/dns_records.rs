@@ -15,7 +15,6 @@ use std::time::{Duration, SystemTime};
 
 use aether_mesh_dns::records::{self, Addresses, RecordFile};
 use aether_proto::registrar::v1::WatchRequest;
-use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::view::{Applied, Catalog, WatchView};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -23,7 +22,8 @@ use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint as GrpcEndpoint};
+
+use crate::registrar_link::RegistrarLink;
 
 /// The filter id of the services-only stream (it never changes filter).
 const FILTER_ID: u64 = 1;
@@ -33,8 +33,6 @@ const DIR_MODE: u32 = 0o755;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DnsRecordsError {
-    #[error("--registrar {0:?}: {1}")]
-    Registrar(String, String),
     #[error("creating {path}: {source}")]
     Dir { path: String, source: std::io::Error },
 }
@@ -113,7 +111,7 @@ pub fn records_of(catalog: &Catalog) -> (BTreeMap<(String, String), Addresses>, 
 }
 
 pub struct DnsRecords {
-    client: RegistrarClient<Channel>,
+    link: RegistrarLink,
     path: PathBuf,
     restamp: Duration,
     metrics: DnsRecordsMetrics,
@@ -127,16 +125,11 @@ pub struct DnsRecords {
 
 impl DnsRecords {
     pub fn new(
-        registrar: &str,
+        link: RegistrarLink,
         state_dir: &Path,
         restamp: Duration,
         metrics: DnsRecordsMetrics,
     ) -> Result<Self, DnsRecordsError> {
-        let endpoint = GrpcEndpoint::from_shared(registrar.to_owned())
-            .map_err(|e| DnsRecordsError::Registrar(registrar.to_owned(), e.to_string()))?
-            .connect_timeout(Duration::from_secs(2))
-            .http2_keep_alive_interval(Duration::from_secs(20))
-            .keep_alive_timeout(Duration::from_secs(10));
         let path = path(state_dir);
         let dir = path.parent().expect("the record path has a directory");
         let dir_error = |source| DnsRecordsError::Dir {
@@ -148,7 +141,7 @@ impl DnsRecords {
         // Continue the generation of a file a previous run left, so it never goes back.
         let previous = std::fs::read(&path).ok().and_then(|b| RecordFile::parse(&b).ok());
         Ok(Self {
-            client: RegistrarClient::new(endpoint.connect_lazy()),
+            link,
             path,
             restamp,
             metrics,
@@ -219,7 +212,8 @@ impl DnsRecords {
         let mut restamp = tokio::time::interval(self.restamp);
         restamp.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         restamp.reset();
-        loop {
+        let mut rotated = self.link.rotated();
+        'connect: loop {
             let (requests, outbox) = mpsc::channel(1);
             let _ = requests
                 .send(WatchRequest {
@@ -229,7 +223,8 @@ impl DnsRecords {
                     ..Default::default()
                 })
                 .await;
-            let mut client = self.client.clone();
+            rotated.mark_unchanged();
+            let mut client = self.link.client();
             let opened = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 opened = client.watch(ReceiverStream::new(outbox)) => opened,
@@ -241,6 +236,12 @@ impl DnsRecords {
                     loop {
                         tokio::select! {
                             _ = shutdown.cancelled() => return,
+                            _ = rotated.changed() => {
+                                // A new node certificate: resume at once on its connection.
+                                drop(requests);
+                                self.metrics.connected.set(0);
+                                continue 'connect;
+                            }
                             _ = restamp.tick() => self.write(None, true).await,
                             message = stream.message() => match message {
                                 Ok(Some(message)) => match view.apply(message) {
@@ -281,6 +282,8 @@ impl DnsRecords {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     _ = &mut sleep => break,
+                    // A (new) node certificate: try again at once.
+                    _ = rotated.changed() => break,
                     _ = restamp.tick() => self.write(None, true).await,
                 }
             }
@@ -292,6 +295,11 @@ impl DnsRecords {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A link to nowhere: these tests write files, they never reach a registrar.
+    fn test_link() -> RegistrarLink {
+        RegistrarLink::start("http://127.0.0.1:1", &Default::default(), CancellationToken::new()).unwrap()
+    }
     use aether_proto::registry::v1::Service;
 
     fn service(ns: &str, name: &str, vip: &str) -> Service {
@@ -330,7 +338,7 @@ mod tests {
     async fn writes_on_change_keeps_generation_on_restamp_and_continues_it_after_restart() {
         let dir = tempfile::tempdir().unwrap();
         let metrics = DnsRecordsMetrics::default();
-        let mut writer = DnsRecords::new("http://127.0.0.1:1", dir.path(), Duration::from_secs(60), metrics).unwrap();
+        let mut writer = DnsRecords::new(test_link(), dir.path(), Duration::from_secs(60), metrics).unwrap();
         let file = path(dir.path());
         // Nothing before a first view.
         writer.write(None, true).await;
@@ -360,7 +368,7 @@ mod tests {
         // A restarted writer writes nothing before its first view, keeps the generation
         // for the same records and continues it for new ones.
         let mut again = DnsRecords::new(
-            "http://127.0.0.1:1",
+            test_link(),
             dir.path(),
             Duration::from_secs(60),
             DnsRecordsMetrics::default(),

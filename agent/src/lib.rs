@@ -11,6 +11,7 @@ pub mod pod_source;
 pub mod pod_store;
 pub mod proxy;
 pub mod registrar;
+pub mod registrar_link;
 pub mod request_metrics;
 pub mod server;
 pub mod upstreams;

@@ -11,7 +11,6 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registrar::v1::{RegisterEndpointRequest, UnregisterEndpointRequest, WatchRequest};
 use aether_proto::registry::v1::{Endpoint, Health, Locality, PodInfo as PodRef, Port, Protocol};
 use aether_proto::view::WatchView;
@@ -20,11 +19,11 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint as GrpcEndpoint};
 use tonic::{Code, Status};
 
 use crate::node::WatchedCatalog;
 use crate::pod::{AppProtocol, LocalPod};
+use crate::registrar_link::RegistrarLink;
 
 /// How often every registered endpoint is registered again (the registrar's default
 /// endpoint TTL is 60 s, so three refreshes can be missed before anything expires).
@@ -48,7 +47,7 @@ type Key = (String, String);
 
 #[derive(Clone)]
 pub struct Registrar {
-    client: RegistrarClient<Channel>,
+    link: RegistrarLink,
     node: String,
     locality: Locality,
     registered: Arc<Registered>,
@@ -62,30 +61,25 @@ impl Registrar {
     /// is away, and catches up when it returns.
     /// Must be called within a tokio runtime: it starts the refresher, which stops
     /// when the last clone of the returned value is dropped.
-    pub fn new(address: &str, node: String, locality: Locality) -> Result<Self, String> {
-        Self::with_refresh(address, node, locality, REFRESH_INTERVAL)
+    pub fn new(link: RegistrarLink, node: String, locality: Locality) -> Self {
+        Self::with_refresh(link, node, locality, REFRESH_INTERVAL)
     }
 
-    fn with_refresh(address: &str, node: String, locality: Locality, every: Duration) -> Result<Self, String> {
-        let endpoint = GrpcEndpoint::from_shared(address.to_owned())
-            .map_err(|e| format!("--registrar {address:?}: {e}"))?
-            .connect_timeout(Duration::from_secs(2))
-            .http2_keep_alive_interval(Duration::from_secs(20))
-            .keep_alive_timeout(Duration::from_secs(10));
+    fn with_refresh(link: RegistrarLink, node: String, locality: Locality, every: Duration) -> Self {
         let registrar = Self {
-            client: RegistrarClient::new(endpoint.connect_lazy()),
+            link,
             node,
             locality,
             registered: Arc::default(),
             gate: Arc::default(),
         };
         tokio::spawn(refresh(
-            registrar.client.clone(),
+            registrar.link.clone(),
             Arc::downgrade(&registrar.registered),
             registrar.gate.clone(),
             every,
         ));
-        Ok(registrar)
+        registrar
     }
 
     /// The endpoints a pod is registered as (one per pod IP).
@@ -147,7 +141,7 @@ impl Registrar {
                 book.registered.insert(key, endpoint.clone());
             }
             let call = || {
-                let mut client = self.client.clone();
+                let mut client = self.link.client();
                 let endpoint = endpoint.clone();
                 async move {
                     client
@@ -172,7 +166,7 @@ impl Registrar {
                 book.unregistered.insert(key, std::time::Instant::now());
             }
             let call = || {
-                let mut client = self.client.clone();
+                let mut client = self.link.client();
                 let request = UnregisterEndpointRequest {
                     service: service.to_owned(),
                     address: ip.to_string(),
@@ -198,6 +192,7 @@ impl Registrar {
         let mut sent: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
         let mut next_id = 1u64;
         let mut backoff = Duration::from_millis(100);
+        let mut rotated = self.link.rotated();
         loop {
             let services = filter.borrow_and_update().clone();
             // Resume only a view built under this very filter; otherwise a snapshot.
@@ -214,7 +209,8 @@ impl Registrar {
                 ..Default::default()
             };
             let _ = requests.send(first).await;
-            let mut client = self.client.clone();
+            rotated.mark_unchanged();
+            let mut client = self.link.client();
             let opened = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 opened = client.watch(ReceiverStream::new(outbox)) => opened,
@@ -226,15 +222,21 @@ impl Registrar {
                     tokio::select! {
                         _ = shutdown.cancelled() => return,
                         _ = tokio::time::sleep(backoff) => {}
+                        // A (new) node certificate: try again at once.
+                        _ = rotated.changed() => {}
                     }
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                     continue;
                 }
             };
             connected.set(1);
-            loop {
+            let resume_now = loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
+                    _ = rotated.changed() => {
+                        tracing::info!("resuming the registrar watch on the connection of the new node certificate");
+                        break true;
+                    }
                     changed = filter.changed() => {
                         if changed.is_err() {
                             return;
@@ -251,7 +253,7 @@ impl Registrar {
                             ..Default::default()
                         };
                         if requests.send(request).await.is_err() {
-                            break;
+                            break false;
                         }
                     }
                     message = stream.message() => match message {
@@ -267,18 +269,21 @@ impl Registrar {
                             Err(error) => {
                                 tracing::error!(%error, "the registrar sent an invalid watch message; reconnecting");
                                 view = WatchView::default();
-                                break;
+                                break false;
                             }
                         },
-                        Ok(None) => break,
+                        Ok(None) => break false,
                         Err(status) => {
                             tracing::warn!(%status, "registrar watch ended; reconnecting");
-                            break;
+                            break false;
                         }
                     },
                 }
-            }
+            };
             connected.set(0);
+            if resume_now {
+                continue;
+            }
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(backoff) => {}
@@ -291,7 +296,7 @@ impl Registrar {
 /// Re-registers every remembered endpoint every `every`, until the registrar handle
 /// is gone. Failures are logged and retried at the next tick.
 async fn refresh(
-    client: RegistrarClient<Channel>,
+    link: RegistrarLink,
     registered: Weak<Registered>,
     gate: Arc<tokio::sync::Mutex<()>>,
     every: Duration,
@@ -322,7 +327,7 @@ async fn refresh(
             {
                 continue;
             }
-            let mut client = client.clone();
+            let mut client = link.client();
             let request = UnregisterEndpointRequest {
                 service: key.0,
                 address: key.1,
@@ -344,7 +349,7 @@ async fn refresh(
             else {
                 continue;
             };
-            let mut client = client.clone();
+            let mut client = link.client();
             let request = RegisterEndpointRequest {
                 endpoint: Some(endpoint),
             };
@@ -369,7 +374,9 @@ fn retry_policy() -> ExponentialBuilder {
 fn retryable(status: &Status) -> bool {
     matches!(
         status.code(),
-        Code::Unavailable | Code::DeadlineExceeded | Code::Unknown
+        // Unauthenticated: no node certificate yet (the bootstrap is under way) or one
+        // that just expired (its successor is on the way).
+        Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Unauthenticated
     )
 }
 
@@ -436,13 +443,8 @@ mod tests {
                 .add_service(RegistrarServer::new(fake.clone()))
                 .serve_with_incoming(TcpListenerStream::new(listener)),
         );
-        let registrar = Registrar::with_refresh(
-            &address,
-            "node-1".into(),
-            Locality::default(),
-            Duration::from_millis(50),
-        )
-        .unwrap();
+        let link = RegistrarLink::start(&address, &Default::default(), CancellationToken::new()).unwrap();
+        let registrar = Registrar::with_refresh(link, "node-1".into(), Locality::default(), Duration::from_millis(50));
         for ip in ["10.0.0.1", "10.0.0.2"] {
             let endpoint = Endpoint {
                 service: "ns/web".into(),

@@ -25,6 +25,7 @@ use crate::node::{Node, NodeMetrics, WatchedCatalog};
 use crate::pod_source::{PodDirectory, kubernetes, static_dir};
 use crate::pod_store::{PodStore, PodStoreError};
 use crate::registrar::Registrar;
+use crate::registrar_link::RegistrarLink;
 use crate::request_metrics::EnvoyRequestMetrics;
 use crate::xds::cache::Cache;
 use crate::xds::{AdsServer, Hooks, XdsMetrics};
@@ -44,8 +45,8 @@ pub enum StartError {
     Dir { path: String, source: std::io::Error },
     #[error(transparent)]
     PodStore(#[from] PodStoreError),
-    #[error("--registrar: {0}")]
-    Registrar(String),
+    #[error("the registrar link: {0}")]
+    Registrar(#[from] crate::registrar_link::LinkError),
     #[error("binding the Unix socket {path}: {source}")]
     Socket { path: String, source: std::io::Error },
     #[error(transparent)]
@@ -112,8 +113,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     if let Some(client) = &kube_client {
         locality = kubernetes::locality(locality, client.clone(), &config.node_name).await;
     }
-    let registrar =
-        Registrar::new(&config.registrar, config.node_name.clone(), locality.clone()).map_err(StartError::Registrar)?;
+    let link = RegistrarLink::start(&config.registrar, &config.registrar_link, shutdown.clone())?;
+    let registrar = Registrar::new(link.clone(), config.node_name.clone(), locality.clone());
 
     let mut registry = Registry::default();
     let metrics = registry.sub_registry_with_prefix("aether_agent");
@@ -172,12 +173,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     identity_metrics.register(metrics);
     let dns_records_metrics = crate::dns_records::DnsRecordsMetrics::default();
     dns_records_metrics.register(metrics);
-    let dns_records = crate::dns_records::DnsRecords::new(
-        &config.registrar,
-        &config.state_dir,
-        config.dns_records_restamp,
-        dns_records_metrics,
-    )?;
+    let dns_records =
+        crate::dns_records::DnsRecords::new(link, &config.state_dir, config.dns_records_restamp, dns_records_metrics)?;
     let identity = crate::identity::Identity::start(&config.identity, identity_metrics, shutdown.clone())?;
 
     let (catalog_tx, catalog_rx) = watch::channel(Arc::new(WatchedCatalog::default()));

@@ -183,7 +183,7 @@ async fn main() {
     let grpc = format!("127.0.0.1:{}", free_port());
     let admin = format!("127.0.0.1:{}", free_port());
     let child = Command::new(env!("CARGO_BIN_EXE_aether-registrar"))
-        .args(["--listen", &grpc, "--admin", &admin, "--data-dir"])
+        .args(["--insecure", "--listen", &grpc, "--admin", &admin, "--data-dir"])
         .arg(dir.path())
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())

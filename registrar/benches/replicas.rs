@@ -177,7 +177,7 @@ async fn replica(store: &dyn BenchStore) -> Replica {
     let admin = format!("127.0.0.1:{}", free_port());
     let mut command = Command::new(env!("CARGO_BIN_EXE_aether-registrar"));
     command
-        .args(["--listen", &grpc, "--admin", &admin, "--data-dir"])
+        .args(["--insecure", "--listen", &grpc, "--admin", &admin, "--data-dir"])
         .arg(dir.path())
         .args(store.registrar_args())
         .envs(store.env())

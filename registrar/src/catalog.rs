@@ -346,8 +346,17 @@ impl Plan {
         });
     }
 
-    fn register(&mut self, state: &State, vips: &VipAllocator, valid: ValidEndpoint) -> Result<Service, Status> {
+    fn register(
+        &mut self,
+        state: &State,
+        vips: &VipAllocator,
+        valid: ValidEndpoint,
+        owner: Option<&str>,
+    ) -> Result<Service, Status> {
         let key = valid.service;
+        if let Some(old) = self.endpoint(state, &key, valid.address) {
+            check_owner(old, owner)?;
+        }
         let service = match self.service(state, &key) {
             Some(service) => service,
             None => {
@@ -378,17 +387,24 @@ impl Plan {
         Ok(service)
     }
 
-    fn unregister(&mut self, state: &State, key: ServiceKey, address: IpAddr) -> bool {
-        if self.endpoint(state, &key, address).is_none() {
-            return false;
-        }
+    fn unregister(
+        &mut self,
+        state: &State,
+        key: ServiceKey,
+        address: IpAddr,
+        owner: Option<&str>,
+    ) -> Result<bool, Status> {
+        let Some(old) = self.endpoint(state, &key, address) else {
+            return Ok(false);
+        };
+        check_owner(old, owner)?;
         self.ops.push(StoreOp::DeleteEndpoint {
             service: key.clone(),
             address: address.to_string(),
         });
         self.change(&key, Event::EndpointRemoved(address));
         self.endpoints.insert((key, address), None);
-        true
+        Ok(true)
     }
 
     /// Removes services that have had no endpoints for longer than `ttl` (at most
@@ -415,14 +431,28 @@ impl Plan {
     }
 }
 
+/// An agent (`owner`, its authenticated node) may change only endpoints of its node.
+/// An endpoint registered without a node (by an `--insecure` client) has no owner.
+fn check_owner(existing: &Endpoint, owner: Option<&str>) -> Result<(), Status> {
+    match owner {
+        Some(owner) if !existing.node.is_empty() && existing.node != owner => Err(Status::permission_denied(format!(
+            "rule own-node: the endpoint {} of {} belongs to node {:?}; the agent of node {owner:?} may not change it",
+            existing.address, existing.service, existing.node
+        ))),
+        _ => Ok(()),
+    }
+}
+
 enum Write {
     Register {
         endpoint: Box<ValidEndpoint>,
+        owner: Option<String>,
         reply: oneshot::Sender<Result<(Service, Version), Status>>,
     },
     Unregister {
         service: ServiceKey,
         address: IpAddr,
+        owner: Option<String>,
         reply: oneshot::Sender<Result<(bool, Version), Status>>,
     },
     /// Remove expired empty services; always planned alone.
@@ -641,7 +671,9 @@ impl Catalog {
         &self.metrics
     }
 
-    pub async fn register(&self, endpoint: ValidEndpoint) -> Result<(Service, Version), Status> {
+    /// Adds or replaces `endpoint`. With an `owner` (the caller's authenticated node),
+    /// an endpoint another node holds is not replaced: PERMISSION_DENIED.
+    pub async fn register(&self, endpoint: ValidEndpoint, owner: Option<String>) -> Result<(Service, Version), Status> {
         if self.read_only {
             let first = (self.ignored.lock().expect("ignored set poisoned"))
                 .insert((endpoint.service.clone(), endpoint.address));
@@ -663,13 +695,21 @@ impl Catalog {
         let (reply, response) = oneshot::channel();
         self.submit(Write::Register {
             endpoint: Box::new(endpoint),
+            owner,
             reply,
         })
         .await?;
         response.await.map_err(|_| shutting_down())?
     }
 
-    pub async fn unregister(&self, service: ServiceKey, address: IpAddr) -> Result<(bool, Version), Status> {
+    /// Removes an endpoint. With an `owner`, one that another node holds is not
+    /// removed: PERMISSION_DENIED.
+    pub async fn unregister(
+        &self,
+        service: ServiceKey,
+        address: IpAddr,
+        owner: Option<String>,
+    ) -> Result<(bool, Version), Status> {
         if self.read_only {
             (self.ignored.lock().expect("ignored set poisoned")).remove(&(service.clone(), address));
             tracing::info!(%service, %address,
@@ -680,6 +720,7 @@ impl Catalog {
         self.submit(Write::Unregister {
             service,
             address,
+            owner,
             reply,
         })
         .await?;
@@ -845,23 +886,33 @@ impl Writer {
 
     async fn commit_group(&mut self, group: Vec<Write>) {
         enum Item {
-            Register(Box<ValidEndpoint>, oneshot::Sender<Result<(Service, Version), Status>>),
-            Unregister(ServiceKey, IpAddr, oneshot::Sender<Result<(bool, Version), Status>>),
+            Register(
+                Box<ValidEndpoint>,
+                Option<String>,
+                oneshot::Sender<Result<(Service, Version), Status>>,
+            ),
+            Unregister(
+                ServiceKey,
+                IpAddr,
+                Option<String>,
+                oneshot::Sender<Result<(bool, Version), Status>>,
+            ),
         }
         let items: Vec<Item> = group
             .into_iter()
             .filter_map(|w| match w {
-                Write::Register { endpoint, reply } => Some(Item::Register(endpoint, reply)),
+                Write::Register { endpoint, owner, reply } => Some(Item::Register(endpoint, owner, reply)),
                 Write::Unregister {
                     service,
                     address,
+                    owner,
                     reply,
-                } => Some(Item::Unregister(service, address, reply)),
+                } => Some(Item::Unregister(service, address, owner, reply)),
                 Write::Reap | Write::Expire => None,
             })
             .collect();
         self.refresh_nodes(items.iter().filter_map(|i| match i {
-            Item::Register(e, _) => Some(e.endpoint.node.as_str()),
+            Item::Register(e, ..) => Some(e.endpoint.node.as_str()),
             Item::Unregister(..) => None,
         }));
         let mut attempt = 0;
@@ -872,13 +923,15 @@ impl Writer {
                 items
                     .iter()
                     .map(|item| match item {
-                        Item::Register(endpoint, _) => plan.register(&state, &self.config.vips, (**endpoint).clone()),
-                        Item::Unregister(service, address, _) => {
-                            // Ok: the endpoint existed; Err: it did not (read back below).
-                            if plan.unregister(&state, service.clone(), *address) {
-                                Ok(Service::default())
-                            } else {
-                                Err(Status::not_found(""))
+                        Item::Register(endpoint, owner, _) => {
+                            plan.register(&state, &self.config.vips, (**endpoint).clone(), owner.as_deref())
+                        }
+                        Item::Unregister(service, address, owner, _) => {
+                            // Ok: the endpoint existed; NOT_FOUND: it did not (read back below).
+                            match plan.unregister(&state, service.clone(), *address, owner.as_deref()) {
+                                Ok(true) => Ok(Service::default()),
+                                Ok(false) => Err(Status::not_found("")),
+                                Err(denied) => Err(denied),
                             }
                         }
                     })
@@ -905,11 +958,14 @@ impl Writer {
         };
         for (item, result) in items.into_iter().zip(results) {
             match item {
-                Item::Register(_, reply) => {
+                Item::Register(.., reply) => {
                     let _ = reply.send(result.and_then(|s| Ok((s, outcome.clone()?))));
                 }
-                Item::Unregister(_, _, reply) => {
-                    let _ = reply.send(outcome.clone().map(|v| (result.is_ok(), v)));
+                Item::Unregister(.., reply) => {
+                    let _ = reply.send(match result {
+                        Err(denied) if denied.code() == tonic::Code::PermissionDenied => Err(denied),
+                        result => outcome.clone().map(|v| (result.is_ok(), v)),
+                    });
                 }
             }
         }
@@ -993,7 +1049,8 @@ impl Writer {
                 {
                     let state = self.state.read().expect("catalog lock poisoned");
                     for (key, address) in chunk {
-                        plan.unregister(&state, key.clone(), *address);
+                        // The reaper acts for no node: no owner check.
+                        let _ = plan.unregister(&state, key.clone(), *address, None);
                     }
                 }
                 if chunks.peek().is_none() {

@@ -186,6 +186,10 @@ pub struct Config {
     pub kube_vip_configmap: String,
 
     // ---- end of DynamoDB / Kubernetes store flags ----
+    /// Control-plane security (proposals/010).
+    #[command(flatten)]
+    pub security: SecurityConfig,
+
     /// OpenTelemetry export (metrics, traces).
     #[command(flatten)]
     pub telemetry: aether_common::telemetry::TelemetryConfig,
@@ -193,6 +197,75 @@ pub struct Config {
     /// Log format: text or json.
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,
+}
+
+/// Who may talk to the registrar, and how they prove it (proposals/010).
+#[derive(Clone, Debug, clap::Args)]
+pub struct SecurityConfig {
+    /// NOT FOR PRODUCTION: serve gRPC in plaintext and let anyone read and write the
+    /// catalog. For the registrar's own catalog tests only; logged loudly at start.
+    #[arg(long, env = "AETHER_REGISTRAR_INSECURE")]
+    pub insecure: bool,
+
+    /// The registrar's serving certificate (PEM, leaf first); reloaded when it changes.
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_TLS_CERT",
+        default_value = "/etc/aether/registrar-tls/tls.crt"
+    )]
+    pub tls_cert: PathBuf,
+
+    /// The private key of --tls-cert.
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_TLS_KEY",
+        default_value = "/etc/aether/registrar-tls/tls.key"
+    )]
+    pub tls_key: PathBuf,
+
+    /// CA certificates (PEM) that verify client certificates besides the node CA: e.g.
+    /// SPIRE's trust bundle when agents present their SPIRE SVIDs.
+    #[arg(long, env = "AETHER_REGISTRAR_CLIENT_CA", value_parser = path_or_empty)]
+    pub client_ca: Option<PathBuf>,
+
+    /// Trust domain of the identities: an agent is `spiffe://<td>/aether/node/<node>`.
+    #[arg(long, env = "AETHER_TRUST_DOMAIN", default_value = "cluster.local")]
+    pub trust_domain: String,
+
+    /// SPIFFE IDs that may Watch and List besides agents (the controller, the CLI, an
+    /// operator), comma-separated. They can never write.
+    #[arg(long, env = "AETHER_REGISTRAR_READER_IDS", value_delimiter = ',')]
+    pub reader_ids: Vec<String>,
+
+    /// The node CA's certificate (PEM): with --node-ca-key, the registrar issues node
+    /// certificates to agents that prove their node (NodeBootstrap), and trusts them.
+    #[arg(long, env = "AETHER_REGISTRAR_NODE_CA_CERT", value_parser = path_or_empty)]
+    pub node_ca_cert: Option<PathBuf>,
+
+    /// The node CA's private key (PEM).
+    #[arg(long, env = "AETHER_REGISTRAR_NODE_CA_KEY", value_parser = path_or_empty)]
+    pub node_ca_key: Option<PathBuf>,
+
+    /// Lifetime of an issued node certificate; agents renew at half-life.
+    #[arg(long, env = "AETHER_REGISTRAR_NODE_CERT_TTL", default_value = "12h", value_parser = duration::parse)]
+    pub node_cert_ttl: Duration,
+
+    /// The audience a bootstrap token must be bound to.
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_BOOTSTRAP_AUDIENCE",
+        default_value = "aether-registrar"
+    )]
+    pub bootstrap_audience: String,
+
+    /// The ServiceAccount `<namespace>/<name>` agents run as: only its tokens get node
+    /// certificates.
+    #[arg(
+        long,
+        env = "AETHER_REGISTRAR_AGENT_SERVICE_ACCOUNT",
+        default_value = "aether-system/aether-agent"
+    )]
+    pub agent_service_account: String,
 }
 
 #[cfg(test)]

@@ -2,6 +2,8 @@
 //! gRPC (`aether.registrar.v1`) to every node agent.
 
 pub mod api;
+pub mod auth;
+pub mod bootstrap;
 pub mod catalog;
 pub mod config;
 pub mod metrics;

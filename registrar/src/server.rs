@@ -8,16 +8,19 @@ use std::time::Duration;
 
 use aether_common::admin::{AdminError, AdminServer, Readiness};
 use aether_common::telemetry::{Identity, MetricsPush};
+use aether_common::tls::{self, CertFiles, CertSlot, TlsError};
+use aether_proto::registrar::v1::node_bootstrap_server::NodeBootstrapServer;
 use aether_proto::registrar::v1::registrar_server::RegistrarServer;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::server::TcpIncoming;
 
 use crate::api::RegistrarApi;
+use crate::auth::Policy;
+use crate::bootstrap::{Bootstrap, BootstrapConfig, BootstrapError};
 use crate::catalog::{Catalog, CatalogConfig, OpenError};
-use crate::config::{Config, StoreKind};
+use crate::config::{Config, SecurityConfig, StoreKind};
 use crate::metrics::Metrics;
 use crate::model::MAX_SERVICE_KEY_BYTES;
 use crate::store::dynamodb::{DynamoConfig, DynamoStore};
@@ -47,6 +50,10 @@ pub enum StartError {
     Bind { addr: SocketAddr, source: std::io::Error },
     #[error(transparent)]
     Admin(#[from] AdminError),
+    #[error("TLS: {0}")]
+    Tls(#[from] TlsError),
+    #[error("node bootstrap: {0}")]
+    Bootstrap(#[from] BootstrapError),
     #[error("telemetry: {0}")]
     Telemetry(#[from] aether_common::telemetry::TelemetryError),
 }
@@ -70,14 +77,71 @@ const _: () = assert!(MAX_FILTER_SERVICES * (MAX_SERVICE_KEY_BYTES + 2) + 1024 <
 /// TCP keepalive on accepted gRPC connections.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(60);
 
-/// The accepted gRPC connections, with TCP_NODELAY (without it Nagle's algorithm holds a
-/// response's last small write, its trailers, until the client's delayed ACK: ~40 ms on
-/// every unary call) and TCP keepalive. tonic's `Server::tcp_nodelay`/`tcp_keepalive`
-/// only apply to listeners tonic binds itself, not to `serve_with_incoming*`.
-fn incoming(listener: TcpListener) -> TcpIncoming {
-    TcpIncoming::from(listener)
-        .with_nodelay(Some(true))
-        .with_keepalive(Some(TCP_KEEPALIVE))
+/// The server's TLS config (None with `--insecure`): its certificate from files
+/// (reloaded on rotation), client certificates verified against the node CA and
+/// `--client-ca`.
+fn server_tls(
+    security: &SecurityConfig,
+    shutdown: &CancellationToken,
+) -> Result<Option<Arc<rustls::ServerConfig>>, StartError> {
+    if security.insecure {
+        tracing::warn!(
+            "--insecure: the registrar serves PLAINTEXT gRPC and lets ANY client read and rewrite the catalog. \
+             This is for the registrar's own tests only; never run it like this in a cluster."
+        );
+        return Ok(None);
+    }
+    let cert = CertSlot::from_files(
+        CertFiles {
+            cert_flag: "--tls-cert",
+            cert: security.tls_cert.clone(),
+            key_flag: "--tls-key",
+            key: security.tls_key.clone(),
+        },
+        shutdown.clone(),
+    )?;
+    let mut client_cas = Vec::new();
+    for (flag, path) in [
+        ("--node-ca-cert", &security.node_ca_cert),
+        ("--client-ca", &security.client_ca),
+    ] {
+        if let Some(path) = path.as_ref().filter(|p| !p.as_os_str().is_empty()) {
+            client_cas.extend(tls::read_certs(flag, path)?);
+        }
+    }
+    if client_cas.is_empty() {
+        return Err(TlsError::Config(
+            "no CA to verify agents with: set --node-ca-cert (the built-in node bootstrap) and/or --client-ca \
+             (e.g. SPIRE's trust bundle), or --insecure for a test"
+                .into(),
+        )
+        .into());
+    }
+    let roots = tls::roots("--client-ca", client_cas)?;
+    tracing::info!(identity = ?cert.identity(), "serving gRPC over mTLS");
+    Ok(Some(tls::server_config(cert, roots)?))
+}
+
+/// The node bootstrap, when the registrar holds a node CA.
+async fn bootstrap(security: &SecurityConfig) -> Result<Option<Bootstrap>, StartError> {
+    let set = |p: &Option<std::path::PathBuf>| p.clone().filter(|p| !p.as_os_str().is_empty());
+    let (Some(ca_cert), Some(ca_key)) = (set(&security.node_ca_cert), set(&security.node_ca_key)) else {
+        return Ok(None);
+    };
+    if security.insecure {
+        return Ok(None);
+    }
+    Ok(Some(
+        Bootstrap::new(BootstrapConfig {
+            ca_cert: &ca_cert,
+            ca_key: &ca_key,
+            trust_domain: &security.trust_domain,
+            ttl: security.node_cert_ttl,
+            audience: security.bootstrap_audience.clone(),
+            agent_service_account: &security.agent_service_account,
+        })
+        .await?,
+    ))
 }
 
 /// A started registrar.
@@ -166,6 +230,25 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let metrics = Metrics::new(&mut registry);
     let metrics_push = MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
     let readiness = Readiness::new("loading the catalog");
+    let security = &config.security;
+    let tls = server_tls(security, &shutdown)?;
+    let bootstrap = bootstrap(security).await?;
+    let policy = Policy::new(security.insecure, &security.trust_domain, security.reader_ids.clone());
+    {
+        let r = registry.sub_registry_with_prefix("aether_registrar");
+        r.register(
+            "requests_denied",
+            "Requests refused by the access rules, by method and rule",
+            policy.denied_metric(),
+        );
+        if let Some(bootstrap) = &bootstrap {
+            r.register(
+                "node_certificates",
+                "Node certificate requests (NodeBootstrap), by result",
+                bootstrap.metric(),
+            );
+        }
+    }
 
     let (catalog, writer) = Catalog::open(
         store.clone(),
@@ -217,12 +300,13 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     // Stops with the admin server, after the writer: the last push carries the final values.
     let push_task = metrics_push.spawn(registry, None, admin_stop.clone())?;
 
-    let api = RegistrarApi::new(catalog.clone(), shutdown.clone());
+    let api = RegistrarApi::new(catalog.clone(), policy, shutdown.clone());
     let server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .add_service(RegistrarServer::new(api).max_decoding_message_size(MAX_REQUEST_BYTES))
-        .serve_with_incoming_shutdown(incoming(listener), {
+        .add_optional_service(bootstrap.map(NodeBootstrapServer::new))
+        .serve_with_incoming_shutdown(tls::incoming(listener, tls, TCP_KEEPALIVE, shutdown.clone()), {
             let shutdown = shutdown.clone();
             let readiness = readiness.clone();
             async move {
@@ -266,9 +350,11 @@ mod tests {
     async fn accepted_connections_have_nodelay_and_keepalive() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let mut incoming = incoming(listener);
+        let mut incoming = std::pin::pin!(tls::incoming(listener, None, TCP_KEEPALIVE, CancellationToken::new()));
         let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let accepted = incoming.next().await.unwrap().unwrap();
+        let tls::Conn::Plain(accepted, _) = incoming.next().await.unwrap().unwrap() else {
+            panic!("no TLS configured, yet a TLS connection")
+        };
         assert!(accepted.nodelay().unwrap(), "TCP_NODELAY is off");
         let socket = socket2::SockRef::from(&accepted);
         assert!(socket.keepalive().unwrap(), "SO_KEEPALIVE is off");

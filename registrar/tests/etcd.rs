@@ -351,7 +351,12 @@ fn refused(args: &[&str]) -> String {
 fn refused_with_env(args: &[&str], env: &[(&str, &str)]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_aether-registrar"))
-        .args(["--listen=127.0.0.1:0", "--admin=127.0.0.1:0", "--data-dir"])
+        .args([
+            "--insecure",
+            "--listen=127.0.0.1:0",
+            "--admin=127.0.0.1:0",
+            "--data-dir",
+        ])
         .arg(dir.path())
         .args(args)
         .envs(env.iter().copied())

@@ -675,6 +675,7 @@ impl KubeRegistrar {
         let log = dir.join("registrar.log");
         let child = Command::new(env!("CARGO_BIN_EXE_aether-registrar"))
             .args([
+                "--insecure",
                 "--store",
                 "kubernetes",
                 "--listen",

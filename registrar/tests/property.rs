@@ -312,6 +312,7 @@ async fn run(filters: Vec<Spec>, ops: Vec<Op>) {
     let dir = tempfile::tempdir().unwrap();
     let config = aether_registrar::Config::parse_from([
         "aether-registrar",
+        "--insecure",
         "--listen",
         "127.0.0.1:0",
         "--admin",

@@ -34,17 +34,14 @@ use std::time::{Duration, Instant};
 
 use aether_proto::cni::v1::Outcome;
 use aether_proto::registrar::v1::RegisterEndpointRequest;
-use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registry::v1::Endpoint;
 use aether_tests::TestPod;
 use aether_tests::bench::{
-    catalog_address, cluster_name, endpoint, knob, proc_status, register_all, service_key, tail,
+    StandInAgents, catalog_address, cluster_name, endpoint, knob, proc_status, register_all, service_key, tail,
 };
 use aether_tests::mesh::Mesh;
-use tonic::transport::Channel;
 
 const LOAD_CONCURRENCY: usize = 64;
-const LOAD_CONNECTIONS: usize = 4;
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(180);
 const CHANGE_TIMEOUT: Duration = Duration::from_secs(10);
 const POLL_EVERY: Duration = Duration::from_millis(1);
@@ -331,12 +328,7 @@ fn main() {
     let endpoints: Vec<Endpoint> = (0..services * per_service)
         .map(|n| endpoint(n % services, catalog_address(n), n))
         .collect();
-    let took = rt.block_on(register_all(
-        &mesh.registrar_url,
-        endpoints,
-        LOAD_CONCURRENCY,
-        LOAD_CONNECTIONS,
-    ));
+    let took = rt.block_on(register_all(&mesh, endpoints, LOAD_CONCURRENCY));
     println!(
         "catalog: {services} services / {} endpoints registered in {:.2} s ({:.0} endpoints/s, {LOAD_CONCURRENCY} in flight)",
         services * per_service,
@@ -436,9 +428,7 @@ fn main() {
         }
         v
     };
-    let client = rt
-        .block_on(RegistrarClient::<Channel>::connect(mesh.registrar_url.clone()))
-        .unwrap();
+    let mut agents = StandInAgents::default();
     // The probe sees the catalog's endpoints (at the inbound port of each; with mTLS as the
     // internal address `ip:18008` of the origination hop).
     let probe = eds_probe(&cluster_name(dep_list[0]));
@@ -462,8 +452,8 @@ fn main() {
             "{address} is already in {}",
             cluster_name(s)
         );
-        let mut client = client.clone();
         let e = endpoint(s, address.clone(), services * per_service + i);
+        let mut client = rt.block_on(agents.client(&mesh, &e.node));
         let t0 = Instant::now();
         let rpc = rt.spawn(async move {
             client
@@ -538,7 +528,7 @@ fn main() {
     let mut full = rt.block_on(Mesh::start());
     full.agent = None;
     full.registrar.kill();
-    full.registrar_url = mesh.registrar_url.clone();
+    full.use_registrar_of(&mesh);
     rt.block_on(full.start_agent());
     let pod = full.node.add_pod("all-deps");
     let everything: Vec<String> = (0..services).map(service_key).collect();

@@ -350,7 +350,7 @@ async fn measure(pods: usize, services: usize, workers: usize, workloads: usize)
     let endpoints: Vec<Endpoint> = (0..services * ENDPOINTS_PER_SERVICE)
         .map(|n| endpoint(n % services, catalog_address(n), n))
         .collect();
-    register_all(&mesh.registrar_url, endpoints, LOAD_CONCURRENCY, 1).await;
+    register_all(&mesh, endpoints, LOAD_CONCURRENCY).await;
 
     let upstreams: Vec<String> = (0..services).map(service_key).collect();
     let upstreams = upstreams.join(",");

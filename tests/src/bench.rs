@@ -8,6 +8,8 @@ use aether_proto::registrar::v1::RegisterEndpointRequest;
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registry::v1::{Endpoint, Health, Locality, PodInfo, Port, Protocol};
 
+use tonic::transport::Channel;
+
 use crate::mesh::MESH_DOMAIN;
 
 /// The catalog's namespace.
@@ -73,18 +75,37 @@ pub fn endpoint(service: usize, address: String, ordinal: usize) -> Endpoint {
     }
 }
 
-/// Registers every endpoint, `in_flight` calls at a time over `connections` connections; returns the time taken.
-pub async fn register_all(url: &str, endpoints: Vec<Endpoint>, in_flight: usize, connections: usize) -> Duration {
-    let mut clients = Vec::new();
-    for _ in 0..connections.max(1) {
-        clients.push(RegistrarClient::connect(url.to_owned()).await.expect("registrar"));
+/// Registrar clients acting as the agents of stand-in nodes, one connection per node (as
+/// each node's agent has), made on first use.
+#[derive(Default)]
+pub struct StandInAgents {
+    clients: std::collections::BTreeMap<String, RegistrarClient<Channel>>,
+}
+
+impl StandInAgents {
+    /// The client of `node`'s agent (connects on first use).
+    pub async fn client(&mut self, mesh: &crate::mesh::Mesh, node: &str) -> RegistrarClient<Channel> {
+        if !self.clients.contains_key(node) {
+            let client = mesh.registrar_as(node).await;
+            self.clients.insert(node.to_owned(), client);
+        }
+        self.clients[node].clone()
+    }
+}
+
+/// Registers every endpoint, `in_flight` calls at a time, each as the agent of its node
+/// (connected before the clock starts); returns the time taken.
+pub async fn register_all(mesh: &crate::mesh::Mesh, endpoints: Vec<Endpoint>, in_flight: usize) -> Duration {
+    let mut agents = StandInAgents::default();
+    let mut calls = Vec::with_capacity(endpoints.len());
+    for e in endpoints {
+        calls.push((agents.client(mesh, &e.node).await, e));
     }
     let started = Instant::now();
     let permits = Arc::new(tokio::sync::Semaphore::new(in_flight));
     let mut tasks = tokio::task::JoinSet::new();
-    for (n, e) in endpoints.into_iter().enumerate() {
+    for (mut client, e) in calls {
         let permit = permits.clone().acquire_owned().await.unwrap();
-        let mut client = clients[n % clients.len()].clone();
         tasks.spawn(async move {
             client
                 .register_endpoint(RegisterEndpointRequest { endpoint: Some(e) })

@@ -39,6 +39,7 @@ use serde_json::{Value, json};
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::cni::{BareNetns, ConfList, DEBIAN_CNI_DIR, Sandbox, aether_table, bridge_plugin, run_in};
+use crate::control_plane::{ControlPlane, READER_ID, node_id};
 use crate::identity::TestCa;
 use crate::load::{Load, LoadSpec, Protocol};
 use crate::supervisor::metric_sum;
@@ -209,6 +210,8 @@ pub struct Demo {
     ports: Ports,
     node: Option<TestNode>,
     registrar: Option<ChildGuard>,
+    /// The registrar's mTLS and the node bootstrap (a stand-in API server reviews tokens).
+    control_plane: Option<ControlPlane>,
     agent: Option<ChildGuard>,
     proxy: Option<ChildGuard>,
     mesh_dns: Option<ChildGuard>,
@@ -241,6 +244,7 @@ impl Demo {
             },
             node: None,
             registrar: None,
+            control_plane: None,
             agent: None,
             proxy: None,
             mesh_dns: None,
@@ -508,8 +512,11 @@ impl Demo {
     }
 
     async fn start_registrar(&mut self) -> Result<Vec<String>, DemoError> {
+        let control_plane = self.control_plane.insert(ControlPlane::new(&self.work));
         let mut cmd = Command::new(self.bins.join("aether-registrar"));
         cmd.args(["--listen", &format!("127.0.0.1:{}", self.ports.registrar_grpc)])
+            .args(control_plane.registrar_args())
+            .envs(control_plane.registrar_env())
             .args(["--admin", &format!("127.0.0.1:{}", self.ports.registrar_admin)])
             .args(["--store", "embedded"])
             .arg("--data-dir")
@@ -519,20 +526,50 @@ impl Demo {
         let child = spawn("registrar", cmd);
         let child = self.registrar.insert(child);
         wait_ready(self.ports.registrar_admin, child).await?;
-        Ok(vec![format!(
-            "catalog on a redb file under {}",
-            self.path("registrar").display()
-        )])
+        Ok(vec![
+            format!("catalog on a redb file under {}", self.path("registrar").display()),
+            "gRPC over mTLS only: agents get node certificates by showing a ServiceAccount token (reviewed by a \
+             stand-in Kubernetes API), and each may write only its own node's endpoints"
+                .into(),
+        ])
     }
 
+    fn registrar_url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.ports.registrar_grpc)
+    }
+
+    fn control_plane(&self) -> &ControlPlane {
+        self.control_plane.as_ref().expect("the registrar was started")
+    }
+
+    /// A client with the demo's reader identity (List and Watch).
     async fn registrar_client(&self) -> Result<RegistrarClient<tonic::transport::Channel>, DemoError> {
-        RegistrarClient::connect(format!("http://127.0.0.1:{}", self.ports.registrar_grpc))
+        let leaf = self.control_plane().node_ca.issue(READER_ID, Duration::from_secs(3600));
+        self.control_plane()
+            .client_with(&self.registrar_url(), Some(&leaf))
             .await
             .map_err(|e| fail(format!("connecting to the registrar: {e}")))
     }
 
+    /// A client acting as the agent of `node`, for the stand-in endpoints of other nodes.
+    async fn registrar_client_as(&self, node: &str) -> Result<RegistrarClient<tonic::transport::Channel>, DemoError> {
+        let leaf = self
+            .control_plane()
+            .node_ca
+            .issue(&node_id(node), Duration::from_secs(3600));
+        self.control_plane()
+            .client_with(&self.registrar_url(), Some(&leaf))
+            .await
+            .map_err(|e| fail(format!("connecting to the registrar as the agent of {node}: {e}")))
+    }
+
     async fn register_other_services(&mut self) -> Result<Vec<String>, DemoError> {
         let mut client = self.registrar_client().await?;
+        // The two replicas of each service run on two other nodes, whose agents register them.
+        let mut agents = [
+            self.registrar_client_as("node-2").await?,
+            self.registrar_client_as("node-3").await?,
+        ];
         let mut names = Vec::new();
         for i in 0..self.options.extra_services {
             let team = TEAMS[i % TEAMS.len()];
@@ -567,7 +604,7 @@ impl Demo {
                     node: format!("node-{}", replica + 2),
                     ..Default::default()
                 };
-                client
+                agents[usize::from(replica)]
                     .register_endpoint(RegisterEndpointRequest {
                         endpoint: Some(endpoint),
                     })
@@ -603,10 +640,8 @@ impl Demo {
         let mut cmd = Command::new(self.bins.join("aether-agent"));
         cmd.arg("run")
             .args(["--node-name", NODE_NAME])
-            .args([
-                "--registrar",
-                &format!("http://127.0.0.1:{}", self.ports.registrar_grpc),
-            ])
+            .args(["--registrar", &self.registrar_url()])
+            .args(self.control_plane().agent_args(NODE_NAME))
             .arg("--state-dir")
             .arg(self.path("agent"))
             .arg("--cni-socket")

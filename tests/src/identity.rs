@@ -79,9 +79,30 @@ impl TestCa {
 
     /// A leaf naming `spiffe_id` (client and server auth), valid for `ttl`.
     pub fn issue(&self, spiffe_id: &str, ttl: Duration) -> Leaf {
+        let now = SystemTime::now();
+        self.issue_between(spiffe_id, now - Duration::from_secs(5), now + ttl)
+    }
+
+    /// A leaf naming `spiffe_id`, valid from `not_before` to `not_after` (an expired one
+    /// when both are past).
+    pub fn issue_between(&self, spiffe_id: &str, not_before: SystemTime, not_after: SystemTime) -> Leaf {
+        let uri = SanType::URI(spiffe_id.to_owned().try_into().unwrap());
+        let mut leaf = self.leaf(uri, not_before, not_after);
+        leaf.spiffe_id = spiffe_id.to_owned();
+        leaf
+    }
+
+    /// A server leaf naming the DNS name `dns`, valid for `ttl`.
+    pub fn issue_server(&self, dns: &str, ttl: Duration) -> Leaf {
+        let now = SystemTime::now();
+        let name = SanType::DnsName(dns.to_owned().try_into().unwrap());
+        self.leaf(name, now - Duration::from_secs(5), now + ttl)
+    }
+
+    fn leaf(&self, san: SanType, not_before: SystemTime, not_after: SystemTime) -> Leaf {
         let key = KeyPair::generate().unwrap();
         let mut params = CertificateParams::default();
-        params.subject_alt_names = vec![SanType::URI(spiffe_id.to_owned().try_into().unwrap())];
+        params.subject_alt_names = vec![san];
         let mut dn = DistinguishedName::new();
         dn.push(DnType::OrganizationName, "aether-test");
         params.distinguished_name = dn;
@@ -89,13 +110,11 @@ impl TestCa {
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyAgreement];
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
         params.use_authority_key_identifier_extension = true;
-        let now = SystemTime::now();
-        let not_after = now + ttl;
-        params.not_before = (now - Duration::from_secs(5)).into();
+        params.not_before = not_before.into();
         params.not_after = not_after.into();
         let cert = params.signed_by(&key, &self.issuer).unwrap();
         Leaf {
-            spiffe_id: spiffe_id.to_owned(),
+            spiffe_id: String::new(),
             cert_der: cert.der().to_vec(),
             cert_pem: cert.pem(),
             key_der: key.serialize_der(),

@@ -9,6 +9,7 @@
 pub mod bench;
 pub mod bins;
 pub mod cni;
+pub mod control_plane;
 pub mod demo;
 pub mod envoy;
 pub mod http;

@@ -16,6 +16,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use std::sync::Arc;
 
+use crate::control_plane::ControlPlane;
 use crate::identity::TestCa;
 use crate::spire::FakeSpire;
 use crate::{
@@ -39,6 +40,8 @@ pub struct Mesh {
     pub envoy: Option<Envoy>,
     /// Extra flags for `aether-agent run`.
     pub agent_args: Vec<String>,
+    /// The agent's registrar link flags (its CA, the registrar's name, its bootstrap token).
+    pub link_args: Vec<String>,
     /// Envoy's ADS flavour: `DELTA_GRPC` (default) or `GRPC` (state of the world).
     pub ads_api: &'static str,
     /// Envoy run by `aether-agent proxy` from the shipped bootstrap ([`Mesh::start_with_proxy`]).
@@ -47,6 +50,9 @@ pub struct Mesh {
     pub ca: Arc<TestCa>,
     /// The fake SPIRE agent, with `MeshIdentity::Spire`.
     pub spire: Option<FakeSpire>,
+    /// The registrar's mTLS: its certificate, the node CA, the fake API server that
+    /// reviews the agent's bootstrap token.
+    pub control_plane: ControlPlane,
 }
 
 /// How the mesh's pods get their identity.
@@ -125,9 +131,13 @@ impl Mesh {
         args.extend(agent_args.iter().map(|a| a.to_string()));
         let grpc_port = free_port();
         let registrar_admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let control_plane = ControlPlane::new(dir.path());
+        let link_args = control_plane.agent_args("test-node");
         let mut cmd = Command::new(binary("aether-registrar"));
         cmd.args(["--listen", &format!("127.0.0.1:{grpc_port}")])
             .args(["--admin", &registrar_admin.to_string()])
+            .args(control_plane.registrar_args())
+            .envs(control_plane.registrar_env())
             // Tests and benches register stand-in endpoints straight at the registrar, with no
             // agent to refresh them: they must outlive a long run (agents refresh theirs).
             .args(["--endpoint-ttl", "1h"])
@@ -138,16 +148,18 @@ impl Mesh {
         let mut mesh = Mesh {
             node: TestNode::new(),
             registrar,
-            registrar_url: format!("http://127.0.0.1:{grpc_port}"),
+            registrar_url: format!("https://127.0.0.1:{grpc_port}"),
             registrar_admin,
             agent: None,
             agent_admin: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
             envoy: None,
             agent_args: args,
+            link_args,
             ads_api: "DELTA_GRPC",
             proxy: None,
             ca,
             spire,
+            control_plane,
             dir,
         };
         mesh.start_agent().await;
@@ -179,6 +191,7 @@ impl Mesh {
             .arg(self.path("pods"))
             .args(["--zone", "z1", "--region", "r1"])
             .args(&self.agent_args)
+            .args(&self.link_args)
             .env("RUST_LOG", "info,aether_agent=debug");
         let agent = ChildGuard::spawn("agent", cmd);
         wait_ready(self.agent_admin, &agent).await;
@@ -393,10 +406,25 @@ impl Mesh {
             .map(|r| r.into_inner())
     }
 
+    /// Points this mesh's agent (at its next start) at `other`'s registrar, with a
+    /// bootstrap token `other`'s API server vouches for.
+    pub fn use_registrar_of(&mut self, other: &Mesh) {
+        self.registrar_url = other.registrar_url.clone();
+        self.link_args = other.control_plane.agent_args("test-node");
+    }
+
+    /// A registrar client with the tests' reader identity (List, Watch).
     pub async fn registrar(&self) -> aether_proto::registrar::v1::registrar_client::RegistrarClient<Channel> {
-        aether_proto::registrar::v1::registrar_client::RegistrarClient::connect(self.registrar_url.clone())
-            .await
-            .expect("connecting to the registrar")
+        self.control_plane.reader(&self.registrar_url).await
+    }
+
+    /// A registrar client acting as the agent of `node`: it may register endpoints of
+    /// that node (stand-ins for pods elsewhere).
+    pub async fn registrar_as(
+        &self,
+        node: &str,
+    ) -> aether_proto::registrar::v1::registrar_client::RegistrarClient<Channel> {
+        self.control_plane.client_as(&self.registrar_url, node).await
     }
 
     /// The mesh VIP of `demo/<service>`.

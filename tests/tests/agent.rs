@@ -171,7 +171,7 @@ async fn undeclared_services_are_reached_on_demand_and_unknown_names_get_404() {
     // listener (here a stand-in server on :18008) answers for it.
     let remote = mesh.node.add_pod("remote");
     let _remote_app = remote.serve_http(format!("{}:18008", remote.ip()).parse().unwrap(), "remote");
-    let mut registrar = mesh.registrar().await;
+    let mut registrar = mesh.registrar_as("other-node").await;
     let mut endpoint = aether_proto::registry::v1::Endpoint {
         service: "demo/remote".into(),
         address: remote.ip().to_string(),

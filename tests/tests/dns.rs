@@ -27,7 +27,7 @@ fn endpoint(service: &str, address: &str) -> Endpoint {
 }
 
 async fn register(mesh: &Mesh, service: &str, address: &str) {
-    mesh.registrar()
+    mesh.registrar_as("elsewhere")
         .await
         .register_endpoint(RegisterEndpointRequest {
             endpoint: Some(endpoint(service, address)),

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use aether_agent::request_metrics::{stats_config_json, stats_sinks_json};
 use aether_common::telemetry::exposition::{self, Family, Format};
+use aether_tests::control_plane::ControlPlane;
 use aether_tests::mesh::{Mesh, fqdn};
 use aether_tests::otlp::OtlpReceiver;
 use aether_tests::{ChildGuard, Envoy, binary, free_port, http_get, unique_base_id};
@@ -349,11 +350,14 @@ async fn every_metrics_endpoint_is_valid_exposition_with_consistent_names() {
 }
 
 /// Starts the registrar binary pushing to `otlp` every 200 ms; returns it with its admin address.
-async fn registrar_pushing_to(otlp: &str, dir: &std::path::Path) -> (ChildGuard, SocketAddr, String) {
+async fn registrar_pushing_to(otlp: &str, dir: &std::path::Path) -> (ChildGuard, SocketAddr, String, ControlPlane) {
     let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let grpc = format!("127.0.0.1:{}", free_port());
+    let control_plane = ControlPlane::new(dir);
     let mut cmd = Command::new(binary("aether-registrar"));
     cmd.args(["--listen", &grpc, "--admin", &admin.to_string()])
+        .args(control_plane.registrar_args())
+        .envs(control_plane.registrar_env())
         .arg("--data-dir")
         .arg(dir)
         .args([
@@ -373,7 +377,7 @@ async fn registrar_pushing_to(otlp: &str, dir: &std::path::Path) -> (ChildGuard,
         assert!(Instant::now() < deadline, "registrar not ready:\n{}", child.logs());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    (child, admin, format!("http://{grpc}"))
+    (child, admin, format!("https://{grpc}"), control_plane)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -384,7 +388,7 @@ async fn a_collector_that_is_down_blocks_nothing_and_is_counted_until_it_comes_b
     // Everything that exports is on: the agent's push, Envoy's stats sink and its access log.
     let mesh = observed_mesh(&endpoint, true, &["--envoy-access-log", "--trace-sample-rate", "1"]).await;
     let dir = tempfile::tempdir().unwrap();
-    let (registrar, registrar_admin, registrar_url) = registrar_pushing_to(&endpoint, dir.path()).await;
+    let (registrar, registrar_admin, registrar_url, control_plane) = registrar_pushing_to(&endpoint, dir.path()).await;
 
     // The data path works: pods are added and served, the registrar answers.
     let (frontend, _backend, _app) = mesh.frontend_and_backend().await;
@@ -393,9 +397,7 @@ async fn a_collector_that_is_down_blocks_nothing_and_is_counted_until_it_comes_b
         let reply = frontend.http_get("http://127.0.0.1:18081/", Some(&host)).await.unwrap();
         assert_eq!(reply.status, 200, "{reply:?}");
     }
-    let mut client = aether_proto::registrar::v1::registrar_client::RegistrarClient::connect(registrar_url)
-        .await
-        .unwrap();
+    let mut client = control_plane.reader(&registrar_url).await;
     client
         .list_endpoints(aether_proto::registrar::v1::ListEndpointsRequest {
             service: "demo/none".into(),

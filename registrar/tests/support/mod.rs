@@ -57,6 +57,9 @@ impl Registrar {
             .arg(admin.to_string())
             .arg("--data-dir")
             .arg(data_dir)
+            // These tests are about the catalog and its stores; the access rules and mTLS
+            // are tested end to end in tests/tests/control_plane.rs.
+            .arg("--insecure")
             .args(extra)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "info")
