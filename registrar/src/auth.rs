@@ -183,7 +183,7 @@ impl Policy {
 
     fn deny(&self, method: &'static str, rule: Rule, caller: &str, detail: String) -> Status {
         self.count(method, rule);
-        tracing::warn!(method, caller, rule = rule.as_str(), %detail, "refused");
+        tracing::warn!(method, caller = %caller, rule = rule.as_str(), %detail, "refused");
         Status::permission_denied(format!("rule {}: {detail}", rule.as_str()))
     }
 

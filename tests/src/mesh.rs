@@ -103,6 +103,15 @@ impl Mesh {
 
     /// [`Mesh::start`] with the given identity provider and extra agent flags.
     pub async fn start_identity(identity: MeshIdentity, agent_args: &[&str]) -> Mesh {
+        Self::start_all(identity, agent_args, &[]).await
+    }
+
+    /// [`Mesh::start_with`], with extra flags for the registrar too.
+    pub async fn start_with_registrar(agent_args: &[&str], registrar_args: &[&str]) -> Mesh {
+        Self::start_all(MeshIdentity::DEFAULT, agent_args, registrar_args).await
+    }
+
+    async fn start_all(identity: MeshIdentity, agent_args: &[&str], registrar_args: &[&str]) -> Mesh {
         crate::require_root();
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("pods")).unwrap();
@@ -137,6 +146,7 @@ impl Mesh {
         cmd.args(["--listen", &format!("127.0.0.1:{grpc_port}")])
             .args(["--admin", &registrar_admin.to_string()])
             .args(control_plane.registrar_args())
+            .args(registrar_args)
             .envs(control_plane.registrar_env())
             // Tests and benches register stand-in endpoints straight at the registrar, with no
             // agent to refresh them: they must outlive a long run (agents refresh theirs).
