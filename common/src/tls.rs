@@ -616,3 +616,182 @@ impl tower_service::Service<http::Uri> for Connector {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::SystemTime;
+
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair, SanType};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    struct Ca(Issuer<'static, KeyPair>, CertificateDer<'static>);
+
+    impl Ca {
+        fn new() -> Self {
+            let key = KeyPair::generate().unwrap();
+            let mut params = CertificateParams::default();
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            let cert = params.self_signed(&key).unwrap();
+            Self(Issuer::new(params, key), cert.der().clone())
+        }
+
+        /// (cert PEM, key PEM) naming `san`.
+        fn leaf(&self, san: SanType) -> (String, String) {
+            let key = KeyPair::generate().unwrap();
+            let mut params = CertificateParams::default();
+            params.subject_alt_names = vec![san];
+            params.not_before = (SystemTime::now() - Duration::from_secs(60)).into();
+            params.not_after = (SystemTime::now() + Duration::from_secs(3600)).into();
+            let cert = params.signed_by(&key, &self.0).unwrap();
+            (cert.pem(), key.serialize_pem())
+        }
+
+        fn slot(&self, san: SanType) -> CertSlot {
+            let (cert, key) = self.leaf(san);
+            let chain = CertificateDer::pem_slice_iter(cert.as_bytes())
+                .collect::<Result<Vec<_>, _>>()
+                .unwrap();
+            CertSlot::new(certified_key(chain, PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap()).unwrap())
+        }
+
+        fn roots(&self) -> Arc<RootCertStore> {
+            roots("test", vec![self.1.clone()]).unwrap()
+        }
+    }
+
+    fn spiffe(id: &str) -> SanType {
+        SanType::URI(id.to_owned().try_into().unwrap())
+    }
+
+    /// Serves one TLS echo per connection; returns its address and each connection's peer.
+    async fn echo_server(config: Arc<ServerConfig>) -> (SocketAddr, mpsc::Receiver<PeerInfo>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (peers, seen) = mpsc::channel(8);
+        let mut incoming = Box::pin(incoming(
+            listener,
+            Some(config),
+            RELOAD_INTERVAL,
+            CancellationToken::new(),
+        ));
+        tokio::spawn(async move {
+            use futures_core::Stream;
+            while let Some(Ok(mut conn)) = std::future::poll_fn(|cx| incoming.as_mut().poll_next(cx)).await {
+                let _ = peers.send(conn.connect_info()).await;
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4];
+                    if conn.read_exact(&mut buf).await.is_ok() {
+                        let _ = conn.write_all(&buf).await;
+                    }
+                });
+            }
+        });
+        (addr, seen)
+    }
+
+    async fn echo(addr: SocketAddr, config: Arc<ClientConfig>) -> io::Result<()> {
+        let mut connector = Connector::new(config);
+        let uri: http::Uri = format!("http://{addr}").parse().unwrap();
+        let io = tower_service::Service::call(&mut connector, uri).await?;
+        let mut tls = io.into_inner();
+        tls.write_all(b"ping").await?;
+        let mut buf = [0u8; 4];
+        tls.read_exact(&mut buf).await?;
+        assert_eq!(&buf, b"ping");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_client_pinned_to_a_spiffe_id_or_dns_name_accepts_only_that_server() {
+        let ca = Ca::new();
+        let server = ca.slot(spiffe("spiffe://td/ns/sys/sa/registrar"));
+        let (addr, mut peers) = echo_server(server_config(server, ca.roots()).unwrap()).await;
+        let client_cert = ca.slot(spiffe("spiffe://td/aether/node/n1"));
+        let expect = |id: &str| client_config(ca.roots(), id.parse().unwrap(), client_cert.clone()).unwrap();
+        echo(addr, expect("spiffe://td/ns/sys/sa/registrar")).await.unwrap();
+        let peer = peers.recv().await.unwrap();
+        let identity = peer.identity.expect("the client presented its certificate");
+        assert_eq!(identity.spiffe_id.as_deref(), Some("spiffe://td/aether/node/n1"));
+
+        for wrong in ["spiffe://td/ns/sys/sa/impostor", "registrar.example"] {
+            let error = echo(addr, expect(wrong)).await.unwrap_err();
+            assert!(
+                error.to_string().contains("not the expected") || error.to_string().contains("name"),
+                "{wrong}: {error}"
+            );
+        }
+        // A server from another CA is refused whatever it is called.
+        let other = Ca::new();
+        let config = client_config(
+            other.roots(),
+            "spiffe://td/ns/sys/sa/registrar".parse().unwrap(),
+            CertSlot::default(),
+        )
+        .unwrap();
+        assert!(echo(addr, config).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn an_empty_slot_presents_nothing_and_a_set_one_is_used_by_the_next_connection() {
+        let ca = Ca::new();
+        let server = ca.slot(SanType::DnsName("registrar.test".try_into().unwrap()));
+        let (addr, mut peers) = echo_server(server_config(server, ca.roots()).unwrap()).await;
+        let slot = CertSlot::default();
+        let mut changed = slot.changed();
+        let config = client_config(ca.roots(), "registrar.test".parse().unwrap(), slot.clone()).unwrap();
+        echo(addr, config.clone()).await.unwrap();
+        assert!(
+            peers.recv().await.unwrap().identity.is_none(),
+            "an empty slot presented a certificate"
+        );
+
+        slot.set(ca.slot(spiffe("spiffe://td/aether/node/n2")).current().unwrap());
+        changed.changed().await.unwrap();
+        echo(addr, config).await.unwrap();
+        let identity = peers.recv().await.unwrap().identity.unwrap();
+        assert_eq!(identity.spiffe_id.as_deref(), Some("spiffe://td/aether/node/n2"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn certificate_files_are_reloaded_when_they_change_and_kept_when_broken() {
+        let ca = Ca::new();
+        let dir = std::env::temp_dir().join(format!("aether-tls-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let files = CertFiles {
+            cert_flag: "--cert",
+            cert: dir.join("tls.crt"),
+            key_flag: "--key",
+            key: dir.join("tls.key"),
+        };
+        let write = |id: &str| {
+            let (cert, key) = ca.leaf(spiffe(id));
+            std::fs::write(&files.cert, cert).unwrap();
+            std::fs::write(&files.key, key).unwrap();
+        };
+        write("spiffe://td/one");
+        let shutdown = CancellationToken::new();
+        let slot = CertSlot::from_files(files.clone(), shutdown.clone()).unwrap();
+        let id = |slot: &CertSlot| slot.identity().unwrap().spiffe_id.unwrap();
+        assert_eq!(id(&slot), "spiffe://td/one");
+
+        write("spiffe://td/two");
+        tokio::time::sleep(RELOAD_INTERVAL * 2).await;
+        assert_eq!(id(&slot), "spiffe://td/two");
+
+        // A half-written pair (a certificate without its key) keeps the previous identity.
+        std::fs::write(
+            &files.key,
+            "-----BEGIN PRIVATE KEY-----\nbroken\n-----END PRIVATE KEY-----\n",
+        )
+        .unwrap();
+        tokio::time::sleep(RELOAD_INTERVAL * 2).await;
+        assert_eq!(id(&slot), "spiffe://td/two");
+        shutdown.cancel();
+        let _ = std::fs::remove_dir_all(&dir);
+
+        let missing = CertSlot::from_files(files, CancellationToken::new()).unwrap_err();
+        assert!(missing.to_string().starts_with("--cert "), "{missing}");
+    }
+}
