@@ -3,30 +3,27 @@
 //! re-stamped every `--dns-records-restamp` so mesh-dns can tell a stale file (agent
 //! gone) from a quiet mesh. The format is `aether_mesh_dns::records`.
 //!
-//! The node's main Watch stream carries only its dependency set, so this module keeps
-//! a second, services-only stream (`WatchRequest.services_only`): every service's
-//! record, no endpoints.
+//! The node's main Watch stream carries only its dependency set, so the file is fed by
+//! a second, services-only one ([`crate::catalog_watch::Interest::ServicesOnly`]):
+//! every service's record, no endpoints.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use aether_mesh_dns::records::{self, Addresses, RecordFile};
-use aether_proto::registrar::v1::WatchRequest;
-use aether_proto::view::{Applied, Catalog, WatchView};
+use aether_proto::view::Catalog;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::registrar_link::RegistrarLink;
+use crate::catalog_watch::WatchedCatalog;
 
-/// The filter id of the services-only stream (it never changes filter).
-const FILTER_ID: u64 = 1;
 /// Record files are read by mesh-dns, another process: world-readable, owner-writable.
 const FILE_MODE: u32 = 0o644;
 const DIR_MODE: u32 = 0o755;
@@ -111,7 +108,6 @@ pub fn records_of(catalog: &Catalog) -> (BTreeMap<(String, String), Addresses>, 
 }
 
 pub struct DnsRecords {
-    link: RegistrarLink,
     path: PathBuf,
     restamp: Duration,
     metrics: DnsRecordsMetrics,
@@ -124,12 +120,7 @@ pub struct DnsRecords {
 }
 
 impl DnsRecords {
-    pub fn new(
-        link: RegistrarLink,
-        state_dir: &Path,
-        restamp: Duration,
-        metrics: DnsRecordsMetrics,
-    ) -> Result<Self, DnsRecordsError> {
+    pub fn new(state_dir: &Path, restamp: Duration, metrics: DnsRecordsMetrics) -> Result<Self, DnsRecordsError> {
         let path = path(state_dir);
         let dir = path.parent().expect("the record path has a directory");
         let dir_error = |source| DnsRecordsError::Dir {
@@ -141,7 +132,6 @@ impl DnsRecords {
         // Continue the generation of a file a previous run left, so it never goes back.
         let previous = std::fs::read(&path).ok().and_then(|b| RecordFile::parse(&b).ok());
         Ok(Self {
-            link,
             path,
             restamp,
             metrics,
@@ -205,89 +195,33 @@ impl DnsRecords {
         }
     }
 
-    /// Follows every service's record until `shutdown`, keeping the file current.
-    pub async fn run(mut self, shutdown: CancellationToken) {
-        let mut view = WatchView::default();
-        let mut backoff = Duration::from_millis(100);
+    /// The gauge the services-only watch feeding [`DnsRecords::run`] keeps at 1 while up.
+    pub fn connected(&self) -> Gauge {
+        self.metrics.connected.clone()
+    }
+
+    /// Keeps the file current with every service's record from `views` (a services-only
+    /// [`crate::catalog_watch::follow`]) until `shutdown`, re-stamping it every
+    /// `restamp`, also while the registrar is away: the agent is alive and the file is
+    /// its best knowledge.
+    pub async fn run(mut self, mut views: watch::Receiver<Arc<WatchedCatalog>>, shutdown: CancellationToken) {
         let mut restamp = tokio::time::interval(self.restamp);
         restamp.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         restamp.reset();
-        let mut rotated = self.link.rotated();
-        'connect: loop {
-            let (requests, outbox) = mpsc::channel(1);
-            let _ = requests
-                .send(WatchRequest {
-                    services_only: true,
-                    resume_from: view.resume_from(FILTER_ID),
-                    filter_id: FILTER_ID,
-                    ..Default::default()
-                })
-                .await;
-            rotated.mark_unchanged();
-            let mut client = self.link.client();
-            let opened = tokio::select! {
+        loop {
+            tokio::select! {
                 _ = shutdown.cancelled() => return,
-                opened = client.watch(ReceiverStream::new(outbox)) => opened,
-            };
-            match opened {
-                Ok(response) => {
-                    let mut stream = response.into_inner();
-                    self.metrics.connected.set(1);
-                    loop {
-                        tokio::select! {
-                            _ = shutdown.cancelled() => return,
-                            _ = rotated.changed() => {
-                                // A new node certificate: resume at once on its connection.
-                                drop(requests);
-                                self.metrics.connected.set(0);
-                                continue 'connect;
-                            }
-                            _ = restamp.tick() => self.write(None, true).await,
-                            message = stream.message() => match message {
-                                Ok(Some(message)) => match view.apply(message) {
-                                    Ok(Applied::SnapshotChunk) => {}
-                                    Ok(_) => {
-                                        backoff = Duration::from_millis(100);
-                                        let (records, bad) = records_of(&view.catalog);
-                                        self.metrics.bad_vips.set(bad as i64);
-                                        self.write(Some(records), false).await;
-                                    }
-                                    Err(error) => {
-                                        tracing::error!(%error, "invalid services-only watch message; resyncing");
-                                        view = WatchView::default();
-                                        break;
-                                    }
-                                },
-                                Ok(None) => break,
-                                Err(status) => {
-                                    tracing::warn!(%status, "services-only registrar watch ended; reconnecting");
-                                    break;
-                                }
-                            },
-                        }
+                _ = restamp.tick() => self.write(None, true).await,
+                changed = views.changed() => {
+                    if changed.is_err() {
+                        return;
                     }
-                    // Keep the open request stream alive until here.
-                    drop(requests);
-                    self.metrics.connected.set(0);
-                }
-                Err(status) => {
-                    tracing::warn!(%status, retry_in = ?backoff, "cannot open the services-only registrar watch");
+                    let view = views.borrow_and_update().clone();
+                    let (records, bad) = records_of(&view.catalog);
+                    self.metrics.bad_vips.set(bad as i64);
+                    self.write(Some(records), false).await;
                 }
             }
-            // Still re-stamp while the registrar is away: the agent is alive and the
-            // file is its best knowledge.
-            let sleep = tokio::time::sleep(backoff);
-            tokio::pin!(sleep);
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = &mut sleep => break,
-                    // A (new) node certificate: try again at once.
-                    _ = rotated.changed() => break,
-                    _ = restamp.tick() => self.write(None, true).await,
-                }
-            }
-            backoff = (backoff * 2).min(Duration::from_secs(5));
         }
     }
 }
@@ -295,11 +229,6 @@ impl DnsRecords {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A link to nowhere: these tests write files, they never reach a registrar.
-    fn test_link() -> RegistrarLink {
-        RegistrarLink::start("http://127.0.0.1:1", &Default::default(), CancellationToken::new()).unwrap()
-    }
     use aether_proto::registry::v1::Service;
 
     fn service(ns: &str, name: &str, vip: &str) -> Service {
@@ -338,7 +267,7 @@ mod tests {
     async fn writes_on_change_keeps_generation_on_restamp_and_continues_it_after_restart() {
         let dir = tempfile::tempdir().unwrap();
         let metrics = DnsRecordsMetrics::default();
-        let mut writer = DnsRecords::new(test_link(), dir.path(), Duration::from_secs(60), metrics).unwrap();
+        let mut writer = DnsRecords::new(dir.path(), Duration::from_secs(60), metrics).unwrap();
         let file = path(dir.path());
         // Nothing before a first view.
         writer.write(None, true).await;
@@ -367,13 +296,7 @@ mod tests {
         assert!(stamped.written_at > first.written_at);
         // A restarted writer writes nothing before its first view, keeps the generation
         // for the same records and continues it for new ones.
-        let mut again = DnsRecords::new(
-            test_link(),
-            dir.path(),
-            Duration::from_secs(60),
-            DnsRecordsMetrics::default(),
-        )
-        .unwrap();
+        let mut again = DnsRecords::new(dir.path(), Duration::from_secs(60), DnsRecordsMetrics::default()).unwrap();
         again.write(None, true).await;
         assert_eq!(again.metrics.writes.get(), 0);
         again.write(Some(records.clone()), false).await;

@@ -1,6 +1,7 @@
 //! aether-agent: the node agent.
 
 pub mod capture;
+pub mod catalog_watch;
 pub mod cni;
 pub mod config;
 pub mod dns_records;

@@ -15,6 +15,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::catalog_watch::{Interest, WatchedCatalog};
 use crate::identity::Identity;
 use crate::pod::LocalPod;
 use crate::pod_store::PodStore;
@@ -28,13 +29,6 @@ pub const DEBOUNCE: Duration = Duration::from_millis(5);
 pub const DEBOUNCE_MAX: Duration = Duration::from_millis(20);
 /// How long a service looked up on demand stays in the dependency set.
 pub const ON_DEMAND_TTL: Duration = Duration::from_secs(3600);
-
-/// The catalog slice the registrar watch delivered, and the filter it reflects.
-#[derive(Debug, Default)]
-pub struct WatchedCatalog {
-    pub catalog: Catalog,
-    pub filter: BTreeSet<String>,
-}
 
 #[derive(Clone, Default)]
 pub struct NodeMetrics {
@@ -63,7 +57,7 @@ pub struct Node {
     pub pods: PodStore,
     pub cache: Cache,
     pub catalog: watch::Receiver<Arc<WatchedCatalog>>,
-    dependencies: Arc<watch::Sender<BTreeSet<String>>>,
+    dependencies: Arc<watch::Sender<Interest>>,
     on_demand: Arc<Mutex<OnDemand>>,
     generator: Arc<Mutex<Generator>>,
     wake: Arc<Notify>,
@@ -81,7 +75,7 @@ impl Node {
         pods: PodStore,
         cache: Cache,
         catalog: watch::Receiver<Arc<WatchedCatalog>>,
-        dependencies: watch::Sender<BTreeSet<String>>,
+        dependencies: watch::Sender<Interest>,
         metrics: NodeMetrics,
     ) -> Self {
         Self {
@@ -203,9 +197,10 @@ impl Node {
             generator.set_identities(identity.current());
         }
         let deps = self.dependencies(&pods);
+        let wanted = Interest::Services(deps.clone());
         self.dependencies.send_if_modified(|current| {
-            let changed = *current != deps;
-            *current = deps.clone();
+            let changed = *current != wanted;
+            *current = wanted;
             changed
         });
         let watched = self.catalog.borrow().clone();

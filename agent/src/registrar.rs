@@ -1,27 +1,21 @@
-//! The agent's side of the registrar: registering this node's endpoints, and one
-//! Watch stream whose filter is the node's dependency set, resumed across reconnects.
+//! The agent's side of the registrar: registering this node's endpoints (the Watch
+//! that follows the catalog is `catalog_watch`).
 //!
 //! Registrations are leases, not facts: the registrar removes the endpoints of a node
 //! whose agent has not re-registered within its `--endpoint-ttl`, so a vanished node
 //! leaves no ghosts. The agent therefore re-registers every endpoint it holds every
 //! [`REFRESH_INTERVAL`] (an identical re-registration is a no-op for watchers).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use aether_proto::registrar::v1::{RegisterEndpointRequest, UnregisterEndpointRequest, WatchRequest};
+use aether_proto::registrar::v1::{RegisterEndpointRequest, UnregisterEndpointRequest};
 use aether_proto::registry::v1::{Endpoint, Health, Locality, PodInfo as PodRef, Port, Protocol};
-use aether_proto::view::WatchView;
 use backon::{ExponentialBuilder, Retryable};
-use prometheus_client::metrics::gauge::Gauge;
-use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
 
-use crate::node::WatchedCatalog;
 use crate::pod::{AppProtocol, LocalPod};
 use crate::registrar_link::RegistrarLink;
 
@@ -177,120 +171,6 @@ impl Registrar {
         }
         Ok(())
     }
-
-    /// Follows the catalog for the services in `filter` until `shutdown`, publishing
-    /// each consistent view. Reconnects with backoff and resumes by version.
-    pub async fn watch(
-        self,
-        mut filter: watch::Receiver<BTreeSet<String>>,
-        catalog: watch::Sender<Arc<WatchedCatalog>>,
-        connected: Gauge,
-        shutdown: CancellationToken,
-    ) {
-        let mut view = WatchView::default();
-        // The filters sent, by id, to know which one the view reflects.
-        let mut sent: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
-        let mut next_id = 1u64;
-        let mut backoff = Duration::from_millis(100);
-        let mut rotated = self.link.rotated();
-        loop {
-            let services = filter.borrow_and_update().clone();
-            // Resume only a view built under this very filter; otherwise a snapshot.
-            let resume = sent.get(&view.filter_id) == Some(&services);
-            let filter_id = if resume { view.filter_id } else { next_id };
-            next_id += 1;
-            sent.insert(filter_id, services.clone());
-            let (requests, outbox) = mpsc::channel(4);
-            let first = WatchRequest {
-                services: services.into_iter().collect(),
-                wildcard: false,
-                resume_from: if resume { view.resume_from(filter_id) } else { None },
-                filter_id,
-                ..Default::default()
-            };
-            let _ = requests.send(first).await;
-            rotated.mark_unchanged();
-            let mut client = self.link.client();
-            let opened = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                opened = client.watch(ReceiverStream::new(outbox)) => opened,
-            };
-            let mut stream = match opened {
-                Ok(response) => response.into_inner(),
-                Err(status) => {
-                    tracing::warn!(%status, retry_in = ?backoff, "cannot open the registrar watch");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(backoff) => {}
-                        // A (new) node certificate: try again at once.
-                        _ = rotated.changed() => {}
-                    }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
-                    continue;
-                }
-            };
-            connected.set(1);
-            let resume_now = loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = rotated.changed() => {
-                        tracing::info!("resuming the registrar watch on the connection of the new node certificate");
-                        break true;
-                    }
-                    changed = filter.changed() => {
-                        if changed.is_err() {
-                            return;
-                        }
-                        let services = filter.borrow_and_update().clone();
-                        let filter_id = next_id;
-                        next_id += 1;
-                        sent.insert(filter_id, services.clone());
-                        // Only ids the view may still reflect are worth keeping.
-                        sent.retain(|id, _| *id >= view.filter_id);
-                        let request = WatchRequest {
-                            services: services.into_iter().collect(),
-                            filter_id,
-                            ..Default::default()
-                        };
-                        if requests.send(request).await.is_err() {
-                            break false;
-                        }
-                    }
-                    message = stream.message() => match message {
-                        Ok(Some(message)) => match view.apply(message) {
-                            Ok(aether_proto::view::Applied::SnapshotChunk) => {}
-                            Ok(_) => {
-                                backoff = Duration::from_millis(100);
-                                catalog.send_replace(Arc::new(WatchedCatalog {
-                                    catalog: view.catalog.clone(),
-                                    filter: sent.get(&view.filter_id).cloned().unwrap_or_default(),
-                                }));
-                            }
-                            Err(error) => {
-                                tracing::error!(%error, "the registrar sent an invalid watch message; reconnecting");
-                                view = WatchView::default();
-                                break false;
-                            }
-                        },
-                        Ok(None) => break false,
-                        Err(status) => {
-                            tracing::warn!(%status, "registrar watch ended; reconnecting");
-                            break false;
-                        }
-                    },
-                }
-            };
-            connected.set(0);
-            if resume_now {
-                continue;
-            }
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(backoff) => {}
-            }
-            backoff = (backoff * 2).min(Duration::from_secs(5));
-        }
-    }
 }
 
 /// Re-registers every remembered endpoint every `every`, until the registrar handle
@@ -383,12 +263,14 @@ fn retryable(status: &Status) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use aether_proto::registrar::v1::WatchRequest;
     use aether_proto::registrar::v1::registrar_server::{Registrar as RegistrarApi, RegistrarServer};
     use aether_proto::registrar::v1::{
         ListEndpointsRequest, ListEndpointsResponse, ListServicesRequest, ListServicesResponse,
         RegisterEndpointResponse, UnregisterEndpointResponse, WatchResponse,
     };
     use tokio_stream::wrappers::TcpListenerStream;
+    use tokio_util::sync::CancellationToken;
 
     /// Records every Register and Unregister it gets.
     #[derive(Clone, Default)]

@@ -19,9 +19,10 @@ use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
+use crate::catalog_watch::{self, Interest, WatchedCatalog};
 use crate::cni::CniService;
 use crate::config::{Config, PodSourceKind};
-use crate::node::{Node, NodeMetrics, WatchedCatalog};
+use crate::node::{Node, NodeMetrics};
 use crate::pod_source::{PodDirectory, kubernetes, static_dir};
 use crate::pod_store::{PodStore, PodStoreError};
 use crate::registrar::Registrar;
@@ -174,11 +175,11 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let dns_records_metrics = crate::dns_records::DnsRecordsMetrics::default();
     dns_records_metrics.register(metrics);
     let dns_records =
-        crate::dns_records::DnsRecords::new(link, &config.state_dir, config.dns_records_restamp, dns_records_metrics)?;
+        crate::dns_records::DnsRecords::new(&config.state_dir, config.dns_records_restamp, dns_records_metrics)?;
     let identity = crate::identity::Identity::start(&config.identity, identity_metrics, shutdown.clone())?;
 
     let (catalog_tx, catalog_rx) = watch::channel(Arc::new(WatchedCatalog::default()));
-    let (deps_tx, deps_rx) = watch::channel(BTreeSet::new());
+    let (deps_tx, deps_rx) = watch::channel(Interest::Services(BTreeSet::new()));
     let cache = Cache::default();
     let node = Node::new(
         &config.mesh_domain,
@@ -249,13 +250,23 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         registrar.clone(),
         shutdown.clone(),
     ));
-    tokio::spawn(
-        registrar
-            .clone()
-            .watch(deps_rx, catalog_tx, registrar_connected, shutdown.clone()),
-    );
+    tokio::spawn(catalog_watch::follow(
+        link.clone(),
+        deps_rx,
+        catalog_tx,
+        registrar_connected,
+        shutdown.clone(),
+    ));
     tokio::spawn(node.clone().run(shutdown.clone()));
-    tokio::spawn(dns_records.run(shutdown.clone()));
+    let (dns_views_tx, dns_views) = watch::channel(Arc::new(WatchedCatalog::default()));
+    tokio::spawn(catalog_watch::follow(
+        link,
+        watch::channel(Interest::ServicesOnly).1,
+        dns_views_tx,
+        dns_records.connected(),
+        shutdown.clone(),
+    ));
+    tokio::spawn(dns_records.run(dns_views, shutdown.clone()));
 
     let hooks = Hooks {
         metrics: xds_metrics,
