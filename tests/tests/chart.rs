@@ -1,18 +1,33 @@
 //! The Helm chart (`charts/aether`), linted and rendered by Helm's own code (helm-python-sdk, which embeds Helm v4:
 //! no `helm` binary is installable here) for the default values and every store × identity combination. Every
 //! rendered object must deserialize into its k8s-openapi type without losing a field (so a misspelt key fails), and
-//! the invariants the product relies on are asserted on the typed objects.
+//! the invariants the product relies on are asserted on the typed objects. The control plane's mTLS material the
+//! chart generates is checked with the real registrar: an agent-like client bootstraps a node certificate with a
+//! token shaped as the rendered projected volume, and calls the registrar with it.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
+use aether_common::tls::{self, CertSlot, Connector, PeerIdentity, ServerIdentity};
+use aether_proto::registrar::v1::node_bootstrap_client::NodeBootstrapClient;
+use aether_proto::registrar::v1::registrar_client::RegistrarClient;
+use aether_proto::registrar::v1::{IssueNodeCertificateRequest, ListServicesRequest};
+use aether_tests::control_plane::{FakeKubeApi, TokenInfo};
 use aether_tests::envoy::workspace_root;
+use aether_tests::{ChildGuard, free_port};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
-use k8s_openapi::api::core::v1::{Container, PersistentVolumeClaim, PodSpec, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, KeyToPath, PersistentVolumeClaim, PodSpec, Secret, Service, ServiceAccount, Volume,
+};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::{Value, json};
+use tonic::transport::{Channel, Endpoint};
 
 const STORES: [&str; 4] = ["embedded", "etcd", "dynamodb", "kubernetes"];
 const IDENTITIES: [&str; 2] = ["builtin", "spire"];
@@ -30,6 +45,11 @@ struct Rendered {
     role_bindings: Vec<RoleBinding>,
     pdbs: Vec<PodDisruptionBudget>,
     pvcs: Vec<PersistentVolumeClaim>,
+    secrets: Vec<Secret>,
+    config_maps: Vec<ConfigMap>,
+    network_policies: Vec<NetworkPolicy>,
+    /// Every object as rendered, for checks on any string in them.
+    raw: Vec<Value>,
 }
 
 fn python() -> PathBuf {
@@ -129,9 +149,13 @@ fn render(values: Value) -> Rendered {
             "RoleBinding" => r.role_bindings.push(typed(object)),
             "PodDisruptionBudget" => r.pdbs.push(typed(object)),
             "PersistentVolumeClaim" => r.pvcs.push(typed(object)),
+            "Secret" => r.secrets.push(typed(object)),
+            "ConfigMap" => r.config_maps.push(typed(object)),
+            "NetworkPolicy" => r.network_policies.push(typed(object)),
             other => panic!("unexpected kind {other} rendered: {object:#}"),
         }
     }
+    r.raw = objects;
     r
 }
 
@@ -145,6 +169,7 @@ const LIMITS: [(&str, &str); 4] = [
 
 fn values(store: &str, identity: &str) -> Value {
     let replicas = if store == "embedded" { 1 } else { 2 };
+    let spire_bundle = if identity == "spire" { "spire-bundle" } else { "" };
     let limits = |name: &str| json!({"limits": {"memory": LIMITS.iter().find(|(n, _)| *n == name).unwrap().1}});
     json!({
         "agent": {"resources": limits("aether-agent")},
@@ -155,6 +180,8 @@ fn values(store: &str, identity: &str) -> Value {
         "registrar": {
             "resources": limits("aether-registrar"),
             "replicas": replicas,
+            // SPIRE's trust bundle, which verifies agents' SVIDs (identity=spire); unused otherwise.
+            "clientCa": {"configMapName": spire_bundle, "key": "bundle.crt"},
             "store": {
                 "type": store,
                 "etcd": {"endpoints": ["https://etcd-0.etcd:2379", "https://etcd-1.etcd:2379"],
@@ -171,6 +198,16 @@ impl Rendered {
             .iter()
             .find(|d| d.metadata.name.as_deref() == Some(name))
             .unwrap_or_else(|| panic!("no DaemonSet {name}"))
+    }
+
+    fn secret(&self, name: &str) -> Option<&Secret> {
+        self.secrets.iter().find(|s| s.metadata.name.as_deref() == Some(name))
+    }
+
+    fn config_map(&self, name: &str) -> Option<&ConfigMap> {
+        self.config_maps
+            .iter()
+            .find(|c| c.metadata.name.as_deref() == Some(name))
     }
 
     fn registrar(&self) -> &Deployment {
@@ -293,9 +330,10 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
         }
         _ => assert!(arg(agent_c, "--spire-admin-socket").is_some(), "{ctx}"),
     }
+    // mTLS, never plaintext (the wiring of certificates and trust: assert_control_plane_tls).
     assert_eq!(
         arg(agent_c, "--registrar"),
-        Some("http://aether-registrar.aether-system.svc:18090"),
+        Some("https://aether-registrar.aether-system.svc:18090"),
         "{ctx}"
     );
 
@@ -421,9 +459,13 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
     }
     assert_eq!(r.services.len(), 1, "{ctx}: one Service, the registrar's");
 
-    // RBAC: read-only, only what each component reads, never Secrets.
+    // RBAC: read-only, only what each component reads, never Secrets. The one exception is the registrar's
+    // TokenReview `create` (it reads and changes nothing), checked in assert_control_plane_tls.
     for role in &r.cluster_roles {
         for rule in role.rules.iter().flatten() {
+            if is_token_review_rule(rule) {
+                continue;
+            }
             let verbs: BTreeSet<&str> = rule.verbs.iter().map(String::as_str).collect();
             assert!(
                 verbs.is_subset(&BTreeSet::from(["get", "list", "watch"])),
@@ -442,6 +484,10 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
         .filter_map(|c| c.metadata.name.as_deref())
         .collect();
     let mut want = BTreeSet::from(["aether-agent"]);
+    if identity == "builtin" {
+        // The node bootstrap's TokenReviews (with SPIRE, agents present their SVIDs instead).
+        want.insert("aether-registrar-tokenreview");
+    }
     if store == "kubernetes" {
         want.insert("aether-registrar");
     }
@@ -498,7 +544,9 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
     }
     for sa in &r.service_accounts {
         let name = sa.metadata.name.as_deref().unwrap();
-        let talks_to_api = name == "aether-agent" || (name == "aether-registrar" && store == "kubernetes");
+        // The registrar reviews agents' tokens (the bootstrap), and reads Pods with the Kubernetes store.
+        let talks_to_api =
+            name == "aether-agent" || (name == "aether-registrar" && (identity == "builtin" || store == "kubernetes"));
         assert_eq!(
             sa.automount_service_account_token,
             Some(talks_to_api),
@@ -516,6 +564,7 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
     }
 
     assert_wiring(r, &ctx);
+    assert_control_plane_tls(r, identity, &ctx);
 }
 
 fn has_flag(c: &Container, flag: &str) -> bool {
@@ -660,11 +709,364 @@ fn assert_wiring(r: &Rendered, ctx: &str) {
     assert_eq!(dns_spec.dns_policy.as_deref(), Some("ClusterFirstWithHostNet"), "{ctx}");
 }
 
+/// The rule that lets the registrar ask the API server about a token: `create` on `tokenreviews`, nothing else.
+fn is_token_review_rule(rule: &PolicyRule) -> bool {
+    rule.api_groups.as_deref() == Some(&["authentication.k8s.io".to_owned()][..])
+        && rule.resources.as_deref() == Some(&["tokenreviews".to_owned()][..])
+        && rule.verbs == ["create"]
+        && rule.resource_names.is_none()
+        && rule.non_resource_urls.is_none()
+}
+
+/// The volume that provides `path` to `c` (the deepest mount holding it) and the file's path inside that volume.
+fn volume_of<'a>(spec: &'a PodSpec, c: &Container, path: &str) -> Option<(&'a Volume, String)> {
+    let mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .filter(|m| path.starts_with(&format!("{}/", m.mount_path)))
+        .max_by_key(|m| m.mount_path.len())?;
+    let volume = spec.volumes.iter().flatten().find(|v| v.name == mount.name)?;
+    Some((volume, path[mount.mount_path.len() + 1..].to_owned()))
+}
+
+/// The key a Secret or ConfigMap volume shows as `file` (through its `items`, if it lists any).
+fn key_of(items: Option<&[KeyToPath]>, file: &str) -> Option<String> {
+    match items {
+        Some(items) => items.iter().find(|i| i.path == file).map(|i| i.key.clone()),
+        None => Some(file.to_owned()),
+    }
+}
+
+/// A file from a Secret volume: the Secret, its key, the volume's mode.
+#[derive(Debug, PartialEq)]
+struct SecretFile {
+    secret: String,
+    key: String,
+    mode: Option<i32>,
+}
+
+fn secret_file(spec: &PodSpec, c: &Container, path: &str, ctx: &str) -> SecretFile {
+    let (volume, file) = volume_of(spec, c, path).unwrap_or_else(|| panic!("{ctx}: {}: nothing mounts {path}", c.name));
+    let secret = volume
+        .secret
+        .as_ref()
+        .unwrap_or_else(|| panic!("{ctx}: {}: {path} is not from a Secret volume", c.name));
+    SecretFile {
+        secret: secret.secret_name.clone().expect("secretName"),
+        key: key_of(secret.items.as_deref(), &file).unwrap_or_else(|| panic!("{ctx}: {path}: no item {file}")),
+        mode: secret.default_mode,
+    }
+}
+
+/// The text of `key` in the rendered Secret `name`.
+fn secret_text(r: &Rendered, name: &str, key: &str, ctx: &str) -> String {
+    let secret = r
+        .secret(name)
+        .unwrap_or_else(|| panic!("{ctx}: the chart renders no Secret {name}"));
+    let bytes = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(key))
+        .unwrap_or_else(|| panic!("{ctx}: Secret {name} has no {key}"));
+    String::from_utf8(bytes.0.clone()).expect("PEM text")
+}
+
+/// Every string in `value` (keys and values).
+fn strings(value: &Value, out: &mut Vec<String>) {
+    match value {
+        Value::String(s) => out.push(s.clone()),
+        Value::Array(items) => items.iter().for_each(|v| strings(v, out)),
+        Value::Object(map) => {
+            for (k, v) in map {
+                out.push(k.clone());
+                strings(v, out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The registrar's gRPC port is mTLS only, and the chart wires both ends by default: the registrar's serving
+/// certificate from a Secret it generates (group-readable only) and the agent's trust in it from a ConfigMap holding
+/// the CA alone. The agent's node certificate comes from the bootstrap (the default): the node CA in a second
+/// generated Secret, the agent's proof of node (a projected, audience-bound token) and the registrar's right to
+/// check it (TokenReview, nothing more). With `identity=spire` the agent presents its SPIRE SVID instead, which the
+/// registrar verifies with SPIRE's bundle, and none of the bootstrap is rendered. Nothing plaintext is rendered.
+fn assert_control_plane_tls(r: &Rendered, identity: &str, ctx: &str) {
+    let agent_ds = r.daemon_set("aether-agent");
+    let agent_spec = pod_spec(r, "aether-agent");
+    let registrar_spec = pod_spec(r, "aether-registrar");
+    let agent = container(agent_spec, "agent");
+    let registrar = container(registrar_spec, "registrar");
+
+    // No plaintext registrar and no --insecure, in any string of any object.
+    let mut all = Vec::new();
+    r.raw.iter().for_each(|o| strings(o, &mut all));
+    for s in &all {
+        assert!(
+            !s.contains("http://aether-registrar"),
+            "{ctx}: plaintext registrar URL in {s:?}"
+        );
+        assert!(!s.contains("--insecure"), "{ctx}: {s:?}");
+        assert!(!s.contains("AETHER_REGISTRAR_INSECURE"), "{ctx}: {s:?}");
+    }
+    let url = flag(agent, "--registrar");
+    let host = url
+        .strip_prefix("https://")
+        .and_then(|rest| rest.rsplit_once(':'))
+        .map(|(host, _)| host)
+        .unwrap_or_else(|| panic!("{ctx}: --registrar {url} is not https://host:port"));
+    assert_eq!(host, "aether-registrar.aether-system.svc", "{ctx}");
+    // The Service exposes the (TLS) gRPC port alone: no second, plaintext port.
+    let ports: Vec<i32> = r.services[0]
+        .spec
+        .as_ref()
+        .and_then(|s| s.ports.as_ref())
+        .into_iter()
+        .flatten()
+        .map(|p| p.port)
+        .collect();
+    assert_eq!(ports, [18090], "{ctx}: the registrar Service");
+
+    // A certificate + key pair from one mounted Secret the chart generated, 0440 (the registrar's group).
+    let pair = |cert_flag: &str, key_flag: &str| {
+        let cert = secret_file(registrar_spec, registrar, flag(registrar, cert_flag), ctx);
+        let key = secret_file(registrar_spec, registrar, flag(registrar, key_flag), ctx);
+        assert_eq!(
+            cert.secret, key.secret,
+            "{ctx}: {cert_flag} and {key_flag} from one Secret"
+        );
+        for file in [&cert, &key] {
+            assert_eq!(
+                file.mode,
+                Some(0o440),
+                "{ctx}: {} readable by the registrar's group only",
+                file.secret
+            );
+            let secret = r
+                .secret(&file.secret)
+                .unwrap_or_else(|| panic!("{ctx}: {} is not rendered", file.secret));
+            assert_eq!(secret.type_.as_deref(), Some("kubernetes.io/tls"), "{ctx}");
+        }
+        assert!(
+            secret_text(r, &key.secret, &key.key, ctx).contains("PRIVATE KEY"),
+            "{ctx}: {key_flag}"
+        );
+        (
+            secret_text(r, &cert.secret, &cert.key, ctx),
+            secret_text(r, &key.secret, &key.key, ctx),
+            cert.secret,
+        )
+    };
+    // The registrar's serving certificate names what agents check.
+    let (serving_pem, _, serving_secret) = pair("--tls-cert", "--tls-key");
+    let serving_der = CertificateDer::from_pem_slice(serving_pem.as_bytes())
+        .unwrap_or_else(|e| panic!("{ctx}: the registrar's certificate: {e}"));
+    let names = PeerIdentity::from_leaf(&serving_der).unwrap().dns_names;
+    assert!(
+        names.iter().any(|n| n == host),
+        "{ctx}: the registrar's certificate lacks {host}: {names:?}"
+    );
+
+    // The agent trusts the CA that signed the registrar's certificate, from a ConfigMap: no key reaches it.
+    let ca_path = flag(agent, "--registrar-ca");
+    let (volume, file) =
+        volume_of(agent_spec, agent, ca_path).unwrap_or_else(|| panic!("{ctx}: nothing mounts {ca_path}"));
+    let cm = volume
+        .config_map
+        .as_ref()
+        .unwrap_or_else(|| panic!("{ctx}: {ca_path} is not from a ConfigMap"));
+    let key = key_of(cm.items.as_deref(), &file).expect("the CA's item");
+    let ca_text = r
+        .config_map(&cm.name)
+        .and_then(|c| c.data.as_ref())
+        .and_then(|d| d.get(&key))
+        .unwrap_or_else(|| panic!("{ctx}: ConfigMap {} with {key} is not rendered", cm.name));
+    assert_eq!(
+        ca_text,
+        &secret_text(r, &serving_secret, "ca.crt", ctx),
+        "{ctx}: agents trust the registrar's CA"
+    );
+    for c in &r.config_maps {
+        for v in c.data.iter().flat_map(|d| d.values()) {
+            assert!(
+                !v.contains("PRIVATE KEY"),
+                "{ctx}: a key in ConfigMap {:?}",
+                c.metadata.name
+            );
+        }
+    }
+    // Only the registrar mounts the chart's Secrets.
+    for (pod, spec) in r.pod_specs() {
+        for v in spec.volumes.iter().flatten() {
+            if let Some(name) = v.secret.as_ref().and_then(|s| s.secret_name.as_deref())
+                && r.secret(name).is_some()
+            {
+                assert_eq!(pod, "aether-registrar", "{ctx}: {pod} mounts {name}");
+            }
+        }
+    }
+    assert_eq!(
+        arg(registrar, "--trust-domain"),
+        arg(agent, "--trust-domain"),
+        "{ctx}: one trust domain"
+    );
+
+    // Roles bound to the registrar's ServiceAccount, and the ones among them that review tokens.
+    let registrar_sa = registrar_spec.service_account_name.as_deref().unwrap();
+    let bound_to_registrar = |subjects: &Option<Vec<k8s_openapi::api::rbac::v1::Subject>>| {
+        subjects.iter().flatten().any(|s| {
+            s.kind == "ServiceAccount" && s.name == registrar_sa && s.namespace.as_deref() == Some("aether-system")
+        })
+    };
+    let roles: Vec<&ClusterRole> = r
+        .cluster_role_bindings
+        .iter()
+        .filter(|b| bound_to_registrar(&b.subjects))
+        .map(|b| {
+            assert_eq!(b.role_ref.kind, "ClusterRole", "{ctx}");
+            r.cluster_roles
+                .iter()
+                .find(|c| c.metadata.name.as_deref() == Some(b.role_ref.name.as_str()))
+                .unwrap_or_else(|| panic!("{ctx}: {} binds a ClusterRole not rendered", b.role_ref.name))
+        })
+        .collect();
+    for role in &roles {
+        for rule in role.rules.iter().flatten() {
+            assert!(
+                is_token_review_rule(rule)
+                    || rule
+                        .verbs
+                        .iter()
+                        .all(|v| ["get", "list", "watch"].contains(&v.as_str())),
+                "{ctx}: {:?} grants the registrar {:?}",
+                role.metadata.name,
+                rule.verbs
+            );
+            let mut fields = rule.verbs.iter().chain(rule.resources.iter().flatten());
+            assert!(
+                !fields.any(|v| v == "*") && !rule.api_groups.iter().flatten().any(|g| g == "*"),
+                "{ctx}: a wildcard in {:?}",
+                role.metadata.name
+            );
+        }
+    }
+    let reviewers: Vec<&&ClusterRole> = roles
+        .iter()
+        .filter(|c| c.rules.iter().flatten().any(is_token_review_rule))
+        .collect();
+    let reviews_anywhere = r
+        .cluster_roles
+        .iter()
+        .flat_map(|c| c.rules.iter().flatten())
+        .filter(|rule| rule.resources.iter().flatten().any(|res| res == "tokenreviews"))
+        .count();
+    let automount = r
+        .service_accounts
+        .iter()
+        .find(|sa| sa.metadata.name.as_deref() == Some(registrar_sa))
+        .and_then(|sa| sa.automount_service_account_token);
+
+    if identity == "spire" {
+        // The agent's SPIRE SVID, verified by the registrar with SPIRE's bundle: no bootstrap at all.
+        assert_eq!(arg(agent, "--node-identity"), Some("spire"), "{ctx}");
+        assert!(arg(agent, "--spire-workload-socket").is_some(), "{ctx}");
+        assert_eq!(arg(agent, "--bootstrap-token"), None, "{ctx}");
+        assert!(
+            !agent_spec.volumes.iter().flatten().any(|v| v.projected.is_some()),
+            "{ctx}: no bootstrap token"
+        );
+        for f in [
+            "--node-ca-cert",
+            "--node-ca-key",
+            "--bootstrap-audience",
+            "--agent-service-account",
+        ] {
+            assert_eq!(arg(registrar, f), None, "{ctx}: {f} without the bootstrap");
+        }
+        let client_ca = flag(registrar, "--client-ca");
+        let (volume, file) = volume_of(registrar_spec, registrar, client_ca)
+            .unwrap_or_else(|| panic!("{ctx}: nothing mounts {client_ca}"));
+        let cm = volume.config_map.as_ref().expect("SPIRE's bundle from a ConfigMap");
+        assert_eq!(
+            (cm.name.as_str(), key_of(cm.items.as_deref(), &file).as_deref()),
+            ("spire-bundle", Some("bundle.crt")),
+            "{ctx}"
+        );
+        assert_eq!(reviews_anywhere, 0, "{ctx}: no TokenReviews without the bootstrap");
+        assert_eq!(r.secrets.len(), 1, "{ctx}: no node CA without the bootstrap");
+        return;
+    }
+
+    // The node CA: a second generated Secret, which loads as the registrar loads it (an issuer).
+    let (node_ca_pem, node_ca_key, node_ca_secret) = pair("--node-ca-cert", "--node-ca-key");
+    assert_ne!(
+        node_ca_secret, serving_secret,
+        "{ctx}: the node CA is not the serving certificate"
+    );
+    let node_ca_key = rcgen::KeyPair::from_pem(&node_ca_key).unwrap_or_else(|e| panic!("{ctx}: the node CA key: {e}"));
+    rcgen::Issuer::from_ca_cert_pem(&node_ca_pem, node_ca_key).unwrap_or_else(|e| panic!("{ctx}: the node CA: {e}"));
+
+    // The agent's proof of node: a projected token with the registrar's audience, at the path the flag names.
+    assert_eq!(arg(agent, "--node-identity"), Some("bootstrap"), "{ctx}");
+    let token_path = flag(agent, "--bootstrap-token");
+    let (volume, file) =
+        volume_of(agent_spec, agent, token_path).unwrap_or_else(|| panic!("{ctx}: nothing mounts {token_path}"));
+    let token = volume
+        .projected
+        .as_ref()
+        .and_then(|p| p.sources.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s.service_account_token.as_ref())
+        .find(|t| t.path == file)
+        .unwrap_or_else(|| panic!("{ctx}: {token_path} is not a projected ServiceAccount token"));
+    assert_eq!(token.audience.as_deref(), Some("aether-registrar"), "{ctx}");
+    assert_eq!(
+        token.audience.as_deref(),
+        arg(registrar, "--bootstrap-audience"),
+        "{ctx}: the registrar requires the audience the token carries"
+    );
+    assert_eq!(token.expiration_seconds, Some(3600), "{ctx}");
+    // Only the agent's ServiceAccount gets node certificates: the registrar names the agents' real one.
+    let agent_sa = format!(
+        "{}/{}",
+        agent_ds.metadata.namespace.as_deref().unwrap(),
+        agent_spec.service_account_name.as_deref().unwrap()
+    );
+    assert_eq!(agent_sa, "aether-system/aether-agent", "{ctx}");
+    assert_eq!(
+        arg(registrar, "--agent-service-account"),
+        Some(agent_sa.as_str()),
+        "{ctx}"
+    );
+
+    // The registrar may create TokenReviews, through a ClusterRole that grants nothing else, and mounts its token.
+    assert_eq!(
+        reviewers.len(),
+        1,
+        "{ctx}: one ClusterRole lets the registrar review tokens"
+    );
+    assert_eq!(
+        reviewers[0].rules.as_ref().map(Vec::len),
+        Some(1),
+        "{ctx}: the TokenReview ClusterRole grants nothing else"
+    );
+    assert_eq!(reviews_anywhere, 1, "{ctx}: nobody else reviews tokens");
+    assert_eq!(
+        automount,
+        Some(true),
+        "{ctx}: the registrar needs its token for TokenReviews"
+    );
+}
+
 /// Defaults: the Kubernetes store (no extra infrastructure, active/active), the built-in CA, OTLP off.
 #[test]
 fn default_values_render_lint_clean_and_hold_the_invariants() {
     let r = render(json!({}));
     assert_invariants(&r, "kubernetes", "builtin", false);
+    assert!(r.network_policies.is_empty(), "the NetworkPolicy is off by default");
 }
 
 #[test]
@@ -673,6 +1075,10 @@ fn every_store_and_identity_combination_renders_and_holds_the_invariants() {
         for identity in IDENTITIES {
             let r = render(values(store, identity));
             assert_invariants(&r, store, identity, true);
+            assert!(
+                r.network_policies.is_empty(),
+                "store={store} identity={identity}: no NetworkPolicy"
+            );
             // Every component's resources come from its values.
             for (pod, spec) in r.pod_specs() {
                 let want = LIMITS.iter().find(|(n, _)| *n == pod).unwrap().1;
@@ -728,6 +1134,30 @@ fn the_chart_refuses_values_that_cannot_work() {
         (json!({"registrar": {"store": {"type": "consul"}}}), "type"),
         (json!({"otel": {"enabled": true}}), "otel.endpoint"),
         (json!({"meshDomain": "Not A Domain"}), "meshDomain"),
+        // etcd is TLS by default: a plaintext endpoint needs tlsSecretName "" said out loud, and https:// a CA.
+        (
+            json!({"registrar": {"store": {"type": "etcd", "etcd": {"endpoints": ["http://etcd:2379"]}}}}),
+            "tlsSecretName",
+        ),
+        (
+            json!({"registrar": {"store": {"type": "etcd", "etcd": {"endpoints": ["https://etcd:2379"], "tlsSecretName": ""}}}}),
+            "tlsSecretName",
+        ),
+        // Agents are on the host network: a policy without the nodes' addresses would lock them out.
+        (
+            json!({"registrar": {"networkPolicy": {"enabled": true}}}),
+            "registrar.networkPolicy.nodeCidrs",
+        ),
+        (json!({"agent": {"nodeIdentity": "plaintext"}}), "nodeIdentity"),
+        // Agents' SPIRE SVIDs need SPIRE's bundle at the registrar, and SPIRE.
+        (
+            json!({"identity": {"provider": "spire"}}),
+            "registrar.clientCa.configMapName",
+        ),
+        (
+            json!({"agent": {"nodeIdentity": "spire"}, "registrar": {"clientCa": {"configMapName": "b"}}}),
+            "identity.provider=spire",
+        ),
     ];
     for (values, needle) in cases {
         match render_raw(&values, false) {
@@ -795,4 +1225,385 @@ fn every_command_line_the_chart_renders_is_one_the_binary_parses() {
         renders.len() * 5,
         "agent, cni-install, proxy, mesh-dns, registrar per render"
     );
+}
+
+/// Plaintext etcd is still possible, but only said out loud (`tlsSecretName: ""`): no TLS flags, no volume.
+#[test]
+fn etcd_without_tls_only_when_asked() {
+    let r = render(json!({"registrar": {"store": {"type": "etcd",
+        "etcd": {"endpoints": ["http://etcd:2379"], "tlsSecretName": ""}}}}));
+    let rc = container(pod_spec(&r, "aether-registrar"), "registrar");
+    assert_eq!(arg(rc, "--etcd-ca-file"), None);
+    assert!(!rc.volume_mounts.iter().flatten().any(|m| m.name == "etcd-tls"));
+    // The default Secret name: TLS unless told otherwise.
+    let r = render(json!({"registrar": {"store": {"type": "etcd", "etcd": {"endpoints": ["https://etcd:2379"]}}}}));
+    let spec = pod_spec(&r, "aether-registrar");
+    let rc = container(spec, "registrar");
+    assert_eq!(
+        secret_file(spec, rc, flag(rc, "--etcd-ca-file"), "etcd default").secret,
+        "aether-etcd-tls"
+    );
+}
+
+/// The NetworkPolicy (off by default) selects the registrar pods and admits, on the gRPC port, only agents (by pod
+/// label and, as they are on the host network, by node address) and the pods named in the values; on the admin port
+/// only the nodes and the peers named.
+#[test]
+fn the_network_policy_admits_only_agents_and_named_clients_to_the_registrar() {
+    let r = render(json!({"registrar": {"networkPolicy": {
+        "enabled": true,
+        "nodeCidrs": ["10.0.0.0/16", "fd00::/64"],
+        "extraClientPodLabels": [{"app.kubernetes.io/component": "controller"}],
+        "adminFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    }}}));
+    assert_invariants(&r, "kubernetes", "builtin", false);
+    assert_eq!(r.network_policies.len(), 1);
+    let policy = &r.network_policies[0];
+    assert_eq!(policy.metadata.namespace.as_deref(), Some("aether-system"));
+    let spec = policy.spec.as_ref().unwrap();
+    let labels_of = |name: &str| {
+        let template = match name {
+            "aether-registrar" => &r.registrar().spec.as_ref().unwrap().template,
+            other => &r.daemon_set(other).spec.as_ref().unwrap().template,
+        };
+        template.metadata.as_ref().unwrap().labels.clone().unwrap_or_default()
+    };
+    let selects = |selector: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
+                   labels: &std::collections::BTreeMap<String, String>| {
+        assert!(selector.match_expressions.is_none());
+        let want = selector.match_labels.clone().unwrap_or_default();
+        !want.is_empty() && want.iter().all(|(k, v)| labels.get(k) == Some(v))
+    };
+    let pod_selector = spec.pod_selector.as_ref().expect("podSelector");
+    assert!(
+        selects(pod_selector, &labels_of("aether-registrar")),
+        "selects the registrar pods"
+    );
+    for other in ["aether-agent", "aether-proxy", "aether-mesh-dns"] {
+        assert!(!selects(pod_selector, &labels_of(other)), "selects {other}");
+    }
+    assert_eq!(spec.policy_types.as_deref(), Some(&["Ingress".to_owned()][..]));
+    let rules = spec.ingress.as_deref().unwrap_or_default();
+    let port_of = |rule: &k8s_openapi::api::networking::v1::NetworkPolicyIngressRule| {
+        let ports = rule.ports.as_deref().expect("every rule names its port");
+        assert_eq!(ports.len(), 1);
+        match ports[0].port {
+            Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(p)) => p,
+            ref other => panic!("port {other:?}"),
+        }
+    };
+    let peers = |port: i32| {
+        let rule = rules
+            .iter()
+            .find(|rule| port_of(rule) == port)
+            .unwrap_or_else(|| panic!("no rule for {port}"));
+        rule.from.as_deref().expect("a rule without `from` admits everyone")
+    };
+    assert_eq!(rules.len(), 2, "gRPC and admin, nothing else");
+    let ip_blocks = |peers: &[k8s_openapi::api::networking::v1::NetworkPolicyPeer]| {
+        peers
+            .iter()
+            .filter_map(|p| p.ip_block.as_ref().map(|b| b.cidr.clone()))
+            .collect::<Vec<_>>()
+    };
+    let grpc = peers(18090);
+    assert_eq!(ip_blocks(grpc), ["10.0.0.0/16", "fd00::/64"]);
+    let pod_peers: Vec<_> = grpc.iter().filter_map(|p| p.pod_selector.as_ref()).collect();
+    assert_eq!(pod_peers.len(), 2, "agents and the controller");
+    assert!(selects(pod_peers[0], &labels_of("aether-agent")), "agents");
+    assert_eq!(
+        pod_peers[1]
+            .match_labels
+            .as_ref()
+            .unwrap()
+            .get("app.kubernetes.io/component")
+            .map(String::as_str),
+        Some("controller")
+    );
+    assert!(
+        grpc.iter().all(|p| p.namespace_selector.is_none()),
+        "pods of the release namespace only"
+    );
+    let admin = peers(18091);
+    assert_eq!(
+        ip_blocks(admin),
+        ["10.0.0.0/16", "fd00::/64"],
+        "kubelet probes from the nodes"
+    );
+    assert!(
+        admin.iter().any(|p| p.namespace_selector.is_some()),
+        "the monitoring peer"
+    );
+}
+
+/// Certificates of the user's own (cert-manager, trust-manager) replace the generated ones: nothing is generated,
+/// the registrar mounts the named Secrets, and agents get only the CA certificate of the registrar's Secret (or the
+/// named ConfigMap), never its key.
+#[test]
+fn user_provided_certificates_replace_the_generated_ones() {
+    let tls = json!({"secretName": "registrar-cert", "identity": "spiffe://cluster.local/aether/registrar"});
+    let r = render(json!({"registrar": {"tls": tls, "nodeCa": {"secretName": "my-node-ca"},
+        "clientCa": {"configMapName": "spire-bundle", "key": "bundle.crt"},
+        "readerIds": ["spiffe://cluster.local/ns/aether-system/sa/aether-controller"]}}));
+    assert!(r.secrets.is_empty() && r.config_maps.is_empty(), "nothing generated");
+    let registrar_spec = pod_spec(&r, "aether-registrar");
+    let rc = container(registrar_spec, "registrar");
+    for (flag_name, secret, key) in [
+        ("--tls-cert", "registrar-cert", "tls.crt"),
+        ("--tls-key", "registrar-cert", "tls.key"),
+        ("--node-ca-cert", "my-node-ca", "tls.crt"),
+        ("--node-ca-key", "my-node-ca", "tls.key"),
+    ] {
+        let file = secret_file(registrar_spec, rc, flag(rc, flag_name), flag_name);
+        assert_eq!(
+            file,
+            SecretFile {
+                secret: secret.into(),
+                key: key.into(),
+                mode: Some(0o440)
+            }
+        );
+    }
+    let client_ca = flag(rc, "--client-ca");
+    let (volume, file) = volume_of(registrar_spec, rc, client_ca).expect("--client-ca is mounted");
+    let cm = volume.config_map.as_ref().expect("from a ConfigMap");
+    assert_eq!(cm.name, "spire-bundle");
+    assert_eq!(key_of(cm.items.as_deref(), &file).as_deref(), Some("bundle.crt"));
+    assert_eq!(
+        arg(rc, "--reader-ids"),
+        Some("spiffe://cluster.local/ns/aether-system/sa/aether-controller")
+    );
+    let agent_spec = pod_spec(&r, "aether-agent");
+    let agent = container(agent_spec, "agent");
+    assert_eq!(
+        arg(agent, "--registrar-identity"),
+        Some("spiffe://cluster.local/aether/registrar")
+    );
+    let ca = secret_file(agent_spec, agent, flag(agent, "--registrar-ca"), "agent");
+    assert_eq!(ca.secret, "registrar-cert");
+    assert_eq!(ca.key, "ca.crt");
+    let volume = agent_spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.secret.as_ref().and_then(|s| s.secret_name.as_deref()) == Some("registrar-cert"))
+        .unwrap();
+    let items: Vec<&str> = volume
+        .secret
+        .as_ref()
+        .unwrap()
+        .items
+        .iter()
+        .flatten()
+        .map(|i| i.key.as_str())
+        .collect();
+    assert_eq!(items, ["ca.crt"], "agents never see the registrar's key");
+
+    // A CA ConfigMap of the user's (trust-manager) instead.
+    let mut tls = tls;
+    tls["caConfigMapName"] = json!("registrar-ca-bundle");
+    let r = render(json!({"registrar": {"tls": tls, "nodeCa": {"secretName": "my-node-ca"}}}));
+    let agent_spec = pod_spec(&r, "aether-agent");
+    let agent = container(agent_spec, "agent");
+    let (volume, file) = volume_of(agent_spec, agent, flag(agent, "--registrar-ca")).unwrap();
+    let cm = volume.config_map.as_ref().expect("from the ConfigMap");
+    assert_eq!(cm.name, "registrar-ca-bundle");
+    assert_eq!(key_of(cm.items.as_deref(), &file).as_deref(), Some("ca.crt"));
+    assert!(
+        !agent_spec
+            .volumes
+            .iter()
+            .flatten()
+            .any(|v| v.secret.as_ref().and_then(|s| s.secret_name.as_deref()) == Some("registrar-cert")),
+        "the registrar's Secret stays away from agents"
+    );
+}
+
+/// Writes what a container's volumes from the chart's own Secrets and ConfigMaps would show under `root` + their
+/// mount paths (Secrets the user creates, like the built-in CA's, are not rendered and not needed here).
+fn materialize(r: &Rendered, spec: &PodSpec, c: &Container, root: &Path) {
+    for mount in c.volume_mounts.iter().flatten() {
+        let volume = spec.volumes.iter().flatten().find(|v| v.name == mount.name).unwrap();
+        let files: Vec<(String, Vec<u8>)> = if let Some(s) = &volume.secret {
+            let Some(secret) = r.secret(s.secret_name.as_deref().unwrap()) else {
+                continue;
+            };
+            secret
+                .data
+                .iter()
+                .flatten()
+                .filter_map(|(k, v)| {
+                    let path = match &s.items {
+                        Some(items) => items.iter().find(|i| &i.key == k)?.path.clone(),
+                        None => k.clone(),
+                    };
+                    Some((path, v.0.clone()))
+                })
+                .collect()
+        } else if let Some(m) = &volume.config_map {
+            let map = r.config_map(&m.name).expect("a rendered ConfigMap");
+            map.data
+                .iter()
+                .flatten()
+                .filter_map(|(k, v)| {
+                    let path = match &m.items {
+                        Some(items) => items.iter().find(|i| &i.key == k)?.path.clone(),
+                        None => k.clone(),
+                    };
+                    Some((path, v.clone().into_bytes()))
+                })
+                .collect()
+        } else {
+            continue;
+        };
+        let dir = under(root, &mount.mount_path);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (path, bytes) in files {
+            std::fs::write(dir.join(path), bytes).unwrap();
+        }
+    }
+}
+
+/// `path` (absolute, in a container) under the test's `root`.
+fn under(root: &Path, path: &str) -> PathBuf {
+    root.join(path.trim_start_matches('/'))
+}
+
+/// mTLS to the registrar at `port`, verifying it as an agent does (the rendered CA file and URL host), presenting
+/// `cert` (nothing while empty). Retries while the registrar starts.
+async fn registrar_channel(port: u16, ca: &Path, host: &str, cert: CertSlot, registrar: &mut ChildGuard) -> Channel {
+    let roots = tls::roots("--registrar-ca", tls::read_certs("--registrar-ca", ca).unwrap()).unwrap();
+    let identity: ServerIdentity = host.parse().unwrap();
+    let config = tls::client_config(roots, identity, cert).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let connected = Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+            .unwrap()
+            .connect_timeout(Duration::from_secs(2))
+            .connect_with_connector(Connector::new(config.clone()))
+            .await;
+        match connected {
+            Ok(channel) => return channel,
+            Err(e) => {
+                assert!(
+                    registrar.try_wait().is_none() && Instant::now() < deadline,
+                    "cannot reach the registrar ({e:?}):\n{}",
+                    registrar.logs()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// The PKI the chart generates works with the real binaries' TLS: the registrar starts with the rendered flags
+/// and files (its certificate, the node CA, the agents' ServiceAccount, the audience); a client holding only what
+/// the agent pod holds (the CA file, the URL, a token shaped as the projected volume, checked by a stand-in API
+/// server's TokenReview) verifies the registrar, gets a node certificate and calls the registrar with it. Anything
+/// else is refused: no certificate, or the token of another ServiceAccount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_generated_pki_lets_an_agent_bootstrap_and_call_the_registrar() {
+    let r = render(json!({"registrar": {"replicas": 1, "store": {"type": "embedded"}}}));
+    let root = tempfile::tempdir().unwrap();
+    let (agent_spec, registrar_spec) = (pod_spec(&r, "aether-agent"), pod_spec(&r, "aether-registrar"));
+    let (agent, rc) = (container(agent_spec, "agent"), container(registrar_spec, "registrar"));
+    materialize(&r, agent_spec, agent, root.path());
+    materialize(&r, registrar_spec, rc, root.path());
+
+    // The API server the registrar asks about tokens (KUBECONFIG), knowing the agent pod's token on node-a.
+    let kube = FakeKubeApi::start();
+    std::fs::write(root.path().join("kubeconfig"), kube.kubeconfig()).unwrap();
+    let (volume, _) = volume_of(agent_spec, agent, flag(agent, "--bootstrap-token")).unwrap();
+    let projected = volume.projected.as_ref().unwrap().sources.as_ref().unwrap()[0]
+        .service_account_token
+        .clone()
+        .unwrap();
+    let agent_user = format!(
+        "system:serviceaccount:aether-system:{}",
+        agent_spec.service_account_name.as_deref().unwrap()
+    );
+    let token = kube.mint(TokenInfo {
+        username: agent_user,
+        node: Some("node-a".into()),
+        audiences: vec![projected.audience.clone().unwrap()],
+    });
+    let stranger = kube.mint(TokenInfo {
+        username: "system:serviceaccount:aether-system:aether-mesh-dns".into(),
+        node: Some("node-a".into()),
+        audiences: vec![projected.audience.unwrap()],
+    });
+
+    // The registrar with its rendered command line: container paths under the temp root, local ports.
+    let (port, admin) = (free_port(), free_port());
+    let args: Vec<String> = rc
+        .args
+        .iter()
+        .flatten()
+        .map(|a| match a.split_once('=') {
+            Some(("--listen", _)) => format!("--listen=127.0.0.1:{port}"),
+            Some(("--admin", _)) => format!("--admin=127.0.0.1:{admin}"),
+            Some((name, value)) if value.starts_with('/') => {
+                format!("{name}={}", under(root.path(), value).display())
+            }
+            _ => a.clone(),
+        })
+        .collect();
+    std::fs::create_dir_all(under(root.path(), flag(rc, "--data-dir"))).unwrap();
+    let mut cmd = std::process::Command::new(aether_tests::binary("aether-registrar"));
+    cmd.args(&args)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("KUBECONFIG", root.path().join("kubeconfig"));
+    let mut registrar = ChildGuard::spawn("registrar", cmd);
+
+    // The agent's side: what its pod mounts and its flags.
+    let ca = under(root.path(), flag(agent, "--registrar-ca"));
+    let url = flag(agent, "--registrar");
+    let host = url.trim_start_matches("https://").rsplit_once(':').unwrap().0;
+    let anonymous = registrar_channel(port, &ca, host, CertSlot::default(), &mut registrar).await;
+    let key = rcgen::KeyPair::generate().unwrap();
+    let csr = rcgen::CertificateParams::default().serialize_request(&key).unwrap();
+    let issue = |token: &str| IssueNodeCertificateRequest {
+        token: token.to_owned(),
+        csr_der: csr.der().to_vec(),
+    };
+    let refused = NodeBootstrapClient::new(anonymous.clone())
+        .issue_node_certificate(issue(&stranger))
+        .await
+        .expect_err("another ServiceAccount's token gets no node certificate");
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    let issued = NodeBootstrapClient::new(anonymous.clone())
+        .issue_node_certificate(issue(&token))
+        .await
+        .unwrap_or_else(|e| panic!("bootstrap: {e:?}\n{}", registrar.logs()))
+        .into_inner();
+    assert_eq!(issued.spiffe_id, "spiffe://cluster.local/aether/node/node-a");
+    let chain = CertificateDer::pem_slice_iter(issued.cert_chain_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    assert_eq!(
+        PeerIdentity::from_leaf(&chain[0]).unwrap().spiffe_id.as_deref(),
+        Some(issued.spiffe_id.as_str())
+    );
+
+    // Without a certificate the catalog is closed; with the node certificate it answers.
+    let denied = RegistrarClient::new(anonymous)
+        .list_services(ListServicesRequest::default())
+        .await
+        .expect_err("no certificate, no catalog");
+    assert!(
+        matches!(
+            denied.code(),
+            tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
+        ),
+        "{denied:?}"
+    );
+    let slot = CertSlot::default();
+    slot.set(tls::certified_key(chain, PrivateKeyDer::Pkcs8(key.serialize_der().into())).unwrap());
+    let channel = registrar_channel(port, &ca, host, slot, &mut registrar).await;
+    RegistrarClient::new(channel)
+        .list_services(ListServicesRequest::default())
+        .await
+        .unwrap_or_else(|e| panic!("the agent of node-a lists services: {e:?}\n{}", registrar.logs()));
+    assert_eq!(kube.reviews().len(), 2, "both tokens were reviewed");
 }

@@ -33,10 +33,48 @@ app.kubernetes.io/component: {{ $component }}
 {{ .Values.proxyImage.repository }}:{{ .Values.proxyImage.tag | default .Chart.AppVersion }}
 {{- end -}}
 
-{{/* The registrar's in-cluster gRPC URL, for agents. */}}
-{{- define "aether.registrarUrl" -}}
-http://{{ include "aether.name" (list . "registrar") }}.{{ .Release.Namespace }}.svc:{{ .Values.registrar.port }}
+{{/* The registrar's in-cluster DNS name: what its serving certificate carries and agents check. */}}
+{{- define "aether.registrarHost" -}}
+{{ include "aether.name" (list . "registrar") }}.{{ .Release.Namespace }}.svc
 {{- end -}}
+
+{{/* The registrar's in-cluster gRPC URL, for agents: always https:// (mTLS). */}}
+{{- define "aether.registrarUrl" -}}
+https://{{ include "aether.registrarHost" . }}:{{ .Values.registrar.port }}
+{{- end -}}
+
+{{/* The Secret holding the registrar's serving certificate (generated unless registrar.tls.secretName). */}}
+{{- define "aether.registrarTlsSecret" -}}
+{{ .Values.registrar.tls.secretName | default (printf "%s-tls" (include "aether.name" (list . "registrar"))) }}
+{{- end -}}
+
+{{/* The generated ConfigMap with the CA that verifies the registrar (ca.crt), mounted into agents. */}}
+{{- define "aether.registrarCaConfigMap" -}}
+{{ include "aether.name" (list . "registrar") }}-ca
+{{- end -}}
+
+{{/* The Secret holding the node CA (generated unless registrar.nodeCa.secretName). */}}
+{{- define "aether.nodeCaSecret" -}}
+{{ .Values.registrar.nodeCa.secretName | default (printf "%s-node-ca" (include "aether.name" (list . "registrar"))) }}
+{{- end -}}
+
+{{/* The agent's --node-identity: auto is spire with identity.provider=spire (the agent's SVID), else bootstrap. */}}
+{{- define "aether.nodeIdentity" -}}
+{{- if eq .Values.agent.nodeIdentity "auto" -}}
+{{ ternary "spire" "bootstrap" (eq .Values.identity.provider "spire") }}
+{{- else -}}
+{{ .Values.agent.nodeIdentity }}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when agents get node certificates from the registrar's bootstrap (node CA, TokenReviews). */}}
+{{- define "aether.bootstrap" -}}
+{{ eq (include "aether.nodeIdentity" .) "bootstrap" }}
+{{- end -}}
+
+{{/* Where the agent finds its projected bootstrap token and the registrar's CA (the agent's flag defaults). */}}
+{{- define "aether.agentTokenDir" -}}/var/run/secrets/aether/registrar-token{{- end -}}
+{{- define "aether.agentRegistrarCaDir" -}}/etc/aether/registrar-ca{{- end -}}
 
 {{/* Telemetry flags every binary takes. */}}
 {{- define "aether.otelArgs" -}}
@@ -71,7 +109,29 @@ seccompProfile:
 {{- if and (eq .Values.registrar.store.type "embedded") (gt (int .Values.registrar.replicas) 1) -}}
 {{- fail "registrar.store.type=embedded keeps the catalog on one volume: set registrar.replicas=1 or choose etcd, dynamodb or kubernetes" -}}
 {{- end -}}
-{{- if and (eq .Values.registrar.store.type "etcd") (empty .Values.registrar.store.etcd.endpoints) -}}
+{{- $etcd := .Values.registrar.store.etcd -}}
+{{- if eq .Values.registrar.store.type "etcd" -}}
+{{- if empty $etcd.endpoints -}}
 {{- fail "registrar.store.type=etcd needs registrar.store.etcd.endpoints" -}}
+{{- end -}}
+{{- range $etcd.endpoints -}}
+{{- if and $etcd.tlsSecretName (not (hasPrefix "https://" .)) -}}
+{{- fail (printf "registrar.store.etcd.endpoints: %s is not https:// but registrar.store.etcd.tlsSecretName is set (TLS, the default); use https:// endpoints, or set tlsSecretName to \"\" for plaintext" .) -}}
+{{- end -}}
+{{- if and (not $etcd.tlsSecretName) (hasPrefix "https://" .) -}}
+{{- fail (printf "registrar.store.etcd.endpoints: %s is https:// and needs registrar.store.etcd.tlsSecretName (a Secret with ca.crt)" .) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if eq (include "aether.nodeIdentity" .) "spire" -}}
+{{- if ne .Values.identity.provider "spire" -}}
+{{- fail "agent.nodeIdentity=spire needs identity.provider=spire (the agent's SVID comes from the SPIRE agent's Workload API)" -}}
+{{- end -}}
+{{- if not .Values.registrar.clientCa.configMapName -}}
+{{- fail "agent.nodeIdentity=spire (the default with identity.provider=spire): the registrar verifies agents' SPIRE SVIDs with SPIRE's trust bundle; set registrar.clientCa.configMapName (a ConfigMap in the release namespace, e.g. kept by SPIRE's k8sbundle notifier), or agent.nodeIdentity=bootstrap" -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.registrar.networkPolicy.enabled (empty .Values.registrar.networkPolicy.nodeCidrs) -}}
+{{- fail "registrar.networkPolicy.enabled needs registrar.networkPolicy.nodeCidrs: agents run on the host network, so their connections come from node addresses" -}}
 {{- end -}}
 {{- end -}}
