@@ -3,8 +3,9 @@
 //! server is the registrar it was told to expect.
 //!
 //! The node certificate comes from the registrar's bootstrap (a projected, audience-bound
-//! ServiceAccount token exchanged for a short-lived certificate, renewed at half-life)
-//! or from files (cert-manager, an operator). Each new certificate opens a new
+//! ServiceAccount token exchanged for a short-lived certificate, renewed at half-life),
+//! from files (cert-manager, an operator) or from SPIRE (the agent's own X.509 SVID,
+//! streamed from the SPIFFE Workload API as SPIRE rotates it). Each new certificate opens a new
 //! connection: the registrar authenticates a connection once, at its handshake, and
 //! ends streams whose certificate expires, so callers take [`RegistrarLink::client`]
 //! afresh for each call and Watch loops resume on [`RegistrarLink::rotated`].
@@ -17,15 +18,24 @@ use aether_common::tls::{self, CertFiles, CertSlot, Connector, ServerIdentity, T
 use aether_proto::registrar::v1::IssueNodeCertificateRequest;
 use aether_proto::registrar::v1::node_bootstrap_client::NodeBootstrapClient;
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
+use futures::StreamExt;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
+use spiffe::WorkloadApiError;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::identity::IdentityKind;
+
 /// Retry bounds of the bootstrap while the registrar is away or refuses.
 const BOOTSTRAP_BACKOFF_MIN: Duration = Duration::from_millis(200);
 const BOOTSTRAP_BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// Reconnect bounds of the Workload API stream (`--node-identity spire`).
+const SPIRE_BACKOFF_MIN: Duration = Duration::from_millis(100);
+const SPIRE_BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// The path under the trust domain the registrar reads an agent's node from.
+pub const NODE_ID_PATH: &str = "/aether/node/";
 
 /// Where the node certificate comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -34,6 +44,9 @@ pub enum NodeIdentityKind {
     Bootstrap,
     /// --node-cert and --node-key files, reloaded when they change.
     Files,
+    /// The agent's own X.509 SVID from the SPIFFE Workload API (--spire-workload-socket),
+    /// followed as SPIRE rotates it; it must name `spiffe://<trust domain>/aether/node/<node name>`.
+    Spire,
 }
 
 #[derive(Clone, Debug, clap::Args)]
@@ -47,9 +60,15 @@ pub struct LinkConfig {
     #[arg(long, env = "AETHER_REGISTRAR_IDENTITY")]
     pub registrar_identity: Option<ServerIdentity>,
 
-    /// Where the agent's node certificate comes from.
-    #[arg(long, env = "AETHER_NODE_IDENTITY", value_enum, default_value = "bootstrap")]
-    pub node_identity: NodeIdentityKind,
+    /// Where the agent's node certificate comes from. Unset: `spire` with `--identity
+    /// spire`, else `bootstrap`. With `spire` the agent presents its own SVID from the
+    /// Workload API (--spire-workload-socket), which must name
+    /// `spiffe://<trust domain>/aether/node/<node name>`: register the agent DaemonSet
+    /// with a per-node SPIFFE ID, e.g. a spire-controller-manager ClusterSPIFFEID with
+    /// `spiffeIDTemplate: "spiffe://{{ .TrustDomain }}/aether/node/{{ .PodSpec.NodeName }}"`,
+    /// and give the registrar SPIRE's trust bundle with `--client-ca`.
+    #[arg(long, env = "AETHER_NODE_IDENTITY", value_enum)]
+    pub node_identity: Option<NodeIdentityKind>,
 
     /// The projected ServiceAccount token the bootstrap presents (re-read at each
     /// renewal: kubelet rotates it).
@@ -82,10 +101,48 @@ impl Default for LinkConfig {
     }
 }
 
+impl LinkConfig {
+    /// `--node-identity`, or its default: `spire` when pods' identities come from SPIRE
+    /// (`--identity spire`), else `bootstrap`.
+    pub fn node_identity(&self, pods: Option<IdentityKind>) -> NodeIdentityKind {
+        match (self.node_identity, pods) {
+            (Some(kind), _) => kind,
+            (None, Some(IdentityKind::Spire)) => NodeIdentityKind::Spire,
+            (None, _) => NodeIdentityKind::Bootstrap,
+        }
+    }
+}
+
+/// What the link needs of the agent's other flags.
+#[derive(Clone, Debug, Default)]
+pub struct AgentContext {
+    /// `--node-name`: the node a SPIRE-issued node certificate must name.
+    pub node_name: String,
+    /// `--identity`: the default of `--node-identity` follows it.
+    pub pod_identity: Option<IdentityKind>,
+    /// `--spire-workload-socket`: where `--node-identity spire` fetches the agent's SVID.
+    pub spire_workload_socket: String,
+}
+
+impl AgentContext {
+    /// From the agent's configuration.
+    pub fn of(config: &crate::config::Config) -> Self {
+        Self {
+            node_name: config.node_name.clone(),
+            pod_identity: Some(config.identity.kind),
+            spire_workload_socket: config.identity.spire_workload_socket.clone(),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
     #[error("--registrar {url:?}: {reason}")]
     Url { url: String, reason: String },
+    #[error(
+        "--node-identity spire needs the Workload API socket: set --spire-workload-socket (or SPIFFE_ENDPOINT_SOCKET)"
+    )]
+    NoWorkloadSocket,
     #[error(transparent)]
     Tls(#[from] TlsError),
 }
@@ -97,10 +154,21 @@ pub struct RegistrarLink {
 }
 
 impl RegistrarLink {
+    /// [`RegistrarLink::start_for`] without the rest of the agent's flags (a node
+    /// identity from the bootstrap or files; tests).
+    pub fn start(url: &str, config: &LinkConfig, shutdown: CancellationToken) -> Result<Self, LinkError> {
+        Self::start_for(url, config, &AgentContext::default(), shutdown)
+    }
+
     /// Connects to `url`: `https://` with mTLS (the default), `http://` in plaintext
     /// (tests of the agent alone; logged loudly). Connections are lazy: the agent serves
     /// its pods while the registrar is away.
-    pub fn start(url: &str, config: &LinkConfig, shutdown: CancellationToken) -> Result<Self, LinkError> {
+    pub fn start_for(
+        url: &str,
+        config: &LinkConfig,
+        agent: &AgentContext,
+        shutdown: CancellationToken,
+    ) -> Result<Self, LinkError> {
         let url_error = |reason: String| LinkError::Url {
             url: aether_common::quote::clip(url).to_string(),
             reason,
@@ -116,6 +184,10 @@ impl RegistrarLink {
             }
             Some("https") => {}
             _ => return Err(url_error("the scheme must be https:// (or http:// for a test)".into())),
+        }
+        let node_identity = config.node_identity(agent.pod_identity);
+        if node_identity == NodeIdentityKind::Spire && agent.spire_workload_socket.is_empty() {
+            return Err(LinkError::NoWorkloadSocket);
         }
         // tonic would try TLS itself on an https URI; our connector does it instead.
         let plain_url = format!(
@@ -135,7 +207,7 @@ impl RegistrarLink {
                 .parse()
                 .map_err(|e: String| url_error(e))?,
         };
-        let slot = match config.node_identity {
+        let slot = match node_identity {
             NodeIdentityKind::Files => CertSlot::from_files(
                 CertFiles {
                     cert_flag: "--node-cert",
@@ -146,12 +218,22 @@ impl RegistrarLink {
                 shutdown.clone(),
             )?,
             NodeIdentityKind::Bootstrap => CertSlot::default(),
+            NodeIdentityKind::Spire => {
+                let slot = CertSlot::default();
+                tokio::spawn(follow_svid(
+                    agent.spire_workload_socket.clone(),
+                    agent.node_name.clone(),
+                    slot.clone(),
+                    shutdown.clone(),
+                ));
+                slot
+            }
         };
         let client_config = tls::client_config(roots.clone(), expected.clone(), slot.clone())?;
         let connector = Connector::new(client_config).when_certified(slot.clone());
         let dial = move || endpoint.connect_with_connector_lazy(connector.clone());
         let (current, channel) = watch::channel(dial());
-        if config.node_identity == NodeIdentityKind::Bootstrap {
+        if node_identity == NodeIdentityKind::Bootstrap {
             // The bootstrap call itself presents no certificate (it has none yet).
             let anonymous = tls::client_config(roots, expected, CertSlot::default())?;
             let bootstrap = endpoint_for_bootstrap(&plain_url, anonymous).map_err(url_error)?;
@@ -290,4 +372,193 @@ async fn issue(
     let der = rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into());
     let certified = tls::certified_key(chain, der).map_err(|e| e.to_string())?;
     Ok((certified, at(validity.not_before), at(validity.not_after)))
+}
+
+/// Whether `id` names `node` the way the registrar reads it:
+/// `spiffe://<trust domain>/aether/node/<node>`.
+pub fn names_node(id: &str, node: &str) -> bool {
+    id.strip_prefix("spiffe://")
+        .and_then(|rest| rest.find('/').map(|slash| &rest[slash..]))
+        .and_then(|path| path.strip_prefix(NODE_ID_PATH))
+        .is_some_and(|named| !node.is_empty() && named == node)
+}
+
+/// A Workload API address as the `spiffe` crate takes it (`unix:`/`tcp:`; a bare path is
+/// a Unix socket).
+fn workload_endpoint(socket: &str) -> String {
+    if socket.starts_with("unix:") || socket.starts_with("tcp:") {
+        socket.to_owned()
+    } else {
+        format!("unix:{socket}")
+    }
+}
+
+/// Of the SVIDs SPIRE issued the agent, the one naming `node` (SPIRE may issue several
+/// when several registration entries match), else its default one (the first).
+fn node_svid<'a>(svids: &'a [Arc<spiffe::X509Svid>], node: &str) -> Option<&'a spiffe::X509Svid> {
+    svids
+        .iter()
+        .find(|svid| names_node(&svid.spiffe_id().to_string(), node))
+        .or_else(|| svids.first())
+        .map(Arc::as_ref)
+}
+
+/// An SVID as a rustls identity: its chain and its PKCS#8 key.
+fn certified_svid(svid: &spiffe::X509Svid) -> Result<Arc<rustls::sign::CertifiedKey>, TlsError> {
+    let chain = svid
+        .cert_chain()
+        .iter()
+        .map(|cert| CertificateDer::from(cert.as_bytes().to_vec()))
+        .collect();
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(svid.private_key().as_bytes().to_vec().into());
+    tls::certified_key(chain, key)
+}
+
+/// Keeps the slot holding the agent's own SVID (`--node-identity spire`): follows the
+/// Workload API's `FetchX509SVID` stream, on which SPIRE pushes every rotation, and
+/// reconnects with backoff when it breaks (the last SVID keeps serving meanwhile, until
+/// it expires).
+async fn follow_svid(socket: String, node: String, slot: CertSlot, shutdown: CancellationToken) {
+    let endpoint = workload_endpoint(&socket);
+    let mut backoff = SPIRE_BACKOFF_MIN;
+    let mut warned_for: Option<String> = None;
+    loop {
+        let run = async {
+            let client = spiffe::WorkloadApiClient::connect_to(&endpoint).await?;
+            let mut updates = client.stream_x509_contexts().await?;
+            tracing::info!(%endpoint, "following the agent's own SVID on the SPIFFE Workload API");
+            while let Some(update) = updates.next().await {
+                let context = match update {
+                    Ok(context) => context,
+                    // The stream failed (it ends here): reconnect.
+                    Err(
+                        error @ (WorkloadApiError::Transport(_)
+                        | WorkloadApiError::NoIdentityIssued
+                        | WorkloadApiError::PermissionDenied(_)),
+                    ) => return Err(error),
+                    // An unusable response: keep the current SVID and wait for the next.
+                    Err(error) => {
+                        tracing::warn!(%error, "the Workload API sent an unusable update; keeping the current node certificate");
+                        continue;
+                    }
+                };
+                backoff = SPIRE_BACKOFF_MIN;
+                let Some(svid) = node_svid(context.svids(), &node) else {
+                    tracing::warn!("the Workload API sent no SVID; keeping the current node certificate");
+                    continue;
+                };
+                let id = svid.spiffe_id().to_string();
+                if !names_node(&id, &node) && warned_for.as_deref() != Some(id.as_str()) {
+                    tracing::warn!(spiffe_id = %id, expected = %format!("spiffe://<trust domain>{NODE_ID_PATH}{node}"),
+                        "the agent's SVID does not name its node: the registrar will refuse its registrations. \
+                         Register the agent with a per-node SPIFFE ID (e.g. a ClusterSPIFFEID template \
+                         spiffe://{{{{ .TrustDomain }}}}/aether/node/{{{{ .PodSpec.NodeName }}}})");
+                    warned_for = Some(id.clone());
+                }
+                let unchanged = slot
+                    .current()
+                    .zip(svid.cert_chain().first())
+                    .is_some_and(|(current, leaf)| {
+                        current.end_entity_cert().ok().map(|c| c.as_ref()) == Some(leaf.as_bytes())
+                    });
+                if unchanged {
+                    continue;
+                }
+                match certified_svid(svid) {
+                    Ok(key) => {
+                        slot.set(key);
+                        let not_after = slot.identity().map(|identity| identity.not_after);
+                        let expires_in = not_after.and_then(|t| t.duration_since(SystemTime::now()).ok());
+                        tracing::info!(spiffe_id = %id, ?expires_in, "node certificate: the agent's SVID from SPIRE");
+                    }
+                    Err(error) => {
+                        tracing::warn!(spiffe_id = %id, %error, "the agent's SVID is unusable; keeping the current node certificate")
+                    }
+                }
+            }
+            Ok::<_, WorkloadApiError>(())
+        };
+        let result = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            result = run => result,
+        };
+        match result {
+            Ok(()) => tracing::warn!(%endpoint, retry_in = ?backoff,
+                "the Workload API stream ended; reconnecting (the current node certificate keeps serving)"),
+            Err(error @ (WorkloadApiError::NoIdentityIssued | WorkloadApiError::PermissionDenied(_))) => {
+                tracing::warn!(%endpoint, %error, retry_in = ?backoff, expected = %format!("spiffe://<trust domain>{NODE_ID_PATH}{node}"),
+                    "SPIRE issues the agent no SVID: register the agent DaemonSet with a per-node SPIFFE ID; retrying")
+            }
+            Err(error) => tracing::warn!(%endpoint, %error, retry_in = ?backoff,
+                "the Workload API is unavailable or failed; retrying (the current node certificate, if any, keeps serving)"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(SPIRE_BACKOFF_MAX);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_ids_are_read_as_the_registrar_does() {
+        assert!(names_node("spiffe://cluster.local/aether/node/n1", "n1"));
+        assert!(names_node("spiffe://other.td/aether/node/n1", "n1"));
+        assert!(!names_node("spiffe://cluster.local/aether/node/n2", "n1"));
+        assert!(!names_node("spiffe://cluster.local/aether/node/n1/x", "n1"));
+        assert!(!names_node(
+            "spiffe://cluster.local/ns/aether-system/sa/aether-agent",
+            "n1"
+        ));
+        assert!(!names_node("spiffe://cluster.local/x/aether/node/n1", "n1"));
+        assert!(!names_node("https://cluster.local/aether/node/n1", "n1"));
+        assert!(!names_node("spiffe://cluster.local/aether/node/", ""));
+    }
+
+    #[test]
+    fn the_node_identity_follows_the_pod_identity_unless_set() {
+        let mut config = LinkConfig::default();
+        assert_eq!(config.node_identity(None), NodeIdentityKind::Bootstrap);
+        assert_eq!(
+            config.node_identity(Some(IdentityKind::Builtin)),
+            NodeIdentityKind::Bootstrap
+        );
+        assert_eq!(config.node_identity(Some(IdentityKind::Spire)), NodeIdentityKind::Spire);
+        config.node_identity = Some(NodeIdentityKind::Bootstrap);
+        assert_eq!(
+            config.node_identity(Some(IdentityKind::Spire)),
+            NodeIdentityKind::Bootstrap
+        );
+        config.node_identity = Some(NodeIdentityKind::Spire);
+        assert_eq!(config.node_identity(Some(IdentityKind::None)), NodeIdentityKind::Spire);
+    }
+
+    #[test]
+    fn workload_sockets_are_unix_unless_a_scheme_says_otherwise() {
+        assert_eq!(workload_endpoint("/run/spire/agent.sock"), "unix:/run/spire/agent.sock");
+        assert_eq!(workload_endpoint("unix:///run/a.sock"), "unix:///run/a.sock");
+        assert_eq!(workload_endpoint("tcp://127.0.0.1:8081"), "tcp://127.0.0.1:8081");
+    }
+
+    #[tokio::test]
+    async fn spire_without_a_workload_socket_is_a_start_error() {
+        let config = LinkConfig {
+            node_identity: Some(NodeIdentityKind::Spire),
+            ..LinkConfig::default()
+        };
+        let agent = AgentContext {
+            node_name: "n1".into(),
+            pod_identity: Some(IdentityKind::Spire),
+            spire_workload_socket: String::new(),
+        };
+        match RegistrarLink::start_for("https://registrar:1", &config, &agent, CancellationToken::new()) {
+            Err(LinkError::NoWorkloadSocket) => {}
+            Err(other) => panic!("expected NoWorkloadSocket, got {other}"),
+            Ok(_) => panic!("a spire node identity started without a Workload API socket"),
+        }
+    }
 }

@@ -114,7 +114,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     if let Some(client) = &kube_client {
         locality = kubernetes::locality(locality, client.clone(), &config.node_name).await;
     }
-    let link = RegistrarLink::start(&config.registrar, &config.registrar_link, shutdown.clone())?;
+    let link = RegistrarLink::start_for(
+        &config.registrar,
+        &config.registrar_link,
+        &crate::registrar_link::AgentContext::of(&config),
+        shutdown.clone(),
+    )?;
     let registrar = Registrar::new(link.clone(), config.node_name.clone(), locality.clone());
 
     let mut registry = Registry::default();

@@ -20,6 +20,7 @@ pub mod netns;
 pub mod otlp;
 pub mod process;
 pub mod spire;
+pub mod spire_workload;
 pub mod supervisor;
 
 pub use bins::binary;

@@ -72,6 +72,34 @@ impl MeshIdentity {
     };
 }
 
+/// How the mesh's agent gets its node certificate (what it presents to the registrar).
+#[derive(Clone, Debug)]
+pub enum NodeIdentity {
+    /// The registrar's bootstrap, with a token the fake API server vouches for (the default).
+    Bootstrap,
+    /// `--node-identity spire`: its own SVID from the SPIFFE Workload API at this socket.
+    Spire { workload_socket: PathBuf },
+}
+
+impl NodeIdentity {
+    /// The agent's link flags: the control plane's bootstrap ones, or with SPIRE the same
+    /// registrar CA and name but the node identity from the Workload API.
+    fn link_args(&self, bootstrap: Vec<String>) -> Vec<String> {
+        let NodeIdentity::Spire { workload_socket } = self else {
+            return bootstrap;
+        };
+        let mut args: Vec<String> = bootstrap
+            .chunks(2)
+            .filter(|pair| !matches!(pair[0].as_str(), "--node-identity" | "--bootstrap-token"))
+            .flatten()
+            .cloned()
+            .collect();
+        args.extend(["--node-identity".into(), "spire".into()]);
+        args.extend(["--spire-workload-socket".into(), workload_socket.display().to_string()]);
+        args
+    }
+}
+
 impl Mesh {
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
@@ -112,6 +140,17 @@ impl Mesh {
     }
 
     async fn start_all(identity: MeshIdentity, agent_args: &[&str], registrar_args: &[&str]) -> Mesh {
+        Self::start_node_identity(identity, NodeIdentity::Bootstrap, agent_args, registrar_args).await
+    }
+
+    /// [`Mesh::start_identity`] with the agent's node certificate from `node_identity`
+    /// and extra registrar flags (with SPIRE: `--client-ca` holding SPIRE's bundle).
+    pub async fn start_node_identity(
+        identity: MeshIdentity,
+        node_identity: NodeIdentity,
+        agent_args: &[&str],
+        registrar_args: &[&str],
+    ) -> Mesh {
         crate::require_root();
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("pods")).unwrap();
@@ -141,7 +180,7 @@ impl Mesh {
         let grpc_port = free_port();
         let registrar_admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let control_plane = ControlPlane::new(dir.path());
-        let link_args = control_plane.agent_args("test-node");
+        let link_args = node_identity.link_args(control_plane.agent_args("test-node"));
         let mut cmd = Command::new(binary("aether-registrar"));
         cmd.args(["--listen", &format!("127.0.0.1:{grpc_port}")])
             .args(["--admin", &registrar_admin.to_string()])
