@@ -49,6 +49,24 @@ fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::aws_lc_rs::default_provider())
 }
 
+/// Splits PEM text into its blocks, each with its armour (what rcgen's `from_*_pem`
+/// take one at a time).
+pub fn pem_blocks(text: &str) -> Vec<String> {
+    let mut blocks = Vec::new();
+    let mut current = String::new();
+    for line in text.lines() {
+        if line.starts_with("-----BEGIN ") {
+            current.clear();
+        }
+        current.push_str(line.trim_end());
+        current.push('\n');
+        if line.starts_with("-----END ") {
+            blocks.push(std::mem::take(&mut current));
+        }
+    }
+    blocks
+}
+
 /// Every certificate of a PEM file (`flag` names it in errors).
 pub fn read_certs(flag: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let file_error = |reason: String| TlsError::File {

@@ -90,7 +90,10 @@ impl Bootstrap {
         };
         let key = KeyPair::from_pem(&key_text)
             .map_err(|e| file_error("--node-ca-key", config.ca_key, format!("not a PEM private key: {e}")))?;
-        let blocks = pem_certificates(&cert_text);
+        let blocks: Vec<String> = aether_common::tls::pem_blocks(&cert_text)
+            .into_iter()
+            .filter(|b| b.starts_with("-----BEGIN CERTIFICATE-----"))
+            .collect();
         let signing = blocks
             .first()
             .ok_or_else(|| file_error("--node-ca-cert", config.ca_cert, "no PEM CERTIFICATE block".into()))?;
@@ -225,22 +228,6 @@ pub fn node_of(status: TokenReviewStatus, audience: &str, agent_user: &str) -> R
         ));
     }
     Ok(node)
-}
-
-fn pem_certificates(text: &str) -> Vec<String> {
-    let mut blocks = Vec::new();
-    let mut current = String::new();
-    for line in text.lines() {
-        if line.starts_with("-----BEGIN CERTIFICATE-----") {
-            current.clear();
-        }
-        current.push_str(line.trim_end());
-        current.push('\n');
-        if line.starts_with("-----END CERTIFICATE-----") {
-            blocks.push(std::mem::take(&mut current));
-        }
-    }
-    blocks
 }
 
 #[tonic::async_trait]

@@ -253,7 +253,8 @@ async fn an_expired_certificate_is_refused_and_a_stream_ends_when_its_certificat
     assert!(logs.to_lowercase().contains("expired"), "the registrar logs the expired certificate: {logs}");
 
     // A reader whose certificate expires in a few seconds: its Watch is served, then ended.
-    let short = r.cp.node_ca.issue_between(READER_ID, now - Duration::from_secs(5), now + Duration::from_secs(3));
+    // (6 s: long enough for the snapshot to arrive on a busy machine.)
+    let short = r.cp.node_ca.issue_between(READER_ID, now - Duration::from_secs(5), now + Duration::from_secs(6));
     let mut client = r.cp.client_with(&r.url, Some(&short)).await.unwrap();
     let (requests, outbox) = tokio::sync::mpsc::channel(1);
     requests.send(WatchRequest { wildcard: true, filter_id: 1, ..Default::default() }).await.unwrap();

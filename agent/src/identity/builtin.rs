@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use aether_common::tls::pem_blocks;
 use rcgen::{
     CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
     SanType,
@@ -39,23 +40,6 @@ struct Inner {
 struct Local {
     spiffe_id: String,
     rotate_at: SystemTime,
-}
-
-/// Splits a PEM file into its blocks (each with its armour).
-fn pem_blocks(text: &str) -> Vec<String> {
-    let mut blocks = Vec::new();
-    let mut current = String::new();
-    for line in text.lines() {
-        if line.starts_with("-----BEGIN ") {
-            current.clear();
-        }
-        current.push_str(line.trim_end());
-        current.push('\n');
-        if line.starts_with("-----END ") {
-            blocks.push(std::mem::take(&mut current));
-        }
-    }
-    blocks
 }
 
 impl Builtin {
