@@ -73,7 +73,10 @@ impl Registrar {
     }
 
     async fn metrics(&self) -> String {
-        http_get(&format!("http://{}/metrics", self.admin), None).await.unwrap().body
+        http_get(&format!("http://{}/metrics", self.admin), None)
+            .await
+            .unwrap()
+            .body
     }
 
     /// The endpoints of `service` the catalog holds, as `address@node`.
@@ -81,7 +84,9 @@ impl Registrar {
         match self
             .reader()
             .await
-            .list_endpoints(ListEndpointsRequest { service: service.into() })
+            .list_endpoints(ListEndpointsRequest {
+                service: service.into(),
+            })
             .await
         {
             Ok(r) => (r.into_inner().endpoints.iter())
@@ -130,15 +135,31 @@ async fn an_agent_writes_only_its_own_nodes_endpoints_and_nothing_else_changes()
     let mut a = r.agent("node-a").await;
     let mut b = r.agent("node-b").await;
 
-    register(&mut a, endpoint("shop/cart", "10.1.0.1", "node-a")).await.unwrap();
-    register(&mut b, endpoint("shop/cart", "10.2.0.1", "node-b")).await.unwrap();
+    register(&mut a, endpoint("shop/cart", "10.1.0.1", "node-a"))
+        .await
+        .unwrap();
+    register(&mut b, endpoint("shop/cart", "10.2.0.1", "node-b"))
+        .await
+        .unwrap();
     let before = r.endpoints("shop/cart").await;
     assert_eq!(before, ["10.1.0.1@node-a", "10.2.0.1@node-b"]);
 
     // Node A claiming an endpoint of node B, new or existing, or taking one over.
-    assert_denied(register(&mut a, endpoint("shop/cart", "10.2.0.9", "node-b")).await, Code::PermissionDenied, "own-node");
-    assert_denied(register(&mut a, endpoint("shop/cart", "10.2.0.1", "node-b")).await, Code::PermissionDenied, "own-node");
-    assert_denied(register(&mut a, endpoint("shop/cart", "10.2.0.1", "node-a")).await, Code::PermissionDenied, "own-node");
+    assert_denied(
+        register(&mut a, endpoint("shop/cart", "10.2.0.9", "node-b")).await,
+        Code::PermissionDenied,
+        "own-node",
+    );
+    assert_denied(
+        register(&mut a, endpoint("shop/cart", "10.2.0.1", "node-b")).await,
+        Code::PermissionDenied,
+        "own-node",
+    );
+    assert_denied(
+        register(&mut a, endpoint("shop/cart", "10.2.0.1", "node-a")).await,
+        Code::PermissionDenied,
+        "own-node",
+    );
     // ... or removing it: the outage the rule exists for.
     let removed = a
         .unregister_endpoint(UnregisterEndpointRequest {
@@ -150,8 +171,16 @@ async fn an_agent_writes_only_its_own_nodes_endpoints_and_nothing_else_changes()
     assert_denied(removed, Code::PermissionDenied, "own-node");
     // A reader may look, never write.
     let mut reader = r.reader().await;
-    assert_denied(register(&mut reader, endpoint("shop/cart", "10.3.0.1", "node-a")).await, Code::PermissionDenied, "agent-writes");
-    assert_eq!(r.endpoints("shop/cart").await, before, "a refused write changed the catalog");
+    assert_denied(
+        register(&mut reader, endpoint("shop/cart", "10.3.0.1", "node-a")).await,
+        Code::PermissionDenied,
+        "agent-writes",
+    );
+    assert_eq!(
+        r.endpoints("shop/cart").await,
+        before,
+        "a refused write changed the catalog"
+    );
 
     // Its own endpoints an agent updates and removes as before.
     let mut draining = endpoint("shop/cart", "10.1.0.1", "node-a");
@@ -187,8 +216,9 @@ async fn an_agent_writes_only_its_own_nodes_endpoints_and_nothing_else_changes()
     assert_eq!(denied("RegisterEndpoint", "agent-writes"), 1.0, "{metrics}");
     let logs = r.child.logs();
     assert!(
-        logs.lines()
-            .any(|l| l.contains("refused") && l.contains("spiffe://aether.test/aether/node/node-a") && l.contains("own-node")),
+        logs.lines().any(|l| l.contains("refused")
+            && l.contains("spiffe://aether.test/aether/node/node-a")
+            && l.contains("own-node")),
         "{logs}"
     );
 }
@@ -196,16 +226,25 @@ async fn an_agent_writes_only_its_own_nodes_endpoints_and_nothing_else_changes()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_without_a_known_identity_get_nothing() {
     let r = Registrar::start().await;
-    register(&mut r.agent("node-a").await, endpoint("shop/cart", "10.1.0.1", "node-a"))
-        .await
-        .unwrap();
+    register(
+        &mut r.agent("node-a").await,
+        endpoint("shop/cart", "10.1.0.1", "node-a"),
+    )
+    .await
+    .unwrap();
 
     // No certificate: the TLS handshake succeeds (the bootstrap needs that), every method refuses.
     let mut anonymous = r.cp.client_with(&r.url, None).await.unwrap();
     let list = anonymous.list_services(ListServicesRequest {}).await.map(|_| ());
     assert_denied(list, Code::Unauthenticated, "authenticated");
     let (requests, outbox) = tokio::sync::mpsc::channel(1);
-    requests.send(WatchRequest { wildcard: true, ..Default::default() }).await.unwrap();
+    requests
+        .send(WatchRequest {
+            wildcard: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     let watch = anonymous.watch(ReceiverStream::new(outbox)).await.map(|_| ());
     assert_denied(watch, Code::Unauthenticated, "authenticated");
     assert_denied(
@@ -215,7 +254,10 @@ async fn clients_without_a_known_identity_get_nothing() {
     );
 
     // A certificate the node CA signed for a workload, not an agent or a reader.
-    let stranger = r.cp.node_ca.issue(&format!("spiffe://{TRUST_DOMAIN}/ns/shop/sa/cart"), Duration::from_secs(600));
+    let stranger = r.cp.node_ca.issue(
+        &format!("spiffe://{TRUST_DOMAIN}/ns/shop/sa/cart"),
+        Duration::from_secs(600),
+    );
     let mut stranger = r.cp.client_with(&r.url, Some(&stranger)).await.unwrap();
     let list = stranger.list_services(ListServicesRequest {}).await.map(|_| ());
     assert_denied(list, Code::PermissionDenied, "known-identity");
@@ -250,14 +292,26 @@ async fn an_expired_certificate_is_refused_and_a_stream_ends_when_its_certificat
     };
     assert!(!refused.is_empty());
     let logs = r.child.logs();
-    assert!(logs.to_lowercase().contains("expired"), "the registrar logs the expired certificate: {logs}");
+    assert!(
+        logs.to_lowercase().contains("expired"),
+        "the registrar logs the expired certificate: {logs}"
+    );
 
     // A reader whose certificate expires in a few seconds: its Watch is served, then ended.
     // (6 s: long enough for the snapshot to arrive on a busy machine.)
-    let short = r.cp.node_ca.issue_between(READER_ID, now - Duration::from_secs(5), now + Duration::from_secs(6));
+    let short =
+        r.cp.node_ca
+            .issue_between(READER_ID, now - Duration::from_secs(5), now + Duration::from_secs(6));
     let mut client = r.cp.client_with(&r.url, Some(&short)).await.unwrap();
     let (requests, outbox) = tokio::sync::mpsc::channel(1);
-    requests.send(WatchRequest { wildcard: true, filter_id: 1, ..Default::default() }).await.unwrap();
+    requests
+        .send(WatchRequest {
+            wildcard: true,
+            filter_id: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     let mut stream = client.watch(ReceiverStream::new(outbox)).await.unwrap().into_inner();
     let first = stream.message().await.unwrap();
     assert!(first.is_some(), "the snapshot arrives while the certificate is valid");
@@ -301,7 +355,10 @@ async fn the_bootstrap_issues_a_node_certificate_only_for_an_agent_token_bound_t
     let der = rustls_pki_types::CertificateDer::from_pem_slice(issued.cert_chain_pem.as_bytes()).unwrap();
     let identity = aether_common::tls::PeerIdentity::from_leaf(&der).unwrap();
     assert_eq!(identity.spiffe_id.as_deref(), Some(node_id("node-a").as_str()));
-    assert!(identity.dns_names.is_empty(), "the CSR's names are ignored: {identity:?}");
+    assert!(
+        identity.dns_names.is_empty(),
+        "the CSR's names are ignored: {identity:?}"
+    );
     // It works as node A's identity, and as nothing more.
     let leaf = aether_tests::identity::Leaf {
         spiffe_id: issued.spiffe_id.clone(),
@@ -312,12 +369,22 @@ async fn the_bootstrap_issues_a_node_certificate_only_for_an_agent_token_bound_t
         not_after: identity.not_after,
     };
     let mut as_a = r.cp.client_with(&r.url, Some(&leaf)).await.unwrap();
-    register(&mut as_a, endpoint("shop/cart", "10.1.0.1", "node-a")).await.unwrap();
-    assert_denied(register(&mut as_a, endpoint("shop/cart", "10.2.0.1", "node-b")).await, Code::PermissionDenied, "own-node");
+    register(&mut as_a, endpoint("shop/cart", "10.1.0.1", "node-a"))
+        .await
+        .unwrap();
+    assert_denied(
+        register(&mut as_a, endpoint("shop/cart", "10.2.0.1", "node-b")).await,
+        Code::PermissionDenied,
+        "own-node",
+    );
 
     let kube = &r.cp.kube;
     let refusals = [
-        ("an unknown token", "token-nobody-issued".to_owned(), "did not authenticate"),
+        (
+            "an unknown token",
+            "token-nobody-issued".to_owned(),
+            "did not authenticate",
+        ),
         (
             "another workload's token",
             kube.mint(TokenInfo {
@@ -353,9 +420,14 @@ async fn the_bootstrap_issues_a_node_certificate_only_for_an_agent_token_bound_t
     }
     let revoked = kube.token_for("node-a");
     kube.revoke(&revoked);
-    assert_eq!(issue(revoked, csr.clone()).await.unwrap_err().code(), Code::PermissionDenied);
+    assert_eq!(
+        issue(revoked, csr.clone()).await.unwrap_err().code(),
+        Code::PermissionDenied
+    );
 
-    let garbage = issue(kube.token_for("node-a"), b"not a CSR".to_vec()).await.unwrap_err();
+    let garbage = issue(kube.token_for("node-a"), b"not a CSR".to_vec())
+        .await
+        .unwrap_err();
     assert_eq!(garbage.code(), Code::InvalidArgument, "{garbage:?}");
     assert!(garbage.message().starts_with("csr_der:"), "{garbage:?}");
     let empty = issue(String::new(), csr).await.unwrap_err();
@@ -366,7 +438,11 @@ async fn the_bootstrap_issues_a_node_certificate_only_for_an_agent_token_bound_t
     // All but the empty one: 1 issued, 4 refused, 1 revoked, 1 with a bad CSR.
     assert_eq!(kube.reviews().len(), 7);
     let metrics = r.metrics().await;
-    assert_eq!(metric_sum(&metrics, "aether_registrar_node_certificates_total"), 8.0, "{metrics}");
+    assert_eq!(
+        metric_sum(&metrics, "aether_registrar_node_certificates_total"),
+        8.0,
+        "{metrics}"
+    );
     let logs = r.child.logs();
     assert!(!logs.contains("token-"), "a token reached the logs: {logs}");
 }
@@ -412,12 +488,22 @@ async fn the_agent_renews_its_node_certificate_and_its_watch_resumes_without_a_s
     let snapshots = metric_sum(&registrar_metrics().await, "aether_registrar_watch_snapshots_total");
 
     // A service that appears after the renewals still reaches the agent: its Watch lives on.
-    register(&mut mesh.registrar_as("other-node").await, endpoint("demo/late", "10.77.0.1", "other-node"))
-        .await
-        .unwrap();
+    register(
+        &mut mesh.registrar_as("other-node").await,
+        endpoint("demo/late", "10.77.0.1", "other-node"),
+    )
+    .await
+    .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while !dependencies(&mesh).await.known.contains("demo/late") {
-        assert!(Instant::now() < deadline, "demo/late never reached the agent:\n{}", mesh.agent.as_ref().map(aether_tests::ChildGuard::logs).unwrap_or_default());
+        assert!(
+            Instant::now() < deadline,
+            "demo/late never reached the agent:\n{}",
+            mesh.agent
+                .as_ref()
+                .map(aether_tests::ChildGuard::logs)
+                .unwrap_or_default()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // The frontend's own registration kept being refreshed under each new certificate.
@@ -429,7 +515,11 @@ async fn the_agent_renews_its_node_certificate_and_its_watch_resumes_without_a_s
         "a request of the agent was refused:\n{}",
         mesh.registrar.logs()
     );
-    let agent_logs = mesh.agent.as_ref().map(aether_tests::ChildGuard::logs).unwrap_or_default();
+    let agent_logs = mesh
+        .agent
+        .as_ref()
+        .map(aether_tests::ChildGuard::logs)
+        .unwrap_or_default();
     assert!(agent_logs.contains("resuming the registrar watch"), "{agent_logs}");
     // Resumed from its version on each new connection: no new snapshot.
     assert_eq!(
