@@ -10,8 +10,9 @@ use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use aether_common::tls::{self, CertSlot, Connector, ServerIdentity};
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
@@ -24,6 +25,7 @@ use serde_json::{Value, json};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::identity::{Leaf, TRUST_DOMAIN, TestCa};
+use crate::{ChildGuard, binary, free_port, http_get};
 
 /// The DNS name the registrar's certificate carries and agents expect.
 pub const REGISTRAR_NAME: &str = "aether-registrar.aether-system.svc";
@@ -153,6 +155,44 @@ impl ControlPlane {
         self.client_with(url, Some(&leaf))
             .await
             .expect("connecting as a reader")
+    }
+}
+
+/// A registrar binary serving mTLS with a [`ControlPlane`]'s certificates; killed when dropped.
+pub struct RunningRegistrar {
+    pub child: ChildGuard,
+    /// `https://127.0.0.1:<port>`.
+    pub url: String,
+    pub admin: SocketAddr,
+}
+
+impl ControlPlane {
+    /// Starts the registrar binary on `data_dir` with this control plane's flags and
+    /// `extra`, and waits until its /ready says so.
+    pub async fn spawn_registrar(&self, data_dir: &Path, extra: &[&str]) -> RunningRegistrar {
+        let grpc = format!("127.0.0.1:{}", free_port());
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let mut cmd = Command::new(binary("aether-registrar"));
+        cmd.args(["--listen", &grpc, "--admin", &admin.to_string()])
+            .arg("--data-dir")
+            .arg(data_dir)
+            .args(self.registrar_args())
+            .args(extra)
+            .envs(self.registrar_env());
+        let child = ChildGuard::spawn("registrar", cmd);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !http_get(&format!("http://{admin}/ready"), None)
+            .await
+            .is_ok_and(|r| r.status == 200)
+        {
+            assert!(Instant::now() < deadline, "registrar not ready:\n{}", child.logs());
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        RunningRegistrar {
+            child,
+            url: format!("https://{grpc}"),
+            admin,
+        }
     }
 }
 

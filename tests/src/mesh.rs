@@ -177,28 +177,20 @@ impl Mesh {
             }
         }
         args.extend(agent_args.iter().map(|a| a.to_string()));
-        let grpc_port = free_port();
-        let registrar_admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let control_plane = ControlPlane::new(dir.path());
         let link_args = node_identity.link_args(control_plane.agent_args("test-node"));
-        let mut cmd = Command::new(binary("aether-registrar"));
-        cmd.args(["--listen", &format!("127.0.0.1:{grpc_port}")])
-            .args(["--admin", &registrar_admin.to_string()])
-            .args(control_plane.registrar_args())
-            .args(registrar_args)
-            .envs(control_plane.registrar_env())
-            // Tests and benches register stand-in endpoints straight at the registrar, with no
-            // agent to refresh them: they must outlive a long run (agents refresh theirs).
-            .args(["--endpoint-ttl", "1h"])
-            .arg("--data-dir")
-            .arg(dir.path().join("registrar"));
-        let registrar = ChildGuard::spawn("registrar", cmd);
-        wait_ready(registrar_admin, &registrar).await;
+        // Tests and benches register stand-in endpoints straight at the registrar, with no
+        // agent to refresh them: they must outlive a long run (agents refresh theirs).
+        let mut extra = vec!["--endpoint-ttl", "1h"];
+        extra.extend_from_slice(registrar_args);
+        let registrar = control_plane
+            .spawn_registrar(&dir.path().join("registrar"), &extra)
+            .await;
         let mut mesh = Mesh {
             node: TestNode::new(),
-            registrar,
-            registrar_url: format!("https://127.0.0.1:{grpc_port}"),
-            registrar_admin,
+            registrar: registrar.child,
+            registrar_url: registrar.url,
+            registrar_admin: registrar.admin,
             agent: None,
             agent_admin: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
             envoy: None,

@@ -4,7 +4,6 @@
 //! node certificate under a live Watch.
 
 use std::net::SocketAddr;
-use std::process::Command;
 use std::time::{Duration, Instant, SystemTime};
 
 use aether_proto::registrar::v1::node_bootstrap_client::NodeBootstrapClient;
@@ -19,7 +18,7 @@ use aether_tests::control_plane::{AGENT_USER, AUDIENCE, ControlPlane, READER_ID,
 use aether_tests::identity::{TRUST_DOMAIN, TestCa};
 use aether_tests::mesh::{APP, Mesh};
 use aether_tests::supervisor::metric_sum;
-use aether_tests::{ChildGuard, binary, free_port, http_get};
+use aether_tests::{ChildGuard, http_get};
 use rustls_pki_types::pem::PemObject;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
@@ -38,27 +37,11 @@ impl Registrar {
     async fn start() -> Registrar {
         let dir = tempfile::tempdir().unwrap();
         let cp = ControlPlane::new(dir.path());
-        let grpc = format!("127.0.0.1:{}", free_port());
-        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let mut cmd = Command::new(binary("aether-registrar"));
-        cmd.args(["--listen", &grpc, "--admin", &admin.to_string()])
-            .arg("--data-dir")
-            .arg(dir.path().join("data"))
-            .args(cp.registrar_args())
-            .envs(cp.registrar_env());
-        let child = ChildGuard::spawn("registrar", cmd);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !http_get(&format!("http://{admin}/ready"), None)
-            .await
-            .is_ok_and(|r| r.status == 200)
-        {
-            assert!(Instant::now() < deadline, "registrar not ready:\n{}", child.logs());
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        let running = cp.spawn_registrar(&dir.path().join("data"), &[]).await;
         Registrar {
-            child,
-            url: format!("https://{grpc}"),
-            admin,
+            child: running.child,
+            url: running.url,
+            admin: running.admin,
             cp,
             _dir: dir,
         }
@@ -70,6 +53,23 @@ impl Registrar {
 
     async fn reader(&self) -> RegistrarClient<Channel> {
         self.cp.reader(&self.url).await
+    }
+
+    /// The registrar's log once a line contains `needle` (it may be written just after
+    /// the client saw the outcome).
+    async fn log_line(&self, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let logs = self.child.logs();
+            if logs.contains(needle) {
+                return logs;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {needle:?} in the registrar's log:\n{logs}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     async fn metrics(&self) -> String {
@@ -271,8 +271,7 @@ async fn clients_without_a_known_identity_get_nothing() {
         Ok(mut client) => format!("{:?}", client.list_services(ListServicesRequest {}).await.unwrap_err()),
     };
     assert!(!refused.is_empty());
-    let logs = r.child.logs();
-    assert!(logs.contains("TLS handshake refused"), "{logs}");
+    let logs = r.log_line("TLS handshake refused").await;
     assert!(logs.to_lowercase().contains("issuer"), "the registrar logs why: {logs}");
     assert_eq!(r.endpoints("shop/cart").await, ["10.1.0.1@node-a"]);
 }
@@ -291,7 +290,7 @@ async fn an_expired_certificate_is_refused_and_a_stream_ends_when_its_certificat
         Ok(mut client) => format!("{:?}", client.list_services(ListServicesRequest {}).await.unwrap_err()),
     };
     assert!(!refused.is_empty());
-    let logs = r.child.logs();
+    let logs = r.log_line("TLS handshake refused").await;
     assert!(
         logs.to_lowercase().contains("expired"),
         "the registrar logs the expired certificate: {logs}"

@@ -351,33 +351,22 @@ async fn every_metrics_endpoint_is_valid_exposition_with_consistent_names() {
 
 /// Starts the registrar binary pushing to `otlp` every 200 ms; returns it with its admin address.
 async fn registrar_pushing_to(otlp: &str, dir: &std::path::Path) -> (ChildGuard, SocketAddr, String, ControlPlane) {
-    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let grpc = format!("127.0.0.1:{}", free_port());
     let control_plane = ControlPlane::new(dir);
-    let mut cmd = Command::new(binary("aether-registrar"));
-    cmd.args(["--listen", &grpc, "--admin", &admin.to_string()])
-        .args(control_plane.registrar_args())
-        .envs(control_plane.registrar_env())
-        .arg("--data-dir")
-        .arg(dir)
-        .args([
-            "--otel-enabled",
-            "--otlp-endpoint",
-            otlp,
-            "--otlp-export-interval",
-            "200ms",
-        ])
-        .args(["--otlp-timeout", "500ms"]);
-    let child = ChildGuard::spawn("registrar", cmd);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !http_get(&format!("http://{admin}/ready"), None)
-        .await
-        .is_ok_and(|r| r.status == 200)
-    {
-        assert!(Instant::now() < deadline, "registrar not ready:\n{}", child.logs());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    (child, admin, format!("https://{grpc}"), control_plane)
+    let running = control_plane
+        .spawn_registrar(
+            &dir.join("data"),
+            &[
+                "--otel-enabled",
+                "--otlp-endpoint",
+                otlp,
+                "--otlp-export-interval",
+                "200ms",
+                "--otlp-timeout",
+                "500ms",
+            ],
+        )
+        .await;
+    (running.child, running.admin, running.url, control_plane)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
