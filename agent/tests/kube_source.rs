@@ -518,10 +518,114 @@ async fn failing_requests_are_retried_with_backoff() {
 struct Agent {
     registrar: aether_registrar::Running,
     registrar_stop: CancellationToken,
+    pki: Pki,
     child: tokio::process::Child,
     admin: std::net::SocketAddr,
     log: std::path::PathBuf,
     _dir: tempfile::TempDir,
+}
+
+/// The control plane's mTLS for these tests: the registrar's certificate, a node CA, this
+/// node's certificate from it (the agent's `--node-identity files`) and a reader's.
+struct Pki {
+    dir: std::path::PathBuf,
+    registrar_ca: Vec<u8>,
+    reader: (Vec<u8>, Vec<u8>),
+}
+
+impl Pki {
+    const REGISTRAR: &str = "registrar.test";
+    const READER: &str = "spiffe://cluster.local/ns/test/sa/reader";
+
+    fn write(dir: &std::path::Path) -> Pki {
+        let dir = dir.join("pki");
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = |name: &str| {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.distinguished_name.push(rcgen::DnType::CommonName, name);
+            params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            let cert = params.self_signed(&key).unwrap();
+            (cert, rcgen::Issuer::new(params, key))
+        };
+        let leaf = |issuer: &rcgen::Issuer<'_, rcgen::KeyPair>, san: rcgen::SanType| {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.subject_alt_names = vec![san];
+            (params.signed_by(&key, issuer).unwrap(), key)
+        };
+        let uri = |id: &str| rcgen::SanType::URI(id.to_owned().try_into().unwrap());
+        let (registrar_ca, registrar_issuer) = ca("registrar CA");
+        let (node_ca, node_issuer) = ca("node CA");
+        let (server, server_key) = leaf(
+            &registrar_issuer,
+            rcgen::SanType::DnsName(Self::REGISTRAR.try_into().unwrap()),
+        );
+        let (node, node_key) = leaf(&node_issuer, uri(&format!("spiffe://cluster.local/aether/node/{NODE}")));
+        let (reader, reader_key) = leaf(&node_issuer, uri(Self::READER));
+        for (file, pem) in [
+            ("registrar-ca.crt", registrar_ca.pem()),
+            ("registrar.crt", server.pem()),
+            ("registrar.key", server_key.serialize_pem()),
+            ("node-ca.crt", node_ca.pem()),
+            ("node.crt", node.pem()),
+            ("node.key", node_key.serialize_pem()),
+        ] {
+            std::fs::write(dir.join(file), pem).unwrap();
+        }
+        Pki {
+            dir,
+            registrar_ca: registrar_ca.der().to_vec(),
+            reader: (reader.der().to_vec(), reader_key.serialize_der()),
+        }
+    }
+
+    fn path(&self, file: &str) -> String {
+        self.dir.join(file).display().to_string()
+    }
+
+    fn registrar_flags(&self) -> Vec<String> {
+        vec![
+            format!("--tls-cert={}", self.path("registrar.crt")),
+            format!("--tls-key={}", self.path("registrar.key")),
+            format!("--node-ca-cert={}", self.path("node-ca.crt")),
+            "--trust-domain=cluster.local".into(),
+            format!("--reader-ids={}", Self::READER),
+        ]
+    }
+
+    /// The agent presents a node certificate from files.
+    fn agent_flags(&self) -> Vec<String> {
+        vec![
+            format!("--registrar-ca={}", self.path("registrar-ca.crt")),
+            format!("--registrar-identity={}", Self::REGISTRAR),
+            "--node-identity=files".into(),
+            format!("--node-cert={}", self.path("node.crt")),
+            format!("--node-key={}", self.path("node.key")),
+        ]
+    }
+
+    async fn reader(
+        &self,
+        addr: std::net::SocketAddr,
+    ) -> aether_proto::registrar::v1::registrar_client::RegistrarClient<tonic::transport::Channel> {
+        use aether_common::tls;
+        let slot = tls::CertSlot::new(
+            tls::certified_key(
+                vec![self.reader.0.clone().into()],
+                rustls::pki_types::PrivateKeyDer::Pkcs8(self.reader.1.clone().into()),
+            )
+            .unwrap(),
+        );
+        let roots = tls::roots("registrar CA", vec![self.registrar_ca.clone().into()]).unwrap();
+        let config = tls::client_config(roots, Self::REGISTRAR.parse().unwrap(), slot).unwrap();
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect_with_connector(tls::Connector::new(config))
+            .await
+            .unwrap();
+        aether_proto::registrar::v1::registrar_client::RegistrarClient::new(channel)
+    }
 }
 
 /// The pod the agent's state dir holds from a previous run (re-registered at start).
@@ -535,14 +639,17 @@ impl Agent {
     async fn start(api: &FakeApi, flags: &[&str]) -> Agent {
         let dir = tempfile::tempdir().unwrap();
         let registrar_stop = CancellationToken::new();
+        let pki = Pki::write(dir.path());
+        let mut registrar_flags = vec![
+            "aether-registrar".to_owned(),
+            "--listen=127.0.0.1:0".into(),
+            "--admin=127.0.0.1:0".into(),
+            "--store=embedded".into(),
+            format!("--data-dir={}", dir.path().join("registrar").display()),
+        ];
+        registrar_flags.extend(pki.registrar_flags());
         let registrar = aether_registrar::start(
-            <aether_registrar::Config as clap::Parser>::parse_from([
-                "aether-registrar",
-                "--listen=127.0.0.1:0",
-                "--admin=127.0.0.1:0",
-                "--store=embedded",
-                &format!("--data-dir={}", dir.path().join("registrar").display()),
-            ]),
+            <aether_registrar::Config as clap::Parser>::parse_from(registrar_flags),
             registrar_stop.clone(),
         )
         .await
@@ -584,7 +691,8 @@ impl Agent {
         let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_aether-agent"))
             .arg("run")
             .args(["--node-name", NODE, "--pod-source", "kubernetes", "--identity", "none"])
-            .arg(format!("--registrar=http://{}", registrar.grpc_addr))
+            .arg(format!("--registrar=https://{}", registrar.grpc_addr))
+            .args(pki.agent_flags())
             .arg(format!("--state-dir={}", state.display()))
             .arg(format!("--cni-socket={}", dir.path().join("cni.sock").display()))
             .arg(format!("--xds-socket={}", dir.path().join("xds.sock").display()))
@@ -603,6 +711,7 @@ impl Agent {
         Agent {
             registrar,
             registrar_stop,
+            pki,
             child,
             admin,
             log,
@@ -616,10 +725,7 @@ impl Agent {
 
     /// The registrar's endpoints of `shop/web` once the recovered pod's is there.
     async fn registered(&self) -> aether_proto::registry::v1::Endpoint {
-        let url = format!("http://{}", self.registrar.grpc_addr);
-        let mut client = aether_proto::registrar::v1::registrar_client::RegistrarClient::connect(url)
-            .await
-            .unwrap();
+        let mut client = self.pki.reader(self.registrar.grpc_addr).await;
         let deadline = Instant::now() + WAIT;
         loop {
             let endpoints = client
