@@ -207,28 +207,7 @@ impl RegistrarLink {
                 .parse()
                 .map_err(|e: String| url_error(e))?,
         };
-        let slot = match node_identity {
-            NodeIdentityKind::Files => CertSlot::from_files(
-                CertFiles {
-                    cert_flag: "--node-cert",
-                    cert: config.node_cert.clone(),
-                    key_flag: "--node-key",
-                    key: config.node_key.clone(),
-                },
-                shutdown.clone(),
-            )?,
-            NodeIdentityKind::Bootstrap => CertSlot::default(),
-            NodeIdentityKind::Spire => {
-                let slot = CertSlot::default();
-                tokio::spawn(follow_svid(
-                    agent.spire_workload_socket.clone(),
-                    agent.node_name.clone(),
-                    slot.clone(),
-                    shutdown.clone(),
-                ));
-                slot
-            }
-        };
+        let slot = node_certificate(node_identity, config, agent, &shutdown)?;
         let client_config = tls::client_config(roots.clone(), expected.clone(), slot.clone())?;
         let connector = Connector::new(client_config).when_certified(slot.clone());
         let dial = move || endpoint.connect_with_connector_lazy(connector.clone());
@@ -260,6 +239,38 @@ impl RegistrarLink {
         rotated.mark_unchanged();
         rotated
     }
+}
+
+/// The slot the node certificate is kept in, filled from files (reloaded) or by SPIRE's
+/// stream; the bootstrap fills it from `start_for`, which has the registrar's address.
+fn node_certificate(
+    kind: NodeIdentityKind,
+    config: &LinkConfig,
+    agent: &AgentContext,
+    shutdown: &CancellationToken,
+) -> Result<CertSlot, LinkError> {
+    Ok(match kind {
+        NodeIdentityKind::Files => CertSlot::from_files(
+            CertFiles {
+                cert_flag: "--node-cert",
+                cert: config.node_cert.clone(),
+                key_flag: "--node-key",
+                key: config.node_key.clone(),
+            },
+            shutdown.clone(),
+        )?,
+        NodeIdentityKind::Bootstrap => CertSlot::default(),
+        NodeIdentityKind::Spire => {
+            let slot = CertSlot::default();
+            tokio::spawn(follow_svid(
+                agent.spire_workload_socket.clone(),
+                agent.node_name.clone(),
+                slot.clone(),
+                shutdown.clone(),
+            ));
+            slot
+        }
+    })
 }
 
 fn endpoint(url: &str) -> Result<Endpoint, String> {
