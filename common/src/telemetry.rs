@@ -168,7 +168,12 @@ where
     let registry = tracing_subscriber::registry().with(extra);
     let _ = match format {
         LogFormat::Text => registry
-            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+            // Colours only on a terminal: a container's log (a pipe) gets plain text.
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                    .with_writer(std::io::stderr),
+            )
             .with(filter)
             .try_init(),
         LogFormat::Json => registry
