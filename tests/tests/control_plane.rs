@@ -215,7 +215,10 @@ async fn an_agent_writes_only_its_own_nodes_endpoints_and_nothing_else_changes()
     assert_eq!(denied("UnregisterEndpoint", "own-node"), 1.0, "{metrics}");
     assert_eq!(denied("RegisterEndpoint", "agent-writes"), 1.0, "{metrics}");
     let logs = r.child.logs();
-    assert!(!logs.contains('\u{1b}'), "terminal colour codes in a log file: {logs:?}");
+    assert!(
+        !logs.contains('\u{1b}'),
+        "terminal colour codes in a log file: {logs:?}"
+    );
     assert!(
         logs.lines().any(|l| l.contains("refused")
             && l.contains("spiffe://aether.test/aether/node/node-a")
