@@ -32,6 +32,11 @@ const MAX_TOKEN_BYTES: usize = 16 * 1024;
 const MAX_CSR_BYTES: usize = 16 * 1024;
 /// Certificates are valid from a little before issue, for clocks a little behind ours.
 const BACKDATE: Duration = Duration::from_secs(60);
+/// TokenReviews in flight at once: anyone may call the bootstrap, and each call costs
+/// the API server a review, so a flood queues here (then is refused) instead of there.
+const MAX_REVIEWS_IN_FLIGHT: usize = 16;
+/// How long a bootstrap call waits for a review slot.
+const REVIEW_QUEUE_WAIT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum BootstrapError {
@@ -59,6 +64,7 @@ pub struct Bootstrap {
     /// `system:serviceaccount:<ns>:<name>`.
     agent_user: String,
     kube: kube::Client,
+    reviews: tokio::sync::Semaphore,
     issued: Family<[(&'static str, &'static str); 1], Counter>,
 }
 
@@ -119,6 +125,7 @@ impl Bootstrap {
             audience: config.audience,
             agent_user: format!("system:serviceaccount:{namespace}:{name}"),
             kube,
+            reviews: tokio::sync::Semaphore::new(MAX_REVIEWS_IN_FLIGHT),
             issued: Family::default(),
         })
     }
@@ -130,6 +137,10 @@ impl Bootstrap {
 
     /// Asks Kubernetes whose `token` is; the node its pod is bound to if it is an agent's.
     async fn node_of(&self, token: &str) -> Result<String, Status> {
+        let _slot = tokio::time::timeout(REVIEW_QUEUE_WAIT, self.reviews.acquire())
+            .await
+            .map_err(|_| Status::unavailable("too many node certificate requests at once; retry shortly"))?
+            .map_err(|_| Status::unavailable("shutting down"))?;
         let review = TokenReview {
             spec: TokenReviewSpec {
                 token: Some(token.to_owned()),
