@@ -11,6 +11,7 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use aether_common::names::ContainerIdError;
 use aether_common::quote::quote;
 use aether_proto::cni::v1::cni_plugin_server::{CniPlugin, CniPluginServer};
 use aether_proto::cni::v1::{
@@ -91,14 +92,12 @@ fn check_pod_ref(pod: Option<&PodRef>) -> Result<&PodRef, Status> {
     Ok(pod)
 }
 
+/// The rule is [`aether_common::names::container_id`], the one the CNI plugin checks.
 fn check_container_id(id: &str) -> Result<(), Status> {
-    if id.is_empty() {
-        return Err(invalid("container_id", "must be set"));
-    }
-    if id.len() > 256 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
-        return Err(invalid("container_id", format!("{} is not a container id", quote(id))));
-    }
-    Ok(())
+    aether_common::names::container_id(id).map_err(|e| match e {
+        ContainerIdError::Empty => invalid("container_id", "must be set"),
+        ContainerIdError::Invalid => invalid("container_id", format!("{} is not a container id", quote(id))),
+    })
 }
 
 fn check_netns(path: &str) -> Result<(), Status> {

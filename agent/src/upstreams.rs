@@ -8,6 +8,7 @@
 
 use std::collections::BTreeSet;
 
+use aether_common::names::{self, LabelError};
 use aether_common::quote::quote;
 
 /// The annotation that declares a pod's upstreams.
@@ -51,26 +52,28 @@ pub fn parse(pod_namespace: &str, value: &str) -> Upstreams {
     parsed
 }
 
-/// A DNS-1123 label: what namespaces and service names must be.
-pub fn check(label: &str) -> Result<(), String> {
-    if label.is_empty() {
-        return Err("empty namespace or name".into());
-    }
-    if label.len() > 63 {
-        return Err(format!("{} is longer than 63 characters", quote(label)));
-    }
-    let ok = label
-        .bytes()
-        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !label.starts_with('-')
-        && !label.ends_with('-');
-    if !ok {
-        return Err(format!(
-            "{} is not a DNS-1123 label (lowercase letters, digits and '-')",
-            quote(label)
-        ));
-    }
-    Ok(())
+/// Why a namespace or service name was refused, worded for the agent's callers (the
+/// entry or field is named by the caller).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BadName {
+    #[error("empty namespace or name")]
+    Empty,
+    /// The name, quoted (bounded).
+    #[error("{0} is longer than 63 characters")]
+    TooLong(String),
+    /// The name, quoted (bounded).
+    #[error("{0} is not a DNS-1123 label (lowercase letters, digits and '-')")]
+    NotALabel(String),
+}
+
+/// A DNS-1123 label: what namespaces and service names must be
+/// ([`aether_common::names::dns_label`], the rule the registrar and mesh-dns check too).
+pub fn check(label: &str) -> Result<(), BadName> {
+    names::dns_label(label).map_err(|e| match e {
+        LabelError::Empty => BadName::Empty,
+        LabelError::TooLong(_) => BadName::TooLong(quote(label).to_string()),
+        LabelError::NotALabel => BadName::NotALabel(quote(label).to_string()),
+    })
 }
 
 #[cfg(test)]

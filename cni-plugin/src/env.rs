@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use aether_common::names::ContainerIdError;
 use aether_common::quote::quote;
 
 use crate::error::{CniError, invalid_env};
@@ -75,18 +76,23 @@ pub struct Sandbox {
     pub pod: Option<PodArgs>,
 }
 
-/// Container ids: the spec allows alphanumerics, underscore, hyphen and period.
-pub fn check_container_id(id: &str) -> Result<(), String> {
-    if id.is_empty() {
-        return Err("missing".into());
-    }
-    if id.len() > 256 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
-        return Err(format!(
-            "{} is not a container id (letters, digits, '-', '_', '.')",
-            quote(id)
-        ));
-    }
-    Ok(())
+/// Why a container id was refused, worded for the plugin's variables and config.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BadContainerId {
+    #[error("missing")]
+    Missing,
+    /// The id, quoted (bounded).
+    #[error("{0} is not a container id (letters, digits, '-', '_', '.')")]
+    Invalid(String),
+}
+
+/// Container ids: the spec allows alphanumerics, underscore, hyphen and period
+/// ([`aether_common::names::container_id`], the rule the agent checks too).
+pub fn check_container_id(id: &str) -> Result<(), BadContainerId> {
+    aether_common::names::container_id(id).map_err(|e| match e {
+        ContainerIdError::Empty => BadContainerId::Missing,
+        ContainerIdError::Invalid => BadContainerId::Invalid(quote(id).to_string()),
+    })
 }
 
 /// `KEY=VALUE;KEY=VALUE` (CNI_ARGS).

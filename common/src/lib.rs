@@ -4,6 +4,7 @@ pub mod admin;
 pub mod duration;
 pub mod fs;
 pub mod hash;
+pub mod names;
 pub mod pod_meta;
 pub mod quote;
 pub mod shutdown;

@@ -91,16 +91,9 @@ struct WireAddresses {
     v6: Option<String>,
 }
 
-/// Whether `label` is a DNS label as Kubernetes names namespaces and services (RFC 1123).
-pub fn valid_label(label: &str) -> bool {
-    let b = label.as_bytes();
-    !b.is_empty()
-        && b.len() <= 63
-        && b.iter()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-        && b[0] != b'-'
-        && b[b.len() - 1] != b'-'
-}
+/// Whether `label` is a DNS label as Kubernetes names namespaces and services (RFC 1123):
+/// [`aether_common::names::valid_label`], the rule the agent and registrar check too.
+pub use aether_common::names::valid_label;
 
 fn split_key(key: &str) -> Result<(String, String), RecordsError> {
     let bad = |reason: &str| RecordsError::Key {

@@ -1,0 +1,116 @@
+//! The naming rules more than one binary checks: DNS-1123 labels (Kubernetes namespaces
+//! and service names) and CNI container ids.
+//!
+//! Only the rule lives here. Each caller words its own error (a gRPC field, a CNI
+//! variable, an annotation entry) from the typed reason these functions return, so its
+//! messages stay what its users and tests expect.
+
+/// The longest DNS-1123 label.
+pub const MAX_LABEL_LEN: usize = 63;
+/// The longest container id accepted (the CNI spec sets no limit; runtimes use 64).
+pub const MAX_CONTAINER_ID_LEN: usize = 256;
+
+/// Why a string is not a DNS-1123 label. The wording is the registrar's, e.g.
+/// `namespace is 64 characters long (at most 63)` once prefixed with the field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LabelError {
+    #[error("is empty")]
+    Empty,
+    /// The label's length in bytes.
+    #[error("is {0} characters long (at most 63)")]
+    TooLong(usize),
+    /// A character other than `a-z`, `0-9` and `-`, or `-` first or last.
+    #[error("must be a DNS-1123 label (lowercase letters, digits and '-', starting and ending with a letter or digit)")]
+    NotALabel,
+}
+
+/// Checks that `label` is a DNS-1123 label (RFC 1123), what Kubernetes requires of
+/// namespaces and service names: 1 to 63 lowercase ASCII letters, digits and `-`,
+/// starting and ending with a letter or digit.
+pub fn dns_label(label: &str) -> Result<(), LabelError> {
+    let b = label.as_bytes();
+    if b.is_empty() {
+        return Err(LabelError::Empty);
+    }
+    if b.len() > MAX_LABEL_LEN {
+        return Err(LabelError::TooLong(b.len()));
+    }
+    let allowed = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-';
+    if !b.iter().all(allowed) || b[0] == b'-' || b[b.len() - 1] == b'-' {
+        return Err(LabelError::NotALabel);
+    }
+    Ok(())
+}
+
+/// Whether `label` is a DNS-1123 label (see [`dns_label`]).
+pub fn valid_label(label: &str) -> bool {
+    dns_label(label).is_ok()
+}
+
+/// Why a string is not a container id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ContainerIdError {
+    #[error("is empty")]
+    Empty,
+    /// Longer than [`MAX_CONTAINER_ID_LEN`], or a character other than those allowed.
+    #[error("is not a container id (letters, digits, '-', '_', '.')")]
+    Invalid,
+}
+
+/// Checks a CNI container id: the spec allows ASCII letters, digits, `-`, `_` and `.`;
+/// at most [`MAX_CONTAINER_ID_LEN`] bytes (it becomes a file name under the pin and
+/// state directories).
+pub fn container_id(id: &str) -> Result<(), ContainerIdError> {
+    if id.is_empty() {
+        return Err(ContainerIdError::Empty);
+    }
+    if id.len() > MAX_CONTAINER_ID_LEN || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
+        return Err(ContainerIdError::Invalid);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn labels() {
+        for ok in ["a", "shop", "a-b", "0", "9lives", &"a".repeat(63)] {
+            assert_eq!(dns_label(ok), Ok(()), "{ok:?}");
+        }
+        assert_eq!(dns_label(""), Err(LabelError::Empty));
+        assert_eq!(dns_label(&"a".repeat(64)), Err(LabelError::TooLong(64)));
+        for bad in ["-a", "a-", "-", "A", "a_b", "a.b", "a/b", "é", "a b"] {
+            assert_eq!(dns_label(bad), Err(LabelError::NotALabel), "{bad:?}");
+        }
+        assert_eq!(
+            dns_label(&"a".repeat(64)).unwrap_err().to_string(),
+            "is 64 characters long (at most 63)"
+        );
+    }
+
+    #[test]
+    fn container_ids() {
+        for ok in ["a", "abc-123_x.y", &"f".repeat(256)] {
+            assert_eq!(container_id(ok), Ok(()), "{ok:?}");
+        }
+        assert_eq!(container_id(""), Err(ContainerIdError::Empty));
+        for bad in ["a b", "a/b", "..:", "é", &"f".repeat(257)] {
+            assert_eq!(container_id(bad), Err(ContainerIdError::Invalid), "{bad:?}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn a_label_is_exactly_the_dns_1123_pattern(s in "[a-z0-9-]{0,70}|\\PC{0,8}") {
+            let expected = !s.is_empty()
+                && s.len() <= 63
+                && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                && !s.starts_with('-')
+                && !s.ends_with('-');
+            prop_assert_eq!(valid_label(&s), expected);
+        }
+    }
+}
