@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use aether_common::admin::{AdminServer, Pages, Readiness};
-use aether_common::telemetry::{Identity, MetricsPush};
+use aether_common::telemetry::{Component, MetricsPush};
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
@@ -29,7 +29,7 @@ pub use supervisor::{Ended, Status, Supervisor, SupervisorError};
 const ADMIN_BIND_RETRY: Duration = Duration::from_millis(500);
 
 /// Names the supervisor's telemetry (`aether_proxy_*`, service.name aether-proxy).
-pub const TELEMETRY: Identity = Identity {
+pub const TELEMETRY: Component = Component {
     component: "proxy",
     binary: "aether-proxy",
     version: env!("CARGO_PKG_VERSION"),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use aether_common::admin::{AdminError, AdminServer, Pages, Readiness};
 use aether_common::telemetry::otlp::Refresh;
-use aether_common::telemetry::{Identity, MetricsPush};
+use aether_common::telemetry::{Component, MetricsPush};
 use aether_proto::registry::v1::Locality;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
 use prometheus_client::metrics::gauge::Gauge;
@@ -32,7 +32,7 @@ use crate::xds::cache::Cache;
 use crate::xds::{AdsServer, Hooks, XdsMetrics};
 
 /// Names the agent's telemetry (`aether_agent_*`, service.name aether-agent).
-pub const TELEMETRY: Identity = Identity {
+pub const TELEMETRY: Component = Component {
     component: "agent",
     binary: "aether-agent",
     version: env!("CARGO_PKG_VERSION"),

@@ -115,13 +115,17 @@ pub fn parse_sample_rate(text: &str) -> Result<f64, String> {
 /// Who is reporting: `component` names the instruments (`aether_<component>_…`), `binary` is the default
 /// service.name.
 #[derive(Clone, Copy, Debug)]
-pub struct Identity {
+pub struct Component {
     pub component: &'static str,
     pub binary: &'static str,
     pub version: &'static str,
 }
 
-impl Identity {
+/// The old name of [`Component`], kept only until `registrar/src/server.rs` says `Component`
+/// (it collided with the agent's workload `Identity`). Do not use in new code.
+pub type Identity = Component;
+
+impl Component {
     /// The OTLP resource attributes of this process.
     pub fn resource(&self, config: &TelemetryConfig) -> Vec<opentelemetry_proto::tonic::common::v1::KeyValue> {
         let mut out = vec![
@@ -197,7 +201,7 @@ impl Drop for TraceGuard {
 
 /// Logging, plus spans exported over OTLP when `--otel-enabled` and `--trace-sample-rate` > 0. Call from within
 /// the tokio runtime (the gRPC channel lives on it); nothing here waits for the collector.
-pub fn init(format: LogFormat, config: &TelemetryConfig, identity: &Identity) -> Result<TraceGuard, TelemetryError> {
+pub fn init(format: LogFormat, config: &TelemetryConfig, component: &Component) -> Result<TraceGuard, TelemetryError> {
     if !config.otel_enabled || config.trace_sample_rate <= 0.0 {
         init_logging(format);
         return Ok(TraceGuard(None));
@@ -216,13 +220,13 @@ pub fn init(format: LogFormat, config: &TelemetryConfig, identity: &Identity) ->
             config
                 .otel_service_name
                 .clone()
-                .unwrap_or_else(|| identity.binary.to_owned()),
+                .unwrap_or_else(|| component.binary.to_owned()),
         )
         .with_attributes(
             [
                 ("service.namespace", "aether".to_owned()),
-                ("service.version", identity.version.to_owned()),
-                ("aether.component", identity.component.to_owned()),
+                ("service.version", component.version.to_owned()),
+                ("aether.component", component.component.to_owned()),
             ]
             .into_iter()
             .chain(config.otel_node_name.clone().map(|n| ("k8s.node.name", n)))
@@ -239,7 +243,7 @@ pub fn init(format: LogFormat, config: &TelemetryConfig, identity: &Identity) ->
             log: std::sync::Mutex::new(otlp::RateLimitedLog::new(otlp::LOG_EVERY)),
         })
         .build();
-    let tracer = provider.tracer(identity.binary);
+    let tracer = provider.tracer(component.binary);
     install(format, Some(tracing_opentelemetry::layer().with_tracer(tracer)));
     Ok(TraceGuard(Some(provider)))
 }
@@ -283,14 +287,14 @@ impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
 /// [`MetricsPush::spawn`] after.
 pub struct MetricsPush {
     config: TelemetryConfig,
-    identity: Identity,
+    component: Component,
 }
 
 impl MetricsPush {
     /// Registers `aether_<component>_otlp_exports_total` / `_otlp_export_failures_total`.
-    pub fn register(config: &TelemetryConfig, identity: Identity, registry: &mut Registry) -> Self {
+    pub fn register(config: &TelemetryConfig, component: Component, registry: &mut Registry) -> Self {
         let metrics = export_metrics();
-        let r = registry.sub_registry_with_prefix(format!("aether_{}", identity.component));
+        let r = registry.sub_registry_with_prefix(format!("aether_{}", component.component));
         r.register(
             "otlp_exports",
             "OTLP exports attempted, by signal (metrics, traces)",
@@ -303,7 +307,7 @@ impl MetricsPush {
         );
         Self {
             config: config.clone(),
-            identity,
+            component,
         }
     }
 
@@ -324,7 +328,7 @@ impl MetricsPush {
                     channel,
                 ),
             registry,
-            resource: self.identity.resource(&self.config),
+            resource: self.component.resource(&self.config),
             interval: self.config.otlp_export_interval,
             timeout: self.config.otlp_timeout,
             metrics: export_metrics().clone(),
@@ -378,12 +382,12 @@ mod tests {
             otel_node_name: Some("n1".into()),
             ..Default::default()
         };
-        let identity = Identity {
+        let component = Component {
             component: "agent",
             binary: "aether-agent",
             version: "1.2.3",
         };
-        let resource = identity.resource(&config);
+        let resource = component.resource(&config);
         let get = |k: &str| {
             resource.iter().find(|kv| kv.key == k).and_then(|kv| match &kv.value {
                 Some(opentelemetry_proto::tonic::common::v1::AnyValue {

@@ -185,8 +185,8 @@ impl Dnsperf<'_> {
 /// and for the same names asked as MX (NODATA, the general hickory-proto path).
 fn handler_cost(file: &RecordFile, packets: &[Vec<u8>]) -> (f64, f64) {
     use aether_mesh_dns::handler::{Handler, Outcome};
-    use aether_mesh_dns::table::{Store, Table};
-    let store = std::sync::Arc::new(Store::default());
+    use aether_mesh_dns::table::{CurrentTable, Table};
+    let store = std::sync::Arc::new(CurrentTable::default());
     store.replace(Table::new(file));
     let handler = Handler::new(store, "aether.internal", "cluster.local", &[]).unwrap();
     let time = |packets: &[Vec<u8>]| {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aether_common::admin::{AdminError, AdminServer, Pages, Readiness};
-use aether_common::telemetry::{Identity, MetricsPush};
+use aether_common::telemetry::{Component, MetricsPush};
 use prometheus_client::registry::Registry;
 use tokio::net::{TcpListener, UdpSocket};
 use tokio::sync::Semaphore;
@@ -19,7 +19,7 @@ use crate::metrics::Metrics;
 use crate::ratelimit::SharedRateLimited;
 use crate::reload::Reloader;
 use crate::server::{self, Server, ServerError};
-use crate::table::Store;
+use crate::table::CurrentTable;
 
 /// How often a surge successor retries the admin address its predecessor still holds.
 const ADMIN_BIND_RETRY: Duration = Duration::from_millis(500);
@@ -43,7 +43,7 @@ pub enum StartError {
 }
 
 /// Names mesh-dns's telemetry (`aether_mesh_dns_*`, service.name aether-mesh-dns).
-pub const TELEMETRY: Identity = Identity {
+pub const TELEMETRY: Component = Component {
     component: "mesh_dns",
     binary: "aether-mesh-dns",
     version: env!("CARGO_PKG_VERSION"),
@@ -86,7 +86,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let mut search = config.search_domains.clone();
     search.extend(resolv_search);
 
-    let store = Arc::new(Store::default());
+    let store = Arc::new(CurrentTable::default());
     let handler = Handler::new(store.clone(), &config.mesh_domain, &config.cluster_domain, &search)?;
     let metrics = Metrics::new();
     let forwarder = Forwarder::new(upstreams.clone(), config.upstream_timeout, metrics.forward.clone())?;
@@ -203,7 +203,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     })
 }
 
-fn debug_pages(store: Arc<Store>, upstreams: Vec<SocketAddr>, domain: String) -> Pages {
+fn debug_pages(store: Arc<CurrentTable>, upstreams: Vec<SocketAddr>, domain: String) -> Pages {
     Arc::new(move |path: &str| {
         if path != "/debug/records" {
             return None;

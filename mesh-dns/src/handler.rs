@@ -19,7 +19,7 @@ use hickory_proto::op::{Edns, Message, MessageType, OpCode, ResponseCode};
 use hickory_proto::rr::rdata::{A, AAAA, SOA};
 use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 
-use crate::table::{Store, Table};
+use crate::table::{CurrentTable, Table};
 
 /// TTL of mesh answers.
 pub const ANSWER_TTL: u32 = 30;
@@ -128,7 +128,7 @@ enum Class<'a> {
 }
 
 pub struct Handler {
-    store: Arc<Store>,
+    store: Arc<CurrentTable>,
     domain: Name,
     /// The mesh domain's labels, lowercase.
     domain_labels: Vec<Vec<u8>>,
@@ -153,7 +153,7 @@ fn labels(flag: &str, text: &str) -> Result<(Name, Vec<Vec<u8>>), String> {
 
 impl Handler {
     pub fn new(
-        store: Arc<Store>,
+        store: Arc<CurrentTable>,
         mesh_domain: &str,
         cluster_domain: &str,
         search_domains: &[String],
@@ -188,7 +188,7 @@ impl Handler {
         })
     }
 
-    pub fn store(&self) -> &Arc<Store> {
+    pub fn store(&self) -> &Arc<CurrentTable> {
         &self.store
     }
 
@@ -563,7 +563,7 @@ mod tests {
     use std::net::Ipv4Addr;
 
     fn handler(loaded: bool) -> Handler {
-        let store = Arc::new(Store::default());
+        let store = Arc::new(CurrentTable::default());
         if loaded {
             let mut file = RecordFile {
                 generation: 4,

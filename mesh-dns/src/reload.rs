@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::metrics::Metrics;
 use crate::ratelimit::RateLimited;
 use crate::records::{MAX_FILE_BYTES, RecordFile, RecordsError};
-use crate::table::{Store, Table};
+use crate::table::{CurrentTable, Table};
 
 /// At most one log line per this period for record-file errors (the rest are counted).
 pub const FILE_ERROR_LOG_PERIOD: Duration = Duration::from_secs(1);
@@ -53,7 +53,7 @@ fn dir_identity(dir: &Path) -> Option<(u64, u64)> {
 
 pub struct Reloader {
     pub path: PathBuf,
-    pub store: Arc<Store>,
+    pub store: Arc<CurrentTable>,
     pub metrics: Metrics,
     pub poll_interval: Duration,
     pub stale_after: Duration,

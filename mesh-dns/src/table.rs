@@ -69,9 +69,9 @@ impl Table {
 
 /// The current table; empty until a record file was loaded once.
 #[derive(Debug, Default)]
-pub struct Store(ArcSwapOption<Table>);
+pub struct CurrentTable(ArcSwapOption<Table>);
 
-impl Store {
+impl CurrentTable {
     pub fn load(&self) -> Option<Arc<Table>> {
         self.0.load_full()
     }
