@@ -1,7 +1,8 @@
 //! The admin HTTP server every binary runs: liveness, readiness and Prometheus metrics.
 //!
 //! `/healthz` answers 200 while the process serves; `/ready` answers 200 only once the
-//! owner has called [`Readiness::set`] with `true` (503 with the reason otherwise);
+//! owner has called [`Readiness::set_ready`] (503 with the reason otherwise, see
+//! [`Readiness::set_not_ready`]);
 //! `/metrics` is Prometheus text exposition of the registry handed in.
 
 use std::convert::Infallible;
