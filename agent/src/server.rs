@@ -7,6 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use aether_common::admin::{AdminError, AdminServer, Pages, Readiness};
+use aether_common::tasks::Tasks;
 use aether_common::telemetry::otlp::Refresh;
 use aether_common::telemetry::{Component, MetricsPush};
 use aether_proto::registry::v1::Locality;
@@ -15,7 +16,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::net::UnixListener;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
+use std::time::Duration;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
@@ -65,12 +66,21 @@ pub enum StartError {
 pub struct Running {
     pub admin_addr: SocketAddr,
     pub node: Node,
-    task: JoinHandle<()>,
+    tasks: Tasks,
+    shutdown: CancellationToken,
+    readiness: Readiness,
 }
 
+/// How long shutdown waits for the agent's tasks to end.
+const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
+
 impl Running {
-    pub async fn wait(self) {
-        let _ = self.task.await;
+    /// Runs until shutdown, then waits for every task. `Err` names the critical task
+    /// whose early end stopped the agent.
+    pub async fn wait(self) -> Result<(), String> {
+        self.shutdown.cancelled().await;
+        self.readiness.set_not_ready("shutting down");
+        self.tasks.drain(DRAIN_DEADLINE).await
     }
 }
 
@@ -200,6 +210,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         None => node,
     };
 
+    let readiness = Readiness::new("starting");
+    let tasks = Tasks::new(shutdown.clone(), readiness.clone());
+
     // Pods from a previous run: drop those whose sandbox is gone, re-register the rest.
     let mut known = 0;
     for pod in pods.all() {
@@ -207,12 +220,14 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
             tracing::info!(pod = %pod.id(), netns = %pod.netns.display(), "forgetting a pod whose sandbox is gone");
             let _ = pods.remove_sandbox(&pod.id(), &pod.container_id).await;
             let registrar = registrar.clone();
-            tokio::spawn(async move { registrar.unregister(&pod.info.service(), &pod.ips).await });
+            tasks.spawn(async move {
+                let _ = registrar.unregister(&pod.info.service(), &pod.ips).await;
+            });
             continue;
         }
         known += 1;
         let registrar = registrar.clone();
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             if let Err(status) = registrar.register(&pod).await {
                 tracing::warn!(pod = %pod.id(), %status, "re-registering a known pod failed; it is retried on the next change");
             }
@@ -227,21 +242,20 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     );
     {
         let (capture, pods) = (capture.clone(), pods.all());
-        tokio::spawn(async move { crate::cni::reconcile_capture(&capture, &pods).await });
+        tasks.spawn(async move { crate::cni::reconcile_capture(&capture, &pods).await });
     }
     node.rebuild();
 
     let directory = PodDirectory::default();
     match kube_client {
         None => {
-            tokio::spawn(static_dir::run(
-                config.pod_dir.clone(),
-                directory.clone(),
-                shutdown.clone(),
-            ));
+            tasks.critical(
+                "the pod directory",
+                static_dir::run(config.pod_dir.clone(), directory.clone(), shutdown.clone()),
+            );
         }
         Some(client) => {
-            tokio::spawn(kubernetes::run(
+            tasks.critical("the Kubernetes pod source", kubernetes::run(
                 client,
                 config.node_name.clone(),
                 directory.clone(),
@@ -249,29 +263,27 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
             ));
         }
     }
-    tokio::spawn(sync_pod_info(
-        directory.clone(),
-        node.clone(),
-        registrar.clone(),
-        shutdown.clone(),
-    ));
-    tokio::spawn(catalog_watch::follow(
+    tasks.critical(
+        "pod info sync",
+        sync_pod_info(directory.clone(), node.clone(), registrar.clone(), shutdown.clone()),
+    );
+    tasks.critical("the catalog watch", catalog_watch::follow(
         link.clone(),
         deps_rx,
         catalog_tx,
         registrar_connected,
         shutdown.clone(),
     ));
-    tokio::spawn(node.clone().run(shutdown.clone()));
+    tasks.critical("the node controller", node.clone().run(shutdown.clone()));
     let (dns_views_tx, dns_views) = watch::channel(Arc::new(WatchedCatalog::default()));
-    tokio::spawn(catalog_watch::follow(
+    tasks.critical("the DNS catalog watch", catalog_watch::follow(
         link,
         watch::channel(Interest::ServicesOnly).1,
         dns_views_tx,
         dns_records.connected(),
         shutdown.clone(),
     ));
-    tokio::spawn(dns_records.run(dns_views, shutdown.clone()));
+    tasks.critical("the DNS record writer", dns_records.run(dns_views, shutdown.clone()));
 
     let hooks = Hooks {
         metrics: xds_metrics,
@@ -311,7 +323,6 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
             shutdown.clone().cancelled_owned(),
         );
 
-    let readiness = Readiness::new("starting");
     let registry = Arc::new(registry);
     let refresh: Refresh = Arc::new(move || {
         let envoy_requests = envoy_requests.clone();
@@ -326,21 +337,27 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         path: config.admin.to_string(),
         source,
     })?;
-    tokio::spawn(admin.serve(shutdown.clone()));
+    tasks.critical("the admin server", admin.serve(shutdown.clone()));
+    tasks.critical("the xDS server", log_failure("xDS server", xds_server));
+    tasks.critical("the CNI server", log_failure("CNI server", cni_server));
     readiness.set_ready();
     tracing::info!(node = %config.node_name, xds = %config.xds_socket.display(), cni = %config.cni_socket.display(),
         %admin_addr, "agent serving");
 
-    let task = tokio::spawn(async move {
-        let (xds, cni) = tokio::join!(xds_server, cni_server);
-        for (what, result) in [("xDS", xds), ("CNI", cni)] {
-            if let Err(error) = result {
-                tracing::error!(%error, "{what} server failed");
-            }
-        }
-        readiness.set_not_ready("stopped");
-    });
-    Ok(Running { admin_addr, node, task })
+    Ok(Running {
+        admin_addr,
+        node,
+        tasks,
+        shutdown,
+        readiness,
+    })
+}
+
+/// A server's future as a task: its error is logged (its end is judged by [`Tasks`]).
+async fn log_failure<E: std::fmt::Display>(what: &'static str, server: impl Future<Output = Result<(), E>>) {
+    if let Err(error) = server.await {
+        tracing::error!(%error, "{what} failed");
+    }
 }
 
 /// Keeps local pods' metadata current with the pod source: a pod that starts

@@ -8,5 +8,6 @@ pub mod names;
 pub mod pod_meta;
 pub mod quote;
 pub mod shutdown;
+pub mod tasks;
 pub mod telemetry;
 pub mod tls;

@@ -1,0 +1,149 @@
+//! The long-lived tasks of a binary and what their end means (after ztunnel's drain):
+//! a **critical** task runs for the life of the process, so ending before shutdown —
+//! returning or panicking — is a failure: it is logged with its cause, readiness goes
+//! false naming it, and the process shuts down and exits non-zero. Shutdown waits for
+//! every task, critical or not, up to a deadline.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::admin::Readiness;
+
+#[derive(Clone)]
+pub struct Tasks {
+    tracker: TaskTracker,
+    shutdown: CancellationToken,
+    readiness: Readiness,
+    /// The first critical task that ended early, and why.
+    failure: Arc<Mutex<Option<String>>>,
+}
+
+impl Tasks {
+    /// Tasks that stop at `shutdown`; a critical one ending early cancels it.
+    pub fn new(shutdown: CancellationToken, readiness: Readiness) -> Self {
+        Self {
+            tracker: TaskTracker::new(),
+            shutdown,
+            readiness,
+            failure: Arc::default(),
+        }
+    }
+
+    /// Runs `task`, which must only end at shutdown (see the module docs).
+    pub fn critical(&self, name: &'static str, task: impl Future<Output = ()> + Send + 'static) {
+        let handle = tokio::spawn(task);
+        let this = self.clone();
+        self.tracker.spawn(async move {
+            let cause = match handle.await {
+                Ok(()) => "it returned".to_owned(),
+                Err(error) if error.is_panic() => format!("it panicked: {}", panic_message(error.into_panic())),
+                Err(error) => error.to_string(),
+            };
+            if this.shutdown.is_cancelled() {
+                tracing::debug!(task = name, "stopped");
+                return;
+            }
+            tracing::error!(task = name, %cause, "a critical task ended before shutdown; stopping the process");
+            this.readiness.set_not_ready(format!("{name} stopped: {cause}"));
+            this.failure
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert_with(|| format!("{name} stopped: {cause}"));
+            this.shutdown.cancel();
+        });
+    }
+
+    /// Runs `task`, whose end is normal (a piece of work); shutdown still waits for it.
+    pub fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
+        self.tracker.spawn(task);
+    }
+
+    /// After shutdown: waits for every task, at most `deadline` (those still running
+    /// are left to the process exit, with a warning). `Err` names the critical task
+    /// whose early end stopped the process.
+    pub async fn drain(self, deadline: Duration) -> Result<(), String> {
+        self.tracker.close();
+        if tokio::time::timeout(deadline, self.tracker.wait()).await.is_err() {
+            tracing::warn!(left = self.tracker.len(), ?deadline, "tasks still running at the drain deadline");
+        }
+        match self.failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(failure) => Err(failure),
+            None => Ok(()),
+        }
+    }
+}
+
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    match payload.downcast::<String>() {
+        Ok(message) => *message,
+        Err(payload) => payload
+            .downcast_ref::<&str>()
+            .map_or_else(|| "(no message)".to_owned(), |s| (*s).to_owned()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tasks() -> (Tasks, CancellationToken, Readiness) {
+        let shutdown = CancellationToken::new();
+        let readiness = Readiness::new("starting");
+        readiness.set_ready();
+        (Tasks::new(shutdown.clone(), readiness.clone()), shutdown, readiness)
+    }
+
+    #[tokio::test]
+    async fn a_critical_task_that_dies_stops_the_process_with_its_cause() {
+        let (tasks, shutdown, readiness) = tasks();
+        tasks.critical("watch", async {
+            let fine = shutdown_never();
+            fine.await;
+        });
+        tasks.critical("writer", async { panic!("disk full") });
+        tokio::time::timeout(Duration::from_secs(5), shutdown.cancelled())
+            .await
+            .expect("the panic cancelled shutdown");
+        assert_eq!(readiness.get(), Err("writer stopped: it panicked: disk full".into()));
+        let drained = tasks.drain(Duration::from_millis(100)).await;
+        assert_eq!(drained, Err("writer stopped: it panicked: disk full".into()));
+    }
+
+    #[tokio::test]
+    async fn at_shutdown_tasks_end_normally_and_drain_waits_for_them() {
+        let (tasks, shutdown, readiness) = tasks();
+        let done = Arc::new(Mutex::new(Vec::new()));
+        for name in ["server", "reaper"] {
+            let (stop, done) = (shutdown.clone(), done.clone());
+            tasks.critical(name, async move {
+                stop.cancelled().await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                done.lock().unwrap().push(name);
+            });
+        }
+        let one_off = done.clone();
+        tasks.spawn(async move { one_off.lock().unwrap().push("one-off") });
+        shutdown.cancel();
+        assert_eq!(tasks.drain(Duration::from_secs(5)).await, Ok(()));
+        assert_eq!(done.lock().unwrap().len(), 3, "drain returned before every task ended");
+        assert_eq!(readiness.get(), Ok(()), "a normal stop is not a failure");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn drain_gives_up_at_its_deadline() {
+        let (tasks, shutdown, _) = tasks();
+        tasks.critical("stuck", shutdown_never());
+        shutdown.cancel();
+        let started = tokio::time::Instant::now();
+        assert_eq!(tasks.drain(Duration::from_secs(3)).await, Ok(()));
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+    }
+
+    async fn shutdown_never() {
+        std::future::pending::<()>().await
+    }
+}
