@@ -11,6 +11,8 @@ async fn main() -> anyhow::Result<()> {
     let _traces = aether_common::telemetry::init(config.log_format, &config.telemetry, &aether_registrar::TELEMETRY)?;
     let shutdown = aether_common::shutdown::on_signal()?;
     let running = aether_registrar::start(config, shutdown).await?;
-    running.wait().await;
-    Ok(())
+    running
+        .wait()
+        .await
+        .map_err(|failure| anyhow::anyhow!("stopped because {failure}"))
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aether_common::admin::{AdminError, AdminServer, Readiness};
+use aether_common::tasks::Tasks;
 use aether_common::telemetry::{Identity, MetricsPush};
 use aether_common::tls::{self, CertFiles, CertSlot, TlsError};
 use aether_proto::registrar::v1::node_bootstrap_server::NodeBootstrapServer;
@@ -169,15 +170,19 @@ pub struct Running {
     pub grpc_addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub catalog: Catalog,
-    task: JoinHandle<()>,
+    task: JoinHandle<Result<(), String>>,
 }
+
+/// How long shutdown waits for the writer and the reaper after the gRPC server stopped.
+const DRAIN_DEADLINE: Duration = Duration::from_secs(30);
 
 impl Running {
     /// Waits until the registrar has shut down completely (after `shutdown` fired).
-    pub async fn wait(self) {
-        if let Err(error) = self.task.await {
-            tracing::error!(%error, "registrar task failed");
-        }
+    /// `Err` names what stopped it early: a critical task or the gRPC server.
+    pub async fn wait(self) -> Result<(), String> {
+        self.task
+            .await
+            .map_err(|error| format!("the registrar task failed: {error}"))?
     }
 }
 
@@ -311,8 +316,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     // The writer outlives the gRPC server so in-flight writes still get answers.
     let writer_stop = CancellationToken::new();
     let writer = writer.with_readiness(readiness.clone(), shutdown.clone());
-    let writer_task = tokio::spawn(writer.run(writer_stop.clone()));
-    tokio::spawn(catalog.clone().run_reaper(shutdown.clone()));
+    let tasks = Tasks::new(shutdown.clone(), readiness.clone());
+    tasks.critical("the catalog writer", writer.run(writer_stop.clone()));
+    tasks.critical("the reaper", catalog.clone().run_reaper(shutdown.clone()));
     let admin_stop = CancellationToken::new();
     let admin_task = tokio::spawn(admin.serve(admin_stop.clone()));
     // Stops with the admin server, after the writer: the last push carries the final values.
@@ -336,13 +342,17 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     tracing::info!(%grpc_addr, %admin_addr, "registrar serving");
 
     let task = tokio::spawn(async move {
-        if let Err(error) = server.await {
+        let served = server.await;
+        let early = !shutdown.is_cancelled();
+        if let Err(error) = &served {
             tracing::error!(%error, "gRPC server failed");
         }
-        writer_stop.cancel();
-        if let Err(error) = writer_task.await {
-            tracing::error!(%error, "catalog writer failed");
+        if early {
+            readiness.set_not_ready("the gRPC server stopped");
+            shutdown.cancel();
         }
+        writer_stop.cancel();
+        let drained = tasks.drain(DRAIN_DEADLINE).await;
         admin_stop.cancel();
         let _ = admin_task.await;
         if let Some(push) = push_task {
@@ -350,6 +360,14 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         }
         drop(store);
         tracing::info!("registrar stopped");
+        match (drained, early) {
+            (Err(failure), _) => Err(failure),
+            (Ok(()), true) => Err(match served {
+                Err(error) => format!("the gRPC server failed: {error}"),
+                Ok(()) => "the gRPC server stopped before shutdown".to_owned(),
+            }),
+            (Ok(()), false) => Ok(()),
+        }
     });
     Ok(Running {
         grpc_addr,

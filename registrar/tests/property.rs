@@ -348,7 +348,7 @@ async fn run(filters: Vec<Spec>, ops: Vec<Op>) {
     case.settle().await;
     drop(case);
     shutdown.cancel();
-    running.wait().await;
+    running.wait().await.expect("a clean stop");
 }
 
 proptest! {
