@@ -63,8 +63,11 @@ pub enum CaptureError {
     Timeout { command: String, netns: String },
     #[error("capture state {path}: {source}")]
     State { path: String, source: std::io::Error },
-    #[error("reading the addresses of {netns}: {reason}")]
-    Netlink { netns: String, reason: String },
+    #[error("reading the addresses of {netns}: {source}")]
+    Netlink {
+        netns: String,
+        source: aether_common::netns::NetlinkError,
+    },
 }
 
 /// Node-wide capture settings (agent flags).
@@ -420,46 +423,29 @@ pub fn unpin(pin_dir: &Path, netns: &Path) -> std::io::Result<bool> {
 /// The pod's global addresses, read with netlink inside its netns (loopback and
 /// link-local skipped): the fallback when AddPod carries no IPs.
 pub async fn pod_addresses(netns: &Path) -> Result<Vec<IpAddr>, CaptureError> {
-    let path = netns.to_owned();
-    let fail = |reason: String| CaptureError::Netlink {
-        netns: netns.display().to_string(),
-        reason,
-    };
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    // setns changes the calling thread for good: use a thread of our own, then drop it.
-    std::thread::spawn(move || {
-        let _ = tx.send(read_addresses(&path));
-    });
-    rx.await
-        .map_err(|_| fail("netlink thread panicked".to_owned()))?
-        .map_err(fail)
+    aether_common::netns::query(netns, read_addresses)
+        .await
+        .map_err(|source| CaptureError::Netlink {
+            netns: netns.display().to_string(),
+            source,
+        })
 }
 
-fn read_addresses(path: &Path) -> Result<Vec<IpAddr>, String> {
-    let file = std::fs::File::open(path).map_err(|e| format!("opening: {e}"))?;
-    nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| format!("setns: {e}"))?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_io()
-        .build()
-        .map_err(|e| format!("runtime: {e}"))?;
-    rt.block_on(async {
-        let (conn, handle, _) = rtnetlink::new_connection().map_err(|e| format!("netlink socket: {e}"))?;
-        tokio::spawn(conn);
-        let mut out = Vec::new();
-        let mut addrs = handle.address().get().execute();
-        while let Some(msg) = addrs.try_next().await.map_err(|e| format!("address dump: {e}"))? {
-            for attr in &msg.attributes {
-                if let netlink_packet_route::address::AddressAttribute::Address(ip) = attr
-                    && is_pod_address(ip)
-                {
-                    out.push(*ip);
-                }
+async fn read_addresses(handle: rtnetlink::Handle) -> Result<Vec<IpAddr>, String> {
+    let mut out = Vec::new();
+    let mut addrs = handle.address().get().execute();
+    while let Some(msg) = addrs.try_next().await.map_err(|e| format!("address dump: {e}"))? {
+        for attr in &msg.attributes {
+            if let netlink_packet_route::address::AddressAttribute::Address(ip) = attr
+                && is_pod_address(ip)
+            {
+                out.push(*ip);
             }
         }
-        out.sort();
-        out.dedup();
-        Ok(out)
-    })
+    }
+    out.sort();
+    out.dedup();
+    Ok(out)
 }
 
 fn is_pod_address(ip: &IpAddr) -> bool {

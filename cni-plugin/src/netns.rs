@@ -20,8 +20,11 @@ pub enum NetnsError {
     Pin { netns: String, pin: String, reason: String },
     #[error("unpinning {pin}: {source}")]
     Unpin { pin: String, source: std::io::Error },
-    #[error("netlink in {netns}: {reason}")]
-    Netlink { netns: String, reason: String },
+    #[error("netlink in {netns}: {source}")]
+    Netlink {
+        netns: String,
+        source: aether_common::netns::NetlinkError,
+    },
 }
 
 /// Same namespace file (device and inode), e.g. a pin and what it pins.
@@ -98,62 +101,49 @@ pub fn pins(pin_dir: &Path) -> Vec<String> {
 /// The addresses of interface `ifname` in `netns` (None: no such interface), read with
 /// netlink from a thread that entered the netns.
 pub fn interface_addresses(netns: &Path, ifname: &str) -> Result<Option<Vec<Cidr>>, NetnsError> {
-    let fail = |reason: String| NetnsError::Netlink {
-        netns: netns.display().to_string(),
-        reason,
-    };
     if !netns.exists() {
         return Err(NetnsError::Missing(netns.display().to_string()));
     }
-    let (path, ifname) = (netns.to_owned(), ifname.to_owned());
-    // setns changes the calling thread for good: a thread of our own, dropped after.
-    std::thread::spawn(move || read(&path, &ifname))
-        .join()
-        .map_err(|_| fail("netlink thread panicked".into()))?
-        .map_err(fail)
+    let ifname = ifname.to_owned();
+    aether_common::netns::query_blocking(netns, move |handle| read(handle, ifname)).map_err(|source| {
+        NetnsError::Netlink {
+            netns: netns.display().to_string(),
+            source,
+        }
+    })
 }
 
-fn read(netns: &Path, ifname: &str) -> Result<Option<Vec<Cidr>>, String> {
-    let file = std::fs::File::open(netns).map_err(|e| format!("opening: {e}"))?;
-    nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| format!("setns: {e}"))?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_io()
-        .build()
-        .map_err(|e| format!("runtime: {e}"))?;
-    rt.block_on(async {
-        let (conn, handle, _) = rtnetlink::new_connection().map_err(|e| format!("netlink socket: {e}"))?;
-        tokio::spawn(conn);
-        let mut links = handle.link().get().match_name(ifname.to_owned()).execute();
-        let index = match links.try_next().await {
-            Ok(Some(link)) => link.header.index,
-            Ok(None) => return Ok(None),
-            // ENODEV: no such interface.
-            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code().abs() == libc_enodev() => return Ok(None),
-            Err(e) => return Err(format!("link {ifname}: {e}")),
-        };
-        let mut out = Vec::new();
-        let mut addrs = handle.address().get().set_link_index_filter(index).execute();
-        while let Some(msg) = addrs
-            .try_next()
-            .await
-            .map_err(|e| format!("addresses of {ifname}: {e}"))?
+async fn read(handle: rtnetlink::Handle, ifname: String) -> Result<Option<Vec<Cidr>>, String> {
+    let mut links = handle.link().get().match_name(ifname.clone()).execute();
+    let index = match links.try_next().await {
+        Ok(Some(link)) => link.header.index,
+        Ok(None) => return Ok(None),
+        // ENODEV: no such interface.
+        Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code().abs() == libc_enodev() => return Ok(None),
+        Err(e) => return Err(format!("link {ifname}: {e}")),
+    };
+    let mut out = Vec::new();
+    let mut addrs = handle.address().get().set_link_index_filter(index).execute();
+    while let Some(msg) = addrs
+        .try_next()
+        .await
+        .map_err(|e| format!("addresses of {ifname}: {e}"))?
+    {
+        let ip = msg.attributes.iter().find_map(|a| match a {
+            AddressAttribute::Address(ip) => Some(*ip),
+            _ => None,
+        });
+        if let Some(ip) = ip
+            && !is_link_local(&ip)
         {
-            let ip = msg.attributes.iter().find_map(|a| match a {
-                AddressAttribute::Address(ip) => Some(*ip),
-                _ => None,
+            out.push(Cidr {
+                ip,
+                prefix: msg.header.prefix_len,
             });
-            if let Some(ip) = ip
-                && !is_link_local(&ip)
-            {
-                out.push(Cidr {
-                    ip,
-                    prefix: msg.header.prefix_len,
-                });
-            }
         }
-        out.sort();
-        Ok(Some(out))
-    })
+    }
+    out.sort();
+    Ok(Some(out))
 }
 
 fn libc_enodev() -> i32 {

@@ -5,6 +5,8 @@ pub mod duration;
 pub mod fs;
 pub mod hash;
 pub mod names;
+#[cfg(feature = "netns")]
+pub mod netns;
 pub mod pod_meta;
 pub mod quote;
 pub mod shutdown;
