@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aether_common::admin::{AdminError, AdminServer, Pages, Readiness};
+use aether_common::tasks::Tasks;
 use aether_common::telemetry::{Component, MetricsPush};
 use prometheus_client::registry::Registry;
 use tokio::net::{TcpListener, UdpSocket};
@@ -52,13 +53,25 @@ pub const TELEMETRY: Component = Component {
 pub struct Running {
     pub dns_addr: SocketAddr,
     pub admin_addr: SocketAddr,
-    tasks: TaskTracker,
+    /// The servers, the reloader and the admin server.
+    tasks: Tasks,
+    /// Each TCP connection and each UDP thread.
+    connections: TaskTracker,
+    shutdown: CancellationToken,
 }
 
+/// How long shutdown waits for tasks and in-flight queries.
+const DRAIN_DEADLINE: Duration = Duration::from_secs(5);
+
 impl Running {
-    pub async fn wait(self) {
-        self.tasks.close();
-        self.tasks.wait().await;
+    /// Serves until shutdown, then drains. `Err` names the critical task whose early
+    /// end stopped mesh-dns.
+    pub async fn wait(self) -> Result<(), String> {
+        self.shutdown.cancelled().await;
+        let drained = self.tasks.drain(DRAIN_DEADLINE).await;
+        self.connections.close();
+        let _ = tokio::time::timeout(DRAIN_DEADLINE, self.connections.wait()).await;
+        drained
     }
 }
 
@@ -123,7 +136,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         upstream_errors_log: SharedRateLimited::new(Duration::from_secs(10)),
         malformed_log: SharedRateLimited::new(Duration::from_secs(10)),
     });
-    let tasks = TaskTracker::new();
+    let mut readiness = Readiness::new("starting");
+    if let Some(path) = &config.ready_file {
+        readiness = readiness.with_file(path);
+    }
+    let tasks = Tasks::new(shutdown.clone(), readiness.clone());
+    let connections = TaskTracker::new();
     // One thread and single-threaded runtime per UDP socket: a query is received,
     // answered and sent on one core with no cross-thread wake-ups (the kernel spreads
     // queries over the SO_REUSEPORT sockets). Forwards run as tasks on the same thread.
@@ -137,7 +155,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
             Arc::new(UdpSocket::from_std(socket).map_err(StartError::Runtime)?)
         };
         let (server, shutdown) = (server.clone(), shutdown.clone());
-        let done = tasks.token();
+        let done = connections.token();
         std::thread::Builder::new()
             .name(format!("dns-udp-{i}"))
             .spawn(move || {
@@ -152,18 +170,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
             .map_err(StartError::Runtime)?;
     }
     let listener = TcpListener::from_std(tcp).map_err(StartError::Runtime)?;
-    tasks.spawn(server::serve_tcp(
-        server.clone(),
-        listener,
-        tasks.clone(),
-        shutdown.clone(),
-    ));
-    tasks.spawn(reloader.run(shutdown.clone()));
+    tasks.critical(
+        "the TCP server",
+        server::serve_tcp(server.clone(), listener, connections.clone(), shutdown.clone()),
+    );
+    tasks.critical("the record file reloader", reloader.run(shutdown.clone()));
 
-    let mut readiness = Readiness::new("starting");
-    if let Some(path) = &config.ready_file {
-        readiness = readiness.with_file(path);
-    }
     let registry = Arc::new(registry);
     if let Some(push) = metrics_push.spawn(registry.clone(), None, shutdown.clone())? {
         tasks.spawn(async move {
@@ -174,7 +186,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let admin_addr = match AdminServer::bind(config.admin, readiness.clone(), registry.clone()).await {
         Ok(admin) => {
             let addr = admin.local_addr().map_err(StartError::Runtime)?;
-            tasks.spawn(admin.with_pages(pages).serve(shutdown.clone()));
+            tasks.critical("the admin server", admin.with_pages(pages).serve(shutdown.clone()));
             addr
         }
         // A surge rollout on the host network: the predecessor holds the address until it is deleted. DNS is
@@ -200,6 +212,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         dns_addr,
         admin_addr,
         tasks,
+        connections,
+        shutdown,
     })
 }
 

@@ -19,7 +19,10 @@ fn main() -> anyhow::Result<()> {
             aether_common::telemetry::init(config.log_format, &config.telemetry, &aether_mesh_dns::app::TELEMETRY)?;
         let shutdown = aether_common::shutdown::on_signal()?;
         let running = aether_mesh_dns::app::start(config, shutdown).await?;
-        running.wait().await;
+        running
+            .wait()
+            .await
+            .map_err(|failure| anyhow::anyhow!("stopped because {failure}"))?;
         Ok(())
     })
 }
