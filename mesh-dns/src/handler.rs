@@ -33,11 +33,26 @@ pub const HEADER_LEN: usize = 12;
 #[derive(Debug, thiserror::Error)]
 pub enum HandlerError {
     #[error("--mesh-domain {0:?}: {1}")]
-    MeshDomain(String, String),
+    MeshDomain(String, DomainError),
     #[error("--cluster-domain {0:?}: {1}")]
-    ClusterDomain(String, String),
+    ClusterDomain(String, DomainError),
     #[error("--search-domain {0:?}: {1}")]
-    SearchDomain(String, String),
+    SearchDomain(String, DomainError),
+}
+
+/// Why a configured domain was refused; `what` names it (`mesh domain`, …).
+#[derive(Debug, thiserror::Error)]
+pub enum DomainError {
+    #[error("{what}: {source}")]
+    Name {
+        what: &'static str,
+        source: hickory_proto::ProtoError,
+    },
+    #[error("{what}: must not be the root")]
+    Root { what: &'static str },
+    /// `ns.` or `hostmaster.` under the mesh domain (the SOA names) is not a name.
+    #[error("{0}")]
+    Soa(hickory_proto::ProtoError),
 }
 
 /// What a query turned into; `as_str` is the `result` label of the queries metric.
@@ -140,13 +155,13 @@ pub struct Handler {
     soa_rname: Name,
 }
 
-fn labels(flag: &str, text: &str) -> Result<(Name, Vec<Vec<u8>>), String> {
-    let name = Name::from_ascii(text.trim_end_matches('.')).map_err(|e| format!("{flag}: {e}"))?;
+fn labels(what: &'static str, text: &str) -> Result<(Name, Vec<Vec<u8>>), DomainError> {
+    let name = Name::from_ascii(text.trim_end_matches('.')).map_err(|source| DomainError::Name { what, source })?;
     let mut name = name.to_lowercase();
     name.set_fqdn(true);
     let labels: Vec<Vec<u8>> = name.iter().map(|l| l.to_vec()).collect();
     if labels.is_empty() {
-        return Err(format!("{flag}: must not be the root"));
+        return Err(DomainError::Root { what });
     }
     Ok((name, labels))
 }
@@ -173,10 +188,10 @@ impl Handler {
             .collect::<Result<_, _>>()?;
         let soa_mname = Name::from_ascii("ns")
             .and_then(|n| n.append_domain(&domain))
-            .map_err(|e| HandlerError::MeshDomain(mesh_domain.into(), e.to_string()))?;
+            .map_err(|e| HandlerError::MeshDomain(mesh_domain.into(), DomainError::Soa(e)))?;
         let soa_rname = Name::from_ascii("hostmaster")
             .and_then(|n| n.append_domain(&domain))
-            .map_err(|e| HandlerError::MeshDomain(mesh_domain.into(), e.to_string()))?;
+            .map_err(|e| HandlerError::MeshDomain(mesh_domain.into(), DomainError::Soa(e)))?;
         Ok(Self {
             store,
             domain,
