@@ -1,0 +1,193 @@
+//! The in-memory catalog: every service with its VIP and endpoints, the history of
+//! recent changes, and the broadcast that feeds watchers.
+//!
+//! One writer task owns all mutation. It takes queued writes in groups (group
+//! commit: one durable store transaction for many concurrent registrations), plans
+//! their effect against the current state without changing it, commits the plan to
+//! the store, and only then applies it, bumps the version and publishes the batch of
+//! changes. Readers therefore never see an uncommitted change, and a failed commit
+//! leaves memory untouched. Publishing happens under the write lock, so a watcher
+//! that subscribes and reads a snapshot under the read lock gets every later batch
+//! exactly once.
+//!
+//! The module's rooms: `state` holds the catalog in memory, `load` reads it from
+//! the store at startup, `plan` computes a group's effect (and the own-node rule),
+//! `writer` runs the writer task and commits, `write_behind` queues writes while
+//! the store is down, `feed` takes in other replicas' changes (with `revisions`
+//! telling new from stale), `health` tracks whether the store is reachable, and
+//! `ttl` reaps empty services and expires dead nodes' endpoints.
+
+mod feed;
+mod health;
+mod load;
+mod plan;
+mod revisions;
+mod state;
+mod ttl;
+mod write_behind;
+mod writer;
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::time::Duration;
+
+use aether_proto::registrar::v1::Version;
+use aether_proto::registry::v1::Service;
+use tokio::sync::{mpsc, oneshot};
+use tonic::Status;
+
+use self::load::Loaded;
+pub use self::state::{Batch, Entry, Event, KeyedChange, State};
+use self::writer::Write;
+pub use self::writer::Writer;
+use crate::metrics::Metrics;
+use crate::model::{ServiceKey, ValidEndpoint};
+use crate::store::{Store, StoreError};
+use crate::vip::VipAllocator;
+
+/// Writes waiting for the writer before callers are slowed down.
+const WRITE_QUEUE: usize = 4096;
+
+#[derive(Clone, Debug)]
+pub struct CatalogConfig {
+    pub vips: VipAllocator,
+    /// How many changes of history are kept for resuming watchers.
+    pub history_changes: usize,
+    /// How many change batches a watcher may fall behind before it is resynced.
+    pub watch_buffer: usize,
+    /// How long a service without endpoints keeps its VIP before it is removed.
+    pub empty_service_ttl: Duration,
+    /// Endpoints whose node has not refreshed for this long are removed.
+    pub endpoint_ttl: Duration,
+    /// Most store ops held in the write-behind queue while the store is unreachable.
+    pub write_behind_limit: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("loading the catalog from the {kind} store: {source}")]
+    Load { kind: &'static str, source: StoreError },
+}
+
+/// A cheap, cloneable handle to the catalog.
+#[derive(Clone)]
+pub struct Catalog {
+    state: Arc<RwLock<State>>,
+    writes: mpsc::Sender<Write>,
+    config: Arc<CatalogConfig>,
+    metrics: Metrics,
+    read_only: bool,
+    /// Endpoints whose ignored registration was already logged at info (read-only
+    /// stores: agents re-register every few seconds).
+    ignored: Arc<std::sync::Mutex<HashSet<(ServiceKey, IpAddr)>>>,
+}
+
+impl Catalog {
+    /// Loads the catalog from `store`. Records that fail validation are logged,
+    /// counted and left in the store untouched; the rest is served.
+    pub async fn open(
+        store: Arc<dyn Store>,
+        config: CatalogConfig,
+        metrics: Metrics,
+    ) -> Result<(Catalog, Writer), OpenError> {
+        let contents = store.load().await.map_err(|source| OpenError::Load {
+            kind: store.kind(),
+            source,
+        })?;
+        let feed_revision = contents.revision;
+        let loaded = Loaded::from_contents(contents, &config.vips);
+        loaded.report(&metrics);
+        let state = Arc::new(RwLock::new(State::new(
+            loaded.services,
+            loaded.vips,
+            loaded.endpoint_count,
+            config.history_changes,
+            config.watch_buffer,
+        )));
+        let config = Arc::new(config);
+        let (tx, rx) = mpsc::channel(WRITE_QUEUE);
+        let catalog = Catalog {
+            state: state.clone(),
+            writes: tx,
+            config: config.clone(),
+            metrics: metrics.clone(),
+            read_only: !store.accepts_writes(),
+            ignored: Arc::default(),
+        };
+        let writer = Writer::new(state, rx, store, config, metrics, loaded.revs, feed_revision);
+        Ok((catalog, writer))
+    }
+
+    pub fn read(&self) -> RwLockReadGuard<'_, State> {
+        self.state.read().expect("catalog lock poisoned")
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Adds or replaces `endpoint`. With an `owner` (the caller's authenticated node),
+    /// an endpoint another node holds is not replaced: PERMISSION_DENIED.
+    pub async fn register(&self, endpoint: ValidEndpoint, owner: Option<String>) -> Result<(Service, Version), Status> {
+        if self.read_only {
+            let first = (self.ignored.lock().expect("ignored set poisoned"))
+                .insert((endpoint.service.clone(), endpoint.address));
+            if first {
+                tracing::info!(service = %endpoint.service, address = %endpoint.address,
+                    "ignoring Register: this registrar's store is read-only (endpoints come from the store)");
+            } else {
+                tracing::debug!(service = %endpoint.service, address = %endpoint.address, "ignoring Register again");
+            }
+            let state = self.read();
+            let service = state.service(endpoint.service.as_str()).map(|e| e.service.clone());
+            let service = service.unwrap_or_else(|| Service {
+                namespace: endpoint.service.namespace().to_owned(),
+                name: endpoint.service.name().to_owned(),
+                vip: String::new(),
+            });
+            return Ok((service, state.version()));
+        }
+        let (reply, response) = oneshot::channel();
+        self.submit(Write::Register {
+            endpoint: Box::new(endpoint),
+            owner,
+            reply,
+        })
+        .await?;
+        response.await.map_err(|_| shutting_down())?
+    }
+
+    /// Removes an endpoint. With an `owner`, one that another node holds is not
+    /// removed: PERMISSION_DENIED.
+    pub async fn unregister(
+        &self,
+        service: ServiceKey,
+        address: IpAddr,
+        owner: Option<String>,
+    ) -> Result<(bool, Version), Status> {
+        if self.read_only {
+            (self.ignored.lock().expect("ignored set poisoned")).remove(&(service.clone(), address));
+            tracing::info!(%service, %address,
+                "ignoring Unregister: this registrar's store is read-only (endpoints come from the store)");
+            return Ok((false, self.read().version()));
+        }
+        let (reply, response) = oneshot::channel();
+        self.submit(Write::Unregister {
+            service,
+            address,
+            owner,
+            reply,
+        })
+        .await?;
+        response.await.map_err(|_| shutting_down())?
+    }
+
+    async fn submit(&self, write: Write) -> Result<(), Status> {
+        self.writes.send(write).await.map_err(|_| shutting_down())
+    }
+}
+
+fn shutting_down() -> Status {
+    Status::unavailable("the registrar is shutting down; retry against another replica")
+}

@@ -1,0 +1,125 @@
+//! Planning: the effect of a group of writes, computed against the state without
+//! changing it, as store ops to commit and changes to publish once committed.
+
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use aether_proto::registry::v1::{Endpoint, Service};
+use tonic::Status;
+
+use super::state::{Event, KeyedChange, State};
+use crate::model::{ServiceKey, ValidEndpoint};
+use crate::store::StoreOp;
+use crate::vip::VipAllocator;
+
+/// The effect of a group of writes, computed against the state before it.
+#[derive(Default)]
+pub(super) struct Plan {
+    pub(super) new_services: HashMap<ServiceKey, Service>,
+    pub(super) new_vips: HashSet<IpAddr>,
+    pub(super) endpoints: HashMap<(ServiceKey, IpAddr), Option<Arc<Endpoint>>>,
+    pub(super) removed_services: Vec<(ServiceKey, IpAddr)>,
+    pub(super) ops: Vec<StoreOp>,
+    pub(super) changes: Vec<KeyedChange>,
+}
+
+impl Plan {
+    fn service(&self, state: &State, key: &ServiceKey) -> Option<Service> {
+        self.new_services
+            .get(key)
+            .or_else(|| state.services.get(key).map(|e| &e.service))
+            .cloned()
+    }
+
+    fn endpoint<'a>(&'a self, state: &'a State, key: &ServiceKey, address: IpAddr) -> Option<&'a Endpoint> {
+        match self.endpoints.get(&(key.clone(), address)) {
+            Some(staged) => staged.as_deref(),
+            None => state
+                .services
+                .get(key)
+                .and_then(|e| e.endpoints.get(&address))
+                .map(|e| &**e),
+        }
+    }
+
+    pub(super) fn change(&mut self, service: &ServiceKey, event: Event) {
+        self.changes.push(KeyedChange {
+            service: service.clone(),
+            event,
+        });
+    }
+
+    pub(super) fn register(
+        &mut self,
+        state: &State,
+        vips: &VipAllocator,
+        valid: ValidEndpoint,
+        owner: Option<&str>,
+    ) -> Result<Service, Status> {
+        let key = valid.service;
+        if let Some(old) = self.endpoint(state, &key, valid.address) {
+            check_owner(old, owner)?;
+        }
+        let service = match self.service(state, &key) {
+            Some(service) => service,
+            None => {
+                let vip = vips
+                    .allocate(&key, |ip| state.vips.contains_key(&ip) || self.new_vips.contains(&ip))
+                    .map_err(|e| Status::resource_exhausted(format!("allocating a VIP for {key}: {e}")))?;
+                let service = Service {
+                    namespace: key.namespace().to_owned(),
+                    name: key.name().to_owned(),
+                    vip: vip.to_string(),
+                };
+                self.new_vips.insert(vip);
+                self.new_services.insert(key.clone(), service.clone());
+                self.ops.push(StoreOp::CreateService(service.clone()));
+                self.change(&key, Event::ServiceAdded(service.clone()));
+                service
+            }
+        };
+        let endpoint = Arc::new(valid.endpoint);
+        let event = match self.endpoint(state, &key, valid.address) {
+            Some(old) if *old == *endpoint => return Ok(service),
+            Some(_) => Event::EndpointUpdated(endpoint.clone()),
+            None => Event::EndpointAdded(endpoint.clone()),
+        };
+        self.ops.push(StoreOp::PutEndpoint(endpoint.clone()));
+        self.change(&key, event);
+        self.endpoints.insert((key, valid.address), Some(endpoint));
+        Ok(service)
+    }
+
+    pub(super) fn unregister(
+        &mut self,
+        state: &State,
+        key: ServiceKey,
+        address: IpAddr,
+        owner: Option<&str>,
+    ) -> Result<bool, Status> {
+        let Some(old) = self.endpoint(state, &key, address) else {
+            return Ok(false);
+        };
+        check_owner(old, owner)?;
+        self.ops.push(StoreOp::DeleteEndpoint {
+            service: key.clone(),
+            address: address.to_string(),
+        });
+        self.change(&key, Event::EndpointRemoved(address));
+        self.endpoints.insert((key, address), None);
+        Ok(true)
+    }
+}
+
+/// An agent (`owner`, its authenticated node) may change only endpoints of its node.
+/// An endpoint registered without a node (by an `--insecure` client) has no owner.
+fn check_owner(existing: &Endpoint, owner: Option<&str>) -> Result<(), Status> {
+    match owner {
+        Some(owner) if !existing.node.is_empty() && existing.node != owner => Err(Status::permission_denied(format!(
+            "rule own-node: the endpoint {} of {} belongs to node {:?}; the agent of node {owner:?} may not change it",
+            existing.address, existing.service, existing.node
+        ))),
+        _ => Ok(()),
+    }
+}
