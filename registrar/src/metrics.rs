@@ -56,86 +56,111 @@ impl Metrics {
             store_conflicts: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("aether_registrar");
-        r.register("watchers", "Open Watch streams", metrics.watchers.clone());
-        r.register("services", "Services in the catalog", metrics.services.clone());
-        r.register("endpoints", "Endpoints in the catalog", metrics.endpoints.clone());
+        metrics.register_catalog(r);
+        metrics.register_store_commits(r);
+        metrics.register_requests(r);
+        metrics.register_write_behind(r);
+        metrics.register_replication(r);
+        metrics
+    }
+
+    /// The catalog's size and version, and its watchers.
+    fn register_catalog(&self, r: &mut Registry) {
+        r.register("watchers", "Open Watch streams", self.watchers.clone());
+        r.register("services", "Services in the catalog", self.services.clone());
+        r.register("endpoints", "Endpoints in the catalog", self.endpoints.clone());
         r.register(
             "catalog_version",
             "Sequence number of the latest catalog change",
-            metrics.catalog_version.clone(),
+            self.catalog_version.clone(),
         );
-        r.register("changes", "Catalog changes committed", metrics.changes.clone());
+        r.register("changes", "Catalog changes committed", self.changes.clone());
+    }
+
+    /// Commits to the store and what it held at start-up.
+    fn register_store_commits(&self, r: &mut Registry) {
         r.register_with_unit(
             "store_commit_duration",
             "Time to commit one batch of writes to the store",
             Unit::Seconds,
-            metrics.store_commit_seconds.clone(),
+            self.store_commit_seconds.clone(),
         );
         r.register(
             "store_commit_failures",
             "Store commits that failed (their requests were refused)",
-            metrics.store_commit_failures.clone(),
+            self.store_commit_failures.clone(),
         );
         r.register(
             "store_unreadable_records",
             "Records found in the store at start-up that could not be used (left untouched)",
-            metrics.store_unreadable_records.clone(),
+            self.store_unreadable_records.clone(),
         );
+    }
+
+    /// What watchers and callers were sent or refused.
+    fn register_requests(&self, r: &mut Registry) {
         r.register(
             "watch_snapshots",
             "Snapshots sent to watchers, by reason",
-            metrics.watch_snapshots.clone(),
+            self.watch_snapshots.clone(),
         );
         r.register(
             "invalid_requests",
             "Requests refused as invalid, by method",
-            metrics.invalid_requests.clone(),
+            self.invalid_requests.clone(),
         );
+    }
+
+    /// Whether the store is reachable, and the write-behind queue.
+    fn register_write_behind(&self, r: &mut Registry) {
         r.register(
             "store_up",
             "1 while the catalog store is reachable (writes go straight to it), 0 while writes are queued",
-            metrics.store_up.clone(),
+            self.store_up.clone(),
         );
         r.register(
             "write_behind_ops",
             "Store operations accepted and waiting in the write-behind queue",
-            metrics.write_behind_ops.clone(),
+            self.write_behind_ops.clone(),
         );
         r.register(
             "write_behind_refused",
             "Writes refused with Unavailable because the write-behind queue was full",
-            metrics.write_behind_refused.clone(),
+            self.write_behind_refused.clone(),
         );
         r.register(
             "write_behind_dropped",
             "Queued store operations dropped because the store kept refusing them",
-            metrics.write_behind_dropped.clone(),
+            self.write_behind_dropped.clone(),
         );
+    }
+
+    /// Changes from other replicas and expired nodes.
+    fn register_replication(&self, r: &mut Registry) {
         r.register(
             "feed_changes",
             "Changes made by other replicas applied from the store's feed",
-            metrics.feed_changes.clone(),
+            self.feed_changes.clone(),
         );
         r.register(
             "feed_resyncs",
             "Full resyncs from the store (feed continuity lost)",
-            metrics.feed_resyncs.clone(),
+            self.feed_resyncs.clone(),
         );
         r.register(
             "feed_unusable_records",
             "Records on the store's feed that could not be used",
-            metrics.feed_unusable.clone(),
+            self.feed_unusable.clone(),
         );
         r.register(
             "expired_endpoints",
             "Endpoints removed because their node stopped refreshing (timestamp stores)",
-            metrics.expired_endpoints.clone(),
+            self.expired_endpoints.clone(),
         );
         r.register(
             "store_conflicts",
             "Commits refused because another replica won a race (the records were adopted and the writes re-planned)",
-            metrics.store_conflicts.clone(),
+            self.store_conflicts.clone(),
         );
-        metrics
     }
 }

@@ -1,13 +1,13 @@
 //! The catalog's data model and the validation every request and every stored
 //! record goes through. Errors name the offending field, so a caller can fix it.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
 
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{Endpoint, Health, Protocol};
+use aether_proto::registry::v1::{Endpoint, Health, Port, Protocol};
 
 /// Limits that keep one endpoint from bloating every watcher's stream.
 pub const MAX_PORTS: usize = 64;
@@ -150,22 +150,37 @@ pub fn validate_endpoint(field: &str, endpoint: Option<Endpoint>) -> Result<Vali
     let service = ServiceKey::parse(&format!("{field}.service"), &ep.service)?;
     let address = parse_address(&format!("{field}.address"), &ep.address)?;
     ep.address = address.to_string();
+    check_ports(field, &ep.ports)?;
+    // A canonical port order keeps equal registrations byte-identical.
+    ep.ports.sort_by_key(|p| p.port);
+    ep.weight = check_weight(field, ep.weight)?;
+    ep.health = check_health(field, ep.health)?;
+    check_placement(field, &ep)?;
+    check_metadata(field, &ep.metadata)?;
+    Ok(ValidEndpoint {
+        service,
+        address,
+        endpoint: ep,
+    })
+}
 
-    if ep.ports.is_empty() {
+/// At least one and at most [`MAX_PORTS`] ports, each valid, no number or name twice.
+fn check_ports(field: &str, ports: &[Port]) -> Result<(), InvalidField> {
+    if ports.is_empty() {
         return Err(InvalidField::new(
             format!("{field}.ports"),
             "at least one port is required",
         ));
     }
-    if ep.ports.len() > MAX_PORTS {
+    if ports.len() > MAX_PORTS {
         return Err(InvalidField::new(
             format!("{field}.ports"),
-            format!("{} ports (at most {MAX_PORTS})", ep.ports.len()),
+            format!("{} ports (at most {MAX_PORTS})", ports.len()),
         ));
     }
     let mut numbers = HashSet::new();
     let mut names = HashSet::new();
-    for (i, port) in ep.ports.iter().enumerate() {
+    for (i, port) in ports.iter().enumerate() {
         let at = format!("{field}.ports[{i}]");
         if port.port == 0 || port.port > 65_535 {
             return Err(InvalidField::new(
@@ -179,30 +194,9 @@ pub fn validate_endpoint(field: &str, endpoint: Option<Endpoint>) -> Result<Vali
                 format!("{} is listed twice", port.port),
             ));
         }
-        match Protocol::try_from(port.protocol) {
-            Ok(Protocol::Unspecified) => {
-                return Err(InvalidField::new(
-                    format!("{at}.protocol"),
-                    "must be set (TCP, HTTP, HTTP2 or GRPC)",
-                ));
-            }
-            Ok(_) => {}
-            Err(_) => {
-                return Err(InvalidField::new(
-                    format!("{at}.protocol"),
-                    format!("unknown protocol {}", port.protocol),
-                ));
-            }
-        }
+        check_protocol(&at, port.protocol)?;
         if !port.name.is_empty() {
-            check_dns_label(&port.name)
-                .map_err(|r| InvalidField::new(format!("{at}.name"), format!("{} {r}", quote(&port.name))))?;
-            if port.name.len() > 15 {
-                return Err(InvalidField::new(
-                    format!("{at}.name"),
-                    format!("{} is longer than 15 characters", quote(&port.name)),
-                ));
-            }
+            check_port_name(&at, &port.name)?;
             if !names.insert(port.name.as_str()) {
                 return Err(InvalidField::new(
                     format!("{at}.name"),
@@ -211,28 +205,61 @@ pub fn validate_endpoint(field: &str, endpoint: Option<Endpoint>) -> Result<Vali
             }
         }
     }
-    // A canonical port order keeps equal registrations byte-identical.
-    ep.ports.sort_by_key(|p| p.port);
+    Ok(())
+}
 
-    if ep.weight > MAX_WEIGHT {
+/// A known protocol, set; `at` is the port's path.
+fn check_protocol(at: &str, protocol: i32) -> Result<(), InvalidField> {
+    match Protocol::try_from(protocol) {
+        Ok(Protocol::Unspecified) => Err(InvalidField::new(
+            format!("{at}.protocol"),
+            "must be set (TCP, HTTP, HTTP2 or GRPC)",
+        )),
+        Ok(_) => Ok(()),
+        Err(_) => Err(InvalidField::new(
+            format!("{at}.protocol"),
+            format!("unknown protocol {protocol}"),
+        )),
+    }
+}
+
+/// A port name is a DNS label of at most 15 characters (as in Kubernetes).
+fn check_port_name(at: &str, name: &str) -> Result<(), InvalidField> {
+    check_dns_label(name).map_err(|r| InvalidField::new(format!("{at}.name"), format!("{} {r}", quote(name))))?;
+    if name.len() > 15 {
         return Err(InvalidField::new(
-            format!("{field}.weight"),
-            format!("{} is out of range (0..={MAX_WEIGHT}; 0 means 1)", ep.weight),
+            format!("{at}.name"),
+            format!("{} is longer than 15 characters", quote(name)),
         ));
     }
-    ep.weight = ep.weight.max(1);
+    Ok(())
+}
 
-    match Health::try_from(ep.health) {
-        Ok(Health::Unspecified) => ep.health = Health::Healthy as i32,
-        Ok(_) => {}
-        Err(_) => {
-            return Err(InvalidField::new(
-                format!("{field}.health"),
-                format!("unknown health {}", ep.health),
-            ));
-        }
+/// The weight in canonical form (0 means 1), if at most [`MAX_WEIGHT`].
+fn check_weight(field: &str, weight: u32) -> Result<u32, InvalidField> {
+    if weight > MAX_WEIGHT {
+        return Err(InvalidField::new(
+            format!("{field}.weight"),
+            format!("{weight} is out of range (0..={MAX_WEIGHT}; 0 means 1)"),
+        ));
     }
+    Ok(weight.max(1))
+}
 
+/// The health in canonical form (UNSPECIFIED means HEALTHY), if known.
+fn check_health(field: &str, health: i32) -> Result<i32, InvalidField> {
+    match Health::try_from(health) {
+        Ok(Health::Unspecified) => Ok(Health::Healthy as i32),
+        Ok(_) => Ok(health),
+        Err(_) => Err(InvalidField::new(
+            format!("{field}.health"),
+            format!("unknown health {health}"),
+        )),
+    }
+}
+
+/// Where the endpoint runs: its locality, pod and node are label values.
+fn check_placement(field: &str, ep: &Endpoint) -> Result<(), InvalidField> {
     if let Some(locality) = &ep.locality {
         for (name, value) in [
             ("region", &locality.region),
@@ -252,16 +279,20 @@ pub fn validate_endpoint(field: &str, endpoint: Option<Endpoint>) -> Result<Vali
             check_label_value(&format!("{field}.pod.{name}"), value)?;
         }
     }
-    check_label_value(&format!("{field}.node"), &ep.node)?;
+    check_label_value(&format!("{field}.node"), &ep.node)
+}
 
-    if ep.metadata.len() > MAX_METADATA_ENTRIES {
+/// At most [`MAX_METADATA_ENTRIES`] entries and [`MAX_METADATA_BYTES`] in all, each
+/// key 1..=[`MAX_METADATA_KEY_BYTES`] bytes.
+fn check_metadata(field: &str, metadata: &HashMap<String, String>) -> Result<(), InvalidField> {
+    if metadata.len() > MAX_METADATA_ENTRIES {
         return Err(InvalidField::new(
             format!("{field}.metadata"),
-            format!("{} entries (at most {MAX_METADATA_ENTRIES})", ep.metadata.len()),
+            format!("{} entries (at most {MAX_METADATA_ENTRIES})", metadata.len()),
         ));
     }
     let mut total = 0;
-    for (key, value) in &ep.metadata {
+    for (key, value) in metadata {
         if key.is_empty() || key.len() > MAX_METADATA_KEY_BYTES {
             return Err(InvalidField::new(
                 format!("{field}.metadata"),
@@ -276,12 +307,7 @@ pub fn validate_endpoint(field: &str, endpoint: Option<Endpoint>) -> Result<Vali
             format!("{total} bytes (at most {MAX_METADATA_BYTES})"),
         ));
     }
-
-    Ok(ValidEndpoint {
-        service,
-        address,
-        endpoint: ep,
-    })
+    Ok(())
 }
 
 fn check_label_value(field: &str, value: &str) -> Result<(), InvalidField> {

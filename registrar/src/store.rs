@@ -182,8 +182,6 @@ pub enum StoreError {
     Corrupt(String),
     #[error("{0}")]
     Config(String),
-    #[error("the {0} store is not built into this registrar yet")]
-    NotBuilt(&'static str),
 }
 
 /// Settings every backend gets.

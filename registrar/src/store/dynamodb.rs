@@ -736,117 +736,7 @@ impl Inner {
         skip_vip_deletes: &BTreeSet<String>,
         revision: Revision,
     ) -> Result<(), WriteError> {
-        let mut actions: Vec<(Action, TransactWriteItem)> = Vec::new();
-        let build = |e: aws_sdk_dynamodb::error::BuildError| WriteError::Store(StoreError::Corrupt(e.to_string()));
-        let rev = n(revision);
-        for service in &batch.created {
-            let service_key = format!("{}/{}", service.namespace, service.name);
-            let put = Put::builder()
-                .table_name(self.table())
-                .set_item(Some(key(service_pk(&service_key), "svc")))
-                .item(DATA, AttributeValue::B(Blob::new(service.encode_to_vec())))
-                .item(REV, rev.clone())
-                .item("VIP", s(&service.vip))
-                .condition_expression("attribute_not_exists(PK)")
-                .build()
-                .map_err(build)?;
-            actions.push((
-                Action::CreateService(service_key.clone()),
-                TransactWriteItem::builder().put(put).build(),
-            ));
-            let put = Put::builder()
-                .table_name(self.table())
-                .set_item(Some(key(vip_pk(&service.vip), "vip")))
-                .item("SVC", s(&service_key))
-                .item(REV, rev.clone())
-                .condition_expression("attribute_not_exists(PK)")
-                .build()
-                .map_err(build)?;
-            actions.push((
-                Action::CreateVip(service.vip.clone()),
-                TransactWriteItem::builder().put(put).build(),
-            ));
-        }
-        for service in &batch.must_exist {
-            let check = ConditionCheck::builder()
-                .table_name(self.table())
-                .set_key(Some(key(service_pk(service), "svc")))
-                .condition_expression("attribute_exists(PK)")
-                .build()
-                .map_err(build)?;
-            actions.push((
-                Action::ServiceExists(service.clone()),
-                TransactWriteItem::builder().condition_check(check).build(),
-            ));
-        }
-        for ((service, address), endpoint) in &batch.endpoints {
-            let item = match endpoint {
-                Some(endpoint) => {
-                    let put = Put::builder()
-                        .table_name(self.table())
-                        .set_item(Some(key(service_pk(service), endpoint_sk(address))))
-                        .item(DATA, AttributeValue::B(Blob::new(endpoint.encode_to_vec())))
-                        .item(REV, rev.clone())
-                        .item("NODE", s(&endpoint.node))
-                        .condition_expression("attribute_not_exists(REV) OR REV < :rev")
-                        .expression_attribute_values(":rev", rev.clone())
-                        .build()
-                        .map_err(build)?;
-                    TransactWriteItem::builder().put(put).build()
-                }
-                None => {
-                    let delete = Delete::builder()
-                        .table_name(self.table())
-                        .set_key(Some(key(service_pk(service), endpoint_sk(address))))
-                        .condition_expression("attribute_not_exists(REV) OR REV < :rev")
-                        .expression_attribute_values(":rev", rev.clone())
-                        .build()
-                        .map_err(build)?;
-                    TransactWriteItem::builder().delete(delete).build()
-                }
-            };
-            actions.push((Action::Endpoint, item));
-        }
-        for (service, vip) in &batch.deleted_services {
-            let delete = Delete::builder()
-                .table_name(self.table())
-                .set_key(Some(key(service_pk(service), "svc")))
-                .build()
-                .map_err(build)?;
-            actions.push((Action::Plain, TransactWriteItem::builder().delete(delete).build()));
-            if !skip_vip_deletes.contains(vip) {
-                // Only while the VIP is still this service's: another replica may have
-                // handed it to a new service after an earlier delete.
-                let delete = Delete::builder()
-                    .table_name(self.table())
-                    .set_key(Some(key(vip_pk(vip), "vip")))
-                    .condition_expression("attribute_not_exists(PK) OR SVC = :svc")
-                    .expression_attribute_values(":svc", s(service))
-                    .build()
-                    .map_err(build)?;
-                actions.push((
-                    Action::DeleteVip(vip.clone()),
-                    TransactWriteItem::builder().delete(delete).build(),
-                ));
-            }
-        }
-        for (service, sk) in doomed {
-            let delete = Delete::builder()
-                .table_name(self.table())
-                .set_key(Some(key(service_pk(service), sk.clone())))
-                .build()
-                .map_err(build)?;
-            actions.push((Action::Plain, TransactWriteItem::builder().delete(delete).build()));
-        }
-        for node in &batch.forgotten_nodes {
-            let delete = Delete::builder()
-                .table_name(self.table())
-                .set_key(Some(key(NODES_PK, node_sk(node))))
-                .build()
-                .map_err(build)?;
-            actions.push((Action::Plain, TransactWriteItem::builder().delete(delete).build()));
-        }
-
+        let actions = self.actions(batch, doomed, skip_vip_deletes, revision)?;
         let chunks: Vec<_> = actions.chunks(MAX_TRANSACTION_ITEMS).collect();
         if chunks.len() > 1 {
             tracing::debug!(
@@ -859,6 +749,147 @@ impl Inner {
             self.transact(chunk, i > 0).await?;
         }
         Ok(())
+    }
+
+    /// The batch's writes at `revision`, the condition-carrying ones first: new
+    /// services and their VIPs, services that must exist, endpoints, deleted services
+    /// and VIPs, then the `doomed` items and forgotten nodes.
+    fn actions(
+        &self,
+        batch: &Batch,
+        doomed: &[(String, String)],
+        skip_vip_deletes: &BTreeSet<String>,
+        revision: Revision,
+    ) -> Result<Vec<(Action, TransactWriteItem)>, WriteError> {
+        let mut actions: Vec<(Action, TransactWriteItem)> = Vec::new();
+        let rev = n(revision);
+        for service in &batch.created {
+            actions.extend(self.create_service(service, &rev)?);
+        }
+        for service in &batch.must_exist {
+            let check = ConditionCheck::builder()
+                .table_name(self.table())
+                .set_key(Some(key(service_pk(service), "svc")))
+                .condition_expression("attribute_exists(PK)")
+                .build()
+                .map_err(build_failed)?;
+            actions.push((
+                Action::ServiceExists(service.clone()),
+                TransactWriteItem::builder().condition_check(check).build(),
+            ));
+        }
+        for ((service, address), endpoint) in &batch.endpoints {
+            let item = self.write_endpoint(service, address, endpoint.as_deref(), &rev)?;
+            actions.push((Action::Endpoint, item));
+        }
+        for (service, vip) in &batch.deleted_services {
+            actions.push((Action::Plain, self.delete_item(service_pk(service), "svc")?));
+            if !skip_vip_deletes.contains(vip) {
+                actions.push((Action::DeleteVip(vip.clone()), self.delete_vip(service, vip)?));
+            }
+        }
+        for (service, sk) in doomed {
+            actions.push((Action::Plain, self.delete_item(service_pk(service), sk.clone())?));
+        }
+        for node in &batch.forgotten_nodes {
+            actions.push((Action::Plain, self.delete_item(NODES_PK, node_sk(node))?));
+        }
+        Ok(actions)
+    }
+
+    /// Puts a new service and its VIP, each only if it does not exist yet.
+    fn create_service(
+        &self,
+        service: &Service,
+        rev: &AttributeValue,
+    ) -> Result<[(Action, TransactWriteItem); 2], WriteError> {
+        let service_key = format!("{}/{}", service.namespace, service.name);
+        let put_service = Put::builder()
+            .table_name(self.table())
+            .set_item(Some(key(service_pk(&service_key), "svc")))
+            .item(DATA, AttributeValue::B(Blob::new(service.encode_to_vec())))
+            .item(REV, rev.clone())
+            .item("VIP", s(&service.vip))
+            .condition_expression("attribute_not_exists(PK)")
+            .build()
+            .map_err(build_failed)?;
+        let put_vip = Put::builder()
+            .table_name(self.table())
+            .set_item(Some(key(vip_pk(&service.vip), "vip")))
+            .item("SVC", s(&service_key))
+            .item(REV, rev.clone())
+            .condition_expression("attribute_not_exists(PK)")
+            .build()
+            .map_err(build_failed)?;
+        Ok([
+            (
+                Action::CreateService(service_key),
+                TransactWriteItem::builder().put(put_service).build(),
+            ),
+            (
+                Action::CreateVip(service.vip.clone()),
+                TransactWriteItem::builder().put(put_vip).build(),
+            ),
+        ])
+    }
+
+    /// Puts (`Some`) or deletes (`None`) an endpoint, only over an older revision.
+    fn write_endpoint(
+        &self,
+        service: &str,
+        address: &str,
+        endpoint: Option<&Endpoint>,
+        rev: &AttributeValue,
+    ) -> Result<TransactWriteItem, WriteError> {
+        let item = match endpoint {
+            Some(endpoint) => {
+                let put = Put::builder()
+                    .table_name(self.table())
+                    .set_item(Some(key(service_pk(service), endpoint_sk(address))))
+                    .item(DATA, AttributeValue::B(Blob::new(endpoint.encode_to_vec())))
+                    .item(REV, rev.clone())
+                    .item("NODE", s(&endpoint.node))
+                    .condition_expression("attribute_not_exists(REV) OR REV < :rev")
+                    .expression_attribute_values(":rev", rev.clone())
+                    .build()
+                    .map_err(build_failed)?;
+                TransactWriteItem::builder().put(put).build()
+            }
+            None => {
+                let delete = Delete::builder()
+                    .table_name(self.table())
+                    .set_key(Some(key(service_pk(service), endpoint_sk(address))))
+                    .condition_expression("attribute_not_exists(REV) OR REV < :rev")
+                    .expression_attribute_values(":rev", rev.clone())
+                    .build()
+                    .map_err(build_failed)?;
+                TransactWriteItem::builder().delete(delete).build()
+            }
+        };
+        Ok(item)
+    }
+
+    /// Deletes a deleted service's VIP, only while the VIP is still this service's:
+    /// another replica may have handed it to a new service after an earlier delete.
+    fn delete_vip(&self, service: &str, vip: &str) -> Result<TransactWriteItem, WriteError> {
+        let delete = Delete::builder()
+            .table_name(self.table())
+            .set_key(Some(key(vip_pk(vip), "vip")))
+            .condition_expression("attribute_not_exists(PK) OR SVC = :svc")
+            .expression_attribute_values(":svc", s(service))
+            .build()
+            .map_err(build_failed)?;
+        Ok(TransactWriteItem::builder().delete(delete).build())
+    }
+
+    /// Deletes an item unconditionally.
+    fn delete_item(&self, pk: impl Into<String>, sk: impl Into<String>) -> Result<TransactWriteItem, WriteError> {
+        let delete = Delete::builder()
+            .table_name(self.table())
+            .set_key(Some(key(pk, sk)))
+            .build()
+            .map_err(build_failed)?;
+        Ok(TransactWriteItem::builder().delete(delete).build())
     }
 
     /// One transaction, retried while throttled or conflicting with another
@@ -902,64 +933,81 @@ impl Inner {
                 self.unavailable("committing", format!("{}{partial}", describe(&error))),
             ));
         };
-        let reasons = cancelled.cancellation_reasons();
+        let failed: Vec<&Action> = (cancelled.cancellation_reasons().iter())
+            .zip(chunk)
+            .filter(|(reason, _)| reason.code() == Some("ConditionalCheckFailed"))
+            .map(|(_, (action, _))| action)
+            .collect();
+        Err(self.cancelled(&failed, partial).await.unwrap_or_else(|| {
+            WriteError::Store(self.unavailable(
+                "committing",
+                format!("transaction cancelled: {}{partial}", describe(&error)),
+            ))
+        }))
+    }
+
+    /// Why a transaction was cancelled, from the actions whose conditions failed: a
+    /// conflict (who won), a reassigned VIP, a lost revision race, or `None` if the
+    /// actions tell nothing.
+    async fn cancelled(&self, failed: &[&Action], partial: &str) -> Option<WriteError> {
         let mut conflict = Conflict::default();
         let mut race = false;
         let mut reassigned = None;
-        for (i, reason) in reasons.iter().enumerate() {
-            if reason.code() != Some("ConditionalCheckFailed") {
-                continue;
-            }
-            match chunk.get(i).map(|(action, _)| action) {
-                Some(Action::CreateService(service)) => {
-                    if let Some(existing) = self.stored_service(service).await.map_err(WriteError::Store)? {
-                        conflict.existing.push(existing);
-                    }
-                    conflict.detail.push_str(&format!("service {service} already exists; "));
+        for action in failed {
+            let found = match action {
+                Action::CreateService(service) => self.service_taken(service, &mut conflict).await,
+                Action::CreateVip(vip) => self.vip_taken(vip, &mut conflict).await,
+                Action::ServiceExists(service) => service_missing(service, &mut conflict),
+                Action::Endpoint => {
+                    race = true;
+                    Ok(())
                 }
-                Some(Action::CreateVip(vip)) => {
-                    let owner = self.get(&vip_pk(vip), "vip").await.map_err(WriteError::Store)?;
-                    let owner = owner
-                        .as_ref()
-                        .and_then(|o| text(o, "SVC"))
-                        .unwrap_or_default()
-                        .to_owned();
-                    if let Some(existing) = self.stored_service(&owner).await.map_err(WriteError::Store)? {
-                        conflict.existing.push(existing);
-                    }
-                    conflict
-                        .detail
-                        .push_str(&format!("VIP {vip} already belongs to {owner}; "));
+                Action::DeleteVip(vip) => {
+                    reassigned = Some(vip.clone());
+                    Ok(())
                 }
-                Some(Action::ServiceExists(service)) => {
-                    let missing = ServiceKey::parse("service", service)
-                        .map_err(|e| WriteError::Store(StoreError::Corrupt(e.to_string())))?;
-                    conflict.missing.push(missing);
-                    conflict
-                        .detail
-                        .push_str(&format!("service {service} is not in the store; "));
-                }
-                Some(Action::Endpoint) => race = true,
-                Some(Action::DeleteVip(vip)) => reassigned = Some(vip.clone()),
-                Some(Action::Plain) | None => {}
+                Action::Plain => Ok(()),
+            };
+            if let Err(error) = found {
+                return Some(error);
             }
         }
         if !conflict.existing.is_empty() || !conflict.missing.is_empty() || !conflict.detail.is_empty() {
             conflict.existing.dedup();
             conflict.detail = conflict.detail.trim_end_matches("; ").to_owned();
             conflict.detail.push_str(partial);
-            return Err(WriteError::Store(StoreError::Conflict(conflict)));
+            return Some(WriteError::Store(StoreError::Conflict(conflict)));
         }
         if let Some(vip) = reassigned {
-            return Err(WriteError::VipReassigned(vip));
+            return Some(WriteError::VipReassigned(vip));
         }
-        if race {
-            return Err(WriteError::RevisionRace);
+        race.then_some(WriteError::RevisionRace)
+    }
+
+    /// Adds the service that already exists under `service` to `conflict`.
+    async fn service_taken(&self, service: &str, conflict: &mut Conflict) -> Result<(), WriteError> {
+        if let Some(existing) = self.stored_service(service).await.map_err(WriteError::Store)? {
+            conflict.existing.push(existing);
         }
-        Err(WriteError::Store(self.unavailable(
-            "committing",
-            format!("transaction cancelled: {}{partial}", describe(&error)),
-        )))
+        conflict.detail.push_str(&format!("service {service} already exists; "));
+        Ok(())
+    }
+
+    /// Adds the service that already holds `vip` to `conflict`.
+    async fn vip_taken(&self, vip: &str, conflict: &mut Conflict) -> Result<(), WriteError> {
+        let owner = self.get(&vip_pk(vip), "vip").await.map_err(WriteError::Store)?;
+        let owner = owner
+            .as_ref()
+            .and_then(|o| text(o, "SVC"))
+            .unwrap_or_default()
+            .to_owned();
+        if let Some(existing) = self.stored_service(&owner).await.map_err(WriteError::Store)? {
+            conflict.existing.push(existing);
+        }
+        conflict
+            .detail
+            .push_str(&format!("VIP {vip} already belongs to {owner}; "));
+        Ok(())
     }
 
     async fn stored_service(&self, service_key: &str) -> Result<Option<Service>, StoreError> {
@@ -1049,6 +1097,21 @@ enum WriteError {
     RevisionRace,
     /// The VIP of a deleted service already belongs to another service: keep it.
     VipReassigned(String),
+}
+
+fn build_failed(e: aws_sdk_dynamodb::error::BuildError) -> WriteError {
+    WriteError::Store(StoreError::Corrupt(e.to_string()))
+}
+
+/// Adds a service a batch needed but the store lacks to `conflict`.
+fn service_missing(service: &str, conflict: &mut Conflict) -> Result<(), WriteError> {
+    let missing =
+        ServiceKey::parse("service", service).map_err(|e| WriteError::Store(StoreError::Corrupt(e.to_string())))?;
+    conflict.missing.push(missing);
+    conflict
+        .detail
+        .push_str(&format!("service {service} is not in the store; "));
+    Ok(())
 }
 
 /// A batch of ops folded per item: DynamoDB refuses two actions on one item in a

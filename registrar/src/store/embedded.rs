@@ -102,6 +102,148 @@ fn endpoint_key(service: &str, address: &str) -> String {
     format!("{service}/{address}")
 }
 
+fn fail(e: &dyn std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+/// Applies `ops` in one write transaction and bumps the revision; returns the new
+/// revision. Dropping an uncommitted transaction aborts it, so an op that fails
+/// leaves the store untouched.
+fn write_ops(db: &Database, ops: &[StoreOp]) -> Result<Revision, StoreError> {
+    let txn = db.begin_write().map_err(|e| fail(&e))?;
+    let revision = {
+        let mut tables = Tables::open(&txn)?;
+        for op in ops {
+            tables.apply(op)?;
+        }
+        tables.bump_revision()?
+    };
+    txn.commit().map_err(|e| fail(&e))?;
+    Ok(revision)
+}
+
+/// The tables of one write transaction.
+struct Tables<'txn> {
+    services: redb::Table<'txn, &'static str, &'static [u8]>,
+    vips: redb::Table<'txn, &'static str, &'static str>,
+    endpoints: redb::Table<'txn, &'static str, &'static [u8]>,
+    meta: redb::Table<'txn, &'static str, u64>,
+}
+
+impl<'txn> Tables<'txn> {
+    fn open(txn: &'txn redb::WriteTransaction) -> Result<Tables<'txn>, StoreError> {
+        Ok(Tables {
+            services: txn.open_table(SERVICES).map_err(|e| fail(&e))?,
+            vips: txn.open_table(VIPS).map_err(|e| fail(&e))?,
+            endpoints: txn.open_table(ENDPOINTS).map_err(|e| fail(&e))?,
+            meta: txn.open_table(META).map_err(|e| fail(&e))?,
+        })
+    }
+
+    fn apply(&mut self, op: &StoreOp) -> Result<(), StoreError> {
+        match op {
+            StoreOp::CreateService(service) => self.create_service(service),
+            StoreOp::DeleteService { key, vip } => self.delete_service(key.as_str(), vip),
+            StoreOp::PutEndpoint(endpoint) => self.put_endpoint(endpoint),
+            StoreOp::DeleteEndpoint { service, address } => {
+                let key = endpoint_key(service.as_str(), address);
+                self.endpoints.remove(key.as_str()).map_err(|e| fail(&e))?;
+                Ok(())
+            }
+            StoreOp::ForgetNode(_) => Ok(()),
+        }
+    }
+
+    fn stored_service(&self, key: &str) -> Result<Option<Service>, StoreError> {
+        match self.services.get(key).map_err(|e| fail(&e))? {
+            Some(v) => Service::decode(v.value())
+                .map(Some)
+                .map_err(|e| StoreError::Corrupt(format!("services/{key}: {e}"))),
+            None => Ok(None),
+        }
+    }
+
+    /// Creates a service and its VIP; a conflict if either is taken.
+    fn create_service(&mut self, service: &Service) -> Result<(), StoreError> {
+        let key = format!("{}/{}", service.namespace, service.name);
+        if let Some(existing) = self.stored_service(&key)? {
+            return Err(StoreError::Conflict(Conflict {
+                existing: vec![existing],
+                missing: vec![],
+                detail: format!("service {key} already exists"),
+            }));
+        }
+        let owner = self
+            .vips
+            .get(service.vip.as_str())
+            .map_err(|e| fail(&e))?
+            .map(|o| o.value().to_owned());
+        if let Some(owner) = owner {
+            let existing = self.stored_service(&owner)?;
+            return Err(StoreError::Conflict(Conflict {
+                existing: existing.into_iter().collect(),
+                missing: vec![],
+                detail: format!("VIP {} already belongs to {owner}", service.vip),
+            }));
+        }
+        self.services
+            .insert(key.as_str(), service.encode_to_vec().as_slice())
+            .map_err(|e| fail(&e))?;
+        self.vips
+            .insert(service.vip.as_str(), key.as_str())
+            .map_err(|e| fail(&e))?;
+        Ok(())
+    }
+
+    /// Deletes a service, its VIP and its endpoints.
+    fn delete_service(&mut self, key: &str, vip: &str) -> Result<(), StoreError> {
+        self.services.remove(key).map_err(|e| fail(&e))?;
+        self.vips.remove(vip).map_err(|e| fail(&e))?;
+        // Its endpoints: keys "<ns>/<name>/<address>"; '0' follows '/'.
+        let start = format!("{key}/");
+        let end = format!("{key}0");
+        self.endpoints
+            .retain_in(start.as_str()..end.as_str(), |_, _| false)
+            .map_err(|e| fail(&e))?;
+        Ok(())
+    }
+
+    /// Puts an endpoint; a conflict if its service is not in the store.
+    fn put_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), StoreError> {
+        if self
+            .services
+            .get(endpoint.service.as_str())
+            .map_err(|e| fail(&e))?
+            .is_none()
+        {
+            let missing =
+                ServiceKey::parse("service", &endpoint.service).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+            return Err(StoreError::Conflict(Conflict {
+                existing: vec![],
+                missing: vec![missing],
+                detail: format!("service {} is not in the store", endpoint.service),
+            }));
+        }
+        let key = endpoint_key(&endpoint.service, &endpoint.address);
+        self.endpoints
+            .insert(key.as_str(), endpoint.encode_to_vec().as_slice())
+            .map_err(|e| fail(&e))?;
+        Ok(())
+    }
+
+    fn bump_revision(&mut self) -> Result<Revision, StoreError> {
+        let revision = self
+            .meta
+            .get("revision")
+            .map_err(|e| fail(&e))?
+            .map(|v| v.value())
+            .unwrap_or(0)
+            + 1;
+        self.meta.insert("revision", revision).map_err(|e| fail(&e))?;
+        Ok(revision)
+    }
+}
+
 fn touch_nodes<'a>(nodes: &Mutex<HashMap<String, Instant>>, names: impl Iterator<Item = &'a str>) {
     let now = Instant::now();
     let mut nodes = nodes.lock().expect("node liveness lock poisoned");
@@ -171,98 +313,7 @@ impl Store for EmbeddedStore {
                 _ => None,
             })
             .collect();
-        let write = move || -> Result<Revision, StoreError> {
-            let fail = |e: &dyn std::fmt::Display| StoreError::Unavailable(e.to_string());
-            let txn = db.begin_write().map_err(|e| fail(&e))?;
-            let revision;
-            {
-                let mut services = txn.open_table(SERVICES).map_err(|e| fail(&e))?;
-                let mut vips = txn.open_table(VIPS).map_err(|e| fail(&e))?;
-                let mut endpoints = txn.open_table(ENDPOINTS).map_err(|e| fail(&e))?;
-                let mut meta = txn.open_table(META).map_err(|e| fail(&e))?;
-                let stored_service =
-                    |services: &redb::Table<&str, &[u8]>, key: &str| -> Result<Option<Service>, StoreError> {
-                        match services.get(key).map_err(|e| fail(&e))? {
-                            Some(v) => Service::decode(v.value())
-                                .map(Some)
-                                .map_err(|e| StoreError::Corrupt(format!("services/{key}: {e}"))),
-                            None => Ok(None),
-                        }
-                    };
-                for op in &ops {
-                    match op {
-                        StoreOp::CreateService(service) => {
-                            let key = format!("{}/{}", service.namespace, service.name);
-                            if let Some(existing) = stored_service(&services, &key)? {
-                                return Err(StoreError::Conflict(Conflict {
-                                    existing: vec![existing],
-                                    missing: vec![],
-                                    detail: format!("service {key} already exists"),
-                                }));
-                            }
-                            let owner = vips
-                                .get(service.vip.as_str())
-                                .map_err(|e| fail(&e))?
-                                .map(|o| o.value().to_owned());
-                            if let Some(owner) = owner {
-                                let existing = stored_service(&services, &owner)?;
-                                return Err(StoreError::Conflict(Conflict {
-                                    existing: existing.into_iter().collect(),
-                                    missing: vec![],
-                                    detail: format!("VIP {} already belongs to {owner}", service.vip),
-                                }));
-                            }
-                            services
-                                .insert(key.as_str(), service.encode_to_vec().as_slice())
-                                .map_err(|e| fail(&e))?;
-                            vips.insert(service.vip.as_str(), key.as_str()).map_err(|e| fail(&e))?;
-                        }
-                        StoreOp::DeleteService { key, vip } => {
-                            services.remove(key.as_str()).map_err(|e| fail(&e))?;
-                            vips.remove(vip.as_str()).map_err(|e| fail(&e))?;
-                            // Its endpoints: keys "<ns>/<name>/<address>"; '0' follows '/'.
-                            let start = format!("{key}/");
-                            let end = format!("{key}0");
-                            endpoints
-                                .retain_in(start.as_str()..end.as_str(), |_, _| false)
-                                .map_err(|e| fail(&e))?;
-                        }
-                        StoreOp::PutEndpoint(endpoint) => {
-                            if services.get(endpoint.service.as_str()).map_err(|e| fail(&e))?.is_none() {
-                                let missing = ServiceKey::parse("service", &endpoint.service)
-                                    .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-                                return Err(StoreError::Conflict(Conflict {
-                                    existing: vec![],
-                                    missing: vec![missing],
-                                    detail: format!("service {} is not in the store", endpoint.service),
-                                }));
-                            }
-                            let key = endpoint_key(&endpoint.service, &endpoint.address);
-                            endpoints
-                                .insert(key.as_str(), endpoint.encode_to_vec().as_slice())
-                                .map_err(|e| fail(&e))?;
-                        }
-                        StoreOp::DeleteEndpoint { service, address } => {
-                            let key = endpoint_key(service.as_str(), address);
-                            endpoints.remove(key.as_str()).map_err(|e| fail(&e))?;
-                        }
-                        StoreOp::ForgetNode(_) => {}
-                    }
-                }
-                revision = meta
-                    .get("revision")
-                    .map_err(|e| fail(&e))?
-                    .map(|v| v.value())
-                    .unwrap_or(0)
-                    + 1;
-                meta.insert("revision", revision).map_err(|e| fail(&e))?;
-            }
-            // Dropping an uncommitted transaction aborts it, so an early return above
-            // leaves the store untouched.
-            txn.commit().map_err(|e| fail(&e))?;
-            Ok(revision)
-        };
-        let revision = tokio::task::spawn_blocking(write)
+        let revision = tokio::task::spawn_blocking(move || write_ops(&db, &ops))
             .await
             .map_err(|e| StoreError::Unavailable(format!("commit task failed: {e}")))??;
         touch_nodes(&self.nodes, live.iter().map(String::as_str));

@@ -463,98 +463,20 @@ impl EtcdStore {
     }
 
     async fn try_commit(&self, ops: &[StoreOp]) -> Result<Revision, StoreError> {
-        // etcd refuses a transaction that writes one key twice, so the last op on a key
-        // wins (the catalog plans each key's final state anyway).
-        let mut txn_ops: Vec<Option<TxnOp>> = Vec::new();
-        let mut slots: HashMap<String, usize> = HashMap::new();
-        let mut compares = Vec::new();
-        let mut created: Vec<&Service> = Vec::new();
-        let mut created_keys: Vec<String> = Vec::new();
-        let mut needs_service: Vec<&str> = Vec::new();
-        fn put(key: String, op: TxnOp, txn_ops: &mut Vec<Option<TxnOp>>, slots: &mut HashMap<String, usize>) {
-            match slots.get(&key) {
-                Some(&i) => txn_ops[i] = Some(op),
-                None => {
-                    slots.insert(key, txn_ops.len());
-                    txn_ops.push(Some(op));
-                }
-            }
-        }
+        let mut txn = TxnPlan::default();
         for op in ops {
-            match op {
-                StoreOp::CreateService(service) => {
-                    let key = key_of(service);
-                    let skey = self.keys.service(&key);
-                    let vkey = self.keys.vip(&service.vip);
-                    compares.push(Compare::create_revision(skey.clone(), CompareOp::Equal, 0));
-                    compares.push(Compare::create_revision(vkey.clone(), CompareOp::Equal, 0));
-                    put(
-                        skey.clone(),
-                        TxnOp::put(skey, service.encode_to_vec(), None),
-                        &mut txn_ops,
-                        &mut slots,
-                    );
-                    put(
-                        vkey.clone(),
-                        TxnOp::put(vkey, key.into_bytes(), None),
-                        &mut txn_ops,
-                        &mut slots,
-                    );
-                    created.push(service);
-                    created_keys.push(key_of(service));
-                }
-                StoreOp::DeleteService { key, vip } => {
-                    let skey = self.keys.service(key.as_str());
-                    let vkey = self.keys.vip(vip);
-                    let prefix = self.keys.endpoints_of(key.as_str());
-                    // Earlier puts of its endpoints in this batch would overlap the range delete.
-                    for (k, &i) in slots.iter() {
-                        if k.starts_with(&prefix) {
-                            txn_ops[i] = None;
-                        }
-                    }
-                    put(skey.clone(), TxnOp::delete(skey, None), &mut txn_ops, &mut slots);
-                    put(vkey.clone(), TxnOp::delete(vkey, None), &mut txn_ops, &mut slots);
-                    let range = TxnOp::delete(prefix.clone(), Some(etcd_client::DeleteOptions::new().with_prefix()));
-                    put(prefix, range, &mut txn_ops, &mut slots);
-                }
-                StoreOp::PutEndpoint(endpoint) => {
-                    let key = self.keys.endpoint(&endpoint.service, &endpoint.address);
-                    let options = if endpoint.node.is_empty() {
-                        None
-                    } else {
-                        Some(PutOptions::new().with_lease(self.lease_of(&endpoint.node).await?))
-                    };
-                    put(
-                        key.clone(),
-                        TxnOp::put(key, endpoint.encode_to_vec(), options),
-                        &mut txn_ops,
-                        &mut slots,
-                    );
-                    needs_service.push(&endpoint.service);
-                }
-                StoreOp::DeleteEndpoint { service, address } => {
-                    let key = self.keys.endpoint(service.as_str(), address);
-                    put(key.clone(), TxnOp::delete(key, None), &mut txn_ops, &mut slots);
-                }
-                StoreOp::ForgetNode(node) => {
-                    let key = self.keys.node(node);
-                    put(key.clone(), TxnOp::delete(key, None), &mut txn_ops, &mut slots);
-                    self.forget_leases(std::iter::once(node.as_str()));
-                }
-            }
+            self.add_op(&mut txn, op).await?;
         }
-        needs_service.sort_unstable();
-        needs_service.dedup();
-        needs_service.retain(|s| !created_keys.iter().any(|c| c == s));
+        let needs_service = txn.services_needed();
         for service in &needs_service {
-            compares.push(Compare::create_revision(
+            txn.compares.push(Compare::create_revision(
                 self.keys.service(service),
                 CompareOp::Greater,
                 0,
             ));
         }
-        let txn_ops: Vec<TxnOp> = txn_ops.into_iter().flatten().collect();
+        let compares = txn.compares;
+        let txn_ops: Vec<TxnOp> = txn.ops.into_iter().flatten().collect();
         if txn_ops.len() > self.max_txn_ops || compares.len() > self.max_txn_ops {
             return Err(StoreError::Corrupt(format!(
                 "a batch of {} operations and {} conditions exceeds etcd's --max-txn-ops {}",
@@ -571,7 +493,66 @@ impl EtcdStore {
         if response.succeeded() {
             return Ok(revision as Revision);
         }
-        // Find out which condition failed and who won.
+        Err(self.explain_conflict(txn.created, needs_service).await?)
+    }
+
+    /// Adds `op` to the transaction: its writes, and the conditions it needs.
+    async fn add_op<'a>(&self, txn: &mut TxnPlan<'a>, op: &'a StoreOp) -> Result<(), StoreError> {
+        match op {
+            StoreOp::CreateService(service) => {
+                let key = key_of(service);
+                let skey = self.keys.service(&key);
+                let vkey = self.keys.vip(&service.vip);
+                txn.compares
+                    .push(Compare::create_revision(skey.clone(), CompareOp::Equal, 0));
+                txn.compares
+                    .push(Compare::create_revision(vkey.clone(), CompareOp::Equal, 0));
+                txn.put(skey.clone(), TxnOp::put(skey, service.encode_to_vec(), None));
+                txn.put(vkey.clone(), TxnOp::put(vkey, key.into_bytes(), None));
+                txn.created.push(service);
+                txn.created_keys.push(key_of(service));
+            }
+            StoreOp::DeleteService { key, vip } => {
+                let skey = self.keys.service(key.as_str());
+                let vkey = self.keys.vip(vip);
+                let prefix = self.keys.endpoints_of(key.as_str());
+                // Earlier puts of its endpoints in this batch would overlap the range delete.
+                txn.cancel_under(&prefix);
+                txn.put(skey.clone(), TxnOp::delete(skey, None));
+                txn.put(vkey.clone(), TxnOp::delete(vkey, None));
+                let range = TxnOp::delete(prefix.clone(), Some(etcd_client::DeleteOptions::new().with_prefix()));
+                txn.put(prefix, range);
+            }
+            StoreOp::PutEndpoint(endpoint) => {
+                let key = self.keys.endpoint(&endpoint.service, &endpoint.address);
+                let options = if endpoint.node.is_empty() {
+                    None
+                } else {
+                    Some(PutOptions::new().with_lease(self.lease_of(&endpoint.node).await?))
+                };
+                txn.put(key.clone(), TxnOp::put(key, endpoint.encode_to_vec(), options));
+                txn.needs_service.push(&endpoint.service);
+            }
+            StoreOp::DeleteEndpoint { service, address } => {
+                let key = self.keys.endpoint(service.as_str(), address);
+                txn.put(key.clone(), TxnOp::delete(key, None));
+            }
+            StoreOp::ForgetNode(node) => {
+                let key = self.keys.node(node);
+                txn.put(key.clone(), TxnOp::delete(key, None));
+                self.forget_leases(std::iter::once(node.as_str()));
+            }
+        }
+        Ok(())
+    }
+
+    /// After a transaction's conditions failed: which condition, and who won. An
+    /// error other than a conflict if that cannot be told.
+    async fn explain_conflict(
+        &self,
+        created: Vec<&Service>,
+        needs_service: Vec<&str>,
+    ) -> Result<StoreError, StoreError> {
         let mut conflict = Conflict::default();
         let mut details = Vec::new();
         for service in created {
@@ -603,7 +584,54 @@ impl EtcdStore {
             ));
         }
         conflict.detail = details.join("; ");
-        Err(StoreError::Conflict(conflict))
+        Ok(StoreError::Conflict(conflict))
+    }
+}
+
+/// A transaction being built from a batch of ops.
+#[derive(Default)]
+struct TxnPlan<'a> {
+    /// etcd refuses a transaction that writes one key twice, so each key has one
+    /// slot and the last op on a key wins (the catalog plans each key's final state
+    /// anyway); `None`: cancelled by a later range delete.
+    ops: Vec<Option<TxnOp>>,
+    slots: HashMap<String, usize>,
+    compares: Vec<Compare>,
+    /// Services the batch creates, and their keys.
+    created: Vec<&'a Service>,
+    created_keys: Vec<String>,
+    /// Services the batch puts endpoints into.
+    needs_service: Vec<&'a str>,
+}
+
+impl<'a> TxnPlan<'a> {
+    /// Writes `key` with `op`, replacing an earlier op on the same key.
+    fn put(&mut self, key: String, op: TxnOp) {
+        match self.slots.get(&key) {
+            Some(&i) => self.ops[i] = Some(op),
+            None => {
+                self.slots.insert(key, self.ops.len());
+                self.ops.push(Some(op));
+            }
+        }
+    }
+
+    /// Cancels the ops on keys under `prefix` so far.
+    fn cancel_under(&mut self, prefix: &str) {
+        for (k, &i) in self.slots.iter() {
+            if k.starts_with(prefix) {
+                self.ops[i] = None;
+            }
+        }
+    }
+
+    /// The services the batch's endpoints need and does not create, each once.
+    fn services_needed(&mut self) -> Vec<&'a str> {
+        let mut needs: Vec<&'a str> = std::mem::take(&mut self.needs_service);
+        needs.sort_unstable();
+        needs.dedup();
+        needs.retain(|s| !self.created_keys.iter().any(|c| c == s));
+        needs
     }
 }
 

@@ -33,7 +33,7 @@ use aether_common::pod_meta::{self, AppProtocol};
 use aether_proto::registry::v1::{Endpoint, Health, Locality, PodInfo as PodRef, Port, Protocol, Service};
 use async_trait::async_trait;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, PodSpec, PodStatus};
 use kube::api::{ObjectMeta, PostParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
@@ -680,20 +680,72 @@ fn pod_endpoints(pod: &Pod) -> Result<Option<PodView>, String> {
         return Ok(None);
     }
     let service_account = spec.service_account_name.clone().unwrap_or_default();
+    let service = pod_service(metadata, &namespace, &service_account)?;
+    let ports = pod_ports(spec)?;
+    if ports.is_empty() {
+        return Ok(None);
+    }
+    let addresses = pod_addresses(status);
+    if addresses.is_empty() {
+        return Ok(None);
+    }
+    let health = pod_health(metadata, status);
+    let pod_ref = PodRef {
+        namespace: namespace.clone(),
+        name: metadata.name.clone().unwrap_or_default(),
+        uid: metadata.uid.clone().unwrap_or_default(),
+        service_account: if service_account.is_empty() {
+            pod_meta::DEFAULT_SERVICE_ACCOUNT.to_owned()
+        } else {
+            service_account.clone()
+        },
+    };
+    let node = spec.node_name.clone().unwrap_or_default();
+    let mut endpoints = Vec::new();
+    for (i, address) in addresses.iter().enumerate() {
+        let endpoint = Endpoint {
+            service: service.clone(),
+            address: address.clone(),
+            ports: ports.clone(),
+            locality: None,
+            weight: 1,
+            health: health as i32,
+            metadata: Default::default(),
+            pod: Some(pod_ref.clone()),
+            node: node.clone(),
+        };
+        // The catalog validates too; checking here names the pod field at fault.
+        let valid = validate_endpoint(&format!("status.podIPs[{i}]"), Some(endpoint)).map_err(|e| e.to_string())?;
+        endpoints.push(valid.endpoint);
+    }
+    Ok(Some(PodView {
+        key,
+        endpoints,
+        node,
+        service,
+    }))
+}
+
+/// The key of the service a pod serves: its service annotation, else its service
+/// account's name; an error names whichever was used.
+fn pod_service(metadata: &ObjectMeta, namespace: &str, service_account: &str) -> Result<String, String> {
     let annotation = metadata
         .annotations
         .as_ref()
         .and_then(|a| a.get(pod_meta::SERVICE_ANNOTATION))
         .map(String::as_str);
-    let name = pod_meta::service_name(annotation, &service_account);
-    let service = ServiceKey::from_parts(
+    let name = pod_meta::service_name(annotation, service_account);
+    let key = ServiceKey::from_parts(
         annotation.map_or("spec.serviceAccountName", |_| pod_meta::SERVICE_ANNOTATION),
-        &namespace,
+        namespace,
         name,
     )
-    .map_err(|e| e.to_string())?
-    .to_string();
+    .map_err(|e| e.to_string())?;
+    Ok(key.to_string())
+}
 
+/// The pod's ports the mesh serves; an error names a container port out of range.
+fn pod_ports(spec: &PodSpec) -> Result<Vec<Port>, String> {
     let mut raw = Vec::new();
     for (c, container) in spec.containers.iter().enumerate() {
         for (p, port) in container.ports.iter().flatten().enumerate() {
@@ -713,7 +765,7 @@ fn pod_endpoints(pod: &Pod) -> Result<Option<PodView>, String> {
             ));
         }
     }
-    let ports: Vec<Port> = pod_meta::mesh_ports(raw.iter().map(|(n, name, proto)| (*n, name.as_str(), proto.as_str())))
+    let ports = pod_meta::mesh_ports(raw.iter().map(|(n, name, proto)| (*n, name.as_str(), proto.as_str())))
         .into_iter()
         .map(|(port, protocol)| Port {
             name: String::new(),
@@ -726,10 +778,11 @@ fn pod_endpoints(pod: &Pod) -> Result<Option<PodView>, String> {
             } as i32,
         })
         .collect();
-    if ports.is_empty() {
-        return Ok(None);
-    }
+    Ok(ports)
+}
 
+/// The pod's IPs: `status.podIPs`, else `status.podIP`.
+fn pod_addresses(status: Option<&PodStatus>) -> Vec<String> {
     let mut addresses: Vec<String> = status
         .and_then(|s| s.pod_ips.as_ref())
         .into_iter()
@@ -741,54 +794,23 @@ fn pod_endpoints(pod: &Pod) -> Result<Option<PodView>, String> {
     {
         addresses.push(ip);
     }
-    if addresses.is_empty() {
-        return Ok(None);
-    }
+    addresses
+}
+
+/// Draining once deleted, else healthy while Ready.
+fn pod_health(metadata: &ObjectMeta, status: Option<&PodStatus>) -> Health {
     let ready = status
         .and_then(|s| s.conditions.as_ref())
         .into_iter()
         .flatten()
         .any(|c| c.type_ == "Ready" && c.status == "True");
-    let health = if metadata.deletion_timestamp.is_some() {
+    if metadata.deletion_timestamp.is_some() {
         Health::Draining
     } else if ready {
         Health::Healthy
     } else {
         Health::Unhealthy
-    };
-    let node = spec.node_name.clone().unwrap_or_default();
-    let mut endpoints = Vec::new();
-    for (i, address) in addresses.iter().enumerate() {
-        let endpoint = Endpoint {
-            service: service.clone(),
-            address: address.clone(),
-            ports: ports.clone(),
-            locality: None,
-            weight: 1,
-            health: health as i32,
-            metadata: Default::default(),
-            pod: Some(PodRef {
-                namespace: namespace.clone(),
-                name: metadata.name.clone().unwrap_or_default(),
-                uid: metadata.uid.clone().unwrap_or_default(),
-                service_account: if service_account.is_empty() {
-                    pod_meta::DEFAULT_SERVICE_ACCOUNT.to_owned()
-                } else {
-                    service_account.clone()
-                },
-            }),
-            node: node.clone(),
-        };
-        // The catalog validates too; checking here names the pod field at fault.
-        let valid = validate_endpoint(&format!("status.podIPs[{i}]"), Some(endpoint)).map_err(|e| e.to_string())?;
-        endpoints.push(valid.endpoint);
     }
-    Ok(Some(PodView {
-        key,
-        endpoints,
-        node,
-        service,
-    }))
 }
 
 #[cfg(test)]
