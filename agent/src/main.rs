@@ -33,7 +33,10 @@ async fn main() -> anyhow::Result<()> {
                 aether_common::telemetry::init(config.log_format, &config.telemetry, &aether_agent::server::TELEMETRY)?;
             let shutdown = aether_common::shutdown::on_signal()?;
             let running = aether_agent::server::start(config, shutdown).await?;
-            running.wait().await.map_err(|failure| anyhow::anyhow!("stopped because {failure}"))?;
+            running
+                .wait()
+                .await
+                .map_err(|failure| anyhow::anyhow!("stopped because {failure}"))?;
         }
         Command::Proxy(mut config) => {
             config

@@ -14,9 +14,9 @@ use aether_proto::registry::v1::Locality;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use std::time::Duration;
 use tokio::net::UnixListener;
 use tokio::sync::watch;
-use std::time::Duration;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
@@ -255,34 +255,32 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
             );
         }
         Some(client) => {
-            tasks.critical("the Kubernetes pod source", kubernetes::run(
-                client,
-                config.node_name.clone(),
-                directory.clone(),
-                shutdown.clone(),
-            ));
+            tasks.critical(
+                "the Kubernetes pod source",
+                kubernetes::run(client, config.node_name.clone(), directory.clone(), shutdown.clone()),
+            );
         }
     }
     tasks.critical(
         "pod info sync",
         sync_pod_info(directory.clone(), node.clone(), registrar.clone(), shutdown.clone()),
     );
-    tasks.critical("the catalog watch", catalog_watch::follow(
-        link.clone(),
-        deps_rx,
-        catalog_tx,
-        registrar_connected,
-        shutdown.clone(),
-    ));
+    tasks.critical(
+        "the catalog watch",
+        catalog_watch::follow(link.clone(), deps_rx, catalog_tx, registrar_connected, shutdown.clone()),
+    );
     tasks.critical("the node controller", node.clone().run(shutdown.clone()));
     let (dns_views_tx, dns_views) = watch::channel(Arc::new(WatchedCatalog::default()));
-    tasks.critical("the DNS catalog watch", catalog_watch::follow(
-        link,
-        watch::channel(Interest::ServicesOnly).1,
-        dns_views_tx,
-        dns_records.connected(),
-        shutdown.clone(),
-    ));
+    tasks.critical(
+        "the DNS catalog watch",
+        catalog_watch::follow(
+            link,
+            watch::channel(Interest::ServicesOnly).1,
+            dns_views_tx,
+            dns_records.connected(),
+            shutdown.clone(),
+        ),
+    );
     tasks.critical("the DNS record writer", dns_records.run(dns_views, shutdown.clone()));
 
     let hooks = Hooks {

@@ -768,7 +768,10 @@ impl Agent {
         );
         self.child.kill().await.unwrap();
         self.registrar_stop.cancel();
-        timeout(WAIT, self.registrar.wait()).await.expect("the registrar stops");
+        timeout(WAIT, self.registrar.wait())
+            .await
+            .expect("the registrar stops")
+            .expect("a clean stop");
     }
 }
 

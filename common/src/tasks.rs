@@ -68,7 +68,11 @@ impl Tasks {
     pub async fn drain(self, deadline: Duration) -> Result<(), String> {
         self.tracker.close();
         if tokio::time::timeout(deadline, self.tracker.wait()).await.is_err() {
-            tracing::warn!(left = self.tracker.len(), ?deadline, "tasks still running at the drain deadline");
+            tracing::warn!(
+                left = self.tracker.len(),
+                ?deadline,
+                "tasks still running at the drain deadline"
+            );
         }
         match self.failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
             Some(failure) => Err(failure),

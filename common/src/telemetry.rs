@@ -121,10 +121,6 @@ pub struct Component {
     pub version: &'static str,
 }
 
-/// The old name of [`Component`], kept only until `registrar/src/server.rs` says `Component`
-/// (it collided with the agent's workload `Identity`). Do not use in new code.
-pub type Identity = Component;
-
 impl Component {
     /// The OTLP resource attributes of this process.
     pub fn resource(&self, config: &TelemetryConfig) -> Vec<opentelemetry_proto::tonic::common::v1::KeyValue> {

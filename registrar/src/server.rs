@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use aether_common::admin::{AdminError, AdminServer, Readiness};
 use aether_common::tasks::Tasks;
-use aether_common::telemetry::{Identity, MetricsPush};
+use aether_common::telemetry::{Component, MetricsPush};
 use aether_common::tls::{self, CertFiles, CertSlot, TlsError};
 use aether_proto::registrar::v1::node_bootstrap_server::NodeBootstrapServer;
 use aether_proto::registrar::v1::registrar_server::RegistrarServer;
@@ -33,7 +33,7 @@ use crate::vip::{VipAllocator, VipError};
 use crate::watch::MAX_FILTER_SERVICES;
 
 /// Names the registrar's telemetry (`aether_registrar_*`, service.name aether-registrar).
-pub const TELEMETRY: Identity = Identity {
+pub const TELEMETRY: Component = Component {
     component: "registrar",
     binary: "aether-registrar",
     version: env!("CARGO_PKG_VERSION"),
