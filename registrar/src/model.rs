@@ -6,6 +6,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use aether_common::names::dns_label;
 use aether_common::quote::quote;
 use aether_proto::registry::v1::{Endpoint, Health, Port, Protocol};
 
@@ -39,8 +40,8 @@ impl ServiceKey {
         let Some((namespace, name)) = key.split_once('/') else {
             return Err(invalid("expected \"<namespace>/<name>\"".into()));
         };
-        check_dns_label(namespace).map_err(|r| invalid(format!("namespace {r}")))?;
-        check_dns_label(name).map_err(|r| invalid(format!("name {r}")))?;
+        dns_label(namespace).map_err(|r| invalid(format!("namespace {r}")))?;
+        dns_label(name).map_err(|r| invalid(format!("name {r}")))?;
         Ok(Self(key.into()))
     }
 
@@ -71,24 +72,6 @@ impl std::borrow::Borrow<str> for ServiceKey {
     fn borrow(&self) -> &str {
         &self.0
     }
-}
-
-fn check_dns_label(label: &str) -> Result<(), String> {
-    if label.is_empty() {
-        return Err("is empty".into());
-    }
-    if label.len() > 63 {
-        return Err(format!("is {} characters long (at most 63)", label.len()));
-    }
-    let bytes = label.as_bytes();
-    let allowed = |b: &u8| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-';
-    if !bytes.iter().all(allowed) || bytes[0] == b'-' || bytes[bytes.len() - 1] == b'-' {
-        return Err(
-            "must be a DNS-1123 label (lowercase letters, digits and '-', starting and ending with a letter or digit)"
-                .into(),
-        );
-    }
-    Ok(())
 }
 
 /// A request or record field that failed validation, e.g.
@@ -225,7 +208,7 @@ fn check_protocol(at: &str, protocol: i32) -> Result<(), InvalidField> {
 
 /// A port name is a DNS label of at most 15 characters (as in Kubernetes).
 fn check_port_name(at: &str, name: &str) -> Result<(), InvalidField> {
-    check_dns_label(name).map_err(|r| InvalidField::new(format!("{at}.name"), format!("{} {r}", quote(name))))?;
+    dns_label(name).map_err(|r| InvalidField::new(format!("{at}.name"), format!("{} {r}", quote(name))))?;
     if name.len() > 15 {
         return Err(InvalidField::new(
             format!("{at}.name"),
