@@ -51,7 +51,8 @@ pub fn server(service: CniService) -> CniPluginServer<CniService> {
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
 
-type Labels = [(&'static str, &'static str); 2];
+/// `cni_calls` labels: method and result.
+pub type Labels = [(&'static str, &'static str); 2];
 type PhaseLabels = [(&'static str, &'static str); 1];
 
 /// Seconds an `AddPod` spent in each of its phases (`register`, `envoy`, `capture`)

@@ -40,6 +40,29 @@ pub struct NodeMetrics {
     pub rebuilds: prometheus_client::metrics::counter::Counter,
 }
 
+impl NodeMetrics {
+    /// Registers under the agent's `aether_agent` registry.
+    pub fn register(&self, metrics: &mut prometheus_client::registry::Registry) {
+        metrics.register(
+            "dependencies",
+            "Services in the node's dependency set",
+            self.dependencies.clone(),
+        );
+        metrics.register("clusters", "Clusters served to the node's Envoy", self.clusters.clone());
+        metrics.register("pods", "Mesh pods on this node", self.pods.clone());
+        metrics.register(
+            "pod_config_errors",
+            "Malformed mesh annotation entries on this node's pods (skipped; see /debug/pods)",
+            self.pod_config_errors.clone(),
+        );
+        metrics.register(
+            "rebuilds",
+            "xDS snapshots that changed something",
+            self.rebuilds.clone(),
+        );
+    }
+}
+
 #[derive(Default)]
 struct OnDemand {
     /// Service key → when it was last asked for.

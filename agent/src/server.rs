@@ -12,6 +12,8 @@ use aether_common::telemetry::otlp::Refresh;
 use aether_common::telemetry::{Component, MetricsPush};
 use aether_proto::registry::v1::Locality;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use std::time::Duration;
@@ -105,25 +107,8 @@ fn bind_private(path: &Path) -> Result<UnixListener, StartError> {
 }
 
 pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Running, StartError> {
-    std::fs::create_dir_all(&config.state_dir).map_err(|source| StartError::Dir {
-        path: config.state_dir.display().to_string(),
-        source,
-    })?;
-    let _ = std::fs::set_permissions(&config.state_dir, std::fs::Permissions::from_mode(0o700));
-    let pods = PodStore::open(&config.state_dir)?;
-    let mut locality = Locality {
-        region: config.region.clone(),
-        zone: config.zone.clone(),
-        subzone: config.subzone.clone(),
-    };
-    // The Kubernetes pod source's client, also used once here for the Node's locality.
-    let kube_client = match config.pod_source {
-        PodSourceKind::Kubernetes => Some(kubernetes::client_from_env().await.map_err(StartError::Kubernetes)?),
-        PodSourceKind::Static => None,
-    };
-    if let Some(client) = &kube_client {
-        locality = kubernetes::locality(locality, client.clone(), &config.node_name).await;
-    }
+    let pods = open_pod_store(&config)?;
+    let (locality, kube_client) = locality(&config).await?;
     let link = RegistrarLink::start_for(
         &config.registrar,
         &config.registrar_link,
@@ -131,71 +116,87 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         shutdown.clone(),
     )?;
     let registrar = Registrar::new(link.clone(), config.node_name.clone(), locality.clone());
-
     let mut registry = Registry::default();
-    let metrics = registry.sub_registry_with_prefix("aether_agent");
-    let xds_metrics = XdsMetrics::default();
-    xds_metrics.register(metrics);
-    let node_metrics = NodeMetrics::default();
-    metrics.register(
-        "dependencies",
-        "Services in the node's dependency set",
-        node_metrics.dependencies.clone(),
-    );
-    metrics.register(
-        "clusters",
-        "Clusters served to the node's Envoy",
-        node_metrics.clusters.clone(),
-    );
-    metrics.register("pods", "Mesh pods on this node", node_metrics.pods.clone());
-    metrics.register(
-        "pod_config_errors",
-        "Malformed mesh annotation entries on this node's pods (skipped; see /debug/pods)",
-        node_metrics.pod_config_errors.clone(),
-    );
-    metrics.register(
-        "rebuilds",
-        "xDS snapshots that changed something",
-        node_metrics.rebuilds.clone(),
-    );
-    let registrar_connected = Gauge::default();
-    metrics.register(
-        "registrar_connected",
-        "1 while the registrar watch stream is up",
-        registrar_connected.clone(),
-    );
-    let cni_calls = prometheus_client::metrics::family::Family::default();
-    metrics.register("cni_calls", "CNI plugin calls, by method and result", cni_calls.clone());
-    let cni_add_phases = crate::cni::add_phases();
-    metrics.register(
-        "cni_add_phase_seconds",
-        "Time successful AddPod calls spent registering, waiting for Envoy, programming capture, and in total",
-        cni_add_phases.clone(),
-    );
-    if config.envoy_access_log {
-        crate::request_metrics::enable_access_log(&config.telemetry.otlp_endpoint);
-    }
-    let envoy_requests = EnvoyRequestMetrics::new(config.envoy_admin, ENVOY_STATS_TIMEOUT);
-    metrics.register(
-        "envoy_stats_failures",
-        "Reads of Envoy's request metrics from its admin that failed (the last values are kept)",
-        envoy_requests.failures.clone(),
-    );
-    registry.register_collector(Box::new(envoy_requests.clone()));
+    let metrics = AgentMetrics::register(&mut registry, &config);
     let metrics_push = MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
-    let metrics = registry.sub_registry_with_prefix("aether_agent");
+    let dns_records = crate::dns_records::DnsRecords::new(
+        &config.state_dir,
+        config.dns_records_restamp,
+        metrics.dns_records.clone(),
+    )?;
+    let identity = crate::identity::Identity::start(&config.identity, metrics.identity.clone(), shutdown.clone())?;
+    let cache = Cache::default();
+    let (node, catalog_tx, deps_rx) = node(&config, locality, &pods, &cache, identity, &metrics);
 
-    let identity_metrics = crate::identity::IdentityMetrics::default();
-    identity_metrics.register(metrics);
-    let dns_records_metrics = crate::dns_records::DnsRecordsMetrics::default();
-    dns_records_metrics.register(metrics);
-    let dns_records =
-        crate::dns_records::DnsRecords::new(&config.state_dir, config.dns_records_restamp, dns_records_metrics)?;
-    let identity = crate::identity::Identity::start(&config.identity, identity_metrics, shutdown.clone())?;
+    let readiness = Readiness::new("starting");
+    let tasks = Tasks::new(shutdown.clone(), readiness.clone());
+    let capture = capture_config(&config);
+    recover_pods(&pods, &registrar, &capture, &tasks).await;
+    node.rebuild();
 
+    let directory = PodDirectory::default();
+    start_pod_source(&config, kube_client, &directory, &tasks, &shutdown);
+    tasks.critical(
+        "pod info sync",
+        sync_pod_info(directory.clone(), node.clone(), registrar.clone(), shutdown.clone()),
+    );
+    let watches = Watches {
+        link,
+        dependencies: deps_rx,
+        views: catalog_tx,
+        connected: metrics.registrar_connected.clone(),
+    };
+    watches.start(dns_records, &tasks, &shutdown);
+    tasks.critical("the node controller", node.clone().run(shutdown.clone()));
+
+    let cni = CniService {
+        node: node.clone(),
+        directory,
+        registrar,
+        excluded_namespaces: config.excluded(),
+        pod_lookup_timeout: config.pod_lookup_timeout,
+        calls: metrics.cni_calls.clone(),
+        add_phases: metrics.cni_add_phases.clone(),
+        capture,
+        pin_dir: config.netns_pin_dir.clone(),
+    };
+    serve_sockets(&config, cache, &node, cni, metrics.xds.clone(), &tasks, &shutdown)?;
+    let admin_addr = serve_admin(
+        &config,
+        registry,
+        metrics_push,
+        &metrics,
+        &node,
+        &readiness,
+        &tasks,
+        &shutdown,
+    )
+    .await?;
+    readiness.set_ready();
+    tracing::info!(node = %config.node_name, xds = %config.xds_socket.display(), cni = %config.cni_socket.display(),
+        %admin_addr, "agent serving");
+
+    Ok(Running {
+        admin_addr,
+        node,
+        tasks,
+        shutdown,
+        readiness,
+    })
+}
+
+/// The node controller, with the channels its catalog Watch feeds (views in) and follows
+/// (its dependency set out).
+fn node(
+    config: &Config,
+    locality: Locality,
+    pods: &PodStore,
+    cache: &Cache,
+    identity: Option<crate::identity::Identity>,
+    metrics: &AgentMetrics,
+) -> (Node, watch::Sender<Arc<WatchedCatalog>>, watch::Receiver<Interest>) {
     let (catalog_tx, catalog_rx) = watch::channel(Arc::new(WatchedCatalog::default()));
     let (deps_tx, deps_rx) = watch::channel(Interest::Services(BTreeSet::new()));
-    let cache = Cache::default();
     let node = Node::new(
         &config.mesh_domain,
         locality,
@@ -203,17 +204,149 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         cache.clone(),
         catalog_rx,
         deps_tx,
-        node_metrics,
+        metrics.node.clone(),
     );
     let node = match identity {
         Some(identity) => node.with_identity(identity),
         None => node,
     };
+    (node, catalog_tx, deps_rx)
+}
 
-    let readiness = Readiness::new("starting");
-    let tasks = Tasks::new(shutdown.clone(), readiness.clone());
+/// How pods' traffic is captured (nftables in their netns).
+fn capture_config(config: &Config) -> crate::capture::CaptureConfig {
+    crate::capture::CaptureConfig::new(
+        &config.state_dir,
+        config.mesh_vip_cidr,
+        config.mesh_dns,
+        config.proxy_mark,
+    )
+}
 
-    // Pods from a previous run: drop those whose sandbox is gone, re-register the rest.
+/// The state dir (0700) and the local pod store in it.
+fn open_pod_store(config: &Config) -> Result<PodStore, StartError> {
+    std::fs::create_dir_all(&config.state_dir).map_err(|source| StartError::Dir {
+        path: config.state_dir.display().to_string(),
+        source,
+    })?;
+    let _ = std::fs::set_permissions(&config.state_dir, std::fs::Permissions::from_mode(0o700));
+    Ok(PodStore::open(&config.state_dir)?)
+}
+
+/// The node's locality (flags, else the Node's labels), and the Kubernetes client of the
+/// Kubernetes pod source.
+async fn locality(config: &Config) -> Result<(Locality, Option<kube::Client>), StartError> {
+    let locality = Locality {
+        region: config.region.clone(),
+        zone: config.zone.clone(),
+        subzone: config.subzone.clone(),
+    };
+    match config.pod_source {
+        PodSourceKind::Static => Ok((locality, None)),
+        PodSourceKind::Kubernetes => {
+            let client = kubernetes::client_from_env().await.map_err(StartError::Kubernetes)?;
+            let locality = kubernetes::locality(locality, client.clone(), &config.node_name).await;
+            Ok((locality, Some(client)))
+        }
+    }
+}
+
+/// The agent's instruments, each registered once under `aether_agent_*`.
+struct AgentMetrics {
+    xds: XdsMetrics,
+    node: NodeMetrics,
+    registrar_connected: Gauge,
+    cni_calls: Family<crate::cni::Labels, Counter>,
+    cni_add_phases: crate::cni::AddPhases,
+    envoy_requests: EnvoyRequestMetrics,
+    identity: crate::identity::IdentityMetrics,
+    dns_records: crate::dns_records::DnsRecordsMetrics,
+}
+
+impl AgentMetrics {
+    fn register(registry: &mut Registry, config: &Config) -> Self {
+        if config.envoy_access_log {
+            crate::request_metrics::enable_access_log(&config.telemetry.otlp_endpoint);
+        }
+        let this = Self {
+            xds: XdsMetrics::default(),
+            node: NodeMetrics::default(),
+            registrar_connected: Gauge::default(),
+            cni_calls: Family::default(),
+            cni_add_phases: crate::cni::add_phases(),
+            envoy_requests: EnvoyRequestMetrics::new(config.envoy_admin, ENVOY_STATS_TIMEOUT),
+            identity: crate::identity::IdentityMetrics::default(),
+            dns_records: crate::dns_records::DnsRecordsMetrics::default(),
+        };
+        registry.register_collector(Box::new(this.envoy_requests.clone()));
+        let metrics = registry.sub_registry_with_prefix("aether_agent");
+        this.xds.register(metrics);
+        this.node.register(metrics);
+        metrics.register(
+            "registrar_connected",
+            "1 while the registrar watch stream is up",
+            this.registrar_connected.clone(),
+        );
+        metrics.register(
+            "cni_calls",
+            "CNI plugin calls, by method and result",
+            this.cni_calls.clone(),
+        );
+        metrics.register(
+            "cni_add_phase_seconds",
+            "Time successful AddPod calls spent registering, waiting for Envoy, programming capture, and in total",
+            this.cni_add_phases.clone(),
+        );
+        metrics.register(
+            "envoy_stats_failures",
+            "Reads of Envoy's request metrics from its admin that failed (the last values are kept)",
+            this.envoy_requests.failures.clone(),
+        );
+        this.identity.register(metrics);
+        this.dns_records.register(metrics);
+        this
+    }
+}
+
+/// The agent's two Watches on the registrar: its dependency set (for the node) and every
+/// service's record (for the DNS record file).
+struct Watches {
+    link: RegistrarLink,
+    dependencies: watch::Receiver<Interest>,
+    views: watch::Sender<Arc<WatchedCatalog>>,
+    connected: Gauge,
+}
+
+impl Watches {
+    fn start(self, dns_records: crate::dns_records::DnsRecords, tasks: &Tasks, shutdown: &CancellationToken) {
+        tasks.critical(
+            "the catalog watch",
+            catalog_watch::follow(
+                self.link.clone(),
+                self.dependencies,
+                self.views,
+                self.connected,
+                shutdown.clone(),
+            ),
+        );
+        let (dns_views_tx, dns_views) = watch::channel(Arc::new(WatchedCatalog::default()));
+        tasks.critical(
+            "the DNS catalog watch",
+            catalog_watch::follow(
+                self.link,
+                watch::channel(Interest::ServicesOnly).1,
+                dns_views_tx,
+                dns_records.connected(),
+                shutdown.clone(),
+            ),
+        );
+        tasks.critical("the DNS record writer", dns_records.run(dns_views, shutdown.clone()));
+    }
+}
+
+/// Pods from a previous run: those whose sandbox is gone are dropped (and unregistered),
+/// the rest registered again and their capture checked.
+async fn recover_pods(pods: &PodStore, registrar: &Registrar, capture: &crate::capture::CaptureConfig, tasks: &Tasks) {
     let mut known = 0;
     for pod in pods.all() {
         if !pod.netns.exists() {
@@ -234,55 +367,40 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         });
     }
     tracing::info!(pods = known, "local pods recovered from the state dir");
-    let capture = crate::capture::CaptureConfig::new(
-        &config.state_dir,
-        config.mesh_vip_cidr,
-        config.mesh_dns,
-        config.proxy_mark,
-    );
-    {
-        let (capture, pods) = (capture.clone(), pods.all());
-        tasks.spawn(async move { crate::cni::reconcile_capture(&capture, &pods).await });
-    }
-    node.rebuild();
+    let (capture, pods) = (capture.clone(), pods.all());
+    tasks.spawn(async move { crate::cni::reconcile_capture(&capture, &pods).await });
+}
 
-    let directory = PodDirectory::default();
+/// Follows pod metadata from the pod directory (static) or the API server (Kubernetes).
+fn start_pod_source(
+    config: &Config,
+    kube_client: Option<kube::Client>,
+    directory: &PodDirectory,
+    tasks: &Tasks,
+    shutdown: &CancellationToken,
+) {
     match kube_client {
-        None => {
-            tasks.critical(
-                "the pod directory",
-                static_dir::run(config.pod_dir.clone(), directory.clone(), shutdown.clone()),
-            );
-        }
-        Some(client) => {
-            tasks.critical(
-                "the Kubernetes pod source",
-                kubernetes::run(client, config.node_name.clone(), directory.clone(), shutdown.clone()),
-            );
-        }
-    }
-    tasks.critical(
-        "pod info sync",
-        sync_pod_info(directory.clone(), node.clone(), registrar.clone(), shutdown.clone()),
-    );
-    tasks.critical(
-        "the catalog watch",
-        catalog_watch::follow(link.clone(), deps_rx, catalog_tx, registrar_connected, shutdown.clone()),
-    );
-    tasks.critical("the node controller", node.clone().run(shutdown.clone()));
-    let (dns_views_tx, dns_views) = watch::channel(Arc::new(WatchedCatalog::default()));
-    tasks.critical(
-        "the DNS catalog watch",
-        catalog_watch::follow(
-            link,
-            watch::channel(Interest::ServicesOnly).1,
-            dns_views_tx,
-            dns_records.connected(),
-            shutdown.clone(),
+        None => tasks.critical(
+            "the pod directory",
+            static_dir::run(config.pod_dir.clone(), directory.clone(), shutdown.clone()),
         ),
-    );
-    tasks.critical("the DNS record writer", dns_records.run(dns_views, shutdown.clone()));
+        Some(client) => tasks.critical(
+            "the Kubernetes pod source",
+            kubernetes::run(client, config.node_name.clone(), directory.clone(), shutdown.clone()),
+        ),
+    }
+}
 
+/// The xDS socket (Envoy) and the CNI socket (the plugin), both 0600.
+fn serve_sockets(
+    config: &Config,
+    cache: Cache,
+    node: &Node,
+    cni: CniService,
+    xds_metrics: XdsMetrics,
+    tasks: &Tasks,
+    shutdown: &CancellationToken,
+) -> Result<(), StartError> {
     let hooks = Hooks {
         metrics: xds_metrics,
         on_demand: {
@@ -296,32 +414,38 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         // Envoy's requests are small (subscriptions, ACKs); an explicit bound, tonic's
         // default. Responses (the node's config) are not bounded.
         .add_service(
-            AggregatedDiscoveryServiceServer::new(AdsServer::new(cache.clone(), hooks))
+            AggregatedDiscoveryServiceServer::new(AdsServer::new(cache, hooks))
                 .max_decoding_message_size(4 * 1024 * 1024),
         )
         .serve_with_incoming_shutdown(
             UnixListenerStream::new(xds_listener),
             shutdown.clone().cancelled_owned(),
         );
-    let cni = CniService {
-        node: node.clone(),
-        directory,
-        registrar,
-        excluded_namespaces: config.excluded(),
-        pod_lookup_timeout: config.pod_lookup_timeout,
-        calls: cni_calls,
-        add_phases: cni_add_phases,
-        capture,
-        pin_dir: config.netns_pin_dir.clone(),
-    };
     let cni_server = tonic::transport::Server::builder()
         .add_service(crate::cni::server(cni))
         .serve_with_incoming_shutdown(
             UnixListenerStream::new(cni_listener),
             shutdown.clone().cancelled_owned(),
         );
+    tasks.critical("the xDS server", log_failure("xDS server", xds_server));
+    tasks.critical("the CNI server", log_failure("CNI server", cni_server));
+    Ok(())
+}
 
+/// The admin server (health, readiness, metrics, debug pages) and the OTLP metrics push.
+#[allow(clippy::too_many_arguments)]
+async fn serve_admin(
+    config: &Config,
+    registry: Registry,
+    metrics_push: MetricsPush,
+    metrics: &AgentMetrics,
+    node: &Node,
+    readiness: &Readiness,
+    tasks: &Tasks,
+    shutdown: &CancellationToken,
+) -> Result<SocketAddr, StartError> {
     let registry = Arc::new(registry);
+    let envoy_requests = metrics.envoy_requests.clone();
     let refresh: Refresh = Arc::new(move || {
         let envoy_requests = envoy_requests.clone();
         Box::pin(async move { envoy_requests.refresh().await })
@@ -336,19 +460,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         source,
     })?;
     tasks.critical("the admin server", admin.serve(shutdown.clone()));
-    tasks.critical("the xDS server", log_failure("xDS server", xds_server));
-    tasks.critical("the CNI server", log_failure("CNI server", cni_server));
-    readiness.set_ready();
-    tracing::info!(node = %config.node_name, xds = %config.xds_socket.display(), cni = %config.cni_socket.display(),
-        %admin_addr, "agent serving");
-
-    Ok(Running {
-        admin_addr,
-        node,
-        tasks,
-        shutdown,
-        readiness,
-    })
+    Ok(admin_addr)
 }
 
 /// A server's future as a task: its error is logged (its end is judged by [`Tasks`]).
