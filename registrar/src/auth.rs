@@ -76,9 +76,13 @@ impl Policy {
         }
     }
 
-    /// `aether_registrar_requests_denied_total{method, rule}`.
-    pub fn denied_metric(&self) -> Family<[(&'static str, &'static str); 2], Counter> {
-        self.denied.clone()
+    /// Registers `requests_denied{method, rule}` under the registrar's registry.
+    pub fn register(&self, registrar: &mut prometheus_client::registry::Registry) {
+        registrar.register(
+            "requests_denied",
+            "Requests refused by the access rules, by method and rule",
+            self.denied.clone(),
+        );
     }
 
     /// The caller of `request`, if it may call `method` at all (a reader or an agent).

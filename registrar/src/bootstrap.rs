@@ -130,9 +130,13 @@ impl Bootstrap {
         })
     }
 
-    /// `aether_registrar_node_certificates_total{result}`.
-    pub fn metric(&self) -> Family<[(&'static str, &'static str); 1], Counter> {
-        self.issued.clone()
+    /// Registers `node_certificates{result}` under the registrar's registry.
+    pub fn register(&self, registrar: &mut prometheus_client::registry::Registry) {
+        registrar.register(
+            "node_certificates",
+            "Node certificate requests (NodeBootstrap), by result",
+            self.issued.clone(),
+        );
     }
 
     /// Asks Kubernetes whose `token` is; the node its pod is bound to if it is an agent's.

@@ -259,59 +259,19 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let tls = server_tls(security, &shutdown)?;
     let bootstrap = bootstrap(security).await?;
     let policy = Policy::new(security.insecure, &security.trust_domain, security.reader_ids.clone());
-    {
-        let r = registry.sub_registry_with_prefix("aether_registrar");
-        r.register(
-            "requests_denied",
-            "Requests refused by the access rules, by method and rule",
-            policy.denied_metric(),
-        );
-        if let Some(bootstrap) = &bootstrap {
-            r.register(
-                "node_certificates",
-                "Node certificate requests (NodeBootstrap), by result",
-                bootstrap.metric(),
-            );
-        }
+    let own = registry.sub_registry_with_prefix("aether_registrar");
+    policy.register(own);
+    if let Some(bootstrap) = &bootstrap {
+        bootstrap.register(own);
     }
+    let (catalog, writer) = open_catalog(&config, vips, &store, metrics).await?;
 
-    let (catalog, writer) = Catalog::open(
-        store.clone(),
-        CatalogConfig {
-            vips,
-            history_changes: config.history_changes,
-            watch_buffer: config.watch_buffer,
-            empty_service_ttl: config.empty_service_ttl,
-            endpoint_ttl: config.endpoint_ttl,
-            write_behind_limit: config.write_behind_limit,
-        },
-        metrics,
-    )
-    .await?;
-    {
-        let state = catalog.read();
-        tracing::info!(
-            store = store.kind(),
-            services = state.services().count(),
-            instance = state.instance(),
-            "catalog loaded"
-        );
-    }
-
-    let listener = bind(config.listen).map_err(|source| StartError::Bind {
-        addr: config.listen,
-        source,
-    })?;
-    let grpc_addr = listener.local_addr().map_err(|source| StartError::Bind {
-        addr: config.listen,
-        source,
-    })?;
+    let bind_error = |addr| move |source| StartError::Bind { addr, source };
+    let listener = bind(config.listen).map_err(bind_error(config.listen))?;
+    let grpc_addr = listener.local_addr().map_err(bind_error(config.listen))?;
     let registry = Arc::new(registry);
     let admin = AdminServer::bind(config.admin, readiness.clone(), registry.clone()).await?;
-    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
-        addr: config.admin,
-        source,
-    })?;
+    let admin_addr = admin.local_addr().map_err(bind_error(config.admin))?;
 
     // The writer outlives the gRPC server so in-flight writes still get answers.
     let writer_stop = CancellationToken::new();
@@ -331,8 +291,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         .add_service(RegistrarServer::new(api).max_decoding_message_size(MAX_REQUEST_BYTES))
         .add_optional_service(bootstrap.map(NodeBootstrapServer::new))
         .serve_with_incoming_shutdown(tls::incoming(listener, tls, TCP_KEEPALIVE, shutdown.clone()), {
-            let shutdown = shutdown.clone();
-            let readiness = readiness.clone();
+            let (shutdown, readiness) = (shutdown.clone(), readiness.clone());
             async move {
                 shutdown.cancelled().await;
                 readiness.set_not_ready("shutting down");
@@ -340,25 +299,87 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         });
     readiness.set_ready();
     tracing::info!(%grpc_addr, %admin_addr, "registrar serving");
+    let stop = StopOrder {
+        shutdown,
+        readiness,
+        writer_stop,
+        tasks,
+        admin_stop,
+        admin_task,
+        push_task,
+        store,
+    };
+    let task = tokio::spawn(stop.after(server));
+    Ok(Running {
+        grpc_addr,
+        admin_addr,
+        catalog,
+        task,
+    })
+}
 
-    let task = tokio::spawn(async move {
+/// Loads the catalog from the store.
+async fn open_catalog(
+    config: &Config,
+    vips: VipAllocator,
+    store: &Arc<dyn Store>,
+    metrics: Metrics,
+) -> Result<(Catalog, crate::catalog::Writer), StartError> {
+    let catalog_config = CatalogConfig {
+        vips,
+        history_changes: config.history_changes,
+        watch_buffer: config.watch_buffer,
+        empty_service_ttl: config.empty_service_ttl,
+        endpoint_ttl: config.endpoint_ttl,
+        write_behind_limit: config.write_behind_limit,
+    };
+    let (catalog, writer) = Catalog::open(store.clone(), catalog_config, metrics).await?;
+    let state = catalog.read();
+    tracing::info!(
+        store = store.kind(),
+        services = state.services().count(),
+        instance = state.instance(),
+        "catalog loaded"
+    );
+    drop(state);
+    Ok((catalog, writer))
+}
+
+/// The shutdown order that loses nothing: the gRPC server stops accepting and ends its
+/// streams, then the writer finishes in-flight writes (and the reaper stops), then the
+/// admin server and the last metrics push, then the store closes.
+struct StopOrder {
+    shutdown: CancellationToken,
+    readiness: Readiness,
+    writer_stop: CancellationToken,
+    tasks: Tasks,
+    admin_stop: CancellationToken,
+    admin_task: JoinHandle<()>,
+    push_task: Option<JoinHandle<()>>,
+    store: Arc<dyn Store>,
+}
+
+impl StopOrder {
+    /// Runs `server` to its end, then stops the rest in order. `Err` names what stopped
+    /// the registrar early.
+    async fn after<E: std::fmt::Display>(self, server: impl Future<Output = Result<(), E>>) -> Result<(), String> {
         let served = server.await;
-        let early = !shutdown.is_cancelled();
+        let early = !self.shutdown.is_cancelled();
         if let Err(error) = &served {
             tracing::error!(%error, "gRPC server failed");
         }
         if early {
-            readiness.set_not_ready("the gRPC server stopped");
-            shutdown.cancel();
+            self.readiness.set_not_ready("the gRPC server stopped");
+            self.shutdown.cancel();
         }
-        writer_stop.cancel();
-        let drained = tasks.drain(DRAIN_DEADLINE).await;
-        admin_stop.cancel();
-        let _ = admin_task.await;
-        if let Some(push) = push_task {
+        self.writer_stop.cancel();
+        let drained = self.tasks.drain(DRAIN_DEADLINE).await;
+        self.admin_stop.cancel();
+        let _ = self.admin_task.await;
+        if let Some(push) = self.push_task {
             let _ = push.await;
         }
-        drop(store);
+        drop(self.store);
         tracing::info!("registrar stopped");
         match (drained, early) {
             (Err(failure), _) => Err(failure),
@@ -368,13 +389,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
             }),
             (Ok(()), false) => Ok(()),
         }
-    });
-    Ok(Running {
-        grpc_addr,
-        admin_addr,
-        catalog,
-        task,
-    })
+    }
 }
 
 #[cfg(test)]
