@@ -42,83 +42,27 @@ pub struct WatchedCatalog {
 /// `connected` is 1 while a stream is up.
 pub async fn follow(
     link: RegistrarLink,
-    mut interest: watch::Receiver<Interest>,
+    interest: watch::Receiver<Interest>,
     views: watch::Sender<Arc<WatchedCatalog>>,
     connected: Gauge,
     shutdown: CancellationToken,
 ) {
-    let mut stream = Stream::default();
-    let mut backoff = BACKOFF_MIN;
-    // A closed interest channel means the interest is fixed from now on; a closed
-    // rotation channel, that the connection never changes (a plaintext test link).
-    let mut interest_open = true;
-    let mut rotation_open = true;
-    let mut rotated = link.rotated();
+    let rotated = link.rotated();
+    let mut follower = Follower {
+        link,
+        interest,
+        views,
+        connected,
+        stream: Stream::default(),
+        backoff: BACKOFF_MIN,
+        rotated,
+        interest_open: true,
+        rotation_open: true,
+    };
     loop {
-        rotated.mark_unchanged();
-        let wanted = interest.borrow_and_update().clone();
-        let (requests, outbox) = mpsc::channel(4);
-        let _ = requests.send(stream.first_request(wanted)).await;
-        let mut client = link.client();
-        let opened = tokio::select! {
+        let end = tokio::select! {
             _ = shutdown.cancelled() => return,
-            opened = client.watch(ReceiverStream::new(outbox)) => opened,
-        };
-        let end = match opened {
-            Ok(response) => {
-                connected.set(1);
-                let mut messages = response.into_inner();
-                let end = loop {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        changed = rotated.changed(), if rotation_open => {
-                            if changed.is_err() {
-                                rotation_open = false;
-                                continue;
-                            }
-                            break End::Rotated;
-                        }
-                        changed = interest.changed(), if interest_open => {
-                            if changed.is_err() {
-                                interest_open = false;
-                                continue;
-                            }
-                            let Interest::Services(services) = interest.borrow_and_update().clone() else {
-                                // Switching to services-only needs a new stream.
-                                break End::Rotated;
-                            };
-                            if requests.send(stream.filter_change(services)).await.is_err() {
-                                break End::Failed;
-                            }
-                        }
-                        message = messages.message() => match message {
-                            Ok(Some(message)) => match stream.view.apply(message) {
-                                Ok(Applied::SnapshotChunk) => {}
-                                Ok(_) => {
-                                    backoff = BACKOFF_MIN;
-                                    views.send_replace(Arc::new(stream.published()));
-                                }
-                                Err(error) => {
-                                    tracing::error!(%error, "the registrar sent an invalid watch message; starting over");
-                                    stream = Stream::default();
-                                    break End::Failed;
-                                }
-                            },
-                            Ok(None) => break End::Failed,
-                            Err(status) => {
-                                tracing::warn!(%status, "registrar watch ended; resuming");
-                                break End::Failed;
-                            }
-                        },
-                    }
-                };
-                connected.set(0);
-                end
-            }
-            Err(status) => {
-                tracing::warn!(%status, retry_in = ?backoff, "cannot open the registrar watch");
-                End::Failed
-            }
+            end = follower.one_stream() => end,
         };
         if end == End::Rotated {
             tracing::info!("resuming the registrar watch on a new connection (new node certificate)");
@@ -126,11 +70,101 @@ pub async fn follow(
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(follower.backoff) => {}
             // A (new) node certificate: try again at once.
-            changed = rotated.changed(), if rotation_open => rotation_open = changed.is_ok(),
+            changed = follower.rotated.changed(), if follower.rotation_open => follower.rotation_open = changed.is_ok(),
         }
-        backoff = (backoff * 2).min(BACKOFF_MAX);
+        follower.backoff = (follower.backoff * 2).min(BACKOFF_MAX);
+    }
+}
+
+/// [`follow`]'s state across streams.
+struct Follower {
+    link: RegistrarLink,
+    interest: watch::Receiver<Interest>,
+    views: watch::Sender<Arc<WatchedCatalog>>,
+    connected: Gauge,
+    stream: Stream,
+    backoff: Duration,
+    rotated: watch::Receiver<tonic::transport::Channel>,
+    /// A closed interest channel means the interest is fixed from now on; a closed
+    /// rotation channel, that the connection never changes (a plaintext test link).
+    interest_open: bool,
+    rotation_open: bool,
+}
+
+impl Follower {
+    /// Opens one stream (resuming when it can) and follows it until it ends.
+    async fn one_stream(&mut self) -> End {
+        self.rotated.mark_unchanged();
+        let wanted = self.interest.borrow_and_update().clone();
+        let (requests, outbox) = mpsc::channel(4);
+        let _ = requests.send(self.stream.first_request(wanted)).await;
+        let mut client = self.link.client();
+        match client.watch(ReceiverStream::new(outbox)).await {
+            Ok(response) => {
+                self.connected.set(1);
+                let end = self.messages(response.into_inner(), requests).await;
+                self.connected.set(0);
+                end
+            }
+            Err(status) => {
+                tracing::warn!(%status, retry_in = ?self.backoff, "cannot open the registrar watch");
+                End::Failed
+            }
+        }
+    }
+
+    /// Applies the stream's messages and sends filter changes on it, until it ends or
+    /// the connection is replaced.
+    async fn messages(
+        &mut self,
+        mut messages: tonic::Streaming<aether_proto::registrar::v1::WatchResponse>,
+        requests: mpsc::Sender<WatchRequest>,
+    ) -> End {
+        loop {
+            tokio::select! {
+                changed = self.rotated.changed(), if self.rotation_open => {
+                    if changed.is_err() {
+                        self.rotation_open = false;
+                        continue;
+                    }
+                    return End::Rotated;
+                }
+                changed = self.interest.changed(), if self.interest_open => {
+                    if changed.is_err() {
+                        self.interest_open = false;
+                        continue;
+                    }
+                    let Interest::Services(services) = self.interest.borrow_and_update().clone() else {
+                        // Switching to services-only needs a new stream.
+                        return End::Rotated;
+                    };
+                    if requests.send(self.stream.filter_change(services)).await.is_err() {
+                        return End::Failed;
+                    }
+                }
+                message = messages.message() => match message {
+                    Ok(Some(message)) => match self.stream.view.apply(message) {
+                        Ok(Applied::SnapshotChunk) => {}
+                        Ok(_) => {
+                            self.backoff = BACKOFF_MIN;
+                            self.views.send_replace(Arc::new(self.stream.published()));
+                        }
+                        Err(error) => {
+                            tracing::error!(%error, "the registrar sent an invalid watch message; starting over");
+                            self.stream = Stream::default();
+                            return End::Failed;
+                        }
+                    },
+                    Ok(None) => return End::Failed,
+                    Err(status) => {
+                        tracing::warn!(%status, "registrar watch ended; resuming");
+                        return End::Failed;
+                    }
+                },
+            }
+        }
     }
 }
 
