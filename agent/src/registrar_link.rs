@@ -425,6 +425,41 @@ fn certified_svid(svid: &spiffe::X509Svid) -> Result<Arc<rustls::sign::Certified
     tls::certified_key(chain, key)
 }
 
+/// Puts the SVID naming `node` (else the first) into `slot` unless it already holds it;
+/// warns once per ID that does not name the node (the registrar will refuse it).
+fn adopt_svid(svids: &[Arc<spiffe::X509Svid>], node: &str, slot: &CertSlot, warned_for: &mut Option<String>) {
+    let Some(svid) = node_svid(svids, node) else {
+        tracing::warn!("the Workload API sent no SVID; keeping the current node certificate");
+        return;
+    };
+    let id = svid.spiffe_id().to_string();
+    if !names_node(&id, node) && warned_for.as_deref() != Some(id.as_str()) {
+        tracing::warn!(spiffe_id = %id, expected = %format!("spiffe://<trust domain>{NODE_ID_PATH}{node}"),
+            "the agent's SVID does not name its node: the registrar will refuse its registrations. \
+             Register the agent with a per-node SPIFFE ID (e.g. a ClusterSPIFFEID template \
+             spiffe://{{{{ .TrustDomain }}}}/aether/node/{{{{ .PodSpec.NodeName }}}})");
+        *warned_for = Some(id.clone());
+    }
+    let unchanged = slot
+        .current()
+        .zip(svid.cert_chain().first())
+        .is_some_and(|(current, leaf)| current.end_entity_cert().ok().map(|c| c.as_ref()) == Some(leaf.as_bytes()));
+    if unchanged {
+        return;
+    }
+    match certified_svid(svid) {
+        Ok(key) => {
+            slot.set(key);
+            let not_after = slot.identity().map(|identity| identity.not_after);
+            let expires_in = not_after.and_then(|t| t.duration_since(SystemTime::now()).ok());
+            tracing::info!(spiffe_id = %id, ?expires_in, "node certificate: the agent's SVID from SPIRE");
+        }
+        Err(error) => {
+            tracing::warn!(spiffe_id = %id, %error, "the agent's SVID is unusable; keeping the current node certificate")
+        }
+    }
+}
+
 /// Keeps the slot holding the agent's own SVID (`--node-identity spire`): follows the
 /// Workload API's `FetchX509SVID` stream, on which SPIRE pushes every rotation, and
 /// reconnects with backoff when it breaks (the last SVID keeps serving meanwhile, until
@@ -454,38 +489,7 @@ async fn follow_svid(socket: String, node: String, slot: CertSlot, shutdown: Can
                     }
                 };
                 backoff = SPIRE_BACKOFF_MIN;
-                let Some(svid) = node_svid(context.svids(), &node) else {
-                    tracing::warn!("the Workload API sent no SVID; keeping the current node certificate");
-                    continue;
-                };
-                let id = svid.spiffe_id().to_string();
-                if !names_node(&id, &node) && warned_for.as_deref() != Some(id.as_str()) {
-                    tracing::warn!(spiffe_id = %id, expected = %format!("spiffe://<trust domain>{NODE_ID_PATH}{node}"),
-                        "the agent's SVID does not name its node: the registrar will refuse its registrations. \
-                         Register the agent with a per-node SPIFFE ID (e.g. a ClusterSPIFFEID template \
-                         spiffe://{{{{ .TrustDomain }}}}/aether/node/{{{{ .PodSpec.NodeName }}}})");
-                    warned_for = Some(id.clone());
-                }
-                let unchanged = slot
-                    .current()
-                    .zip(svid.cert_chain().first())
-                    .is_some_and(|(current, leaf)| {
-                        current.end_entity_cert().ok().map(|c| c.as_ref()) == Some(leaf.as_bytes())
-                    });
-                if unchanged {
-                    continue;
-                }
-                match certified_svid(svid) {
-                    Ok(key) => {
-                        slot.set(key);
-                        let not_after = slot.identity().map(|identity| identity.not_after);
-                        let expires_in = not_after.and_then(|t| t.duration_since(SystemTime::now()).ok());
-                        tracing::info!(spiffe_id = %id, ?expires_in, "node certificate: the agent's SVID from SPIRE");
-                    }
-                    Err(error) => {
-                        tracing::warn!(spiffe_id = %id, %error, "the agent's SVID is unusable; keeping the current node certificate")
-                    }
-                }
+                adopt_svid(context.svids(), &node, &slot, &mut warned_for);
             }
             Ok::<_, WorkloadApiError>(())
         };
