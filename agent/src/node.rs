@@ -5,8 +5,9 @@
 //! milliseconds for more (bounded), then rebuilds once. The cache pushes only the
 //! resources whose bytes changed.
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_proto::registry::v1::Locality;
@@ -132,7 +133,7 @@ impl Node {
             deps.insert(pod.info.service());
             deps.extend(pod.info.upstreams().services);
         }
-        let mut on_demand = self.on_demand.lock().expect("on-demand lock");
+        let mut on_demand = self.on_demand.lock();
         on_demand.services.retain(|_, at| at.elapsed() < ON_DEMAND_TTL);
         let OnDemand { services, clusters, .. } = &mut *on_demand;
         clusters.retain(|_, service| services.contains_key(service));
@@ -149,7 +150,7 @@ impl Node {
         }
         let mut marked = Vec::new();
         {
-            let mut on_demand = self.on_demand.lock().expect("on-demand lock");
+            let mut on_demand = self.on_demand.lock();
             for name in names {
                 if let Some((service, _)) = resources::parse_authority(name, &self.mesh_domain) {
                     tracing::info!(cluster = %name, %service, "on-demand lookup");
@@ -212,7 +213,7 @@ impl Node {
         let _span = tracing::info_span!("xds_rebuild").entered();
         // Reading inputs, generating and publishing happen under one lock, so
         // concurrent rebuilds publish in the order they read their inputs.
-        let mut generator = self.generator.lock().expect("generator lock");
+        let mut generator = self.generator.lock();
         let (pods, generation) = self.pods.snapshot();
         if let Some(identity) = &self.identity {
             // New pods get an SVID (the built-in CA issues at once), gone ones lose it.
@@ -246,7 +247,7 @@ impl Node {
         };
         // A lookup ends when the registrar has answered for a filter including it.
         let (pending, on_demand_clusters) = {
-            let mut on_demand = self.on_demand.lock().expect("on-demand lock");
+            let mut on_demand = self.on_demand.lock();
             on_demand.pending.retain(|_, service| !watched.filter.contains(service));
             let pending: BTreeSet<(String, String)> = on_demand
                 .pending

@@ -6,8 +6,9 @@ pub mod kubernetes;
 pub mod manifest;
 pub mod static_dir;
 
+use parking_lot::RwLock;
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -32,12 +33,12 @@ impl Default for PodDirectory {
 
 impl PodDirectory {
     pub fn get(&self, key: &str) -> Option<PodInfo> {
-        self.pods.read().expect("pod directory lock").get(key).cloned()
+        self.pods.read().get(key).cloned()
     }
 
     /// Replaces the whole set (a source's full listing); notifies only on a change.
     pub fn replace_all(&self, pods: HashMap<String, PodInfo>) {
-        let mut current = self.pods.write().expect("pod directory lock");
+        let mut current = self.pods.write();
         if *current != pods {
             *current = pods;
             self.changed.send_modify(|n| *n += 1);

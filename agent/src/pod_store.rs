@@ -1,9 +1,10 @@
 //! The pods the CNI plugin added on this node, persisted under the state dir so an
 //! agent restart knows every pod again without any CNI call.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tokio::sync::watch;
 
@@ -63,23 +64,17 @@ impl PodStore {
     }
 
     pub fn all(&self) -> Vec<LocalPod> {
-        self.pods
-            .lock()
-            .expect("pod store lock")
-            .by_id
-            .values()
-            .cloned()
-            .collect()
+        self.pods.lock().by_id.values().cloned().collect()
     }
 
     pub fn by_container(&self, container_id: &str) -> Option<LocalPod> {
-        let pods = self.pods.lock().expect("pod store lock");
+        let pods = self.pods.lock();
         pods.by_id.values().find(|p| p.container_id == container_id).cloned()
     }
 
     /// The pods and the generation they are at.
     pub fn snapshot(&self) -> (Vec<LocalPod>, u64) {
-        let pods = self.pods.lock().expect("pod store lock");
+        let pods = self.pods.lock();
         (pods.by_id.values().cloned().collect(), pods.generation)
     }
 
@@ -128,7 +123,7 @@ impl PodStore {
     /// watchers and returns the new generation.
     fn apply(&self, f: impl FnOnce(&mut BTreeMap<String, LocalPod>) -> bool) -> Option<u64> {
         let generation = {
-            let mut pods = self.pods.lock().expect("pod store lock");
+            let mut pods = self.pods.lock();
             if !f(&mut pods.by_id) {
                 return None;
             }
@@ -148,7 +143,7 @@ impl PodStore {
             return Ok(());
         }
         let (latest, bytes) = {
-            let pods = self.pods.lock().expect("pod store lock");
+            let pods = self.pods.lock();
             let list: Vec<&LocalPod> = pods.by_id.values().collect();
             (
                 pods.generation,

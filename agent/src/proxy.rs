@@ -14,7 +14,8 @@ pub mod metrics;
 pub mod state;
 pub mod supervisor;
 
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::Duration;
 
 use aether_common::admin::{AdminServer, Pages, Readiness};
@@ -95,7 +96,7 @@ async fn serve_admin(
 fn pages(status: Arc<Mutex<Status>>) -> Pages {
     Arc::new(move |path: &str| match path {
         "/debug/proxy" => {
-            let status = status.lock().expect("status lock").clone();
+            let status = status.lock().clone();
             Some((200, serde_json::to_string_pretty(&status).unwrap_or_default()))
         }
         _ => None,

@@ -6,9 +6,10 @@
 //! leaves no ghosts. The agent therefore re-registers every endpoint it holds every
 //! [`REFRESH_INTERVAL`] (an identical re-registration is a no-op for watchers).
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use aether_proto::registrar::v1::{RegisterEndpointRequest, UnregisterEndpointRequest};
@@ -129,7 +130,7 @@ impl Registrar {
             // Remembered first: if the registrar is away now, the refresher registers it
             // when it returns.
             {
-                let mut book = self.registered.lock().expect("registered endpoints lock poisoned");
+                let mut book = self.registered.lock();
                 let key = (endpoint.service.clone(), endpoint.address.clone());
                 book.unregistered.remove(&key);
                 book.registered.insert(key, endpoint.clone());
@@ -154,7 +155,7 @@ impl Registrar {
         let _gate = self.gate.lock().await;
         for ip in ips {
             {
-                let mut book = self.registered.lock().expect("registered endpoints lock poisoned");
+                let mut book = self.registered.lock();
                 let key = (service.to_owned(), ip.to_string());
                 book.registered.remove(&key);
                 book.unregistered.insert(key, std::time::Instant::now());
@@ -188,7 +189,7 @@ async fn refresh(
         tick.tick().await;
         let Some(registered) = registered.upgrade() else { return };
         let (keys, gone): (Vec<Key>, Vec<Key>) = {
-            let mut book = registered.lock().expect("registered endpoints lock poisoned");
+            let mut book = registered.lock();
             book.unregistered.retain(|_, at| at.elapsed() < UNREGISTER_REPEAT);
             (
                 book.registered.keys().cloned().collect(),
@@ -199,12 +200,7 @@ async fn refresh(
         for (service, address) in gone {
             let _gate = gate.lock().await;
             let key = (service, address);
-            if !registered
-                .lock()
-                .expect("registered endpoints lock poisoned")
-                .unregistered
-                .contains_key(&key)
-            {
+            if !registered.lock().unregistered.contains_key(&key) {
                 continue;
             }
             let mut client = link.client();
@@ -220,13 +216,7 @@ async fn refresh(
         for key in keys {
             let _gate = gate.lock().await;
             // Still registered? (It may have been unregistered since the pass began.)
-            let Some(endpoint) = registered
-                .lock()
-                .expect("registered endpoints lock poisoned")
-                .registered
-                .get(&key)
-                .cloned()
-            else {
+            let Some(endpoint) = registered.lock().registered.get(&key).cloned() else {
                 continue;
             };
             let mut client = link.client();
@@ -283,7 +273,7 @@ mod tests {
             request: tonic::Request<RegisterEndpointRequest>,
         ) -> Result<tonic::Response<RegisterEndpointResponse>, Status> {
             let e = request.into_inner().endpoint.unwrap();
-            self.0.lock().unwrap().push(format!("+{}/{}", e.service, e.address));
+            self.0.lock().push(format!("+{}/{}", e.service, e.address));
             Ok(tonic::Response::new(RegisterEndpointResponse::default()))
         }
         async fn unregister_endpoint(
@@ -291,7 +281,7 @@ mod tests {
             request: tonic::Request<UnregisterEndpointRequest>,
         ) -> Result<tonic::Response<UnregisterEndpointResponse>, Status> {
             let r = request.into_inner();
-            self.0.lock().unwrap().push(format!("-{}/{}", r.service, r.address));
+            self.0.lock().push(format!("-{}/{}", r.service, r.address));
             Ok(tonic::Response::new(UnregisterEndpointResponse::default()))
         }
         async fn list_services(
@@ -336,18 +326,13 @@ mod tests {
             registrar
                 .registered
                 .lock()
-                .unwrap()
                 .registered
                 .insert(("ns/web".into(), ip.into()), endpoint);
         }
-        let count = |what: &str| fake.0.lock().unwrap().iter().filter(|c| *c == what).count();
+        let count = |what: &str| fake.0.lock().iter().filter(|c| *c == what).count();
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let until = |f: &dyn Fn() -> bool| {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "timed out: {:?}",
-                fake.0.lock().unwrap()
-            );
+            assert!(std::time::Instant::now() < deadline, "timed out: {:?}", fake.0.lock());
             !f()
         };
         // Both endpoints are registered again and again.
@@ -366,14 +351,14 @@ mod tests {
         }
         assert_eq!(count("+ns/web/10.0.0.1"), after, "refreshed after unregistering");
         // The unregistration itself is repeated (another replica may need it).
-        assert!(count("-ns/web/10.0.0.1") >= 2, "{:?}", fake.0.lock().unwrap());
+        assert!(count("-ns/web/10.0.0.1") >= 2, "{:?}", fake.0.lock());
         // Dropping the last handle stops the refresher.
         drop(registrar);
         tokio::time::sleep(Duration::from_millis(120)).await;
-        let total = fake.0.lock().unwrap().len();
+        let total = fake.0.lock().len();
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(
-            fake.0.lock().unwrap().len(),
+            fake.0.lock().len(),
             total,
             "refreshing went on after the handle was dropped"
         );

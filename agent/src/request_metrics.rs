@@ -15,8 +15,9 @@
 //! `aether_proxy_request_duration_seconds` ([`EnvoyRequestMetrics`], refreshed from Envoy's admin on every scrape
 //! and before every OTLP push).
 
+use parking_lot::Mutex;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use aether_common::telemetry::exposition::{self, Family, Format, Kind};
@@ -238,7 +239,7 @@ impl EnvoyRequestMetrics {
     /// go back) and the failure is counted.
     pub async fn refresh(&self) {
         match tokio::time::timeout(self.timeout, self.scrape()).await {
-            Ok(Ok(families)) => *self.families.lock().expect("stats lock") = families,
+            Ok(Ok(families)) => *self.families.lock() = families,
             Ok(Err(error)) => {
                 self.failures.inc();
                 tracing::debug!(%error, "reading Envoy's request metrics failed");
@@ -344,7 +345,7 @@ fn request_labels(sample_labels: &[(String, String)]) -> Vec<(String, String)> {
 
 impl prometheus_client::collector::Collector for EnvoyRequestMetrics {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let families = self.families.lock().expect("stats lock").clone();
+        let families = self.families.lock().clone();
         if let Some(requests) = families.iter().find(|f| f.name == REQUESTS && f.kind == Kind::Counter) {
             let mut metric = encoder.encode_descriptor(
                 "aether_proxy_requests",
@@ -457,7 +458,7 @@ mod tests {
             envoy_cluster_mesh_upstream_rq_time_sum{source_workload=\"demo/a\",destination_service=\"demo/b\",destination_port=\"80\"} 14\n\
             envoy_cluster_mesh_upstream_rq_time_count{source_workload=\"demo/a\",destination_service=\"demo/b\",destination_port=\"80\"} 7\n";
         let stats = EnvoyRequestMetrics::new("127.0.0.1:1".parse().unwrap(), Duration::from_secs(1));
-        *stats.families.lock().unwrap() = exposition::parse(text, Format::Prometheus).unwrap();
+        *stats.families.lock() = exposition::parse(text, Format::Prometheus).unwrap();
         let mut registry = Registry::default();
         registry.register_collector(Box::new(stats));
         let mut out = String::new();

@@ -182,6 +182,7 @@ fn log_to_file(stdin: &[u8]) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(false)
-        .with_writer(std::sync::Mutex::new(file))
+        // `&File` is a writer, so a shared file needs no lock: each event is one append(2).
+        .with_writer(std::sync::Arc::new(file))
         .try_init();
 }

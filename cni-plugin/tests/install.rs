@@ -203,7 +203,7 @@ enum Owner {
 /// A minimal Kubernetes API server on loopback answering `GET` of one DaemonSet; records the paths asked for.
 struct FakeApi {
     port: u16,
-    asked: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    asked: std::sync::Arc<parking_lot::Mutex<Vec<String>>>,
 }
 
 impl FakeApi {
@@ -211,7 +211,7 @@ impl FakeApi {
         use std::io::{BufRead, BufReader, Write};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let asked = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
         let log = asked.clone();
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
@@ -226,7 +226,7 @@ impl FakeApi {
                     line.clear();
                 }
                 let path = request_line.split_whitespace().nth(1).unwrap_or_default().to_owned();
-                log.lock().unwrap().push(path.clone());
+                log.lock().push(path.clone());
                 let wanted =
                     path.split('?').next() == Some("/apis/apps/v1/namespaces/aether-system/daemonsets/aether-agent");
                 let mut ds = json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
@@ -340,7 +340,6 @@ fn on_sigterm_the_plugin_stays_for_a_rollout_and_leaves_on_an_uninstall() {
         assert_eq!(
             api.asked
                 .lock()
-                .unwrap()
                 .first()
                 .map(|p| p.split('?').next().unwrap().to_owned()),
             Some("/apis/apps/v1/namespaces/aether-system/daemonsets/aether-agent".to_owned()),

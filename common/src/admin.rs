@@ -5,9 +5,10 @@
 //! [`Readiness::set_not_ready`]);
 //! `/metrics` is Prometheus text exposition of the registry handed in.
 
+use parking_lot::Mutex;
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -61,7 +62,7 @@ impl Readiness {
     }
 
     pub fn set_ready(&self) {
-        let mut state = self.state.lock().expect("readiness lock");
+        let mut state = self.state.lock();
         if let Some(path) = &self.file
             && state.is_err()
             && let Err(error) = std::fs::write(path, b"ready\n")
@@ -72,7 +73,7 @@ impl Readiness {
     }
 
     pub fn set_not_ready(&self, reason: impl Into<String>) {
-        let mut state = self.state.lock().expect("readiness lock");
+        let mut state = self.state.lock();
         if let Some(path) = &self.file {
             remove_ready_file(path);
         }
@@ -80,7 +81,7 @@ impl Readiness {
     }
 
     pub fn get(&self) -> Result<(), String> {
-        self.state.lock().expect("readiness lock").clone()
+        self.state.lock().clone()
     }
 }
 

@@ -4,8 +4,9 @@
 //! false naming it, and the process shuts down and exits non-zero. Shutdown waits for
 //! every task, critical or not, up to a deadline.
 
+use parking_lot::Mutex;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -51,7 +52,6 @@ impl Tasks {
             this.readiness.set_not_ready(format!("{name} stopped: {cause}"));
             this.failure
                 .lock()
-                .unwrap_or_else(|p| p.into_inner())
                 .get_or_insert_with(|| format!("{name} stopped: {cause}"));
             this.shutdown.cancel();
         });
@@ -74,7 +74,7 @@ impl Tasks {
                 "tasks still running at the drain deadline"
             );
         }
-        match self.failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        match self.failure.lock().take() {
             Some(failure) => Err(failure),
             None => Ok(()),
         }
@@ -126,14 +126,14 @@ mod tests {
             tasks.critical(name, async move {
                 stop.cancelled().await;
                 tokio::time::sleep(Duration::from_millis(20)).await;
-                done.lock().unwrap().push(name);
+                done.lock().push(name);
             });
         }
         let one_off = done.clone();
-        tasks.spawn(async move { one_off.lock().unwrap().push("one-off") });
+        tasks.spawn(async move { one_off.lock().push("one-off") });
         shutdown.cancel();
         assert_eq!(tasks.drain(Duration::from_secs(5)).await, Ok(()));
-        assert_eq!(done.lock().unwrap().len(), 3, "drain returned before every task ended");
+        assert_eq!(done.lock().len(), 3, "drain returned before every task ended");
         assert_eq!(readiness.get(), Ok(()), "a normal stop is not a failure");
     }
 

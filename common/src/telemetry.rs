@@ -236,7 +236,7 @@ pub fn init(format: LogFormat, config: &TelemetryConfig, component: &Component) 
         .with_resource(resource)
         .with_batch_exporter(CountingExporter {
             inner: exporter,
-            log: std::sync::Mutex::new(otlp::RateLimitedLog::new(otlp::LOG_EVERY)),
+            log: parking_lot::Mutex::new(otlp::RateLimitedLog::new(otlp::LOG_EVERY)),
         })
         .build();
     let tracer = provider.tracer(component.binary);
@@ -248,7 +248,7 @@ pub fn init(format: LogFormat, config: &TelemetryConfig, component: &Component) 
 #[derive(Debug)]
 struct CountingExporter<E> {
     inner: E,
-    log: std::sync::Mutex<otlp::RateLimitedLog>,
+    log: parking_lot::Mutex<otlp::RateLimitedLog>,
 }
 
 impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
@@ -257,7 +257,7 @@ impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
         let result = self.inner.export(batch).await;
         if let Err(error) = &result {
             export_metrics().failed("traces");
-            let admitted = self.log.lock().map(|mut log| log.admit()).unwrap_or(None);
+            let admitted = self.log.lock().admit();
             if let Some(suppressed) = admitted {
                 // Not through tracing: a span export error must not make spans.
                 eprintln!("OTLP trace export failed ({suppressed} not logged since): {error}");

@@ -6,11 +6,12 @@
 //! with a SPIFFE URI SAN (what SPIRE issues and what the registrar's bootstrap issues);
 //! a server may instead be named by a DNS SAN.
 
+use parking_lot::RwLock;
 use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
@@ -144,18 +145,18 @@ impl std::fmt::Debug for CertSlot {
 impl CertSlot {
     pub fn new(key: Arc<CertifiedKey>) -> Self {
         let slot = Self::default();
-        *slot.0.key.write().unwrap_or_else(|p| p.into_inner()) = Some(key);
+        *slot.0.key.write() = Some(key);
         slot
     }
 
     /// Replaces the certificate: the next handshake presents it.
     pub fn set(&self, key: Arc<CertifiedKey>) {
-        *self.0.key.write().unwrap_or_else(|p| p.into_inner()) = Some(key);
+        *self.0.key.write() = Some(key);
         self.0.generation.send_modify(|g| *g += 1);
     }
 
     pub fn current(&self) -> Option<Arc<CertifiedKey>> {
-        self.0.key.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.0.key.read().clone()
     }
 
     /// Changes after every [`CertSlot::set`].

@@ -38,16 +38,16 @@ impl RateLimited {
 
 /// A [`RateLimited`] shared between tasks.
 #[derive(Debug)]
-pub struct SharedRateLimited(std::sync::Mutex<RateLimited>);
+pub struct SharedRateLimited(parking_lot::Mutex<RateLimited>);
 
 impl SharedRateLimited {
     pub fn new(period: Duration) -> Self {
-        Self(std::sync::Mutex::new(RateLimited::new(period)))
+        Self(parking_lot::Mutex::new(RateLimited::new(period)))
     }
 
     /// `Some(suppressed since the last line)` when a line may be logged now.
     pub fn allow(&self) -> Option<u64> {
-        let mut inner = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut inner = self.0.lock();
         inner.allow().then(|| inner.take_suppressed())
     }
 }

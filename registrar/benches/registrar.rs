@@ -21,11 +21,12 @@
 //! AETHER_BENCH_WATCHERS, AETHER_BENCH_FILTER, AETHER_BENCH_MODES (`plaintext,tls`,
 //! the runs and their order).
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use aether_common::tls::{self, CertSlot, Connector, ServerIdentity};
@@ -308,7 +309,7 @@ async fn register_all(
         }
         let mut client = writer_for(writers, &e).clone();
         if let Some(sent) = sent {
-            sent.lock().unwrap().insert(e.address.clone(), Instant::now());
+            sent.lock().insert(e.address.clone(), Instant::now());
         }
         in_flight.push(async move {
             client
@@ -377,8 +378,8 @@ async fn follow(
             }
             Some(watch_response::Event::Delta(delta)) => {
                 let now = Instant::now();
-                let sent = sent.lock().unwrap();
-                let mut lat = latencies.lock().unwrap();
+                let sent = sent.lock();
+                let mut lat = latencies.lock();
                 for c in delta.changes {
                     if let Some(change::Change::EndpointAdded(e)) = c.change
                         && let Some(at) = sent.get(&e.address)
@@ -589,17 +590,17 @@ async fn run(mode: Mode, pki: &Pki, shape: &Shape) -> Figures {
         expected += fan_out[&service];
         let e = endpoint(service, total + p);
         let mut client = writer_for(&writers, &e).clone();
-        sent.lock().unwrap().insert(e.address.clone(), Instant::now());
+        sent.lock().insert(e.address.clone(), Instant::now());
         client
             .register_endpoint(RegisterEndpointRequest { endpoint: Some(e) })
             .await
             .unwrap();
     }
     let deadline = Instant::now() + Duration::from_secs(30);
-    while latencies.lock().unwrap().len() < expected && Instant::now() < deadline {
+    while latencies.lock().len() < expected && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let mut lat = std::mem::take(&mut *latencies.lock().unwrap());
+    let mut lat = std::mem::take(&mut *latencies.lock());
     lat.sort();
     println!(
         "  [{tag}] Register -> affected watcher ({} deliveries of {expected}): p50 {:.2} ms, p99 {:.2} ms",
@@ -625,10 +626,10 @@ async fn run(mode: Mode, pki: &Pki, shape: &Shape) -> Figures {
     figures.burst = burst;
     figures.burst_took = register_all(&writers, endpoints, Some(&sent)).await;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while latencies.lock().unwrap().len() < expected && Instant::now() < deadline {
+    while latencies.lock().len() < expected && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let mut lat = std::mem::take(&mut *latencies.lock().unwrap());
+    let mut lat = std::mem::take(&mut *latencies.lock());
     lat.sort();
     figures.burst_delivered = lat.len();
     figures.burst_expected = expected;

@@ -10,11 +10,12 @@
 //! AETHER_BENCH_REPLICA_RATE (registrations per second, default 100),
 //! AETHER_ETCD_BIN (default /usr/bin/etcd), AETHER_MOTO_BIN (default the venv's moto_server).
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
@@ -274,7 +275,7 @@ async fn measure(name: &str, store: &dyn BenchStore, n: usize, rate: usize) {
         let ack_tx = ack_tx.clone();
         tokio::spawn(async move {
             let t0 = Instant::now();
-            sent.lock().unwrap().insert(e.address.clone(), t0);
+            sent.lock().insert(e.address.clone(), t0);
             client
                 .register_endpoint(RegisterEndpointRequest { endpoint: Some(e) })
                 .await
@@ -293,7 +294,7 @@ async fn measure(name: &str, store: &dyn BenchStore, n: usize, rate: usize) {
                 latencies.len()
             );
         };
-        if let Some(t0) = sent.lock().unwrap().get(&address) {
+        if let Some(t0) = sent.lock().get(&address) {
             latencies.push(at.saturating_duration_since(*t0));
         }
     }

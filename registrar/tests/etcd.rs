@@ -168,7 +168,7 @@ async fn the_loser_of_a_creation_race_learns_the_winners_vip() {
 /// between the catalog's load and its first watch.
 struct GatedFeed {
     inner: Arc<EtcdStore>,
-    gate: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
+    gate: parking_lot::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
 }
 
 #[async_trait]
@@ -183,7 +183,7 @@ impl Store for GatedFeed {
         self.inner.commit(ops).await
     }
     fn feed(&self, after: Revision) -> Feed {
-        let gate = self.gate.lock().unwrap().take().expect("the feed is opened once");
+        let gate = self.gate.lock().take().expect("the feed is opened once");
         let inner = self.inner.clone();
         Box::pin(futures::stream::once(gate).flat_map(move |_| inner.feed(after)))
     }
@@ -237,7 +237,7 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
     let (open, gate) = tokio::sync::oneshot::channel();
     let store = GatedFeed {
         inner: Arc::new(EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap()),
-        gate: std::sync::Mutex::new(Some(gate)),
+        gate: parking_lot::Mutex::new(Some(gate)),
     };
     let mut registry = prometheus_client::registry::Registry::default();
     let (catalog, writer) = Catalog::open(

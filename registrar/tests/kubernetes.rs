@@ -7,11 +7,12 @@
 
 mod support;
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_proto::registrar::v1::RegisterEndpointRequest;
@@ -136,7 +137,7 @@ impl FakeCluster {
 
     /// Creates or replaces an object, as a controller or the kubelet would.
     fn apply(&self, kind: Kind, mut object: Value) -> u64 {
-        let mut state = self.state.lock().unwrap();
+        let mut state = self.state.lock();
         state.rv += 1;
         let rv = state.rv;
         object["apiVersion"] = json!("v1");
@@ -165,7 +166,7 @@ impl FakeCluster {
     }
 
     fn delete(&self, kind: Kind, namespace: &str, name: &str) {
-        let mut state = self.state.lock().unwrap();
+        let mut state = self.state.lock();
         let Some(mut object) = state.objects.remove(&(kind, namespace.to_owned(), name.to_owned())) else {
             panic!("deleting {namespace}/{name}: not there");
         };
@@ -182,7 +183,7 @@ impl FakeCluster {
     }
 
     fn get(&self, kind: Kind, namespace: &str, name: &str) -> Option<Value> {
-        let state = self.state.lock().unwrap();
+        let state = self.state.lock();
         state
             .objects
             .get(&(kind, namespace.to_owned(), name.to_owned()))
@@ -190,18 +191,14 @@ impl FakeCluster {
     }
 
     fn requests(&self) -> Vec<String> {
-        self.state.lock().unwrap().requests.clone()
+        self.state.lock().requests.clone()
     }
 
     async fn answer(&self, req: Request<Incoming>) -> Response<Body> {
         let method = req.method().clone();
         let path = req.uri().path().to_owned();
         let query = parse_query(req.uri().query().unwrap_or_default());
-        self.state
-            .lock()
-            .unwrap()
-            .requests
-            .push(format!("{method} {}", req.uri()));
+        self.state.lock().requests.push(format!("{method} {}", req.uri()));
         let body = req
             .into_body()
             .collect()
@@ -286,7 +283,7 @@ impl FakeCluster {
                 && fields.as_deref().is_none_or(|sel| matches_fields(object, sel))
         };
         if query.get("watch").map(String::as_str) != Some("true") {
-            let state = self.state.lock().unwrap();
+            let state = self.state.lock();
             let items: Vec<Value> = state
                 .objects
                 .iter()
@@ -319,7 +316,7 @@ impl FakeCluster {
         };
         // History after `from`, then live changes (subscribed under the same lock: none lost).
         let (backlog, live) = {
-            let state = self.state.lock().unwrap();
+            let state = self.state.lock();
             let backlog: Vec<Change> = state.history.iter().filter(|c| c.rv > from).cloned().collect();
             (backlog, self.events.subscribe())
         };

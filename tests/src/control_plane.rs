@@ -6,12 +6,13 @@
 //! Every harness that runs the registrar with an agent (the mesh, the demo, the benches)
 //! runs it through this: TLS on, the bootstrap as in a cluster.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_common::tls::{self, CertSlot, Connector, ServerIdentity};
@@ -285,18 +286,18 @@ impl FakeKubeApi {
     /// Mints any token.
     pub fn mint(&self, info: TokenInfo) -> String {
         let token = format!("token-{}", uuid_like());
-        self.tokens.lock().unwrap().insert(token.clone(), info);
+        self.tokens.lock().insert(token.clone(), info);
         token
     }
 
     /// Forgets a token: its pod is gone (the API server no longer authenticates it).
     pub fn revoke(&self, token: &str) {
-        self.tokens.lock().unwrap().remove(token);
+        self.tokens.lock().remove(token);
     }
 
     /// The tokens reviewed so far, in order.
     pub fn reviews(&self) -> Vec<String> {
-        self.reviews.lock().unwrap().clone()
+        self.reviews.lock().clone()
     }
 }
 
@@ -370,8 +371,8 @@ async fn answer(
         .flatten()
         .filter_map(|a| a.as_str().map(str::to_owned))
         .collect();
-    reviews.lock().unwrap().push(token.clone());
-    let info = tokens.lock().unwrap().get(&token).cloned();
+    reviews.lock().push(token.clone());
+    let info = tokens.lock().get(&token).cloned();
     let status = match info {
         None => json!({"authenticated": false, "error": "invalid bearer token, token lookup failed"}),
         Some(info) => {

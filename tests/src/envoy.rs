@@ -1,11 +1,11 @@
 //! A real Envoy (the one `make setup` installs) run from a bootstrap written by the test.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -121,7 +121,6 @@ impl Envoy {
             .args(extra_args);
         *BASE_ID_USERS
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
             .get_or_insert_with(HashMap::new)
             .entry(base_id)
             .or_default() += 1;
@@ -230,7 +229,7 @@ impl Envoy {
 impl Drop for Envoy {
     fn drop(&mut self) {
         self.child.kill();
-        let mut users = BASE_ID_USERS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut users = BASE_ID_USERS.lock();
         let users = users.get_or_insert_with(HashMap::new);
         let last = match users.get_mut(&self.base_id) {
             Some(n) if *n > 1 => {

@@ -8,10 +8,11 @@
 //! last stream id), or one written but above the last stream id of the server's graceful GOAWAY, is sent again and
 //! counted as **retried_unsent**: HTTP lets every client do that, no server processed it.
 
+use parking_lot::Mutex;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -85,7 +86,7 @@ struct Counters {
 impl Counters {
     fn error(&self, counter: &AtomicU64, what: String) {
         counter.fetch_add(1, Ordering::SeqCst);
-        let mut errors = self.errors.lock().unwrap_or_else(|e| e.into_inner());
+        let mut errors = self.errors.lock();
         if errors.len() < MAX_ERRORS {
             errors.push(what);
         }
@@ -127,7 +128,7 @@ impl Load {
             retried_unsent: c.retried_unsent.load(Ordering::SeqCst),
             connects: c.connects.load(Ordering::SeqCst),
             connect_failures: c.connect_failures.load(Ordering::SeqCst),
-            errors: c.errors.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            errors: c.errors.lock().clone(),
             elapsed: self.started.elapsed(),
         }
     }

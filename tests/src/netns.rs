@@ -6,14 +6,15 @@
 //! [`TestNode::new`] if its process died without unwinding (SIGKILL, abort). Commands are run with iproute2's `ip`;
 //! a failing command panics with its command line and stderr.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{File, OpenOptions};
 use std::hash::{BuildHasher, Hasher, RandomState};
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 
 use nix::sched::{CloneFlags, setns};
 
@@ -75,7 +76,7 @@ struct NodeState {
 
 impl NodeShared {
     fn state(&self) -> MutexGuard<'_, NodeState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock()
     }
 }
 

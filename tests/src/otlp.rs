@@ -1,9 +1,10 @@
 //! A small OTLP/gRPC collector for tests: it serves the metrics and trace export services on a free loopback port
 //! and keeps every request, so a test can assert on names, attributes and values that a binary or Envoy pushed.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::{LogsService, LogsServiceServer};
@@ -35,7 +36,7 @@ impl MetricsService for Sink {
         &self,
         request: tonic::Request<ExportMetricsServiceRequest>,
     ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
-        self.0.lock().unwrap().metrics.push(request.into_inner());
+        self.0.lock().metrics.push(request.into_inner());
         Ok(tonic::Response::new(ExportMetricsServiceResponse::default()))
     }
 }
@@ -46,7 +47,7 @@ impl TraceService for Sink {
         &self,
         request: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        self.0.lock().unwrap().traces.push(request.into_inner());
+        self.0.lock().traces.push(request.into_inner());
         Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
     }
 }
@@ -57,7 +58,7 @@ impl LogsService for Sink {
         &self,
         request: tonic::Request<ExportLogsServiceRequest>,
     ) -> Result<tonic::Response<ExportLogsServiceResponse>, tonic::Status> {
-        self.0.lock().unwrap().logs.push(request.into_inner());
+        self.0.lock().logs.push(request.into_inner());
         Ok(tonic::Response::new(ExportLogsServiceResponse::default()))
     }
 }
@@ -139,12 +140,12 @@ impl OtlpReceiver {
 
     /// How many metric export requests arrived.
     pub fn metric_requests(&self) -> usize {
-        self.sink.0.lock().unwrap().metrics.len()
+        self.sink.0.lock().metrics.len()
     }
 
     /// Every log record received, oldest first.
     pub fn logs(&self) -> Vec<LogRecord> {
-        let received = self.sink.0.lock().unwrap();
+        let received = self.sink.0.lock();
         received
             .logs
             .iter()
@@ -160,7 +161,7 @@ impl OtlpReceiver {
 
     /// Every span received, as (resource service.name, span name).
     pub fn spans(&self) -> Vec<(String, String)> {
-        let received = self.sink.0.lock().unwrap();
+        let received = self.sink.0.lock();
         let mut out = Vec::new();
         for request in &received.traces {
             for rs in &request.resource_spans {
@@ -182,7 +183,7 @@ impl OtlpReceiver {
 
     /// Every data point of `metric` received, oldest first.
     pub fn points(&self, metric: &str) -> Vec<Point> {
-        let received = self.sink.0.lock().unwrap();
+        let received = self.sink.0.lock();
         let mut out = Vec::new();
         for request in &received.metrics {
             for rm in &request.resource_metrics {
@@ -242,7 +243,7 @@ impl OtlpReceiver {
 
     /// Every metric name received.
     pub fn metric_names(&self) -> Vec<String> {
-        let received = self.sink.0.lock().unwrap();
+        let received = self.sink.0.lock();
         let mut names: Vec<String> = received
             .metrics
             .iter()

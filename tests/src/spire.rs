@@ -6,10 +6,11 @@
 //! Subscriptions are answered from the `k8s:ns:` and `k8s:sa:` selectors (the SVID names
 //! `spiffe://<td>/ns/<ns>/sa/<sa>`); `k8s:pod-uid:` identifies the pod for revocation.
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use spire_api::pb::spire::api::agent::delegatedidentity::v1::{
@@ -80,7 +81,7 @@ impl Shared {
             .get(sub_uid)
             .cloned()
             .unwrap_or_else(|| crate::identity::spiffe_id(ns, sa));
-        Some(self.ca.issue(&id, *self.ttl.lock().unwrap()))
+        Some(self.ca.issue(&id, *self.ttl.lock()))
     }
 
     fn response(&self, leaf: Option<Leaf>, state: &mut State) -> SubscribeToX509sviDsResponse {
@@ -123,7 +124,7 @@ impl Shared {
 
     /// Sends each live subscriber matching `which` a fresh answer.
     fn push(&self, which: impl Fn(&Subscriber) -> bool) {
-        let mut state = self.state.lock().unwrap();
+        let mut state = self.state.lock();
         state.subscribers.retain(|s| !s.tx.is_closed());
         let targets: Vec<(usize, String, String, String)> = state
             .subscribers
@@ -170,7 +171,7 @@ impl DelegatedIdentity for Service {
         };
         let uid = selector("pod-uid:").unwrap_or_default();
         let (tx, rx) = mpsc::channel(16);
-        let mut state = self.0.state.lock().unwrap();
+        let mut state = self.0.state.lock();
         state.subscribe_calls += 1;
         let leaf = self.0.leaf_for(&uid, &ns, &sa, &state);
         let first = self.0.response(leaf, &mut state);
@@ -187,7 +188,7 @@ impl DelegatedIdentity for Service {
             return Err(Status::unavailable("fake SPIRE agent is down"));
         }
         let (tx, rx) = mpsc::channel(16);
-        let mut state = self.0.state.lock().unwrap();
+        let mut state = self.0.state.lock();
         tx.try_send(Ok(self.0.bundles(&state))).expect("fresh channel");
         state.bundle_subscribers.push(tx);
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
@@ -235,7 +236,7 @@ impl FakeSpire {
                 .serve_with_incoming(UnixListenerStream::new(listener))
                 .await;
         });
-        *self.server.lock().unwrap() = Some(task);
+        *self.server.lock() = Some(task);
     }
 
     pub fn ca(&self) -> &TestCa {
@@ -243,7 +244,7 @@ impl FakeSpire {
     }
 
     pub fn set_ttl(&self, ttl: Duration) {
-        *self.shared.ttl.lock().unwrap() = ttl;
+        *self.shared.ttl.lock() = ttl;
     }
 
     /// Re-issues every live subscription (a rotation).
@@ -253,7 +254,7 @@ impl FakeSpire {
 
     /// Revokes the pod's identity: its subscriptions get an empty answer.
     pub fn revoke(&self, pod_uid: &str) {
-        self.shared.state.lock().unwrap().revoked.insert(pod_uid.to_owned());
+        self.shared.state.lock().revoked.insert(pod_uid.to_owned());
         self.shared.push(|s| s.uid == pod_uid);
     }
 
@@ -262,7 +263,6 @@ impl FakeSpire {
         self.shared
             .state
             .lock()
-            .unwrap()
             .overrides
             .insert(pod_uid.to_owned(), spiffe_id.to_owned());
         self.shared.push(|s| s.uid == pod_uid);
@@ -270,7 +270,7 @@ impl FakeSpire {
 
     /// Adds a federated trust domain's CA to the bundles.
     pub fn federate(&self, trust_domain: &str, ca_der: Vec<u8>) {
-        let mut state = self.shared.state.lock().unwrap();
+        let mut state = self.shared.state.lock();
         state.federated.insert(trust_domain.to_owned(), ca_der);
         let bundles = self.shared.bundles(&state);
         state
@@ -282,12 +282,12 @@ impl FakeSpire {
     /// [`FakeSpire::restore`].
     pub fn break_streams(&self) {
         self.shared.down.store(true, std::sync::atomic::Ordering::SeqCst);
-        if let Some(task) = self.server.lock().unwrap().take() {
+        if let Some(task) = self.server.lock().take() {
             task.abort();
         }
         let _ = std::fs::remove_file(&self.socket);
         {
-            let mut state = self.shared.state.lock().unwrap();
+            let mut state = self.shared.state.lock();
             for s in state.subscribers.drain(..) {
                 let _ = s.tx.try_send(Err(Status::unavailable("fake SPIRE agent going away")));
             }
@@ -295,7 +295,7 @@ impl FakeSpire {
                 let _ = tx.try_send(Err(Status::unavailable("fake SPIRE agent going away")));
             }
         }
-        if let Some(task) = self.server.lock().unwrap().take() {
+        if let Some(task) = self.server.lock().take() {
             task.abort();
         }
         let _ = std::fs::remove_file(&self.socket);
@@ -309,25 +309,25 @@ impl FakeSpire {
 
     /// Live SVID subscriptions.
     pub fn subscriptions(&self) -> usize {
-        let mut state = self.shared.state.lock().unwrap();
+        let mut state = self.shared.state.lock();
         state.subscribers.retain(|s| !s.tx.is_closed());
         state.subscribers.len()
     }
 
     /// How many SVID subscriptions were ever opened (reconnects count).
     pub fn subscribe_calls(&self) -> u64 {
-        self.shared.state.lock().unwrap().subscribe_calls
+        self.shared.state.lock().subscribe_calls
     }
 
     /// Every SVID sent so far: (SPIFFE ID, leaf DER, when).
     pub fn issued(&self) -> Vec<(String, Vec<u8>, Instant)> {
-        self.shared.state.lock().unwrap().issued.clone()
+        self.shared.state.lock().issued.clone()
     }
 }
 
 impl Drop for FakeSpire {
     fn drop(&mut self) {
-        if let Some(task) = self.server.lock().unwrap().take() {
+        if let Some(task) = self.server.lock().take() {
             task.abort();
         }
         let _ = std::fs::remove_file(&self.socket);

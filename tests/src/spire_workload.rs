@@ -8,10 +8,11 @@
 //! One workload, one SVID at a time: real certificates from a [`TestCa`], its bundle the
 //! CA certificate.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::UnixListener;
@@ -83,7 +84,7 @@ impl Shared {
         if ok {
             return Ok(());
         }
-        self.state.lock().unwrap().refused += 1;
+        self.state.lock().refused += 1;
         Err(Status::invalid_argument("security header missing from request"))
     }
 }
@@ -103,7 +104,7 @@ impl SpiffeWorkloadApi for Service {
     ) -> Result<Response<Self::FetchX509SVIDStream>, Status> {
         self.0.check_header(&request)?;
         let (tx, rx) = mpsc::channel(16);
-        let mut state = self.0.state.lock().unwrap();
+        let mut state = self.0.state.lock();
         state.fetch_calls += 1;
         tx.try_send(Ok(self.0.svid_response(&state.svid)))
             .expect("fresh channel");
@@ -118,7 +119,7 @@ impl SpiffeWorkloadApi for Service {
         self.0.check_header(&request)?;
         let (tx, rx) = mpsc::channel(16);
         tx.try_send(Ok(self.0.bundles_response())).expect("fresh channel");
-        self.0.state.lock().unwrap().bundle_streams.push(tx);
+        self.0.state.lock().bundle_streams.push(tx);
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
@@ -167,12 +168,12 @@ impl FakeWorkloadApi {
 
     /// The SVID served now.
     pub fn current(&self) -> Leaf {
-        self.shared.state.lock().unwrap().svid.clone()
+        self.shared.state.lock().svid.clone()
     }
 
     /// Every SVID served so far, in order.
     pub fn issued(&self) -> Vec<Leaf> {
-        self.shared.state.lock().unwrap().issued.clone()
+        self.shared.state.lock().issued.clone()
     }
 
     /// A new SVID naming `spiffe_id`, valid for `ttl`, pushed on every open stream (a
@@ -180,7 +181,7 @@ impl FakeWorkloadApi {
     pub fn rotate_to(&self, spiffe_id: &str, ttl: Duration) -> Leaf {
         let leaf = self.shared.ca.issue(spiffe_id, ttl);
         let response = self.shared.svid_response(&leaf);
-        let mut state = self.shared.state.lock().unwrap();
+        let mut state = self.shared.state.lock();
         state.svid = leaf.clone();
         state.issued.push(leaf.clone());
         state.streams.retain(|tx| tx.try_send(Ok(response.clone())).is_ok());
@@ -190,7 +191,7 @@ impl FakeWorkloadApi {
     /// Ends every open stream with UNAVAILABLE (the SPIRE agent restarting); new calls
     /// are served as before.
     pub fn break_streams(&self) {
-        let mut state = self.shared.state.lock().unwrap();
+        let mut state = self.shared.state.lock();
         for tx in state.streams.drain(..) {
             let _ = tx.try_send(Err(Status::unavailable("fake Workload API restarting")));
         }
@@ -201,19 +202,19 @@ impl FakeWorkloadApi {
 
     /// Open `FetchX509SVID` streams.
     pub fn streams(&self) -> usize {
-        let mut state = self.shared.state.lock().unwrap();
+        let mut state = self.shared.state.lock();
         state.streams.retain(|tx| !tx.is_closed());
         state.streams.len()
     }
 
     /// `FetchX509SVID` calls served (reconnects count).
     pub fn fetch_calls(&self) -> u64 {
-        self.shared.state.lock().unwrap().fetch_calls
+        self.shared.state.lock().fetch_calls
     }
 
     /// Calls refused for lacking the security header.
     pub fn refused(&self) -> u64 {
-        self.shared.state.lock().unwrap().refused
+        self.shared.state.lock().refused
     }
 }
 

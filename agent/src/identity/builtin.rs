@@ -3,8 +3,9 @@
 //! a fresh key each time, re-issued at half-life. For clusters without SPIRE and for
 //! local runs.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use aether_common::tls::pem_blocks;
@@ -195,7 +196,7 @@ impl Inner {
     }
 
     fn sync(&self, pods: &[LocalPod]) {
-        let mut local = self.pods.lock().expect("builtin pods lock");
+        let mut local = self.pods.lock();
         let mut issued = BTreeMap::new();
         let mut gone = Vec::new();
         let wanted: BTreeMap<String, String> = pods
@@ -264,7 +265,7 @@ async fn rotate(inner: Arc<Inner>, shutdown: CancellationToken) {
             _ = tokio::time::sleep(tick) => {}
         }
         let now = SystemTime::now();
-        let mut local = inner.pods.lock().expect("builtin pods lock");
+        let mut local = inner.pods.lock();
         let mut issued = BTreeMap::new();
         for (id, pod) in local.iter_mut().filter(|(_, l)| l.rotate_at <= now) {
             match inner.issue(&pod.spiffe_id) {

@@ -11,9 +11,10 @@
 //! The high-level `spire_api::DelegatedIdentityClient` keeps only the first SVID of
 //! each response; the raw generated client gets them all, so we pick the pod's.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use spire_api::pb::spire::api::agent::delegatedidentity::v1::delegated_identity_client::DelegatedIdentityClient;
@@ -103,7 +104,7 @@ impl Spire {
     }
 
     pub fn sync(&self, pods: &[LocalPod]) {
-        let mut subscriptions = self.inner.subscriptions.lock().expect("spire subscriptions lock");
+        let mut subscriptions = self.inner.subscriptions.lock();
         let wanted: BTreeMap<String, &PodInfo> = pods.iter().map(|p| (p.id(), &p.info)).collect();
         let mut gone = Vec::new();
         subscriptions.retain(|id, (info, stop)| {

@@ -1,9 +1,10 @@
 //! The supervisor's state machine: one owned Envoy epoch at a time, hot restarts onto validated bootstraps,
 //! takeover of a predecessor's Envoy, crash restarts with backoff, drain on SIGTERM.
 
+use parking_lot::Mutex;
 use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_common::admin::Readiness;
@@ -192,7 +193,7 @@ impl Supervisor {
             .map(|d| d.as_nanos())
             .unwrap_or(0);
         let id = format!("{}-{start_ns}", std::process::id());
-        status.lock().expect("status lock").owner = id.clone();
+        status.lock().owner = id.clone();
         Ok(Self {
             envoy: EnvoyBinary::new(cfg.envoy_bin.clone()),
             admin: EnvoyAdmin::new(cfg.envoy_admin),
@@ -587,7 +588,7 @@ impl Supervisor {
         }
         self.readiness.set_ready();
         self.remove_old_bootstraps();
-        let mut status = self.status.lock().expect("status lock");
+        let mut status = self.status.lock();
         let current = self.current.as_ref().expect("just set");
         status.epoch = Some(current.number);
         status.base_id = self.base_id;
@@ -630,7 +631,7 @@ impl Supervisor {
             .validation_failures
             .get_or_create(&[("reason", reason)])
             .inc();
-        self.status.lock().expect("status lock").last_error = Some(error.to_string());
+        self.status.lock().last_error = Some(error.to_string());
         tracing::error!(%error, reason, "refusing the new bootstrap/binary; the running Envoy keeps serving");
     }
 
@@ -728,7 +729,7 @@ impl Supervisor {
         self.running_bootstrap = Some(bootstrap_path_of(&self.states, number));
         self.rejected = None;
         self.metrics.hot_restarts.get_or_create(&[("trigger", why)]).inc();
-        self.status.lock().expect("status lock").hot_restarts += 1;
+        self.status.lock().hot_restarts += 1;
         self.became_live(epoch, trigger, why);
     }
 
@@ -750,7 +751,7 @@ impl Supervisor {
             .hot_restart_failures
             .get_or_create(&[("reason", reason)])
             .inc();
-        self.status.lock().expect("status lock").last_error = Some(error.to_string());
+        self.status.lock().last_error = Some(error.to_string());
         tracing::error!(%error, why, "hot restart failed; the running epoch keeps serving");
     }
 
@@ -761,7 +762,7 @@ impl Supervisor {
         let status = status.map_or_else(|| "unknown".to_owned(), |s| s.to_string());
         self.metrics.live.set(0);
         {
-            let mut s = self.status.lock().expect("status lock");
+            let mut s = self.status.lock();
             s.live = false;
             s.envoy_pid = None;
         }
@@ -776,7 +777,7 @@ impl Supervisor {
             return Next::Exit;
         }
         self.metrics.crashes.inc();
-        self.status.lock().expect("status lock").crashes += 1;
+        self.status.lock().crashes += 1;
         self.readiness
             .set_not_ready(format!("Envoy epoch {} exited ({status}); restarting", epoch.number));
         if epoch.started.elapsed() >= STABLE_AFTER {
@@ -800,7 +801,7 @@ impl Supervisor {
                     self.readiness
                         .set_not_ready(format!("superseded by {} (epoch {})", state.owner, state.epoch));
                     self.metrics.live.set(0);
-                    self.status.lock().expect("status lock").superseded_by = Some(state.owner.clone());
+                    self.status.lock().superseded_by = Some(state.owner.clone());
                     self.superseded = Some((state.owner, Instant::now()));
                 }
                 true
@@ -880,7 +881,7 @@ impl Supervisor {
         if !successor_alive && live_ours {
             tracing::warn!(%successor, "the successor never took over and is gone; serving on");
             self.superseded = None;
-            self.status.lock().expect("status lock").superseded_by = None;
+            self.status.lock().superseded_by = None;
             if let Some(current) = self.current.as_ref() {
                 let _ = self.store(self.state(current, Phase::Live));
             }
@@ -910,7 +911,7 @@ impl Supervisor {
             }
             Err(error) => {
                 tracing::error!(%error, backoff = ?self.backoff, "restarting Envoy failed; retrying");
-                self.status.lock().expect("status lock").last_error = Some(error.to_string());
+                self.status.lock().last_error = Some(error.to_string());
                 self.restart_at = Some(Instant::now() + self.backoff);
                 self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
             }
@@ -927,7 +928,7 @@ impl Supervisor {
             None => true,
         });
         if self.retiring.len() != before {
-            self.status.lock().expect("status lock").retiring_pids = self.retiring.iter().map(|e| e.pid).collect();
+            self.status.lock().retiring_pids = self.retiring.iter().map(|e| e.pid).collect();
         }
     }
 

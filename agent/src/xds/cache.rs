@@ -5,8 +5,9 @@
 //! connected Envoy), what that Envoy has ACKed, so callers can wait until a change is
 //! live or gone.
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use aether_common::hash::{fnv1a, fnv1a_extend};
@@ -210,7 +211,7 @@ impl Cache {
         resources: BTreeMap<String, Vec<Arc<Resource>>>,
         pending: BTreeSet<(String, String)>,
     ) -> bool {
-        let _serial = self.update.lock().expect("cache update lock");
+        let _serial = self.update.lock();
         let current = self.snapshot.borrow().clone();
         let mut types = BTreeMap::new();
         let mut changed = false;
@@ -247,7 +248,7 @@ impl Cache {
 
     /// Marks names as being looked up on demand, publishing at once.
     pub fn add_pending(&self, items: impl IntoIterator<Item = (String, String)>) {
-        let _serial = self.update.lock().expect("cache update lock");
+        let _serial = self.update.lock();
         let current = self.snapshot.borrow().clone();
         let mut pending = current.pending.clone();
         pending.extend(items);

@@ -75,7 +75,7 @@ impl Writer {
         let mut changes = Vec::new();
         let mut forgotten = Vec::new();
         {
-            let state = self.state.read().expect("catalog lock poisoned");
+            let state = self.state.read();
             for (key, entry) in &state.services {
                 for address in entry.endpoints.keys() {
                     let record = RecordKey::Endpoint(key.clone(), *address);
@@ -128,7 +128,7 @@ impl Writer {
         let now = Instant::now();
         let mut out = Vec::new();
         let shared = self.state.clone();
-        let mut state = shared.write().expect("catalog lock poisoned");
+        let mut state = shared.write();
         for (revision, kind) in changes {
             match kind {
                 FeedChangeKind::ServicePut(service) => {

@@ -27,9 +27,10 @@ mod ttl;
 mod write_behind;
 mod writer;
 
+use parking_lot::{RwLock, RwLockReadGuard};
 use std::collections::HashSet;
 use std::net::IpAddr;
-use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use aether_proto::registrar::v1::Version;
@@ -80,7 +81,7 @@ pub struct Catalog {
     read_only: bool,
     /// Endpoints whose ignored registration was already logged at info (read-only
     /// stores: agents re-register every few seconds).
-    ignored: Arc<std::sync::Mutex<HashSet<(ServiceKey, IpAddr)>>>,
+    ignored: Arc<parking_lot::Mutex<HashSet<(ServiceKey, IpAddr)>>>,
 }
 
 impl Catalog {
@@ -120,7 +121,7 @@ impl Catalog {
     }
 
     pub fn read(&self) -> RwLockReadGuard<'_, State> {
-        self.state.read().expect("catalog lock poisoned")
+        self.state.read()
     }
 
     pub fn metrics(&self) -> &Metrics {
@@ -131,8 +132,7 @@ impl Catalog {
     /// an endpoint another node holds is not replaced: PERMISSION_DENIED.
     pub async fn register(&self, endpoint: ValidEndpoint, owner: Option<String>) -> Result<(Service, Version), Status> {
         if self.read_only {
-            let first = (self.ignored.lock().expect("ignored set poisoned"))
-                .insert((endpoint.service.clone(), endpoint.address));
+            let first = (self.ignored.lock()).insert((endpoint.service.clone(), endpoint.address));
             if first {
                 tracing::info!(service = %endpoint.service, address = %endpoint.address,
                     "ignoring Register: this registrar's store is read-only (endpoints come from the store)");
@@ -167,7 +167,7 @@ impl Catalog {
         owner: Option<String>,
     ) -> Result<(bool, Version), Status> {
         if self.read_only {
-            (self.ignored.lock().expect("ignored set poisoned")).remove(&(service.clone(), address));
+            (self.ignored.lock()).remove(&(service.clone(), address));
             tracing::info!(%service, %address,
                 "ignoring Unregister: this registrar's store is read-only (endpoints come from the store)");
             return Ok((false, self.read().version()));

@@ -96,7 +96,7 @@ impl Writer {
     pub(super) async fn reap(&mut self) {
         let mut plan = Plan::default();
         {
-            let state = self.state.read().expect("catalog lock poisoned");
+            let state = self.state.read();
             plan.reap(
                 &state,
                 Instant::now(),
@@ -158,7 +158,7 @@ impl Writer {
 
     /// Every endpoint registered by `node`.
     fn endpoints_of(&self, node: &str) -> Vec<(ServiceKey, IpAddr)> {
-        let state = self.state.read().expect("catalog lock poisoned");
+        let state = self.state.read();
         state
             .services
             .iter()
@@ -175,7 +175,7 @@ impl Writer {
     /// A plan removing `endpoints`. The reaper acts for no node: no owner check.
     fn plan_removal(&self, endpoints: &[(ServiceKey, IpAddr)]) -> Plan {
         let mut plan = Plan::default();
-        let state = self.state.read().expect("catalog lock poisoned");
+        let state = self.state.read();
         for (key, address) in endpoints {
             let _ = plan.unregister(&state, key.clone(), *address, None);
         }

@@ -204,7 +204,7 @@ impl Writer {
             return;
         };
         let fresh = {
-            let state = self.state.read().expect("catalog lock poisoned");
+            let state = self.state.read();
             self.config.vips.allocate(&key, |ip| state.vips.contains_key(&ip))
         };
         match fresh {
@@ -218,7 +218,7 @@ impl Writer {
 
     /// Ops that create again the services of `missing` this replica still holds.
     fn recreate_ops(&self, missing: Vec<ServiceKey>) -> Vec<StoreOp> {
-        let state = self.state.read().expect("catalog lock poisoned");
+        let state = self.state.read();
         missing
             .into_iter()
             .filter_map(|key| state.services.get(&key))

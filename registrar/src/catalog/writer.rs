@@ -3,9 +3,10 @@
 //! another replica), then applies it to memory; between writes it follows the
 //! store's feed and retries the store while it is down.
 
+use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_common::admin::Readiness;
@@ -279,7 +280,7 @@ impl Writer {
         loop {
             let mut plan = Plan::default();
             let results: Vec<Result<Service, Status>> = {
-                let state = self.state.read().expect("catalog lock poisoned");
+                let state = self.state.read();
                 requests
                     .iter()
                     .map(|request| request.plan(&mut plan, &state, &self.config.vips))
@@ -323,7 +324,7 @@ impl Writer {
     /// returns the catalog version that includes it.
     pub(super) async fn commit(&mut self, mut plan: Plan) -> Outcome {
         if plan.ops.is_empty() {
-            return Outcome::Done(self.state.read().expect("catalog lock poisoned").version());
+            return Outcome::Done(self.state.read().version());
         }
         if !self.behind.is_empty() {
             // Keep order: nothing overtakes what is already queued.
@@ -376,7 +377,7 @@ impl Writer {
     /// Applies a committed (or queued) plan to memory and publishes it.
     pub(super) fn apply(&mut self, plan: Plan) -> Version {
         let changes = plan.changes.len() as u64;
-        let mut state = self.state.write().expect("catalog lock poisoned");
+        let mut state = self.state.write();
         state.apply(plan);
         self.metrics.changes.inc_by(changes);
         state.report(&self.metrics);

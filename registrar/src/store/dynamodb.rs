@@ -34,9 +34,10 @@
 //! exponential backoff ([`classify`]); the SDK's own retries are off so this is the
 //! one retry policy. After the retries a call fails with `Unavailable`.
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aether_common::quote::quote;
@@ -615,13 +616,7 @@ impl Inner {
         let (counter, oldest_in_flight) = {
             let _gate = self.reserving.lock().await;
             let counter = self.counter().await?;
-            let oldest = self
-                .in_flight
-                .lock()
-                .expect("in-flight lock poisoned")
-                .iter()
-                .min()
-                .copied();
+            let oldest = self.in_flight.lock().iter().min().copied();
             (counter, oldest)
         };
         let items = self.scan_all().await?;
@@ -705,14 +700,11 @@ impl Inner {
             let revision = {
                 let _gate = self.reserving.lock().await;
                 let revision = self.reserve().await?;
-                self.in_flight.lock().expect("in-flight lock poisoned").push(revision);
+                self.in_flight.lock().push(revision);
                 revision
             };
             let result = self.write(&batch, &doomed, &skip_vip_deletes, revision).await;
-            self.in_flight
-                .lock()
-                .expect("in-flight lock poisoned")
-                .retain(|r| *r != revision);
+            self.in_flight.lock().retain(|r| *r != revision);
             match result {
                 Ok(()) => return Ok((revision, batch.live_nodes.iter().cloned().collect())),
                 Err(WriteError::Store(e)) => return Err(e),

@@ -11,9 +11,10 @@
 //! endpoint TTL) is kept in memory, and every node found at start-up counts as
 //! refreshed then, so a registrar that was down does not expire the whole catalog.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use aether_proto::registry::v1::{Endpoint, Service};
@@ -246,7 +247,7 @@ impl<'txn> Tables<'txn> {
 
 fn touch_nodes<'a>(nodes: &Mutex<HashMap<String, Instant>>, names: impl Iterator<Item = &'a str>) {
     let now = Instant::now();
-    let mut nodes = nodes.lock().expect("node liveness lock poisoned");
+    let mut nodes = nodes.lock();
     for name in names.filter(|n| !n.is_empty()) {
         nodes.insert(name.to_owned(), now);
     }
@@ -317,7 +318,7 @@ impl Store for EmbeddedStore {
             .await
             .map_err(|e| StoreError::Unavailable(format!("commit task failed: {e}")))??;
         touch_nodes(&self.nodes, live.iter().map(String::as_str));
-        let mut nodes = self.nodes.lock().expect("node liveness lock poisoned");
+        let mut nodes = self.nodes.lock();
         for node in forgotten {
             nodes.remove(&node);
         }
@@ -335,7 +336,7 @@ impl Store for EmbeddedStore {
 
     async fn expired_nodes(&self) -> Result<Vec<String>, StoreError> {
         let ttl = self.settings.endpoint_ttl;
-        let nodes = self.nodes.lock().expect("node liveness lock poisoned");
+        let nodes = self.nodes.lock();
         Ok(nodes
             .iter()
             .filter(|(_, at)| at.elapsed() >= ttl)

@@ -22,9 +22,9 @@
 //! certificate to an etcd run with `--client-cert-auth`. Bad combinations and
 //! unreadable PEM files are config errors naming the flag, found before dialling.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use aether_common::quote::quote;
@@ -403,16 +403,13 @@ impl EtcdStore {
 
     /// The lease of `node`, granted (once, across replicas) if it has none.
     async fn lease_of(&self, node: &str) -> Result<i64, StoreError> {
-        if let Some(id) = self.leases.lock().expect("lease cache poisoned").get(node) {
+        if let Some(id) = self.leases.lock().get(node) {
             return Ok(*id);
         }
         let key = self.keys.node(node);
         if let Some(kv) = self.get_one(key.clone()).await? {
             let id = parse_lease(&kv)?;
-            self.leases
-                .lock()
-                .expect("lease cache poisoned")
-                .insert(node.to_owned(), id);
+            self.leases.lock().insert(node.to_owned(), id);
             return Ok(id);
         }
         let mut client = self.client.clone();
@@ -448,15 +445,12 @@ impl EtcdStore {
                 }
             }
         };
-        self.leases
-            .lock()
-            .expect("lease cache poisoned")
-            .insert(node.to_owned(), id);
+        self.leases.lock().insert(node.to_owned(), id);
         Ok(id)
     }
 
     fn forget_leases<'a>(&self, nodes: impl Iterator<Item = &'a str>) {
-        let mut leases = self.leases.lock().expect("lease cache poisoned");
+        let mut leases = self.leases.lock();
         for node in nodes {
             leases.remove(node);
         }
@@ -861,7 +855,7 @@ impl Store for EtcdStore {
 
     async fn refresh(&self, nodes: Vec<String>) -> Result<(), StoreError> {
         for node in nodes.iter().filter(|n| !n.is_empty()) {
-            let cached = self.leases.lock().expect("lease cache poisoned").get(node).copied();
+            let cached = self.leases.lock().get(node).copied();
             let id = match cached {
                 Some(id) => id,
                 None => match self.get_one(self.keys.node(node)).await? {
@@ -878,10 +872,7 @@ impl Store for EtcdStore {
                 .await?
                 .is_some_and(|r| r.ttl() > 0);
             if alive {
-                self.leases
-                    .lock()
-                    .expect("lease cache poisoned")
-                    .insert(node.clone(), id);
+                self.leases.lock().insert(node.clone(), id);
             } else {
                 self.forget_leases(std::iter::once(node.as_str()));
             }

@@ -23,10 +23,11 @@
 //! changed record gets the next revision of a per-process counter. Revisions are local:
 //! each replica derives the same catalog from the same cluster on its own.
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
 use std::pin::pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use aether_common::pod_meta::{self, AppProtocol};
@@ -225,12 +226,7 @@ impl Store for KubeStore {
             .wait_for(|s| *s)
             .await
             .map_err(|_| StoreError::Unavailable("the Kubernetes watch task stopped".into()))?;
-        Ok(self
-            .shared
-            .state
-            .lock()
-            .expect("derived catalog lock poisoned")
-            .contents())
+        Ok(self.shared.state.lock().contents())
     }
 
     async fn commit(&self, ops: Vec<StoreOp>) -> Result<Revision, StoreError> {
@@ -254,7 +250,7 @@ impl Store for KubeStore {
                     // The store is gone; a feed never ends, so wait forever.
                     futures::future::pending::<()>().await;
                 }
-                let state = shared.state.lock().expect("derived catalog lock poisoned");
+                let state = shared.state.lock();
                 let oldest = state.log.front().map_or(state.revision + 1, |c| c.revision);
                 let event = if oldest > after + 1 {
                     FeedEvent::Resync(state.contents())
@@ -618,7 +614,7 @@ impl Deriver {
                 endpoints.insert((endpoint.service.clone(), endpoint.address.clone()), endpoint);
             }
         }
-        let mut state = self.shared.state.lock().expect("derived catalog lock poisoned");
+        let mut state = self.shared.state.lock();
         if state.update(services, endpoints) {
             let revision = state.revision;
             drop(state);
