@@ -10,7 +10,6 @@ pub mod bench;
 pub mod bins;
 pub mod cni;
 pub mod control_plane;
-pub mod demo;
 pub mod envoy;
 pub mod http;
 pub mod identity;

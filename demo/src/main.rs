@@ -1,13 +1,13 @@
 //! `make demo`: brings up one node of the mesh (registrar, agent with the built-in CA, the Envoy supervisor,
 //! mesh-dns, pods wired by CNI), shows it working step by step, and removes everything it created, also when
-//! interrupted (SIGINT/SIGTERM). Needs root. See `aether_tests::demo`.
+//! interrupted (SIGINT/SIGTERM). Needs root. See `aether_demo`.
 
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use aether_tests::demo::{self, Demo, DemoError, Options};
+use aether_demo::{self as demo, Demo, DemoError, Options};
 use anyhow::Context;
 use clap::Parser;
 use tokio::signal::unix::{SignalKind, signal};

@@ -8,7 +8,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use aether_tests::demo::{WORK_BASE, WORK_PREFIX, leftovers};
+use aether_demo::{WORK_BASE, WORK_PREFIX, leftovers};
 use aether_tests::{binary, require_root};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -134,8 +134,8 @@ fn the_demo_runs_green_shows_the_mesh_and_leaves_nothing_behind() {
         "make demo failed ({status}):\nstdout:\n{stdout}\nstderr:\n{stderr}"
     );
     // Every step reported ok, in order.
-    for step in 1..=aether_tests::demo::STEPS {
-        let prefix = format!("[{step:>2}/{}] ", aether_tests::demo::STEPS);
+    for step in 1..=aether_demo::STEPS {
+        let prefix = format!("[{step:>2}/{}] ", aether_demo::STEPS);
         let line = stdout
             .lines()
             .find(|l| l.starts_with(&prefix))
