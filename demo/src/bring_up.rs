@@ -3,42 +3,77 @@
 use super::*;
 
 impl Demo {
-    // ---- steps: bringing the node up -------------------------------------------------------------------------------------------------
+    /// Steps 1–8: the node, its control plane, its proxy and DNS, and its pods.
+    pub(crate) async fn bring_up(&mut self) -> Result<(), DemoError> {
+        self.progress
+            .begin("checking prerequisites and sweeping leftovers of earlier runs");
+        let r = self.prerequisites();
+        self.progress.end(r)?;
+
+        self.progress
+            .begin("creating the node network (a Linux bridge, as a cluster's primary CNI would)");
+        let r = self.create_node();
+        self.progress.end(r)?;
+
+        self.progress.begin(format!(
+            "starting aether-registrar (embedded store) on 127.0.0.1:{}",
+            self.ports.registrar_grpc
+        ));
+        let r = self.start_registrar().await;
+        self.progress.end(r)?;
+
+        self.progress.begin(format!(
+            "registering {} services of other teams in the catalog",
+            self.options.extra_services
+        ));
+        let r = self.register_other_services().await;
+        self.progress.end(r)?;
+
+        self.progress.begin(format!(
+            "starting aether-agent run (built-in CA, trust domain {TRUST_DOMAIN}, static pod source)"
+        ));
+        let r = self.start_agent().await;
+        self.progress.end(r)?;
+
+        self.progress
+            .begin("starting aether-agent proxy (Envoy from the shipped proxy/bootstrap.yaml)");
+        let r = self.start_proxy().await;
+        self.progress.end(r)?;
+
+        self.progress
+            .begin(format!("starting aether-mesh-dns on {}", self.mesh_dns_addr()));
+        let r = self.start_mesh_dns().await;
+        self.progress.end(r)?;
+
+        self.progress
+            .begin("creating 4 pods through CNI (bridge + host-local, aether-cni chained)");
+        let r = self.create_pods().await;
+        self.progress.end(r)?;
+
+        Ok(())
+    }
 
     pub(crate) fn prerequisites(&mut self) -> Result<Vec<String>, DemoError> {
         aether_tests::require_root();
-        let mut lines = Vec::new();
         let swept = sweep_leftovers();
-        lines.push(match swept.len() {
+        let mut lines = vec![match swept.len() {
             0 => "no leftovers of earlier runs".to_owned(),
             _ => format!("removed leftovers of killed runs: {}", swept.join(", ")),
-        });
-        for plugin in ["bridge", "host-local"] {
-            let path = Path::new(DEBIAN_CNI_DIR).join(plugin);
-            if !path.is_file() {
-                return Err(DemoError::Missing {
-                    component: "Debian containernetworking-plugins",
-                    detail: format!("{} does not exist: run `make setup`", path.display()),
-                });
-            }
-        }
-        for (tool, flag, component) in [
-            ("nft", "--version", "nftables"),
-            ("dig", "-v", "bind9-dnsutils (dig)"),
-            ("curl", "--version", "curl"),
-        ] {
-            if Command::new(tool).arg(flag).output().is_err() {
-                return Err(DemoError::Missing {
-                    component,
-                    detail: format!("`{tool}` is not installed: run `make setup`"),
-                });
-            }
-        }
+        }];
+        installed_tools()?;
+        self.built_binaries()?;
+        self.envoy_bin = aether_tests::envoy_bin();
+        lines.push(format!("Envoy {}", self.envoy_bin.display()));
+        Ok(lines)
+    }
+
+    /// Our binaries and the shipped Envoy bootstrap.
+    fn built_binaries(&self) -> Result<(), DemoError> {
         for (bin, component) in [
             ("aether-registrar", "the registrar (registrar/)"),
             ("aether-agent", "the agent (agent/)"),
-            ("aether-cni", "the CNI plugin (cni-plugin/, issue 5)"),
-            ("aether-mesh-dns", "mesh-dns (mesh-dns/, issue 8)"),
+            ("aether-cni", "the CNI plugin (cni-plugin/)"),
+            ("aether-mesh-dns", "mesh-dns (mesh-dns/)"),
         ] {
             let path = self.bins.join(bin);
             if !path.is_file() {
@@ -48,49 +83,14 @@ impl Demo {
                 });
             }
         }
-        // The pieces other issues deliver, recognised by their flags.
-        let help = |args: &[&str]| -> String {
-            Command::new(self.bins.join("aether-agent"))
-                .args(args)
-                .output()
-                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr))
-                .unwrap_or_default()
-        };
-        let run_help = help(&["run", "--help"]);
-        for (flag, component) in [
-            (
-                "--ca-cert",
-                "workload identity with the built-in CA (issue 7: aether-agent run --identity builtin)",
-            ),
-            ("--mesh-dns", "DNS capture (issue 5/8: aether-agent run --mesh-dns)"),
-            (
-                "--netns-pin-dir",
-                "netns pins of the CNI plugin (issue 5: aether-agent run --netns-pin-dir)",
-            ),
-        ] {
-            if !run_help.contains(flag) {
-                return Err(DemoError::Missing {
-                    component,
-                    detail: format!("`aether-agent run --help` has no {flag}"),
-                });
-            }
-        }
-        if !help(&["proxy", "--help"]).contains("--bootstrap-template") {
-            return Err(DemoError::Missing {
-                component: "the Envoy supervisor (issue 6: aether-agent proxy)",
-                detail: "`aether-agent proxy --help` has no --bootstrap-template".into(),
-            });
-        }
         let template = aether_tests::supervisor::shipped_template();
         if !template.is_file() {
             return Err(DemoError::Missing {
-                component: "the shipped Envoy bootstrap (issue 6)",
+                component: "the shipped Envoy bootstrap (proxy/bootstrap.yaml)",
                 detail: format!("{} does not exist", template.display()),
             });
         }
-        self.envoy_bin = aether_tests::envoy_bin();
-        lines.push(format!("Envoy {}", self.envoy_bin.display()));
-        Ok(lines)
+        Ok(())
     }
 
     pub(crate) fn create_node(&mut self) -> Result<Vec<String>, DemoError> {
@@ -478,4 +478,30 @@ impl Demo {
             .parse()
             .map_err(|_| fail(format!("demo/backend has no IPv4 VIP: {:?}", service.vip)))
     }
+}
+
+/// What `make setup` installs from Debian: the primary CNI plugins and the tools the steps use.
+fn installed_tools() -> Result<(), DemoError> {
+    for plugin in ["bridge", "host-local"] {
+        let path = Path::new(DEBIAN_CNI_DIR).join(plugin);
+        if !path.is_file() {
+            return Err(DemoError::Missing {
+                component: "Debian containernetworking-plugins",
+                detail: format!("{} does not exist: run `make setup`", path.display()),
+            });
+        }
+    }
+    for (tool, flag, component) in [
+        ("nft", "--version", "nftables"),
+        ("dig", "-v", "bind9-dnsutils (dig)"),
+        ("curl", "--version", "curl"),
+    ] {
+        if Command::new(tool).arg(flag).output().is_err() {
+            return Err(DemoError::Missing {
+                component,
+                detail: format!("`{tool}` is not installed: run `make setup`"),
+            });
+        }
+    }
+    Ok(())
 }

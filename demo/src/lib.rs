@@ -296,86 +296,8 @@ impl Demo {
             "Aether demo: one node of the mesh, as it runs in a cluster (work dir {})",
             self.work.display()
         );
-        self.progress
-            .begin("checking prerequisites and sweeping leftovers of earlier runs");
-        let r = self.prerequisites();
-        self.progress.end(r)?;
-
-        self.progress
-            .begin("creating the node network (a Linux bridge, as a cluster's primary CNI would)");
-        let r = self.create_node();
-        self.progress.end(r)?;
-
-        self.progress.begin(format!(
-            "starting aether-registrar (embedded store) on 127.0.0.1:{}",
-            self.ports.registrar_grpc
-        ));
-        let r = self.start_registrar().await;
-        self.progress.end(r)?;
-
-        self.progress.begin(format!(
-            "registering {} services of other teams in the catalog",
-            self.options.extra_services
-        ));
-        let r = self.register_other_services().await;
-        self.progress.end(r)?;
-
-        self.progress.begin(format!(
-            "starting aether-agent run (built-in CA, trust domain {TRUST_DOMAIN}, static pod source)"
-        ));
-        let r = self.start_agent().await;
-        self.progress.end(r)?;
-
-        self.progress
-            .begin("starting aether-agent proxy (Envoy from the shipped proxy/bootstrap.yaml)");
-        let r = self.start_proxy().await;
-        self.progress.end(r)?;
-
-        self.progress
-            .begin(format!("starting aether-mesh-dns on {}", self.mesh_dns_addr()));
-        let r = self.start_mesh_dns().await;
-        self.progress.end(r)?;
-
-        self.progress
-            .begin("creating 4 pods through CNI (bridge + host-local, aether-cni chained)");
-        let r = self.create_pods().await;
-        self.progress.end(r)?;
-
-        self.progress
-            .begin(format!("frontend resolves {} through DNS", Self::fqdn("backend")));
-        let r = self.resolve_by_name().await;
-        self.progress.end(r)?;
-
-        self.progress
-            .begin(format!("frontend calls http://{}:{APP_PORT}/", Self::fqdn("backend")));
-        let r = self.call_by_name().await;
-        self.progress.end(r)?;
-
-        self.progress.begin(format!(
-            "{} requests from frontend spread over the backend replicas",
-            self.options.requests
-        ));
-        let r = self.spread().await;
-        self.progress.end(r)?;
-
-        self.progress
-            .begin("demand scoping keeps this node's Envoy config small");
-        let r = self.demand_scoping().await;
-        self.progress.end(r)?;
-
-        self.progress
-            .begin("hot restart of Envoy (SIGHUP to the supervisor) under traffic");
-        let r = self.hot_restart().await;
-        self.progress.end(r)?;
-
-        self.progress.begin("the unmanaged pod is left alone");
-        let r = self.unmanaged_left_alone().await;
-        self.progress.end(r)?;
-
-        self.progress.begin("where to look next");
-        let r = self.where_to_look().await;
-        self.progress.end(r)?;
-        Ok(())
+        self.bring_up().await?;
+        self.show().await
     }
 
     /// The facts, in plain words.

@@ -3,6 +3,45 @@
 use super::*;
 
 impl Demo {
+    /// Steps 9–15: the mesh at work, each step checked.
+    pub(crate) async fn show(&mut self) -> Result<(), DemoError> {
+        self.progress
+            .begin(format!("frontend resolves {} through DNS", Self::fqdn("backend")));
+        let r = self.resolve_by_name().await;
+        self.progress.end(r)?;
+
+        self.progress
+            .begin(format!("frontend calls http://{}:{APP_PORT}/", Self::fqdn("backend")));
+        let r = self.call_by_name().await;
+        self.progress.end(r)?;
+
+        self.progress.begin(format!(
+            "{} requests from frontend spread over the backend replicas",
+            self.options.requests
+        ));
+        let r = self.spread().await;
+        self.progress.end(r)?;
+
+        self.progress
+            .begin("demand scoping keeps this node's Envoy config small");
+        let r = self.demand_scoping().await;
+        self.progress.end(r)?;
+
+        self.progress
+            .begin("hot restart of Envoy (SIGHUP to the supervisor) under traffic");
+        let r = self.hot_restart().await;
+        self.progress.end(r)?;
+
+        self.progress.begin("the unmanaged pod is left alone");
+        let r = self.unmanaged_left_alone().await;
+        self.progress.end(r)?;
+
+        self.progress.begin("where to look next");
+        let r = self.where_to_look().await;
+        self.progress.end(r)?;
+        Ok(())
+    }
+
     pub(crate) async fn resolve_by_name(&mut self) -> Result<Vec<String>, DemoError> {
         let vip = self.backend_vip().await?;
         self.facts.vip = vip.to_string();
