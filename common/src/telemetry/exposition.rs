@@ -5,6 +5,10 @@
 //! the `/metrics` instruments by construction; tests use it to check that every binary's `/metrics` is valid.
 
 use std::collections::BTreeSet;
+use std::iter::Peekable;
+use std::str::CharIndices;
+
+use crate::quote::{clip, quote};
 
 /// Which dialect to accept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,161 +82,308 @@ pub struct Family {
     pub samples: Vec<Sample>,
 }
 
-#[derive(Debug, thiserror::Error, PartialEq)]
-pub enum ExpositionError {
-    #[error("line {line}: {message}")]
-    Line { line: usize, message: String },
-    #[error("the exposition does not end with `# EOF`")]
-    MissingEof,
-    #[error("family {family}: {message}")]
-    Family { family: String, message: String },
+impl Family {
+    fn new(name: &str) -> Self {
+        Family {
+            name: name.to_owned(),
+            kind: Kind::Unknown,
+            help: String::new(),
+            unit: String::new(),
+            samples: Vec::new(),
+        }
+    }
 }
 
-fn line_error(line: usize, message: impl Into<String>) -> ExpositionError {
-    ExpositionError::Line {
-        line,
-        message: message.into(),
+/// Why a text is not valid exposition. Input is quoted bounded (`crate::quote`): an
+/// exposition can be megabytes, and so can one of its lines.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ExpositionError {
+    #[error("line {line}: {problem}")]
+    Line { line: usize, problem: LineError },
+    #[error("the exposition does not end with `# EOF`")]
+    MissingEof,
+    #[error("family {}: {problem}", clip(.family))]
+    Family { family: String, problem: FamilyError },
+}
+
+/// What is wrong with one line.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum LineError {
+    #[error("content after `# EOF`")]
+    AfterEof,
+    #[error("empty line")]
+    Empty,
+    #[error("unknown descriptor {}", quote(.0))]
+    UnknownDescriptor(String),
+    #[error("invalid metric name {}", quote(.0))]
+    MetricName(String),
+    #[error("family {} appears twice", clip(.0))]
+    FamilyTwice(String),
+    #[error("descriptor for {} after its samples", clip(.0))]
+    DescriptorAfterSamples(String),
+    #[error("unknown type {}", quote(.0))]
+    UnknownType(String),
+    #[error("unit {} is not a suffix of {}", clip(.unit), clip(.name))]
+    UnitNotSuffix { unit: String, name: String },
+    #[error("samples of {} are not contiguous", clip(.0))]
+    NotContiguous(String),
+    #[error("sample {} outside its family", clip(.0))]
+    OutsideFamily(String),
+    #[error(transparent)]
+    Sample(#[from] SampleError),
+}
+
+/// What is wrong with a sample line, `name{label="value",...} value [timestamp]`.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SampleError {
+    #[error("a sample needs a value")]
+    NoValue,
+    #[error("invalid metric name {}", quote(.0))]
+    MetricName(String),
+    #[error("unterminated label set")]
+    UnterminatedLabels,
+    #[error("label without `=`")]
+    LabelWithoutEquals,
+    #[error("invalid label name {}", quote(.0))]
+    LabelName(String),
+    #[error("label {} repeated", clip(.0))]
+    LabelRepeated(String),
+    #[error("label {}: value not quoted", clip(.0))]
+    ValueNotQuoted(String),
+    /// The character after a `\` in a label value (`None`: the line ended).
+    #[error("label {}: bad escape {}", clip(.label), escape_text(*.after))]
+    BadEscape { label: String, after: Option<char> },
+    #[error("label {}: unterminated value", clip(.0))]
+    UnterminatedValue(String),
+    #[error("expected `,` or `}}` after a label")]
+    ExpectedCommaOrBrace,
+    #[error("expected a space before the value")]
+    NoSpaceBeforeValue,
+    #[error("invalid value {}", quote(.0))]
+    Value(String),
+    #[error("invalid timestamp {}", quote(.0))]
+    Timestamp(String),
+    #[error("trailing fields after the timestamp")]
+    TrailingFields,
+}
+
+fn escape_text(after: Option<char>) -> String {
+    match after {
+        Some(c) => format!("\\{}", c.escape_debug()),
+        None => "at the end of the line".to_owned(),
     }
+}
+
+/// What is wrong with a family as a whole.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum FamilyError {
+    #[error("duplicate sample {}", clip(.0))]
+    DuplicateSample(String),
+    #[error("negative counter")]
+    NegativeCounter,
+    #[error("histogram without buckets")]
+    NoBuckets,
+    #[error("histogram without a +Inf bucket")]
+    NoInfBucket,
+    #[error("buckets not ascending or counts not cumulative")]
+    NotCumulative,
+    #[error("+Inf bucket differs from _count")]
+    InfBucketNotCount,
 }
 
 /// Parses and validates `text`; returns its families in order.
 pub fn parse(text: &str, format: Format) -> Result<Vec<Family>, ExpositionError> {
-    let mut families: Vec<Family> = Vec::new();
-    let mut seen = BTreeSet::new();
-    let mut eof = false;
+    let mut parser = Parser::new(format);
     for (index, line) in text.lines().enumerate() {
-        let n = index + 1;
-        if eof {
-            return Err(line_error(n, "content after `# EOF`"));
+        parser.line(line).map_err(|problem| ExpositionError::Line {
+            line: index + 1,
+            problem,
+        })?;
+    }
+    parser.finish()
+}
+
+/// The families read so far, line by line.
+struct Parser {
+    format: Format,
+    families: Vec<Family>,
+    /// Every family name met, to refuse one that comes back later.
+    seen: BTreeSet<String>,
+    eof: bool,
+}
+
+/// The descriptors a `#` line may carry.
+#[derive(Clone, Copy)]
+enum Descriptor {
+    Type,
+    Help,
+    Unit,
+}
+
+impl Descriptor {
+    fn parse(keyword: &str) -> Option<Descriptor> {
+        match keyword {
+            "TYPE" => Some(Descriptor::Type),
+            "HELP" => Some(Descriptor::Help),
+            "UNIT" => Some(Descriptor::Unit),
+            _ => None,
+        }
+    }
+}
+
+impl Parser {
+    fn new(format: Format) -> Self {
+        Parser {
+            format,
+            families: Vec::new(),
+            seen: BTreeSet::new(),
+            eof: false,
+        }
+    }
+
+    fn line(&mut self, line: &str) -> Result<(), LineError> {
+        if self.eof {
+            return Err(LineError::AfterEof);
         }
         if line.is_empty() {
-            if format == Format::OpenMetrics {
-                return Err(line_error(n, "empty line"));
-            }
-            continue;
+            return match self.format {
+                Format::OpenMetrics => Err(LineError::Empty),
+                Format::Prometheus => Ok(()),
+            };
         }
-        if let Some(comment) = line.strip_prefix('#') {
-            let comment = comment.strip_prefix(' ').unwrap_or(comment);
-            if comment == "EOF" {
-                eof = true;
-                continue;
-            }
-            let mut parts = comment.splitn(3, ' ');
-            let keyword = parts.next().unwrap_or_default();
-            if !matches!(keyword, "TYPE" | "HELP" | "UNIT") {
-                if format == Format::OpenMetrics {
-                    return Err(line_error(n, format!("unknown descriptor {keyword:?}")));
-                }
-                continue;
-            }
-            let name = parts.next().unwrap_or_default();
-            let rest = parts.next().unwrap_or_default();
-            if !valid_metric_name(name) {
-                return Err(line_error(n, format!("invalid metric name {name:?}")));
-            }
-            // A descriptor for a new name starts a new family.
-            if families.last().is_none_or(|f| f.name != name) {
-                if !seen.insert(name.to_owned()) {
-                    return Err(line_error(n, format!("family {name} appears twice")));
-                }
-                families.push(Family {
-                    name: name.to_owned(),
-                    kind: Kind::Unknown,
-                    help: String::new(),
-                    unit: String::new(),
-                    samples: Vec::new(),
-                });
-            }
-            let family = families.last_mut().expect("pushed above");
-            if !family.samples.is_empty() {
-                return Err(line_error(n, format!("descriptor for {name} after its samples")));
-            }
-            match keyword {
-                "TYPE" => {
-                    family.kind = Kind::parse(rest).ok_or_else(|| line_error(n, format!("unknown type {rest:?}")))?;
-                }
-                "HELP" => family.help = unescape_help(rest),
-                _ => {
-                    if !rest.is_empty() && !name.ends_with(&format!("_{rest}")) {
-                        return Err(line_error(n, format!("unit {rest} is not a suffix of {name}")));
-                    }
-                    family.unit = rest.to_owned();
-                }
-            }
-            continue;
+        match line.strip_prefix('#') {
+            Some(comment) => self.comment(comment.strip_prefix(' ').unwrap_or(comment)),
+            None => self.sample(parse_sample(line)?),
         }
-        let sample = parse_sample(line).map_err(|m| line_error(n, m))?;
+    }
+
+    /// `# EOF`, a descriptor, or (0.0.4 only) a free comment.
+    fn comment(&mut self, comment: &str) -> Result<(), LineError> {
+        if comment == "EOF" {
+            self.eof = true;
+            return Ok(());
+        }
+        let mut parts = comment.splitn(3, ' ');
+        let keyword = parts.next().unwrap_or_default();
+        let Some(descriptor) = Descriptor::parse(keyword) else {
+            return match self.format {
+                Format::OpenMetrics => Err(LineError::UnknownDescriptor(keyword.to_owned())),
+                Format::Prometheus => Ok(()),
+            };
+        };
+        let name = parts.next().unwrap_or_default();
+        let rest = parts.next().unwrap_or_default();
+        if !valid_metric_name(name) {
+            return Err(LineError::MetricName(name.to_owned()));
+        }
+        let family = self.described(name)?;
+        if !family.samples.is_empty() {
+            return Err(LineError::DescriptorAfterSamples(name.to_owned()));
+        }
+        describe(family, descriptor, rest)
+    }
+
+    /// The family a descriptor of `name` is about: a descriptor for a new name starts a new family.
+    fn described(&mut self, name: &str) -> Result<&mut Family, LineError> {
+        if self.families.last().is_none_or(|f| f.name != name) {
+            if !self.seen.insert(name.to_owned()) {
+                return Err(LineError::FamilyTwice(name.to_owned()));
+            }
+            self.families.push(Family::new(name));
+        }
+        Ok(self.families.last_mut().expect("pushed above"))
+    }
+
+    /// A sample belongs to the family just described, or (0.0.4) starts an untyped one.
+    fn sample(&mut self, sample: Sample) -> Result<(), LineError> {
+        let format = self.format;
         let fits = |f: &Family| {
             f.kind
                 .suffixes(format)
                 .iter()
                 .any(|suffix| sample.name.strip_suffix(suffix) == Some(f.name.as_str()))
         };
-        match families.last_mut() {
+        match self.families.last_mut() {
             Some(family) if fits(family) => family.samples.push(sample),
             _ if format == Format::Prometheus => {
                 // 0.0.4 allows samples without descriptors: an untyped family of their own.
-                if !seen.insert(sample.name.clone()) {
-                    return Err(line_error(n, format!("samples of {} are not contiguous", sample.name)));
+                if !self.seen.insert(sample.name.clone()) {
+                    return Err(LineError::NotContiguous(sample.name));
                 }
-                families.push(Family {
-                    name: sample.name.clone(),
-                    kind: Kind::Unknown,
-                    help: String::new(),
-                    unit: String::new(),
-                    samples: vec![sample],
+                let mut family = Family::new(&sample.name);
+                family.samples.push(sample);
+                self.families.push(family);
+            }
+            _ => return Err(LineError::OutsideFamily(sample.name)),
+        }
+        Ok(())
+    }
+
+    fn finish(self) -> Result<Vec<Family>, ExpositionError> {
+        if self.format == Format::OpenMetrics && !self.eof {
+            return Err(ExpositionError::MissingEof);
+        }
+        for family in &self.families {
+            check_family(family).map_err(|problem| ExpositionError::Family {
+                family: family.name.clone(),
+                problem,
+            })?;
+        }
+        Ok(self.families)
+    }
+}
+
+fn describe(family: &mut Family, descriptor: Descriptor, rest: &str) -> Result<(), LineError> {
+    match descriptor {
+        Descriptor::Type => family.kind = Kind::parse(rest).ok_or_else(|| LineError::UnknownType(rest.to_owned()))?,
+        Descriptor::Help => family.help = unescape_help(rest),
+        Descriptor::Unit => {
+            if !rest.is_empty() && !family.name.ends_with(&format!("_{rest}")) {
+                return Err(LineError::UnitNotSuffix {
+                    unit: rest.to_owned(),
+                    name: family.name.clone(),
                 });
             }
-            _ => return Err(line_error(n, format!("sample {} outside its family", sample.name))),
+            family.unit = rest.to_owned();
         }
     }
-    if format == Format::OpenMetrics && !eof {
-        return Err(ExpositionError::MissingEof);
-    }
-    for family in &families {
-        check_family(family)?;
-    }
-    Ok(families)
+    Ok(())
 }
 
-fn family_error(family: &Family, message: impl Into<String>) -> ExpositionError {
-    ExpositionError::Family {
-        family: family.name.clone(),
-        message: message.into(),
-    }
-}
-
-/// Histograms: per label set, `le` ascending ending with +Inf, cumulative counts non-decreasing, +Inf == _count.
-fn check_family(family: &Family) -> Result<(), ExpositionError> {
+/// No duplicate samples, no negative counter, and for histograms [`check_histogram`].
+fn check_family(family: &Family) -> Result<(), FamilyError> {
     let mut keys = BTreeSet::new();
     for sample in &family.samples {
         let mut labels = sample.labels.clone();
         labels.sort();
         if !keys.insert((sample.name.clone(), labels)) {
-            return Err(family_error(family, format!("duplicate sample {}", sample.name)));
+            return Err(FamilyError::DuplicateSample(sample.name.clone()));
         }
         if family.kind == Kind::Counter && sample.value < 0.0 {
-            return Err(family_error(family, "negative counter"));
+            return Err(FamilyError::NegativeCounter);
         }
     }
     if family.kind != Kind::Histogram {
         return Ok(());
     }
-    for series in histogram_series(family) {
-        let Some(last) = series.buckets.last() else {
-            return Err(family_error(family, "histogram without buckets"));
-        };
-        if last.0 != f64::INFINITY {
-            return Err(family_error(family, "histogram without a +Inf bucket"));
+    histogram_series(family).iter().try_for_each(check_histogram)
+}
+
+/// Per label set: `le` ascending ending with +Inf, cumulative counts non-decreasing, +Inf == _count.
+fn check_histogram(series: &HistogramSeries) -> Result<(), FamilyError> {
+    let Some(last) = series.buckets.last() else {
+        return Err(FamilyError::NoBuckets);
+    };
+    if last.0 != f64::INFINITY {
+        return Err(FamilyError::NoInfBucket);
+    }
+    for pair in series.buckets.windows(2) {
+        if pair[1].0 <= pair[0].0 || pair[1].1 < pair[0].1 {
+            return Err(FamilyError::NotCumulative);
         }
-        for pair in series.buckets.windows(2) {
-            if pair[1].0 <= pair[0].0 || pair[1].1 < pair[0].1 {
-                return Err(family_error(family, "buckets not ascending or counts not cumulative"));
-            }
-        }
-        if series.count.is_some_and(|count| count != last.1) {
-            return Err(family_error(family, "+Inf bucket differs from _count"));
-        }
+    }
+    if series.count.is_some_and(|count| count != last.1) {
+        return Err(FamilyError::InfBucketNotCount);
     }
     Ok(())
 }
@@ -310,79 +461,101 @@ fn unescape_help(s: &str) -> String {
 }
 
 /// `name{label="value",...} value [timestamp]`.
-fn parse_sample(line: &str) -> Result<Sample, String> {
-    let name_end = line.find(['{', ' ']).ok_or("a sample needs a value")?;
+fn parse_sample(line: &str) -> Result<Sample, SampleError> {
+    let name_end = line.find(['{', ' ']).ok_or(SampleError::NoValue)?;
     let name = &line[..name_end];
     if !valid_metric_name(name) {
-        return Err(format!("invalid metric name {name:?}"));
+        return Err(SampleError::MetricName(name.to_owned()));
     }
-    let mut rest = &line[name_end..];
-    let mut labels = Vec::new();
-    if let Some(body) = rest.strip_prefix('{') {
-        let mut chars = body.char_indices().peekable();
-        let end = loop {
-            match chars.peek() {
-                Some((i, '}')) => break *i,
-                None => return Err("unterminated label set".into()),
-                _ => {}
-            }
-            let start = chars.peek().map(|(i, _)| *i).unwrap_or(0);
-            let eq = body[start..].find('=').ok_or("label without `=`")? + start;
-            let key = &body[start..eq];
-            if !valid_label_name(key) {
-                return Err(format!("invalid label name {key:?}"));
-            }
-            if labels.iter().any(|(k, _): &(String, String)| k == key) {
-                return Err(format!("label {key} repeated"));
-            }
-            while chars.peek().is_some_and(|(i, _)| *i <= eq) {
-                chars.next();
-            }
-            if chars.next().map(|(_, c)| c) != Some('"') {
-                return Err(format!("label {key}: value not quoted"));
-            }
-            let mut value = String::new();
-            loop {
-                match chars.next() {
-                    Some((_, '"')) => break,
-                    Some((_, '\\')) => match chars.next() {
-                        Some((_, 'n')) => value.push('\n'),
-                        Some((_, '\\')) => value.push('\\'),
-                        Some((_, '"')) => value.push('"'),
-                        other => return Err(format!("label {key}: bad escape {other:?}")),
-                    },
-                    Some((_, '\n')) | None => return Err(format!("label {key}: unterminated value")),
-                    Some((_, c)) => value.push(c),
-                }
-            }
-            labels.push((key.to_owned(), value));
-            match chars.peek() {
-                Some((_, ',')) => {
-                    chars.next();
-                }
-                Some((_, '}')) => {}
-                _ => return Err("expected `,` or `}` after a label".into()),
-            }
-        };
-        rest = &body[end + 1..];
-    }
-    let rest = rest.strip_prefix(' ').ok_or("expected a space before the value")?;
-    let mut fields = rest.split(' ');
-    let value_text = fields.next().unwrap_or_default();
-    let value = parse_value(value_text).ok_or_else(|| format!("invalid value {value_text:?}"))?;
-    if let Some(timestamp) = fields.next()
-        && timestamp.parse::<f64>().is_err()
-    {
-        return Err(format!("invalid timestamp {timestamp:?}"));
-    }
-    if fields.next().is_some() {
-        return Err("trailing fields after the timestamp".into());
-    }
+    let (labels, rest) = match line[name_end..].strip_prefix('{') {
+        Some(body) => parse_labels(body)?,
+        None => (Vec::new(), &line[name_end..]),
+    };
+    let value = parse_value_and_timestamp(rest)?;
     Ok(Sample {
         name: name.to_owned(),
         labels,
         value,
     })
+}
+
+/// A sample's labels, in order.
+type Labels = Vec<(String, String)>;
+
+/// The labels of `body` (what follows the `{`) and the text after the closing `}`.
+fn parse_labels(body: &str) -> Result<(Labels, &str), SampleError> {
+    let mut labels = Labels::new();
+    let mut chars = body.char_indices().peekable();
+    let end = loop {
+        let start = match chars.peek() {
+            Some((i, '}')) => break *i,
+            Some((i, _)) => *i,
+            None => return Err(SampleError::UnterminatedLabels),
+        };
+        let eq = body[start..].find('=').ok_or(SampleError::LabelWithoutEquals)? + start;
+        let key = &body[start..eq];
+        if !valid_label_name(key) {
+            return Err(SampleError::LabelName(key.to_owned()));
+        }
+        if labels.iter().any(|(k, _)| k == key) {
+            return Err(SampleError::LabelRepeated(key.to_owned()));
+        }
+        while chars.peek().is_some_and(|(i, _)| *i <= eq) {
+            chars.next();
+        }
+        if chars.next().map(|(_, c)| c) != Some('"') {
+            return Err(SampleError::ValueNotQuoted(key.to_owned()));
+        }
+        labels.push((key.to_owned(), label_value(&mut chars, key)?));
+        match chars.peek() {
+            Some((_, ',')) => {
+                chars.next();
+            }
+            Some((_, '}')) => {}
+            _ => return Err(SampleError::ExpectedCommaOrBrace),
+        }
+    };
+    Ok((labels, &body[end + 1..]))
+}
+
+/// A label value after its opening quote, unescaped, up to and including its closing quote.
+fn label_value(chars: &mut Peekable<CharIndices<'_>>, key: &str) -> Result<String, SampleError> {
+    let mut value = String::new();
+    loop {
+        match chars.next().map(|(_, c)| c) {
+            Some('"') => return Ok(value),
+            Some('\\') => match chars.next().map(|(_, c)| c) {
+                Some('n') => value.push('\n'),
+                Some('\\') => value.push('\\'),
+                Some('"') => value.push('"'),
+                after => {
+                    return Err(SampleError::BadEscape {
+                        label: key.to_owned(),
+                        after,
+                    });
+                }
+            },
+            Some('\n') | None => return Err(SampleError::UnterminatedValue(key.to_owned())),
+            Some(c) => value.push(c),
+        }
+    }
+}
+
+/// ` value [timestamp]`, what follows the name and labels.
+fn parse_value_and_timestamp(rest: &str) -> Result<f64, SampleError> {
+    let rest = rest.strip_prefix(' ').ok_or(SampleError::NoSpaceBeforeValue)?;
+    let mut fields = rest.split(' ');
+    let value_text = fields.next().unwrap_or_default();
+    let value = parse_value(value_text).ok_or_else(|| SampleError::Value(value_text.to_owned()))?;
+    if let Some(timestamp) = fields.next()
+        && timestamp.parse::<f64>().is_err()
+    {
+        return Err(SampleError::Timestamp(timestamp.to_owned()));
+    }
+    if fields.next().is_some() {
+        return Err(SampleError::TrailingFields);
+    }
+    Ok(value)
 }
 
 #[cfg(test)]
@@ -461,6 +634,41 @@ mod tests {
             let error = parse(text, Format::OpenMetrics).unwrap_err().to_string();
             assert!(error.contains(what), "{text:?}: {error}");
         }
+    }
+
+    #[test]
+    fn errors_are_typed_and_quote_input_bounded() {
+        let huge = "x".repeat(1 << 20);
+        let error = parse(
+            &format!("# TYPE a gauge\na{{k=\"1\"}} {huge}\n# EOF\n"),
+            Format::OpenMetrics,
+        )
+        .unwrap_err();
+        assert_eq!(
+            error,
+            ExpositionError::Line {
+                line: 2,
+                problem: LineError::Sample(SampleError::Value(huge.clone())),
+            }
+        );
+        let text = error.to_string();
+        assert!(text.starts_with("line 2: invalid value \"xxx"), "{text}");
+        assert!(text.ends_with("… (1048576 bytes)"), "{text}");
+        assert!(text.len() < 200, "{} bytes", text.len());
+        let family = format!("a{huge}");
+        let text = format!("# TYPE {family} counter\n# TYPE b gauge\n# TYPE {family} gauge\n");
+        let error = parse(&text, Format::Prometheus).expect_err("refused").to_string();
+        assert!(error.len() < 400, "{} bytes", error.len());
+        assert!(error.ends_with("(1048577 bytes) appears twice"), "{error}");
+    }
+
+    #[test]
+    fn a_bad_escape_names_the_label_and_the_escape() {
+        let message = |line: &str| parse_sample(line).unwrap_err().to_string();
+        assert_eq!(message(r#"a{k="\t"} 1"#), r"label k: bad escape \t");
+        assert_eq!(message(r#"a{k="\"#), "label k: bad escape at the end of the line");
+        assert_eq!(message(r#"a{k="v} 1"#), "label k: unterminated value");
+        assert_eq!(message("a{k=\"v\"} 1 2 3"), "trailing fields after the timestamp");
     }
 
     proptest! {
