@@ -12,6 +12,7 @@ use tokio::net::{TcpListener, UdpSocket};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tokio_util::task::task_tracker::TaskTrackerToken;
 
 use crate::config::{Config, RESOLV_CONF};
 use crate::forward::{ForwardError, Forwarder, parse_resolv_conf, parse_upstream};
@@ -63,24 +64,85 @@ pub struct Running {
 /// How long shutdown waits for tasks and in-flight queries.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(5);
 
+/// A critical task ended before shutdown and stopped mesh-dns; the text names it and why.
+#[derive(Debug, thiserror::Error)]
+#[error("stopped because {0}")]
+pub struct Stopped(String);
+
 impl Running {
     /// Serves until shutdown, then drains. `Err` names the critical task whose early
     /// end stopped mesh-dns.
-    pub async fn wait(self) -> Result<(), String> {
+    pub async fn wait(self) -> Result<(), Stopped> {
         self.shutdown.cancelled().await;
         let drained = self.tasks.drain(DRAIN_DEADLINE).await;
         self.connections.close();
         let _ = tokio::time::timeout(DRAIN_DEADLINE, self.connections.wait()).await;
-        drained
+        drained.map_err(Stopped)
     }
 }
 
-/// The worker count `--workers 0` means.
-pub fn default_workers() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Running, StartError> {
+    let (upstreams, search) = upstreams_and_search(&config)?;
+    let store = Arc::new(CurrentTable::default());
+    let handler = Handler::new(store.clone(), &config.mesh_domain, &config.cluster_domain, &search)?;
+    let metrics = Metrics::new();
+    let forwarder = Forwarder::new(upstreams.clone(), config.upstream_timeout, metrics.forward.clone())?;
+    let mut registry = Registry::default();
+    metrics.register(&mut registry);
+    let metrics_push = MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
+    let reloader = loaded_reloader(&config, store.clone(), metrics.clone());
+
+    let workers = config.worker_count();
+    let (udp, tcp) = server::bind(config.listen, workers)?;
+    let dns_addr = tcp.local_addr().map_err(StartError::Runtime)?;
+    let server = Arc::new(Server {
+        handler,
+        forwarder,
+        metrics,
+        inflight: Semaphore::new(config.max_inflight.max(1)),
+        tcp_idle_timeout: config.tcp_idle_timeout,
+        upstream_errors_log: SharedRateLimited::new(Duration::from_secs(10)),
+        malformed_log: SharedRateLimited::new(Duration::from_secs(10)),
+    });
+    let readiness = match &config.ready_file {
+        Some(path) => Readiness::new("starting").with_file(path),
+        None => Readiness::new("starting"),
+    };
+    let tasks = Tasks::new(shutdown.clone(), readiness.clone());
+    let connections = TaskTracker::new();
+    for (i, socket) in udp.into_iter().enumerate() {
+        spawn_udp_thread(i, socket, server.clone(), connections.token(), shutdown.clone())?;
+    }
+    let listener = TcpListener::from_std(tcp).map_err(StartError::Runtime)?;
+    tasks.critical(
+        "the TCP server",
+        server::serve_tcp(server.clone(), listener, connections.clone(), shutdown.clone()),
+    );
+    tasks.critical("the record file reloader", reloader.run(shutdown.clone()));
+
+    let registry = Arc::new(registry);
+    if let Some(push) = metrics_push.spawn(registry.clone(), None, shutdown.clone())? {
+        tasks.spawn(async move {
+            let _ = push.await;
+        });
+    }
+    let pages = debug_pages(store, upstreams, config.mesh_domain.clone());
+    let admin_addr = serve_admin(config.admin, &readiness, registry, pages, &tasks, &shutdown).await?;
+    readiness.set_ready();
+    tracing::info!(%dns_addr, %admin_addr, workers, upstreams = ?server.forwarder.upstreams(),
+        mesh_domain = %config.mesh_domain, records = %config.records.display(), "mesh-dns serving");
+    Ok(Running {
+        dns_addr,
+        admin_addr,
+        tasks,
+        connections,
+        shutdown,
+    })
 }
 
-pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Running, StartError> {
+/// The upstreams (`--upstream`, else the nameservers of resolv.conf) and the search
+/// domains (`--search-domain` and resolv.conf's).
+fn upstreams_and_search(config: &Config) -> Result<(Vec<SocketAddr>, Vec<String>), StartError> {
     let resolv = std::fs::read_to_string(RESOLV_CONF).unwrap_or_default();
     let (resolv_servers, resolv_search) = parse_resolv_conf(&resolv);
     let upstreams = if config.upstreams.is_empty() {
@@ -98,19 +160,15 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     };
     let mut search = config.search_domains.clone();
     search.extend(resolv_search);
+    Ok((upstreams, search))
+}
 
-    let store = Arc::new(CurrentTable::default());
-    let handler = Handler::new(store.clone(), &config.mesh_domain, &config.cluster_domain, &search)?;
-    let metrics = Metrics::new();
-    let forwarder = Forwarder::new(upstreams.clone(), config.upstream_timeout, metrics.forward.clone())?;
-    let mut registry = Registry::default();
-    metrics.register(&mut registry);
-    let metrics_push = MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
-
+/// The record file reloader, with the file loaded already if there is a usable one.
+fn loaded_reloader(config: &Config, store: Arc<CurrentTable>, metrics: Metrics) -> Reloader {
     let mut reloader = Reloader {
         path: config.records.clone(),
-        store: store.clone(),
-        metrics: metrics.clone(),
+        store,
+        metrics,
         poll_interval: config.poll_interval,
         stale_after: config.stale_after,
         initial: None,
@@ -119,81 +177,63 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     if let Err(error) = reloader.load_now() {
         tracing::info!(%error, "no usable record file at start; mesh names get SERVFAIL until one loads");
     }
+    reloader
+}
 
-    let workers = if config.workers == 0 {
-        default_workers()
-    } else {
-        config.workers
+/// Serves one UDP socket on a thread of its own with a single-threaded runtime: a query
+/// is received, answered and sent on one core with no cross-thread wake-ups (the kernel
+/// spreads queries over the SO_REUSEPORT sockets). Forwards run as tasks on the same
+/// thread. `done` is dropped when the thread has finished its in-flight queries.
+fn spawn_udp_thread(
+    i: usize,
+    socket: std::net::UdpSocket,
+    server: Arc<Server>,
+    done: TaskTrackerToken,
+    shutdown: CancellationToken,
+) -> Result<(), StartError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(StartError::Runtime)?;
+    let socket = {
+        let _entered = runtime.enter();
+        Arc::new(UdpSocket::from_std(socket).map_err(StartError::Runtime)?)
     };
-    let (udp, tcp) = server::bind(config.listen, workers)?;
-    let dns_addr = tcp.local_addr().map_err(StartError::Runtime)?;
-    let server = Arc::new(Server {
-        handler,
-        forwarder,
-        metrics,
-        inflight: Semaphore::new(config.max_inflight.max(1)),
-        tcp_idle_timeout: config.tcp_idle_timeout,
-        upstream_errors_log: SharedRateLimited::new(Duration::from_secs(10)),
-        malformed_log: SharedRateLimited::new(Duration::from_secs(10)),
-    });
-    let mut readiness = Readiness::new("starting");
-    if let Some(path) = &config.ready_file {
-        readiness = readiness.with_file(path);
-    }
-    let tasks = Tasks::new(shutdown.clone(), readiness.clone());
-    let connections = TaskTracker::new();
-    // One thread and single-threaded runtime per UDP socket: a query is received,
-    // answered and sent on one core with no cross-thread wake-ups (the kernel spreads
-    // queries over the SO_REUSEPORT sockets). Forwards run as tasks on the same thread.
-    for (i, socket) in udp.into_iter().enumerate() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(StartError::Runtime)?;
-        let socket = {
-            let _entered = runtime.enter();
-            Arc::new(UdpSocket::from_std(socket).map_err(StartError::Runtime)?)
-        };
-        let (server, shutdown) = (server.clone(), shutdown.clone());
-        let done = connections.token();
-        std::thread::Builder::new()
-            .name(format!("dns-udp-{i}"))
-            .spawn(move || {
-                runtime.block_on(async {
-                    let local = TaskTracker::new();
-                    server::serve_udp(server, socket, local.clone(), shutdown).await;
-                    local.close();
-                    local.wait().await;
-                });
-                drop(done);
-            })
-            .map_err(StartError::Runtime)?;
-    }
-    let listener = TcpListener::from_std(tcp).map_err(StartError::Runtime)?;
-    tasks.critical(
-        "the TCP server",
-        server::serve_tcp(server.clone(), listener, connections.clone(), shutdown.clone()),
-    );
-    tasks.critical("the record file reloader", reloader.run(shutdown.clone()));
+    std::thread::Builder::new()
+        .name(format!("dns-udp-{i}"))
+        .spawn(move || {
+            runtime.block_on(async {
+                let local = TaskTracker::new();
+                server::serve_udp(server, socket, local.clone(), shutdown).await;
+                local.close();
+                local.wait().await;
+            });
+            drop(done);
+        })
+        .map_err(StartError::Runtime)?;
+    Ok(())
+}
 
-    let registry = Arc::new(registry);
-    if let Some(push) = metrics_push.spawn(registry.clone(), None, shutdown.clone())? {
-        tasks.spawn(async move {
-            let _ = push.await;
-        });
-    }
-    let pages = debug_pages(store, upstreams, config.mesh_domain.clone());
-    let admin_addr = match AdminServer::bind(config.admin, readiness.clone(), registry.clone()).await {
+/// Binds and serves the admin server; returns its address. When the address is taken,
+/// DNS is served anyway and the admin server follows once the address is free.
+async fn serve_admin(
+    addr: SocketAddr,
+    readiness: &Readiness,
+    registry: Arc<Registry>,
+    pages: Pages,
+    tasks: &Tasks,
+    shutdown: &CancellationToken,
+) -> Result<SocketAddr, StartError> {
+    match AdminServer::bind(addr, readiness.clone(), registry.clone()).await {
         Ok(admin) => {
-            let addr = admin.local_addr().map_err(StartError::Runtime)?;
+            let bound = admin.local_addr().map_err(StartError::Runtime)?;
             tasks.critical("the admin server", admin.with_pages(pages).serve(shutdown.clone()));
-            addr
+            Ok(bound)
         }
         // A surge rollout on the host network: the predecessor holds the address until it is deleted. DNS is
         // served meanwhile (SO_REUSEPORT); the admin endpoints follow once the address is free.
         Err(AdminError::Bind { source, .. }) if source.kind() == std::io::ErrorKind::AddrInUse => {
             let (readiness, shutdown) = (readiness.clone(), shutdown.clone());
-            let addr = config.admin;
             tasks.spawn(async move {
                 if let Some(admin) =
                     AdminServer::bind_retrying(addr, readiness, registry, ADMIN_BIND_RETRY, &shutdown).await
@@ -201,20 +241,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
                     admin.with_pages(pages).serve(shutdown).await;
                 }
             });
-            addr
+            Ok(addr)
         }
-        Err(error) => return Err(error.into()),
-    };
-    readiness.set_ready();
-    tracing::info!(%dns_addr, %admin_addr, workers, upstreams = ?server.forwarder.upstreams(),
-        mesh_domain = %config.mesh_domain, records = %config.records.display(), "mesh-dns serving");
-    Ok(Running {
-        dns_addr,
-        admin_addr,
-        tasks,
-        connections,
-        shutdown,
-    })
+        Err(error) => Err(error.into()),
+    }
 }
 
 fn debug_pages(store: Arc<CurrentTable>, upstreams: Vec<SocketAddr>, domain: String) -> Pages {

@@ -88,3 +88,13 @@ pub struct Config {
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,
 }
+
+impl Config {
+    /// The UDP sockets (and threads) to serve on: `--workers`, or one per CPU for 0.
+    pub fn worker_count(&self) -> usize {
+        match self.workers {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
+    }
+}

@@ -15,6 +15,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UdpSocket};
 use tokio::time::{Instant, timeout_at};
 
+use aether_common::quote::quote;
+
 use crate::handler::{self, Forward, HEADER_LEN};
 
 /// The largest DNS message.
@@ -26,7 +28,7 @@ const DNS_PORT: u16 = 53;
 pub enum ForwardError {
     #[error("no upstream resolvers configured")]
     NoUpstreams,
-    #[error("upstream {0}: {1:?} is not an address (want ip or ip:port)")]
+    #[error("upstream {}: {} is not an address (want ip or ip:port)", .0, quote(.1))]
     BadUpstream(usize, String),
     #[error("{upstream}: timed out")]
     Timeout { upstream: SocketAddr },

@@ -15,10 +15,12 @@
 
 use std::sync::Arc;
 
+use aether_common::quote::quote;
 use hickory_proto::op::{Edns, Message, MessageType, OpCode, ResponseCode};
 use hickory_proto::rr::rdata::{A, AAAA, SOA};
 use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 
+use crate::records::Addresses;
 use crate::table::{CurrentTable, Table};
 
 /// TTL of mesh answers.
@@ -32,11 +34,11 @@ pub const HEADER_LEN: usize = 12;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HandlerError {
-    #[error("--mesh-domain {0:?}: {1}")]
+    #[error("--mesh-domain {}: {}", quote(.0), .1)]
     MeshDomain(String, DomainError),
-    #[error("--cluster-domain {0:?}: {1}")]
+    #[error("--cluster-domain {}: {}", quote(.0), .1)]
     ClusterDomain(String, DomainError),
-    #[error("--search-domain {0:?}: {1}")]
+    #[error("--search-domain {}: {}", quote(.0), .1)]
     SearchDomain(String, DomainError),
 }
 
@@ -321,94 +323,29 @@ impl Handler {
     /// EDNS options beyond a bare OPT, misses) returns None and takes the general path,
     /// which gives the same answer (property-tested).
     fn fast_answer(&self, packet: &[u8], table: &Table) -> Option<Vec<u8>> {
-        // Header: a standard query (opcode 0, no TC), one question, at most one additional.
-        if packet[2] & 0x7a != 0 || packet[4..8] != [0, 1, 0, 0] || packet[8..10] != [0, 0] || packet[10] != 0 {
+        let additional = plain_query_header(packet)?;
+        let name = QuestionName::read(packet)?;
+        if name.count != 2 + self.domain_labels.len() {
             return None;
         }
-        let additional = packet[11];
-        if additional > 1 {
-            return None;
-        }
-        // The question name, uncompressed: label offsets on the stack.
-        let mut labels = [(0usize, 0usize); 32];
-        let mut count = 0;
-        let mut at = HEADER_LEN;
-        loop {
-            let len = *packet.get(at)? as usize;
-            if len == 0 {
-                at += 1;
-                break;
-            }
-            if len > 63 || count == labels.len() || at + 1 + len > packet.len() {
-                return None;
-            }
-            labels[count] = (at + 1, len);
-            count += 1;
-            at += 1 + len;
-        }
-        if at - HEADER_LEN > 255 || count != 2 + self.domain_labels.len() {
-            return None;
-        }
+        let at = name.end;
         let question_end = at + 4;
         let qtype = u16::from_be_bytes([*packet.get(at)?, *packet.get(at + 1)?]);
         let qclass = u16::from_be_bytes([*packet.get(at + 2)?, *packet.get(at + 3)?]);
         if qclass != 1 {
             return None;
         }
-        let label = |i: usize| &packet[labels[i].0..labels[i].0 + labels[i].1];
-        if !self
+        let in_domain = self
             .domain_labels
             .iter()
             .enumerate()
-            .all(|(i, d)| label(i + 2).eq_ignore_ascii_case(d))
-        {
+            .all(|(i, d)| name.label(packet, i + 2).eq_ignore_ascii_case(d));
+        if !in_domain {
             return None;
         }
-        // At most one bare OPT (root name, type 41, version 0, no options) after the question.
-        let edns = match additional {
-            0 if packet.len() == question_end => false,
-            1 if packet.len() == question_end + 11
-                && packet[question_end] == 0
-                && packet[question_end + 1..question_end + 3] == [0, 41]
-                && packet[question_end + 6] == 0
-                && packet[question_end + 9..question_end + 11] == [0, 0] =>
-            {
-                true
-            }
-            _ => return None,
-        };
-        let addresses = table.lookup(label(0), label(1))?;
-        let mut out = Vec::with_capacity(question_end + 28 + 11);
-        out.extend_from_slice(&packet[..question_end]);
-        // QR, AA, RD copied; RA, CD copied; NOERROR.
-        out[2] = 0x84 | (packet[2] & 0x01);
-        out[3] = 0x80 | (packet[3] & 0x10);
-        out[6..8].copy_from_slice(&[0, 1]);
-        out[11] = u8::from(edns);
-        // The answer: a pointer to the question's name.
-        out.extend_from_slice(&[0xc0, 0x0c]);
-        match (qtype, addresses.v4, addresses.v6) {
-            (1, Some(v4), _) => {
-                out.extend_from_slice(&[0, 1, 0, 1]);
-                out.extend_from_slice(&ANSWER_TTL.to_be_bytes());
-                out.extend_from_slice(&[0, 4]);
-                out.extend_from_slice(&v4.octets());
-            }
-            (28, _, Some(v6)) => {
-                out.extend_from_slice(&[0, 28, 0, 1]);
-                out.extend_from_slice(&ANSWER_TTL.to_be_bytes());
-                out.extend_from_slice(&[0, 16]);
-                out.extend_from_slice(&v6.octets());
-            }
-            _ => return None,
-        }
-        if edns {
-            out.push(0);
-            out.extend_from_slice(&[0, 41]);
-            out.extend_from_slice(&EDNS_PAYLOAD.to_be_bytes());
-            out.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
-        }
-        Some(out)
+        let edns = bare_opt(packet, question_end, additional)?;
+        let addresses = table.lookup(name.label(packet, 0), name.label(packet, 1))?;
+        fast_reply(&packet[..question_end], qtype, &addresses, edns)
     }
 
     /// The general path only, for tests that compare it with the fast one.
@@ -511,6 +448,113 @@ impl Handler {
     }
 }
 
+/// The fast path's header check: a standard query (opcode 0, no TC), one question, at
+/// most one additional record. Returns the additional count.
+fn plain_query_header(packet: &[u8]) -> Option<u8> {
+    if packet[2] & 0x7a != 0 || packet[4..8] != [0, 1, 0, 0] || packet[8..10] != [0, 0] || packet[10] != 0 {
+        return None;
+    }
+    let additional = packet[11];
+    (additional <= 1).then_some(additional)
+}
+
+/// The labels of an uncompressed question name, as offsets on the stack (no allocation
+/// on the hot path).
+struct QuestionName {
+    /// Each label's start and length in the packet.
+    spans: [(usize, usize); 32],
+    count: usize,
+    /// Just past the name's terminating root label: where the question's type starts.
+    end: usize,
+}
+
+impl QuestionName {
+    /// The name after the header; None if it is compressed, malformed, longer than 255
+    /// bytes or has more than 32 labels.
+    fn read(packet: &[u8]) -> Option<Self> {
+        let mut name = QuestionName {
+            spans: [(0, 0); 32],
+            count: 0,
+            end: HEADER_LEN,
+        };
+        loop {
+            let at = name.end;
+            let len = *packet.get(at)? as usize;
+            if len == 0 {
+                name.end += 1;
+                break;
+            }
+            if len > 63 || name.count == name.spans.len() || at + 1 + len > packet.len() {
+                return None;
+            }
+            name.spans[name.count] = (at + 1, len);
+            name.count += 1;
+            name.end += 1 + len;
+        }
+        (name.end - HEADER_LEN <= 255).then_some(name)
+    }
+
+    fn label<'p>(&self, packet: &'p [u8], i: usize) -> &'p [u8] {
+        let (start, len) = self.spans[i];
+        &packet[start..start + len]
+    }
+}
+
+/// What follows the question: nothing (`Some(false)`) or one bare OPT record — root
+/// name, type 41, version 0, no options (`Some(true)`). Anything else: None.
+fn bare_opt(packet: &[u8], question_end: usize, additional: u8) -> Option<bool> {
+    match additional {
+        0 if packet.len() == question_end => Some(false),
+        1 if packet.len() == question_end + 11
+            && packet[question_end] == 0
+            && packet[question_end + 1..question_end + 3] == [0, 41]
+            && packet[question_end + 6] == 0
+            && packet[question_end + 9..question_end + 11] == [0, 0] =>
+        {
+            Some(true)
+        }
+        _ => None,
+    }
+}
+
+/// The answer to `query` (its header and question) with the one address of the asked
+/// type, and a bare OPT if the query had one; None if there is no such address.
+fn fast_reply(query: &[u8], qtype: u16, addresses: &Addresses, edns: bool) -> Option<Vec<u8>> {
+    let (v4, v6);
+    let rdata: &[u8] = match (qtype, addresses.v4, addresses.v6) {
+        (1, Some(a), _) => {
+            v4 = a.octets();
+            &v4
+        }
+        (28, _, Some(a)) => {
+            v6 = a.octets();
+            &v6
+        }
+        _ => return None,
+    };
+    let mut out = Vec::with_capacity(query.len() + 28 + 11);
+    out.extend_from_slice(query);
+    // QR, AA, RD copied; RA, CD copied; NOERROR.
+    out[2] = 0x84 | (query[2] & 0x01);
+    out[3] = 0x80 | (query[3] & 0x10);
+    out[6..8].copy_from_slice(&[0, 1]);
+    out[11] = u8::from(edns);
+    // The answer: a pointer to the question's name, type, class IN, TTL, the address.
+    out.extend_from_slice(&[0xc0, 0x0c]);
+    out.extend_from_slice(&qtype.to_be_bytes());
+    out.extend_from_slice(&[0, 1]);
+    out.extend_from_slice(&ANSWER_TTL.to_be_bytes());
+    out.extend_from_slice(&(rdata.len() as u16).to_be_bytes());
+    out.extend_from_slice(rdata);
+    if edns {
+        out.push(0);
+        out.extend_from_slice(&[0, 41]);
+        out.extend_from_slice(&EDNS_PAYLOAD.to_be_bytes());
+        out.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+    }
+    Some(out)
+}
+
 fn header_only_for(meta: &hickory_proto::op::Metadata, code: ResponseCode) -> Vec<u8> {
     let mut out = vec![0u8; HEADER_LEN];
     out[..2].copy_from_slice(&meta.id.to_be_bytes());
@@ -572,7 +616,7 @@ pub fn truncated(query: &Message, answer: &[u8]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::records::{Addresses, RecordFile};
+    use crate::records::RecordFile;
     use hickory_proto::op::Query;
     use proptest::prelude::*;
     use std::net::Ipv4Addr;
@@ -622,105 +666,76 @@ mod tests {
         }
     }
 
+    /// What a query for a mesh name gets: its response code, answer count and metric result.
+    type Expected = (ResponseCode, usize, QueryResult);
+
     #[test]
     fn answers_every_kind_of_mesh_name() {
+        let answer = |n| (ResponseCode::NoError, n, QueryResult::Answer);
+        let nodata = (ResponseCode::NoError, 0, QueryResult::NoData);
+        let nxdomain = (ResponseCode::NXDomain, 0, QueryResult::NxDomain);
         let h = handler(true);
-        let cases = [
-            (
-                "cart.shop.aether.internal.",
-                RecordType::A,
-                ResponseCode::NoError,
-                1,
-                QueryResult::Answer,
-            ),
-            (
-                "CART.Shop.aether.INTERNAL.",
-                RecordType::AAAA,
-                ResponseCode::NoError,
-                1,
-                QueryResult::Answer,
-            ),
-            (
-                "v4only.shop.aether.internal.",
-                RecordType::AAAA,
-                ResponseCode::NoError,
-                0,
-                QueryResult::NoData,
-            ),
-            (
-                "cart.shop.aether.internal.",
-                RecordType::MX,
-                ResponseCode::NoError,
-                0,
-                QueryResult::NoData,
-            ),
-            (
-                "cart.shop.aether.internal.",
-                RecordType::ANY,
-                ResponseCode::NoError,
-                2,
-                QueryResult::Answer,
-            ),
-            (
-                "nope.shop.aether.internal.",
-                RecordType::A,
-                ResponseCode::NXDomain,
-                0,
-                QueryResult::NxDomain,
-            ),
-            (
-                "a.cart.shop.aether.internal.",
-                RecordType::A,
-                ResponseCode::NXDomain,
-                0,
-                QueryResult::NxDomain,
-            ),
-            (
-                "shop.aether.internal.",
-                RecordType::A,
-                ResponseCode::NoError,
-                0,
-                QueryResult::NoData,
-            ),
-            (
-                "other.aether.internal.",
-                RecordType::A,
-                ResponseCode::NXDomain,
-                0,
-                QueryResult::NxDomain,
-            ),
-            (
-                "aether.internal.",
-                RecordType::SOA,
-                ResponseCode::NoError,
-                1,
-                QueryResult::Answer,
-            ),
-            (
-                "aether.internal.",
-                RecordType::A,
-                ResponseCode::NoError,
-                0,
-                QueryResult::NoData,
-            ),
-        ];
-        for (name, qtype, code, answers, result) in cases {
-            let (m, got) = reply(&h, &query(name, qtype, false));
-            assert_eq!(
-                (m.metadata.response_code, m.answers.len(), got),
-                (code, answers, result),
-                "{name} {qtype}"
-            );
-            assert_eq!(m.metadata.id, 0x1234);
-            assert!(m.metadata.authoritative, "{name}");
-            assert_eq!(m.queries[0].name(), &Name::from_ascii(name).unwrap());
-            if answers > 0 && qtype != RecordType::SOA {
-                assert!(m.answers.iter().all(|a| a.ttl == ANSWER_TTL));
-            }
-            if answers == 0 {
-                assert_eq!(m.authorities.len(), 1, "negative answers carry the SOA: {name}");
-            }
+        for (name, qtype, expected) in [
+            // Services: by family and type, in any case; unknown ones and names below them.
+            ("cart.shop.aether.internal.", RecordType::A, answer(1)),
+            ("CART.Shop.aether.INTERNAL.", RecordType::AAAA, answer(1)),
+            ("v4only.shop.aether.internal.", RecordType::AAAA, nodata),
+            ("cart.shop.aether.internal.", RecordType::MX, nodata),
+            ("cart.shop.aether.internal.", RecordType::ANY, answer(2)),
+            ("nope.shop.aether.internal.", RecordType::A, nxdomain),
+            ("a.cart.shop.aether.internal.", RecordType::A, nxdomain),
+            // A namespace with services, one without, and the apex.
+            ("shop.aether.internal.", RecordType::A, nodata),
+            ("other.aether.internal.", RecordType::A, nxdomain),
+            ("aether.internal.", RecordType::SOA, answer(1)),
+            ("aether.internal.", RecordType::A, nodata),
+        ] {
+            assert_authoritative_reply(&h, name, qtype, expected);
         }
+    }
+
+    /// The reply is `expected`, authoritative, for the asked name; answers carry the
+    /// answer TTL and negative answers the SOA.
+    fn assert_authoritative_reply(h: &Handler, name: &str, qtype: RecordType, expected: Expected) {
+        let (m, result) = reply(h, &query(name, qtype, false));
+        let (_, answers, _) = expected;
+        assert_eq!(
+            (m.metadata.response_code, m.answers.len(), result),
+            expected,
+            "{name} {qtype}"
+        );
+        assert_eq!(m.metadata.id, 0x1234);
+        assert!(m.metadata.authoritative, "{name}");
+        assert_eq!(m.queries[0].name(), &Name::from_ascii(name).unwrap());
+        if answers > 0 && qtype != RecordType::SOA {
+            assert!(m.answers.iter().all(|a| a.ttl == ANSWER_TTL));
+        }
+        if answers == 0 {
+            assert_eq!(m.authorities.len(), 1, "negative answers carry the SOA: {name}");
+        }
+    }
+
+    #[test]
+    fn the_fast_path_reads_only_plain_question_names() {
+        let plain = query("cart.shop.aether.internal.", RecordType::A, false);
+        let name = QuestionName::read(&plain).expect("a plain name");
+        assert_eq!((name.count, name.end), (4, plain.len() - 4));
+        assert_eq!(name.label(&plain, 1), b"shop");
+        let mut header = plain[..HEADER_LEN].to_vec();
+        let with_name = |name: &[u8]| [&header[..], name].concat();
+        // A compression pointer, a label running past the end, a name over 255 bytes, 33 labels.
+        assert!(QuestionName::read(&with_name(&[0xc0, 0x0c])).is_none());
+        assert!(QuestionName::read(&with_name(&[5, b'c', b'a'])).is_none());
+        let long: Vec<u8> = (0..5)
+            .flat_map(|_| [&[60u8][..], &[b'x'; 60]].concat())
+            .chain([0])
+            .collect();
+        assert!(QuestionName::read(&with_name(&long)).is_none());
+        let deep: Vec<u8> = (0..33).flat_map(|_| [1, b'a']).chain([0]).collect();
+        assert!(QuestionName::read(&with_name(&deep)).is_none());
+        // Two questions: the general path's job.
+        header[5] = 2;
+        assert!(plain_query_header(&header).is_none());
     }
 
     #[test]

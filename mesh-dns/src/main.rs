@@ -4,13 +4,8 @@ use aether_mesh_dns::config::Config;
 
 fn main() -> anyhow::Result<()> {
     let config = Config::parse();
-    let workers = if config.workers == 0 {
-        aether_mesh_dns::app::default_workers()
-    } else {
-        config.workers
-    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
+        .worker_threads(config.worker_count())
         .enable_all()
         .build()?;
     runtime.block_on(async {
@@ -19,10 +14,7 @@ fn main() -> anyhow::Result<()> {
             aether_common::telemetry::init(config.log_format, &config.telemetry, &aether_mesh_dns::app::TELEMETRY)?;
         let shutdown = aether_common::shutdown::on_signal()?;
         let running = aether_mesh_dns::app::start(config, shutdown).await?;
-        running
-            .wait()
-            .await
-            .map_err(|failure| anyhow::anyhow!("stopped because {failure}"))?;
+        running.wait().await?;
         Ok(())
     })
 }
