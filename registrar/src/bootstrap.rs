@@ -23,6 +23,8 @@ use rcgen::{
 };
 use tonic::{Request, Response, Status};
 
+use aether_common::quote::quote;
+
 use crate::auth::node_id_prefix;
 
 /// The TokenReview `user.extra` key naming the node a pod-bound token's pod runs on.
@@ -195,33 +197,49 @@ impl Bootstrap {
     }
 }
 
+/// Why a reviewed token does not make its bearer an agent on a node.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenRejected {
+    #[error("Kubernetes did not authenticate the token{}", clipped(.0))]
+    NotAuthenticated(String),
+    #[error("the token is not bound to the audience {0:?}")]
+    WrongAudience(String),
+    #[error("the token belongs to {}, not to the agents' service account {agent_user}", quote(.user))]
+    NotTheAgents { user: String, agent_user: String },
+    #[error(
+        "the token is not bound to a pod on a node (user.extra[{NODE_NAME_EXTRA:?}] is {}): use a projected \
+         ServiceAccount token (Kubernetes 1.30 or later)",
+        quote(.0)
+    )]
+    NotBoundToNode(String),
+}
+
+fn clipped(error: &str) -> String {
+    match error {
+        "" => String::new(),
+        error => format!(": {}", aether_common::quote::clip(error)),
+    }
+}
+
 /// The node a reviewed token is bound to, if the review says it is a valid token of
 /// `agent_user` for `audience`.
-pub fn node_of(status: TokenReviewStatus, audience: &str, agent_user: &str) -> Result<String, String> {
+pub fn node_of(status: TokenReviewStatus, audience: &str, agent_user: &str) -> Result<String, TokenRejected> {
     if status.authenticated != Some(true) {
-        let error = status.error.unwrap_or_default();
-        return Err(format!(
-            "Kubernetes did not authenticate the token{}",
-            if error.is_empty() {
-                String::new()
-            } else {
-                format!(": {}", aether_common::quote::clip(&error))
-            }
-        ));
+        return Err(TokenRejected::NotAuthenticated(status.error.unwrap_or_default()));
     }
     // An API server that does not echo audiences checked the one we asked for.
     if let Some(audiences) = &status.audiences
         && !audiences.iter().any(|a| a == audience)
     {
-        return Err(format!("the token is not bound to the audience {audience:?}"));
+        return Err(TokenRejected::WrongAudience(audience.to_owned()));
     }
     let user = status.user.unwrap_or_default();
     let username = user.username.unwrap_or_default();
     if username != agent_user {
-        return Err(format!(
-            "the token belongs to {}, not to the agents' service account {agent_user}",
-            aether_common::quote::quote(&username)
-        ));
+        return Err(TokenRejected::NotTheAgents {
+            user: username,
+            agent_user: agent_user.to_owned(),
+        });
     }
     let node = user
         .extra
@@ -235,14 +253,10 @@ pub fn node_of(status: TokenReviewStatus, audience: &str, agent_user: &str) -> R
         && node
             .bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
-    if !valid {
-        return Err(format!(
-            "the token is not bound to a pod on a node (user.extra[{NODE_NAME_EXTRA:?}] is {}): use a projected \
-             ServiceAccount token (Kubernetes 1.30 or later)",
-            aether_common::quote::quote(&node)
-        ));
+    match valid {
+        true => Ok(node),
+        false => Err(TokenRejected::NotBoundToNode(node)),
     }
-    Ok(node)
 }
 
 #[tonic::async_trait]
@@ -343,7 +357,7 @@ mod tests {
             (status(AGENT, Some("Node/../x"), None), "not bound to a pod on a node"),
         ];
         for (reviewed, reason) in cases {
-            let error = node_of(reviewed, "aether-registrar", AGENT).unwrap_err();
+            let error = node_of(reviewed, "aether-registrar", AGENT).unwrap_err().to_string();
             assert!(error.contains(reason), "{error}");
         }
     }

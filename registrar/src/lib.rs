@@ -14,4 +14,4 @@ pub mod vip;
 pub mod watch;
 
 pub use config::Config;
-pub use server::{Running, StartError, TELEMETRY, start};
+pub use server::{Running, StartError, Stopped, TELEMETRY, start};

@@ -170,7 +170,21 @@ pub struct Running {
     pub grpc_addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub catalog: Catalog,
-    task: JoinHandle<Result<(), String>>,
+    task: JoinHandle<Result<(), Stopped>>,
+}
+
+/// Why the registrar stopped before it was asked to.
+#[derive(Debug, thiserror::Error)]
+pub enum Stopped {
+    /// A critical task ended early (named, with its cause).
+    #[error("{0}")]
+    CriticalTask(String),
+    #[error("the gRPC server failed: {0}")]
+    Grpc(String),
+    #[error("the gRPC server stopped before shutdown")]
+    GrpcEnded,
+    #[error("the registrar task failed: {0}")]
+    Join(#[from] tokio::task::JoinError),
 }
 
 /// How long shutdown waits for the writer and the reaper after the gRPC server stopped.
@@ -179,10 +193,8 @@ const DRAIN_DEADLINE: Duration = Duration::from_secs(30);
 impl Running {
     /// Waits until the registrar has shut down completely (after `shutdown` fired).
     /// `Err` names what stopped it early: a critical task or the gRPC server.
-    pub async fn wait(self) -> Result<(), String> {
-        self.task
-            .await
-            .map_err(|error| format!("the registrar task failed: {error}"))?
+    pub async fn wait(self) -> Result<(), Stopped> {
+        self.task.await?
     }
 }
 
@@ -362,7 +374,7 @@ struct StopOrder {
 impl StopOrder {
     /// Runs `server` to its end, then stops the rest in order. `Err` names what stopped
     /// the registrar early.
-    async fn after<E: std::fmt::Display>(self, server: impl Future<Output = Result<(), E>>) -> Result<(), String> {
+    async fn after<E: std::fmt::Display>(self, server: impl Future<Output = Result<(), E>>) -> Result<(), Stopped> {
         let served = server.await;
         let early = !self.shutdown.is_cancelled();
         if let Err(error) = &served {
@@ -382,10 +394,10 @@ impl StopOrder {
         drop(self.store);
         tracing::info!("registrar stopped");
         match (drained, early) {
-            (Err(failure), _) => Err(failure),
+            (Err(failure), _) => Err(Stopped::CriticalTask(failure)),
             (Ok(()), true) => Err(match served {
-                Err(error) => format!("the gRPC server failed: {error}"),
-                Ok(()) => "the gRPC server stopped before shutdown".to_owned(),
+                Err(error) => Stopped::Grpc(error.to_string()),
+                Ok(()) => Stopped::GrpcEnded,
             }),
             (Ok(()), false) => Ok(()),
         }

@@ -13,11 +13,20 @@ use aether_proto::registry::v1::{Endpoint, Service};
 use super::revisions::RecordKey;
 use super::state::Entry;
 use crate::metrics::Metrics;
-use crate::model::{ServiceKey, parse_address, validate_endpoint};
+use crate::model::{InvalidField, ServiceKey, parse_address, validate_endpoint};
 use crate::store::{Contents, Revision, Stored, UnreadableRecord};
 use crate::vip::VipAllocator;
 
 /// What a snapshot held that is usable, with the revision of each record.
+/// Why a stored service is skipped at load.
+#[derive(Debug, thiserror::Error)]
+enum UnreadableService {
+    #[error(transparent)]
+    Invalid(#[from] InvalidField),
+    #[error("VIP {vip} is also held by {owner}")]
+    VipTaken { vip: IpAddr, owner: ServiceKey },
+}
+
 #[derive(Default)]
 pub(super) struct Loaded {
     pub(super) services: BTreeMap<ServiceKey, Entry>,
@@ -48,8 +57,9 @@ impl Loaded {
         let service = stored.value;
         let (key, vip) = match self.check_service(&service) {
             Ok(checked) => checked,
-            Err(reason) => {
+            Err(error) => {
                 let record = format!("services/{}/{}", service.namespace, service.name);
+                let reason = error.to_string();
                 self.unreadable.push(UnreadableRecord { key: record, reason });
                 return;
             }
@@ -71,11 +81,14 @@ impl Loaded {
     }
 
     /// The key and VIP of a stored service, if it is valid and its VIP is not taken.
-    fn check_service(&self, service: &Service) -> Result<(ServiceKey, IpAddr), String> {
-        let key = ServiceKey::from_parts("service", &service.namespace, &service.name).map_err(|e| e.to_string())?;
-        let vip = parse_address("vip", &service.vip).map_err(|e| e.to_string())?;
+    fn check_service(&self, service: &Service) -> Result<(ServiceKey, IpAddr), UnreadableService> {
+        let key = ServiceKey::from_parts("service", &service.namespace, &service.name)?;
+        let vip = parse_address("vip", &service.vip)?;
         match self.vips.get(&vip) {
-            Some(owner) => Err(format!("VIP {vip} is also held by {owner}")),
+            Some(owner) => Err(UnreadableService::VipTaken {
+                vip,
+                owner: owner.clone(),
+            }),
             None => Ok((key, vip)),
         }
     }
