@@ -31,6 +31,30 @@ pub enum AgentError {
     },
 }
 
+/// Why the agent's socket could not be reached: an attempt's Unavailable message.
+#[derive(Debug, thiserror::Error)]
+enum ConnectError {
+    #[error("socket path: {0}")]
+    Path(tonic::transport::Error),
+    /// The whole cause chain: tonic's own message rarely says why (no such file, refused).
+    #[error("{}", causes(.0))]
+    Connect(tonic::transport::Error),
+}
+
+/// `error: its source: …`, each cause once (a source's text may already be in its parent's).
+fn causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(s) = source {
+        let part = s.to_string();
+        if !text.contains(&part) {
+            text = format!("{text}: {part}");
+        }
+        source = s.source();
+    }
+    text
+}
+
 #[derive(Clone, Debug)]
 pub struct Agent {
     pub socket: PathBuf,
@@ -48,23 +72,12 @@ impl Agent {
         }
     }
 
-    async fn connect(&self) -> Result<CniPluginClient<Channel>, String> {
+    async fn connect(&self) -> Result<CniPluginClient<Channel>, ConnectError> {
         let endpoint = Endpoint::from_shared(format!("unix:{}", self.socket.display()))
-            .map_err(|e| format!("socket path: {e}"))?
+            .map_err(ConnectError::Path)?
             .connect_timeout(CONNECT_TIMEOUT.min(self.timeout))
             .timeout(self.timeout);
-        let channel = endpoint.connect().await.map_err(|e| {
-            let mut text = e.to_string();
-            let mut source = std::error::Error::source(&e);
-            while let Some(s) = source {
-                let part = s.to_string();
-                if !text.contains(&part) {
-                    text = format!("{text}: {part}");
-                }
-                source = s.source();
-            }
-            text
-        })?;
+        let channel = endpoint.connect().await.map_err(ConnectError::Connect)?;
         Ok(CniPluginClient::new(channel))
     }
 
@@ -82,7 +95,10 @@ impl Agent {
                 backoff *= 2;
             }
             let outcome = tokio::time::timeout(self.timeout, async {
-                let client = self.connect().await.map_err(tonic::Status::unavailable)?;
+                let client = self
+                    .connect()
+                    .await
+                    .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
                 f(client).await
             })
             .await;

@@ -91,8 +91,9 @@ fn field<T: DeserializeOwned>(obj: &Map<String, Value>, key: &str) -> Result<Opt
     }
 }
 
-fn absolute(key: &str, value: Option<String>, default: &str) -> Result<PathBuf, CniError> {
-    let value = value.unwrap_or_else(|| default.to_owned());
+/// The path at `key`, or `default`; either must be absolute.
+fn absolute(obj: &Map<String, Value>, key: &str, default: &str) -> Result<PathBuf, CniError> {
+    let value = field::<String>(obj, key)?.unwrap_or_else(|| default.to_owned());
     if !value.starts_with('/') {
         return Err(invalid_config(format!(
             "{key}: {} is not an absolute path",
@@ -100,6 +101,70 @@ fn absolute(key: &str, value: Option<String>, default: &str) -> Result<PathBuf, 
         )));
     }
     Ok(PathBuf::from(value))
+}
+
+/// Parses stdin. Errors: 6 when it is not a JSON object, 7 for a bad value (field
+/// named), 2 for a value we do not support. Fields are checked in the order written.
+pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
+    let obj = object(stdin)?;
+    Ok(NetConf {
+        cni_version: field(&obj, "cniVersion")?.ok_or_else(|| invalid_config("cniVersion: missing"))?,
+        name: field(&obj, "name")?.unwrap_or_default(),
+        agent_socket: absolute(&obj, "agentSocket", DEFAULT_AGENT_SOCKET)?,
+        excluded_namespaces: field(&obj, "excludedNamespaces")?
+            .unwrap_or_else(|| DEFAULT_EXCLUDED_NAMESPACES.iter().map(|s| s.to_string()).collect()),
+        capture_mode: capture_mode(&obj)?,
+        mesh_dns: mesh_dns(&obj)?,
+        excluded_ports: excluded_ports(&obj)?,
+        excluded_cidrs: excluded_cidrs(&obj)?,
+        log_file: absolute(&obj, "logFile", DEFAULT_LOG_FILE)?,
+        log_level: field(&obj, "logLevel")?.unwrap_or_else(|| "info".into()),
+        state_dir: absolute(&obj, "stateDir", DEFAULT_STATE_DIR)?,
+        agent_timeout: agent_timeout(&obj)?,
+        agent_attempts: agent_attempts(&obj)?,
+        prev_result: prev_result(&obj)?,
+        valid_attachments: valid_attachments(&obj)?,
+    })
+}
+
+/// Stdin as a JSON object (error 6 otherwise).
+fn object(stdin: &[u8]) -> Result<Map<String, Value>, CniError> {
+    let value: Value = serde_json::from_slice(stdin).map_err(|e| {
+        CniError::new(
+            Code::DecodeFailure,
+            format!("network configuration on stdin is not JSON: {e}"),
+        )
+    })?;
+    match value {
+        Value::Object(obj) => Ok(obj),
+        _ => Err(CniError::new(
+            Code::DecodeFailure,
+            "network configuration on stdin is not a JSON object",
+        )),
+    }
+}
+
+/// `captureMode`: `vip` (the default) or `none`; anything else is error 2.
+fn capture_mode(obj: &Map<String, Value>) -> Result<CaptureMode, CniError> {
+    match field::<String>(obj, "captureMode")?.as_deref() {
+        None | Some("vip") => Ok(CaptureMode::Vip),
+        Some("none") => Ok(CaptureMode::None),
+        Some(other) => Err(CniError::new(
+            Code::UnsupportedField,
+            format!(
+                "captureMode: {} is not supported (use \"vip\" or \"none\")",
+                quote(other)
+            ),
+        )),
+    }
+}
+
+/// `meshDns`: `ip` or `ip:port`; absent or empty, the agent's.
+fn mesh_dns(obj: &Map<String, Value>) -> Result<Option<SocketAddr>, CniError> {
+    match field::<String>(obj, "meshDns")? {
+        Some(s) if !s.is_empty() => parse_mesh_dns(&s).map(Some),
+        _ => Ok(None),
+    }
 }
 
 fn parse_mesh_dns(text: &str) -> Result<SocketAddr, CniError> {
@@ -115,116 +180,73 @@ fn parse_mesh_dns(text: &str) -> Result<SocketAddr, CniError> {
     )))
 }
 
-/// Parses stdin. Errors: 6 when it is not a JSON object, 7 for a bad value (field
-/// named), 2 for a value we do not support.
-pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
-    let value: Value = serde_json::from_slice(stdin).map_err(|e| {
-        CniError::new(
-            Code::DecodeFailure,
-            format!("network configuration on stdin is not JSON: {e}"),
-        )
-    })?;
-    let Value::Object(obj) = value else {
-        return Err(CniError::new(
-            Code::DecodeFailure,
-            "network configuration on stdin is not a JSON object",
-        ));
-    };
-    let cni_version: String = field(&obj, "cniVersion")?.ok_or_else(|| invalid_config("cniVersion: missing"))?;
-    let name: String = field(&obj, "name")?.unwrap_or_default();
-    let agent_socket = absolute("agentSocket", field(&obj, "agentSocket")?, DEFAULT_AGENT_SOCKET)?;
-    let excluded_namespaces: Vec<String> = field(&obj, "excludedNamespaces")?
-        .unwrap_or_else(|| DEFAULT_EXCLUDED_NAMESPACES.iter().map(|s| s.to_string()).collect());
-    let capture_mode = match field::<String>(&obj, "captureMode")?.as_deref() {
-        None | Some("vip") => CaptureMode::Vip,
-        Some("none") => CaptureMode::None,
-        Some(other) => {
-            return Err(CniError::new(
-                Code::UnsupportedField,
-                format!(
-                    "captureMode: {} is not supported (use \"vip\" or \"none\")",
-                    quote(other)
-                ),
-            ));
-        }
-    };
-    let mesh_dns = match field::<String>(&obj, "meshDns")? {
-        Some(s) if !s.is_empty() => Some(parse_mesh_dns(&s)?),
-        _ => None,
-    };
-    let excluded_ports: Vec<u32> = field(&obj, "excludedPorts")?.unwrap_or_default();
-    for (i, p) in excluded_ports.iter().enumerate() {
-        if *p == 0 || *p > 65535 {
-            return Err(invalid_config(format!(
-                "excludedPorts[{i}]: {p} is not a port (1..=65535)"
-            )));
-        }
+fn excluded_ports(obj: &Map<String, Value>) -> Result<Vec<u32>, CniError> {
+    let ports: Vec<u32> = field(obj, "excludedPorts")?.unwrap_or_default();
+    if let Some((i, p)) = ports.iter().enumerate().find(|(_, p)| **p == 0 || **p > 65535) {
+        return Err(invalid_config(format!(
+            "excludedPorts[{i}]: {p} is not a port (1..=65535)"
+        )));
     }
-    let excluded_cidrs: Vec<String> = field(&obj, "excludedCidrs")?.unwrap_or_default();
-    for (i, c) in excluded_cidrs.iter().enumerate() {
-        if c.parse::<ipnet::IpNet>().is_err() && c.parse::<IpAddr>().is_err() {
-            return Err(invalid_config(format!(
-                "excludedCidrs[{i}]: {} is not a CIDR",
-                quote(c)
-            )));
-        }
+    Ok(ports)
+}
+
+/// `excludedCidrs`: CIDRs or bare addresses.
+fn excluded_cidrs(obj: &Map<String, Value>) -> Result<Vec<String>, CniError> {
+    let cidrs: Vec<String> = field(obj, "excludedCidrs")?.unwrap_or_default();
+    let not_a_cidr = |c: &String| c.parse::<ipnet::IpNet>().is_err() && c.parse::<IpAddr>().is_err();
+    if let Some((i, c)) = cidrs.iter().enumerate().find(|(_, c)| not_a_cidr(c)) {
+        return Err(invalid_config(format!(
+            "excludedCidrs[{i}]: {} is not a CIDR",
+            quote(c)
+        )));
     }
-    let log_file = absolute("logFile", field(&obj, "logFile")?, DEFAULT_LOG_FILE)?;
-    let log_level: String = field(&obj, "logLevel")?.unwrap_or_else(|| "info".into());
-    let state_dir = absolute("stateDir", field(&obj, "stateDir")?, DEFAULT_STATE_DIR)?;
-    let agent_timeout = match field::<u64>(&obj, "agentTimeoutMs")? {
-        Some(0) => return Err(invalid_config("agentTimeoutMs: must be > 0")),
-        Some(ms) => Duration::from_millis(ms),
-        None => DEFAULT_AGENT_TIMEOUT,
-    };
-    let agent_attempts = match field::<u32>(&obj, "agentAttempts")? {
-        Some(0) => return Err(invalid_config("agentAttempts: must be > 0")),
-        Some(n) => n,
-        None => DEFAULT_AGENT_ATTEMPTS,
-    };
-    let prev_result = match obj.get("prevResult") {
-        None | Some(Value::Null) => None,
-        Some(v @ Value::Object(_)) => Some(v.clone()),
-        Some(_) => return Err(invalid_config("prevResult: is not a JSON object")),
-    };
-    let valid_attachments = match obj.get(VALID_ATTACHMENTS) {
-        None | Some(Value::Null) => None,
-        Some(Value::Array(items)) => {
-            let mut out = Vec::new();
-            for (i, item) in items.iter().enumerate() {
-                let id = item.get("containerID").and_then(Value::as_str).unwrap_or_default();
-                crate::env::check_container_id(id)
-                    .map_err(|r| invalid_config(format!("{VALID_ATTACHMENTS}[{i}].containerID: {r}")))?;
-                out.push(Attachment {
-                    container_id: id.to_owned(),
-                    ifname: item
-                        .get("ifname")
-                        .and_then(Value::as_str)
-                        .unwrap_or_default()
-                        .to_owned(),
-                });
-            }
-            Some(out)
-        }
+    Ok(cidrs)
+}
+
+fn agent_timeout(obj: &Map<String, Value>) -> Result<Duration, CniError> {
+    match field::<u64>(obj, "agentTimeoutMs")? {
+        Some(0) => Err(invalid_config("agentTimeoutMs: must be > 0")),
+        Some(ms) => Ok(Duration::from_millis(ms)),
+        None => Ok(DEFAULT_AGENT_TIMEOUT),
+    }
+}
+
+fn agent_attempts(obj: &Map<String, Value>) -> Result<u32, CniError> {
+    match field::<u32>(obj, "agentAttempts")? {
+        Some(0) => Err(invalid_config("agentAttempts: must be > 0")),
+        Some(n) => Ok(n),
+        None => Ok(DEFAULT_AGENT_ATTEMPTS),
+    }
+}
+
+/// `prevResult`, kept as JSON: a chained plugin passes it through.
+fn prev_result(obj: &Map<String, Value>) -> Result<Option<Value>, CniError> {
+    match obj.get("prevResult") {
+        None | Some(Value::Null) => Ok(None),
+        Some(v @ Value::Object(_)) => Ok(Some(v.clone())),
+        Some(_) => Err(invalid_config("prevResult: is not a JSON object")),
+    }
+}
+
+/// GC's `cni.dev/valid-attachments`: each entry's container id is checked.
+fn valid_attachments(obj: &Map<String, Value>) -> Result<Option<Vec<Attachment>>, CniError> {
+    let items = match obj.get(VALID_ATTACHMENTS) {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(items)) => items,
         Some(_) => return Err(invalid_config(format!("{VALID_ATTACHMENTS}: is not a list"))),
     };
-    Ok(NetConf {
-        cni_version,
-        name,
-        agent_socket,
-        excluded_namespaces,
-        capture_mode,
-        mesh_dns,
-        excluded_ports,
-        excluded_cidrs,
-        log_file,
-        log_level,
-        state_dir,
-        agent_timeout,
-        agent_attempts,
-        prev_result,
-        valid_attachments,
-    })
+    let text = |item: &Value, key: &str| item.get(key).and_then(Value::as_str).unwrap_or_default().to_owned();
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let container_id = text(item, "containerID");
+        crate::env::check_container_id(&container_id)
+            .map_err(|r| invalid_config(format!("{VALID_ATTACHMENTS}[{i}].containerID: {r}")))?;
+        out.push(Attachment {
+            container_id,
+            ifname: text(item, "ifname"),
+        });
+    }
+    Ok(Some(out))
 }
 
 /// Is `version` one of `supported`? Error 1 names the command and what we support.
@@ -286,6 +308,34 @@ mod tests {
         assert_eq!(
             require_version("0.4.0", MODERN_VERSIONS, "ADD").unwrap_err().code,
             Code::IncompatibleVersion
+        );
+    }
+
+    #[test]
+    fn the_first_bad_field_in_the_written_order_is_named() {
+        let first = |conf: &str| parse(conf.as_bytes()).unwrap_err().message;
+        let all_bad = r#"{"cniVersion":"1.1.0","agentSocket":"rel","captureMode":"all","excludedPorts":[0],
+                          "agentAttempts":0,"prevResult":[],"cni.dev/valid-attachments":{}}"#;
+        assert_eq!(first(all_bad), "agentSocket: \"rel\" is not an absolute path");
+        assert_eq!(
+            first(r#"{"cniVersion":"1.1.0","excludedCidrs":["x"],"excludedPorts":[70000]}"#),
+            "excludedPorts[0]: 70000 is not a port (1..=65535)"
+        );
+        assert_eq!(
+            first(r#"{"cniVersion":"1.1.0","agentAttempts":0,"prevResult":[]}"#),
+            "agentAttempts: must be > 0"
+        );
+        assert_eq!(
+            first(r#"{"cniVersion":"1.1.0","cni.dev/valid-attachments":{}}"#),
+            "cni.dev/valid-attachments: is not a list"
+        );
+        let gc = parse(br#"{"cniVersion":"1.1.0","cni.dev/valid-attachments":[{"containerID":"c1","ifname":"eth0"}]}"#);
+        assert_eq!(
+            gc.unwrap().valid_attachments,
+            Some(vec![Attachment {
+                container_id: "c1".into(),
+                ifname: "eth0".into()
+            }])
         );
     }
 

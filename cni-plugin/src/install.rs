@@ -88,7 +88,12 @@ pub struct Owner {
     pub name: String,
 }
 
-fn parse_owner(value: &str) -> Result<Owner, String> {
+/// `--owner-daemonset` is not `<namespace>/<name>` (clap names the flag).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{} is not <namespace>/<name>", quote(.0))]
+pub struct BadOwner(String);
+
+fn parse_owner(value: &str) -> Result<Owner, BadOwner> {
     let valid = |part: &str| {
         !part.is_empty()
             && part.len() <= 253
@@ -101,7 +106,7 @@ fn parse_owner(value: &str) -> Result<Owner, String> {
             namespace: namespace.to_owned(),
             name: name.to_owned(),
         }),
-        _ => Err(format!("{} is not <namespace>/<name>", quote(value))),
+        _ => Err(BadOwner(value.to_owned())),
     }
 }
 
@@ -386,6 +391,11 @@ mod tests {
         for bad in ["aether-agent", "/x", "x/", "a/b/c", "A/b", ""] {
             assert!(parse_owner(bad).is_err(), "{bad:?} accepted");
         }
+        let refused = |value: &str| parse_owner(value).expect_err("refused").to_string();
+        assert_eq!(refused("a/b/c"), r#""a/b/c" is not <namespace>/<name>"#);
+        let huge = format!("ns/{}", "x".repeat(1 << 20));
+        assert!(refused(&huge).ends_with("… (1048579 bytes) is not <namespace>/<name>"));
+        assert!(refused(&huge).len() < 200);
     }
 
     #[test]

@@ -105,30 +105,38 @@ pub fn interface_addresses(netns: &Path, ifname: &str) -> Result<Option<Vec<Cidr
         return Err(NetnsError::Missing(netns.display().to_string()));
     }
     let ifname = ifname.to_owned();
-    aether_common::netns::query_blocking(netns, move |handle| read(handle, ifname)).map_err(|source| {
-        NetnsError::Netlink {
-            netns: netns.display().to_string(),
-            source,
-        }
+    // The shared netns runner carries a query's error as its text.
+    let query = move |handle| async move { read(handle, ifname).await.map_err(|e| e.to_string()) };
+    aether_common::netns::query_blocking(netns, query).map_err(|source| NetnsError::Netlink {
+        netns: netns.display().to_string(),
+        source,
     })
 }
 
-async fn read(handle: rtnetlink::Handle, ifname: String) -> Result<Option<Vec<Cidr>>, String> {
+/// A netlink request about the interface failed.
+#[derive(Debug, thiserror::Error)]
+enum ReadError {
+    #[error("link {ifname}: {source}")]
+    Link { ifname: String, source: rtnetlink::Error },
+    #[error("addresses of {ifname}: {source}")]
+    Addresses { ifname: String, source: rtnetlink::Error },
+}
+
+async fn read(handle: rtnetlink::Handle, ifname: String) -> Result<Option<Vec<Cidr>>, ReadError> {
     let mut links = handle.link().get().match_name(ifname.clone()).execute();
     let index = match links.try_next().await {
         Ok(Some(link)) => link.header.index,
         Ok(None) => return Ok(None),
         // ENODEV: no such interface.
         Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code().abs() == libc_enodev() => return Ok(None),
-        Err(e) => return Err(format!("link {ifname}: {e}")),
+        Err(source) => return Err(ReadError::Link { ifname, source }),
     };
     let mut out = Vec::new();
     let mut addrs = handle.address().get().set_link_index_filter(index).execute();
-    while let Some(msg) = addrs
-        .try_next()
-        .await
-        .map_err(|e| format!("addresses of {ifname}: {e}"))?
-    {
+    while let Some(msg) = addrs.try_next().await.map_err(|source| ReadError::Addresses {
+        ifname: ifname.clone(),
+        source,
+    })? {
         let ip = msg.attributes.iter().find_map(|a| match a {
             AddressAttribute::Address(ip) => Some(*ip),
             _ => None,

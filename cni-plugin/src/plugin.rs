@@ -5,8 +5,8 @@ use std::path::Path;
 
 use aether_common::quote::quote;
 use aether_proto::cni::v1::{
-    AddPodRequest, CaptureMode as ProtoCaptureMode, CaptureOptions, CheckPodRequest, GarbageCollectRequest, Outcome,
-    PodRef, ReadyRequest, RemovePodRequest,
+    AddPodRequest, AddPodResponse, CaptureMode as ProtoCaptureMode, CaptureOptions, CheckPodRequest,
+    GarbageCollectRequest, Outcome, PodRef, ReadyRequest, RemovePodRequest,
 };
 use serde_json::json;
 
@@ -143,18 +143,11 @@ async fn add(conf: &NetConf, get: &impl Fn(&str) -> Option<String>) -> Result<St
     if !netns.exists() {
         return Err(missing_netns(&sandbox.netns));
     }
-    let mut ips: Vec<String> = addresses.iter().map(|c| c.ip.to_string()).collect();
-    if ips.is_empty() {
-        let found = netns::interface_addresses(netns, &sandbox.ifname)
-            .map_err(netns_error)?
-            .ok_or_else(|| {
-                CniError::new(
-                    Code::Other,
-                    format!("{CNI_IFNAME}: no interface {} in {}", sandbox.ifname, sandbox.netns),
-                )
-            })?;
-        ips = found.iter().map(|c| c.ip.to_string()).collect();
-    }
+    let ips = if addresses.is_empty() {
+        interface_ips(netns, &sandbox)?
+    } else {
+        addresses.iter().map(|c| c.ip.to_string()).collect()
+    };
     let pin = netns::pin(netns, &conf.pin_dir(), &sandbox.container_id).map_err(netns_error)?;
     let request = AddPodRequest {
         container_id: sandbox.container_id.clone(),
@@ -162,15 +155,7 @@ async fn add(conf: &NetConf, get: &impl Fn(&str) -> Option<String>) -> Result<St
         interface_name: sandbox.ifname.clone(),
         pod: Some(pod_ref(pod)),
         ips,
-        capture: Some(CaptureOptions {
-            mode: match conf.capture_mode {
-                CaptureMode::Vip => ProtoCaptureMode::Vip as i32,
-                CaptureMode::None => ProtoCaptureMode::None as i32,
-            },
-            mesh_dns: conf.mesh_dns.map(|a| a.to_string()).unwrap_or_default(),
-            excluded_ports: conf.excluded_ports.clone(),
-            excluded_cidrs: conf.excluded_cidrs.clone(),
-        }),
+        capture: Some(capture_options(conf)),
     };
     let reply = agent(conf)
         .call("AddPod", |mut client| {
@@ -178,36 +163,64 @@ async fn add(conf: &NetConf, get: &impl Fn(&str) -> Option<String>) -> Result<St
             async move { client.add_pod(request).await }
         })
         .await;
-    let unpin = || {
-        if let Err(error) = netns::unpin(&pin) {
-            tracing::warn!(%error, "dropping the pin after a failed ADD");
-        }
-    };
-    match reply {
+    added(reply, &pin, &sandbox, pod).map(|()| output)
+}
+
+/// The pod's addresses read from its interface, for a main plugin whose result lists none.
+fn interface_ips(netns: &Path, sandbox: &Sandbox) -> Result<Vec<String>, CniError> {
+    let found = netns::interface_addresses(netns, &sandbox.ifname)
+        .map_err(netns_error)?
+        .ok_or_else(|| {
+            CniError::new(
+                Code::Other,
+                format!("{CNI_IFNAME}: no interface {} in {}", sandbox.ifname, sandbox.netns),
+            )
+        })?;
+    Ok(found.iter().map(|c| c.ip.to_string()).collect())
+}
+
+fn capture_options(conf: &NetConf) -> CaptureOptions {
+    CaptureOptions {
+        mode: match conf.capture_mode {
+            CaptureMode::Vip => ProtoCaptureMode::Vip as i32,
+            CaptureMode::None => ProtoCaptureMode::None as i32,
+        },
+        mesh_dns: conf.mesh_dns.map(|a| a.to_string()).unwrap_or_default(),
+        excluded_ports: conf.excluded_ports.clone(),
+        excluded_cidrs: conf.excluded_cidrs.clone(),
+    }
+}
+
+/// What the agent's answer to AddPod means for ADD: success when the pod joined the mesh
+/// or the agent ignored it; the netns pin stays only when it joined.
+fn added(
+    reply: Result<AddPodResponse, AgentError>,
+    pin: &Path,
+    sandbox: &Sandbox,
+    pod: &PodArgs,
+) -> Result<(), CniError> {
+    let outcome = match reply {
         Ok(reply) if reply.outcome == Outcome::Success as i32 => {
             tracing::info!(container = %sandbox.container_id, pod = %format!("{}/{}", pod.namespace, pod.name), "pod added to the mesh");
-            Ok(output)
+            return Ok(());
         }
         Ok(reply) if reply.outcome == Outcome::Ignored as i32 => {
-            unpin();
             tracing::info!(container = %sandbox.container_id, message = %reply.message, "agent ignored the pod");
-            Ok(output)
+            Ok(())
         }
-        Ok(reply) => {
-            unpin();
-            Err(CniError::new(
-                Code::Other,
-                format!(
-                    "the aether agent answered AddPod with outcome {}: {}",
-                    reply.outcome, reply.message
-                ),
-            ))
-        }
-        Err(error) => {
-            unpin();
-            Err(agent_error(error))
-        }
+        Ok(reply) => Err(CniError::new(
+            Code::Other,
+            format!(
+                "the aether agent answered AddPod with outcome {}: {}",
+                reply.outcome, reply.message
+            ),
+        )),
+        Err(error) => Err(agent_error(error)),
+    };
+    if let Err(error) = netns::unpin(pin) {
+        tracing::warn!(%error, "dropping the pin after a failed ADD");
     }
+    outcome
 }
 
 async fn del(conf: &NetConf, get: &impl Fn(&str) -> Option<String>) -> Result<String, CniError> {
