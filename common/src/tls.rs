@@ -262,10 +262,20 @@ pub struct PeerIdentity {
     pub not_after: SystemTime,
 }
 
+/// A leaf certificate that is not X.509 DER.
+#[derive(Debug, thiserror::Error)]
+#[error("parsing the leaf certificate ({size} bytes): {reason}")]
+pub struct BadLeaf {
+    size: usize,
+    reason: String,
+}
+
 impl PeerIdentity {
-    pub fn from_leaf(der: &CertificateDer<'_>) -> Result<Self, String> {
-        let (_, cert) =
-            x509_parser::parse_x509_certificate(der).map_err(|e| format!("parsing the leaf certificate: {e}"))?;
+    pub fn from_leaf(der: &CertificateDer<'_>) -> Result<Self, BadLeaf> {
+        let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| BadLeaf {
+            size: der.len(),
+            reason: e.to_string(),
+        })?;
         let mut identity = Self {
             spiffe_id: None,
             dns_names: Vec::new(),
@@ -513,7 +523,8 @@ impl ServerCertVerifier for PinnedServer {
                 verify_server_name(&cert, &name)?;
             }
             ServerIdentity::Spiffe(id) => {
-                let identity = PeerIdentity::from_leaf(end_entity).map_err(rustls::Error::General)?;
+                let identity =
+                    PeerIdentity::from_leaf(end_entity).map_err(|e| rustls::Error::General(e.to_string()))?;
                 if identity.spiffe_id.as_deref() != Some(id.as_str()) {
                     return Err(rustls::Error::General(format!(
                         "the server is {}, not the expected {id}",
