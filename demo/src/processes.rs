@@ -45,40 +45,6 @@ pub(crate) fn tail(text: &str, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
-pub(crate) struct Process {
-    pub(crate) pid: u32,
-    pub(crate) pgid: u32,
-    pub(crate) zombie: bool,
-    pub(crate) cmdline: String,
-}
-
-pub(crate) fn processes() -> Vec<Process> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        // pid (comm) state ppid pgrp …; comm may hold spaces, so split after the last ')'.
-        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
-            continue;
-        };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let cmdline = std::fs::read(entry.path().join("cmdline"))
-            .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
-            .unwrap_or_default();
-        out.push(Process {
-            pid,
-            pgid: fields.get(2).and_then(|p| p.parse().ok()).unwrap_or(0),
-            zombie: fields.first() == Some(&"Z"),
-            cmdline,
-        });
-    }
-    out
-}
-
 pub(crate) fn shm_path(base_id: u32) -> PathBuf {
     PathBuf::from(format!("/dev/shm/envoy_shared_memory_{}", u64::from(base_id) * 10))
 }

@@ -179,6 +179,44 @@ impl Drop for ChildGuard {
     }
 }
 
+/// A process as `/proc` shows it.
+#[derive(Debug)]
+pub struct Process {
+    pub pid: u32,
+    pub pgid: u32,
+    pub zombie: bool,
+    /// Its arguments joined by spaces.
+    pub cmdline: String,
+}
+
+/// Every process on the host (those that exit while being read are skipped).
+pub fn processes() -> Vec<Process> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid pgrp …; comm may hold spaces, so split after the last ')'.
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let cmdline = std::fs::read(entry.path().join("cmdline"))
+            .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+            .unwrap_or_default();
+        out.push(Process {
+            pid,
+            pgid: fields.get(2).and_then(|p| p.parse().ok()).unwrap_or(0),
+            zombie: fields.first() == Some(&"Z"),
+            cmdline,
+        });
+    }
+    out
+}
+
 /// A TCP port that was free on 127.0.0.1 a moment ago (bind to port 0, read, release).
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

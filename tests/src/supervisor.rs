@@ -236,24 +236,11 @@ impl ProxySupervisor {
     /// The pids of every running Envoy started from this supervisor (its process group).
     pub fn envoy_pids(&self) -> Vec<u32> {
         let pgid = self.pid();
-        let mut pids = Vec::new();
-        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-                continue;
-            };
-            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-                continue;
-            };
-            // pid (comm) state ppid pgrp …; comm may hold spaces, so split after the last ')'.
-            let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
-                continue;
-            };
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            let zombie = fields.first() == Some(&"Z");
-            if !zombie && fields.get(2).and_then(|p| p.parse::<u32>().ok()) == Some(pgid) && pid != pgid {
-                pids.push(pid);
-            }
-        }
+        let mut pids: Vec<u32> = crate::process::processes()
+            .into_iter()
+            .filter(|p| p.pgid == pgid && p.pid != pgid && !p.zombie)
+            .map(|p| p.pid)
+            .collect();
         pids.sort();
         pids
     }
