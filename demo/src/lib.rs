@@ -42,7 +42,7 @@ use aether_tests::cni::{BareNetns, ConfList, DEBIAN_CNI_DIR, Sandbox, aether_tab
 use aether_tests::control_plane::{ControlPlane, READER_ID, node_id};
 use aether_tests::identity::TestCa;
 use aether_tests::load::{Load, LoadSpec, Protocol};
-use aether_tests::process::{Process, processes};
+use aether_tests::process::processes;
 use aether_tests::supervisor::metric_sum;
 use aether_tests::{ChildGuard, TestNode, free_port, http_get};
 
