@@ -234,46 +234,63 @@ impl Generator {
         for service in &mut services {
             service.bare = inputs.on_demand.contains_key(&service.fqdn);
         }
-        let mut clusters = Vec::new();
-        let mut assignments = Vec::new();
-        let mut listeners = Vec::new();
+        let mut out = Collected::default();
+        self.add_services(&services, inputs.locality, mtls, &mut out);
+        self.add_pods(inputs.pods, &services, mtls, &mut out);
+        add_empty_on_demand(inputs, mtls, &mut out);
+        let routes = self.routes(inputs.mesh_domain, &services);
 
+        let Collected {
+            mut clusters,
+            mut assignments,
+            mut listeners,
+        } = out;
+        if mtls.is_some() {
+            // The per-node originate listeners the pods' mTLS clusters go through.
+            listeners.extend(resources(origination::listeners()));
+        }
+        for resources in [&mut clusters, &mut assignments, &mut listeners] {
+            resources.sort_by(|a, b| a.name.cmp(&b.name));
+        }
+        let mut generated = BTreeMap::from([
+            (super::CLUSTER.to_owned(), clusters),
+            (super::ENDPOINT.to_owned(), assignments),
+            (super::LISTENER.to_owned(), listeners),
+            (super::ROUTE.to_owned(), routes),
+        ]);
+        if mtls.is_some() {
+            generated.insert(super::SECRET.to_owned(), self.secrets(inputs.pods));
+        }
+        generated
+    }
+
+    /// Each service's clusters and assignments, rebuilt only when it changed.
+    fn add_services(
+        &mut self,
+        services: &[MeshService],
+        locality: &Locality,
+        mtls: Option<&Mtls>,
+        out: &mut Collected,
+    ) {
         let mut fresh = HashMap::new();
-        for service in &services {
+        for service in services {
             let memo = match self.services.remove(service.key) {
-                Some(memo)
-                    if memo.service == *service.service
-                        && memo.bare == service.bare
-                        && match (&memo.endpoints, service.endpoints) {
-                            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-                            (None, None) => true,
-                            _ => false,
-                        } =>
-                {
-                    memo
-                }
-                _ => {
-                    let (c, a) = clusters::service_resources(service, inputs.locality, mtls);
-                    let clusters = resources(c);
-                    let assignments = with_cluster_versions(a, &clusters);
-                    ServiceMemo {
-                        service: service.service.clone(),
-                        bare: service.bare,
-                        endpoints: service.endpoints.cloned(),
-                        clusters,
-                        assignments,
-                    }
-                }
+                Some(memo) if memo.is_current(service) => memo,
+                _ => ServiceMemo::build(service, locality, mtls),
             };
-            clusters.extend(memo.clusters.iter().cloned());
-            assignments.extend(memo.assignments.iter().cloned());
+            out.clusters.extend(memo.clusters.iter().cloned());
+            out.assignments.extend(memo.assignments.iter().cloned());
             fresh.insert(service.key.to_owned(), memo);
         }
         self.services = fresh;
+    }
 
+    /// Each pod's listeners and clusters, rebuilt only when the pod or the addresses of
+    /// its declared services changed. With mTLS, a pod without an SVID yet gets none.
+    fn add_pods(&mut self, pods: &[LocalPod], services: &[MeshService], mtls: Option<&Mtls>, out: &mut Collected) {
         let by_key: HashMap<&str, &MeshService> = services.iter().map(|s| (s.key, s)).collect();
         let mut fresh = HashMap::new();
-        for pod in inputs.pods {
+        for pod in pods {
             if mtls.is_some() && !self.identities.svids.contains_key(&pod.id()) {
                 tracing::debug!(pod = %pod.id(), "no SVID yet: the pod's listeners wait for it");
                 continue;
@@ -288,67 +305,99 @@ impl Generator {
             let declared_keys: Vec<RouteKey> = declared.iter().map(|s| RouteKey::of(s)).collect();
             let memo = match self.pods.remove(&pod.id()) {
                 Some(memo) if memo.pod == *pod && memo.declared == declared_keys => memo,
-                _ => PodMemo {
-                    pod: pod.clone(),
-                    declared: declared_keys,
-                    listeners: resources(listeners::pod_listeners(pod, &declared, mtls)),
-                    clusters: resources(
-                        clusters::pod_clusters(pod)
-                            .into_iter()
-                            .chain(mtls.map(|m| origination::pod_cluster(m, &pod.id())))
-                            .collect(),
-                    ),
-                },
+                _ => PodMemo::build(pod, &declared, declared_keys, mtls),
             };
-            listeners.extend(memo.listeners.iter().cloned());
-            clusters.extend(memo.clusters.iter().cloned());
+            out.listeners.extend(memo.listeners.iter().cloned());
+            out.clusters.extend(memo.clusters.iter().cloned());
             fresh.insert(pod.id(), memo);
         }
         self.pods = fresh;
+    }
 
-        // Asked for on demand, known, but with nothing serving that port: serve the cluster
-        // empty, so callers get a retryable 503 instead of a 404.
-        let served: BTreeSet<String> = clusters.iter().map(|r| r.name.clone()).collect();
-        for (name, service) in inputs.on_demand {
-            if served.contains(name) || !inputs.catalog.services.contains_key(service) {
-                continue;
-            }
-            let cluster = Resource::new(name.clone(), clusters::empty_cluster(name, service, mtls));
-            assignments.push(Resource::depending_on(
-                name.clone(),
-                clusters::empty_assignment(name),
-                &cluster.version,
-            ));
-            clusters.push(cluster);
-        }
-
+    /// The route table, rebuilt only when some service's name, VIP or ports changed.
+    fn routes(&mut self, mesh_domain: &str, services: &[MeshService]) -> Vec<Arc<Resource>> {
         let route_keys: Vec<RouteKey> = services.iter().map(RouteKey::of).collect();
         let routes = match self.routes.take() {
             Some((keys, routes)) if keys == route_keys => routes,
-            _ => resources(routes::route_configs(inputs.mesh_domain, &services)),
+            _ => resources(routes::route_configs(mesh_domain, services)),
         };
         self.routes = Some((route_keys, routes.clone()));
+        routes
+    }
 
-        clusters.sort_by(|a, b| a.name.cmp(&b.name));
-        assignments.sort_by(|a, b| a.name.cmp(&b.name));
-        listeners.sort_by(|a, b| a.name.cmp(&b.name));
-        let mut generated = BTreeMap::from([
-            (super::CLUSTER.to_owned(), clusters),
-            (super::ENDPOINT.to_owned(), assignments),
-            (super::LISTENER.to_owned(), listeners),
-            (super::ROUTE.to_owned(), routes),
-        ]);
-        if mtls.is_some() {
-            let listeners = generated.get_mut(super::LISTENER).expect("listeners generated");
-            listeners.extend(resources(origination::listeners()));
-            listeners.sort_by(|a, b| a.name.cmp(&b.name));
-            // Only the pods still local: a deleted pod's secret is withdrawn with it.
-            let local: BTreeSet<String> = inputs.pods.iter().map(LocalPod::id).collect();
-            let mut identities = (*self.identities).clone();
-            identities.svids.retain(|id, _| local.contains(id));
-            generated.insert(super::SECRET.to_owned(), resources(transport::secrets(&identities)));
+    /// The SVIDs and bundles of the pods still local: a deleted pod's secret is withdrawn with it.
+    fn secrets(&self, pods: &[LocalPod]) -> Vec<Arc<Resource>> {
+        let local: BTreeSet<String> = pods.iter().map(LocalPod::id).collect();
+        let mut identities = (*self.identities).clone();
+        identities.svids.retain(|id, _| local.contains(id));
+        resources(transport::secrets(&identities))
+    }
+}
+
+/// The resources of one generation, before they are sorted by name.
+#[derive(Default)]
+struct Collected {
+    clusters: Vec<Arc<Resource>>,
+    assignments: Vec<Arc<Resource>>,
+    listeners: Vec<Arc<Resource>>,
+}
+
+impl ServiceMemo {
+    /// Built from this very service: same definition, same bare-name wish, and the same
+    /// endpoint set (the catalog view shares an unchanged one, so pointer equality says it).
+    fn is_current(&self, service: &MeshService) -> bool {
+        let same_endpoints = match (&self.endpoints, service.endpoints) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        self.service == *service.service && self.bare == service.bare && same_endpoints
+    }
+
+    fn build(service: &MeshService, locality: &Locality, mtls: Option<&Mtls>) -> Self {
+        let (c, a) = clusters::service_resources(service, locality, mtls);
+        let clusters = resources(c);
+        let assignments = with_cluster_versions(a, &clusters);
+        ServiceMemo {
+            service: service.service.clone(),
+            bare: service.bare,
+            endpoints: service.endpoints.cloned(),
+            clusters,
+            assignments,
         }
-        generated
+    }
+}
+
+impl PodMemo {
+    fn build(pod: &LocalPod, declared: &[&MeshService], declared_keys: Vec<RouteKey>, mtls: Option<&Mtls>) -> Self {
+        let clusters = clusters::pod_clusters(pod)
+            .into_iter()
+            .chain(mtls.map(|m| origination::pod_cluster(m, &pod.id())))
+            .collect();
+        PodMemo {
+            pod: pod.clone(),
+            declared: declared_keys,
+            listeners: resources(listeners::pod_listeners(pod, declared, mtls)),
+            clusters: resources(clusters),
+        }
+    }
+}
+
+/// Asked for on demand, known, but with nothing serving that port: the cluster is served
+/// empty, so callers get a retryable 503 instead of a 404.
+fn add_empty_on_demand(inputs: &Inputs, mtls: Option<&Mtls>, out: &mut Collected) {
+    let served: BTreeSet<String> = out.clusters.iter().map(|r| r.name.clone()).collect();
+    for (name, service) in inputs.on_demand {
+        if served.contains(name) || !inputs.catalog.services.contains_key(service) {
+            continue;
+        }
+        let cluster = Resource::new(name.clone(), clusters::empty_cluster(name, service, mtls));
+        out.assignments.push(Resource::depending_on(
+            name.clone(),
+            clusters::empty_assignment(name),
+            &cluster.version,
+        ));
+        out.clusters.push(cluster);
     }
 }
 
