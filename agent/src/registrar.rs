@@ -12,12 +12,13 @@ use std::net::IpAddr;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use aether_common::pod_endpoint::{self, PodEndpoints};
 use aether_proto::registrar::v1::{RegisterEndpointRequest, UnregisterEndpointRequest};
-use aether_proto::registry::v1::{Endpoint, Health, Locality, PodInfo as PodRef, Port, Protocol};
+use aether_proto::registry::v1::{Endpoint, Locality, PodInfo as PodRef};
 use backon::{ExponentialBuilder, Retryable};
 use tonic::{Code, Status};
 
-use crate::pod::{AppProtocol, LocalPod};
+use crate::pod::LocalPod;
 use crate::registrar_link::RegistrarLink;
 
 /// How often every registered endpoint is registered again (the registrar's default
@@ -77,47 +78,26 @@ impl Registrar {
         registrar
     }
 
-    /// The endpoints a pod is registered as (one per pod IP).
+    /// The endpoints a pod is registered as (one per pod IP), by the rule the
+    /// registrar's Kubernetes store derives them with.
     pub fn endpoints(&self, pod: &LocalPod) -> Vec<Endpoint> {
-        let ports: Vec<Port> = pod
-            .info
-            .mesh_ports()
-            .into_iter()
-            .map(|(port, protocol)| Port {
-                name: String::new(),
-                port: u32::from(port),
-                protocol: match protocol {
-                    AppProtocol::Tcp => Protocol::Tcp,
-                    AppProtocol::Http => Protocol::Http,
-                    AppProtocol::Http2 => Protocol::Http2,
-                    AppProtocol::Grpc => Protocol::Grpc,
-                } as i32,
-            })
-            .collect();
-        let health = if pod.info.terminating {
-            Health::Draining
-        } else {
-            Health::Healthy
-        };
-        pod.ips
-            .iter()
-            .map(|ip| Endpoint {
-                service: pod.info.service(),
-                address: ip.to_string(),
-                ports: ports.clone(),
-                locality: Some(self.locality.clone()),
-                weight: 1,
-                health: health as i32,
-                metadata: Default::default(),
-                pod: Some(PodRef {
-                    namespace: pod.info.namespace.clone(),
-                    name: pod.info.name.clone(),
-                    uid: pod.info.uid.clone(),
-                    service_account: pod.info.service_account.clone(),
-                }),
-                node: self.node.clone(),
-            })
-            .collect()
+        let info = &pod.info;
+        PodEndpoints {
+            service: info.service(),
+            ports: info.mesh_ports(),
+            // Registered at CNI ADD, before the pod's containers run: the agent knows no
+            // readiness, so a pod is HEALTHY until it terminates.
+            health: pod_endpoint::health(info.terminating, true),
+            pod: PodRef {
+                namespace: info.namespace.clone(),
+                name: info.name.clone(),
+                uid: info.uid.clone(),
+                service_account: info.service_account.clone(),
+            },
+            node: self.node.clone(),
+            locality: Some(self.locality.clone()),
+        }
+        .at(&pod.ips)
     }
 
     /// Registers (or updates) every endpoint of `pod`, retrying while the registrar is
@@ -303,6 +283,50 @@ mod tests {
         ) -> Result<tonic::Response<Self::WatchStream>, Status> {
             Err(Status::unimplemented("fake"))
         }
+    }
+
+    #[tokio::test]
+    async fn a_pod_is_one_endpoint_per_ip_on_this_node_draining_once_it_terminates() {
+        use crate::pod::{ContainerPort, PodInfo};
+        use aether_proto::registry::v1::{Health, Protocol};
+        // Never dialled: endpoints() is local.
+        let link = RegistrarLink::start("http://127.0.0.1:9", &Default::default(), CancellationToken::new()).unwrap();
+        let locality = Locality {
+            region: "eu".into(),
+            zone: "eu-1a".into(),
+            subzone: String::new(),
+        };
+        let registrar = Registrar::new(link, "node-1".into(), locality.clone());
+        let port = |n, name, protocol| ContainerPort::from_spec("p", n, Some(name), Some(protocol)).unwrap();
+        let mut pod = LocalPod {
+            container_id: "c-1".into(),
+            netns: "/run/netns/x".into(),
+            ips: vec!["10.0.0.7".parse().unwrap(), "fd00::7".parse().unwrap()],
+            info: PodInfo {
+                namespace: "shop".into(),
+                name: "web-1".into(),
+                uid: "u-1".into(),
+                service_account: "web".into(),
+                ports: vec![port(8080, "http", "TCP"), port(53, "dns", "UDP")],
+                ..Default::default()
+            },
+        };
+        let endpoints = registrar.endpoints(&pod);
+        let addresses: Vec<_> = endpoints.iter().map(|e| e.address.as_str()).collect();
+        assert_eq!(addresses, ["10.0.0.7", "fd00::7"]);
+        let e = &endpoints[0];
+        assert_eq!((e.service.as_str(), e.node.as_str()), ("shop/web", "node-1"));
+        assert_eq!(e.locality, Some(locality));
+        assert_eq!(e.health, Health::Healthy as i32);
+        let ports: Vec<_> = e.ports.iter().map(|p| (p.port, p.protocol)).collect();
+        assert_eq!(ports, [(8080, Protocol::Http as i32)]);
+        let pod_ref = e.pod.as_ref().unwrap();
+        assert_eq!(
+            (pod_ref.name.as_str(), pod_ref.service_account.as_str()),
+            ("web-1", "web")
+        );
+        pod.info.terminating = true;
+        assert_eq!(registrar.endpoints(&pod)[1].health, Health::Draining as i32);
     }
 
     #[tokio::test]

@@ -7,6 +7,7 @@ pub mod hash;
 pub mod names;
 #[cfg(feature = "netns")]
 pub mod netns;
+pub mod pod_endpoint;
 pub mod pod_meta;
 pub mod quote;
 pub mod shutdown;

@@ -2,9 +2,9 @@
 //! the cluster. See proposals/004.
 //!
 //! - **Endpoints** come from Pods labelled `aether.io/managed=true` (all namespaces),
-//!   one per pod IP, with the mesh ports and service name the agent would register
-//!   ([`aether_common::pod_meta`]): service `<ns>/<config.aether.io/service or service
-//!   account>`; health HEALTHY when the pod's `Ready` condition is `True`, UNHEALTHY
+//!   one per pod IP, by the rule the agent registers its pods with
+//!   ([`aether_common::pod_endpoint`], [`aether_common::pod_meta`]): service
+//!   `<ns>/<config.aether.io/service or service account>`; health HEALTHY when the pod's `Ready` condition is `True`, UNHEALTHY
 //!   otherwise, DRAINING once it has a `deletionTimestamp`; locality from its Node's
 //!   `topology.kubernetes.io/region` / `zone` labels. Pods without an IP or mesh port,
 //!   or that have finished, have no endpoint.
@@ -30,8 +30,9 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use aether_common::pod_endpoint::{self, PodEndpoints};
 use aether_common::pod_meta::{self, AppProtocol};
-use aether_proto::registry::v1::{Endpoint, Health, Locality, PodInfo as PodRef, Port, Protocol, Service};
+use aether_proto::registry::v1::{Endpoint, Locality, PodInfo as PodRef, Service};
 use async_trait::async_trait;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, PodSpec, PodStatus};
@@ -664,7 +665,6 @@ fn locality(node: &Node) -> Locality {
 /// `Err`: the pod's mesh configuration is wrong, naming the field.
 fn pod_endpoints(pod: &Pod) -> Result<Option<PodView>, String> {
     let metadata = &pod.metadata;
-    let key = pod_key(pod);
     let labels = metadata.labels.as_ref();
     if !pod_meta::is_managed(labels.into_iter().flatten().map(|(k, v)| (k.as_str(), v.as_str()))) {
         return Ok(None);
@@ -678,45 +678,37 @@ fn pod_endpoints(pod: &Pod) -> Result<Option<PodView>, String> {
     let service_account = spec.service_account_name.clone().unwrap_or_default();
     let service = pod_service(metadata, &namespace, &service_account)?;
     let ports = pod_ports(spec)?;
-    if ports.is_empty() {
-        return Ok(None);
-    }
     let addresses = pod_addresses(status);
-    if addresses.is_empty() {
+    if ports.is_empty() || addresses.is_empty() {
         return Ok(None);
     }
-    let health = pod_health(metadata, status);
-    let pod_ref = PodRef {
-        namespace: namespace.clone(),
-        name: metadata.name.clone().unwrap_or_default(),
-        uid: metadata.uid.clone().unwrap_or_default(),
-        service_account: if service_account.is_empty() {
-            pod_meta::DEFAULT_SERVICE_ACCOUNT.to_owned()
-        } else {
-            service_account.clone()
-        },
-    };
     let node = spec.node_name.clone().unwrap_or_default();
-    let mut endpoints = Vec::new();
-    for (i, address) in addresses.iter().enumerate() {
-        let endpoint = Endpoint {
-            service: service.clone(),
-            address: address.clone(),
-            ports: ports.clone(),
-            locality: None,
-            weight: 1,
-            health: health as i32,
-            metadata: Default::default(),
-            pod: Some(pod_ref.clone()),
-            node: node.clone(),
-        };
+    let endpoints = PodEndpoints {
+        service: service.clone(),
+        ports,
+        health: pod_endpoint::health(metadata.deletion_timestamp.is_some(), is_ready(status)),
+        pod: PodRef {
+            namespace,
+            name: metadata.name.clone().unwrap_or_default(),
+            uid: metadata.uid.clone().unwrap_or_default(),
+            // The one the Pod runs as: Kubernetes assigns `default` when it names none.
+            service_account: match service_account.as_str() {
+                "" => pod_meta::DEFAULT_SERVICE_ACCOUNT.to_owned(),
+                named => named.to_owned(),
+            },
+        },
+        node: node.clone(),
+        locality: None,
+    };
+    let mut valid = Vec::new();
+    for (i, endpoint) in endpoints.at(&addresses).into_iter().enumerate() {
         // The catalog validates too; checking here names the pod field at fault.
-        let valid = validate_endpoint(&format!("status.podIPs[{i}]"), Some(endpoint)).map_err(|e| e.to_string())?;
-        endpoints.push(valid.endpoint);
+        let checked = validate_endpoint(&format!("status.podIPs[{i}]"), Some(endpoint)).map_err(|e| e.to_string())?;
+        valid.push(checked.endpoint);
     }
     Ok(Some(PodView {
-        key,
-        endpoints,
+        key: pod_key(pod),
+        endpoints: valid,
         node,
         service,
     }))
@@ -741,19 +733,13 @@ fn pod_service(metadata: &ObjectMeta, namespace: &str, service_account: &str) ->
 }
 
 /// The pod's ports the mesh serves; an error names a container port out of range.
-fn pod_ports(spec: &PodSpec) -> Result<Vec<Port>, String> {
+fn pod_ports(spec: &PodSpec) -> Result<Vec<(u16, AppProtocol)>, String> {
     let mut raw = Vec::new();
     for (c, container) in spec.containers.iter().enumerate() {
         for (p, port) in container.ports.iter().flatten().enumerate() {
-            let number = u16::try_from(port.container_port)
-                .ok()
-                .filter(|n| *n != 0)
-                .ok_or_else(|| {
-                    format!(
-                        "spec.containers[{c}].ports[{p}].containerPort: {} is out of range (1..=65535)",
-                        port.container_port
-                    )
-                })?;
+            let field = format!("spec.containers[{c}].ports[{p}]");
+            let number =
+                pod_endpoint::container_port(&field, i64::from(port.container_port)).map_err(|e| e.to_string())?;
             raw.push((
                 number,
                 port.name.clone().unwrap_or_default(),
@@ -761,20 +747,9 @@ fn pod_ports(spec: &PodSpec) -> Result<Vec<Port>, String> {
             ));
         }
     }
-    let ports = pod_meta::mesh_ports(raw.iter().map(|(n, name, proto)| (*n, name.as_str(), proto.as_str())))
-        .into_iter()
-        .map(|(port, protocol)| Port {
-            name: String::new(),
-            port: u32::from(port),
-            protocol: match protocol {
-                AppProtocol::Tcp => Protocol::Tcp,
-                AppProtocol::Http => Protocol::Http,
-                AppProtocol::Http2 => Protocol::Http2,
-                AppProtocol::Grpc => Protocol::Grpc,
-            } as i32,
-        })
-        .collect();
-    Ok(ports)
+    Ok(pod_meta::mesh_ports(
+        raw.iter().map(|(n, name, proto)| (*n, name.as_str(), proto.as_str())),
+    ))
 }
 
 /// The pod's IPs: `status.podIPs`, else `status.podIP`.
@@ -793,25 +768,19 @@ fn pod_addresses(status: Option<&PodStatus>) -> Vec<String> {
     addresses
 }
 
-/// Draining once deleted, else healthy while Ready.
-fn pod_health(metadata: &ObjectMeta, status: Option<&PodStatus>) -> Health {
-    let ready = status
+/// The pod's `Ready` condition is `True`.
+fn is_ready(status: Option<&PodStatus>) -> bool {
+    status
         .and_then(|s| s.conditions.as_ref())
         .into_iter()
         .flatten()
-        .any(|c| c.type_ == "Ready" && c.status == "True");
-    if metadata.deletion_timestamp.is_some() {
-        Health::Draining
-    } else if ready {
-        Health::Healthy
-    } else {
-        Health::Unhealthy
-    }
+        .any(|c| c.type_ == "Ready" && c.status == "True")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use aether_proto::registry::v1::{Health, Protocol};
 
     fn pod(json: serde_json::Value) -> Pod {
         serde_json::from_value(json).expect("a Pod")
