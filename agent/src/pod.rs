@@ -5,10 +5,11 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+use aether_common::pod_endpoint::{self, PortOutOfRange};
 use aether_common::pod_meta;
 use serde::{Deserialize, Serialize};
 
-use crate::upstreams::{self, Upstreams};
+use crate::upstreams::{self, BadName, Upstreams};
 
 // The conventions are shared with the registrar's Kubernetes store, so both read a pod the same way.
 pub use aether_common::pod_meta::{AppProtocol, MANAGED_LABEL, SERVICE_ANNOTATION};
@@ -38,17 +39,35 @@ pub struct ContainerPort {
 impl ContainerPort {
     /// A container port as a Pod spec states it; `field` names it in the error
     /// (`spec.containers[0].ports[1]`). Name and protocol default as Kubernetes does.
-    pub fn from_spec(field: &str, number: i64, name: Option<&str>, protocol: Option<&str>) -> Result<Self, String> {
-        let port = u16::try_from(number)
-            .ok()
-            .filter(|n| *n != 0)
-            .ok_or_else(|| format!("{field}.containerPort: {number} is out of range (1..=65535)"))?;
+    pub fn from_spec(
+        field: &str,
+        number: i64,
+        name: Option<&str>,
+        protocol: Option<&str>,
+    ) -> Result<Self, PortOutOfRange> {
         Ok(Self {
             name: name.unwrap_or_default().to_owned(),
-            port,
+            port: pod_endpoint::container_port(field, number)?,
             protocol: protocol.unwrap_or("TCP").to_owned(),
         })
     }
+}
+
+/// Why a Pod (a manifest, an API object) is not read as a [`PodInfo`], naming the field.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PodError {
+    /// The parser's message, clipped.
+    #[error("not a Pod manifest: {0}")]
+    NotAManifest(String),
+    /// The kind given, quoted (bounded).
+    #[error("kind: {0} is not Pod")]
+    Kind(String),
+    #[error("{0}: missing")]
+    Missing(&'static str),
+    #[error("metadata.namespace: {0}")]
+    Namespace(BadName),
+    #[error(transparent)]
+    Port(#[from] PortOutOfRange),
 }
 
 impl PodInfo {

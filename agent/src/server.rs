@@ -56,7 +56,7 @@ pub enum StartError {
     #[error(transparent)]
     Admin(#[from] AdminError),
     #[error("--pod-source kubernetes: {0}")]
-    Kubernetes(String),
+    Kubernetes(#[from] kubernetes::ClientError),
     #[error("mesh-dns records: {0}")]
     DnsRecords(#[from] crate::dns_records::DnsRecordsError),
     #[error("telemetry: {0}")]
@@ -76,13 +76,21 @@ pub struct Running {
 /// How long shutdown waits for the agent's tasks to end.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
 
+/// The agent stopped because a critical task ended early.
+#[derive(Debug, thiserror::Error)]
+#[error("{task}")]
+pub struct Stopped {
+    /// The task and how it ended.
+    pub task: String,
+}
+
 impl Running {
     /// Runs until shutdown, then waits for every task. `Err` names the critical task
     /// whose early end stopped the agent.
-    pub async fn wait(self) -> Result<(), String> {
+    pub async fn wait(self) -> Result<(), Stopped> {
         self.shutdown.cancelled().await;
         self.readiness.set_not_ready("shutting down");
-        self.tasks.drain(DRAIN_DEADLINE).await
+        self.tasks.drain(DRAIN_DEADLINE).await.map_err(|task| Stopped { task })
     }
 }
 
@@ -244,7 +252,7 @@ async fn locality(config: &Config) -> Result<(Locality, Option<kube::Client>), S
     match config.pod_source {
         PodSourceKind::Static => Ok((locality, None)),
         PodSourceKind::Kubernetes => {
-            let client = kubernetes::client_from_env().await.map_err(StartError::Kubernetes)?;
+            let client = kubernetes::client_from_env().await?;
             let locality = kubernetes::locality(locality, client.clone(), &config.node_name).await;
             Ok((locality, Some(client)))
         }

@@ -23,20 +23,34 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::PodDirectory;
-use crate::pod::{ContainerPort, PodInfo};
+use crate::pod::{ContainerPort, PodError, PodInfo};
 
 /// At most one warning about a failing watch per this interval; the rest go to debug.
 pub const WARN_EVERY: Duration = Duration::from_secs(30);
 
+/// No Kubernetes client could be built.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot build a Kubernetes client (tried KUBECONFIG, ~/.kube/config and the in-cluster service account): {0}")]
+pub struct ClientError(#[source] kube::Error);
+
 /// A Kubernetes client from `KUBECONFIG` / `~/.kube/config`, else the in-cluster
 /// service account.
-pub async fn client_from_env() -> Result<Client, String> {
-    Client::try_default().await.map_err(|e| {
-        format!(
-            "cannot build a Kubernetes client (tried KUBECONFIG, ~/.kube/config and the in-cluster \
-             service account): {e}"
-        )
-    })
+pub async fn client_from_env() -> Result<Client, ClientError> {
+    Client::try_default().await.map_err(ClientError)
+}
+
+/// Why the agent's Node could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeReadError {
+    /// The API server refused (no RBAC, no such Node): not retried.
+    #[error("reading Node {node}: {status}")]
+    Refused {
+        node: String,
+        status: Box<kube::core::Status>,
+    },
+    /// Still failing after [`NODE_ATTEMPTS`]; the last error.
+    #[error("reading Node {node} ({attempts} attempts): {last}")]
+    Failed { node: String, attempts: u32, last: String },
 }
 
 /// Attempts at reading the agent's Node before going on without its locality.
@@ -50,7 +64,7 @@ const NODE_RETRY: Duration = Duration::from_millis(500);
 /// Kubernetes store reads them). A transient failure (transport, timeout, 5xx, 429) is
 /// retried a few times; a refusal (403: no RBAC, 404: no such Node) is not. On failure
 /// the error names what went wrong; the caller goes on without a locality.
-pub async fn node_locality(client: Client, node_name: &str) -> Result<NodeLocality, String> {
+pub async fn node_locality(client: Client, node_name: &str) -> Result<NodeLocality, NodeReadError> {
     let api: Api<Node> = Api::all(client);
     let mut delay = NODE_RETRY;
     let mut attempt = 1;
@@ -61,13 +75,20 @@ pub async fn node_locality(client: Client, node_name: &str) -> Result<NodeLocali
                 return Ok(locality_from_labels(labels.map(|(k, v)| (k.as_str(), v.as_str()))));
             }
             Ok(Err(kube::Error::Api(status))) if status.code < 500 && status.code != 429 => {
-                return Err(format!("reading Node {node_name}: {status}"));
+                return Err(NodeReadError::Refused {
+                    node: node_name.to_owned(),
+                    status,
+                });
             }
             Ok(Err(error)) => error.to_string(),
             Err(_) => format!("no answer within {NODE_READ_TIMEOUT:?}"),
         };
         if attempt >= NODE_ATTEMPTS {
-            return Err(format!("reading Node {node_name} ({attempt} attempts): {error}"));
+            return Err(NodeReadError::Failed {
+                node: node_name.to_owned(),
+                attempts: attempt,
+                last: error,
+            });
         }
         tracing::debug!(node = %node_name, %error, attempt, "reading the node failed; retrying");
         tokio::time::sleep(delay).await;
@@ -163,16 +184,16 @@ fn is_gone(error: &watcher::Error) -> bool {
 }
 
 /// Converts one Pod. Errors name the field at fault.
-pub fn pod_info(pod: &Pod) -> Result<PodInfo, String> {
+pub fn pod_info(pod: &Pod) -> Result<PodInfo, PodError> {
     let metadata = &pod.metadata;
     let name = metadata
         .name
         .clone()
         .filter(|n| !n.is_empty())
-        .ok_or("metadata.name: missing")?;
+        .ok_or(PodError::Missing("metadata.name"))?;
     let namespace = metadata.namespace.clone().unwrap_or_else(|| "default".into());
-    crate::upstreams::check(&namespace).map_err(|r| format!("metadata.namespace: {r}"))?;
-    let spec = pod.spec.as_ref().ok_or("spec: missing")?;
+    crate::upstreams::check(&namespace).map_err(PodError::Namespace)?;
+    let spec = pod.spec.as_ref().ok_or(PodError::Missing("spec"))?;
     let mut ports = Vec::new();
     for (c, container) in spec.containers.iter().enumerate() {
         for (p, port) in container.ports.iter().flatten().enumerate() {
@@ -210,7 +231,7 @@ fn key(pod: &Pod) -> String {
 struct NodePods {
     served: HashMap<String, PodInfo>,
     /// Pods that did not convert, with the error last logged (to log each error once).
-    rejected: HashMap<String, String>,
+    rejected: HashMap<String, PodError>,
     /// A re-list in progress: replaces `served` at `InitDone`.
     relist: Option<HashMap<String, PodInfo>>,
 }
@@ -360,6 +381,7 @@ mod tests {
                 "spec": {"containers": [{"name": "app", "ports": [{"containerPort": 80}, {"containerPort": port}]}]}
             })))
             .unwrap_err()
+            .to_string()
         };
         assert_eq!(
             bad_port(70000),
@@ -373,16 +395,20 @@ mod tests {
             bad_port(-1),
             "spec.containers[0].ports[1].containerPort: -1 is out of range (1..=65535)"
         );
-        assert_eq!(pod_info(&Pod::default()).unwrap_err(), "metadata.name: missing");
+        assert_eq!(
+            pod_info(&Pod::default()).unwrap_err().to_string(),
+            "metadata.name: missing"
+        );
         assert_eq!(
             pod_info(&pod(serde_json::json!({"metadata": {"name": "a"}}))).unwrap_err(),
-            "spec: missing"
+            PodError::Missing("spec")
         );
         assert!(
             pod_info(&pod(
                 serde_json::json!({"metadata": {"name": "a", "namespace": "Shop"}, "spec": {"containers": []}})
             ))
             .unwrap_err()
+            .to_string()
             .starts_with("metadata.namespace: ")
         );
     }

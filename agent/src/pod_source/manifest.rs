@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use aether_common::quote::{clip, quote};
 use serde::Deserialize;
 
-use crate::pod::{ContainerPort, PodInfo};
+use crate::pod::{ContainerPort, PodError, PodInfo};
 
 #[derive(Deserialize)]
 struct Pod {
@@ -51,21 +51,22 @@ struct Port {
 }
 
 /// Parses one Pod manifest.
-pub fn parse(json: &[u8]) -> Result<PodInfo, String> {
-    let pod: Pod = serde_json::from_slice(json).map_err(|e| format!("not a Pod manifest: {}", clip(&e.to_string())))?;
+pub fn parse(json: &[u8]) -> Result<PodInfo, PodError> {
+    let pod: Pod =
+        serde_json::from_slice(json).map_err(|e| PodError::NotAManifest(clip(&e.to_string()).to_string()))?;
     if let Some(kind) = &pod.kind
         && kind != "Pod"
     {
-        return Err(format!("kind: {} is not Pod", quote(kind)));
+        return Err(PodError::Kind(quote(kind).to_string()));
     }
-    let metadata = pod.metadata.ok_or("metadata: missing")?;
+    let metadata = pod.metadata.ok_or(PodError::Missing("metadata"))?;
     let name = metadata
         .name
         .filter(|n| !n.is_empty())
-        .ok_or("metadata.name: missing")?;
+        .ok_or(PodError::Missing("metadata.name"))?;
     let namespace = metadata.namespace.unwrap_or_else(|| "default".into());
-    crate::upstreams::check(&namespace).map_err(|r| format!("metadata.namespace: {r}"))?;
-    let spec = pod.spec.ok_or("spec: missing")?;
+    crate::upstreams::check(&namespace).map_err(PodError::Namespace)?;
+    let spec = pod.spec.ok_or(PodError::Missing("spec"))?;
     let mut ports = Vec::new();
     for (c, container) in spec.containers.iter().enumerate() {
         for (p, port) in container.ports.iter().enumerate() {
@@ -113,17 +114,18 @@ mod tests {
 
     #[test]
     fn errors_name_the_field() {
+        let error = |json: &[u8]| parse(json).unwrap_err().to_string();
+        assert_eq!(error(br#"{"kind":"Service"}"#), "kind: \"Service\" is not Pod");
+        assert_eq!(error(br#"{"metadata":{}}"#), "metadata.name: missing");
         assert_eq!(
-            parse(br#"{"kind":"Service"}"#).unwrap_err(),
-            "kind: \"Service\" is not Pod"
-        );
-        assert_eq!(parse(br#"{"metadata":{}}"#).unwrap_err(), "metadata.name: missing");
-        assert_eq!(
-            parse(br#"{"metadata":{"name":"a"},"spec":{"containers":[{"ports":[{"containerPort":70000}]}]}}"#)
-                .unwrap_err(),
+            error(br#"{"metadata":{"name":"a"},"spec":{"containers":[{"ports":[{"containerPort":70000}]}]}}"#),
             "spec.containers[0].ports[0].containerPort: 70000 is out of range (1..=65535)"
         );
-        assert!(parse(b"{").unwrap_err().starts_with("not a Pod manifest"));
+        assert!(error(b"{").starts_with("not a Pod manifest"));
+        assert_eq!(
+            error(br#"{"metadata":{"name":"a","namespace":"Shop"}}"#),
+            "metadata.namespace: \"Shop\" is not a DNS-1123 label (lowercase letters, digits and '-')"
+        );
     }
 
     proptest::proptest! {

@@ -58,10 +58,14 @@ pub fn read_dir(dir: &Path) -> HashMap<String, PodInfo> {
         if path.extension().is_none_or(|e| e != "json") {
             continue;
         }
-        match std::fs::read(&path)
-            .map_err(|e| e.to_string())
-            .and_then(|b| manifest::parse(&b))
-        {
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(error) => {
+                tracing::warn!(file = %path.display(), %error, "skipping a pod manifest");
+                continue;
+            }
+        };
+        match manifest::parse(&bytes) {
             Ok(pod) => {
                 pods.insert(pod.key(), pod);
             }
