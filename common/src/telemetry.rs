@@ -22,6 +22,7 @@ use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
+use crate::quote::quote;
 use otlp::{ExportMetrics, MetricsExporter, Refresh};
 
 pub const ENV_OTEL_ENABLED: &str = "AETHER_OTEL_ENABLED";
@@ -49,7 +50,7 @@ impl std::str::FromStr for LogFormat {
         match s {
             "text" => Ok(Self::Text),
             "json" => Ok(Self::Json),
-            other => Err(format!("unknown log format {other:?} (expected text or json)")),
+            other => Err(format!("unknown log format {} (expected text or json)", quote(other))),
         }
     }
 }
@@ -105,7 +106,7 @@ pub fn parse_sample_rate(text: &str) -> Result<f64, String> {
     let rate: f64 = text
         .trim()
         .parse()
-        .map_err(|_| format!("{text:?} is not a number (expected 0 to 1)"))?;
+        .map_err(|_| format!("{} is not a number (expected 0 to 1)", quote(text)))?;
     if !(0.0..=1.0).contains(&rate) {
         return Err(format!("{rate} is outside 0 to 1"));
     }

@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
 use super::exposition::{self, Family, Format, Kind};
+use crate::quote::{clip, quote};
 
 /// Failed exports are logged at most this often (the counter has them all).
 pub const LOG_EVERY: Duration = Duration::from_secs(60);
@@ -190,7 +191,7 @@ pub enum ExportError {
     Rpc(#[from] tonic::Status),
     #[error("OTLP export timed out after {0:?}")]
     Timeout(Duration),
-    #[error("--otlp-endpoint {endpoint:?}: {message}")]
+    #[error("--otlp-endpoint {}: {}", quote(.endpoint), clip(.message))]
     Endpoint { endpoint: String, message: String },
 }
 
