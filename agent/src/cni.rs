@@ -286,7 +286,7 @@ impl CniService {
             .cache
             .wait_acked(&wanted, remaining)
             .await
-            .map_err(Status::deadline_exceeded)
+            .map_err(|e| Status::deadline_exceeded(e.to_string()))
     }
 
     async fn remove(&self, request: RemovePodRequest) -> Result<RemovePodResponse, Status> {
@@ -359,7 +359,7 @@ impl CniService {
             .cache
             .wait_acked(&names, Duration::from_millis(200))
             .await
-            .map_err(Status::failed_precondition)?;
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
         match capture::check(&self.capture, &pod.container_id, &pod.netns).await {
             Ok(Verdict::Intact | Verdict::NotCaptured) => {}
             Ok(Verdict::Drifted) => {

@@ -124,6 +124,17 @@ pub fn version_of(body: &Any) -> String {
     format!("{hash:016x}")
 }
 
+/// Why waiting for Envoy to hold (or let go of) resources failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum WaitError {
+    #[error("Envoy has not acknowledged {}{}", .missing.join(", "), if *.connected { "" } else { " (no Envoy is connected)" })]
+    NotAcked { missing: Vec<String>, connected: bool },
+    #[error("Envoy rejected {name}: {error}")]
+    Rejected { name: String, error: String },
+    #[error("Envoy still holds {}", .names.join(", "))]
+    StillHeld { names: Vec<String> },
+}
+
 /// One ADS stream's handle on its own ACK state; dropping it (the stream ended) forgets
 /// that state and wakes waiters.
 pub struct AckRecorder {
@@ -291,7 +302,7 @@ impl Cache {
 
     /// Waits until no live Envoy holds any of the named resources (their removal was
     /// ACKed by every stream, or no Envoy is connected).
-    pub async fn wait_removed(&self, names: &[(&str, String)], timeout: Duration) -> Result<(), String> {
+    pub async fn wait_removed(&self, names: &[(&str, String)], timeout: Duration) -> Result<(), WaitError> {
         let mut streams = self.streams.subscribe();
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -312,15 +323,15 @@ impl Cache {
                 return Ok(());
             }
             if tokio::time::timeout_at(deadline, streams.changed()).await.is_err() {
-                let held: Vec<String> = held.into_iter().collect();
-                return Err(format!("Envoy still holds {}", held.join(", ")));
+                let names = held.into_iter().collect();
+                return Err(WaitError::StillHeld { names });
             }
         }
     }
 
     /// Waits until the newest connected Envoy has ACKed the current version of every
     /// named resource; fails at once if it rejected one of them.
-    pub async fn wait_acked(&self, wanted: &[(&str, String)], timeout: Duration) -> Result<(), String> {
+    pub async fn wait_acked(&self, wanted: &[(&str, String)], timeout: Duration) -> Result<(), WaitError> {
         let mut streams = self.streams.subscribe();
         let mut snapshots = self.snapshot.subscribe();
         let deadline = tokio::time::Instant::now() + timeout;
@@ -345,7 +356,10 @@ impl Cache {
                     if let Some((version, error)) = newest.rejected.get(&((*type_url).to_owned(), name.clone()))
                         && served == Some(version.as_str())
                     {
-                        rejected = Some(format!("Envoy rejected {name}: {error}"));
+                        rejected = Some(WaitError::Rejected {
+                            name: name.clone(),
+                            error: error.clone(),
+                        });
                     }
                 }
                 (missing, rejected)
@@ -358,8 +372,8 @@ impl Cache {
             }
             tokio::select! {
                 _ = tokio::time::sleep_until(deadline) => {
-                    let connected = if streams.borrow().live.is_empty() { " (no Envoy is connected)" } else { "" };
-                    return Err(format!("Envoy has not acknowledged {}{connected}", missing.join(", ")));
+                    let connected = !streams.borrow().live.is_empty();
+                    return Err(WaitError::NotAcked { missing, connected });
                 }
                 _ = streams.changed() => {}
                 _ = snapshots.changed() => {}
@@ -416,10 +430,13 @@ mod tests {
         let cache = Cache::default();
         let version = served(&cache, "a", b"1");
         let err = cache.wait_acked(&[("t", "a".into())], Duration::from_secs(1)).await;
-        assert_eq!(err, Err("Envoy has not acknowledged a (no Envoy is connected)".into()));
+        assert_eq!(
+            err.unwrap_err().to_string(),
+            "Envoy has not acknowledged a (no Envoy is connected)"
+        );
         let stream = cache.open_stream();
         let err = cache.wait_acked(&[("t", "a".into())], Duration::from_secs(1)).await;
-        assert_eq!(err, Err("Envoy has not acknowledged a".into()));
+        assert_eq!(err.unwrap_err().to_string(), "Envoy has not acknowledged a");
         let waiter = {
             let cache = cache.clone();
             tokio::spawn(async move { cache.wait_acked(&[("t", "a".into())], Duration::from_secs(5)).await })
@@ -457,7 +474,7 @@ mod tests {
         old.record_ack("t", &[("a".into(), Some(version.clone()))]);
         let new = cache.open_stream();
         let err = cache.wait_acked(&[("t", "a".into())], Duration::from_millis(100)).await;
-        assert_eq!(err, Err("Envoy has not acknowledged a".into()));
+        assert_eq!(err.unwrap_err().to_string(), "Envoy has not acknowledged a");
         // The new Envoy dies before it ACKs: the old one serves again.
         drop(new);
         assert_eq!(
@@ -467,7 +484,10 @@ mod tests {
         // Nobody connected: nothing is live.
         drop(old);
         let err = cache.wait_acked(&[("t", "a".into())], Duration::from_millis(100)).await;
-        assert_eq!(err, Err("Envoy has not acknowledged a (no Envoy is connected)".into()));
+        assert_eq!(
+            err.unwrap_err().to_string(),
+            "Envoy has not acknowledged a (no Envoy is connected)"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -482,7 +502,7 @@ mod tests {
         let err = cache
             .wait_removed(&[("t", "a".into())], Duration::from_millis(100))
             .await;
-        assert_eq!(err, Err("Envoy still holds a".into()));
+        assert_eq!(err.unwrap_err().to_string(), "Envoy still holds a");
         let waiter = {
             let cache = cache.clone();
             tokio::spawn(async move { cache.wait_removed(&[("t", "a".into())], Duration::from_secs(5)).await })
@@ -499,7 +519,7 @@ mod tests {
         let stream = cache.open_stream();
         stream.record_nack("t", &vec![("a".into(), Some(version.clone()))], "bad field");
         let err = cache.wait_acked(&[("t", "a".into())], Duration::from_secs(5)).await;
-        assert_eq!(err, Err("Envoy rejected a: bad field".into()));
+        assert_eq!(err.unwrap_err().to_string(), "Envoy rejected a: bad field");
         stream.record_ack("t", &[("a".into(), Some(version))]);
         stream.forget("t", &["a".into()]);
         assert_eq!(
