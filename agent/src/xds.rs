@@ -6,6 +6,9 @@ pub mod cache;
 pub mod delta;
 pub mod resources;
 pub mod sotw;
+pub mod stream;
+#[cfg(test)]
+mod testing;
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -25,6 +28,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use cache::Cache;
+use delta::DeltaStream;
+use sotw::SotwStream;
 
 /// Type URLs.
 pub const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
@@ -100,7 +105,7 @@ impl XdsMetrics {
 
     /// A response of `type_url` carrying `resources` resources of `bytes` encoded bytes was sent.
     pub fn pushed(&self, type_url: &str, resources: usize, bytes: usize) {
-        let labels = [("type", delta::short(type_url))];
+        let labels = [("type", short(type_url))];
         self.pushes.get_or_create(&labels).inc();
         self.resources_pushed.get_or_create(&labels).inc_by(resources as u64);
         self.bytes_pushed.get_or_create(&labels).inc_by(bytes as u64);
@@ -108,7 +113,7 @@ impl XdsMetrics {
 
     /// Envoy answered a response sent `elapsed` ago.
     pub fn answered(&self, type_url: &str, elapsed: std::time::Duration, accepted: bool) {
-        let labels = [("type", delta::short(type_url))];
+        let labels = [("type", short(type_url))];
         if accepted {
             self.acks.get_or_create(&labels).inc();
         } else {
@@ -155,7 +160,7 @@ impl AggregatedDiscoveryService for AdsServer {
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
         let (out, outbox) = mpsc::channel(OUTBOX);
-        tokio::spawn(sotw::serve(
+        tokio::spawn(stream::serve::<SotwStream, _>(
             self.cache.clone(),
             self.hooks.clone(),
             request.into_inner(),
@@ -169,7 +174,7 @@ impl AggregatedDiscoveryService for AdsServer {
         request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
         let (out, outbox) = mpsc::channel(OUTBOX);
-        tokio::spawn(delta::serve(
+        tokio::spawn(stream::serve::<DeltaStream, _>(
             self.cache.clone(),
             self.hooks.clone(),
             request.into_inner(),
@@ -179,11 +184,14 @@ impl AggregatedDiscoveryService for AdsServer {
     }
 }
 
-/// Decrements a gauge when dropped (a stream ended).
-struct Decrement(Gauge);
-
-impl Drop for Decrement {
-    fn drop(&mut self) {
-        self.0.dec();
+/// `Cluster` from a type URL, for metric labels.
+pub fn short(type_url: &str) -> &'static str {
+    match type_url {
+        CLUSTER => "Cluster",
+        ENDPOINT => "ClusterLoadAssignment",
+        LISTENER => "Listener",
+        ROUTE => "RouteConfiguration",
+        SECRET => "Secret",
+        _ => "other",
     }
 }

@@ -1,249 +1,211 @@
-//! One delta ADS stream (`DeltaAggregatedResources`).
+//! One delta ADS stream (`DeltaAggregatedResources`) as a state machine.
 //!
 //! Per type the stream tracks what its Envoy subscribed to (wildcard and/or names) and
 //! the version it holds of each resource (seeded from `initial_resource_versions`, so a
 //! reconnecting Envoy is not sent what it already has). On every request and every new
 //! snapshot it sends only the difference, in push order. A response is a NACK when the
-//! next request carries its nonce with `error_detail`: counted and logged, and Envoy
-//! keeps its last good config.
+//! next request carries its nonce with `error_detail`: recorded, and not resent (Envoy
+//! keeps its last good config until the resource changes again).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Instant;
 
 use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
-use futures::{Stream, StreamExt};
-use tokio::sync::mpsc;
-use tonic::Status;
 
-use super::Hooks;
-use super::cache::{Cache, Snapshot};
-use super::{Decrement, PUSH_ORDER};
+use super::PUSH_ORDER;
+use super::cache::{Sent, Snapshot};
+use super::stream::{Nonces, Protocol, Push, Record, Size, verdict};
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct TypeState {
     wildcard: bool,
     names: BTreeSet<String>,
     /// What Envoy holds: name → version. Names it asked for that do not exist are
     /// kept with an empty version once reported removed, so they are reported once.
-    held: HashMap<String, String>,
+    held: BTreeMap<String, String>,
     started: bool,
     /// Envoy's initial fetch for a type completes only with a response, even an
     /// empty one.
     answered: bool,
 }
 
-struct Sent {
-    type_url: String,
-    resources: Vec<(String, Option<String>)>,
-    at: std::time::Instant,
+/// One delta ADS stream's subscriptions, what its Envoy holds, and its unanswered pushes.
+#[derive(Debug, Default)]
+pub struct DeltaStream {
+    types: HashMap<String, TypeState>,
+    unanswered: HashMap<String, Push>,
+    nonces: Nonces,
 }
 
-pub async fn serve<S>(
-    cache: Cache,
-    hooks: Hooks,
-    mut inbound: S,
-    out: mpsc::Sender<Result<DeltaDiscoveryResponse, Status>>,
-) where
-    S: Stream<Item = Result<DeltaDiscoveryRequest, Status>> + Unpin,
-{
-    let mut snapshots = cache.subscribe();
-    let mut types: HashMap<String, TypeState> = HashMap::new();
-    let mut pending: HashMap<String, Sent> = HashMap::new();
-    let mut nonce = 0u64;
-    let acks = cache.open_stream();
-    hooks.metrics.streams.inc();
-    let _streams = Decrement(hooks.metrics.streams.clone());
-    loop {
-        let snapshot = tokio::select! {
-            request = inbound.next() => {
-                let request = match request {
-                    Some(Ok(request)) => request,
-                    Some(Err(status)) => {
-                        tracing::debug!(%status, "delta xDS stream ended");
-                        break;
-                    }
-                    None => break,
-                };
-                if let Some(sent) = request_nonce(&request).and_then(|n| pending.remove(n)) {
-                    hooks.metrics.answered(&sent.type_url, sent.at.elapsed(), request.error_detail.is_none());
-                    match &request.error_detail {
-                        Some(error) => {
-                            acks.record_nack(&sent.type_url, &sent.resources, &error.message);
-                            tracing::warn!(type_url = %sent.type_url, error = %error.message,
-                                "Envoy rejected a config push; it keeps its last good config");
-                        }
-                        None => acks.record_ack(&sent.type_url, &sent.resources),
-                    }
-                }
-                let state = types.entry(request.type_url.clone()).or_default();
-                if !state.started {
-                    state.started = true;
-                    state.held.extend(request.initial_resource_versions.clone());
-                    // A reconnecting Envoy already runs these versions.
-                    let running: Vec<(String, Option<String>)> = request
-                        .initial_resource_versions
-                        .iter()
-                        .map(|(name, version)| (name.clone(), Some(version.clone())))
-                        .collect();
-                    acks.record_ack(&request.type_url, &running);
-                    // A first request naming nothing is a wildcard subscription (legacy form).
-                    if request.resource_names_subscribe.is_empty() {
-                        state.wildcard = true;
-                    }
-                }
-                for name in &request.resource_names_subscribe {
-                    if name == "*" {
-                        state.wildcard = true;
-                    } else {
-                        state.names.insert(name.clone());
-                    }
-                }
-                acks.forget(&request.type_url, &request.resource_names_unsubscribe);
-                for name in &request.resource_names_unsubscribe {
-                    if name == "*" {
-                        state.wildcard = false;
-                    } else {
-                        state.names.remove(name);
-                        state.held.remove(name);
-                    }
-                }
-                let mut snapshot = cache.snapshot();
-                if !request.resource_names_subscribe.is_empty() {
-                    let missing: Vec<String> = request
-                        .resource_names_subscribe
-                        .iter()
-                        .filter(|n| *n != "*" && snapshot.version_of(&request.type_url, n).is_none())
-                        .cloned()
-                        .collect();
-                    if !missing.is_empty() {
-                        // The hook marks what it will look up as pending before returning.
-                        (hooks.on_demand)(&request.type_url, &missing);
-                        snapshot = cache.snapshot();
-                    }
-                }
-                snapshot
-            }
-            changed = snapshots.changed() => {
-                if changed.is_err() {
-                    break;
-                }
-                snapshots.borrow_and_update().clone()
-            }
-        };
-        for type_url in PUSH_ORDER {
-            let Some(state) = types.get_mut(type_url) else { continue };
-            if let Some(response) = diff(type_url, state, &snapshot, &mut nonce, &mut pending) {
-                let bytes: usize = response
-                    .resources
-                    .iter()
-                    .filter_map(|r| r.resource.as_ref())
-                    .map(|a| a.value.len())
-                    .sum();
-                let count = response.resources.len() + response.removed_resources.len();
-                hooks.metrics.pushed(type_url, count, bytes);
-                if out.send(Ok(response)).await.is_err() {
-                    return;
-                }
-            }
+impl Protocol for DeltaStream {
+    type Request = DeltaDiscoveryRequest;
+    type Response = DeltaDiscoveryResponse;
+
+    fn request(&mut self, request: &DeltaDiscoveryRequest) -> Vec<Record> {
+        let mut records = Vec::new();
+        if let Some(push) = self.unanswered.remove(&request.response_nonce) {
+            records.push(verdict(push, request.error_detail.as_ref(), Record::Acked));
+        }
+        let state = self.types.entry(request.type_url.clone()).or_default();
+        if !state.started {
+            records.extend(state.start(request));
+        }
+        state.subscribe(&request.resource_names_subscribe, &request.resource_names_unsubscribe);
+        if !request.resource_names_unsubscribe.is_empty() {
+            records.push(Record::Forgotten {
+                type_url: request.type_url.clone(),
+                names: request.resource_names_unsubscribe.clone(),
+            });
+        }
+        records
+    }
+
+    fn on_demand<'r>(request: &'r DeltaDiscoveryRequest, snapshot: &Snapshot) -> Option<(&'r str, Vec<String>)> {
+        let type_url = request.type_url.as_str();
+        let missing: Vec<String> = (request.resource_names_subscribe.iter())
+            .filter(|name| *name != "*" && snapshot.version_of(type_url, name).is_none())
+            .cloned()
+            .collect();
+        (!missing.is_empty()).then_some((type_url, missing))
+    }
+
+    fn push(&mut self, snapshot: &Snapshot, now: Instant) -> Vec<DeltaDiscoveryResponse> {
+        PUSH_ORDER
+            .iter()
+            .filter_map(|type_url| self.respond(type_url, snapshot, now))
+            .collect()
+    }
+
+    fn size(response: &DeltaDiscoveryResponse) -> Size<'_> {
+        let bodies = response.resources.iter().filter_map(|r| r.resource.as_ref());
+        Size {
+            type_url: &response.type_url,
+            resources: response.resources.len() + response.removed_resources.len(),
+            bytes: bodies.map(|body| body.value.len()).sum(),
         }
     }
 }
 
-fn request_nonce(request: &DeltaDiscoveryRequest) -> Option<&str> {
-    Some(request.response_nonce.as_str()).filter(|n| !n.is_empty())
+impl DeltaStream {
+    /// The response that brings this type up to `snapshot`, if anything differs (or
+    /// Envoy's initial fetch of the type is still unanswered).
+    fn respond(&mut self, type_url: &str, snapshot: &Snapshot, now: Instant) -> Option<DeltaDiscoveryResponse> {
+        let state = self.types.get_mut(type_url)?;
+        let (resources, removed) = state.diff(type_url, snapshot);
+        if resources.is_empty() && removed.is_empty() && state.answered {
+            return None;
+        }
+        let sent = state.sent(&resources, &removed);
+        let nonce = self.nonces.issue();
+        let push = Push {
+            type_url: type_url.to_owned(),
+            resources: sent,
+            at: now,
+        };
+        self.unanswered.insert(nonce.clone(), push);
+        Some(DeltaDiscoveryResponse {
+            system_version_info: snapshot.serial.to_string(),
+            type_url: type_url.to_owned(),
+            resources,
+            removed_resources: removed,
+            nonce,
+            ..Default::default()
+        })
+    }
 }
 
-/// The response that brings this type up to `snapshot`, if anything differs.
-fn diff(
-    type_url: &str,
-    state: &mut TypeState,
-    snapshot: &Snapshot,
-    nonce: &mut u64,
-    pending: &mut HashMap<String, Sent>,
-) -> Option<DeltaDiscoveryResponse> {
-    let empty = Default::default();
-    let served = snapshot.get(type_url).unwrap_or(&empty);
-    let mut resources = Vec::new();
-    let mut sent = Vec::new();
-    let wanted = |name: &str| state.wildcard || state.names.contains(name);
-    let candidates: Box<dyn Iterator<Item = &String>> = if state.wildcard {
-        Box::new(served.keys().chain(state.names.iter()))
-    } else {
-        Box::new(state.names.iter())
-    };
-    let mut removed = Vec::new();
-    let mut seen = BTreeSet::new();
-    for name in candidates {
-        if !seen.insert(name.clone()) {
-            continue;
+impl TypeState {
+    /// The type's first request: what a reconnecting Envoy already runs, and whether
+    /// it subscribes to everything.
+    fn start(&mut self, request: &DeltaDiscoveryRequest) -> Option<Record> {
+        self.started = true;
+        // A first request naming nothing is a wildcard subscription (legacy form).
+        self.wildcard = request.resource_names_subscribe.is_empty();
+        let running = &request.initial_resource_versions;
+        self.held.extend(running.clone());
+        let resources = running.iter().map(|(name, v)| (name.clone(), Some(v.clone())));
+        (!running.is_empty()).then(|| Record::Running {
+            type_url: request.type_url.clone(),
+            resources: resources.collect(),
+        })
+    }
+
+    fn subscribe(&mut self, subscribe: &[String], unsubscribe: &[String]) {
+        for name in subscribe {
+            if name == "*" {
+                self.wildcard = true;
+            } else {
+                self.names.insert(name.clone());
+            }
         }
-        match served.get(name) {
-            Some(resource) if state.held.get(name) != Some(&resource.version) => {
-                resources.push(Resource {
+        for name in unsubscribe {
+            if name == "*" {
+                self.wildcard = false;
+            } else {
+                self.names.remove(name);
+                self.held.remove(name);
+            }
+        }
+    }
+
+    /// What Envoy lacks of this type at `snapshot`: resources to add or update (in name
+    /// order), and names to report removed.
+    fn diff(&self, type_url: &str, snapshot: &Snapshot) -> (Vec<Resource>, Vec<String>) {
+        let empty = BTreeMap::new();
+        let served = snapshot.get(type_url).unwrap_or(&empty);
+        let by_wildcard = served.keys().filter(|_| self.wildcard);
+        let wanted: BTreeSet<&String> = by_wildcard.chain(&self.names).collect();
+        let mut resources = Vec::new();
+        let mut removed = Vec::new();
+        for name in wanted {
+            let held = self.held.get(name);
+            match served.get(name) {
+                Some(resource) if held != Some(&resource.version) => resources.push(Resource {
                     name: name.clone(),
                     version: resource.version.clone(),
                     resource: Some(resource.body.clone()),
                     ..Default::default()
-                });
-                sent.push((name.clone(), Some(resource.version.clone())));
+                }),
+                Some(_) => {}
+                // Asked for by name but not served: once any on-demand lookup has ended,
+                // say so (once), so Envoy stops waiting.
+                None if held.is_none_or(|v| !v.is_empty())
+                    && !snapshot.pending.contains(&(type_url.to_owned(), name.clone())) =>
+                {
+                    removed.push(name.clone())
+                }
+                None => {}
             }
-            Some(_) => {}
-            // Asked for by name but not served: once any on-demand lookup has ended, say
-            // so (once), so Envoy stops waiting.
-            None if state.held.get(name).is_none_or(|v| !v.is_empty())
-                && !snapshot.pending.contains(&(type_url.to_owned(), name.clone())) =>
-            {
-                removed.push(name.clone());
-                sent.push((name.clone(), None));
-            }
-            None => {}
         }
+        // Held by wildcard alone, and gone from the snapshot.
+        let gone = self
+            .held
+            .keys()
+            .filter(|name| self.wildcard && !served.contains_key(*name) && !self.names.contains(*name));
+        removed.extend(gone.cloned());
+        (resources, removed)
     }
-    // Held resources that are gone from the snapshot (wildcard) or no longer wanted.
-    for name in state.held.keys() {
-        if !served.contains_key(name) && !seen.contains(name) && wanted(name) {
-            removed.push(name.clone());
+
+    /// Envoy is sent these: it will hold them. Returns what the response carried.
+    fn sent(&mut self, resources: &[Resource], removed: &[String]) -> Sent {
+        self.answered = true;
+        let mut sent = Sent::new();
+        for resource in resources {
+            self.held.insert(resource.name.clone(), resource.version.clone());
+            sent.push((resource.name.clone(), Some(resource.version.clone())));
+        }
+        for name in removed {
+            // Remembered as reported, so an absent name asked for is reported once.
+            if self.names.contains(name) {
+                self.held.insert(name.clone(), String::new());
+            } else {
+                self.held.remove(name);
+            }
             sent.push((name.clone(), None));
         }
+        sent
     }
-    if resources.is_empty() && removed.is_empty() && state.answered {
-        return None;
-    }
-    state.answered = true;
-    for (name, version) in &sent {
-        match version {
-            Some(v) => state.held.insert(name.clone(), v.clone()),
-            None if state.names.contains(name) => state.held.insert(name.clone(), String::new()),
-            None => state.held.remove(name),
-        };
-    }
-    *nonce += 1;
-    let nonce = nonce.to_string();
-    pending.insert(
-        nonce.clone(),
-        Sent {
-            type_url: type_url.to_owned(),
-            resources: sent,
-            at: std::time::Instant::now(),
-        },
-    );
-    Some(DeltaDiscoveryResponse {
-        system_version_info: snapshot.serial.to_string(),
-        type_url: type_url.to_owned(),
-        resources,
-        removed_resources: removed,
-        nonce,
-        ..Default::default()
-    })
 }
 
-/// `Cluster` from a type URL, for metric labels.
-pub fn short(type_url: &str) -> &'static str {
-    match type_url {
-        super::CLUSTER => "Cluster",
-        super::ENDPOINT => "ClusterLoadAssignment",
-        super::LISTENER => "Listener",
-        super::ROUTE => "RouteConfiguration",
-        super::SECRET => "Secret",
-        _ => "other",
-    }
-}
+#[cfg(test)]
+mod tests;

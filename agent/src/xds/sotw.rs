@@ -1,114 +1,99 @@
-//! One state-of-the-world ADS stream (`StreamAggregatedResources`): per type, the whole
-//! set the Envoy asked for, sent whenever its combined version differs from what was
-//! last sent. A request carrying the last nonce with `error_detail` is a NACK.
+//! One state-of-the-world ADS stream (`StreamAggregatedResources`) as a state machine:
+//! per type, the whole set the Envoy asked for, sent whenever its combined version
+//! differs from what was last sent. A request carrying the type's last nonce answers
+//! that response (a NACK with `error_detail`); an older nonce answers nothing.
 
 use std::collections::{BTreeSet, HashMap};
+use std::time::Instant;
 
 use aether_common::hash::{fnv1a, fnv1a_extend};
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
-use futures::{Stream, StreamExt};
-use tokio::sync::mpsc;
-use tonic::Status;
 
-use super::cache::{Cache, Sent, Snapshot};
-use super::{Decrement, Hooks, PUSH_ORDER};
+use super::PUSH_ORDER;
+use super::cache::Snapshot;
+use super::stream::{Nonces, Protocol, Push, Record, Size, verdict};
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct TypeState {
+    /// The names asked for; none asks for every resource of the type.
     names: BTreeSet<String>,
     sent_version: Option<String>,
-    /// The nonce of the last response, and what it carried.
-    pending: Option<(String, Sent)>,
-    /// When the pending response was sent.
-    sent_at: Option<std::time::Instant>,
+    /// The nonce of the last response, and what it carried, until Envoy answers it.
+    unanswered: Option<(String, Push)>,
 }
 
-pub async fn serve<S>(cache: Cache, hooks: Hooks, mut inbound: S, out: mpsc::Sender<Result<DiscoveryResponse, Status>>)
-where
-    S: Stream<Item = Result<DiscoveryRequest, Status>> + Unpin,
-{
-    let mut snapshots = cache.subscribe();
-    let mut types: HashMap<String, TypeState> = HashMap::new();
-    let mut nonce = 0u64;
-    let acks = cache.open_stream();
-    hooks.metrics.streams.inc();
-    let _streams = Decrement(hooks.metrics.streams.clone());
-    loop {
-        let snapshot = tokio::select! {
-            request = inbound.next() => {
-                let Some(Ok(request)) = request else { break };
-                let state = types.entry(request.type_url.clone()).or_default();
-                if let Some((sent_nonce, resources)) = state.pending.take() {
-                    if sent_nonce == request.response_nonce {
-                        if let Some(at) = state.sent_at.take() {
-                            hooks.metrics.answered(&request.type_url, at.elapsed(), request.error_detail.is_none());
-                        }
-                        match &request.error_detail {
-                            Some(error) => {
-                                acks.record_nack(&request.type_url, &resources, &error.message);
-                                tracing::warn!(type_url = %request.type_url, error = %error.message,
-                                    "Envoy rejected a config push; it keeps its last good config");
-                            }
-                            None => acks.record_ack_all(&request.type_url, &resources),
-                        }
-                    } else {
-                        state.pending = Some((sent_nonce, resources));
-                    }
-                }
-                state.names = request.resource_names.iter().cloned().collect();
-                cache.snapshot()
-            }
-            changed = snapshots.changed() => {
-                if changed.is_err() {
-                    break;
-                }
-                snapshots.borrow_and_update().clone()
-            }
-        };
-        for type_url in PUSH_ORDER {
-            let Some(state) = types.get_mut(type_url) else { continue };
-            if let Some(response) = respond(type_url, state, &snapshot, &mut nonce) {
-                let bytes: usize = response.resources.iter().map(|a| a.value.len()).sum();
-                hooks.metrics.pushed(type_url, response.resources.len(), bytes);
-                if out.send(Ok(response)).await.is_err() {
-                    return;
-                }
-            }
+/// One state-of-the-world ADS stream: per type, what Envoy asked for and was last sent.
+#[derive(Debug, Default)]
+pub struct SotwStream {
+    types: HashMap<String, TypeState>,
+    nonces: Nonces,
+}
+
+impl Protocol for SotwStream {
+    type Request = DiscoveryRequest;
+    type Response = DiscoveryResponse;
+
+    fn request(&mut self, request: &DiscoveryRequest) -> Vec<Record> {
+        let state = self.types.entry(request.type_url.clone()).or_default();
+        let answered = state.unanswered.take_if(|(nonce, _)| *nonce == request.response_nonce);
+        state.names = request.resource_names.iter().cloned().collect();
+        let verdict = answered.map(|(_, push)| verdict(push, request.error_detail.as_ref(), Record::AckedAll));
+        verdict.into_iter().collect()
+    }
+
+    fn push(&mut self, snapshot: &Snapshot, now: Instant) -> Vec<DiscoveryResponse> {
+        PUSH_ORDER
+            .iter()
+            .filter_map(|type_url| self.respond(type_url, snapshot, now))
+            .collect()
+    }
+
+    fn size(response: &DiscoveryResponse) -> Size<'_> {
+        Size {
+            type_url: &response.type_url,
+            resources: response.resources.len(),
+            bytes: response.resources.iter().map(|body| body.value.len()).sum(),
         }
     }
 }
 
-fn respond(type_url: &str, state: &mut TypeState, snapshot: &Snapshot, nonce: &mut u64) -> Option<DiscoveryResponse> {
-    let empty = Default::default();
-    let served = snapshot.get(type_url).unwrap_or(&empty);
-    // An empty name list asks for everything of the type.
-    let selected: Vec<_> = served
-        .values()
-        .filter(|r| state.names.is_empty() || state.names.contains(&r.name))
-        .collect();
-    let hash = selected.iter().fold(fnv1a(type_url.as_bytes()), |h, r| {
-        fnv1a_extend(fnv1a_extend(h, r.name.as_bytes()), r.version.as_bytes())
-    });
-    let version = format!("{hash:016x}");
-    if state.sent_version.as_deref() == Some(version.as_str()) {
-        return None;
+impl SotwStream {
+    /// The type's whole selection at `snapshot`, if its version differs from the last sent.
+    fn respond(&mut self, type_url: &str, snapshot: &Snapshot, now: Instant) -> Option<DiscoveryResponse> {
+        let state = self.types.get_mut(type_url)?;
+        let empty = Default::default();
+        let served = snapshot.get(type_url).unwrap_or(&empty);
+        let selected: Vec<_> = served
+            .values()
+            .filter(|r| state.names.is_empty() || state.names.contains(&r.name))
+            .collect();
+        let hash = selected.iter().fold(fnv1a(type_url.as_bytes()), |h, r| {
+            fnv1a_extend(fnv1a_extend(h, r.name.as_bytes()), r.version.as_bytes())
+        });
+        let version = format!("{hash:016x}");
+        if state.sent_version.as_deref() == Some(version.as_str()) {
+            return None;
+        }
+        let nonce = self.nonces.issue();
+        state.sent_version = Some(version.clone());
+        let push = Push {
+            type_url: type_url.to_owned(),
+            resources: selected
+                .iter()
+                .map(|r| (r.name.clone(), Some(r.version.clone())))
+                .collect(),
+            at: now,
+        };
+        state.unanswered = Some((nonce.clone(), push));
+        Some(DiscoveryResponse {
+            version_info: version,
+            resources: selected.iter().map(|r| r.body.clone()).collect(),
+            type_url: type_url.to_owned(),
+            nonce,
+            ..Default::default()
+        })
     }
-    *nonce += 1;
-    let nonce = nonce.to_string();
-    state.sent_version = Some(version.clone());
-    state.sent_at = Some(std::time::Instant::now());
-    state.pending = Some((
-        nonce.clone(),
-        selected
-            .iter()
-            .map(|r| (r.name.clone(), Some(r.version.clone())))
-            .collect(),
-    ));
-    Some(DiscoveryResponse {
-        version_info: version,
-        resources: selected.iter().map(|r| r.body.clone()).collect(),
-        type_url: type_url.to_owned(),
-        nonce,
-        ..Default::default()
-    })
 }
+
+#[cfg(test)]
+mod tests;

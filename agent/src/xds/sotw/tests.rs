@@ -1,0 +1,157 @@
+//! The state-of-the-world stream, step by step: each step (a snapshot published, a
+//! request from Envoy) and what it must put out, as one line: the ACK-state records,
+//! then the responses (`send <nonce> <type> <name><version>…`), comma-separated.
+
+use super::*;
+use crate::xds::testing::{read, record, serving};
+use crate::xds::{CLUSTER, LISTENER, short};
+use envoy_types::pb::google::rpc;
+
+enum Step {
+    Publish(Snapshot),
+    Request(Box<DiscoveryRequest>),
+}
+
+/// Runs `steps` through one new stream, checking what each puts out.
+fn run(steps: Vec<(Step, &str)>) {
+    let mut stream = SotwStream::default();
+    let mut snapshot = Snapshot::default();
+    let now = Instant::now();
+    for (i, (step, expected)) in steps.into_iter().enumerate() {
+        let mut out: Vec<String> = Vec::new();
+        match step {
+            Step::Publish(published) => snapshot = published,
+            Step::Request(request) => out.extend(stream.request(&request).iter().map(record)),
+        }
+        out.extend(stream.push(&snapshot, now).iter().map(response));
+        assert_eq!(out.join(", "), expected, "step {i}");
+    }
+}
+
+fn response(response: &DiscoveryResponse) -> String {
+    let bodies: String = response
+        .resources
+        .iter()
+        .map(|body| format!(" {}", read(body)))
+        .collect();
+    format!("send {} {}{bodies}", response.nonce, short(&response.type_url))
+}
+
+fn publish(serial: u64, clusters: &str) -> Step {
+    Step::Publish(serving(serial, &[(CLUSTER, clusters)]))
+}
+
+fn request(names: &[&str], nonce: &str) -> DiscoveryRequest {
+    DiscoveryRequest {
+        type_url: CLUSTER.into(),
+        resource_names: names.iter().map(|n| n.to_string()).collect(),
+        response_nonce: nonce.into(),
+        ..Default::default()
+    }
+}
+
+/// Envoy asks for `names` (none: all), answering `nonce` (an ACK).
+fn ask(names: &[&str], nonce: &str) -> Step {
+    Step::Request(Box::new(request(names, nonce)))
+}
+
+fn nack(names: &[&str], nonce: &str, error: &str) -> Step {
+    let error_detail = Some(rpc::Status {
+        message: error.into(),
+        ..Default::default()
+    });
+    Step::Request(Box::new(DiscoveryRequest {
+        error_detail,
+        ..request(names, nonce)
+    }))
+}
+
+#[test]
+fn a_first_request_gets_its_whole_selection() {
+    run(vec![
+        (publish(1, "a=1 b=2"), ""),
+        (ask(&["a", "x"], ""), "send 1 Cluster a1"),
+        // Asking for everything, answering the first response.
+        (ask(&[], "1"), "ack all Cluster +a, send 2 Cluster a1 b2"),
+        (publish(2, "a=1 b=2 c=3"), "send 3 Cluster a1 b2 c3"),
+    ]);
+}
+
+#[test]
+fn only_the_last_nonce_of_a_type_answers_and_only_once() {
+    run(vec![
+        (publish(1, "a=1"), ""),
+        (ask(&[], ""), "send 1 Cluster a1"),
+        (publish(2, "a=2"), "send 2 Cluster a2"),
+        // Superseded by nonce 2: ignored.
+        (ask(&[], "1"), ""),
+        (ask(&[], "2"), "ack all Cluster +a"),
+        (ask(&[], "2"), ""),
+        (ask(&[], "7"), ""),
+    ]);
+}
+
+#[test]
+fn the_version_info_of_a_request_is_not_consulted() {
+    let stale = DiscoveryRequest {
+        version_info: "an older version".into(),
+        ..request(&[], "1")
+    };
+    run(vec![
+        (publish(1, "a=1"), ""),
+        (ask(&[], ""), "send 1 Cluster a1"),
+        (Step::Request(Box::new(stale)), "ack all Cluster +a"),
+    ]);
+}
+
+#[test]
+fn a_nack_records_the_error_and_nothing_is_resent_until_the_selection_changes() {
+    run(vec![
+        (publish(1, "a=1 b=1"), ""),
+        (ask(&["a"], ""), "send 1 Cluster a1"),
+        (nack(&["a"], "1", "bad field"), "nack Cluster +a (bad field)"),
+        (publish(2, "a=1 b=2"), ""),
+        (publish(3, "a=2 b=2"), "send 2 Cluster a2"),
+        (ask(&["a"], "2"), "ack all Cluster +a"),
+    ]);
+}
+
+#[test]
+fn a_removed_resource_leaves_the_whole_set_and_the_same_selection_is_not_resent() {
+    run(vec![
+        (publish(1, "a=1 b=2"), ""),
+        (ask(&[], ""), "send 1 Cluster a1 b2"),
+        (publish(2, "a=1"), "send 2 Cluster a1"),
+        (ask(&[], "2"), "ack all Cluster +a"),
+        (publish(3, "a=1"), ""),
+        // Asking for what is served, by name, selects the same set.
+        (ask(&["a", "b"], ""), ""),
+        (publish(4, ""), "send 3 Cluster"),
+    ]);
+}
+
+#[test]
+fn types_are_pushed_in_push_order_once_asked_for() {
+    let both = |serial, version| {
+        let (cluster, listener) = (format!("c={version}"), format!("l={version}"));
+        Step::Publish(serving(
+            serial,
+            &[(CLUSTER, cluster.as_str()), (LISTENER, listener.as_str())],
+        ))
+    };
+    let listeners = |nonce: &str| {
+        Step::Request(Box::new(DiscoveryRequest {
+            type_url: LISTENER.into(),
+            ..request(&[], nonce)
+        }))
+    };
+    run(vec![
+        (both(1, 1), ""),
+        (listeners(""), "send 1 Listener l1"),
+        (ask(&[], ""), "send 2 Cluster c1"),
+        (both(2, 2), "send 3 Cluster c2, send 4 Listener l2"),
+        // A cluster nonce on a listener request answers nothing.
+        (listeners("3"), ""),
+        (listeners("4"), "ack all Listener +l"),
+    ]);
+}

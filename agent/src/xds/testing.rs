@@ -1,0 +1,69 @@
+//! Snapshots and one-line summaries for the stream state machines' tests.
+
+use std::collections::BTreeMap;
+
+use envoy_types::pb::google::protobuf::Any;
+
+use super::cache::{Resource, Sent, Snapshot, version_of};
+use super::short;
+use super::stream::Record;
+
+/// A body whose bytes read back as its `name` and `version`: `a` at `1` is `a1`.
+pub fn body(name: &str, version: &str) -> Any {
+    Any {
+        type_url: "test".into(),
+        value: format!("{name}{version}").into_bytes(),
+    }
+}
+
+/// The version string the cache gives `name` at `version`.
+pub fn version(name: &str, version: &str) -> String {
+    version_of(&body(name, version))
+}
+
+/// Snapshot `serial` serving, per type, resources written `name=version`: `"a=1 b=2"`.
+pub fn serving(serial: u64, types: &[(&str, &str)]) -> Snapshot {
+    let types = types.iter().map(|(type_url, spec)| {
+        let resources = spec.split_whitespace().map(|item| {
+            let (name, v) = item.split_once('=').expect("name=version");
+            (name.to_owned(), Resource::new(name.into(), body(name, v)))
+        });
+        (type_url.to_string(), resources.collect())
+    });
+    Snapshot {
+        serial,
+        types: types.collect::<BTreeMap<_, _>>(),
+        pending: Default::default(),
+    }
+}
+
+/// `+a -b`: a resource sent (or held), a resource removed.
+fn names(sent: &Sent) -> String {
+    let names = sent.iter().map(|(name, version)| match version {
+        Some(_) => format!(" +{name}"),
+        None => format!(" -{name}"),
+    });
+    names.collect()
+}
+
+/// `ack Cluster +a -b`, `nack Listener +l (bad)`, `forget Cluster b`…
+pub fn record(record: &Record) -> String {
+    match record {
+        Record::Acked(push) => format!("ack {}{}", short(&push.type_url), names(&push.resources)),
+        Record::AckedAll(push) => format!("ack all {}{}", short(&push.type_url), names(&push.resources)),
+        Record::Rejected(push, error) => {
+            format!("nack {}{} ({error})", short(&push.type_url), names(&push.resources))
+        }
+        Record::Running { type_url, resources } => {
+            let mut resources = resources.clone();
+            resources.sort();
+            format!("running {}{}", short(type_url), names(&resources))
+        }
+        Record::Forgotten { type_url, names } => format!("forget {} {}", short(type_url), names.join(" ")),
+    }
+}
+
+/// A body as written by [`body`]: `a1`.
+pub fn read(body: &Any) -> String {
+    String::from_utf8_lossy(&body.value).into_owned()
+}
