@@ -26,8 +26,21 @@ pub enum AdminError {
         status: u16,
         body: String,
     },
-    #[error("Envoy admin {addr}/server_info: unexpected answer: {reason}")]
-    ServerInfo { addr: SocketAddr, reason: String },
+    #[error("Envoy admin {addr}/server_info: unexpected answer: {source}")]
+    ServerInfo { addr: SocketAddr, source: ServerInfoError },
+}
+
+/// Why a `/server_info` answer is not one the supervisor can use.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerInfoError {
+    #[error("not JSON: {0}")]
+    NotJson(#[source] serde_json::Error),
+    /// `field` is missing or not of the `expected` kind.
+    #[error("no {field} ({expected})")]
+    Field {
+        field: &'static str,
+        expected: &'static str,
+    },
 }
 
 /// What `/server_info` says about the Envoy that currently owns the admin address.
@@ -62,15 +75,11 @@ impl EnvoyAdmin {
         Self { addr }
     }
 
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
     pub async fn server_info(&self) -> Result<ServerInfo, AdminError> {
         let body = self.request("GET", "/server_info").await?;
-        parse_server_info(&body).map_err(|reason| AdminError::ServerInfo {
+        parse_server_info(&body).map_err(|source| AdminError::ServerInfo {
             addr: self.addr,
-            reason,
+            source,
         })
     }
 
@@ -131,18 +140,17 @@ impl EnvoyAdmin {
 }
 
 /// Parses the fields of `/server_info` the supervisor needs.
-pub fn parse_server_info(body: &str) -> Result<ServerInfo, String> {
-    let json: serde_json::Value = serde_json::from_str(body).map_err(|e| format!("not JSON: {e}"))?;
+pub fn parse_server_info(body: &str) -> Result<ServerInfo, ServerInfoError> {
+    let json: serde_json::Value = serde_json::from_str(body).map_err(ServerInfoError::NotJson)?;
     let options = &json["command_line_options"];
-    let text = |v: &serde_json::Value, name: &str| -> Result<String, String> {
-        v.as_str().map(str::to_owned).ok_or_else(|| format!("no string {name}"))
-    };
+    let missing = |field, expected| ServerInfoError::Field { field, expected };
+    let text = |v: &serde_json::Value, field| v.as_str().map(str::to_owned).ok_or(missing(field, "a string"));
     // Envoy renders uint64 options as strings and uint32 ones as numbers; accept both.
-    let number = |v: &serde_json::Value, name: &str| -> Result<u32, String> {
+    let number = |v: &serde_json::Value, field| {
         v.as_u64()
             .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
             .and_then(|n| u32::try_from(n).ok())
-            .ok_or_else(|| format!("no numeric {name}"))
+            .ok_or(missing(field, "a number"))
     };
     Ok(ServerInfo {
         state: text(&json["state"], "state")?,
@@ -157,7 +165,7 @@ pub fn parse_server_info(body: &str) -> Result<ServerInfo, String> {
             .and_then(|s| s.parse::<f64>().ok())
             .filter(|s| s.is_finite() && *s >= 0.0)
             .map(Duration::from_secs_f64)
-            .ok_or("no uptime_current_epoch like \"12s\"")?,
+            .ok_or(missing("uptime_current_epoch", "seconds like \"12s\""))?,
     })
 }
 
@@ -183,7 +191,27 @@ mod tests {
                 uptime_current_epoch: Duration::from_millis(12_500),
             }
         );
-        assert!(parse_server_info("{}").unwrap_err().contains("state"));
-        assert!(parse_server_info("nope").unwrap_err().contains("not JSON"));
+    }
+
+    #[test]
+    fn a_server_info_error_names_the_field() {
+        let field = |body: &str| match parse_server_info(body) {
+            Err(ServerInfoError::Field { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field("{}"), "state");
+        assert_eq!(
+            field(r#"{"state":"LIVE","command_line_options":{"restart_epoch":"x"}}"#),
+            "command_line_options.restart_epoch"
+        );
+        assert_eq!(
+            field(
+                r#"{"state":"LIVE","hot_restart_version":"1","uptime_current_epoch":"-1s","command_line_options":{"restart_epoch":1,"base_id":"2"}}"#
+            ),
+            "uptime_current_epoch"
+        );
+        let error = parse_server_info("nope").unwrap_err();
+        assert!(matches!(error, ServerInfoError::NotJson(_)), "{error}");
+        assert!(error.to_string().starts_with("not JSON"), "{error}");
     }
 }
