@@ -5,12 +5,22 @@
 //! bootstrap `envoy --mode validate` accepts and a binary with the same hot-restart version — takes over a live
 //! predecessor's Envoy found through the shared state dir, restarts a crashed Envoy with backoff, and drains on
 //! SIGTERM. Envoy's own parent shutdown retires old epochs; the supervisor never kills a parent.
+//!
+//! The decisions (epochs, triggers, backoff, supersession) are [`machine`]: events in, actions out, no I/O.
+//! [`supervisor`] performs the actions through a [`host::Host`] (processes, Envoy's admin, the binary) and reports
+//! what happened as events; its tests run it against a fake host on a paused clock.
 
 pub mod admin;
 pub mod bootstrap;
 pub mod config;
 pub mod envoy;
+pub mod epoch;
+#[cfg(test)]
+mod fake;
+pub mod host;
+pub mod machine;
 pub mod metrics;
+pub mod predecessor;
 pub mod state;
 pub mod supervisor;
 
