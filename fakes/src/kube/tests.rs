@@ -1,0 +1,155 @@
+//! The fake against kube's own client: what it answers is what the real client parses.
+
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kube::api::{Api, ListParams, PostParams, WatchEvent, WatchParams};
+use serde_json::json;
+
+use super::*;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn pod(name: &str, app: &str) -> Value {
+    json!({"metadata": {"name": name, "namespace": "shop", "labels": {"app": app}},
+           "spec": {"containers": [{"name": "app", "image": "app:1"}]}})
+}
+
+#[tokio::test]
+async fn a_watch_from_a_list_sees_what_changed_after_it_selected() {
+    let server = ApiServer::start();
+    server.apply::<Pod>(pod("web-1", "web"));
+    server.apply::<Pod>(pod("db-1", "db"));
+    let pods: Api<Pod> = Api::namespaced(server.client(), "shop");
+
+    let list = pods.list(&ListParams::default().labels("app=web")).await.unwrap();
+    let names: Vec<_> = list.items.iter().map(|p| p.metadata.name.clone().unwrap()).collect();
+    assert_eq!(names, ["web-1"]);
+    let from = list.metadata.resource_version.unwrap();
+    assert_eq!(from, "2");
+
+    server.apply::<Pod>(pod("db-2", "db"));
+    server.apply::<Pod>(pod("web-2", "web"));
+    let watch = pods
+        .watch(&WatchParams::default().labels("app=web"), &from)
+        .await
+        .unwrap();
+    let mut watch = Box::pin(watch);
+    server.delete::<Pod>("shop", "web-1");
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        match tokio::time::timeout(WAIT, watch.try_next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap()
+        {
+            WatchEvent::Added(p) => seen.push(("ADDED", p.metadata.name.unwrap(), p.metadata.resource_version)),
+            WatchEvent::Deleted(p) => seen.push(("DELETED", p.metadata.name.unwrap(), p.metadata.resource_version)),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(
+        seen,
+        [
+            ("ADDED", "web-2".to_owned(), Some("4".to_owned())),
+            ("DELETED", "web-1".to_owned(), Some("5".to_owned()))
+        ]
+    );
+    let watched = &server.requests()[1];
+    assert!(
+        watched.contains("watch=true") && watched.contains("resourceVersion=2"),
+        "{watched}"
+    );
+}
+
+#[tokio::test]
+async fn writes_meet_the_real_refusals() {
+    let server = ApiServer::start();
+    let maps: Api<ConfigMap> = Api::namespaced(server.client(), "system");
+    let created = maps
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "vips"}})).unwrap(),
+        )
+        .await
+        .unwrap();
+    let again = maps.create(&PostParams::default(), &created).await.unwrap_err();
+    assert!(
+        matches!(again, kube::Error::Api(ref s) if s.code == 409 && s.reason == "AlreadyExists"),
+        "{again}"
+    );
+    let mut current = created.clone();
+    current.data = Some([("a".to_owned(), "1".to_owned())].into());
+    maps.replace("vips", &PostParams::default(), &current).await.unwrap();
+    let stale = maps
+        .replace("vips", &PostParams::default(), &created)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(stale, kube::Error::Api(ref s) if s.code == 409 && s.reason == "Conflict"),
+        "{stale}"
+    );
+    let missing = maps.get("other").await.unwrap_err();
+    assert!(matches!(missing, kube::Error::Api(ref s) if s.code == 404), "{missing}");
+    assert_eq!(server.get::<ConfigMap>("system", "vips").unwrap()["data"]["a"], "1");
+}
+
+#[tokio::test]
+async fn a_scripted_watch_is_fed_by_the_test_and_a_stranger_is_refused() {
+    let server = ApiServer::start();
+    let mut calls = server.script();
+    let pods: Api<Pod> = Api::all(server.client());
+    let watching = tokio::spawn(async move {
+        let events = pods.watch(&WatchParams::default(), "7").await.unwrap();
+        events
+            .map(|e| format!("{:?}", e.unwrap()))
+            .take(2)
+            .collect::<Vec<_>>()
+            .await
+    });
+    let call = tokio::time::timeout(WAIT, calls.next()).await.unwrap().unwrap();
+    assert!(
+        call.is_watch() && call.query()["resourceVersion"] == "7",
+        "{}",
+        call.uri()
+    );
+    let feed = call.watch();
+    feed.bookmark("9");
+    feed.expired("9");
+    let events = tokio::time::timeout(WAIT, watching).await.unwrap().unwrap();
+    assert!(
+        events[0].starts_with("Bookmark") && events[1].contains("410"),
+        "{events:?}"
+    );
+
+    let stranger = kube::Client::try_from(kube::Config::new(server.url().parse().unwrap())).unwrap();
+    let refused = Api::<Pod>::all(stranger)
+        .list(&ListParams::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(refused, kube::Error::Api(ref s) if s.code == 401), "{refused}");
+}
+
+#[test]
+fn a_token_review_authenticates_a_minted_token_for_its_audiences_only() {
+    let tokens = Tokens::default();
+    let token = tokens.mint(TokenInfo {
+        username: "system:serviceaccount:ns:agent".into(),
+        node: Some("n1".into()),
+        audiences: vec!["registrar".into()],
+    });
+    let review =
+        |token: &str, audience: &str| tokens.review(&json!({"spec": {"token": token, "audiences": [audience]}}));
+    let granted = review(&token, "registrar");
+    assert_eq!(granted["status"]["authenticated"], true);
+    assert_eq!(
+        granted["status"]["user"]["extra"]["authentication.kubernetes.io/node-name"][0],
+        "n1"
+    );
+    assert_eq!(review(&token, "other")["status"]["authenticated"], false);
+    tokens.revoke(&token);
+    assert_eq!(review(&token, "registrar")["status"]["authenticated"], false);
+    assert_eq!(tokens.reviewed().len(), 3);
+}

@@ -1,0 +1,6 @@
+//! Fakes shared by the tests of several crates, so each external system is faked once.
+//!
+//! No kube-apiserver can be installed where the tests run: [`kube::ApiServer`] stands in
+//! for it, speaking the real JSON over HTTP.
+
+pub mod kube;
