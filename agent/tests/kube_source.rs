@@ -1,21 +1,14 @@
-//! The `kubernetes` pod source against a fake API server speaking real list and watch
-//! JSON over plain HTTP. Each test scripts the server request by request: it sees every
-//! request the watcher sends, checks its query, and answers with a list, a status, or a
-//! watch stream it then feeds event by event (or cuts).
+//! The `kubernetes` pod source against the shared fake API server, scripted request by
+//! request: the test sees every request the watcher sends, checks its query, and answers
+//! with a list, a status, or a watch stream it then feeds event by event (or cuts).
 
-use std::collections::HashMap;
-use std::convert::Infallible;
 use std::time::Duration;
 
 use aether_agent::pod_source::PodDirectory;
 use aether_agent::pod_source::kubernetes;
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
-use hyper::body::{Frame, Incoming};
-use hyper::{Request, Response, StatusCode, Uri};
-use hyper_util::rt::TokioIo;
+use aether_fakes::kube::{ApiServer, Call, Calls, WatchFeed};
+use hyper::StatusCode;
 use serde_json::{Value, json};
-use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, timeout, timeout_at};
 use tokio_util::sync::CancellationToken;
@@ -24,64 +17,18 @@ const NODE: &str = "node-a";
 /// Bound on every wait: kube's first backoff step is under 2s.
 const WAIT: Duration = Duration::from_secs(15);
 
-// ---------------------------------------------------------------- the fake API server
+// ---------------------------------------------------------------- the requests, checked
 
-type Body = BoxBody<Bytes, std::io::Error>;
+/// The API server's requests, checked as the pod source and the agent must send them.
+struct Requests(Calls);
 
-/// One request the watcher sent, waiting for the test to answer it.
-struct Call {
-    uri: Uri,
-    reply: oneshot::Sender<Reply>,
-}
-
-enum Reply {
-    Json(StatusCode, Value),
-    Watch(mpsc::UnboundedReceiver<Chunk>),
-}
-
-enum Chunk {
-    Line(Value),
-    /// Abort the connection mid-stream (no final chunk).
-    Cut,
-}
-
-struct FakeApi {
-    url: String,
-    calls: mpsc::UnboundedReceiver<Call>,
-}
-
-impl FakeApi {
-    async fn start() -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let (calls_tx, calls) = mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    return;
-                };
-                let calls_tx = calls_tx.clone();
-                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let calls_tx = calls_tx.clone();
-                    async move { Ok::<_, Infallible>(answer(req, calls_tx).await) }
-                });
-                tokio::spawn(async move {
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-            }
-        });
-        Self { url, calls }
-    }
-
-    fn client(&self) -> kube::Client {
-        let config = kube::Config::new(self.url.parse().unwrap());
-        kube::Client::try_from(config).unwrap()
+impl Requests {
+    fn of(api: &ApiServer) -> Requests {
+        Requests(api.script())
     }
 
     async fn next(&mut self, what: &str) -> Call {
-        match timeout(WAIT, self.calls.recv()).await {
+        match timeout(WAIT, self.0.next()).await {
             Ok(Some(call)) => call,
             _ => panic!("no {what} request within {WAIT:?}"),
         }
@@ -95,15 +42,18 @@ impl FakeApi {
 
     async fn expect_list_call(&mut self) -> Call {
         let call = self.next("list").await;
-        let query = call.query();
-        assert_eq!(call.uri.path(), "/api/v1/pods", "{}", call.uri);
-        assert!(!query.contains_key("watch"), "expected a list, got {}", call.uri);
-        call.assert_node_selector();
+        assert_eq!(call.path(), "/api/v1/pods", "{}", call.uri());
+        assert!(
+            !call.query().contains_key("watch"),
+            "expected a list, got {}",
+            call.uri()
+        );
+        assert_node_selector(&call);
         call
     }
 
     /// Expects a watch from `resource_version` and returns the stream's controls.
-    async fn expect_watch(&mut self, resource_version: &str) -> Watch {
+    async fn expect_watch(&mut self, resource_version: &str) -> WatchFeed {
         let call = self.expect_watch_call(resource_version).await;
         call.watch()
     }
@@ -111,181 +61,34 @@ impl FakeApi {
     async fn expect_watch_call(&mut self, resource_version: &str) -> Call {
         let call = self.next("watch").await;
         let query = call.query();
-        assert_eq!(call.uri.path(), "/api/v1/pods", "{}", call.uri);
-        assert_eq!(
-            query.get("watch").map(String::as_str),
-            Some("true"),
-            "expected a watch, got {}",
-            call.uri
-        );
+        assert_eq!(call.path(), "/api/v1/pods", "{}", call.uri());
+        assert!(call.is_watch(), "expected a watch, got {}", call.uri());
         assert_eq!(
             query.get("resourceVersion").map(String::as_str),
             Some(resource_version),
             "{}",
-            call.uri
+            call.uri()
         );
         assert_eq!(query.get("allowWatchBookmarks").map(String::as_str), Some("true"));
-        call.assert_node_selector();
+        assert_node_selector(&call);
+        call
+    }
+
+    /// Expects a read of the agent's Node.
+    async fn expect_node_call(&mut self) -> Call {
+        let call = self.next("node").await;
+        assert_eq!(call.path(), format!("/api/v1/nodes/{NODE}"), "{}", call.uri());
         call
     }
 }
 
-impl Call {
-    fn query(&self) -> HashMap<String, String> {
-        self.uri
-            .query()
-            .unwrap_or_default()
-            .split('&')
-            .filter(|p| !p.is_empty())
-            .map(|pair| {
-                let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-                (percent_decode(k), percent_decode(v))
-            })
-            .collect()
-    }
-
-    fn assert_node_selector(&self) {
-        let raw = self.uri.query().unwrap_or_default();
-        assert!(
-            raw.contains("fieldSelector=spec.nodeName%3Dnode-a"),
-            "no node field selector in {raw}"
-        );
-        assert_eq!(self.query()["fieldSelector"], format!("spec.nodeName={NODE}"));
-    }
-
-    fn list(self, resource_version: &str, items: Vec<Value>) {
-        // List items come without apiVersion/kind, as from a real API server.
-        let items: Vec<Value> = items
-            .into_iter()
-            .map(|mut pod| {
-                let object = pod.as_object_mut().unwrap();
-                object.remove("apiVersion");
-                object.remove("kind");
-                pod
-            })
-            .collect();
-        let list = json!({
-            "apiVersion": "v1", "kind": "PodList",
-            "metadata": {"resourceVersion": resource_version},
-            "items": items,
-        });
-        self.reply.send(Reply::Json(StatusCode::OK, list)).ok().unwrap();
-    }
-
-    fn status(self, code: StatusCode, reason: &str, message: &str) {
-        let status = json!({
-            "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code.as_u16(),
-        });
-        self.reply.send(Reply::Json(code, status)).ok().unwrap();
-    }
-
-    fn watch(self) -> Watch {
-        let (tx, rx) = mpsc::unbounded_channel();
-        self.reply.send(Reply::Watch(rx)).ok().unwrap();
-        Watch(tx)
-    }
-}
-
-/// The test's end of one watch response.
-struct Watch(mpsc::UnboundedSender<Chunk>);
-
-impl Watch {
-    fn send(&self, kind: &str, object: Value) {
-        self.0
-            .send(Chunk::Line(json!({"type": kind, "object": object})))
-            .unwrap();
-    }
-
-    fn bookmark(&self, resource_version: &str) {
-        self.send(
-            "BOOKMARK",
-            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"resourceVersion": resource_version}}),
-        );
-    }
-
-    fn expired(&self, resource_version: &str) {
-        self.send(
-            "ERROR",
-            json!({"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
-                   "message": format!("too old resource version: {resource_version} (50)"),
-                   "reason": "Expired", "code": 410}),
-        );
-    }
-
-    /// The connection is dropped mid-stream.
-    fn cut(self) {
-        let _ = self.0.send(Chunk::Cut);
-    }
-
-    /// The server ends the response cleanly (as at the end of `timeoutSeconds`).
-    fn end(self) {}
-}
-
-async fn answer(req: Request<Incoming>, calls: mpsc::UnboundedSender<Call>) -> Response<Body> {
-    let (reply, replied) = oneshot::channel();
-    if calls
-        .send(Call {
-            uri: req.uri().clone(),
-            reply,
-        })
-        .is_err()
-    {
-        return json_response(StatusCode::SERVICE_UNAVAILABLE, json!({}));
-    }
-    match replied.await {
-        Ok(Reply::Json(code, body)) => json_response(code, body),
-        Ok(Reply::Watch(chunks)) => {
-            let frames = futures::stream::unfold(Some(chunks), |chunks| async move {
-                let mut chunks = chunks?;
-                match chunks.recv().await? {
-                    Chunk::Line(event) => {
-                        let line = format!("{event}\n");
-                        Some((Ok(Frame::data(Bytes::from(line))), Some(chunks)))
-                    }
-                    Chunk::Cut => Some((Err(std::io::Error::other("cut")), None)),
-                }
-            });
-            Response::builder()
-                .header("content-type", "application/json")
-                .body(BodyExt::boxed(StreamBody::new(frames)))
-                .unwrap()
-        }
-        // The test is over.
-        Err(_) => json_response(StatusCode::SERVICE_UNAVAILABLE, json!({})),
-    }
-}
-
-fn json_response(code: StatusCode, body: Value) -> Response<Body> {
-    Response::builder()
-        .status(code)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())).map_err(|e| match e {}).boxed())
-        .unwrap()
-}
-
-fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'%' if i + 2 < bytes.len() => {
-                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap();
-                out.push(u8::from_str_radix(hex, 16).unwrap());
-                i += 3;
-            }
-            b'+' => {
-                out.push(b' ');
-                i += 1;
-            }
-            b => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8(out).unwrap()
+fn assert_node_selector(call: &Call) {
+    let raw = call.uri().query().unwrap_or_default();
+    assert!(
+        raw.contains("fieldSelector=spec.nodeName%3Dnode-a"),
+        "no node field selector in {raw}"
+    );
+    assert_eq!(call.query()["fieldSelector"], format!("spec.nodeName={NODE}"));
 }
 
 // ---------------------------------------------------------------- helpers
@@ -339,7 +142,7 @@ struct Running {
     task: JoinHandle<()>,
 }
 
-fn start(api: &FakeApi) -> Running {
+fn start(api: &ApiServer) -> Running {
     let pods = PodDirectory::default();
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(kubernetes::run(
@@ -366,16 +169,18 @@ impl Running {
 
 #[tokio::test]
 async fn lists_then_follows_the_watch_across_cut_and_ended_streams() {
-    let mut api = FakeApi::start().await;
+    let api = ApiServer::start();
+    let mut requests = Requests::of(&api);
     let run = start(&api);
     let pods = &run.pods;
 
     // Initial list: two good pods and one whose port is out of range.
-    api.expect_list(
-        "1",
-        vec![pod("a", "1", 8080), pod("b", "1", 8081), pod("bad", "1", 70000)],
-    )
-    .await;
+    requests
+        .expect_list(
+            "1",
+            vec![pod("a", "1", 8080), pod("b", "1", 8081), pod("bad", "1", 70000)],
+        )
+        .await;
     eventually(pods, "the initial list is served", |p| has(p, "a") && has(p, "b")).await;
     assert!(!has(pods, "bad"), "a pod with an out-of-range port is skipped");
     let a = pods.get("shop/a").unwrap();
@@ -390,7 +195,7 @@ async fn lists_then_follows_the_watch_across_cut_and_ended_streams() {
     assert!(!a.terminating);
 
     // Watch from the list's resourceVersion.
-    let watch = api.expect_watch("1").await;
+    let watch = requests.expect_watch("1").await;
     watch.send("ADDED", pod("c", "2", 8082));
     eventually(pods, "ADDED c is served", |p| has(p, "c")).await;
     watch.send("MODIFIED", terminating(pod("a", "3", 8080), "3"));
@@ -405,7 +210,7 @@ async fn lists_then_follows_the_watch_across_cut_and_ended_streams() {
     // The server ends the response cleanly (timeoutSeconds): the watcher resumes from the bookmark.
     watch.end();
 
-    let watch = api.expect_watch("10").await;
+    let watch = requests.expect_watch("10").await;
     // What happened while away, plus a pod that does not convert.
     watch.send("DELETED", pod("b", "11", 8081));
     watch.send("ADDED", pod("bad2", "12", 0));
@@ -416,7 +221,7 @@ async fn lists_then_follows_the_watch_across_cut_and_ended_streams() {
     // The connection drops mid-stream: the watcher resumes from the last event it saw.
     watch.cut();
 
-    let watch = api.expect_watch("13").await;
+    let watch = requests.expect_watch("13").await;
     // What happened while away: c went, and the bad pod was fixed.
     watch.send("DELETED", pod("c", "14", 8082));
     watch.send("MODIFIED", pod("bad2", "15", 8084));
@@ -429,20 +234,22 @@ async fn lists_then_follows_the_watch_across_cut_and_ended_streams() {
 
 #[tokio::test]
 async fn an_expired_resource_version_in_the_watch_relists() {
-    let mut api = FakeApi::start().await;
+    let api = ApiServer::start();
+    let mut requests = Requests::of(&api);
     let run = start(&api);
     let pods = &run.pods;
 
-    api.expect_list("1", vec![pod("a", "1", 8080), pod("b", "1", 8081)])
+    requests
+        .expect_list("1", vec![pod("a", "1", 8080), pod("b", "1", 8081)])
         .await;
     eventually(pods, "the initial list is served", |p| has(p, "a") && has(p, "b")).await;
 
-    let watch = api.expect_watch("1").await;
+    let watch = requests.expect_watch("1").await;
     watch.expired("1");
 
     // A fresh list, no resourceVersion: the most recent state.
-    let list = api.expect_list_call().await;
-    assert!(!list.query().contains_key("resourceVersion"), "{}", list.uri);
+    let list = requests.expect_list_call().await;
+    assert!(!list.query().contains_key("resourceVersion"), "{}", list.uri());
     // Until the re-list completes the last good set stays served.
     assert!(has(pods, "a") && has(pods, "b"));
     list.list(
@@ -452,7 +259,7 @@ async fn an_expired_resource_version_in_the_watch_relists() {
     eventually(pods, "the re-list replaces the set", |p| has(p, "c") && !has(p, "b")).await;
     assert!(pods.get("shop/a").unwrap().terminating);
 
-    let watch = api.expect_watch("50").await;
+    let watch = requests.expect_watch("50").await;
     watch.send("ADDED", pod("d", "51", 8083));
     eventually(pods, "the new watch is followed", |p| has(p, "d")).await;
 
@@ -461,20 +268,22 @@ async fn an_expired_resource_version_in_the_watch_relists() {
 
 #[tokio::test]
 async fn a_410_answering_the_watch_request_relists() {
-    let mut api = FakeApi::start().await;
+    let api = ApiServer::start();
+    let mut requests = Requests::of(&api);
     let run = start(&api);
     let pods = &run.pods;
 
-    api.expect_list("1", vec![pod("a", "1", 8080)]).await;
+    requests.expect_list("1", vec![pod("a", "1", 8080)]).await;
     eventually(pods, "the initial list is served", |p| has(p, "a")).await;
 
-    api.expect_watch_call("1")
+    requests
+        .expect_watch_call("1")
         .await
         .status(StatusCode::GONE, "Expired", "too old resource version: 1 (60)");
 
-    api.expect_list("60", vec![pod("b", "60", 8081)]).await;
+    requests.expect_list("60", vec![pod("b", "60", 8081)]).await;
     eventually(pods, "the re-list replaces the set", |p| has(p, "b") && !has(p, "a")).await;
-    let watch = api.expect_watch("60").await;
+    let watch = requests.expect_watch("60").await;
     watch.send("ADDED", pod("c", "61", 8082));
     eventually(pods, "the new watch is followed", |p| has(p, "c")).await;
 
@@ -483,16 +292,18 @@ async fn a_410_answering_the_watch_request_relists() {
 
 #[tokio::test]
 async fn failing_requests_are_retried_with_backoff() {
-    let mut api = FakeApi::start().await;
+    let api = ApiServer::start();
+    let mut requests = Requests::of(&api);
     let run = start(&api);
     let pods = &run.pods;
 
     // No RBAC yet: the list is refused, then retried after a backoff.
     let refused = Instant::now();
-    api.expect_list_call()
+    requests
+        .expect_list_call()
         .await
         .status(StatusCode::FORBIDDEN, "Forbidden", "pods is forbidden");
-    api.expect_list("1", vec![pod("a", "1", 8080)]).await;
+    requests.expect_list("1", vec![pod("a", "1", 8080)]).await;
     assert!(
         refused.elapsed() >= Duration::from_millis(300),
         "retried without backoff"
@@ -500,11 +311,12 @@ async fn failing_requests_are_retried_with_backoff() {
     eventually(pods, "the list is served once allowed", |p| has(p, "a")).await;
 
     // A watch that fails to start is retried from the same resourceVersion; pods stay served.
-    api.expect_watch_call("1")
+    requests
+        .expect_watch_call("1")
         .await
         .status(StatusCode::INTERNAL_SERVER_ERROR, "InternalError", "etcd is down");
     assert!(has(pods, "a"));
-    let watch = api.expect_watch("1").await;
+    let watch = requests.expect_watch("1").await;
     watch.send("DELETED", pod("a", "2", 8080));
     eventually(pods, "the retried watch is followed", |p| !has(p, "a")).await;
 
@@ -632,57 +444,52 @@ impl Pki {
 const RECOVERED: &str = "a";
 const RECOVERED_IP: &str = "10.77.0.5";
 
+/// The registrar in this process, on its embedded store, with the control plane's mTLS.
+async fn start_registrar(dir: &std::path::Path, pki: &Pki, stop: CancellationToken) -> aether_registrar::Running {
+    let mut flags = vec![
+        "aether-registrar".to_owned(),
+        "--listen=127.0.0.1:0".into(),
+        "--admin=127.0.0.1:0".into(),
+        "--store=embedded".into(),
+        format!("--data-dir={}", dir.join("registrar").display()),
+    ];
+    flags.extend(pki.registrar_flags());
+    aether_registrar::start(<aether_registrar::Config as clap::Parser>::parse_from(flags), stop)
+        .await
+        .expect("the registrar starts")
+}
+
+/// An agent state dir holding pod [`RECOVERED`] from a previous run.
+async fn recovered_state(dir: &std::path::Path) -> std::path::PathBuf {
+    // A sandbox path that exists but is no netns: capture repair fails harmlessly on it.
+    let sandbox = dir.join("sandbox");
+    std::fs::write(&sandbox, b"").unwrap();
+    let state = dir.join("state");
+    let pods = aether_agent::pod_store::PodStore::open(&state).unwrap();
+    let info = kubernetes::pod_info(&serde_json::from_value(pod(RECOVERED, "1", 8080)).unwrap()).unwrap();
+    std::fs::create_dir_all(&state).unwrap();
+    pods.put(aether_agent::pod::LocalPod {
+        container_id: "c-recovered".into(),
+        netns: sandbox,
+        ips: vec![RECOVERED_IP.parse().unwrap()],
+        info,
+    })
+    .await
+    .unwrap();
+    state
+}
+
 impl Agent {
     /// Starts the registrar and the agent. The agent's state dir holds pod
     /// [`RECOVERED`] (as the pod source describes it), so the agent registers it at
     /// start, before any CNI call: with the locality it settled on.
-    async fn start(api: &FakeApi, flags: &[&str]) -> Agent {
+    async fn start(api: &ApiServer, flags: &[&str]) -> Agent {
         let dir = tempfile::tempdir().unwrap();
         let registrar_stop = CancellationToken::new();
         let pki = Pki::write(dir.path());
-        let mut registrar_flags = vec![
-            "aether-registrar".to_owned(),
-            "--listen=127.0.0.1:0".into(),
-            "--admin=127.0.0.1:0".into(),
-            "--store=embedded".into(),
-            format!("--data-dir={}", dir.path().join("registrar").display()),
-        ];
-        registrar_flags.extend(pki.registrar_flags());
-        let registrar = aether_registrar::start(
-            <aether_registrar::Config as clap::Parser>::parse_from(registrar_flags),
-            registrar_stop.clone(),
-        )
-        .await
-        .expect("the registrar starts");
-
-        // A sandbox path that exists but is no netns: capture repair fails harmlessly on it.
-        let sandbox = dir.path().join("sandbox");
-        std::fs::write(&sandbox, b"").unwrap();
-        let state = dir.path().join("state");
-        let pods = aether_agent::pod_store::PodStore::open(&state).unwrap();
-        let info = kubernetes::pod_info(&serde_json::from_value(pod(RECOVERED, "1", 8080)).unwrap()).unwrap();
-        std::fs::create_dir_all(&state).unwrap();
-        pods.put(aether_agent::pod::LocalPod {
-            container_id: "c-recovered".into(),
-            netns: sandbox,
-            ips: vec![RECOVERED_IP.parse().unwrap()],
-            info,
-        })
-        .await
-        .unwrap();
-
-        let kubeconfig = dir.path().join("kubeconfig");
-        std::fs::write(
-            &kubeconfig,
-            format!(
-                "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
-                 clusters: [{{name: fake, cluster: {{server: \"{}\"}}}}]\n\
-                 users: [{{name: fake, user: {{}}}}]\n\
-                 contexts: [{{name: fake, context: {{cluster: fake, user: fake}}}}]\n",
-                api.url
-            ),
-        )
-        .unwrap();
+        let registrar = start_registrar(dir.path(), &pki, registrar_stop.clone()).await;
+        let state = recovered_state(dir.path()).await;
+        let kubeconfig = api.write_kubeconfig(dir.path());
         let admin = {
             let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             probe.local_addr().unwrap()
@@ -776,41 +583,27 @@ impl Agent {
 }
 
 /// Serves the agent's pod list and opens its watch (the agent's pod source starting).
-async fn serve_pods(api: &mut FakeApi) -> Watch {
-    api.expect_list("1", vec![pod(RECOVERED, "1", 8080)]).await;
-    api.expect_watch("1").await
+async fn serve_pods(requests: &mut Requests) -> WatchFeed {
+    requests.expect_list("1", vec![pod(RECOVERED, "1", 8080)]).await;
+    requests.expect_watch("1").await
 }
 
 fn node(labels: Value) -> Value {
     json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "resourceVersion": "7", "labels": labels}})
 }
 
-impl FakeApi {
-    /// Expects a read of the agent's Node.
-    async fn expect_node_call(&mut self) -> Call {
-        let call = self.next("node").await;
-        assert_eq!(call.uri.path(), format!("/api/v1/nodes/{NODE}"), "{}", call.uri);
-        call
-    }
-}
-
-impl Call {
-    fn object(self, object: Value) {
-        self.reply.send(Reply::Json(StatusCode::OK, object)).ok().unwrap();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_registers_its_pods_with_its_nodes_region_and_zone() {
-    let mut api = FakeApi::start().await;
+    let api = ApiServer::start();
+    let mut requests = Requests::of(&api);
     let agent = Agent::start(&api, &[]).await;
 
-    api.expect_node_call().await.object(node(json!({
+    requests.expect_node_call().await.object(node(json!({
         "kubernetes.io/hostname": NODE,
         "topology.kubernetes.io/region": "eu-west-1",
         "topology.kubernetes.io/zone": "eu-west-1b",
     })));
-    let _watch = serve_pods(&mut api).await;
+    let _watch = serve_pods(&mut requests).await;
 
     let endpoint = agent.registered().await;
     let locality = endpoint.locality.clone().expect("a locality");
@@ -831,15 +624,16 @@ async fn the_agent_registers_its_pods_with_its_nodes_region_and_zone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explicit_locality_flags_win_over_the_nodes_labels() {
-    let mut api = FakeApi::start().await;
+    let api = ApiServer::start();
+    let mut requests = Requests::of(&api);
     let agent = Agent::start(&api, &["--zone", "rack-9", "--subzone", "row-2"]).await;
 
     // The region is not given: it still comes from the Node; the zone flag wins.
-    api.expect_node_call().await.object(node(json!({
+    requests.expect_node_call().await.object(node(json!({
         "topology.kubernetes.io/region": "eu-west-1",
         "topology.kubernetes.io/zone": "eu-west-1b",
     })));
-    let _watch = serve_pods(&mut api).await;
+    let _watch = serve_pods(&mut requests).await;
 
     let locality = agent.registered().await.locality.expect("a locality");
     assert_eq!(
@@ -853,9 +647,10 @@ async fn explicit_locality_flags_win_over_the_nodes_labels() {
     agent.stop().await;
 
     // Region and zone both given: the Node is not read at all (the first request is the pod list).
-    let mut api = FakeApi::start().await;
+    let api = ApiServer::start();
+    let mut requests = Requests::of(&api);
     let agent = Agent::start(&api, &["--region", "r", "--zone", "z"]).await;
-    let _watch = serve_pods(&mut api).await;
+    let _watch = serve_pods(&mut requests).await;
     let locality = agent.registered().await.locality.expect("a locality");
     assert_eq!((locality.region.as_str(), locality.zone.as_str()), ("r", "z"));
     agent.stop().await;
@@ -863,16 +658,18 @@ async fn explicit_locality_flags_win_over_the_nodes_labels() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_its_node_the_agent_warns_once_and_registers_without_a_locality() {
-    let mut api = FakeApi::start().await;
+    let api = ApiServer::start();
+    let mut requests = Requests::of(&api);
     let agent = Agent::start(&api, &[]).await;
 
     // A transient failure is retried (after a pause); a 404 is final. (A 500: kube's
     // own retry layer only covers 429/503/504.)
     let failed = Instant::now();
-    api.expect_node_call()
+    requests
+        .expect_node_call()
         .await
         .status(StatusCode::INTERNAL_SERVER_ERROR, "InternalError", "etcd is down");
-    api.expect_node_call().await.status(
+    requests.expect_node_call().await.status(
         StatusCode::NOT_FOUND,
         "NotFound",
         &format!("nodes \"{NODE}\" not found"),
@@ -882,7 +679,7 @@ async fn without_its_node_the_agent_warns_once_and_registers_without_a_locality(
         "retried without a pause"
     );
     // Start-up goes on: the next request is the pod source's list, not another Node read.
-    let _watch = serve_pods(&mut api).await;
+    let _watch = serve_pods(&mut requests).await;
 
     let endpoint = agent.registered().await;
     assert_eq!(
