@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use aether_fakes::kube::{ApiServer, CALLER_TOKEN};
+use k8s_openapi::api::apps::v1::DaemonSet;
 use serde_json::{Value, json};
 
 const BIN: &str = env!("CARGO_BIN_EXE_aether-cni");
@@ -200,88 +202,33 @@ enum Owner {
     Forbidden,
 }
 
-/// A minimal Kubernetes API server on loopback answering `GET` of one DaemonSet; records the paths asked for.
-struct FakeApi {
-    port: u16,
-    asked: std::sync::Arc<parking_lot::Mutex<Vec<String>>>,
-}
-
-impl FakeApi {
-    fn start(owner: Owner) -> FakeApi {
-        use std::io::{BufRead, BufReader, Write};
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let asked = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
-        let log = asked.clone();
-        std::thread::spawn(move || {
-            for stream in listener.incoming().flatten() {
-                let mut reader = BufReader::new(stream.try_clone().unwrap());
-                let mut request_line = String::new();
-                if reader.read_line(&mut request_line).is_err() {
-                    continue;
-                }
-                // Skip the headers (a GET has no body).
-                let mut line = String::new();
-                while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
-                    line.clear();
-                }
-                let path = request_line.split_whitespace().nth(1).unwrap_or_default().to_owned();
-                log.lock().push(path.clone());
-                let wanted =
-                    path.split('?').next() == Some("/apis/apps/v1/namespaces/aether-system/daemonsets/aether-agent");
-                let mut ds = json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
-                    "metadata": {"name": "aether-agent", "namespace": "aether-system", "uid": "u-1"}});
-                let (status, body) = match owner {
-                    Owner::Present if wanted => ("200 OK", ds),
-                    Owner::Deleting if wanted => {
-                        ds["metadata"]["deletionTimestamp"] = json!("2026-11-30T12:00:00Z");
-                        ("200 OK", ds)
-                    }
-                    Owner::Forbidden => (
-                        "403 Forbidden",
-                        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden",
-                               "code": 403, "message": "daemonsets.apps \"aether-agent\" is forbidden"}),
-                    ),
-                    _ => (
-                        "404 Not Found",
-                        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound",
-                               "code": 404, "message": "daemonsets.apps \"aether-agent\" not found"}),
-                    ),
-                };
-                let body = body.to_string();
-                let mut stream = stream;
-                let _ = write!(
-                    stream,
-                    "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
+impl Owner {
+    /// The shared fake API server holding the owner DaemonSet as `self` says.
+    fn serve(self) -> ApiServer {
+        let api = ApiServer::start();
+        let mut daemonset = json!({"metadata": {"name": "aether-agent", "namespace": "aether-system", "uid": "u-1"}});
+        match self {
+            Owner::Present => api.apply::<DaemonSet>(daemonset),
+            Owner::Deleting => {
+                daemonset["metadata"]["deletionTimestamp"] = json!("2026-11-30T12:00:00Z");
+                api.apply::<DaemonSet>(daemonset);
             }
-        });
-        FakeApi { port, asked }
+            Owner::NotFound => {}
+            Owner::Forbidden => api.forbid(),
+        }
+        api
     }
 }
 
-fn kubeconfig(dir: &Path, port: u16) -> PathBuf {
-    let path = dir.join("kubeconfig");
-    let config = format!(
-        "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
-         clusters: [{{name: fake, cluster: {{server: \"http://127.0.0.1:{port}\"}}}}]\n\
-         users: [{{name: fake, user: {{token: not-a-secret}}}}]\n\
-         contexts: [{{name: fake, context: {{cluster: fake, user: fake}}}}]\n"
-    );
-    std::fs::write(&path, config).unwrap();
-    path
-}
-
-/// Runs a watching installer owned by `aether-system/aether-agent` against `api_port`, sends it SIGTERM once our
+/// Runs a watching installer owned by `aether-system/aether-agent` with `kubeconfig`, sends it SIGTERM once our
 /// plugin is chained, and returns its stderr after it exited 0.
-fn stop_installer(root: &Path, api_port: u16) -> String {
+fn stop_installer(root: &Path, kubeconfig: &Path) -> String {
     let (bin, conf) = dirs(root);
     primary_writes(&conf, "10-pods.conflist");
     let mut child = Command::new(BIN)
         .args(install_args(&bin, &conf))
         .args(["--owner-daemonset", "aether-system/aether-agent"])
-        .env("KUBECONFIG", kubeconfig(root, api_port))
+        .env("KUBECONFIG", kubeconfig)
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -330,34 +277,27 @@ fn on_sigterm_the_plugin_stays_for_a_rollout_and_leaves_on_an_uninstall() {
         (Owner::Forbidden, false),
     ] {
         let root = tempfile::tempdir().unwrap();
-        let api = FakeApi::start(owner);
-        let stderr = stop_installer(root.path(), api.port);
+        let api = owner.serve();
+        let stderr = stop_installer(root.path(), &api.write_kubeconfig(root.path()));
         assert_eq!(
             chained(root.path()),
             stays,
             "{owner:?}: plugin chained after SIGTERM\n{stderr}"
         );
         assert_eq!(
-            api.asked
-                .lock()
-                .first()
-                .map(|p| p.split('?').next().unwrap().to_owned()),
-            Some("/apis/apps/v1/namespaces/aether-system/daemonsets/aether-agent".to_owned()),
+            api.requests().first().map(|r| r.split('?').next().unwrap().to_owned()),
+            Some("GET /apis/apps/v1/namespaces/aether-system/daemonsets/aether-agent".to_owned()),
             "{owner:?}"
         );
         assert!(
-            !stderr.contains("not-a-secret"),
+            !stderr.contains(CALLER_TOKEN),
             "the token must never be logged:\n{stderr}"
         );
     }
-    // The API server cannot be reached: the plugin stays.
+    // The API server cannot be reached (it is gone): the plugin stays.
     let root = tempfile::tempdir().unwrap();
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let stderr = stop_installer(root.path(), closed);
+    let kubeconfig = ApiServer::start().write_kubeconfig(root.path());
+    let stderr = stop_installer(root.path(), &kubeconfig);
     assert!(chained(root.path()), "{stderr}");
     assert!(stderr.contains("cannot tell an uninstall from a rollout"), "{stderr}");
 }
