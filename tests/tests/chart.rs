@@ -11,10 +11,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use aether_common::tls::{self, CertSlot, Connector, PeerIdentity, ServerIdentity};
+use aether_fakes::kube::{ApiServer, TokenInfo};
 use aether_proto::registrar::v1::node_bootstrap_client::NodeBootstrapClient;
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registrar::v1::{IssueNodeCertificateRequest, ListServicesRequest};
-use aether_tests::control_plane::{FakeKubeApi, TokenInfo};
 use aether_tests::envoy::workspace_root;
 use aether_tests::{ChildGuard, free_port};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
@@ -1496,23 +1496,9 @@ async fn registrar_channel(port: u16, ca: &Path, host: &str, cert: CertSlot, reg
     }
 }
 
-/// The PKI the chart generates works with the real binaries' TLS: the registrar starts with the rendered flags
-/// and files (its certificate, the node CA, the agents' ServiceAccount, the audience); a client holding only what
-/// the agent pod holds (the CA file, the URL, a token shaped as the projected volume, checked by a stand-in API
-/// server's TokenReview) verifies the registrar, gets a node certificate and calls the registrar with it. Anything
-/// else is refused: no certificate, or the token of another ServiceAccount.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_generated_pki_lets_an_agent_bootstrap_and_call_the_registrar() {
-    let r = render(json!({"registrar": {"replicas": 1, "store": {"type": "embedded"}}}));
-    let root = tempfile::tempdir().unwrap();
-    let (agent_spec, registrar_spec) = (pod_spec(&r, "aether-agent"), pod_spec(&r, "aether-registrar"));
-    let (agent, rc) = (container(agent_spec, "agent"), container(registrar_spec, "registrar"));
-    materialize(&r, agent_spec, agent, root.path());
-    materialize(&r, registrar_spec, rc, root.path());
-
-    // The API server the registrar asks about tokens (KUBECONFIG), knowing the agent pod's token on node-a.
-    let kube = FakeKubeApi::start();
-    std::fs::write(root.path().join("kubeconfig"), kube.kubeconfig()).unwrap();
+/// The agent pod's token on node-a as its projected volume asks for it, and another ServiceAccount's for the same
+/// audience.
+fn agent_and_stranger_tokens(kube: &ApiServer, agent_spec: &PodSpec, agent: &Container) -> (String, String) {
     let (volume, _) = volume_of(agent_spec, agent, flag(agent, "--bootstrap-token")).unwrap();
     let projected = volume.projected.as_ref().unwrap().sources.as_ref().unwrap()[0]
         .service_account_token
@@ -1532,9 +1518,11 @@ async fn the_generated_pki_lets_an_agent_bootstrap_and_call_the_registrar() {
         node: Some("node-a".into()),
         audiences: vec![projected.audience.unwrap()],
     });
+    (token, stranger)
+}
 
-    // The registrar with its rendered command line: container paths under the temp root, local ports.
-    let (port, admin) = (free_port(), free_port());
+/// The registrar with its rendered command line: container paths under `root`, local ports, `kube` as its API server.
+fn spawn_rendered_registrar(rc: &Container, root: &Path, (port, admin): (u16, u16), kube: &ApiServer) -> ChildGuard {
     let args: Vec<String> = rc
         .args
         .iter()
@@ -1543,18 +1531,41 @@ async fn the_generated_pki_lets_an_agent_bootstrap_and_call_the_registrar() {
             Some(("--listen", _)) => format!("--listen=127.0.0.1:{port}"),
             Some(("--admin", _)) => format!("--admin=127.0.0.1:{admin}"),
             Some((name, value)) if value.starts_with('/') => {
-                format!("{name}={}", under(root.path(), value).display())
+                format!("{name}={}", under(root, value).display())
             }
             _ => a.clone(),
         })
         .collect();
-    std::fs::create_dir_all(under(root.path(), flag(rc, "--data-dir"))).unwrap();
+    std::fs::create_dir_all(under(root, flag(rc, "--data-dir"))).unwrap();
     let mut cmd = std::process::Command::new(aether_tests::binary("aether-registrar"));
     cmd.args(&args)
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("KUBECONFIG", root.path().join("kubeconfig"));
-    let mut registrar = ChildGuard::spawn("registrar", cmd);
+        .env("KUBECONFIG", kube.write_kubeconfig(root));
+    ChildGuard::spawn("registrar", cmd)
+}
+
+/// The PKI the chart generates works with the real binaries' TLS: the registrar starts with the rendered flags
+/// and files (its certificate, the node CA, the agents' ServiceAccount, the audience); a client holding only what
+/// the agent pod holds (the CA file, the URL, a token shaped as the projected volume, checked by a stand-in API
+/// server's TokenReview) verifies the registrar, gets a node certificate and calls the registrar with it. Anything
+/// else is refused: no certificate, or the token of another ServiceAccount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_generated_pki_lets_an_agent_bootstrap_and_call_the_registrar() {
+    let r = render(json!({"registrar": {"replicas": 1, "store": {"type": "embedded"}}}));
+    let root = tempfile::tempdir().unwrap();
+    let (agent_spec, registrar_spec) = (pod_spec(&r, "aether-agent"), pod_spec(&r, "aether-registrar"));
+    let (agent, rc) = (container(agent_spec, "agent"), container(registrar_spec, "registrar"));
+    materialize(&r, agent_spec, agent, root.path());
+    materialize(&r, registrar_spec, rc, root.path());
+
+    // The API server the registrar asks about tokens (KUBECONFIG), knowing the agent pod's token on node-a.
+    let kube = ApiServer::start();
+    let (token, stranger) = agent_and_stranger_tokens(&kube, agent_spec, agent);
+
+    // The registrar with its rendered command line: container paths under the temp root, local ports.
+    let (port, admin) = (free_port(), free_port());
+    let mut registrar = spawn_rendered_registrar(rc, root.path(), (port, admin), &kube);
 
     // The agent's side: what its pod mounts and its flags.
     let ca = under(root.path(), flag(agent, "--registrar-ca"));

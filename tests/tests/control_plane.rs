@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant, SystemTime};
 
+use aether_fakes::kube::{ApiServer, TokenInfo};
 use aether_proto::registrar::v1::node_bootstrap_client::NodeBootstrapClient;
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registrar::v1::{
@@ -14,7 +15,7 @@ use aether_proto::registrar::v1::{
 };
 use aether_proto::registry::v1::{Endpoint, Port, Protocol};
 use aether_tests::bench::dependencies;
-use aether_tests::control_plane::{AGENT_USER, AUDIENCE, ControlPlane, READER_ID, TokenInfo, node_id};
+use aether_tests::control_plane::{AGENT_USER, AUDIENCE, ControlPlane, READER_ID, node_id};
 use aether_tests::identity::{TRUST_DOMAIN, TestCa};
 use aether_tests::mesh::{APP, Mesh};
 use aether_tests::supervisor::metric_sum;
@@ -353,7 +354,7 @@ async fn the_bootstrap_issues_a_node_certificate_only_for_an_agent_token_bound_t
         }
     };
 
-    let issued = issue(r.cp.kube.token_for("node-a"), csr.clone()).await.unwrap();
+    let issued = issue(r.cp.agent_token("node-a"), csr.clone()).await.unwrap();
     assert_eq!(issued.spiffe_id, node_id("node-a"));
     let der = rustls_pki_types::CertificateDer::from_pem_slice(issued.cert_chain_pem.as_bytes()).unwrap();
     let identity = aether_common::tls::PeerIdentity::from_leaf(&der).unwrap();
@@ -363,14 +364,7 @@ async fn the_bootstrap_issues_a_node_certificate_only_for_an_agent_token_bound_t
         "the CSR's names are ignored: {identity:?}"
     );
     // It works as node A's identity, and as nothing more.
-    let leaf = aether_tests::identity::Leaf {
-        spiffe_id: issued.spiffe_id.clone(),
-        cert_der: der.to_vec(),
-        cert_pem: issued.cert_chain_pem.clone(),
-        key_der: key.serialize_der(),
-        key_pem: key.serialize_pem(),
-        not_after: identity.not_after,
-    };
+    let leaf = issued_leaf(&issued, &key);
     let mut as_a = r.cp.client_with(&r.url, Some(&leaf)).await.unwrap();
     register(&mut as_a, endpoint("shop/cart", "10.1.0.1", "node-a"))
         .await
@@ -382,7 +376,43 @@ async fn the_bootstrap_issues_a_node_certificate_only_for_an_agent_token_bound_t
     );
 
     let kube = &r.cp.kube;
-    let refusals = [
+    for (what, token, reason) in refused_tokens(kube) {
+        let status = issue(token, csr.clone()).await.expect_err(what);
+        assert_eq!(status.code(), Code::PermissionDenied, "{what}: {status:?}");
+        assert!(status.message().contains(reason), "{what}: {status:?}");
+    }
+    let revoked = r.cp.agent_token("node-a");
+    kube.revoke(&revoked);
+    assert_eq!(
+        issue(revoked, csr.clone()).await.unwrap_err().code(),
+        Code::PermissionDenied
+    );
+
+    let garbage = issue(r.cp.agent_token("node-a"), b"not a CSR".to_vec())
+        .await
+        .unwrap_err();
+    assert_eq!(garbage.code(), Code::InvalidArgument, "{garbage:?}");
+    assert!(garbage.message().starts_with("csr_der:"), "{garbage:?}");
+    let empty = issue(String::new(), csr).await.unwrap_err();
+    assert_eq!(empty.code(), Code::InvalidArgument, "{empty:?}");
+    assert!(empty.message().starts_with("token:"), "{empty:?}");
+
+    // Every token was reviewed with Kubernetes (the fake refuses callers without the registrar's credentials).
+    // All but the empty one: 1 issued, 4 refused, 1 revoked, 1 with a bad CSR.
+    assert_eq!(kube.reviews().len(), 7);
+    let metrics = r.metrics().await;
+    assert_eq!(
+        metric_sum(&metrics, "aether_registrar_node_certificates_total"),
+        8.0,
+        "{metrics}"
+    );
+    let logs = r.child.logs();
+    assert!(!logs.contains("token-"), "a token reached the logs: {logs}");
+}
+
+/// Tokens the bootstrap refuses, what each is, and what the refusal says.
+fn refused_tokens(kube: &ApiServer) -> [(&'static str, String, &'static str); 4] {
+    [
         (
             "an unknown token",
             "token-nobody-issued".to_owned(),
@@ -415,39 +445,24 @@ async fn the_bootstrap_issues_a_node_certificate_only_for_an_agent_token_bound_t
             }),
             "not bound to a pod on a node",
         ),
-    ];
-    for (what, token, reason) in refusals {
-        let status = issue(token, csr.clone()).await.expect_err(what);
-        assert_eq!(status.code(), Code::PermissionDenied, "{what}: {status:?}");
-        assert!(status.message().contains(reason), "{what}: {status:?}");
+    ]
+}
+
+/// The node certificate `issued` for `key`, as a client leaf.
+fn issued_leaf(
+    issued: &aether_proto::registrar::v1::IssueNodeCertificateResponse,
+    key: &rcgen::KeyPair,
+) -> aether_tests::identity::Leaf {
+    let der = rustls_pki_types::CertificateDer::from_pem_slice(issued.cert_chain_pem.as_bytes()).unwrap();
+    let identity = aether_common::tls::PeerIdentity::from_leaf(&der).unwrap();
+    aether_tests::identity::Leaf {
+        spiffe_id: issued.spiffe_id.clone(),
+        cert_der: der.to_vec(),
+        cert_pem: issued.cert_chain_pem.clone(),
+        key_der: key.serialize_der(),
+        key_pem: key.serialize_pem(),
+        not_after: identity.not_after,
     }
-    let revoked = kube.token_for("node-a");
-    kube.revoke(&revoked);
-    assert_eq!(
-        issue(revoked, csr.clone()).await.unwrap_err().code(),
-        Code::PermissionDenied
-    );
-
-    let garbage = issue(kube.token_for("node-a"), b"not a CSR".to_vec())
-        .await
-        .unwrap_err();
-    assert_eq!(garbage.code(), Code::InvalidArgument, "{garbage:?}");
-    assert!(garbage.message().starts_with("csr_der:"), "{garbage:?}");
-    let empty = issue(String::new(), csr).await.unwrap_err();
-    assert_eq!(empty.code(), Code::InvalidArgument, "{empty:?}");
-    assert!(empty.message().starts_with("token:"), "{empty:?}");
-
-    // Every token was reviewed with Kubernetes (the fake refuses callers without the registrar's credentials).
-    // All but the empty one: 1 issued, 4 refused, 1 revoked, 1 with a bad CSR.
-    assert_eq!(kube.reviews().len(), 7);
-    let metrics = r.metrics().await;
-    assert_eq!(
-        metric_sum(&metrics, "aether_registrar_node_certificates_total"),
-        8.0,
-        "{metrics}"
-    );
-    let logs = r.child.logs();
-    assert!(!logs.contains("token-"), "a token reached the logs: {logs}");
 }
 
 /// A TLS channel to the registrar presenting no certificate.
