@@ -455,6 +455,27 @@ fn is_pod_address(ip: &IpAddr) -> bool {
     }
 }
 
+/// Start-up: every known pod's capture is checked and repaired; desired state left by
+/// pods that are gone is dropped.
+pub async fn reconcile(config: &CaptureConfig, pods: &[crate::pod::LocalPod]) {
+    let mut repaired = 0;
+    for pod in pods {
+        match repair(config, &pod.container_id, &pod.netns).await {
+            Ok(true) => {
+                repaired += 1;
+                tracing::warn!(pod = %pod.id(), "capture rules were missing or changed; repaired");
+            }
+            Ok(false) => {}
+            Err(error) => tracing::error!(pod = %pod.id(), %error, "checking the pod's capture rules failed"),
+        }
+    }
+    let known: Vec<String> = pods.iter().map(|p| p.container_id.clone()).collect();
+    for id in orphans(config, &known) {
+        let _ = forget(config, &id);
+    }
+    tracing::info!(pods = pods.len(), repaired, "capture rules reconciled");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,10 +5,18 @@
 //! have not started yet, so nothing flows before all are done) and run concurrently:
 //! ADD takes the slowest of them, not their sum. A failed ADD leaves nothing behind
 //! (the pod is forgotten, unregistered and uncaptured), so kubelet's retry starts clean.
+//!
+//! The service decides; its effects (registrar, capture, Envoy) are [`Effects`], faked
+//! in the unit tests.
+
+mod effects;
+#[cfg(test)]
+mod tests;
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_common::names::ContainerIdError;
@@ -21,19 +29,14 @@ use aether_proto::cni::v1::{
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
 use tonic::{Request, Response, Status};
 
-use crate::capture::{self, CaptureConfig, Verdict};
+pub use self::effects::{ACK_TIMEOUT, Capture, Effects, EnvoyWaits, REMOVE_TIMEOUT, Registration};
+use crate::capture::{self, CaptureConfig, PodCapture, Verdict};
 use crate::node::Node;
-use crate::pod::LocalPod;
+use crate::pod::{LocalPod, MANAGED_LABEL};
 use crate::pod_source::PodDirectory;
-use crate::registrar::Registrar;
-use crate::xds;
-
-/// How long ADD waits for Envoy to ACK the pod's listeners.
-pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long DEL waits for Envoy to drop the pod's listeners (it succeeds either way).
-pub const REMOVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The largest CNI message the agent decodes or encodes. The largest valid one is a
 /// GarbageCollect listing every sandbox of the node (at most 256 bytes per id, so about
@@ -52,32 +55,63 @@ pub fn server(service: CniService) -> CniPluginServer<CniService> {
 }
 
 /// `cni_calls` labels: method and result.
-pub type Labels = [(&'static str, &'static str); 2];
+type Labels = [(&'static str, &'static str); 2];
 type PhaseLabels = [(&'static str, &'static str); 1];
 
-/// Seconds an `AddPod` spent in each of its phases (`register`, `envoy`, `capture`)
-/// and in `total`, successful ones only.
-pub type AddPhases = Family<PhaseLabels, Histogram>;
+/// The CNI service's instruments.
+#[derive(Clone)]
+pub struct CniMetrics {
+    calls: Family<Labels, Counter>,
+    /// Seconds an `AddPod` spent in each of its phases (`register`, `envoy`, `capture`)
+    /// and in `total`, successful ones only.
+    add_phases: Family<PhaseLabels, Histogram>,
+}
 
-pub fn add_phases() -> AddPhases {
-    // 0.5 ms to ~16 s.
-    Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.000_5, 2.0, 16)))
+impl Default for CniMetrics {
+    fn default() -> Self {
+        Self {
+            calls: Family::default(),
+            // 0.5 ms to ~16 s.
+            add_phases: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.000_5, 2.0, 16))),
+        }
+    }
+}
+
+impl CniMetrics {
+    /// Registers under the agent's `aether_agent` registry.
+    pub fn register(&self, metrics: &mut Registry) {
+        metrics.register(
+            "cni_calls",
+            "CNI plugin calls, by method and result",
+            self.calls.clone(),
+        );
+        metrics.register(
+            "cni_add_phase_seconds",
+            "Time successful AddPod calls spent registering, waiting for Envoy, programming capture, and in total",
+            self.add_phases.clone(),
+        );
+    }
+}
+
+/// What the CNI service is configured with.
+#[derive(Clone, Debug)]
+pub struct CniSettings {
+    /// Namespaces never put in the mesh.
+    pub excluded_namespaces: BTreeSet<String>,
+    /// How long ADD waits for the pod source to report a pod it has not seen yet.
+    pub pod_lookup_timeout: Duration,
+    /// How pods' traffic is captured; a request's capture options are checked against it.
+    pub capture: CaptureConfig,
 }
 
 #[derive(Clone)]
 pub struct CniService {
-    pub node: Node,
-    pub directory: PodDirectory,
-    pub registrar: Registrar,
-    pub excluded_namespaces: BTreeSet<String>,
-    /// How long ADD waits for the pod source to report a pod it has not seen yet.
-    pub pod_lookup_timeout: Duration,
-    pub calls: Family<Labels, Counter>,
-    pub add_phases: AddPhases,
-    /// How pods' traffic is captured (nftables in their netns).
-    pub capture: CaptureConfig,
-    /// The CNI plugin's netns pins; the agent removes those under it.
-    pub pin_dir: PathBuf,
+    /// The owner of local pods.
+    node: Node,
+    directory: PodDirectory,
+    settings: Arc<CniSettings>,
+    effects: Effects,
+    metrics: CniMetrics,
 }
 
 fn invalid(field: &str, reason: impl std::fmt::Display) -> Status {
@@ -118,228 +152,279 @@ fn check_netns(path: &str) -> Result<(), Status> {
     Ok(())
 }
 
+fn parse_ips(ips: &[String]) -> Result<Vec<IpAddr>, Status> {
+    ips.iter()
+        .enumerate()
+        .map(|(i, ip)| {
+            ip.parse()
+                .map_err(|_| invalid(&format!("ips[{i}]"), format!("{} is not an IP address", quote(ip))))
+        })
+        .collect()
+}
+
+/// An AddPod request whose fields are all valid, with the pod's IPs.
+struct Sandbox {
+    container_id: String,
+    netns: PathBuf,
+    pod: PodRef,
+    ips: Vec<IpAddr>,
+    capture: Option<PodCapture>,
+}
+
+/// Whether a pod is the mesh's.
+enum Admission {
+    Join(Box<LocalPod>, Option<PodCapture>),
+    /// IGNORED, with why.
+    Ignored(String),
+}
+
+/// How long each phase of a successful ADD took (`capture`: if the pod is captured).
+struct Took {
+    register: Duration,
+    envoy: Duration,
+    capture: Option<Duration>,
+    total: Duration,
+}
+
 impl CniService {
+    pub fn new(
+        node: Node,
+        directory: PodDirectory,
+        settings: CniSettings,
+        effects: Effects,
+        metrics: CniMetrics,
+    ) -> Self {
+        Self {
+            node,
+            directory,
+            settings: Arc::new(settings),
+            effects,
+            metrics,
+        }
+    }
+
     fn count(&self, method: &'static str, result: &'static str) {
-        self.calls
+        self.metrics
+            .calls
             .get_or_create(&[("method", method), ("result", result)])
             .inc();
     }
 
     async fn add(&self, request: AddPodRequest) -> Result<AddPodResponse, Status> {
+        let sandbox = self.validate(request).await?;
+        let (pod, capture) = match self.admit(sandbox).await? {
+            Admission::Join(pod, capture) => (*pod, capture),
+            Admission::Ignored(why) => return Ok(outcome(Outcome::Ignored, why)),
+        };
+        let took = self.join(&pod, capture.as_ref()).await?;
+        self.record_add(&pod, &took);
+        Ok(outcome(Outcome::Success, String::new()))
+    }
+
+    /// Each field in turn; an error names the first that is wrong. Without IPs in the
+    /// request, the pod's are read from its netns.
+    async fn validate(&self, request: AddPodRequest) -> Result<Sandbox, Status> {
         check_container_id(&request.container_id)?;
         check_netns(&request.netns_path)?;
-        let pod_ref = check_pod_ref(request.pod.as_ref())?;
-        let mut ips = Vec::new();
-        for (i, ip) in request.ips.iter().enumerate() {
-            let parsed: IpAddr = ip
-                .parse()
-                .map_err(|_| invalid(&format!("ips[{i}]"), format!("{} is not an IP address", quote(ip))))?;
-            ips.push(parsed);
-        }
+        let pod = check_pod_ref(request.pod.as_ref())?.clone();
+        let mut ips = parse_ips(&request.ips)?;
         if ips.is_empty() {
-            // The plugin had no prevResult IPs: read them from the pod's netns.
-            ips = capture::pod_addresses(Path::new(&request.netns_path))
+            // The plugin had no prevResult IPs.
+            ips = self
+                .effects
+                .capture
+                .addresses(Path::new(&request.netns_path))
                 .await
                 .map_err(|e| Status::failed_precondition(format!("ips: none given and {e}")))?;
         }
         if ips.is_empty() {
             return Err(invalid("ips", "none given and the netns has no address"));
         }
-        let capture = capture::pod_capture(&self.capture, request.capture.as_ref())
+        let capture = capture::pod_capture(&self.settings.capture, request.capture.as_ref())
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let key = format!("{}/{}", pod_ref.namespace, pod_ref.name);
-        if self.excluded_namespaces.contains(&pod_ref.namespace) {
-            return Ok(outcome(
-                Outcome::Ignored,
-                format!("namespace {} is excluded from the mesh", pod_ref.namespace),
-            ));
+        Ok(Sandbox {
+            container_id: request.container_id,
+            netns: request.netns_path.into(),
+            pod,
+            ips,
+            capture,
+        })
+    }
+
+    /// A pod joins unless its namespace is excluded or it is not managed; the pod source
+    /// must know it (the same pod, if the runtime passed its uid).
+    async fn admit(&self, sandbox: Sandbox) -> Result<Admission, Status> {
+        let PodRef { namespace, name, uid } = &sandbox.pod;
+        if self.settings.excluded_namespaces.contains(namespace) {
+            let why = format!("namespace {namespace} is excluded from the mesh");
+            return Ok(Admission::Ignored(why));
         }
+        let key = format!("{namespace}/{name}");
         let info = self
             .directory
-            .wait_for(&key, self.pod_lookup_timeout)
+            .wait_for(&key, self.settings.pod_lookup_timeout)
             .await
             .ok_or_else(|| Status::unavailable(format!("pod {key} is not known to the pod source yet; retry")))?;
-        if !pod_ref.uid.is_empty() && !info.uid.is_empty() && pod_ref.uid != info.uid {
+        if !uid.is_empty() && !info.uid.is_empty() && *uid != info.uid {
             return Err(Status::failed_precondition(format!(
                 "pod.uid: {} does not match the pod source's {} for {key}",
-                quote(&pod_ref.uid),
+                quote(uid),
                 info.uid
             )));
         }
         if !info.is_managed() {
-            return Ok(outcome(
-                Outcome::Ignored,
-                format!("pod {key} is not managed (label {}=true)", crate::pod::MANAGED_LABEL),
-            ));
+            let why = format!("pod {key} is not managed (label {MANAGED_LABEL}=true)");
+            return Ok(Admission::Ignored(why));
         }
         for error in info.config_errors() {
             tracing::warn!(pod = %key, %error, "pod annotation entry skipped");
         }
         let pod = LocalPod {
-            container_id: request.container_id,
-            netns: request.netns_path.into(),
-            ips,
+            container_id: sandbox.container_id,
+            netns: sandbox.netns,
+            ips: sandbox.ips,
             info,
         };
+        Ok(Admission::Join(Box::new(pod), sandbox.capture))
+    }
+
+    /// The pod is saved, registered, served by Envoy and captured, concurrently. If any
+    /// fails, all are undone (fail closed): the retried ADD starts clean.
+    async fn join(&self, pod: &LocalPod, capture: Option<&PodCapture>) -> Result<Took, Status> {
         let started = Instant::now();
         // The node builds the pod's config while the pod is written to disk.
-        let generation = self.node.pods.stage(pod.clone());
+        let generation = self.node.add_pod(pod.clone());
         let (saved, registered, envoy, captured) = tokio::join!(
-            self.node.pods.persist(generation),
-            timed(self.register(&pod)),
-            timed(self.wait_for_envoy(&pod, generation)),
-            timed(self.capture(&pod, capture.as_ref())),
+            self.node.saved(generation),
+            timed(self.register(pod)),
+            timed(self.wait_for_envoy(pod, generation)),
+            timed(self.capture(pod, capture)),
         );
-        let saved = saved.map_err(|e| Status::internal(format!("saving pod {key}: {e}")));
+        let saved = saved.map_err(|e| Status::internal(format!("saving pod {}: {e}", pod.id())));
         if let Err(error) = saved.and(registered.0).and(envoy.0).and(captured.0) {
-            // Leave nothing half-configured (fail closed): the retried ADD starts clean.
-            let _ = self.node.pods.remove_sandbox(&pod.id(), &pod.container_id).await;
-            let _ = self.registrar.unregister(&pod.info.service(), &pod.ips).await;
-            if capture.is_some()
-                && let Err(e) = capture::remove(&self.capture, &pod.container_id, &pod.netns).await
-            {
-                tracing::warn!(pod = %key, error = %e, "removing the capture rules of a failed ADD failed");
-            }
-            self.node.poke();
+            self.roll_back(pod, capture.is_some()).await;
             return Err(error);
         }
-        let total = started.elapsed();
-        let phases = [
-            Some(("register", registered.1)),
-            Some(("envoy", envoy.1)),
-            capture.is_some().then_some(("capture", captured.1)),
-            Some(("total", total)),
-        ];
-        for (phase, took) in phases.into_iter().flatten() {
-            self.add_phases
-                .get_or_create(&[("phase", phase)])
-                .observe(took.as_secs_f64());
+        Ok(Took {
+            register: registered.1,
+            envoy: envoy.1,
+            capture: capture.is_some().then_some(captured.1),
+            total: started.elapsed(),
+        })
+    }
+
+    /// Undoes all of a failed ADD, whichever part failed: the pod is forgotten and
+    /// unregistered, and its capture (if it was to be captured) removed.
+    async fn roll_back(&self, pod: &LocalPod, captured: bool) {
+        let _ = self.node.remove_pod(pod).await;
+        let _ = self
+            .effects
+            .registration
+            .unregister(&pod.info.service(), &pod.ips)
+            .await;
+        if captured && let Err(e) = self.effects.capture.remove(&pod.container_id, &pod.netns).await {
+            tracing::warn!(pod = %pod.id(), error = %e, "removing the capture rules of a failed ADD failed");
         }
-        tracing::info!(pod = %key, service = %pod.info.service(), captured = capture.is_some(),
-            took_ms = total.as_millis() as u64, register_ms = registered.1.as_millis() as u64,
-            envoy_ms = envoy.1.as_millis() as u64, capture_ms = captured.1.as_millis() as u64,
-            "pod added to the mesh");
-        Ok(outcome(Outcome::Success, String::new()))
+        self.node.poke();
     }
 
     async fn register(&self, pod: &LocalPod) -> Result<(), Status> {
-        self.registrar
+        self.effects
+            .registration
             .register(pod)
             .await
             .map_err(|s| Status::unavailable(format!("registering {} with the registrar: {}", pod.id(), s.message())))
     }
 
-    async fn capture(&self, pod: &LocalPod, capture: Option<&capture::PodCapture>) -> Result<(), Status> {
-        let Some(capture) = capture else { return Ok(()) };
-        capture::apply(&self.capture, &pod.container_id, &pod.netns, capture)
-            .await
-            .map_err(|error| Status::internal(format!("programming the capture rules of {}: {error}", pod.id())))
-    }
-
-    /// Waits until Envoy can serve the pod: a snapshot built from pod-store `generation`
-    /// (or later) is out, so a previous sandbox's ACKed listeners of the same name do not
-    /// count, and its listeners and its upstreams' clusters (with endpoints) are ACKed.
     async fn wait_for_envoy(&self, pod: &LocalPod, generation: u64) -> Result<(), Status> {
-        let deadline = tokio::time::Instant::now() + ACK_TIMEOUT;
-        let mut built = self.node.built_generation();
-        if tokio::time::timeout_at(deadline, built.wait_for(|built| *built >= generation))
-            .await
-            .is_err()
-        {
-            return Err(Status::deadline_exceeded(format!(
-                "the node has not rebuilt its config with {}; retry",
-                pod.id()
-            )));
-        }
-        // The pod's upstreams must be usable when ADD returns: wait until the registrar
-        // has answered for a watch filter that includes them...
-        let upstreams = pod.info.upstreams().services;
-        let mut catalog = self.node.catalog.clone();
-        let watched = loop {
-            let watched = catalog.borrow_and_update().clone();
-            if upstreams.iter().all(|u| watched.filter.contains(u)) {
-                break watched;
-            }
-            if tokio::time::timeout_at(deadline, catalog.changed()).await.is_err() {
-                return Err(Status::deadline_exceeded(format!(
-                    "the registrar has not answered for {}'s upstreams; retry",
-                    pod.id()
-                )));
-            }
-        };
-        // ...then until Envoy has ACKed the pod's listeners and those upstreams' clusters.
-        let mut wanted: Vec<(&str, String)> = xds::resources::pod_listener_names(pod)
-            .into_iter()
-            .map(|n| (xds::LISTENER, n))
-            .collect();
-        if self.node.identity.is_some() {
-            wanted.extend(xds::resources::pod_identity_names(pod));
-        }
-        for upstream in &upstreams {
-            for name in xds::resources::cluster_names(&watched.catalog, upstream, &self.node.mesh_domain) {
-                wanted.push((xds::CLUSTER, name.clone()));
-                wanted.push((xds::ENDPOINT, name));
-            }
-        }
-        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
-        self.node
-            .cache
-            .wait_acked(&wanted, remaining)
+        self.effects
+            .envoy
+            .served(pod, generation)
             .await
             .map_err(|e| Status::deadline_exceeded(e.to_string()))
     }
 
+    async fn capture(&self, pod: &LocalPod, capture: Option<&PodCapture>) -> Result<(), Status> {
+        let Some(capture) = capture else { return Ok(()) };
+        self.effects
+            .capture
+            .apply(&pod.container_id, &pod.netns, capture)
+            .await
+            .map_err(|error| Status::internal(format!("programming the capture rules of {}: {error}", pod.id())))
+    }
+
+    fn record_add(&self, pod: &LocalPod, took: &Took) {
+        let phases = [
+            Some(("register", took.register)),
+            Some(("envoy", took.envoy)),
+            took.capture.map(|t| ("capture", t)),
+            Some(("total", took.total)),
+        ];
+        for (phase, t) in phases.into_iter().flatten() {
+            self.metrics
+                .add_phases
+                .get_or_create(&[("phase", phase)])
+                .observe(t.as_secs_f64());
+        }
+        let ms = |t: Duration| t.as_millis() as u64;
+        tracing::info!(pod = %pod.id(), service = %pod.info.service(), captured = took.capture.is_some(),
+            took_ms = ms(took.total), register_ms = ms(took.register), envoy_ms = ms(took.envoy),
+            capture_ms = ms(took.capture.unwrap_or_default()), "pod added to the mesh");
+    }
+
     async fn remove(&self, request: RemovePodRequest) -> Result<RemovePodResponse, Status> {
         check_container_id(&request.container_id)?;
-        let Some(pod) = self.node.pods.by_container(&request.container_id) else {
+        let Some(pod) = self.node.pod_in(&request.container_id) else {
             // Nothing registered, but a pin or capture state may be left from a failed ADD.
-            let pin = self.pin_dir.join(&request.container_id);
-            if let Err(error) = capture::remove(&self.capture, &request.container_id, &pin).await {
-                tracing::warn!(container = %request.container_id, %error, "removing leftover capture rules failed");
-            }
-            if let Err(error) = capture::unpin(&self.pin_dir, &pin) {
-                tracing::warn!(container = %request.container_id, %error, "removing a leftover netns pin failed");
-            }
-            return Ok(RemovePodResponse {
-                outcome: Outcome::Success as i32,
-                message: "unknown sandbox; nothing to do".into(),
-            });
+            self.remove_leftovers(&request.container_id).await;
+            return Ok(removed("unknown sandbox; nothing to do"));
         };
         self.node
-            .pods
-            .remove_sandbox(&pod.id(), &pod.container_id)
+            .remove_pod(&pod)
             .await
             .map_err(|e| Status::internal(format!("forgetting pod {}: {e}", pod.id())))?;
-        if let Err(status) = self.registrar.unregister(&pod.info.service(), &pod.ips).await {
+        if let Err(status) = self
+            .effects
+            .registration
+            .unregister(&pod.info.service(), &pod.ips)
+            .await
+        {
             // DEL must not fail on a registrar outage; the endpoint's TTL reaps it.
             tracing::error!(pod = %pod.id(), %status, "could not unregister a removed pod's endpoints");
         }
         // Let Envoy close the pod's listeners before the runtime tears the netns down.
         self.node.poke();
-        let names: Vec<(&str, String)> = xds::resources::pod_listener_names(&pod)
-            .into_iter()
-            .map(|n| (xds::LISTENER, n))
-            .collect();
-        if let Err(error) = self.node.cache.wait_removed(&names, REMOVE_TIMEOUT).await {
+        if let Err(error) = self.effects.envoy.unserved(&pod).await {
             tracing::warn!(pod = %pod.id(), %error, "the pod's listeners outlived its removal");
         }
         // The listeners are gone: drop the capture and the pin (ours from AddPod on).
-        if let Err(error) = capture::remove(&self.capture, &pod.container_id, &pod.netns).await {
+        let capture = &self.effects.capture;
+        if let Err(error) = capture.remove(&pod.container_id, &pod.netns).await {
             tracing::warn!(pod = %pod.id(), %error, "removing the pod's capture rules failed");
         }
-        if let Err(error) = capture::unpin(&self.pin_dir, &pod.netns) {
+        if let Err(error) = capture.unpin(&pod.netns) {
             tracing::warn!(pod = %pod.id(), netns = %pod.netns.display(), %error, "removing the netns pin failed");
         }
         tracing::info!(pod = %pod.id(), "pod removed from the mesh");
-        Ok(RemovePodResponse {
-            outcome: Outcome::Success as i32,
-            message: String::new(),
-        })
+        Ok(removed(""))
+    }
+
+    /// Drops what a failed or interrupted ADD of sandbox `id` may have left: capture
+    /// state and the netns pin.
+    async fn remove_leftovers(&self, id: &str) {
+        let capture = &self.effects.capture;
+        let pin = capture.pin(id);
+        if let Err(error) = capture.remove(id, &pin).await {
+            tracing::warn!(container = %id, %error, "removing leftover capture rules failed");
+        }
+        if let Err(error) = capture.unpin(&pin) {
+            tracing::warn!(container = %id, %error, "removing a leftover netns pin failed");
+        }
     }
 
     async fn check(&self, request: CheckPodRequest) -> Result<CheckPodResponse, Status> {
         check_container_id(&request.container_id)?;
-        let pod = self.node.pods.by_container(&request.container_id).ok_or_else(|| {
+        let pod = self.node.pod_in(&request.container_id).ok_or_else(|| {
             Status::not_found(format!(
                 "container_id: sandbox {} is not in the mesh",
                 request.container_id
@@ -351,16 +436,12 @@ impl CniService {
                 pod.netns.display()
             )));
         }
-        let names: Vec<(&str, String)> = xds::resources::pod_listener_names(&pod)
-            .into_iter()
-            .map(|n| (xds::LISTENER, n))
-            .collect();
-        self.node
-            .cache
-            .wait_acked(&names, Duration::from_millis(200))
+        self.effects
+            .envoy
+            .serving(&pod)
             .await
             .map_err(|e| Status::failed_precondition(e.to_string()))?;
-        match capture::check(&self.capture, &pod.container_id, &pod.netns).await {
+        match self.effects.capture.check(&pod.container_id, &pod.netns).await {
             Ok(Verdict::Intact | Verdict::NotCaptured) => {}
             Ok(Verdict::Drifted) => {
                 return Err(Status::failed_precondition(format!(
@@ -376,16 +457,16 @@ impl CniService {
             message: String::new(),
         })
     }
-}
 
-impl CniService {
+    /// Removes every pod whose sandbox is not in the request, then what failed or
+    /// interrupted ADDs left.
     async fn garbage_collect(&self, request: GarbageCollectRequest) -> Result<GarbageCollectResponse, Status> {
         for (i, id) in request.valid_container_ids.iter().enumerate() {
             check_container_id(id).map_err(|s| invalid(&format!("valid_container_ids[{i}]"), s.message()))?;
         }
         let valid: BTreeSet<&str> = request.valid_container_ids.iter().map(String::as_str).collect();
         let mut removed = BTreeSet::new();
-        for pod in self.node.pods.all() {
+        for pod in self.node.pods() {
             if !valid.contains(pod.container_id.as_str()) {
                 self.remove(RemovePodRequest {
                     container_id: pod.container_id.clone(),
@@ -395,24 +476,15 @@ impl CniService {
                 removed.insert(pod.container_id);
             }
         }
-        // Pins and capture state without a pod (a failed or interrupted ADD).
-        let known: Vec<String> = self.node.pods.all().into_iter().map(|p| p.container_id).collect();
-        let mut leftovers = capture::orphans(&self.capture, &known);
-        if let Ok(entries) = std::fs::read_dir(&self.pin_dir) {
-            leftovers.extend(entries.filter_map(|e| e.ok()?.file_name().into_string().ok()));
-        }
+        // Pins and capture state without a pod.
+        let known: Vec<String> = self.node.pods().into_iter().map(|p| p.container_id).collect();
+        let mut leftovers = self.effects.capture.orphans(&known);
+        leftovers.extend(self.effects.capture.pinned());
         for id in leftovers {
             if valid.contains(id.as_str()) || known.contains(&id) || check_container_id(&id).is_err() {
                 continue;
             }
-            let pin = self.pin_dir.join(&id);
-            if let Err(error) = capture::remove(&self.capture, &id, &pin).await {
-                tracing::warn!(container = %id, %error, "GC: removing leftover capture rules failed");
-            }
-            match capture::unpin(&self.pin_dir, &pin) {
-                Ok(_) => {}
-                Err(error) => tracing::warn!(container = %id, %error, "GC: removing a leftover pin failed"),
-            }
+            self.remove_leftovers(&id).await;
             removed.insert(id);
         }
         if !removed.is_empty() {
@@ -422,27 +494,6 @@ impl CniService {
             removed: removed.into_iter().collect(),
         })
     }
-}
-
-/// Start-up: every known pod's capture is checked and repaired; desired state left by
-/// pods that are gone is dropped.
-pub async fn reconcile_capture(config: &CaptureConfig, pods: &[LocalPod]) {
-    let mut repaired = 0;
-    for pod in pods {
-        match capture::repair(config, &pod.container_id, &pod.netns).await {
-            Ok(true) => {
-                repaired += 1;
-                tracing::warn!(pod = %pod.id(), "capture rules were missing or changed; repaired");
-            }
-            Ok(false) => {}
-            Err(error) => tracing::error!(pod = %pod.id(), %error, "checking the pod's capture rules failed"),
-        }
-    }
-    let known: Vec<String> = pods.iter().map(|p| p.container_id.clone()).collect();
-    for id in capture::orphans(config, &known) {
-        let _ = capture::forget(config, &id);
-    }
-    tracing::info!(pods = pods.len(), repaired, "capture rules reconciled");
 }
 
 /// Runs `f`, returning its result and how long it took.
@@ -456,6 +507,13 @@ fn outcome(outcome: Outcome, message: String) -> AddPodResponse {
     AddPodResponse {
         outcome: outcome as i32,
         message,
+    }
+}
+
+fn removed(message: &str) -> RemovePodResponse {
+    RemovePodResponse {
+        outcome: Outcome::Success as i32,
+        message: message.into(),
     }
 }
 
@@ -504,7 +562,7 @@ impl CniPlugin for CniService {
     async fn ready(&self, _request: Request<ReadyRequest>) -> Result<Response<ReadyResponse>, Status> {
         self.count("Ready", "ok");
         Ok(Response::new(ReadyResponse {
-            pods: self.node.pods.all().len() as u32,
+            pods: self.node.pods().len() as u32,
         }))
     }
 }

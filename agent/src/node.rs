@@ -18,10 +18,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::catalog_watch::{Interest, WatchedCatalog};
 use crate::identity::Identity;
-use crate::pod::LocalPod;
-use crate::pod_store::PodStore;
+use crate::pod::{LocalPod, PodInfo};
+use crate::pod_store::{PodStore, PodStoreError};
 use crate::xds;
-use crate::xds::cache::Cache;
+use crate::xds::cache::{Cache, WaitError};
 use crate::xds::resources::{self, Generator, Inputs};
 
 /// Quiet time that ends a burst of changes.
@@ -74,22 +74,35 @@ struct OnDemand {
     clusters: BTreeMap<String, String>,
 }
 
+/// The node's state. Local pods change through it alone (CNI calls, the pod source,
+/// start-up recovery), so every change reaches the dependency set and the snapshot.
 #[derive(Clone)]
 pub struct Node {
-    pub mesh_domain: Arc<str>,
-    pub locality: Locality,
-    pub pods: PodStore,
-    pub cache: Cache,
-    pub catalog: watch::Receiver<Arc<WatchedCatalog>>,
+    mesh_domain: Arc<str>,
+    locality: Locality,
+    pods: PodStore,
+    cache: Cache,
+    catalog: watch::Receiver<Arc<WatchedCatalog>>,
     dependencies: Arc<watch::Sender<Interest>>,
     on_demand: Arc<Mutex<OnDemand>>,
     generator: Arc<Mutex<Generator>>,
     wake: Arc<Notify>,
     /// The pod-store generation the last published snapshot was built from.
     built: Arc<watch::Sender<u64>>,
-    pub metrics: NodeMetrics,
+    metrics: NodeMetrics,
     /// Where local pods' SVIDs come from; `None`: plaintext between pods.
-    pub identity: Option<Identity>,
+    identity: Option<Identity>,
+}
+
+/// Why Envoy is not serving a pod (yet).
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("the node has not rebuilt its config with {0}; retry")]
+    NotRebuilt(String),
+    #[error("the registrar has not answered for {0}'s upstreams; retry")]
+    UpstreamsUnanswered(String),
+    #[error(transparent)]
+    Envoy(#[from] WaitError),
 }
 
 impl Node {
@@ -123,6 +136,40 @@ impl Node {
         self.generator = Arc::new(Mutex::new(Generator::with_mtls(&identity.current().trust_domain)));
         self.identity = Some(identity);
         self
+    }
+
+    /// The local pods.
+    pub fn pods(&self) -> Vec<LocalPod> {
+        self.pods.all()
+    }
+
+    /// The local pod in sandbox `container_id`.
+    pub fn pod_in(&self, container_id: &str) -> Option<LocalPod> {
+        self.pods.by_container(container_id)
+    }
+
+    /// Adds (or replaces) a local pod in memory; the node starts building its config at
+    /// once. Returns the pod-store generation that holds it, for [`Node::saved`] and
+    /// [`Node::wait_served`].
+    pub fn add_pod(&self, pod: LocalPod) -> u64 {
+        self.pods.stage(pod)
+    }
+
+    /// Returns once the pod store on disk holds `generation` (or a later one).
+    pub async fn saved(&self, generation: u64) -> Result<(), PodStoreError> {
+        self.pods.persist(generation).await
+    }
+
+    /// Forgets `pod` if it is still in the same sandbox (a newer sandbox stays); returns
+    /// it if it was forgotten.
+    pub async fn remove_pod(&self, pod: &LocalPod) -> Result<Option<LocalPod>, PodStoreError> {
+        self.pods.remove_sandbox(&pod.id(), &pod.container_id).await
+    }
+
+    /// New metadata from the pod source for `pod`, onto the same sandbox only (a DEL or a
+    /// new sandbox in the meantime wins); returns the updated pod if it was applied.
+    pub async fn update_pod(&self, pod: &LocalPod, info: PodInfo) -> Result<Option<LocalPod>, PodStoreError> {
+        self.pods.update_info(&pod.id(), &pod.container_id, info).await
     }
 
     /// The node's dependency set: local pods' upstreams and own services, and what
@@ -279,5 +326,216 @@ impl Node {
             *built = (*built).max(generation);
             newer
         });
+    }
+}
+
+/// What Envoy holds of a pod: the CNI calls wait on these.
+impl Node {
+    /// Waits until Envoy can serve `pod`: a snapshot built from pod-store `generation`
+    /// (or later) is out, so a previous sandbox's ACKed listeners of the same name do not
+    /// count, and its listeners and its upstreams' clusters (with endpoints) are ACKed.
+    pub async fn wait_served(&self, pod: &LocalPod, generation: u64, timeout: Duration) -> Result<(), ServeError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut built = self.built_generation();
+        if tokio::time::timeout_at(deadline, built.wait_for(|built| *built >= generation))
+            .await
+            .is_err()
+        {
+            return Err(ServeError::NotRebuilt(pod.id()));
+        }
+        let upstreams = pod.info.upstreams().services;
+        let watched = self.upstreams_answered(pod, &upstreams, deadline).await?;
+        // ...then until Envoy has ACKed the pod's listeners and those upstreams' clusters.
+        let mut wanted = listener_names(pod);
+        if self.identity.is_some() {
+            wanted.extend(resources::pod_identity_names(pod));
+        }
+        for upstream in &upstreams {
+            for name in resources::cluster_names(&watched.catalog, upstream, &self.mesh_domain) {
+                wanted.push((xds::CLUSTER, name.clone()));
+                wanted.push((xds::ENDPOINT, name));
+            }
+        }
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+        Ok(self.cache.wait_acked(&wanted, remaining).await?)
+    }
+
+    /// The pod's upstreams must be usable when ADD returns: waits until the registrar
+    /// has answered for a watch filter that includes them.
+    async fn upstreams_answered(
+        &self,
+        pod: &LocalPod,
+        upstreams: &BTreeSet<String>,
+        deadline: tokio::time::Instant,
+    ) -> Result<Arc<WatchedCatalog>, ServeError> {
+        let mut catalog = self.catalog.clone();
+        loop {
+            let watched = catalog.borrow_and_update().clone();
+            if upstreams.iter().all(|u| watched.filter.contains(u)) {
+                return Ok(watched);
+            }
+            if tokio::time::timeout_at(deadline, catalog.changed()).await.is_err() {
+                return Err(ServeError::UpstreamsUnanswered(pod.id()));
+            }
+        }
+    }
+
+    /// Waits until no Envoy holds the pod's listeners (at most `timeout`).
+    pub async fn wait_unserved(&self, pod: &LocalPod, timeout: Duration) -> Result<(), WaitError> {
+        self.cache.wait_removed(&listener_names(pod), timeout).await
+    }
+
+    /// Waits until Envoy holds the pod's listeners, ACKed (at most `timeout`).
+    pub async fn wait_listeners(&self, pod: &LocalPod, timeout: Duration) -> Result<(), WaitError> {
+        self.cache.wait_acked(&listener_names(pod), timeout).await
+    }
+}
+
+fn listener_names(pod: &LocalPod) -> Vec<(&'static str, String)> {
+    resources::pod_listener_names(pod)
+        .into_iter()
+        .map(|n| (xds::LISTENER, n))
+        .collect()
+}
+
+/// The node's debug pages: `/debug/pods`, `/debug/dependencies`, `/debug/xds`.
+impl Node {
+    pub fn debug_page(&self, path: &str) -> Option<serde_json::Value> {
+        match path {
+            "/debug/pods" => Some(self.debug_pods()),
+            "/debug/dependencies" => Some(self.debug_dependencies()),
+            "/debug/xds" => Some(self.debug_xds()),
+            _ => None,
+        }
+    }
+
+    fn debug_pods(&self) -> serde_json::Value {
+        let pods: Vec<_> = self
+            .pods()
+            .into_iter()
+            .map(|p| {
+                serde_json::json!({
+                    "pod": p.id(),
+                    "container_id": p.container_id,
+                    "netns": p.netns,
+                    "ips": p.ips,
+                    "service": p.info.service(),
+                    "upstreams": p.info.upstreams().services,
+                    "config_errors": p.info.config_errors(),
+                    "terminating": p.info.terminating,
+                })
+            })
+            .collect();
+        serde_json::json!({ "pods": pods })
+    }
+
+    fn debug_dependencies(&self) -> serde_json::Value {
+        let pods = self.pods();
+        let watched = self.catalog.borrow().clone();
+        serde_json::json!({
+            "dependencies": self.dependencies(&pods),
+            "watched": watched.filter,
+            "known": watched.catalog.services.keys().collect::<Vec<_>>(),
+        })
+    }
+
+    fn debug_xds(&self) -> serde_json::Value {
+        let snapshot = self.cache.snapshot();
+        // "acked": what the newest connected Envoy (the one serving) holds.
+        let streams = self.cache.streams();
+        let acked = streams.newest().map(|s| s.acked.clone()).unwrap_or_default();
+        let types: serde_json::Map<String, serde_json::Value> = snapshot
+            .types
+            .iter()
+            .map(|(type_url, resources)| {
+                let entries: serde_json::Map<String, serde_json::Value> = resources
+                    .iter()
+                    .map(|(name, r)| {
+                        let have = acked.get(type_url).and_then(|m| m.get(name));
+                        (name.clone(), serde_json::json!({ "served": r.version, "acked": have }))
+                    })
+                    .collect();
+                (type_url.clone(), serde_json::Value::Object(entries))
+            })
+            .collect();
+        serde_json::json!({ "serial": snapshot.serial, "streams": streams.live.len(), "types": types })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pod::MANAGED_LABEL;
+
+    fn node(state: &std::path::Path) -> (Node, watch::Sender<Arc<WatchedCatalog>>, Cache) {
+        let cache = Cache::default();
+        let (catalog_tx, catalog) = watch::channel(Arc::new(WatchedCatalog::default()));
+        let (dependencies, _) = watch::channel(Interest::Services(BTreeSet::new()));
+        let pods = PodStore::open(state).unwrap();
+        let node = Node::new(
+            "aether.internal",
+            Locality::default(),
+            pods,
+            cache.clone(),
+            catalog,
+            dependencies,
+            NodeMetrics::default(),
+        );
+        (node, catalog_tx, cache)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pod_is_served_once_built_with_its_upstreams_answered_and_acked() {
+        let state = tempfile::tempdir().unwrap();
+        let (node, catalog, cache) = node(state.path());
+        let mut info = PodInfo {
+            namespace: "demo".into(),
+            name: "p".into(),
+            ..PodInfo::default()
+        };
+        info.labels.insert(MANAGED_LABEL.into(), "true".into());
+        info.annotations
+            .insert(crate::upstreams::ANNOTATION.into(), "cart".into());
+        let pod = LocalPod {
+            container_id: "c-p".into(),
+            netns: "/run/netns/p".into(),
+            ips: vec!["10.0.0.1".parse().unwrap()],
+            info,
+        };
+        let generation = node.add_pod(pod.clone());
+        let wait = || node.wait_served(&pod, generation, Duration::from_secs(1));
+        let error = wait().await.unwrap_err().to_string();
+        assert_eq!(error, "the node has not rebuilt its config with demo/p; retry");
+        node.rebuild();
+        let error = wait().await.unwrap_err().to_string();
+        assert_eq!(error, "the registrar has not answered for demo/p's upstreams; retry");
+        catalog.send_replace(Arc::new(WatchedCatalog {
+            filter: node.dependencies(&node.pods()),
+            ..WatchedCatalog::default()
+        }));
+        assert!(matches!(
+            wait().await,
+            Err(ServeError::Envoy(WaitError::NotAcked { .. }))
+        ));
+        let envoy = cache.open_stream();
+        for (type_url, resources) in &cache.snapshot().types {
+            let acked: Vec<_> = resources
+                .values()
+                .map(|r| (r.name.clone(), Some(r.version.clone())))
+                .collect();
+            envoy.record_ack(type_url, &acked);
+        }
+        wait().await.unwrap();
+        node.wait_listeners(&pod, Duration::from_millis(1)).await.unwrap();
+
+        // Gone from the node, the pod's listeners are held until Envoy lets go of them.
+        assert_eq!(node.remove_pod(&pod).await.unwrap(), Some(pod.clone()));
+        node.rebuild();
+        let held = node.wait_unserved(&pod, Duration::from_millis(10)).await.unwrap_err();
+        assert!(matches!(held, WaitError::StillHeld { .. }), "{held}");
+        for (type_url, name) in listener_names(&pod) {
+            envoy.record_ack(type_url, &[(name, None)]);
+        }
+        node.wait_unserved(&pod, Duration::from_millis(10)).await.unwrap();
     }
 }

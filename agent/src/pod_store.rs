@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-use crate::pod::LocalPod;
+use crate::pod::{LocalPod, PodInfo};
 
 const FILE: &str = "pods.json";
 
@@ -108,11 +108,33 @@ impl PodStore {
         Ok(removed)
     }
 
+    /// Replaces the metadata of pod `id` if it is still sandbox `container_id` (a DEL or
+    /// a newer sandbox in the meantime wins); returns the updated pod if it was applied.
+    /// See [`PodStore::change`].
+    pub async fn update_info(
+        &self,
+        id: &str,
+        container_id: &str,
+        info: PodInfo,
+    ) -> Result<Option<LocalPod>, PodStoreError> {
+        let mut updated = None;
+        self.change(|pods| match pods.get_mut(id) {
+            Some(current) if current.container_id == container_id => {
+                current.info = info;
+                updated = Some(current.clone());
+                true
+            }
+            _ => false,
+        })
+        .await?;
+        Ok(updated)
+    }
+
     /// Applies `f`; when it reports a change, watchers are told at once (the node
     /// starts rebuilding while the change is written) and the call returns once the
     /// change is on disk. On a write error the change stays in memory: the caller
     /// decides (an ADD undoes it), and the next write carries it.
-    pub async fn change(&self, f: impl FnOnce(&mut BTreeMap<String, LocalPod>) -> bool) -> Result<(), PodStoreError> {
+    async fn change(&self, f: impl FnOnce(&mut BTreeMap<String, LocalPod>) -> bool) -> Result<(), PodStoreError> {
         match self.apply(f) {
             Some(generation) => self.persist(generation).await,
             None => Ok(()),
@@ -172,7 +194,6 @@ impl PodStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pod::PodInfo;
 
     fn pod(name: &str) -> LocalPod {
         LocalPod {
@@ -188,7 +209,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn pods_survive_a_restart_and_a_corrupt_file_is_an_error() {
+    async fn changes_survive_a_restart_and_a_corrupt_file_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let store = PodStore::open(dir.path()).unwrap();
         store.put(pod("a")).await.unwrap();
@@ -199,8 +220,14 @@ mod tests {
             store.remove_sandbox("ns/a", "c-a").await.unwrap().map(|p| p.id()),
             Some("ns/a".into())
         );
+        // New metadata lands on the same sandbox only.
+        let mut info = pod("b").info;
+        info.terminating = true;
+        assert_eq!(store.update_info("ns/b", "c-other", info.clone()).await.unwrap(), None);
+        let updated = store.update_info("ns/b", "c-b", info).await.unwrap().unwrap();
+        assert!(updated.info.terminating);
         let reopened = PodStore::open(dir.path()).unwrap();
-        assert_eq!(reopened.all(), vec![pod("b")]);
+        assert_eq!(reopened.all(), vec![updated]);
         assert_eq!(reopened.by_container("c-b").map(|p| p.id()), Some("ns/b".into()));
 
         std::fs::write(dir.path().join(FILE), b"[{").unwrap();

@@ -12,8 +12,6 @@ use aether_common::telemetry::otlp::Refresh;
 use aether_common::telemetry::{Component, MetricsPush};
 use aether_proto::registry::v1::Locality;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use std::time::Duration;
@@ -23,7 +21,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::catalog_watch::{self, Interest, WatchedCatalog};
-use crate::cni::CniService;
+use crate::cni::{CniMetrics, CniService, CniSettings, Effects};
 use crate::config::{Config, PodSourceKind};
 use crate::node::{Node, NodeMetrics};
 use crate::pod_source::{PodDirectory, kubernetes, static_dir};
@@ -134,12 +132,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     )?;
     let identity = crate::identity::Identity::start(&config.identity, metrics.identity.clone(), shutdown.clone())?;
     let cache = Cache::default();
-    let (node, catalog_tx, deps_rx) = node(&config, locality, &pods, &cache, identity, &metrics);
+    let (node, catalog_tx, deps_rx) = node(&config, locality, pods, &cache, identity, &metrics);
 
     let readiness = Readiness::new("starting");
     let tasks = Tasks::new(shutdown.clone(), readiness.clone());
     let capture = capture_config(&config);
-    recover_pods(&pods, &registrar, &capture, &tasks).await;
+    recover_pods(&node, &registrar, &capture, &tasks).await;
     node.rebuild();
 
     let directory = PodDirectory::default();
@@ -157,17 +155,13 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     watches.start(dns_records, &tasks, &shutdown);
     tasks.critical("the node controller", node.clone().run(shutdown.clone()));
 
-    let cni = CniService {
-        node: node.clone(),
-        directory,
-        registrar,
+    let effects = Effects::production(registrar, capture.clone(), config.netns_pin_dir.clone(), node.clone());
+    let settings = CniSettings {
         excluded_namespaces: config.excluded(),
         pod_lookup_timeout: config.pod_lookup_timeout,
-        calls: metrics.cni_calls.clone(),
-        add_phases: metrics.cni_add_phases.clone(),
         capture,
-        pin_dir: config.netns_pin_dir.clone(),
     };
+    let cni = CniService::new(node.clone(), directory, settings, effects, metrics.cni.clone());
     serve_sockets(&config, cache, &node, cni, metrics.xds.clone(), &tasks, &shutdown)?;
     let admin_addr = serve_admin(
         &config,
@@ -198,7 +192,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
 fn node(
     config: &Config,
     locality: Locality,
-    pods: &PodStore,
+    pods: PodStore,
     cache: &Cache,
     identity: Option<crate::identity::Identity>,
     metrics: &AgentMetrics,
@@ -208,7 +202,7 @@ fn node(
     let node = Node::new(
         &config.mesh_domain,
         locality,
-        pods.clone(),
+        pods,
         cache.clone(),
         catalog_rx,
         deps_tx,
@@ -264,8 +258,7 @@ struct AgentMetrics {
     xds: XdsMetrics,
     node: NodeMetrics,
     registrar_connected: Gauge,
-    cni_calls: Family<crate::cni::Labels, Counter>,
-    cni_add_phases: crate::cni::AddPhases,
+    cni: CniMetrics,
     envoy_requests: EnvoyRequestMetrics,
     identity: crate::identity::IdentityMetrics,
     dns_records: crate::dns_records::DnsRecordsMetrics,
@@ -280,8 +273,7 @@ impl AgentMetrics {
             xds: XdsMetrics::default(),
             node: NodeMetrics::default(),
             registrar_connected: Gauge::default(),
-            cni_calls: Family::default(),
-            cni_add_phases: crate::cni::add_phases(),
+            cni: CniMetrics::default(),
             envoy_requests: EnvoyRequestMetrics::new(config.envoy_admin, ENVOY_STATS_TIMEOUT),
             identity: crate::identity::IdentityMetrics::default(),
             dns_records: crate::dns_records::DnsRecordsMetrics::default(),
@@ -295,16 +287,7 @@ impl AgentMetrics {
             "1 while the registrar watch stream is up",
             this.registrar_connected.clone(),
         );
-        metrics.register(
-            "cni_calls",
-            "CNI plugin calls, by method and result",
-            this.cni_calls.clone(),
-        );
-        metrics.register(
-            "cni_add_phase_seconds",
-            "Time successful AddPod calls spent registering, waiting for Envoy, programming capture, and in total",
-            this.cni_add_phases.clone(),
-        );
+        this.cni.register(metrics);
         metrics.register(
             "envoy_stats_failures",
             "Reads of Envoy's request metrics from its admin that failed (the last values are kept)",
@@ -354,12 +337,12 @@ impl Watches {
 
 /// Pods from a previous run: those whose sandbox is gone are dropped (and unregistered),
 /// the rest registered again and their capture checked.
-async fn recover_pods(pods: &PodStore, registrar: &Registrar, capture: &crate::capture::CaptureConfig, tasks: &Tasks) {
+async fn recover_pods(node: &Node, registrar: &Registrar, capture: &crate::capture::CaptureConfig, tasks: &Tasks) {
     let mut known = 0;
-    for pod in pods.all() {
+    for pod in node.pods() {
         if !pod.netns.exists() {
             tracing::info!(pod = %pod.id(), netns = %pod.netns.display(), "forgetting a pod whose sandbox is gone");
-            let _ = pods.remove_sandbox(&pod.id(), &pod.container_id).await;
+            let _ = node.remove_pod(&pod).await;
             let registrar = registrar.clone();
             tasks.spawn(async move {
                 let _ = registrar.unregister(&pod.info.service(), &pod.ips).await;
@@ -375,8 +358,8 @@ async fn recover_pods(pods: &PodStore, registrar: &Registrar, capture: &crate::c
         });
     }
     tracing::info!(pods = known, "local pods recovered from the state dir");
-    let (capture, pods) = (capture.clone(), pods.all());
-    tasks.spawn(async move { crate::cni::reconcile_capture(&capture, &pods).await });
+    let (capture, pods) = (capture.clone(), node.pods());
+    tasks.spawn(async move { crate::capture::reconcile(&capture, &pods).await });
 }
 
 /// Follows pod metadata from the pod directory (static) or the API server (Kubernetes).
@@ -483,33 +466,20 @@ async fn log_failure<E: std::fmt::Display>(what: &'static str, server: impl Futu
 async fn sync_pod_info(directory: PodDirectory, node: Node, registrar: Registrar, shutdown: CancellationToken) {
     let mut changes = directory.subscribe();
     loop {
-        for pod in node.pods.all() {
+        for pod in node.pods() {
             let Some(info) = directory.get(&pod.id()) else { continue };
             if info == pod.info || (!pod.info.uid.is_empty() && info.uid != pod.info.uid) {
                 continue;
             }
-            let mut updated = pod.clone();
-            updated.info = info;
-            // Only onto the same sandbox: a DEL or a new sandbox in the meantime wins.
-            let mut applied = false;
-            let saved = node
-                .pods
-                .change(|pods| match pods.get_mut(&pod.id()) {
-                    Some(current) if current.container_id == pod.container_id => {
-                        *current = updated.clone();
-                        applied = true;
-                        true
-                    }
-                    _ => false,
-                })
-                .await;
-            if let Err(error) = saved {
-                tracing::error!(pod = %pod.id(), %error, "saving updated pod metadata failed");
-                continue;
-            }
-            if !applied {
-                continue;
-            }
+            let updated = match node.update_pod(&pod, info).await {
+                Ok(Some(updated)) => updated,
+                // A DEL or a new sandbox in the meantime won.
+                Ok(None) => continue,
+                Err(error) => {
+                    tracing::error!(pod = %pod.id(), %error, "saving updated pod metadata failed");
+                    continue;
+                }
+            };
             if let Err(status) = registrar.register(&updated).await {
                 tracing::warn!(pod = %pod.id(), %status, "updating the pod's endpoint failed");
             }
@@ -523,59 +493,7 @@ async fn sync_pod_info(directory: PodDirectory, node: Node, registrar: Registrar
 
 fn debug_pages(node: Node) -> Pages {
     Arc::new(move |path: &str| {
-        let body = match path {
-            "/debug/pods" => {
-                let pods: Vec<_> = node
-                    .pods
-                    .all()
-                    .into_iter()
-                    .map(|p| {
-                        serde_json::json!({
-                            "pod": p.id(),
-                            "container_id": p.container_id,
-                            "netns": p.netns,
-                            "ips": p.ips,
-                            "service": p.info.service(),
-                            "upstreams": p.info.upstreams().services,
-                            "config_errors": p.info.config_errors(),
-                            "terminating": p.info.terminating,
-                        })
-                    })
-                    .collect();
-                serde_json::json!({ "pods": pods })
-            }
-            "/debug/dependencies" => {
-                let pods = node.pods.all();
-                let watched = node.catalog.borrow().clone();
-                serde_json::json!({
-                    "dependencies": node.dependencies(&pods),
-                    "watched": watched.filter,
-                    "known": watched.catalog.services.keys().collect::<Vec<_>>(),
-                })
-            }
-            "/debug/xds" => {
-                let snapshot = node.cache.snapshot();
-                // "acked": what the newest connected Envoy (the one serving) holds.
-                let streams = node.cache.streams();
-                let acked = streams.newest().map(|s| s.acked.clone()).unwrap_or_default();
-                let types: serde_json::Map<String, serde_json::Value> = snapshot
-                    .types
-                    .iter()
-                    .map(|(type_url, resources)| {
-                        let entries: serde_json::Map<String, serde_json::Value> = resources
-                            .iter()
-                            .map(|(name, r)| {
-                                let have = acked.get(type_url).and_then(|m| m.get(name));
-                                (name.clone(), serde_json::json!({ "served": r.version, "acked": have }))
-                            })
-                            .collect();
-                        (type_url.clone(), serde_json::Value::Object(entries))
-                    })
-                    .collect();
-                serde_json::json!({ "serial": snapshot.serial, "streams": streams.live.len(), "types": types })
-            }
-            _ => return None,
-        };
+        let body = node.debug_page(path)?;
         Some((200, serde_json::to_string_pretty(&body).expect("JSON serialises")))
     })
 }
