@@ -52,6 +52,7 @@ bench: $(STAMP) ## run the benchmarks
 	@test -x "$(ENVOY_BIN)" || { echo "no Envoy binary in $(VENV); run make setup" >&2; exit 1; }
 	$(CARGO) build --workspace --bins --release --locked
 	$(RUN_ENV) $(CARGO) bench --workspace --locked
+	$(RUN_ENV) $${CARGO_TARGET_DIR:-target}/release/aether-sim --agents 500,1000 --churn-seconds 20
 
 demo: setup ## bring up one node of the mesh and show it working (root; leaves nothing behind)
 	@test "$$(id -u)" = 0 || { echo "make demo needs root (network namespaces, nftables, bridges)" >&2; exit 1; }
