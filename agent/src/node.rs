@@ -24,6 +24,9 @@ use crate::xds;
 use crate::xds::cache::{Cache, WaitError};
 use crate::xds::resources::{self, Generator, Inputs};
 
+mod inspect;
+pub use inspect::NodeView;
+
 /// Quiet time that ends a burst of changes.
 pub const DEBOUNCE: Duration = Duration::from_millis(5);
 /// Most time a burst may delay a rebuild.

@@ -93,6 +93,11 @@ impl EnvoyAdmin {
         self.request("POST", "/drain_listeners?graceful").await.map(drop)
     }
 
+    /// A read-only page (`/clusters?format=json`, `/config_dump`, …), for the agent's debug API.
+    pub async fn get(&self, path: &str) -> Result<String, AdminError> {
+        self.request("GET", path).await
+    }
+
     async fn request(&self, method: &str, path: &str) -> Result<String, AdminError> {
         let err = |reason: String| AdminError::Request {
             addr: self.addr,

@@ -35,6 +35,7 @@ use crate::identity::Identities;
 use crate::pod::LocalPod;
 use transport::Mtls;
 
+pub use clusters::server_sans;
 pub use util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, PORT_HEADER};
 
 /// Everything the generators read.

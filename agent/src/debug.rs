@@ -1,0 +1,201 @@
+//! The agent's read-only debug API for the `aether` CLI, beside `/debug/{pods,dependencies,xds}`
+//! on the loopback admin address:
+//!
+//! - `/debug/status`: the node (agent, Envoy, xDS, registrar stream, DNS records, pods);
+//! - `/debug/check`: pre-flight and post-install checks, each PASS/WARN/FAIL with a fix;
+//! - `/debug/proxy-config/<ns>/<pod>/<section>`: what Envoy holds for a pod, as a table;
+//! - `/debug/explain/<ns>/<pod>/<target>`: the hops of a call and the first failing one
+//!   (`<target>` percent-encoded: a service name or URL).
+//!
+//! Envoy's admin is read here, by the agent, and never exposed further. Nothing here writes.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use aether_common::admin::Pages;
+use prometheus_client::metrics::gauge::Gauge;
+
+use crate::capture::CaptureConfig;
+use crate::node::Node;
+use crate::proxy::admin::EnvoyAdmin;
+
+mod check;
+mod envoy;
+mod facts;
+mod mesh_dns;
+mod proxy_config;
+mod status;
+
+/// What the debug API reads: the node, and the agent's view of its neighbours. (The
+/// agent's own readiness is its `/ready`, which the CLI reads beside these pages.)
+#[derive(Clone)]
+pub struct Inspector {
+    pub node: Node,
+    pub node_name: String,
+    pub capture: CaptureConfig,
+    pub envoy: EnvoyAdmin,
+    /// mesh-dns's record file (written by the agent).
+    pub records: PathBuf,
+    /// mesh-dns on this node, if configured: `check` asks it a question.
+    pub mesh_dns: Option<SocketAddr>,
+    pub sockets: Vec<PathBuf>,
+    pub netns_pin_dir: PathBuf,
+    /// 1 while the catalog watch is up.
+    pub registrar_connected: Gauge,
+    /// 1 while the DNS (services-only) watch is up.
+    pub dns_connected: Gauge,
+}
+
+impl Inspector {
+    /// `registrar` and `dns` are the gauges the catalog watch and the DNS watch keep at 1 while up.
+    pub fn new(config: &crate::config::Config, node: Node, registrar: &Gauge, dns: &Gauge) -> Self {
+        Self {
+            node,
+            node_name: config.node_name.clone(),
+            capture: CaptureConfig::new(
+                &config.state_dir,
+                config.mesh_vip_cidr,
+                config.mesh_dns,
+                config.proxy_mark,
+            ),
+            envoy: EnvoyAdmin::new(config.envoy_admin),
+            records: crate::dns_records::path(&config.state_dir),
+            mesh_dns: config.mesh_dns,
+            sockets: vec![config.xds_socket.clone(), config.cni_socket.clone()],
+            netns_pin_dir: config.netns_pin_dir.clone(),
+            registrar_connected: registrar.clone(),
+            dns_connected: dns.clone(),
+        }
+    }
+}
+
+/// `base` (the node's own pages) plus the CLI's; each answer is JSON.
+pub fn pages(base: Pages, inspector: Inspector) -> Pages {
+    let inspector = Arc::new(inspector);
+    Arc::new(move |path: &str| {
+        let route = Route::parse(path)?;
+        let Route::Cli(request) = route else { return base(path) };
+        Some(blocking(inspector.clone(), request))
+    })
+}
+
+/// One CLI request, parsed from its path.
+#[derive(Debug, PartialEq, Eq)]
+enum Request {
+    Status,
+    Check,
+    ProxyConfig { pod: String, section: String },
+    Explain { pod: String, target: String },
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Route {
+    Cli(Request),
+    Other,
+}
+
+impl Route {
+    /// `None`: a CLI path with the wrong shape (served as not found).
+    fn parse(path: &str) -> Option<Route> {
+        let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        let pod = |ns: &str, name: &str| format!("{}/{}", decode(ns), decode(name));
+        let request = match parts.as_slice() {
+            ["debug", "status"] => Request::Status,
+            ["debug", "check"] => Request::Check,
+            ["debug", "proxy-config", ns, name, section] => Request::ProxyConfig {
+                pod: pod(ns, name),
+                section: decode(section),
+            },
+            ["debug", "explain", ns, name, target] => Request::Explain {
+                pod: pod(ns, name),
+                target: decode(target),
+            },
+            ["debug", "status" | "check" | "proxy-config" | "explain", ..] => return None,
+            _ => return Some(Route::Other),
+        };
+        Some(Route::Cli(request))
+    }
+}
+
+/// The admin server's pages are synchronous; the answers need Envoy's admin and `nft` in
+/// pod netns. The agent runs on the multi-thread runtime, so the admin connection's task
+/// may block its worker while the answer is gathered.
+fn blocking(inspector: Arc<Inspector>, request: Request) -> (u16, String) {
+    let handle = tokio::runtime::Handle::current();
+    if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread {
+        return error(503, "the debug API needs the multi-thread runtime");
+    }
+    tokio::task::block_in_place(|| handle.block_on(answer(&inspector, request)))
+}
+
+async fn answer(inspector: &Inspector, request: Request) -> (u16, String) {
+    let body = match request {
+        Request::Status => status::status(inspector).await,
+        Request::Check => check::page(inspector).await,
+        Request::ProxyConfig { pod, section } => match proxy_config::table(inspector, &pod, &section).await {
+            Ok(table) => table,
+            Err(e) => return error(404, &e.to_string()),
+        },
+        Request::Explain { pod, target } => {
+            let facts = facts::gather(inspector, &pod, &target).await;
+            serde_json::to_value(crate::explain::explain(&facts)).expect("an explanation serialises")
+        }
+    };
+    (200, serde_json::to_string_pretty(&body).expect("JSON serialises"))
+}
+
+fn error(status: u16, message: &str) -> (u16, String) {
+    (status, serde_json::json!({ "error": message }).to_string())
+}
+
+/// Percent-decoding of one path segment (the CLI encodes the target URL).
+fn decode(segment: &str) -> String {
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| u8::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(byte)) => {
+                out.push(byte);
+                i += 3;
+            }
+            (byte, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_paths_are_parsed_and_the_rest_left_to_the_node() {
+        let explain = Route::parse("/debug/explain/demo/frontend/http%3A%2F%2Fbackend.demo%3A8080%2Fx").unwrap();
+        assert_eq!(
+            explain,
+            Route::Cli(Request::Explain {
+                pod: "demo/frontend".into(),
+                target: "http://backend.demo:8080/x".into()
+            })
+        );
+        assert_eq!(Route::parse("/debug/status"), Some(Route::Cli(Request::Status)));
+        assert_eq!(
+            Route::parse("/debug/proxy-config/demo/a/clusters"),
+            Some(Route::Cli(Request::ProxyConfig {
+                pod: "demo/a".into(),
+                section: "clusters".into()
+            }))
+        );
+        assert_eq!(Route::parse("/debug/pods"), Some(Route::Other));
+        assert_eq!(Route::parse("/debug/explain/demo"), None);
+        assert_eq!(decode("a%2"), "a%2");
+    }
+}

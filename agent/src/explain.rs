@@ -1,0 +1,659 @@
+//! `aether explain <pod> <service|URL>`: why a pod can or cannot reach a service, as the
+//! hops a call takes, in order. [`explain`] is pure: the facts the agent gathered
+//! (`crate::debug::gather`) in, one verdict per hop out, each with a one-sentence why and
+//! a fix. The first failing hop is the answer; later hops are not judged (`skip`).
+//!
+//! Routing and authorization do not exist in the mesh yet: their hops say so. When they
+//! land, they fill [`Facts::route`] and [`Facts::authorization`] and judge them in
+//! [`route`] and [`authorization`]; nothing else changes.
+
+use std::net::IpAddr;
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+
+/// How one hop fared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Ok,
+    /// Works, with a caveat worth knowing (e.g. reached on demand).
+    Warn,
+    Fail,
+    /// Not judged: not applicable, or after the first failure.
+    Skip,
+}
+
+/// One hop of the call.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Hop {
+    pub hop: &'static str,
+    pub status: Status,
+    /// One sentence.
+    pub why: String,
+    /// How to fix it (empty when there is nothing to fix).
+    pub fix: String,
+}
+
+/// Everything [`explain`] judges; gathered by the agent for one (pod, target).
+#[derive(Clone, Debug, Default)]
+pub struct Facts {
+    /// The source pod as given on the command line (`<ns>/<name>`).
+    pub pod_id: String,
+    /// `None`: the agent does not know the pod.
+    pub pod: Option<PodFacts>,
+    /// The target as typed, and what it names.
+    pub target_text: String,
+    pub target: Option<Target>,
+    pub registrar_connected: bool,
+    pub dns: DnsFacts,
+    pub capture: Capture,
+    pub envoy: EnvoyFacts,
+    pub identity: Option<IdentityFacts>,
+    /// Routing does not exist yet: `None` says so.
+    pub route: Option<()>,
+    /// Authorization does not exist yet: `None` says so.
+    pub authorization: Option<()>,
+    pub now: Option<SystemTime>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct PodFacts {
+    pub terminating: bool,
+    pub config_errors: Vec<String>,
+    /// Its `config.aether.io/upstreams`, as service keys.
+    pub upstreams: Vec<String>,
+}
+
+/// What the target names.
+#[derive(Clone, Debug, Default)]
+pub struct Target {
+    /// `<ns>/<name>`.
+    pub service: String,
+    pub fqdn: String,
+    /// The port asked for, if any.
+    pub port: Option<u32>,
+    /// Given as an IP (a VIP), so no name is looked up.
+    pub by_ip: bool,
+    /// The service's VIP, if the catalog or the record file knows it.
+    pub vip: Option<IpAddr>,
+    /// The service is in the node's catalog slice (declared or looked up on demand).
+    pub loaded: bool,
+    /// The ports its endpoints serve (empty: none, or not loaded).
+    pub ports: Vec<u32>,
+    /// Endpoints in the catalog (when loaded).
+    pub endpoints: usize,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct DnsFacts {
+    /// The addresses mesh-dns's record file holds for the name; `None`: no record.
+    pub record: Option<Vec<IpAddr>>,
+    /// Reading the record file failed.
+    pub file_error: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Capture {
+    #[default]
+    Unknown,
+    /// The netns holds the rules the agent applied.
+    Intact,
+    /// The table is missing or changed.
+    Drifted,
+    /// The pod was added without capture.
+    NotCaptured,
+    /// Checking failed (nft, netns).
+    Error(String),
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct EnvoyFacts {
+    /// An Envoy is connected to the agent's xDS socket.
+    pub connected: bool,
+    pub listener: Resource,
+    /// The cluster the call would use (`None`: none, e.g. not loaded or no endpoints).
+    pub cluster: Option<(String, Resource)>,
+    /// Hosts Envoy holds for that cluster (`None`: Envoy's admin did not answer).
+    pub hosts: Option<Vec<Host>>,
+}
+
+/// A resource the agent serves, as Envoy took it.
+#[derive(Clone, Debug, Default)]
+pub struct Resource {
+    pub served: bool,
+    pub acked: bool,
+    /// Envoy's NACK error, if it rejected the served version.
+    pub rejected: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Host {
+    pub address: String,
+    pub healthy: bool,
+    pub ejected: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct IdentityFacts {
+    pub svid: Option<Svid>,
+    /// The pod's SVID secret is ACKed by Envoy.
+    pub secret_acked: bool,
+    /// The identities the client pins for the destination (the cluster's SANs).
+    pub expected_sans: Vec<String>,
+    /// SPIFFE IDs of the destination's endpoints that are pods on this node (their SVIDs).
+    pub local_destinations: Vec<(String, String)>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Svid {
+    pub spiffe_id: String,
+    pub not_before: SystemTime,
+    pub not_after: SystemTime,
+}
+
+/// The whole answer: every hop, and the verdict (the first failure, else the first warning).
+#[derive(Clone, Debug, Serialize)]
+pub struct Explanation {
+    pub pod: String,
+    pub target: String,
+    pub service: Option<String>,
+    pub verdict: Status,
+    /// The hop the verdict is about (the first fail, else the first warn).
+    pub first: Option<Hop>,
+    pub hops: Vec<Hop>,
+}
+
+type Judge = fn(&Facts) -> Hop;
+
+/// The hops in the order a call takes them.
+const HOPS: [Judge; 12] = [
+    pod,
+    target,
+    control_plane,
+    dns,
+    capture,
+    declared,
+    listener,
+    route,
+    cluster,
+    endpoints,
+    identity,
+    authorization,
+];
+
+/// Judges every hop in order; after the first failure the rest are skipped.
+pub fn explain(facts: &Facts) -> Explanation {
+    let mut hops = Vec::new();
+    let mut failed = false;
+    for judge in HOPS {
+        let hop = judge(facts);
+        if failed {
+            hops.push(Hop {
+                status: Status::Skip,
+                why: "not checked: an earlier hop failed".into(),
+                fix: String::new(),
+                ..hop
+            });
+            continue;
+        }
+        failed = hop.status == Status::Fail;
+        hops.push(hop);
+    }
+    let first = [Status::Fail, Status::Warn]
+        .iter()
+        .find_map(|s| hops.iter().find(|h| h.status == *s))
+        .cloned();
+    Explanation {
+        pod: facts.pod_id.clone(),
+        target: facts.target_text.clone(),
+        service: facts.target.as_ref().map(|t| t.service.clone()),
+        verdict: first.as_ref().map_or(Status::Ok, |h| h.status),
+        first,
+        hops,
+    }
+}
+
+fn hop(hop: &'static str, status: Status, why: impl Into<String>, fix: impl Into<String>) -> Hop {
+    Hop {
+        hop,
+        status,
+        why: why.into(),
+        fix: fix.into(),
+    }
+}
+
+fn ok(name: &'static str, why: impl Into<String>) -> Hop {
+    hop(name, Status::Ok, why, "")
+}
+
+fn pod(f: &Facts) -> Hop {
+    let Some(pod) = &f.pod else {
+        return hop(
+            "pod",
+            Status::Fail,
+            format!("{} is not a pod this node's agent manages", f.pod_id),
+            "label it aether.io/managed=true, check it runs on this node and that its CNI ADD succeeded (aether status lists the node's pods)",
+        );
+    };
+    if pod.terminating {
+        return hop(
+            "pod",
+            Status::Warn,
+            format!("{} is terminating: its connections drain", f.pod_id),
+            "",
+        );
+    }
+    if let Some(error) = pod.config_errors.first() {
+        return hop(
+            "pod",
+            Status::Warn,
+            format!(
+                "{} is managed, but part of its mesh config is ignored: {error}",
+                f.pod_id
+            ),
+            "fix the annotation named",
+        );
+    }
+    ok("pod", format!("{} is managed by this node's agent", f.pod_id))
+}
+
+fn target(f: &Facts) -> Hop {
+    let Some(t) = &f.target else {
+        return hop(
+            "service",
+            Status::Fail,
+            format!("{:?} does not name a mesh service", f.target_text),
+            "give <service>, <service>.<namespace>, <namespace>/<service>, the mesh name or a URL with it",
+        );
+    };
+    if t.vip.is_none() && !t.loaded {
+        return hop(
+            "service",
+            Status::Fail,
+            format!("{} is not in the mesh catalog", t.service),
+            "check the name and namespace; a service exists once a managed pod serving it is registered",
+        );
+    }
+    ok("service", format!("{} is in the mesh catalog", t.service))
+}
+
+fn control_plane(f: &Facts) -> Hop {
+    if f.registrar_connected {
+        return ok("registrar", "the agent's catalog watch on the registrar is up");
+    }
+    hop(
+        "registrar",
+        Status::Warn,
+        "the agent's catalog watch on the registrar is down: this node's endpoints may be stale and new services cannot be looked up",
+        "check the registrar (its /ready, the agent's log for the link error) and the network between them",
+    )
+}
+
+fn dns(f: &Facts) -> Hop {
+    let Some(t) = &f.target else { return skipped("dns") };
+    if t.by_ip {
+        return ok(
+            "dns",
+            format!(
+                "addressed by IP {}: no lookup",
+                t.vip.map(|v| v.to_string()).unwrap_or_default()
+            ),
+        );
+    }
+    let fix_file = "check the agent's DNS catalog watch (aether status) and mesh-dns's /debug/records; the agent rewrites the record file on every catalog change";
+    if let Some(error) = &f.dns.file_error {
+        return hop(
+            "dns",
+            Status::Fail,
+            format!("mesh-dns's record file cannot be read: {error}"),
+            fix_file,
+        );
+    }
+    let Some(record) = &f.dns.record else {
+        return hop(
+            "dns",
+            Status::Fail,
+            format!("mesh-dns has no record for {}", t.fqdn),
+            fix_file,
+        );
+    };
+    match t.vip {
+        Some(vip) if !record.contains(&vip) => hop(
+            "dns",
+            Status::Fail,
+            format!("mesh-dns answers {} with {record:?}, but its VIP is {vip}", t.fqdn),
+            fix_file,
+        ),
+        _ => ok("dns", format!("{} resolves to {}", t.fqdn, list(record))),
+    }
+}
+
+fn capture(f: &Facts) -> Hop {
+    let fix = "the agent repairs drifted rules when it restarts; inspect with `nsenter --net=<netns> nft list table inet aether`";
+    match &f.capture {
+        Capture::Intact => ok("capture", "the pod's netns holds the capture rules the agent applied"),
+        Capture::Drifted => hop(
+            "capture",
+            Status::Fail,
+            "the capture rules in the pod's netns are missing or changed: calls to the VIP leave the pod uncaptured",
+            fix,
+        ),
+        Capture::NotCaptured => hop(
+            "capture",
+            Status::Fail,
+            "the pod was added without traffic capture: its calls never reach Envoy",
+            "re-create the pod without capture mode none in its CNI config",
+        ),
+        Capture::Error(e) => hop(
+            "capture",
+            Status::Fail,
+            format!("checking the capture rules failed: {e}"),
+            fix,
+        ),
+        Capture::Unknown => skipped("capture"),
+    }
+}
+
+fn declared(f: &Facts) -> Hop {
+    let (Some(t), Some(pod)) = (&f.target, &f.pod) else {
+        return skipped("upstreams");
+    };
+    if pod.upstreams.contains(&t.service) {
+        return ok(
+            "upstreams",
+            format!("{} is declared in the pod's config.aether.io/upstreams", t.service),
+        );
+    }
+    let fix = format!("add {} to the pod's config.aether.io/upstreams annotation", t.service);
+    if t.loaded {
+        return hop(
+            "upstreams",
+            Status::Warn,
+            format!(
+                "{} is not declared; it was looked up on demand by an earlier call",
+                t.service
+            ),
+            fix,
+        );
+    }
+    if !f.registrar_connected {
+        return hop(
+            "upstreams",
+            Status::Fail,
+            format!(
+                "{} is not declared and the registrar is unreachable: an on-demand lookup cannot be answered",
+                t.service
+            ),
+            fix,
+        );
+    }
+    hop(
+        "upstreams",
+        Status::Warn,
+        format!(
+            "{} is not declared: reachable on demand (the first call waits for the registrar lookup)",
+            t.service
+        ),
+        fix,
+    )
+}
+
+fn listener(f: &Facts) -> Hop {
+    if !f.envoy.connected {
+        return hop(
+            "listener",
+            Status::Fail,
+            "no Envoy is connected to the agent's xDS socket",
+            "check the proxy container (aether status: Envoy) and its log",
+        );
+    }
+    resource("listener", "the pod's outbound listener", &f.envoy.listener)
+}
+
+fn resource(name: &'static str, what: &str, r: &Resource) -> Hop {
+    if let Some(error) = &r.rejected {
+        return hop(
+            name,
+            Status::Fail,
+            format!("Envoy rejected {what}: {error}"),
+            "report it: the agent generated config Envoy refuses (aether status counts NACKs)",
+        );
+    }
+    if !r.served {
+        return hop(
+            name,
+            Status::Fail,
+            format!("the agent serves no {what}"),
+            "check the agent's log and /debug/xds",
+        );
+    }
+    if !r.acked {
+        return hop(
+            name,
+            Status::Fail,
+            format!("Envoy has not taken {what} yet"),
+            "wait a moment and retry; if it persists check the xDS stream in aether status",
+        );
+    }
+    ok(name, format!("Envoy holds {what}"))
+}
+
+fn route(f: &Facts) -> Hop {
+    match f.route {
+        None => hop(
+            "route",
+            Status::Skip,
+            "not applicable (no routes/policies in this mesh yet)",
+            "",
+        ),
+        Some(()) => ok("route", "the request matches a route"),
+    }
+}
+
+fn cluster(f: &Facts) -> Hop {
+    let Some(t) = &f.target else { return skipped("cluster") };
+    if !t.loaded {
+        return hop(
+            "cluster",
+            Status::Skip,
+            "not loaded yet: Envoy asks for it on the first call (on-demand CDS)",
+            "",
+        );
+    }
+    if t.endpoints == 0 {
+        return hop(
+            "cluster",
+            Status::Skip,
+            "no cluster while the service has no endpoints",
+            "",
+        );
+    }
+    if let Some(port) = t.port
+        && !t.ports.contains(&port)
+    {
+        return hop(
+            "cluster",
+            Status::Fail,
+            format!("{} serves port(s) {}, not {port}", t.service, list(&t.ports)),
+            "call one of the ports its pods declare",
+        );
+    }
+    match &f.envoy.cluster {
+        Some((name, r)) => resource("cluster", &format!("cluster {name}"), r),
+        None => hop(
+            "cluster",
+            Status::Fail,
+            format!("the agent serves no cluster for {}", t.service),
+            "check the agent's /debug/xds",
+        ),
+    }
+}
+
+fn endpoints(f: &Facts) -> Hop {
+    let Some(t) = &f.target else {
+        return skipped("endpoints");
+    };
+    if !t.loaded {
+        return hop(
+            "endpoints",
+            Status::Skip,
+            "not loaded yet: fetched with the cluster on the first call",
+            "",
+        );
+    }
+    if t.endpoints == 0 {
+        return hop(
+            "endpoints",
+            Status::Fail,
+            format!("{} has no endpoints: no ready pod serves it", t.service),
+            "start or fix its pods (ready, managed, registered); the registrar's ListEndpoints shows what is registered",
+        );
+    }
+    let Some(hosts) = &f.envoy.hosts else {
+        return hop(
+            "endpoints",
+            Status::Warn,
+            format!(
+                "{} endpoint(s) in the catalog; Envoy's admin did not answer for their health",
+                t.endpoints
+            ),
+            "check Envoy (aether status)",
+        );
+    };
+    let healthy = hosts.iter().filter(|h| h.healthy && !h.ejected).count();
+    let ejected = hosts.iter().filter(|h| h.ejected).count();
+    if healthy == 0 {
+        return hop(
+            "endpoints",
+            Status::Fail,
+            format!(
+                "none of {}'s {} host(s) in Envoy is healthy ({ejected} ejected)",
+                t.service,
+                hosts.len()
+            ),
+            "check the destination pods; outlier ejection ends by itself once they answer",
+        );
+    }
+    if ejected > 0 {
+        return hop(
+            "endpoints",
+            Status::Warn,
+            format!("{healthy} healthy, {ejected} ejected of {} host(s)", hosts.len()),
+            "check the ejected pods",
+        );
+    }
+    ok("endpoints", format!("{healthy} healthy host(s) in Envoy"))
+}
+
+fn identity(f: &Facts) -> Hop {
+    let Some(id) = &f.identity else {
+        return hop(
+            "identity",
+            Status::Skip,
+            "mTLS is off on this node (--identity none): calls are plaintext",
+            "",
+        );
+    };
+    let fix = "check the identity provider (aether check: CA/SVID) and the agent's log";
+    let Some(svid) = &id.svid else {
+        return hop(
+            "identity",
+            Status::Fail,
+            format!("{} has no SVID: its calls cannot leave with mTLS", f.pod_id),
+            fix,
+        );
+    };
+    let now = f.now.unwrap_or_else(SystemTime::now);
+    if svid.not_after <= now {
+        return hop(
+            "identity",
+            Status::Fail,
+            format!(
+                "{}'s SVID {} expired {} ago",
+                f.pod_id,
+                svid.spiffe_id,
+                ago(now, svid.not_after)
+            ),
+            fix,
+        );
+    }
+    if svid.not_before > now {
+        return hop(
+            "identity",
+            Status::Fail,
+            format!(
+                "{}'s SVID is not valid for another {} (clock skew?)",
+                f.pod_id,
+                ago(svid.not_before, now)
+            ),
+            "check the node's clock against the CA's",
+        );
+    }
+    if !id.secret_acked {
+        return hop(
+            "identity",
+            Status::Fail,
+            format!("Envoy does not hold {}'s SVID yet", f.pod_id),
+            fix,
+        );
+    }
+    if let Some((pod, spiffe_id)) = id
+        .local_destinations
+        .iter()
+        .find(|(_, s)| !id.expected_sans.contains(s))
+    {
+        return hop(
+            "identity",
+            Status::Fail,
+            format!(
+                "SAN mismatch: destination pod {pod} presents {spiffe_id}, but callers pin {}",
+                list(&id.expected_sans)
+            ),
+            "run the destination under a service account its registration names, or fix the endpoint's registration",
+        );
+    }
+    ok(
+        "identity",
+        format!(
+            "SVID {} valid for {}; destination pinned to {}",
+            svid.spiffe_id,
+            ago(svid.not_after, now),
+            list(&id.expected_sans)
+        ),
+    )
+}
+
+fn authorization(f: &Facts) -> Hop {
+    match f.authorization {
+        None => hop(
+            "authorization",
+            Status::Skip,
+            "not applicable (no routes/policies in this mesh yet)",
+            "",
+        ),
+        Some(()) => ok("authorization", "allowed"),
+    }
+}
+
+fn skipped(name: &'static str) -> Hop {
+    hop(name, Status::Skip, "not checked", "")
+}
+
+fn list<T: std::fmt::Display>(items: &[T]) -> String {
+    items.iter().map(T::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// `later - earlier`, rounded to seconds, human-readable.
+fn ago(later: SystemTime, earlier: SystemTime) -> String {
+    let d = later.duration_since(earlier).unwrap_or_default();
+    let s = Duration::from_secs(d.as_secs()).as_secs();
+    match s {
+        0..120 => format!("{s}s"),
+        120..7200 => format!("{}m", s / 60),
+        _ => format!("{}h", s / 3600),
+    }
+}
+
+#[cfg(test)]
+mod tests;
