@@ -1,0 +1,215 @@
+//! The four commands: ask the agent, judge, render.
+
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use crate::client::{Agent, ClientError, encode};
+use crate::{Code, Output, Section, checks, table};
+
+type Answer = Result<(Code, String), ClientError>;
+
+fn json_out(value: &Value) -> String {
+    format!("{}\n", serde_json::to_string_pretty(value).expect("JSON serialises"))
+}
+
+fn text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    }
+}
+
+pub fn explain(agent: &Agent, pod: &str, target: &str, output: Output) -> Answer {
+    let (ns, name) = pod.split_once('/').unwrap_or(("default", pod));
+    let path = format!("/debug/explain/{}/{}/{}", encode(ns), encode(name), encode(target));
+    let answer = agent.get(&path)?;
+    let code = match answer["verdict"].as_str() {
+        Some("ok") => Code::Ok,
+        Some("warn") => Code::Warn,
+        _ => Code::Fail,
+    };
+    if output == Output::Json {
+        return Ok((code, json_out(&answer)));
+    }
+    let service = answer["service"]
+        .as_str()
+        .map(|s| format!(" ({s})"))
+        .unwrap_or_default();
+    let mut out = format!("{pod} → {target}{service}\n\n");
+    let rows: Vec<Vec<String>> = answer["hops"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|h| vec![text(&h["hop"]), text(&h["status"]).to_uppercase(), text(&h["why"])])
+        .collect();
+    out.push_str(&table::render(&["HOP", "STATUS", "WHY"], &rows));
+    let first = &answer["first"];
+    out.push_str(&match code {
+        Code::Ok => "\nverdict: ok: every hop is ok\n".to_owned(),
+        _ => format!(
+            "\nverdict: {} at {}: {}\nfix: {}\n",
+            text(&first["status"]).to_uppercase(),
+            text(&first["hop"]),
+            text(&first["why"]),
+            text(&first["fix"])
+        ),
+    });
+    Ok((code, out))
+}
+
+pub fn status(agent: &Agent, output: Output) -> Answer {
+    let mut status = agent.get("/debug/status")?;
+    status["agent"]["ready"] = json!(ready(agent)?);
+    let (code, problems) = checks::judge_status(&status);
+    if output == Output::Json {
+        return Ok((code, json_out(&status)));
+    }
+    let mut out = status_lines(&status);
+    let rows: Vec<Vec<String>> = status["pods"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            let svid = p["svid_expires_in_seconds"]
+                .as_i64()
+                .map_or("-".into(), |s| format!("{s}s"));
+            let ips = p["ips"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(text)
+                .collect::<Vec<_>>()
+                .join(",");
+            let cells = [&p["pod"], &p["service"]].map(text);
+            let rest = [&p["capture"], &p["served"], &p["registered"]].map(text);
+            vec![
+                cells[0].clone(),
+                cells[1].clone(),
+                ips,
+                rest[0].clone(),
+                rest[1].clone(),
+                rest[2].clone(),
+                svid,
+            ]
+        })
+        .collect();
+    out.push('\n');
+    out.push_str(&table::render(
+        &[
+            "POD",
+            "SERVICE",
+            "IPS",
+            "CAPTURE",
+            "SERVED",
+            "REGISTERED",
+            "SVID EXPIRES IN",
+        ],
+        &rows,
+    ));
+    if !problems.is_empty() {
+        out.push_str(&format!("\nproblems:\n  {}\n", problems.join("\n  ")));
+    }
+    Ok((code, out))
+}
+
+/// The agent's `/ready`: `true`, or the reason it is not.
+fn ready(agent: &Agent) -> Result<Value, ClientError> {
+    let (status, body) = agent.get_raw("/ready")?;
+    Ok(match status {
+        200 => json!(true),
+        _ => json!(body.trim()),
+    })
+}
+
+fn status_lines(s: &Value) -> String {
+    let ready = match &s["agent"]["ready"] {
+        Value::Bool(true) => "ready".to_owned(),
+        other => text(other),
+    };
+    let envoy = match &s["envoy"]["server"] {
+        Value::Object(e) => format!(
+            "{}  {}  epoch {}  up {}s",
+            text(&e["state"]),
+            text(&e["version"]),
+            text(&e["epoch"]),
+            text(&e["uptime_seconds"])
+        ),
+        _ => format!("unreachable: {}", text(&s["envoy"]["error"])),
+    };
+    let x = &s["xds"];
+    let nacks = x["nacks"].as_array().map_or(0, Vec::len);
+    let r = &s["registrar"];
+    let d = &s["dns"];
+    let dns = match d.get("error") {
+        Some(e) => format!("record file: {}", text(e)),
+        None => format!(
+            "{} records  generation {}  age {}s",
+            text(&d["records"]),
+            text(&d["generation"]),
+            text(&d["age_seconds"])
+        ),
+    };
+    let up = |v: &Value| if v.as_bool() == Some(true) { "up" } else { "DOWN" };
+    format!(
+        "node       {}\nagent      {}  {}\nenvoy      {envoy}\nxds        {} stream(s)  {}/{} acked  {nacks} NACK(s)\nregistrar  watch {}  {} services in the node's slice\nmesh-dns   watch {}  {dns}\n",
+        text(&s["node"]),
+        text(&s["agent"]["version"]),
+        ready,
+        text(&x["streams"]),
+        text(&x["acked"]),
+        text(&x["served"]),
+        up(&r["connected"]),
+        text(&r["services"]),
+        up(&d["watch_connected"]),
+    )
+}
+
+pub fn check(agent: &Agent, cni_conf_dir: &Path, output: Output) -> Answer {
+    let answer = agent.get("/debug/check")?;
+    let mut all = vec![checks::agent_ready(&ready(agent)?)];
+    all.extend(answer["checks"].as_array().cloned().unwrap_or_default());
+    all.push(checks::cni_conflist(cni_conf_dir));
+    let code = all.iter().fold(Code::Ok, |code, c| code.worst(checks::code_of(c)));
+    if output == Output::Json {
+        return Ok((code, json_out(&json!({ "checks": all }))));
+    }
+    let rows: Vec<Vec<String>> = all
+        .iter()
+        .map(|c| {
+            let fix = c["fix"]
+                .as_str()
+                .filter(|f| !f.is_empty())
+                .map(|f| format!(" (fix: {f})"));
+            vec![
+                text(&c["status"]),
+                text(&c["check"]),
+                format!("{}{}", text(&c["detail"]), fix.unwrap_or_default()),
+            ]
+        })
+        .collect();
+    Ok((code, table::render(&["STATUS", "CHECK", "DETAIL"], &rows)))
+}
+
+pub fn proxy_config(agent: &Agent, pod: &str, section: Section, output: Output) -> Answer {
+    let (ns, name) = pod.split_once('/').unwrap_or(("default", pod));
+    let section = format!("{section:?}").to_lowercase();
+    let path = format!("/debug/proxy-config/{}/{}/{section}", encode(ns), encode(name));
+    let answer = match agent.get(&path) {
+        Err(ClientError::Status { status: 404, body, .. }) => return Ok((Code::Fail, format!("{body}\n"))),
+        other => other?,
+    };
+    if output == Output::Json {
+        return Ok((Code::Ok, json_out(&answer)));
+    }
+    let columns: Vec<String> = answer["columns"].as_array().into_iter().flatten().map(text).collect();
+    let columns: Vec<&str> = columns.iter().map(String::as_str).collect();
+    let rows: Vec<Vec<String>> = answer["rows"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| r.as_array().into_iter().flatten().map(text).collect())
+        .collect();
+    Ok((Code::Ok, table::render(&columns, &rows)))
+}

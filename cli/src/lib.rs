@@ -1,0 +1,147 @@
+//! `aether`: one node's mesh from its agent's admin API (loopback; in a cluster, run it in
+//! the agent pod with `kubectl exec`, or through the `kubectl-aether` plugin).
+//!
+//! Exit codes, for scripts:
+//!
+//! | code | meaning |
+//! |---|---|
+//! | 0 | all good: every hop ok, every check PASS, the node healthy |
+//! | 1 | something fails: a hop of `explain`, a FAIL of `check`, a component `status` finds down |
+//! | 2 | usage: a bad flag or argument |
+//! | 3 | the agent could not be asked: not reachable, or an answer that makes no sense |
+//! | 4 | works, with warnings (e.g. reachable on demand only, a WARN check) |
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+pub mod checks;
+pub mod client;
+pub mod commands;
+pub mod table;
+
+/// The agent's admin address unless told otherwise (`aether-agent run --admin`).
+pub const DEFAULT_AGENT: &str = "127.0.0.1:18092";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "aether",
+    version,
+    about = "Status, checks, proxy config and explain for this node's mesh"
+)]
+pub struct Cli {
+    /// The agent's admin address (loopback).
+    #[arg(long, global = true, env = "AETHER_AGENT_ADMIN", default_value = DEFAULT_AGENT)]
+    pub agent: SocketAddr,
+    /// Output: human tables, or the agent's JSON for scripts.
+    #[arg(short, long, global = true, value_enum, default_value = "table")]
+    pub output: Output,
+    /// The namespace of a pod given without one.
+    #[arg(short, long, global = true, default_value = "default")]
+    pub namespace: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// The node: agent, Envoy, xDS, registrar stream, mesh-dns records, pods.
+    Status,
+    /// Pre-flight and post-install checks, each PASS/WARN/FAIL with a fix.
+    Check {
+        /// The CNI config directory whose conflist must chain aether-cni.
+        #[arg(long, env = "AETHER_CNI_CONF_DIR", default_value = "/etc/cni/net.d")]
+        cni_conf_dir: PathBuf,
+    },
+    /// What this node's Envoy holds for a pod.
+    ProxyConfig {
+        /// `<namespace>/<pod>` or `<pod>` (with -n).
+        pod: String,
+        #[arg(value_enum, default_value = "listeners")]
+        section: Section,
+    },
+    /// Why a pod can or cannot reach a service: the hops in order, the first failing one, its fix.
+    Explain {
+        /// `<namespace>/<pod>` or `<pod>` (with -n).
+        pod: String,
+        /// A service (`backend`, `backend.ns`, `ns/backend`, its mesh name, with `:port`), a URL or a VIP.
+        target: String,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Section {
+    Listeners,
+    Routes,
+    Clusters,
+    Endpoints,
+    Secrets,
+}
+
+/// What a command printed and how it ended.
+#[derive(Debug)]
+pub struct Outcome {
+    pub code: Code,
+    pub output: String,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Code {
+    Ok = 0,
+    Warn = 4,
+    Fail = 1,
+    Unreachable = 3,
+}
+
+impl Code {
+    /// The worse of two: fail over warn over ok.
+    pub fn worst(self, other: Code) -> Code {
+        let rank = |c: Code| match c {
+            Code::Ok => 0,
+            Code::Warn => 1,
+            Code::Fail => 2,
+            Code::Unreachable => 3,
+        };
+        if rank(other) > rank(self) { other } else { self }
+    }
+}
+
+pub fn run(cli: &Cli) -> Outcome {
+    let agent = client::Agent { addr: cli.agent };
+    let result = match &cli.command {
+        Command::Status => commands::status(&agent, cli.output),
+        Command::Check { cni_conf_dir } => commands::check(&agent, cni_conf_dir, cli.output),
+        Command::ProxyConfig { pod, section } => {
+            commands::proxy_config(&agent, &pod_id(pod, &cli.namespace), *section, cli.output)
+        }
+        Command::Explain { pod, target } => commands::explain(&agent, &pod_id(pod, &cli.namespace), target, cli.output),
+    };
+    match result {
+        Ok((code, output)) => Outcome {
+            code,
+            output,
+            error: None,
+        },
+        Err(error) => Outcome {
+            code: Code::Unreachable,
+            output: String::new(),
+            error: Some(error.to_string()),
+        },
+    }
+}
+
+/// `<ns>/<pod>`, completing a bare name with `namespace`.
+pub fn pod_id(pod: &str, namespace: &str) -> String {
+    match pod.contains('/') {
+        true => pod.to_owned(),
+        false => format!("{namespace}/{pod}"),
+    }
+}
