@@ -1,0 +1,292 @@
+//! The `aether` CLI end to end (as root): registrar, agent, a real Envoy and pods in network
+//! namespaces. Each fault `explain` knows is injected for real and the verdict must name it;
+//! `status` and `check` on a healthy node and with a component stopped.
+
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use aether_tests::mesh::{APP, Mesh};
+use aether_tests::{Envoy, TestPod, binary, free_port, unique_base_id};
+use serde_json::Value;
+
+/// A mesh whose agent knows where Envoy's admin is (the harness picks a free port).
+async fn mesh() -> Mesh {
+    let port = free_port();
+    let admin = format!("127.0.0.1:{port}");
+    let mut mesh = Mesh::start_with(&["--envoy-admin", &admin]).await;
+    mesh.envoy = None;
+    mesh.envoy = Some(Envoy::start(&mesh.envoy_bootstrap(port), unique_base_id()));
+    mesh
+}
+
+async fn aether(mesh: &Mesh, args: &[&str]) -> (i32, String) {
+    let out: Output = tokio::process::Command::new(binary("aether"))
+        .args(["--agent", &mesh.agent_admin.to_string()])
+        .args(args)
+        .output()
+        .await
+        .expect("running aether");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), format!("{stdout}{stderr}"))
+}
+
+async fn explain(mesh: &Mesh, pod: &str, target: &str) -> (i32, Value) {
+    let (code, out) = aether(mesh, &["-o", "json", "explain", pod, target]).await;
+    let json = serde_json::from_str(&out).unwrap_or_else(|e| panic!("explain {pod} {target}: {e}: {out}"));
+    (code, json)
+}
+
+/// Explains until the verdict names `want` (hop, status), or is ok for `None` (faults land
+/// asynchronously).
+async fn explain_until(mesh: &Mesh, pod: &str, target: &str, want: Option<(&str, &str)>) -> (i32, Value) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (code, e) = explain(mesh, pod, target).await;
+        let named = match want {
+            Some((hop, status)) => e["first"]["hop"] == hop && e["first"]["status"] == status,
+            None => e["verdict"] == "ok",
+        };
+        if named {
+            return (code, e);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "explain {pod} {target} never named {want:?}: {e:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn why(e: &Value) -> &str {
+    e["first"]["why"].as_str().unwrap_or_default()
+}
+
+/// backend and lonely (both serving), frontend calling both, other not called by anyone.
+async fn pods(mesh: &Mesh) -> Vec<(TestPod, aether_tests::HttpServer)> {
+    let mut pods = Vec::new();
+    for (name, upstreams) in [
+        ("backend", ""),
+        ("lonely", ""),
+        ("other", ""),
+        ("frontend", "backend, lonely"),
+    ] {
+        let pod = mesh.node.add_pod(name);
+        let app = pod.serve_http(APP.parse().unwrap(), name);
+        mesh.describe_pod(&pod, name, name, upstreams, &[("http", 8080)]);
+        mesh.add_pod_ok(&pod, name).await;
+        pods.push((pod, app));
+    }
+    pods
+}
+
+/// Registers `service` at `pod`'s IP as another node's agent would (a pod elsewhere, running
+/// as service account `account`).
+async fn stand_in(mesh: &Mesh, service: &str, pod: &TestPod, account: &str) {
+    use aether_proto::registry::v1::{Endpoint, PodInfo, Port, Protocol};
+    let endpoint = Endpoint {
+        service: format!("demo/{service}"),
+        address: pod.ip().to_string(),
+        ports: vec![Port {
+            name: "http".into(),
+            port: 8080,
+            protocol: Protocol::Http as i32,
+        }],
+        node: "other-node".into(),
+        pod: Some(PodInfo {
+            namespace: "demo".into(),
+            name: format!("{service}-elsewhere"),
+            uid: String::new(),
+            service_account: account.into(),
+        }),
+        ..Default::default()
+    };
+    let request = aether_proto::registrar::v1::RegisterEndpointRequest {
+        endpoint: Some(endpoint),
+    };
+    mesh.registrar_as("other-node")
+        .await
+        .register_endpoint(request)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_call_is_ok_at_every_hop() {
+    let mesh = mesh().await;
+    let _pods = pods(&mesh).await;
+    let (code, e) = explain_until(
+        &mesh,
+        "demo/frontend",
+        "http://backend.demo.aether.internal:8080/",
+        None,
+    )
+    .await;
+    assert_eq!((code, e["verdict"].as_str()), (0, Some("ok")), "{e:#}");
+    for hop in e["hops"].as_array().unwrap() {
+        let expected = match hop["hop"].as_str().unwrap() {
+            "route" | "authorization" => "skip",
+            _ => "ok",
+        };
+        assert_eq!(hop["status"], expected, "{hop}");
+    }
+    assert!(
+        e["hops"][7]["why"]
+            .as_str()
+            .unwrap()
+            .contains("not applicable (no routes/policies in this mesh yet)")
+    );
+    let (code, text) = aether(&mesh, &["explain", "frontend", "-n", "demo", "backend:8080"]).await;
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("verdict: ok: every hop is ok"), "{text}");
+    assert!(text.contains("backend.demo.aether.internal resolves to 240."), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_names_each_fault_injected_on_a_live_node() {
+    let mut mesh = mesh().await;
+    let pods = pods(&mesh).await;
+    let (frontend, lonely) = (&pods[3].0, &pods[1].0);
+
+    let (code, e) = explain(&mesh, "demo/nobody", "backend").await;
+    assert_eq!((code, e["first"]["hop"].as_str()), (1, Some("pod")), "{e:#}");
+    assert!(why(&e).contains("not a pod this node's agent manages"));
+
+    // No upstreams declaration: reachable on demand, and explain says so (exit 4: a warning).
+    stand_in(&mesh, "remote", &pods[2].0, "remote").await;
+    let (code, e) = explain_until(&mesh, "demo/frontend", "remote", Some(("upstreams", "warn"))).await;
+    assert_eq!(code, 4);
+    assert!(why(&e).contains("reachable on demand"), "{e:#}");
+
+    // A service with no endpoints: its only pod is gone.
+    mesh.remove_pod(lonely, "lonely").await.expect("RemovePod");
+    let (code, e) = explain_until(&mesh, "demo/frontend", "lonely", Some(("endpoints", "fail"))).await;
+    assert_eq!(code, 1);
+    assert!(why(&e).contains("has no endpoints"), "{e:#}");
+
+    // The mesh-dns record missing from the record file mesh-dns serves.
+    let records = mesh.path("state/mesh-dns/records");
+    let original = std::fs::read(&records).unwrap();
+    let mut file: Value = serde_json::from_slice(&original).unwrap();
+    file["records"].as_object_mut().unwrap().remove("demo/backend");
+    std::fs::write(&records, serde_json::to_vec(&file).unwrap()).unwrap();
+    let (_, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("dns", "fail"))).await;
+    assert!(why(&e).contains("no record for backend.demo.aether.internal"), "{e:#}");
+    std::fs::write(&records, original).unwrap();
+
+    // The capture rule removed from the pod's netns.
+    frontend.exec_ok(&["nft", "delete", "table", "inet", "aether"]);
+    let (_, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("capture", "fail"))).await;
+    assert!(
+        why(&e).contains("capture rules in the pod's netns are missing or changed"),
+        "{e:#}"
+    );
+    let desired = mesh.path(&format!("state/capture/sandbox-{}.nft", frontend.netns_name()));
+    frontend.exec_ok(&["nft", "-f", desired.to_str().unwrap()]);
+    explain_until(&mesh, "demo/frontend", "backend", None).await;
+
+    // A SAN mismatch: an endpoint of backend is a pod (other's IP) that runs as another
+    // service account than the registration says.
+    stand_in(&mesh, "backend", &pods[2].0, "backend").await;
+    let (_, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("identity", "fail"))).await;
+    assert!(
+        why(&e).contains("SAN mismatch: destination pod demo/other presents spiffe://aether.test/ns/demo/sa/other"),
+        "{e:#}"
+    );
+
+    let request = aether_proto::registrar::v1::UnregisterEndpointRequest {
+        service: "demo/backend".into(),
+        address: pods[2].0.ip().to_string(),
+    };
+    mesh.registrar_as("other-node")
+        .await
+        .unregister_endpoint(request)
+        .await
+        .unwrap();
+    explain_until(&mesh, "demo/frontend", "backend", None).await;
+
+    // The registrar stream down: named, and an on-demand lookup can no longer be answered.
+    mesh.registrar.terminate();
+    let (code, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("registrar", "warn"))).await;
+    assert_eq!(code, 4);
+    assert!(why(&e).contains("catalog watch on the registrar is down"), "{e:#}");
+    let (code, e) = explain_until(&mesh, "demo/frontend", "remote", Some(("upstreams", "fail"))).await;
+    assert_eq!(code, 1);
+    assert!(why(&e).contains("registrar is unreachable"), "{e:#}");
+    let (code, text) = aether(&mesh, &["status"]).await;
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("the registrar watch is down"), "{text}");
+}
+
+/// A CNI config dir whose conflist chains aether-cni last, as `aether-cni install` leaves it.
+fn cni_conf_dir(mesh: &Mesh) -> String {
+    let dir = mesh.path("net.d");
+    std::fs::create_dir_all(&dir).unwrap();
+    let conflist = r#"{"cniVersion":"1.0.0","name":"k8s","plugins":[{"type":"bridge"},{"type":"aether-cni"}]}"#;
+    std::fs::write(dir.join("10-k8s.conflist"), conflist).unwrap();
+    dir.display().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_check_on_a_healthy_node_then_with_envoy_then_the_agent_stopped() {
+    let mut mesh = mesh().await;
+    let _pods = pods(&mesh).await;
+    let net_d = cni_conf_dir(&mesh);
+
+    let (code, text) = aether(&mesh, &["status"]).await;
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("LIVE  1.40"), "{text}");
+    let (_, json) = aether(&mesh, &["status", "-o", "json"]).await;
+    let status: Value = serde_json::from_str(&json).unwrap();
+    let pods = status["pods"].as_array().unwrap();
+    assert_eq!(pods.len(), 4, "{status:#}");
+    assert!(
+        pods.iter().all(|p| p["capture"] == "intact" && p["served"] == true),
+        "{status:#}"
+    );
+    assert!(
+        pods.iter().all(|p| p["svid_expires_in_seconds"].as_i64() > Some(0)),
+        "{status:#}"
+    );
+
+    let (code, text) = aether(&mesh, &["check", "--cni-conf-dir", &net_d]).await;
+    assert_eq!(code, 0, "{text}");
+    for name in [
+        "agent ready",
+        "kernel nftables",
+        "envoy live",
+        "envoy version",
+        "registrar reachable",
+        "ca/svid validity",
+        "cni conflist chain",
+    ] {
+        assert!(
+            text.lines().any(|l| l.starts_with("PASS") && l.contains(name)),
+            "{name}: {text}"
+        );
+    }
+
+    let (code, text) = aether(&mesh, &["proxy-config", "demo/frontend", "clusters"]).await;
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("backend.demo.aether.internal:8080"), "{text}");
+    let (_, text) = aether(&mesh, &["proxy-config", "demo/frontend", "secrets"]).await;
+    assert!(text.contains("spiffe://aether.test/ns/demo/sa/frontend"), "{text}");
+    let (_, text) = aether(&mesh, &["proxy-config", "demo/frontend", "endpoints"]).await;
+    assert!(text.contains("true"), "{text}");
+
+    mesh.envoy = None;
+    let (code, text) = aether(&mesh, &["status"]).await;
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("Envoy unreachable"), "{text}");
+    let (code, text) = aether(&mesh, &["check", "--cni-conf-dir", &net_d]).await;
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.lines().any(|l| l.starts_with("FAIL") && l.contains("envoy live")),
+        "{text}"
+    );
+
+    mesh.agent = None;
+    let (code, text) = aether(&mesh, &["status"]).await;
+    assert_eq!(code, 3, "{text}");
+    assert!(text.contains("cannot reach the agent's admin API"), "{text}");
+}
