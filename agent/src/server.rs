@@ -444,7 +444,15 @@ async fn serve_admin(
     metrics_push.spawn(registry.clone(), Some(refresh.clone()), shutdown.clone())?;
     let admin = AdminServer::bind(config.admin, readiness.clone(), registry)
         .await?
-        .with_pages(debug_pages(node.clone()))
+        .with_pages(crate::debug::pages(
+            debug_pages(node.clone()),
+            crate::debug::Inspector::new(
+                config,
+                node.clone(),
+                &metrics.registrar_connected,
+                &metrics.dns_records.connected,
+            ),
+        ))
         .with_refresh(refresh);
     let admin_addr = admin.local_addr().map_err(|source| StartError::Socket {
         path: config.admin.to_string(),
