@@ -77,6 +77,9 @@ fn setup_rows() -> Vec<Row> {
         ("initial sync, all agents s", |f| {
             format!("{:.1}", f.initial_sync.as_secs_f64())
         }),
+        ("  CPU s: registrars / agents (this process)", |f| {
+            format!("{:.1} / {:.1}", f.sync_cpu.0, f.sync_cpu.1)
+        }),
         ("full state per agent KiB", |f| {
             format!("{:.0}", f.full_state_bytes / 1024.0)
         }),
@@ -127,6 +130,9 @@ fn storm_rows() -> Vec<Row> {
         ("registrar KiB per connected agent", |f| {
             format!("{:.1}", kib_per_agent(f))
         }),
+        ("registrar RSS MiB A/B after churn", |f| {
+            format!("{:.0}/{:.0}", f.rss_after_churn[0], f.rss_after_churn[1])
+        }),
         ("replica killed: agents moved", |f| format!("{}", f.storm.moved)),
         ("  resumed / full snapshot", |f| {
             format!("{} / {}", f.storm.resumed, f.storm.resynced)
@@ -134,8 +140,12 @@ fn storm_rows() -> Vec<Row> {
         ("  all current again s", |f| {
             format!("{:.2}", f.storm.recovered.as_secs_f64())
         }),
-        ("  survivor RSS MiB, CPU s", |f| {
-            format!("{:.0}, {:.1}", f.storm.survivor_rss, f.storm.survivor_cpu)
+        ("  survivor RSS MiB; CPU s: survivor / agents", |f| {
+            let storm = &f.storm;
+            format!(
+                "{:.0}; {:.1} / {:.1}",
+                storm.survivor_rss, storm.survivor_cpu, storm.agents_cpu
+            )
         }),
     ]
 }

@@ -71,6 +71,10 @@ pub struct Figures {
     /// Both replicas' RSS: before agents, with agents connected, after sync.
     pub rss: [[f64; 2]; 3],
     pub rss_after_load: [f64; 2],
+    /// Both replicas' RSS once churn is over (tens of seconds after the sync).
+    pub rss_after_churn: [f64; 2],
+    /// CPU seconds of the initial sync: both registrars, and this simulator (the agents).
+    pub sync_cpu: (f64, f64),
     pub storm: Storm,
     /// Agents whose view differed from the catalog at the end (with `check_views`).
     pub mismatched_views: Option<Vec<String>>,
@@ -87,6 +91,8 @@ pub struct Storm {
     /// The surviving replica's RSS with every agent on it, and its CPU seconds in the storm.
     pub survivor_rss: f64,
     pub survivor_cpu: f64,
+    /// The simulator's (the agents') CPU seconds in the storm.
+    pub agents_cpu: f64,
 }
 
 /// The cluster of a run.
@@ -116,6 +122,11 @@ impl Cluster {
 
 fn rss(usage: [Usage; 2]) -> [f64; 2] {
     [usage[0].rss_mib, usage[1].rss_mib]
+}
+
+/// This process's CPU seconds: the simulated agents' share of the machine.
+fn own_cpu() -> f64 {
+    Usage::of(std::process::id()).cpu_seconds
 }
 
 fn cpu(usage: [Usage; 2]) -> f64 {
@@ -157,6 +168,7 @@ pub async fn run(config: &Config) -> Result<Figures, RunError> {
     figures.churn_cpu = (cpu(cluster.usage()) - cpu(before)) / seconds;
     figures.etcd_requests_per_s_churn = (cluster.etcd.requests().await - etcd_before) / seconds;
     figures.outcome = fleet.ledger.take();
+    figures.rss_after_churn = rss(cluster.usage());
 
     let mut cluster = cluster;
     figures.storm = storm(&fleet, &mut cluster, &mut progress).await?;
@@ -216,7 +228,7 @@ async fn sync(
     cluster: &Cluster,
     figures: &mut Figures,
 ) -> Result<Vec<tokio::task::JoinHandle<Result<(), AgentError>>>, RunError> {
-    let started = Instant::now();
+    let (started, cpu_before, own_before) = (Instant::now(), cpu(cluster.usage()), own_cpu());
     let watchers = deps
         .iter()
         .enumerate()
@@ -243,6 +255,7 @@ async fn sync(
         }
     }
     figures.initial_sync = started.elapsed();
+    figures.sync_cpu = (cpu(cluster.usage()) - cpu_before, own_cpu() - own_before);
     figures.full_state_bytes = bytes as f64 / deps.len().max(1) as f64;
     tokio::time::sleep(Duration::from_secs(2)).await;
     figures.rss[2] = rss(cluster.usage());
@@ -256,7 +269,7 @@ async fn storm(
     progress: &mut mpsc::UnboundedReceiver<Progress>,
 ) -> Result<Storm, RunError> {
     let moved = (0..fleet.links.len()).filter(|n| n % 2 == 1).count();
-    let survivor_before = cluster.replicas[0].usage();
+    let (survivor_before, own_before) = (cluster.replicas[0].usage(), own_cpu());
     fleet.mark_dead(1);
     let killed = Instant::now();
     cluster.replicas[1].kill();
@@ -288,6 +301,7 @@ async fn storm(
     let survivor = cluster.replicas[0].usage();
     storm.survivor_rss = survivor.rss_mib;
     storm.survivor_cpu = survivor.cpu_seconds - survivor_before.cpu_seconds;
+    storm.agents_cpu = own_cpu() - own_before;
     Ok(storm)
 }
 
