@@ -28,7 +28,8 @@ use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_common::admin::{AdminServer, Pages, Readiness};
+use aether_common::admin::{AdminServer, Pages};
+use aether_common::readiness::Readiness;
 use aether_common::telemetry::{Component, MetricsPush};
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
@@ -60,10 +61,10 @@ pub async fn run(config: ProxyConfig, shutdown: CancellationToken) -> Result<(),
     let metrics = metrics::ProxyMetrics::default();
     metrics.register(registry.sub_registry_with_prefix("aether_proxy"));
     let metrics_push = MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
-    let mut readiness = Readiness::new("starting Envoy");
-    if let Some(path) = &config.ready_file {
-        readiness = readiness.with_file(path);
-    }
+    let readiness = match &config.ready_file {
+        Some(path) => Readiness::new().with_file(path),
+        None => Readiness::new(),
+    };
     let status = Arc::new(Mutex::new(Status::default()));
     let admin_stop = CancellationToken::new();
     let registry = Arc::new(registry);
@@ -75,7 +76,7 @@ pub async fn run(config: ProxyConfig, shutdown: CancellationToken) -> Result<(),
         pages(status.clone()),
         admin_stop.clone(),
     ));
-    let supervisor = Supervisor::new(config, metrics, readiness, status)?;
+    let supervisor = Supervisor::new(config, metrics, readiness.gate("envoy"), status)?;
     let ended = supervisor.run(shutdown.clone()).await;
     // Frees the admin address for the successor.
     admin_stop.cancel();

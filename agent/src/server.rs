@@ -6,7 +6,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
-use aether_common::admin::{AdminError, AdminServer, Pages, Readiness};
+use aether_common::admin::{AdminError, AdminServer, Pages};
+use aether_common::readiness::{Gate, Readiness};
 use aether_common::tasks::Tasks;
 use aether_common::telemetry::otlp::Refresh;
 use aether_common::telemetry::{Component, MetricsPush};
@@ -68,7 +69,8 @@ pub struct Running {
     pub node: Node,
     tasks: Tasks,
     shutdown: CancellationToken,
-    readiness: Readiness,
+    /// The `agent` readiness gate.
+    serving: Gate,
 }
 
 /// How long shutdown waits for the agent's tasks to end.
@@ -76,19 +78,16 @@ const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
 
 /// The agent stopped because a critical task ended early.
 #[derive(Debug, thiserror::Error)]
-#[error("{task}")]
-pub struct Stopped {
-    /// The task and how it ended.
-    pub task: String,
-}
+#[error(transparent)]
+pub struct Stopped(#[from] pub aether_common::tasks::TaskFailed);
 
 impl Running {
     /// Runs until shutdown, then waits for every task. `Err` names the critical task
     /// whose early end stopped the agent.
     pub async fn wait(self) -> Result<(), Stopped> {
         self.shutdown.cancelled().await;
-        self.readiness.set_not_ready("shutting down");
-        self.tasks.drain(DRAIN_DEADLINE).await.map_err(|task| Stopped { task })
+        self.serving.set_not_ready("shutting down");
+        Ok(self.tasks.drain(DRAIN_DEADLINE).await?)
     }
 }
 
@@ -134,8 +133,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let cache = Cache::default();
     let (node, catalog_tx, deps_rx) = node(&config, locality, pods, &cache, identity, &metrics);
 
-    let readiness = Readiness::new("starting");
-    let tasks = Tasks::new(shutdown.clone(), readiness.clone());
+    let readiness = Readiness::new();
+    let serving = readiness.gate("agent");
+    let tasks = Tasks::new(shutdown.clone(), &readiness);
+    open_once_synced(readiness.gate("catalog"), catalog_tx.subscribe(), &tasks, &shutdown);
     let capture = capture_config(&config);
     recover_pods(&node, &registrar, &capture, &tasks).await;
     node.rebuild();
@@ -174,7 +175,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         &shutdown,
     )
     .await?;
-    readiness.set_ready();
+    serving.set_ready();
     tracing::info!(node = %config.node_name, xds = %config.xds_socket.display(), cni = %config.cni_socket.display(),
         %admin_addr, "agent serving");
 
@@ -183,8 +184,28 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         node,
         tasks,
         shutdown,
-        readiness,
+        serving,
     })
+}
+
+/// Opens `catalog` once the first consistent catalog arrived from the registrar. A later
+/// outage keeps it open: the node goes on serving the last catalog it had.
+fn open_once_synced(
+    catalog: Gate,
+    mut views: watch::Receiver<Arc<WatchedCatalog>>,
+    tasks: &Tasks,
+    shutdown: &CancellationToken,
+) {
+    catalog.set_not_ready("waiting for the first catalog from the registrar");
+    let shutdown = shutdown.clone();
+    tasks.spawn(async move {
+        tokio::select! {
+            _ = shutdown.cancelled() => {}
+            changed = views.changed() => if changed.is_ok() {
+                catalog.set_ready();
+            },
+        }
+    });
 }
 
 /// The node controller, with the channels its catalog Watch feeds (views in) and follows

@@ -1,11 +1,9 @@
 //! The admin HTTP server every binary runs: liveness, readiness and Prometheus metrics.
 //!
-//! `/healthz` answers 200 while the process serves; `/ready` answers 200 only once the
-//! owner has called [`Readiness::set_ready`] (503 with the reason otherwise, see
-//! [`Readiness::set_not_ready`]);
+//! `/healthz` answers 200 while the process serves; `/ready` answers 200 only while every
+//! component registered with the [`Readiness`] is ready (503 naming those that are not);
 //! `/metrics` is Prometheus text exposition of the registry handed in.
 
-use parking_lot::Mutex;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,6 +20,7 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::readiness::Readiness;
 use crate::telemetry::otlp::Refresh;
 
 const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -30,67 +29,6 @@ const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0;
 pub enum AdminError {
     #[error("binding the admin server to {addr}: {source}")]
     Bind { addr: SocketAddr, source: std::io::Error },
-}
-
-/// Whether the process is ready, and if not, why. Cheap to clone and share.
-///
-/// With [`Readiness::with_file`] the state is mirrored to a file that exists exactly
-/// while ready. Host-network pods rolled with a surge share their loopback ports with
-/// their predecessor, so an HTTP probe may be answered by the old pod; a probe that
-/// tests a file in the pod's own volume cannot be.
-#[derive(Clone, Debug)]
-pub struct Readiness {
-    state: Arc<Mutex<Result<(), String>>>,
-    file: Option<Arc<std::path::Path>>,
-}
-
-impl Readiness {
-    /// Starts not ready, with `reason`.
-    pub fn new(reason: impl Into<String>) -> Self {
-        Self {
-            state: Arc::new(Mutex::new(Err(reason.into()))),
-            file: None,
-        }
-    }
-
-    /// Mirrors readiness to `path` (created while ready, removed otherwise); a stale
-    /// file from an earlier run is removed now.
-    pub fn with_file(mut self, path: &std::path::Path) -> Self {
-        remove_ready_file(path);
-        self.file = Some(path.into());
-        self
-    }
-
-    pub fn set_ready(&self) {
-        let mut state = self.state.lock();
-        if let Some(path) = &self.file
-            && state.is_err()
-            && let Err(error) = std::fs::write(path, b"ready\n")
-        {
-            tracing::warn!(path = %path.display(), %error, "writing the ready file failed");
-        }
-        *state = Ok(());
-    }
-
-    pub fn set_not_ready(&self, reason: impl Into<String>) {
-        let mut state = self.state.lock();
-        if let Some(path) = &self.file {
-            remove_ready_file(path);
-        }
-        *state = Err(reason.into());
-    }
-
-    pub fn get(&self) -> Result<(), String> {
-        self.state.lock().clone()
-    }
-}
-
-fn remove_ready_file(path: &std::path::Path) {
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(error) => tracing::warn!(path = %path.display(), %error, "removing the ready file failed"),
-    }
 }
 
 /// Extra GET paths a binary serves (e.g. `/debug/...`): path → (status, JSON body),

@@ -10,6 +10,7 @@ pub mod netns;
 pub mod pod_endpoint;
 pub mod pod_meta;
 pub mod quote;
+pub mod readiness;
 pub mod shutdown;
 pub mod tasks;
 pub mod telemetry;

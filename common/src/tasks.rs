@@ -1,7 +1,7 @@
 //! The long-lived tasks of a binary and what their end means (after ztunnel's drain):
 //! a **critical** task runs for the life of the process, so ending before shutdown —
-//! returning or panicking — is a failure: it is logged with its cause, readiness goes
-//! false naming it, and the process shuts down and exits non-zero. Shutdown waits for
+//! returning or panicking — is a failure: it is logged with its cause, the `tasks`
+//! readiness gate closes naming it, and the process shuts down and exits non-zero. Shutdown waits for
 //! every task, critical or not, up to a deadline.
 
 use parking_lot::Mutex;
@@ -12,24 +12,36 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::admin::Readiness;
+use crate::readiness::{Gate, Readiness};
 
 #[derive(Clone)]
 pub struct Tasks {
     tracker: TaskTracker,
     shutdown: CancellationToken,
-    readiness: Readiness,
+    /// Ready until a critical task ends early.
+    readiness: Gate,
     /// The first critical task that ended early, and why.
-    failure: Arc<Mutex<Option<String>>>,
+    failure: Arc<Mutex<Option<TaskFailed>>>,
+}
+
+/// A critical task that ended before shutdown, and how.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{task} stopped: {cause}")]
+pub struct TaskFailed {
+    pub task: &'static str,
+    pub cause: String,
 }
 
 impl Tasks {
-    /// Tasks that stop at `shutdown`; a critical one ending early cancels it.
-    pub fn new(shutdown: CancellationToken, readiness: Readiness) -> Self {
+    /// Tasks that stop at `shutdown`; a critical one ending early cancels it and makes
+    /// closes the `tasks` gate of `readiness`.
+    pub fn new(shutdown: CancellationToken, readiness: &Readiness) -> Self {
+        let gate = readiness.gate("tasks");
+        gate.set_ready();
         Self {
             tracker: TaskTracker::new(),
             shutdown,
-            readiness,
+            readiness: gate,
             failure: Arc::default(),
         }
     }
@@ -49,10 +61,9 @@ impl Tasks {
                 return;
             }
             tracing::error!(task = name, %cause, "a critical task ended before shutdown; stopping the process");
-            this.readiness.set_not_ready(format!("{name} stopped: {cause}"));
-            this.failure
-                .lock()
-                .get_or_insert_with(|| format!("{name} stopped: {cause}"));
+            let failed = TaskFailed { task: name, cause };
+            this.readiness.set_not_ready(failed.to_string());
+            this.failure.lock().get_or_insert(failed);
             this.shutdown.cancel();
         });
     }
@@ -65,7 +76,7 @@ impl Tasks {
     /// After shutdown: waits for every task, at most `deadline` (those still running
     /// are left to the process exit, with a warning). `Err` names the critical task
     /// whose early end stopped the process.
-    pub async fn drain(self, deadline: Duration) -> Result<(), String> {
+    pub async fn drain(self, deadline: Duration) -> Result<(), TaskFailed> {
         self.tracker.close();
         if tokio::time::timeout(deadline, self.tracker.wait()).await.is_err() {
             tracing::warn!(
@@ -96,9 +107,8 @@ mod tests {
 
     fn tasks() -> (Tasks, CancellationToken, Readiness) {
         let shutdown = CancellationToken::new();
-        let readiness = Readiness::new("starting");
-        readiness.set_ready();
-        (Tasks::new(shutdown.clone(), readiness.clone()), shutdown, readiness)
+        let readiness = Readiness::new();
+        (Tasks::new(shutdown.clone(), &readiness), shutdown, readiness)
     }
 
     #[tokio::test]
@@ -112,9 +122,13 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(5), shutdown.cancelled())
             .await
             .expect("the panic cancelled shutdown");
-        assert_eq!(readiness.get(), Err("writer stopped: it panicked: disk full".into()));
-        let drained = tasks.drain(Duration::from_millis(100)).await;
-        assert_eq!(drained, Err("writer stopped: it panicked: disk full".into()));
+        let failed = TaskFailed {
+            task: "writer",
+            cause: "it panicked: disk full".into(),
+        };
+        let not_ready = readiness.get().unwrap_err().to_string();
+        assert_eq!(not_ready, "tasks: writer stopped: it panicked: disk full");
+        assert_eq!(tasks.drain(Duration::from_millis(100)).await, Err(failed));
     }
 
     #[tokio::test]

@@ -4,7 +4,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_common::admin::{AdminError, AdminServer, Pages, Readiness};
+use aether_common::admin::{AdminError, AdminServer, Pages};
+use aether_common::readiness::{Gate, Readiness};
+use aether_common::tasks::TaskFailed;
 use aether_common::tasks::Tasks;
 use aether_common::telemetry::{Component, MetricsPush};
 use prometheus_client::registry::Registry;
@@ -59,21 +61,24 @@ pub struct Running {
     /// Each TCP connection and each UDP thread.
     connections: TaskTracker,
     shutdown: CancellationToken,
+    /// The `mesh-dns` readiness gate.
+    serving: Gate,
 }
 
 /// How long shutdown waits for tasks and in-flight queries.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(5);
 
-/// A critical task ended before shutdown and stopped mesh-dns; the text names it and why.
+/// A critical task ended before shutdown and stopped mesh-dns.
 #[derive(Debug, thiserror::Error)]
 #[error("stopped because {0}")]
-pub struct Stopped(String);
+pub struct Stopped(#[from] TaskFailed);
 
 impl Running {
     /// Serves until shutdown, then drains. `Err` names the critical task whose early
     /// end stopped mesh-dns.
     pub async fn wait(self) -> Result<(), Stopped> {
         self.shutdown.cancelled().await;
+        self.serving.set_not_ready("shutting down");
         let drained = self.tasks.drain(DRAIN_DEADLINE).await;
         self.connections.close();
         let _ = tokio::time::timeout(DRAIN_DEADLINE, self.connections.wait()).await;
@@ -105,10 +110,11 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         malformed_log: SharedRateLimited::new(Duration::from_secs(10)),
     });
     let readiness = match &config.ready_file {
-        Some(path) => Readiness::new("starting").with_file(path),
-        None => Readiness::new("starting"),
+        Some(path) => Readiness::new().with_file(path),
+        None => Readiness::new(),
     };
-    let tasks = Tasks::new(shutdown.clone(), readiness.clone());
+    let serving = readiness.gate("mesh-dns");
+    let tasks = Tasks::new(shutdown.clone(), &readiness);
     let connections = TaskTracker::new();
     for (i, socket) in udp.into_iter().enumerate() {
         spawn_udp_thread(i, socket, server.clone(), connections.token(), shutdown.clone())?;
@@ -128,7 +134,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     }
     let pages = debug_pages(store, upstreams, config.mesh_domain.clone());
     let admin_addr = serve_admin(config.admin, &readiness, registry, pages, &tasks, &shutdown).await?;
-    readiness.set_ready();
+    serving.set_ready();
     tracing::info!(%dns_addr, %admin_addr, workers, upstreams = ?server.forwarder.upstreams(),
         mesh_domain = %config.mesh_domain, records = %config.records.display(), "mesh-dns serving");
     Ok(Running {
@@ -137,6 +143,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         tasks,
         connections,
         shutdown,
+        serving,
     })
 }
 

@@ -6,7 +6,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_common::admin::{AdminError, AdminServer, Readiness};
+use aether_common::admin::{AdminError, AdminServer};
+use aether_common::readiness::{Gate, Readiness};
 use aether_common::tasks::Tasks;
 use aether_common::telemetry::{Component, MetricsPush};
 use aether_common::tls::{self, CertFiles, CertSlot, TlsError};
@@ -176,9 +177,8 @@ pub struct Running {
 /// Why the registrar stopped before it was asked to.
 #[derive(Debug, thiserror::Error)]
 pub enum Stopped {
-    /// A critical task ended early (named, with its cause).
-    #[error("{0}")]
-    CriticalTask(String),
+    #[error(transparent)]
+    CriticalTask(#[from] aether_common::tasks::TaskFailed),
     #[error("the gRPC server failed: {0}")]
     Grpc(String),
     #[error("the gRPC server stopped before shutdown")]
@@ -266,7 +266,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let mut registry = Registry::default();
     let metrics = Metrics::new(&mut registry);
     let metrics_push = MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
-    let readiness = Readiness::new("loading the catalog");
+    let readiness = Readiness::new();
+    let serving = readiness.gate("registrar");
     let security = &config.security;
     let tls = server_tls(security, &shutdown)?;
     let bootstrap = bootstrap(security).await?;
@@ -287,8 +288,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
 
     // The writer outlives the gRPC server so in-flight writes still get answers.
     let writer_stop = CancellationToken::new();
-    let writer = writer.with_readiness(readiness.clone(), shutdown.clone());
-    let tasks = Tasks::new(shutdown.clone(), readiness.clone());
+    let writer = writer.with_readiness(readiness.gate("store"));
+    let tasks = Tasks::new(shutdown.clone(), &readiness);
     tasks.critical("the catalog writer", writer.run(writer_stop.clone()));
     tasks.critical("the reaper", catalog.clone().run_reaper(shutdown.clone()));
     let admin_stop = CancellationToken::new();
@@ -303,17 +304,17 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         .add_service(RegistrarServer::new(api).max_decoding_message_size(MAX_REQUEST_BYTES))
         .add_optional_service(bootstrap.map(NodeBootstrapServer::new))
         .serve_with_incoming_shutdown(tls::incoming(listener, tls, TCP_KEEPALIVE, shutdown.clone()), {
-            let (shutdown, readiness) = (shutdown.clone(), readiness.clone());
+            let (shutdown, serving) = (shutdown.clone(), serving.clone());
             async move {
                 shutdown.cancelled().await;
-                readiness.set_not_ready("shutting down");
+                serving.set_not_ready("shutting down");
             }
         });
-    readiness.set_ready();
+    serving.set_ready();
     tracing::info!(%grpc_addr, %admin_addr, "registrar serving");
     let stop = StopOrder {
         shutdown,
-        readiness,
+        serving,
         writer_stop,
         tasks,
         admin_stop,
@@ -362,7 +363,8 @@ async fn open_catalog(
 /// admin server and the last metrics push, then the store closes.
 struct StopOrder {
     shutdown: CancellationToken,
-    readiness: Readiness,
+    /// The `registrar` readiness gate.
+    serving: Gate,
     writer_stop: CancellationToken,
     tasks: Tasks,
     admin_stop: CancellationToken,
@@ -381,7 +383,7 @@ impl StopOrder {
             tracing::error!(%error, "gRPC server failed");
         }
         if early {
-            self.readiness.set_not_ready("the gRPC server stopped");
+            self.serving.set_not_ready("the gRPC server stopped");
             self.shutdown.cancel();
         }
         self.writer_stop.cancel();

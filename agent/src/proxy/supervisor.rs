@@ -16,7 +16,7 @@ use std::process::ExitStatus;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_common::admin::Readiness;
+use aether_common::readiness::Gate;
 use futures::{Stream, StreamExt};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -120,7 +120,8 @@ pub struct Supervisor<H: Host = LocalHost> {
     host: H,
     states: StateDir,
     metrics: ProxyMetrics,
-    readiness: Readiness,
+    /// The `envoy` readiness gate: open while our Envoy is LIVE and not draining.
+    readiness: Gate,
     status: Arc<Mutex<Status>>,
     id: String,
     machine: Machine,
@@ -138,7 +139,7 @@ impl Supervisor<LocalHost> {
     pub fn new(
         cfg: ProxyConfig,
         metrics: ProxyMetrics,
-        readiness: Readiness,
+        readiness: Gate,
         status: Arc<Mutex<Status>>,
     ) -> Result<Self, SupervisorError> {
         let host = LocalHost::new(cfg.envoy_bin.clone());
@@ -151,7 +152,7 @@ impl<H: Host> Supervisor<H> {
         cfg: ProxyConfig,
         host: H,
         metrics: ProxyMetrics,
-        readiness: Readiness,
+        readiness: Gate,
         status: Arc<Mutex<Status>>,
     ) -> Result<Self, SupervisorError> {
         if cfg.parent_shutdown_time <= cfg.drain_time {

@@ -3,8 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use aether_common::admin::Readiness;
-use tokio_util::sync::CancellationToken;
+use aether_common::readiness::Gate;
 
 use crate::metrics::Metrics;
 
@@ -19,7 +18,8 @@ pub(super) struct StoreHealth {
     pub(super) down: Option<String>,
     retry_at: Instant,
     pub(super) backoff: Duration,
-    pub(super) readiness: Option<(Readiness, CancellationToken)>,
+    /// The `store` readiness gate, if the writer reports to one.
+    pub(super) readiness: Option<Gate>,
 }
 
 impl StoreHealth {
@@ -47,9 +47,7 @@ impl StoreHealth {
         if self.down.is_none() {
             tracing::error!(store = self.kind, %reason,
                 "the catalog store is unreachable: serving the last snapshot, queueing writes");
-            if let Some((readiness, serving)) = &self.readiness
-                && !serving.is_cancelled()
-            {
+            if let Some(readiness) = &self.readiness {
                 readiness.set_not_ready(format!("the {} store is unreachable: {reason}", self.kind));
             }
         }
@@ -60,9 +58,7 @@ impl StoreHealth {
     pub(super) fn set_up(&mut self) {
         if self.down.take().is_some() {
             tracing::info!(store = self.kind, "the catalog store is reachable again");
-            if let Some((readiness, serving)) = &self.readiness
-                && !serving.is_cancelled()
-            {
+            if let Some(readiness) = &self.readiness {
                 readiness.set_ready();
             }
         }

@@ -9,7 +9,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use aether_common::admin::Readiness;
+use aether_common::readiness::Gate;
 use aether_proto::registrar::v1::Version;
 use aether_proto::registry::v1::Service;
 use futures::StreamExt;
@@ -169,10 +169,11 @@ impl Writer {
         }
     }
 
-    /// Lets the writer report the store's health on the readiness endpoint (until
-    /// `serving` is cancelled: shutdown owns readiness then).
-    pub fn with_readiness(mut self, readiness: Readiness, serving: CancellationToken) -> Self {
-        self.health.readiness = Some((readiness, serving));
+    /// Lets the writer report the store's health as the `readiness` gate: open
+    /// now (the catalog was just loaded from it), closed while it is unreachable.
+    pub fn with_readiness(mut self, readiness: Gate) -> Self {
+        readiness.set_ready();
+        self.health.readiness = Some(readiness);
         self
     }
 

@@ -3,6 +3,7 @@
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 
+use aether_common::readiness::Readiness;
 use aether_common::telemetry::{LogFormat, TelemetryConfig};
 use nix::sys::signal::Signal;
 use prometheus_client::metrics::counter::Counter;
@@ -78,12 +79,12 @@ impl Node {
 
     async fn start_in(dir: tempfile::TempDir, fake: FakeHost) -> Node {
         let cfg = config(dir.path());
-        let (metrics, readiness, status) = (ProxyMetrics::default(), Readiness::new("starting"), Arc::default());
+        let (metrics, readiness, status) = (ProxyMetrics::default(), Readiness::new(), Arc::default());
         let mut supervisor = Supervisor::with_host(
             cfg.clone(),
             fake.clone(),
             metrics.clone(),
-            readiness.clone(),
+            readiness.gate("envoy"),
             Arc::clone(&status),
         )
         .unwrap();
@@ -436,7 +437,7 @@ async fn a_superseded_supervisor_steps_aside_and_ends_when_its_epoch_is_retired(
         .unwrap()
         .update(|_| (Some(Some(claim.clone())), ()))
         .unwrap();
-    let reason = until("not ready", || node.readiness.get().err()).await;
+    let reason = until("not ready", || node.readiness.get().err()).await.to_string();
     assert!(reason.contains("superseded by successor"), "{reason}");
     tokio::time::sleep(WATCH * 5).await;
     assert_eq!(node.state(), Some(claim), "no heartbeat over the successor's claim");
