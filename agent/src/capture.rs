@@ -431,10 +431,15 @@ pub async fn pod_addresses(netns: &Path) -> Result<Vec<IpAddr>, CaptureError> {
         })
 }
 
-async fn read_addresses(handle: rtnetlink::Handle) -> Result<Vec<IpAddr>, String> {
+/// The address dump of a pod's netns failed.
+#[derive(Debug, thiserror::Error)]
+#[error("address dump: {0}")]
+struct AddressDump(rtnetlink::Error);
+
+async fn read_addresses(handle: rtnetlink::Handle) -> Result<Vec<IpAddr>, AddressDump> {
     let mut out = Vec::new();
     let mut addrs = handle.address().get().execute();
-    while let Some(msg) = addrs.try_next().await.map_err(|e| format!("address dump: {e}"))? {
+    while let Some(msg) = addrs.try_next().await.map_err(AddressDump)? {
         for attr in &msg.attributes {
             if let netlink_packet_route::address::AddressAttribute::Address(ip) = attr
                 && is_pod_address(ip)

@@ -105,8 +105,7 @@ pub fn interface_addresses(netns: &Path, ifname: &str) -> Result<Option<Vec<Cidr
         return Err(NetnsError::Missing(netns.display().to_string()));
     }
     let ifname = ifname.to_owned();
-    // The shared netns runner carries a query's error as its text.
-    let query = move |handle| async move { read(handle, ifname).await.map_err(|e| e.to_string()) };
+    let query = move |handle| read(handle, ifname);
     aether_common::netns::query_blocking(netns, query).map_err(|source| NetnsError::Netlink {
         netns: netns.display().to_string(),
         source,

@@ -21,20 +21,21 @@ pub enum NetlinkError {
     Runtime(std::io::Error),
     #[error("netlink socket: {0}")]
     Socket(std::io::Error),
-    /// The query's own error, worded by the caller.
+    /// The query's own error.
     #[error("{0}")]
-    Query(String),
+    Query(Box<dyn std::error::Error + Send + Sync>),
     #[error("netlink thread panicked")]
     Panicked,
 }
 
 /// Runs `query` with a netlink handle inside the network namespace at `netns`, on a
 /// thread of its own, and waits for it without blocking the caller's runtime.
-pub async fn query<T, F, Fut>(netns: &Path, query: F) -> Result<T, NetlinkError>
+pub async fn query<T, E, F, Fut>(netns: &Path, query: F) -> Result<T, NetlinkError>
 where
     T: Send + 'static,
     F: FnOnce(rtnetlink::Handle) -> Fut + Send + 'static,
-    Fut: Future<Output = Result<T, String>>,
+    Fut: Future<Output = Result<T, E>>,
+    E: std::error::Error + Send + Sync + 'static,
 {
     let path = netns.to_owned();
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -45,11 +46,12 @@ where
 }
 
 /// [`query`] for a caller outside any runtime: blocks until the query's thread ends.
-pub fn query_blocking<T, F, Fut>(netns: &Path, query: F) -> Result<T, NetlinkError>
+pub fn query_blocking<T, E, F, Fut>(netns: &Path, query: F) -> Result<T, NetlinkError>
 where
     T: Send + 'static,
     F: FnOnce(rtnetlink::Handle) -> Fut + Send + 'static,
-    Fut: Future<Output = Result<T, String>>,
+    Fut: Future<Output = Result<T, E>>,
+    E: std::error::Error + Send + Sync + 'static,
 {
     let path: PathBuf = netns.to_owned();
     std::thread::spawn(move || run_here(&path, query))
@@ -59,10 +61,11 @@ where
 
 /// Enters `netns` on the current thread and runs `query` there. Private: only the
 /// threads spawned above, which end right after, may call it.
-fn run_here<T, F, Fut>(netns: &Path, query: F) -> Result<T, NetlinkError>
+fn run_here<T, E, F, Fut>(netns: &Path, query: F) -> Result<T, NetlinkError>
 where
     F: FnOnce(rtnetlink::Handle) -> Fut,
-    Fut: Future<Output = Result<T, String>>,
+    Fut: Future<Output = Result<T, E>>,
+    E: std::error::Error + Send + Sync + 'static,
 {
     let file = std::fs::File::open(netns).map_err(NetlinkError::Open)?;
     nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).map_err(NetlinkError::Setns)?;
@@ -73,6 +76,6 @@ where
     rt.block_on(async {
         let (conn, handle, _) = rtnetlink::new_connection().map_err(NetlinkError::Socket)?;
         tokio::spawn(conn);
-        query(handle).await.map_err(NetlinkError::Query)
+        query(handle).await.map_err(|e| NetlinkError::Query(Box::new(e)))
     })
 }
