@@ -11,7 +11,7 @@ use aether_common::telemetry::exposition::{self, Family, Format};
 use aether_tests::control_plane::ControlPlane;
 use aether_tests::mesh::{Mesh, fqdn};
 use aether_tests::otlp::OtlpReceiver;
-use aether_tests::{ChildGuard, Envoy, binary, free_port, http_get, unique_base_id};
+use aether_tests::{ChildGuard, Envoy, TestPod, binary, free_port, http_get, unique_base_id};
 
 /// Requests the frontend sends the backend.
 const N: u64 = 7;
@@ -25,15 +25,10 @@ async fn get(url: &str) -> String {
 
 /// Polls `url` until a line equals `line` (or panics with the last body).
 async fn wait_for_line(url: &str, line: &str) -> String {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let body = get(url).await;
-        if body.lines().any(|l| l == line) {
-            return body;
-        }
-        assert!(Instant::now() < deadline, "no line {line:?} at {url}:\n{body}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    poll_body(url, &format!("no line {line:?} at {url}"), |body| {
+        body.lines().any(|l| l == line)
+    })
+    .await
 }
 
 /// The value of the sample whose text starts with `prefix` (name and labels), if any.
@@ -81,6 +76,56 @@ async fn observed_mesh(otlp: &str, sink: bool, extra_agent_args: &[&str]) -> Mes
 
 const REQUESTS_200: &str = "aether_proxy_requests_total{source_workload=\"demo/frontend\",destination_service=\"demo/backend\",destination_port=\"8080\",response_code=\"200\",response_code_class=\"2xx\"}";
 
+const REQUESTS_503: &str = "aether_proxy_requests_total{source_workload=\"demo/frontend\",destination_service=\"demo/backend\",destination_port=\"8080\",response_code=\"503\",response_code_class=\"5xx\"}";
+
+const DURATION_COUNT: &str = "aether_proxy_request_duration_seconds_count{source_workload=\"demo/frontend\",destination_service=\"demo/backend\",destination_port=\"8080\"}";
+
+/// Envoy's own request counter as the bootstrap's stats_tags tag it.
+const ENVOY_UPSTREAM_RQ_200: &str = "envoy_cluster_mesh_upstream_rq{envoy_response_code=\"200\",envoy_cluster_name=\"demo/backend|8080\",source_workload=\"demo/frontend\",destination_service=\"demo/backend\",destination_port=\"8080\"}";
+
+/// The tags the bootstrap's stats_tags put on the mesh's request counter, with its response code.
+const UPSTREAM_RQ_200: [(&str, &str); 4] = [
+    ("source_workload", "demo/frontend"),
+    ("destination_service", "demo/backend"),
+    ("destination_port", "8080"),
+    ("envoy.response_code", "200"),
+];
+
+/// The backend's address as the frontend names it.
+fn backend_host() -> String {
+    format!("{}:8080", fqdn("backend"))
+}
+
+/// The agent's /metrics URL.
+fn agent_metrics(mesh: &Mesh) -> String {
+    format!("http://{}/metrics", mesh.agent_admin)
+}
+
+/// `count` requests from `frontend` to the backend at `path(i)` through the node Envoy, each answered `status`.
+async fn send_requests(frontend: &TestPod, count: u64, path: impl Fn(u64) -> String, status: u16) {
+    let host = backend_host();
+    for i in 0..count {
+        let reply = frontend
+            .http_get(&format!("http://127.0.0.1:18081{}", path(i)), Some(&host))
+            .await
+            .unwrap();
+        assert_eq!(reply.status, status, "{reply:?}");
+    }
+}
+
+/// Polls `url` until `done` holds for its body (or panics with `what` and the last body).
+async fn poll_body(url: &str, what: &str, done: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let body = get(url).await;
+        if done(&body) {
+            return body;
+        }
+        assert!(Instant::now() < deadline, "{what}:\n{body}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_between_two_pods_are_envoy_stats_exported_over_otlp_and_at_the_agent() {
     let otlp = OtlpReceiver::start().await;
@@ -92,38 +137,45 @@ async fn requests_between_two_pods_are_envoy_stats_exported_over_otlp_and_at_the
     .await;
     let (frontend, _backend, mut apps) = mesh.frontend_and_backend().await;
     let app = apps.pop().expect("the backend's app");
-
-    let host = format!("{}:8080", fqdn("backend"));
-    for i in 0..N {
-        let reply = frontend
-            .http_get(&format!("http://127.0.0.1:18081/r/{i}"), Some(&host))
-            .await
-            .unwrap();
-        assert_eq!(reply.status, 200, "{reply:?}");
-    }
+    send_requests(&frontend, N, |i| format!("/r/{i}"), 200).await;
     assert_eq!(app.requests(), N);
 
-    // 1. Envoy's own stats, tagged by the bootstrap's stats_tags.
+    assert_envoy_stats_are_tagged(&mesh);
+    assert_agent_exposes_request_metrics(&mesh).await;
+    assert_envoy_sink_exports_the_tagged_counter(&otlp).await;
+    assert_agent_pushes_its_instruments_and_spans(&otlp).await;
+    assert_access_log_has_a_record_per_request(&otlp).await;
+
+    // A failing backend shows up in the 5xx class, beside the untouched 2xx count.
+    drop(app);
+    send_requests(&frontend, 3, |_| "/down".into(), 503).await;
+    let body = poll_body(&agent_metrics(&mesh), "no 5xx requests at the agent", |body| {
+        sample(body, REQUESTS_503).is_some_and(|n| n >= 3.0)
+    })
+    .await;
+    assert_eq!(sample(&body, REQUESTS_200), Some(N as f64), "{body}");
+}
+
+/// Envoy's own stats, tagged by the bootstrap's stats_tags.
+fn assert_envoy_stats_are_tagged(mesh: &Mesh) {
     let envoy = mesh.envoy().admin_get("/stats/prometheus?usedonly");
-    let envoy_line = format!(
-        "envoy_cluster_mesh_upstream_rq{{envoy_response_code=\"200\",envoy_cluster_name=\"demo/backend|8080\",\
-         source_workload=\"demo/frontend\",destination_service=\"demo/backend\",destination_port=\"8080\"}} {N}"
-    );
+    let envoy_line = format!("{ENVOY_UPSTREAM_RQ_200} {N}");
     assert!(
         envoy.lines().any(|l| l == envoy_line),
         "{envoy_line} not in Envoy's stats:\n{envoy}"
     );
     exposition::parse(&envoy, Format::Prometheus).expect("Envoy's /stats/prometheus parses");
+}
 
-    // 2. At the agent's /metrics, with our names, as valid OpenMetrics.
-    let url = format!("http://{}/metrics", mesh.agent_admin);
+/// At the agent's /metrics, with our names, as valid OpenMetrics.
+async fn assert_agent_exposes_request_metrics(mesh: &Mesh) {
+    let url = agent_metrics(mesh);
     let body = wait_for_line(&url, &format!("{REQUESTS_200} {N}")).await;
     // Envoy's histograms move on its stats flush (1 s here).
-    let count = "aether_proxy_request_duration_seconds_count{source_workload=\"demo/frontend\",destination_service=\"demo/backend\",destination_port=\"8080\"}";
-    let body = if sample(&body, count) == Some(N as f64) {
+    let body = if sample(&body, DURATION_COUNT) == Some(N as f64) {
         body
     } else {
-        wait_for_line(&url, &format!("{count} {N}")).await
+        wait_for_line(&url, &format!("{DURATION_COUNT} {N}")).await
     };
     let families = parse_openmetrics("agent", &body);
     let latency = families
@@ -135,20 +187,14 @@ async fn requests_between_two_pods_are_envoy_stats_exported_over_otlp_and_at_the
         series[0].sum.unwrap() > 0.0 && series[0].sum.unwrap() < 10.0,
         "{series:?}"
     );
+}
 
-    // 3. Envoy's OTLP stats sink: the same counter, the tags as attributes, the cumulative value N.
+/// Envoy's OTLP stats sink: the same counter, the tags as attributes, the cumulative value N.
+async fn assert_envoy_sink_exports_the_tagged_counter(otlp: &OtlpReceiver) {
     let point = otlp
         .wait_for(Duration::from_secs(20), "Envoy request counter with 7", |r| {
-            r.latest(
-                "cluster.mesh.upstream_rq",
-                &[
-                    ("source_workload", "demo/frontend"),
-                    ("destination_service", "demo/backend"),
-                    ("destination_port", "8080"),
-                    ("envoy.response_code", "200"),
-                ],
-            )
-            .filter(|p| p.value == N as f64)
+            r.latest("cluster.mesh.upstream_rq", &UPSTREAM_RQ_200)
+                .filter(|p| p.value == N as f64)
         })
         .await;
     assert!(point.monotonic, "{point:?}");
@@ -159,8 +205,10 @@ async fn requests_between_two_pods_are_envoy_stats_exported_over_otlp_and_at_the
         })
         .await;
     assert_eq!(time.attributes["destination_service"], "demo/backend");
+}
 
-    // 4. The agent's push: the same instruments as /metrics, with the resource naming the process.
+/// The agent's push: the same instruments as /metrics, with the resource naming the process; and its spans.
+async fn assert_agent_pushes_its_instruments_and_spans(otlp: &OtlpReceiver) {
     let agent_point = otlp
         .wait_for(Duration::from_secs(20), "agent request counter", |r| {
             r.latest(
@@ -198,8 +246,10 @@ async fn requests_between_two_pods_are_envoy_stats_exported_over_otlp_and_at_the
             .find(|(service, name)| service == "aether-agent" && name == "xds_rebuild")
     })
     .await;
+}
 
-    // 5. Envoy's OTLP access log (on with --envoy-access-log): one record per request, same dimensions.
+/// Envoy's OTLP access log (on with --envoy-access-log): one record per request, same dimensions.
+async fn assert_access_log_has_a_record_per_request(otlp: &OtlpReceiver) {
     let logs = otlp
         .wait_for(Duration::from_secs(20), "7 access log records", |r| {
             let logs: Vec<_> = r
@@ -216,94 +266,80 @@ async fn requests_between_two_pods_are_envoy_stats_exported_over_otlp_and_at_the
         assert_eq!(log.attributes["destination_cluster"], "demo/backend|8080", "{log:?}");
         assert!(log.body.starts_with("GET ") && log.body.ends_with(" 200"), "{log:?}");
     }
-
-    // 6. A failing backend shows up in the 5xx class, beside the untouched 2xx count.
-    drop(app);
-    for _ in 0..3 {
-        let reply = frontend
-            .http_get("http://127.0.0.1:18081/down", Some(&host))
-            .await
-            .unwrap();
-        assert_eq!(reply.status, 503, "{reply:?}");
-    }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let body = get(&url).await;
-        let failed = sample(
-            &body,
-            "aether_proxy_requests_total{source_workload=\"demo/frontend\",destination_service=\"demo/backend\",destination_port=\"8080\",response_code=\"503\",response_code_class=\"5xx\"}",
-        );
-        if failed.is_some_and(|n| n >= 3.0) {
-            assert_eq!(sample(&body, REQUESTS_200), Some(N as f64), "{body}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "no 5xx requests at the agent:\n{body}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
+
+/// The families each component's /metrics must have.
+const EXPECTED_FAMILIES: [(&str, &[&str]); 2] = [
+    (
+        "agent",
+        &[
+            "aether_agent_xds_pushes",
+            "aether_agent_xds_acks",
+            "aether_agent_xds_push_duration_seconds",
+            "aether_agent_dependencies",
+            "aether_agent_clusters",
+            "aether_agent_registrar_connected",
+            "aether_agent_pods",
+            "aether_agent_otlp_exports",
+            "aether_proxy_requests",
+            "aether_proxy_request_duration_seconds",
+        ],
+    ),
+    (
+        "registrar",
+        &[
+            "aether_registrar_watchers",
+            "aether_registrar_changes",
+            "aether_registrar_catalog_version",
+            "aether_registrar_store_commit_duration_seconds",
+        ],
+    ),
+];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_metrics_endpoint_is_valid_exposition_with_consistent_names() {
     let otlp = OtlpReceiver::start().await;
     let mesh = observed_mesh(&otlp.endpoint(), false, &[]).await;
     let (frontend, _backend, _app) = mesh.frontend_and_backend().await;
-    let reply = frontend
-        .http_get("http://127.0.0.1:18081/", Some(&format!("{}:8080", fqdn("backend"))))
-        .await
-        .unwrap();
-    assert_eq!(reply.status, 200);
-    wait_for_line(
-        &format!("http://{}/metrics", mesh.agent_admin),
-        &format!("{REQUESTS_200} 1"),
-    )
-    .await;
+    send_requests(&frontend, 1, |_| "/".into(), 200).await;
+    wait_for_line(&agent_metrics(&mesh), &format!("{REQUESTS_200} 1")).await;
     // Envoy's histograms appear on its next stats flush.
-    wait_for_line(
-        &format!("http://{}/metrics", mesh.agent_admin),
-        "aether_proxy_request_duration_seconds_count{source_workload=\"demo/frontend\",destination_service=\"demo/backend\",destination_port=\"8080\"} 1",
-    )
-    .await;
+    wait_for_line(&agent_metrics(&mesh), &format!("{DURATION_COUNT} 1")).await;
 
-    for (component, admin) in [("agent", mesh.agent_admin), ("registrar", mesh.registrar_admin)] {
-        let body = get(&format!("http://{admin}/metrics")).await;
-        let families = parse_openmetrics(component, &body);
-        for family in &families {
-            assert!(
-                family.name.starts_with(&format!("aether_{component}_")) || family.name.starts_with("aether_proxy_"),
-                "{component}: {} is not aether_{component}_<what>[_<unit>]",
-                family.name
-            );
-            assert!(!family.help.is_empty(), "{}: no HELP", family.name);
-        }
-        let names: Vec<&str> = families.iter().map(|f| f.name.as_str()).collect();
-        let expected: &[&str] = match component {
-            "agent" => &[
-                "aether_agent_xds_pushes",
-                "aether_agent_xds_acks",
-                "aether_agent_xds_push_duration_seconds",
-                "aether_agent_dependencies",
-                "aether_agent_clusters",
-                "aether_agent_registrar_connected",
-                "aether_agent_pods",
-                "aether_agent_otlp_exports",
-                "aether_proxy_requests",
-                "aether_proxy_request_duration_seconds",
-            ],
-            _ => &[
-                "aether_registrar_watchers",
-                "aether_registrar_changes",
-                "aether_registrar_catalog_version",
-                "aether_registrar_store_commit_duration_seconds",
-            ],
+    for (component, expected) in EXPECTED_FAMILIES {
+        let admin = match component {
+            "agent" => mesh.agent_admin,
+            _ => mesh.registrar_admin,
         };
-        for name in expected {
-            assert!(names.contains(name), "{component}: no {name} in {names:?}");
-        }
+        assert_metrics_are_consistent(component, admin, expected).await;
     }
     let envoy = mesh.envoy().admin_get("/stats/prometheus");
     exposition::parse(&envoy, Format::Prometheus).expect("Envoy's /stats/prometheus parses");
 
-    // mesh-dns: its /metrics is valid with consistent names, and it pushes them too.
+    assert_mesh_dns_metrics_are_consistent_and_pushed(&otlp).await;
+}
+
+/// `component`'s /metrics at `admin` is valid OpenMetrics, every family named aether_<component>_ (or
+/// aether_proxy_) with a HELP, and has every `expected` family.
+async fn assert_metrics_are_consistent(component: &str, admin: SocketAddr, expected: &[&str]) {
+    let body = get(&format!("http://{admin}/metrics")).await;
+    let families = parse_openmetrics(component, &body);
+    for family in &families {
+        assert!(
+            family.name.starts_with(&format!("aether_{component}_")) || family.name.starts_with("aether_proxy_"),
+            "{component}: {} is not aether_{component}_<what>[_<unit>]",
+            family.name
+        );
+        assert!(!family.help.is_empty(), "{}: no HELP", family.name);
+    }
+    let names: Vec<&str> = families.iter().map(|f| f.name.as_str()).collect();
+    for name in expected {
+        assert!(names.contains(name), "{component}: no {name} in {names:?}");
+    }
+}
+
+/// mesh-dns: its /metrics is valid with consistent names, and it pushes them too.
+async fn assert_mesh_dns_metrics_are_consistent_and_pushed(otlp: &OtlpReceiver) {
     let dir = tempfile::tempdir().unwrap();
     let dns_admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let mut cmd = Command::new(binary("aether-mesh-dns"));
@@ -381,12 +417,23 @@ async fn a_collector_that_is_down_blocks_nothing_and_is_counted_until_it_comes_b
 
     // The data path works: pods are added and served, the registrar answers.
     let (frontend, _backend, _app) = mesh.frontend_and_backend().await;
-    let host = format!("{}:8080", fqdn("backend"));
-    for _ in 0..3 {
-        let reply = frontend.http_get("http://127.0.0.1:18081/", Some(&host)).await.unwrap();
-        assert_eq!(reply.status, 200, "{reply:?}");
-    }
-    let mut client = control_plane.reader(&registrar_url).await;
+    send_requests(&frontend, 3, |_| "/".into(), 200).await;
+    assert_registrar_serves(&control_plane, &registrar_url).await;
+
+    assert_export_failures_keep_being_counted(&mesh, registrar_admin).await;
+    // The admin endpoints answer at once meanwhile (nothing waits on the collector).
+    let started = Instant::now();
+    get(&format!("http://{}/ready", mesh.agent_admin)).await;
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+
+    let otlp = OtlpReceiver::start_on(format!("127.0.0.1:{port}").parse().unwrap()).await;
+    assert_pushes_land_after_recovery(&otlp).await;
+    drop(registrar);
+}
+
+/// The registrar answers a list (NotFound counts as an answer) while its collector is down.
+async fn assert_registrar_serves(control_plane: &ControlPlane, registrar_url: &str) {
+    let mut client = control_plane.reader(registrar_url).await;
     client
         .list_endpoints(aether_proto::registrar::v1::ListEndpointsRequest {
             service: "demo/none".into(),
@@ -401,8 +448,10 @@ async fn a_collector_that_is_down_blocks_nothing_and_is_counted_until_it_comes_b
             }
         })
         .expect("the registrar serves while its collector is down");
+}
 
-    // The failures are counted, and keep being counted.
+/// The agent's and the registrar's failed pushes are counted, and keep being counted.
+async fn assert_export_failures_keep_being_counted(mesh: &Mesh, registrar_admin: SocketAddr) {
     let failures = |body: &str, component: &str| {
         sample(
             body,
@@ -413,11 +462,11 @@ async fn a_collector_that_is_down_blocks_nothing_and_is_counted_until_it_comes_b
     let mut last = (0.0, 0.0);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let agent = get(&format!("http://{}/metrics", mesh.agent_admin)).await;
+        let agent = get(&agent_metrics(mesh)).await;
         let reg = get(&format!("http://{registrar_admin}/metrics")).await;
         let now = (failures(&agent, "agent"), failures(&reg, "registrar"));
         if now.0 >= 3.0 && now.1 >= 3.0 && now.0 > last.0 && now.1 > last.1 && last.0 > 0.0 {
-            break;
+            return;
         }
         last = now;
         assert!(
@@ -426,13 +475,10 @@ async fn a_collector_that_is_down_blocks_nothing_and_is_counted_until_it_comes_b
         );
         tokio::time::sleep(Duration::from_millis(700)).await;
     }
-    // The admin endpoints answer at once meanwhile (nothing waits on the collector).
-    let started = Instant::now();
-    get(&format!("http://{}/ready", mesh.agent_admin)).await;
-    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+}
 
-    // The collector comes back: the next pushes land, from both, with the totals so far.
-    let otlp = OtlpReceiver::start_on(format!("127.0.0.1:{port}").parse().unwrap()).await;
+/// The collector is back: the next pushes land, from both, with the totals so far, and Envoy's sink reconnects.
+async fn assert_pushes_land_after_recovery(otlp: &OtlpReceiver) {
     otlp.wait_for(Duration::from_secs(30), "the agent's pods gauge after recovery", |r| {
         r.latest("aether_agent_pods", &[]).filter(|p| p.value == 2.0)
     })
@@ -448,22 +494,49 @@ async fn a_collector_that_is_down_blocks_nothing_and_is_counted_until_it_comes_b
         )
         .await;
     assert_eq!(failed.resource["service.name"], "aether-registrar");
-    // Envoy's own sink reconnects too.
     otlp.wait_for(Duration::from_secs(30), "Envoy's request counter after recovery", |r| {
         r.latest("cluster.mesh.upstream_rq", &[("source_workload", "demo/frontend")])
             .filter(|p| p.value == 3.0)
     })
     .await;
-    drop(registrar);
 }
+
+/// Requests after the hot restart.
+const M: u64 = 4;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shipped_bootstrap_tags_request_metrics_exports_them_and_they_survive_a_hot_restart() {
     let otlp = OtlpReceiver::start().await;
+    let (mut mesh, supervisor_admin) = mesh_with_supervised_envoy(&otlp).await;
+    let (frontend, _backend, mut apps) = mesh.frontend_and_backend().await;
+    let app = apps.pop().expect("the backend's app");
+    send_requests(&frontend, N, |_| "/".into(), 200).await;
+    otlp.wait_for(
+        Duration::from_secs(30),
+        "the request counter from the shipped bootstrap's sink",
+        |r| {
+            r.latest("cluster.mesh.upstream_rq", &UPSTREAM_RQ_200)
+                .filter(|p| p.value == N as f64)
+        },
+    )
+    .await;
+    assert_supervisor_pushes_and_exposes_its_metrics(&otlp, supervisor_admin).await;
+
+    // Hot restart (SIGHUP) onto a new epoch.
+    let proxy = mesh.proxy.as_mut().unwrap();
+    proxy.signal(nix::sys::signal::Signal::SIGHUP);
+    proxy.wait_epoch_live(1, Duration::from_secs(60)).await;
+    send_requests(&frontend, M, |_| "/".into(), 200).await;
+    assert_eq!(app.requests(), N + M);
+    assert_the_new_epoch_tags_its_counter(&mesh, &otlp).await;
+}
+
+/// A mesh whose Envoy is run by the supervisor from proxy/bootstrap.yaml, with Envoy's OTLP stats sink and the
+/// supervisor's push to `otlp`; returns it with the supervisor's admin address.
+async fn mesh_with_supervised_envoy(otlp: &OtlpReceiver) -> (Mesh, SocketAddr) {
     let envoy_admin = free_port();
     let admin = format!("127.0.0.1:{envoy_admin}");
     let mut mesh = Mesh::start_with(&["--envoy-admin", &admin]).await;
-    // Envoy run by the supervisor from proxy/bootstrap.yaml, with Envoy's OTLP stats sink and the supervisor's push.
     mesh.envoy = None;
     let mut options = mesh.proxy_options();
     options.envoy_admin = admin.parse().unwrap();
@@ -479,29 +552,11 @@ async fn the_shipped_bootstrap_tags_request_metrics_exports_them_and_they_surviv
         .map(String::from),
     );
     mesh.proxy = Some(aether_tests::supervisor::ProxySupervisor::start(&options, 0).await);
-    let (frontend, _backend, mut apps) = mesh.frontend_and_backend().await;
-    let app = apps.pop().expect("the backend's app");
-    let host = format!("{}:8080", fqdn("backend"));
-    for _ in 0..N {
-        let reply = frontend.http_get("http://127.0.0.1:18081/", Some(&host)).await.unwrap();
-        assert_eq!(reply.status, 200, "{reply:?}");
-    }
-    let attrs = [
-        ("source_workload", "demo/frontend"),
-        ("destination_service", "demo/backend"),
-        ("destination_port", "8080"),
-        ("envoy.response_code", "200"),
-    ];
-    otlp.wait_for(
-        Duration::from_secs(30),
-        "the request counter from the shipped bootstrap's sink",
-        |r| {
-            r.latest("cluster.mesh.upstream_rq", &attrs)
-                .filter(|p| p.value == N as f64)
-        },
-    )
-    .await;
-    // The supervisor pushes its own instruments, and its /metrics is valid.
+    (mesh, options.admin)
+}
+
+/// The supervisor pushes its own instruments, and its /metrics is valid.
+async fn assert_supervisor_pushes_and_exposes_its_metrics(otlp: &OtlpReceiver, admin: SocketAddr) {
     let epoch = otlp
         .wait_for(Duration::from_secs(10), "aether_proxy_epoch", |r| {
             r.latest("aether_proxy_epoch", &[])
@@ -511,44 +566,29 @@ async fn the_shipped_bootstrap_tags_request_metrics_exports_them_and_they_surviv
         (epoch.value, epoch.resource["service.name"].as_str()),
         (0.0, "aether-proxy")
     );
-    let supervisor_metrics = get(&format!("http://{}/metrics", options.admin)).await;
+    let supervisor_metrics = get(&format!("http://{admin}/metrics")).await;
     for family in parse_openmetrics("proxy", &supervisor_metrics) {
         assert!(family.name.starts_with("aether_proxy_"), "{}", family.name);
     }
+}
 
-    // Hot restart (SIGHUP) onto a new epoch.
-    let proxy = mesh.proxy.as_mut().unwrap();
-    proxy.signal(nix::sys::signal::Signal::SIGHUP);
-    proxy.wait_epoch_live(1, Duration::from_secs(60)).await;
-    const M: u64 = 4;
-    for _ in 0..M {
-        let reply = frontend.http_get("http://127.0.0.1:18081/", Some(&host)).await.unwrap();
-        assert_eq!(reply.status, 200, "{reply:?}");
-    }
-    assert_eq!(app.requests(), N + M);
-    // The new epoch's stats carry the same tags (re-derived from the same names by its own bootstrap), at the agent
-    // and in Envoy's OTLP export. Whether the parent's counts are merged in is the hot restart's business (the
-    // supervisor's parent shutdown currently ends the parent before Envoy merges its stats), so both are accepted.
-    let url = format!("http://{}/metrics", mesh.agent_admin);
+/// The new epoch's stats carry the same tags (re-derived from the same names by its own bootstrap), at the agent
+/// and in Envoy's OTLP export. Whether the parent's counts are merged in is the hot restart's business (the
+/// supervisor's parent shutdown currently ends the parent before Envoy merges its stats), so both are accepted.
+async fn assert_the_new_epoch_tags_its_counter(mesh: &Mesh, otlp: &OtlpReceiver) {
     let counted = |value: f64| value == M as f64 || value == (N + M) as f64;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let body = get(&url).await;
-        if sample(&body, REQUESTS_200).is_some_and(counted) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no tagged request counter after the hot restart:\n{body}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    poll_body(
+        &agent_metrics(mesh),
+        "no tagged request counter after the hot restart",
+        |body| sample(body, REQUESTS_200).is_some_and(counted),
+    )
+    .await;
     let after = otlp
         .wait_for(
             Duration::from_secs(30),
             "the tagged request counter after the hot restart",
             |r| {
-                r.latest("cluster.mesh.upstream_rq", &attrs)
+                r.latest("cluster.mesh.upstream_rq", &UPSTREAM_RQ_200)
                     .filter(|p| counted(p.value) && p.value != N as f64)
             },
         )
