@@ -151,7 +151,7 @@ pub struct Config {
     #[arg(long, env = ETCD_KEY_FILE_ENV, value_parser = path_or_empty)]
     pub etcd_key_file: Option<PathBuf>,
 
-    // ---- DynamoDB / Kubernetes store flags (owned by the DynamoDB/Kubernetes helper) go below ----
+    // ---- DynamoDB and Kubernetes stores ----
     /// DynamoDB table of the catalog (--store dynamodb); see proposals/004 for its layout.
     #[arg(long, env = "AETHER_REGISTRAR_DYNAMODB_TABLE", default_value = crate::store::dynamodb::DEFAULT_TABLE)]
     pub dynamodb_table: String,

@@ -224,7 +224,6 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StoreError> {
             )
             .await?,
         ),
-        // ---- DynamoDB/Kubernetes helper: replace these two arms with your stores ----
         StoreKind::Dynamodb => Arc::new(
             DynamoStore::connect(DynamoConfig {
                 table: config.dynamodb_table.clone(),

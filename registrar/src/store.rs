@@ -48,11 +48,9 @@
 //! nodes not refreshed within the TTL in [`Store::expired_nodes`]; the catalog then
 //! deletes their endpoints with ordinary commits plus [`StoreOp::ForgetNode`].
 
+pub mod dynamodb;
 pub mod embedded;
 pub mod etcd;
-// ---- Other backends (owned by the DynamoDB/Kubernetes helper): add `pub mod dynamodb;` and
-// `pub mod kubernetes;` below this line, and wire them in server.rs `open_store`. ----
-pub mod dynamodb;
 pub mod kubernetes;
 
 use std::pin::Pin;
