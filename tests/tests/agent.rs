@@ -4,6 +4,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use aether_proto::cni::v1::{AddPodRequest, CheckPodRequest, Outcome, PodRef, RemovePodRequest};
 use aether_tests::mesh::{APP, Mesh, fqdn};
 use aether_tests::{HttpReply, TestPod};
 
@@ -44,24 +45,47 @@ async fn pods_reach_their_upstreams_through_the_node_envoy() {
     mesh.describe_pod(&frontend, "frontend", "frontend", "backend", &[("http", 8080)]);
     mesh.describe_pod(&backend1, "backend-1", "backend", "", &[("http", 8080)]);
     mesh.describe_pod(&backend2, "backend-2", "backend", "", &[("http", 8080)]);
+    mesh.add_pod_ok(&backend1, "backend-1").await;
+    mesh.add_pod_ok(&frontend, "frontend").await;
 
-    for (pod, name) in [(&backend1, "backend-1"), (&frontend, "frontend")] {
-        let added = mesh
-            .add_pod(pod, name)
-            .await
-            .unwrap_or_else(|s| panic!("AddPod {name}: {s:?}\nagent:\n{}", mesh.agent.as_ref().unwrap().logs()));
-        assert_eq!(
-            added.outcome,
-            aether_proto::cni::v1::Outcome::Success as i32,
-            "{added:?}"
-        );
+    the_first_request_is_served_without_waiting(&frontend).await;
+    envoy_holds_clusters_for_exactly_the_dependencies(&mesh).await;
+    // A second replica gets traffic too.
+    mesh.add_pod_ok(&backend2, "backend-2").await;
+    assert_eq!(
+        served_by_within(&frontend, 40, 2).await,
+        BTreeSet::from(["backend-1".to_string(), "backend-2".to_string()])
+    );
+
+    // Removing it takes it out of rotation; DEL returns once Envoy dropped its listeners.
+    mesh.remove_pod(&backend2, "backend-2").await.unwrap();
+    assert!(!mesh.envoy().admin_get("/listeners").contains("demo/backend-2"));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..10 {
+        let reply = eventually(&frontend, "http://127.0.0.1:18081/", Some(&backend_host()), |r| {
+            r.status == 200
+        })
+        .await;
+        assert_eq!(served_by(&reply), "backend-1");
     }
 
-    // By name through the explicit outbound listener, from inside the frontend pod.
-    let host = format!("{}:8080", fqdn("backend"));
-    // No waiting: when AddPod returned, the pod's upstreams were already live in Envoy.
+    // The VIP, captured inside the frontend's netns, reaches the service too.
+    let services = mesh.agent_get("/debug/dependencies").await;
+    assert!(services.contains("demo/backend"), "{services}");
+    let catalog: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/xds").await).unwrap();
+    assert!(catalog["serial"].as_u64().unwrap() > 0);
+}
+
+/// The backend's address as the frontend names it.
+fn backend_host() -> String {
+    format!("{}:8080", fqdn("backend"))
+}
+
+/// By name through the explicit outbound listener, from inside the frontend pod. No waiting: when AddPod
+/// returned, the pod's upstreams were already live in Envoy.
+async fn the_first_request_is_served_without_waiting(frontend: &TestPod) {
     let reply = frontend
-        .http_get("http://127.0.0.1:18081/hello", Some(&host))
+        .http_get("http://127.0.0.1:18081/hello", Some(&backend_host()))
         .await
         .unwrap();
     assert_eq!(reply.status, 200, "{reply:?}");
@@ -71,20 +95,18 @@ async fn pods_reach_their_upstreams_through_the_node_envoy() {
         reply.json()["headers"].get("x-aether-port").is_none(),
         "the port header leaked to the app"
     );
+}
 
-    // Envoy holds clusters for exactly the dependency set (backend and frontend's own service), besides each local
-    // pod's own (delivery `local|…`, and with mTLS `originate|<pod>`, which its connections leave through).
+/// Envoy holds clusters for exactly the dependency set (backend and frontend's own service), besides each local
+/// pod's own (delivery `local|…`, and with mTLS `originate|<pod>`, which its connections leave through).
+async fn envoy_holds_clusters_for_exactly_the_dependencies(mesh: &Mesh) {
     let mesh_clusters = || -> BTreeSet<String> {
         mesh.envoy_clusters()
             .into_iter()
             .filter(|c| !c.starts_with("local|") && !c.starts_with("originate|"))
             .collect()
     };
-    let expected: BTreeSet<String> = [
-        format!("{}:8080", fqdn("backend")),
-        format!("{}:8080", fqdn("frontend")),
-    ]
-    .into();
+    let expected: BTreeSet<String> = [backend_host(), format!("{}:8080", fqdn("frontend"))].into();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while mesh_clusters() != expected && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -96,34 +118,23 @@ async fn pods_reach_their_upstreams_through_the_node_envoy() {
         .filter(|c| c.starts_with("originate|"))
         .collect();
     assert_eq!(originate, ["originate|demo/backend-1", "originate|demo/frontend"]);
+}
 
-    // A second replica gets traffic too.
-    let added = mesh.add_pod(&backend2, "backend-2").await.unwrap();
-    assert_eq!(added.outcome, aether_proto::cni::v1::Outcome::Success as i32);
+/// The pods that served the frontend's requests to the backend, over at most `tries` requests or until `enough`
+/// distinct ones answered.
+async fn served_by_within(frontend: &TestPod, tries: usize, enough: usize) -> BTreeSet<String> {
     let mut seen = BTreeSet::new();
-    for _ in 0..40 {
-        let reply = eventually(&frontend, "http://127.0.0.1:18081/", Some(&host), |r| r.status == 200).await;
+    for _ in 0..tries {
+        let reply = eventually(frontend, "http://127.0.0.1:18081/", Some(&backend_host()), |r| {
+            r.status == 200
+        })
+        .await;
         seen.insert(served_by(&reply));
-        if seen.len() == 2 {
+        if seen.len() == enough {
             break;
         }
     }
-    assert_eq!(seen, BTreeSet::from(["backend-1".to_string(), "backend-2".to_string()]));
-
-    // Removing it takes it out of rotation; DEL returns once Envoy dropped its listeners.
-    mesh.remove_pod(&backend2, "backend-2").await.unwrap();
-    assert!(!mesh.envoy().admin_get("/listeners").contains("demo/backend-2"));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    for _ in 0..10 {
-        let reply = eventually(&frontend, "http://127.0.0.1:18081/", Some(&host), |r| r.status == 200).await;
-        assert_eq!(served_by(&reply), "backend-1");
-    }
-
-    // The VIP, captured inside the frontend's netns, reaches the service too.
-    let services = mesh.agent_get("/debug/dependencies").await;
-    assert!(services.contains("demo/backend"), "{services}");
-    let catalog: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/xds").await).unwrap();
-    assert!(catalog["serial"].as_u64().unwrap() > 0);
+    seen
 }
 
 /// The agent programmed the capture inside `pod` on AddPod (its nftables table `inet aether`
@@ -172,8 +183,43 @@ async fn undeclared_services_are_reached_on_demand_and_unknown_names_get_404() {
     let remote = mesh.node.add_pod("remote");
     let _remote_app = remote.serve_http(format!("{}:18008", remote.ip()).parse().unwrap(), "remote");
     let mut registrar = mesh.registrar_as("other-node").await;
-    let mut endpoint = aether_proto::registry::v1::Endpoint {
-        service: "demo/remote".into(),
+    let mut endpoint = remote_endpoint(&remote, "demo/remote");
+    register(&mut registrar, &endpoint).await;
+    assert!(
+        !mesh.envoy_clusters().iter().any(|c| c.contains("remote")),
+        "remote was configured before use"
+    );
+
+    an_undeclared_service_is_configured_on_first_use(&mesh, &frontend).await;
+    // Not in the catalog: 404, quickly; not a mesh name at all: 404 too.
+    let reply = via_envoy(&frontend, &fqdn("nothing-here")).await;
+    assert_eq!(reply.status, 404, "{reply:?}");
+    let reply = via_envoy(&frontend, "example.com").await;
+    assert_eq!((reply.status, reply.body.as_str()), (404, "not a mesh service\n"));
+
+    // Known but with no endpoints: a retryable 503, not a 404.
+    endpoint.service = "demo/drained".into();
+    register(&mut registrar, &endpoint).await;
+    registrar
+        .unregister_endpoint(aether_proto::registrar::v1::UnregisterEndpointRequest {
+            service: "demo/drained".into(),
+            address: endpoint.address.clone(),
+        })
+        .await
+        .unwrap();
+    let reply = via_envoy(&frontend, &format!("{}:8080", fqdn("drained"))).await;
+    assert_eq!(reply.status, 503, "{reply:?}");
+}
+
+/// GET / from `frontend` through its outbound listener, for `host`.
+async fn via_envoy(frontend: &TestPod, host: &str) -> HttpReply {
+    frontend.http_get("http://127.0.0.1:18081/", Some(host)).await.unwrap()
+}
+
+/// `remote`'s endpoint of `service` on other-node, with an HTTP port 8080.
+fn remote_endpoint(remote: &TestPod, service: &str) -> aether_proto::registry::v1::Endpoint {
+    aether_proto::registry::v1::Endpoint {
+        service: service.into(),
         address: remote.ip().to_string(),
         ports: vec![aether_proto::registry::v1::Port {
             name: "http".into(),
@@ -182,18 +228,23 @@ async fn undeclared_services_are_reached_on_demand_and_unknown_names_get_404() {
         }],
         node: "other-node".into(),
         ..Default::default()
-    };
+    }
+}
+
+async fn register(
+    registrar: &mut aether_proto::registrar::v1::registrar_client::RegistrarClient<tonic::transport::Channel>,
+    endpoint: &aether_proto::registry::v1::Endpoint,
+) {
     registrar
         .register_endpoint(aether_proto::registrar::v1::RegisterEndpointRequest {
             endpoint: Some(endpoint.clone()),
         })
         .await
         .unwrap();
-    assert!(
-        !mesh.envoy_clusters().iter().any(|c| c.contains("remote")),
-        "remote was configured before use"
-    );
+}
 
+/// The first request to an undeclared service configures it on demand, by host:port and by the bare name.
+async fn an_undeclared_service_is_configured_on_first_use(mesh: &Mesh, frontend: &TestPod) {
     let host = format!("{}:8080", fqdn("remote"));
     let reply = frontend
         .http_get("http://127.0.0.1:18081/cold", Some(&host))
@@ -213,39 +264,6 @@ async fn undeclared_services_are_reached_on_demand_and_unknown_names_get_404() {
         (200, "remote".to_string()),
         "{reply:?}"
     );
-
-    // Not in the catalog: 404, quickly; not a mesh name at all: 404 too.
-    let reply = frontend
-        .http_get("http://127.0.0.1:18081/", Some(&fqdn("nothing-here")))
-        .await
-        .unwrap();
-    assert_eq!(reply.status, 404, "{reply:?}");
-    let reply = frontend
-        .http_get("http://127.0.0.1:18081/", Some("example.com"))
-        .await
-        .unwrap();
-    assert_eq!((reply.status, reply.body.as_str()), (404, "not a mesh service\n"));
-
-    // Known but with no endpoints: a retryable 503, not a 404.
-    endpoint.service = "demo/drained".into();
-    registrar
-        .register_endpoint(aether_proto::registrar::v1::RegisterEndpointRequest {
-            endpoint: Some(endpoint.clone()),
-        })
-        .await
-        .unwrap();
-    registrar
-        .unregister_endpoint(aether_proto::registrar::v1::UnregisterEndpointRequest {
-            service: "demo/drained".into(),
-            address: endpoint.address.clone(),
-        })
-        .await
-        .unwrap();
-    let reply = frontend
-        .http_get("http://127.0.0.1:18081/", Some(&format!("{}:8080", fqdn("drained"))))
-        .await
-        .unwrap();
-    assert_eq!(reply.status, 503, "{reply:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -342,200 +360,170 @@ async fn envoy_keeps_serving_while_the_agent_restarts_and_the_agent_recovers_its
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_cni_call_answers_bad_input_with_the_field_named() {
-    use aether_proto::cni::v1::{AddPodRequest, CheckPodRequest, Outcome, PodRef, RemovePodRequest};
-    let mesh = Mesh::start_with(&["--pod-lookup-timeout", "200ms", "--excluded-namespaces", "kube-system"]).await;
-    let pod = mesh.node.add_pod("p");
-    let good = || AddPodRequest {
+type Cni = aether_proto::cni::v1::cni_plugin_client::CniPluginClient<tonic::transport::Channel>;
+
+/// Asserts `result` is an error with `code` and exactly `message`.
+fn assert_refused<T: std::fmt::Debug>(result: Result<T, tonic::Status>, code: tonic::Code, message: &str) {
+    let status = result.unwrap_err();
+    assert_eq!((status.code(), status.message()), (code, message));
+}
+
+/// A valid ADD of `pod` as demo/p in sandbox-1.
+fn good_add(pod: &TestPod) -> AddPodRequest {
+    AddPodRequest {
         container_id: "sandbox-1".into(),
         netns_path: pod.netns_path().to_string_lossy().into(),
         interface_name: "eth0".into(),
-        pod: Some(PodRef {
-            namespace: "demo".into(),
-            name: "p".into(),
-            uid: String::new(),
-        }),
+        pod: pod_ref("demo", "p"),
         ips: vec![pod.ip().to_string()],
         capture: None,
-    };
+    }
+}
+
+fn pod_ref(namespace: &str, name: &str) -> Option<PodRef> {
+    Some(PodRef {
+        namespace: namespace.into(),
+        name: name.into(),
+        uid: String::new(),
+    })
+}
+
+fn capture(mesh_dns: String, cidr: String) -> Option<aether_proto::cni::v1::CaptureOptions> {
+    Some(aether_proto::cni::v1::CaptureOptions {
+        mesh_dns,
+        excluded_cidrs: vec![cidr],
+        ..Default::default()
+    })
+}
+
+/// A 1 MiB field value.
+fn huge() -> String {
+    "a".repeat(1 << 20)
+}
+
+/// How a refused huge value is quoted: its first 64 characters.
+fn huge_start() -> String {
+    format!("{:?}", &huge()[..64])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_cni_call_answers_bad_input_with_the_field_named() {
+    let mesh = Mesh::start_with(&["--pod-lookup-timeout", "200ms", "--excluded-namespaces", "kube-system"]).await;
+    let pod = mesh.node.add_pod("p");
+    let good = good_add(&pod);
     let mut cni = mesh.cni().await;
-    let cases: Vec<(AddPodRequest, tonic::Code, &str)> = vec![
+    bad_adds_are_refused_naming_the_field(&mut cni, &good).await;
+    huge_fields_are_refused_with_a_short_message(&mut cni, &good).await;
+    unmanaged_and_excluded_pods_are_ignored(&mesh, &mut cni, &good).await;
+    a_malformed_upstream_is_reported_and_skipped(&mesh, &mut cni, &good).await;
+    check_and_del_name_the_sandbox_and_del_is_idempotent(&mesh, &mut cni).await;
+}
+
+async fn bad_adds_are_refused_naming_the_field(cni: &mut Cni, good: &AddPodRequest) {
+    use tonic::Code::{InvalidArgument, Unavailable};
+    let cases: [(fn(&mut AddPodRequest), tonic::Code, &str); 11] = [
         (
-            AddPodRequest {
-                container_id: "".into(),
-                ..good()
-            },
-            tonic::Code::InvalidArgument,
+            |r| r.container_id = "".into(),
+            InvalidArgument,
             "container_id: must be set",
         ),
         (
-            AddPodRequest {
-                container_id: "a b".into(),
-                ..good()
-            },
-            tonic::Code::InvalidArgument,
+            |r| r.container_id = "a b".into(),
+            InvalidArgument,
             "container_id: \"a b\" is not a container id",
         ),
+        (|r| r.netns_path = "".into(), InvalidArgument, "netns_path: must be set"),
         (
-            AddPodRequest {
-                netns_path: "".into(),
-                ..good()
-            },
-            tonic::Code::InvalidArgument,
-            "netns_path: must be set",
-        ),
-        (
-            AddPodRequest {
-                netns_path: "relative/ns".into(),
-                ..good()
-            },
-            tonic::Code::InvalidArgument,
+            |r| r.netns_path = "relative/ns".into(),
+            InvalidArgument,
             "netns_path: \"relative/ns\" is not an absolute path",
         ),
         (
-            AddPodRequest {
-                netns_path: "/nonexistent/ns".into(),
-                ..good()
-            },
-            tonic::Code::InvalidArgument,
+            |r| r.netns_path = "/nonexistent/ns".into(),
+            InvalidArgument,
             "netns_path: \"/nonexistent/ns\" does not exist",
         ),
+        (|r| r.pod = None, InvalidArgument, "pod: must be set"),
         (
-            AddPodRequest { pod: None, ..good() },
-            tonic::Code::InvalidArgument,
-            "pod: must be set",
-        ),
-        (
-            AddPodRequest {
-                pod: Some(PodRef {
-                    namespace: "Bad_NS".into(),
-                    name: "p".into(),
-                    uid: String::new(),
-                }),
-                ..good()
-            },
-            tonic::Code::InvalidArgument,
+            |r| r.pod = pod_ref("Bad_NS", "p"),
+            InvalidArgument,
             "pod.namespace: \"Bad_NS\" is not a DNS-1123 label (lowercase letters, digits and '-')",
         ),
         (
-            AddPodRequest {
-                pod: Some(PodRef {
-                    namespace: "demo".into(),
-                    name: "".into(),
-                    uid: String::new(),
-                }),
-                ..good()
-            },
-            tonic::Code::InvalidArgument,
+            |r| r.pod = pod_ref("demo", ""),
+            InvalidArgument,
             "pod.name: must be 1..=253 characters",
         ),
         (
-            AddPodRequest {
-                ips: vec![pod.ip().to_string(), "10.0.0.300".into()],
-                ..good()
-            },
-            tonic::Code::InvalidArgument,
+            |r| r.ips.push("10.0.0.300".into()),
+            InvalidArgument,
             "ips[1]: \"10.0.0.300\" is not an IP address",
         ),
         // No IPs given: the agent reads them from the netns (with netlink), so this gets as
         // far as the pod lookup.
         (
-            AddPodRequest { ips: vec![], ..good() },
-            tonic::Code::Unavailable,
+            |r| r.ips.clear(),
+            Unavailable,
             "pod demo/p is not known to the pod source yet; retry",
         ),
         // Not (yet) known to the pod source: retryable.
         (
-            good(),
-            tonic::Code::Unavailable,
+            |_| {},
+            Unavailable,
             "pod demo/p is not known to the pod source yet; retry",
         ),
     ];
-    for (request, code, message) in cases {
-        let status = cni.add_pod(request).await.unwrap_err();
-        assert_eq!((status.code(), status.message()), (code, message));
+    for (edit, code, message) in cases {
+        let mut request = good.clone();
+        edit(&mut request);
+        assert_refused(cni.add_pod(request).await, code, message);
     }
+}
 
-    // 1 MiB fields: refused naming the field, the value quoted by its start and its size,
-    // so the status fits in the trailers a default client accepts (16 KiB).
-    let huge = "a".repeat(1 << 20);
-    let start = &huge[..64];
-    let capture = |mesh_dns: &str, cidr: &str| aether_proto::cni::v1::CaptureOptions {
-        mesh_dns: mesh_dns.into(),
-        excluded_cidrs: vec![cidr.into()],
-        ..Default::default()
-    };
-    let huge_cases: Vec<(AddPodRequest, String)> = vec![
+/// 1 MiB fields: refused naming the field, the value quoted by its start and its size,
+/// so the status fits in the trailers a default client accepts (16 KiB).
+async fn huge_fields_are_refused_with_a_short_message(cni: &mut Cni, good: &AddPodRequest) {
+    let start = huge_start();
+    let cases: [(fn(&mut AddPodRequest), String); 8] = [
         (
-            AddPodRequest {
-                container_id: huge.clone(),
-                ..good()
-            },
-            format!("container_id: {start:?}… (1048576 bytes) is not a container id"),
+            |r| r.container_id = huge(),
+            format!("container_id: {start}… (1048576 bytes) is not a container id"),
         ),
         (
-            AddPodRequest {
-                netns_path: huge.clone(),
-                ..good()
-            },
-            format!("netns_path: {start:?}… (1048576 bytes) is not an absolute path"),
+            |r| r.netns_path = huge(),
+            format!("netns_path: {start}… (1048576 bytes) is not an absolute path"),
         ),
         (
-            AddPodRequest {
-                netns_path: format!("/{huge}"),
-                ..good()
-            },
+            |r| r.netns_path = format!("/{}", huge()),
             format!(
                 "netns_path: {:?}… (1048577 bytes) does not exist",
-                &format!("/{huge}")[..64]
+                &format!("/{}", huge())[..64]
             ),
         ),
         (
-            AddPodRequest {
-                pod: Some(PodRef {
-                    namespace: huge.clone(),
-                    name: "p".into(),
-                    uid: String::new(),
-                }),
-                ..good()
-            },
-            format!("pod.namespace: {start:?}… (1048576 bytes) is longer than 63 characters"),
+            |r| r.pod = pod_ref(&huge(), "p"),
+            format!("pod.namespace: {start}… (1048576 bytes) is longer than 63 characters"),
         ),
         (
-            AddPodRequest {
-                pod: Some(PodRef {
-                    namespace: "demo".into(),
-                    name: huge.clone(),
-                    uid: String::new(),
-                }),
-                ..good()
-            },
+            |r| r.pod = pod_ref("demo", &huge()),
             "pod.name: must be 1..=253 characters".into(),
         ),
         (
-            AddPodRequest {
-                ips: vec![huge.clone()],
-                ..good()
-            },
-            format!("ips[0]: {start:?}… (1048576 bytes) is not an IP address"),
+            |r| r.ips = vec![huge()],
+            format!("ips[0]: {start}… (1048576 bytes) is not an IP address"),
         ),
         (
-            AddPodRequest {
-                capture: Some(capture(&huge, "10.0.0.0/8")),
-                ..good()
-            },
-            format!("capture.mesh_dns: {start:?}… (1048576 bytes) is not an ip:port address"),
+            |r| r.capture = capture(huge(), "10.0.0.0/8".into()),
+            format!("capture.mesh_dns: {start}… (1048576 bytes) is not an ip:port address"),
         ),
         (
-            AddPodRequest {
-                capture: Some(capture("", &huge)),
-                ..good()
-            },
-            format!("capture.excluded_cidrs[0]: {start:?}… (1048576 bytes) is not a CIDR"),
+            |r| r.capture = capture("".into(), huge()),
+            format!("capture.excluded_cidrs[0]: {start}… (1048576 bytes) is not a CIDR"),
         ),
     ];
-    for (request, message) in huge_cases {
+    for (edit, message) in cases {
+        let mut request = good.clone();
+        edit(&mut request);
         let status = cni.add_pod(request).await.unwrap_err();
         assert_eq!(
             (status.code(), status.message()),
@@ -543,53 +531,46 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
         );
         assert!(status.message().len() < 1024);
     }
-    let huge_id = format!("container_id: {start:?}… (1048576 bytes) is not a container id");
-    let status = cni
-        .remove_pod(RemovePodRequest {
-            container_id: huge.clone(),
-            pod: None,
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(
-        (status.code(), status.message()),
-        (tonic::Code::InvalidArgument, huge_id.as_str())
-    );
-    let status = cni
-        .check_pod(CheckPodRequest {
-            container_id: huge.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(
-        (status.code(), status.message()),
-        (tonic::Code::InvalidArgument, huge_id.as_str())
-    );
-    let status = cni
-        .garbage_collect(aether_proto::cni::v1::GarbageCollectRequest {
-            valid_container_ids: vec!["sandbox-1".into(), huge.clone()],
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(
-        (status.code(), status.message()),
-        (
-            tonic::Code::InvalidArgument,
-            format!("valid_container_ids[1]: {huge_id}").as_str()
-        )
-    );
+    huge_container_ids_are_refused_by_del_check_and_gc(cni).await;
+}
 
-    // Unmanaged and excluded pods are IGNORED, not errors.
-    let mut manifest: serde_json::Value = serde_json::json!({
+async fn huge_container_ids_are_refused_by_del_check_and_gc(cni: &mut Cni) {
+    let huge_id = format!("container_id: {}… (1048576 bytes) is not a container id", huge_start());
+    let del = RemovePodRequest {
+        container_id: huge(),
+        pod: None,
+    };
+    assert_refused(cni.remove_pod(del).await, tonic::Code::InvalidArgument, &huge_id);
+    let check = CheckPodRequest {
+        container_id: huge(),
+        ..Default::default()
+    };
+    assert_refused(cni.check_pod(check).await, tonic::Code::InvalidArgument, &huge_id);
+    let gc = aether_proto::cni::v1::GarbageCollectRequest {
+        valid_container_ids: vec!["sandbox-1".into(), huge()],
+    };
+    assert_refused(
+        cni.garbage_collect(gc).await,
+        tonic::Code::InvalidArgument,
+        &format!("valid_container_ids[1]: {huge_id}"),
+    );
+}
+
+/// demo/p's manifest, unmanaged (no labels) until a test adds them.
+fn p_manifest() -> serde_json::Value {
+    serde_json::json!({
         "kind": "Pod",
         "metadata": {"name": "p", "namespace": "demo", "labels": {}},
         "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8080}]}]}
-    });
-    std::fs::write(mesh.path("pods/p.json"), manifest.to_string()).unwrap();
+    })
+}
+
+/// Unmanaged and excluded pods are IGNORED, not errors.
+async fn unmanaged_and_excluded_pods_are_ignored(mesh: &Mesh, cni: &mut Cni, good: &AddPodRequest) {
+    std::fs::write(mesh.path("pods/p.json"), p_manifest().to_string()).unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     let ignored = loop {
-        match cni.add_pod(good()).await {
+        match cni.add_pod(good.clone()).await {
             Ok(reply) => break reply.into_inner(),
             Err(s) if s.code() == tonic::Code::Unavailable && std::time::Instant::now() < deadline => continue,
             Err(s) => panic!("{s:?}"),
@@ -602,27 +583,26 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
     );
     let excluded = cni
         .add_pod(AddPodRequest {
-            pod: Some(PodRef {
-                namespace: "kube-system".into(),
-                name: "dns".into(),
-                uid: String::new(),
-            }),
-            ..good()
+            pod: pod_ref("kube-system", "dns"),
+            ..good.clone()
         })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(excluded.outcome, Outcome::Ignored as i32);
+}
 
-    // A malformed upstream entry is reported and skipped; the pod still joins.
+/// A malformed upstream entry is reported and skipped; the pod still joins.
+async fn a_malformed_upstream_is_reported_and_skipped(mesh: &Mesh, cni: &mut Cni, good: &AddPodRequest) {
+    let mut manifest = p_manifest();
     manifest["metadata"]["labels"] = serde_json::json!({"aether.io/managed": "true"});
     // Also one of 1 MiB: reported by its start and its size.
     manifest["metadata"]["annotations"] =
-        serde_json::json!({"config.aether.io/upstreams": format!("backend, Not_Valid, {huge}")});
+        serde_json::json!({"config.aether.io/upstreams": format!("backend, Not_Valid, {}", huge())});
     std::fs::write(mesh.path("pods/p.json"), manifest.to_string()).unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     loop {
-        match cni.add_pod(good()).await {
+        match cni.add_pod(good.clone()).await {
             Ok(reply) if reply.get_ref().outcome == Outcome::Success as i32 => break,
             Ok(_) if std::time::Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(50)).await,
             other => panic!("{other:?}"),
@@ -631,12 +611,13 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
     let pods: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/pods").await).unwrap();
     let p = &pods["pods"][0];
     assert_eq!(p["upstreams"], serde_json::json!(["demo/backend"]));
+    let start = huge_start();
     assert_eq!(
         p["config_errors"],
         serde_json::json!([
             "config.aether.io/upstreams[1]: \"Not_Valid\": \"Not_Valid\" is not a DNS-1123 label (lowercase letters, digits and '-')",
             format!(
-                "config.aether.io/upstreams[2]: {start:?}… (1048576 bytes): {start:?}… (1048576 bytes) is longer than 63 characters"
+                "config.aether.io/upstreams[2]: {start}… (1048576 bytes): {start}… (1048576 bytes) is longer than 63 characters"
             ),
         ])
     );
@@ -646,32 +627,24 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
         metrics.lines().any(|l| l == "aether_agent_pod_config_errors 2"),
         "{metrics}"
     );
+}
 
-    // CHECK and DEL.
-    cni.check_pod(CheckPodRequest {
-        container_id: "sandbox-1".into(),
+/// CHECK and DEL.
+async fn check_and_del_name_the_sandbox_and_del_is_idempotent(mesh: &Mesh, cni: &mut Cni) {
+    let check = |container_id: &str| CheckPodRequest {
+        container_id: container_id.into(),
         ..Default::default()
-    })
-    .await
-    .unwrap();
-    let status = cni
-        .check_pod(CheckPodRequest {
-            container_id: "missing".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(
-        (status.code(), status.message()),
-        (
-            tonic::Code::NotFound,
-            "container_id: sandbox missing is not in the mesh"
-        )
+    };
+    cni.check_pod(check("sandbox-1")).await.unwrap();
+    assert_refused(
+        cni.check_pod(check("missing")).await,
+        tonic::Code::NotFound,
+        "container_id: sandbox missing is not in the mesh",
     );
-    let status = cni.remove_pod(RemovePodRequest::default()).await.unwrap_err();
-    assert_eq!(
-        (status.code(), status.message()),
-        (tonic::Code::InvalidArgument, "container_id: must be set")
+    assert_refused(
+        cni.remove_pod(RemovePodRequest::default()).await,
+        tonic::Code::InvalidArgument,
+        "container_id: must be set",
     );
     for _ in 0..2 {
         let removed = cni
