@@ -253,8 +253,23 @@ fn arg<'a>(c: &'a Container, flag: &str) -> Option<&'a str> {
 
 fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
     let ctx = format!("store={store} identity={identity} otel={otel}");
+    assert_every_container_is_locked_down(r, &ctx);
+    assert_the_agent_runs_on_the_host_with_two_capabilities(r, identity, &ctx);
+    assert_the_proxy_rolls_with_a_surge_under_its_supervisor(r, &ctx);
+    assert_mesh_dns_is_unprivileged_and_never_cold(r, &ctx);
+    assert_the_registrar_scales_and_gets_credentials_by_secret(r, store, &ctx);
+    assert_eq!(r.services.len(), 1, "{ctx}: one Service, the registrar's");
+    assert_cluster_roles_are_read_only_and_minimal(r, store, identity, &ctx);
+    let agent_role = assert_the_agent_role_reads_only_its_daemon_set(r, &ctx);
+    assert_only_the_kubernetes_store_writes_its_vip_config_map(r, store, agent_role, &ctx);
+    assert_only_api_clients_mount_a_token(r, store, identity, &ctx);
+    assert_otel_flags_reach_every_binary(r, otel, &ctx);
+    assert_wiring(r, &ctx);
+    assert_control_plane_tls(r, identity, &ctx);
+}
 
-    // Every container: no privilege, nothing but the named capabilities, a memory limit, a read-only root.
+/// Every container: no privilege, nothing but the named capabilities, a memory limit, a read-only root.
+fn assert_every_container_is_locked_down(r: &Rendered, ctx: &str) {
     for (pod, spec) in r.pod_specs() {
         for c in containers(spec) {
             let sc = c
@@ -278,9 +293,11 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
             );
         }
     }
+}
 
-    // The agent: host network, readiness gated on its admin /ready, the CNI installer as a native sidecar, and
-    // only NET_ADMIN + SYS_ADMIN (nftables and setns into pod netns).
+/// The agent: host network, readiness gated on its admin /ready, the CNI installer as a native sidecar, and
+/// only NET_ADMIN + SYS_ADMIN (nftables and setns into pod netns).
+fn assert_the_agent_runs_on_the_host_with_two_capabilities(r: &Rendered, identity: &str, ctx: &str) {
     let agent = r.daemon_set("aether-agent");
     let spec = agent.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
     assert_eq!(spec.host_network, Some(true), "{ctx}: agent hostNetwork");
@@ -336,8 +353,10 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
         Some("https://aether-registrar.aether-system.svc:18090"),
         "{ctx}"
     );
+}
 
-    // The proxy: surge rollout for hot-restart handoff, the supervisor as PID 1, Envoy admin on loopback.
+/// The proxy: surge rollout for hot-restart handoff, the supervisor as PID 1, Envoy admin on loopback.
+fn assert_the_proxy_rolls_with_a_surge_under_its_supervisor(r: &Rendered, ctx: &str) {
     let proxy = r.daemon_set("aether-proxy");
     let strategy = proxy.spec.as_ref().unwrap().update_strategy.as_ref().unwrap();
     let rolling = strategy.rolling_update.as_ref().expect("rollingUpdate");
@@ -370,8 +389,10 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
         pspec.termination_grace_period_seconds.unwrap_or(30) > 25,
         "{ctx}: grace period covers drain + parent shutdown"
     );
+}
 
-    // mesh-dns: its own DaemonSet, non-root, no capabilities, surge roll (SO_REUSEPORT overlap).
+/// mesh-dns: its own DaemonSet, non-root, no capabilities, surge roll (SO_REUSEPORT overlap).
+fn assert_mesh_dns_is_unprivileged_and_never_cold(r: &Rendered, ctx: &str) {
     let dns = r.daemon_set("aether-mesh-dns");
     let dspec = dns.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
     assert_eq!(
@@ -386,10 +407,11 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
         "Some(Int(0))",
         "{ctx}: DNS never goes cold"
     );
+}
 
-    // The registrar: replicas per store, the store flag, credentials only by Secret.
-    let registrar = r.registrar();
-    let rspec = registrar.spec.as_ref().unwrap();
+/// The registrar: replicas per store, the store flag, credentials only by Secret.
+fn assert_the_registrar_scales_and_gets_credentials_by_secret(r: &Rendered, store: &str, ctx: &str) {
+    let rspec = r.registrar().spec.as_ref().unwrap();
     let rc = &rspec.template.spec.as_ref().unwrap().containers[0];
     assert_eq!(arg(rc, "--store"), Some(store), "{ctx}");
     let want_replicas = if store == "embedded" { 1 } else { 2 };
@@ -428,39 +450,43 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
         "{ctx}: store credentials by Secret"
     );
     if store == "etcd" {
-        // TLS material from a Secret volume readable by the registrar's group only, at the paths the flags name.
-        let rspec = rspec.template.spec.as_ref().unwrap();
-        let volume = rspec
-            .volumes
-            .iter()
-            .flatten()
-            .find(|v| v.name == "etcd-tls")
-            .expect("etcd-tls volume");
-        let secret = volume.secret.as_ref().expect("a Secret volume");
-        assert_eq!(secret.secret_name.as_deref(), Some("etcd-tls"), "{ctx}");
-        assert_eq!(secret.default_mode, Some(0o440), "{ctx}");
-        let mount = rc
-            .volume_mounts
-            .iter()
-            .flatten()
-            .find(|m| m.name == "etcd-tls")
-            .expect("etcd-tls mount");
-        for (flag_name, file) in [
-            ("--etcd-ca-file", "ca.crt"),
-            ("--etcd-cert-file", "tls.crt"),
-            ("--etcd-key-file", "tls.key"),
-        ] {
-            assert_eq!(
-                arg(rc, flag_name),
-                Some(format!("{}/{file}", mount.mount_path).as_str()),
-                "{ctx}"
-            );
-        }
+        assert_etcd_tls_is_a_group_readable_secret_volume(rspec.template.spec.as_ref().unwrap(), rc, ctx);
     }
-    assert_eq!(r.services.len(), 1, "{ctx}: one Service, the registrar's");
+}
 
-    // RBAC: read-only, only what each component reads, never Secrets. The one exception is the registrar's
-    // TokenReview `create` (it reads and changes nothing), checked in assert_control_plane_tls.
+/// TLS material from a Secret volume readable by the registrar's group only, at the paths the flags name.
+fn assert_etcd_tls_is_a_group_readable_secret_volume(rspec: &PodSpec, rc: &Container, ctx: &str) {
+    let volume = rspec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "etcd-tls")
+        .expect("etcd-tls volume");
+    let secret = volume.secret.as_ref().expect("a Secret volume");
+    assert_eq!(secret.secret_name.as_deref(), Some("etcd-tls"), "{ctx}");
+    assert_eq!(secret.default_mode, Some(0o440), "{ctx}");
+    let mount = rc
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "etcd-tls")
+        .expect("etcd-tls mount");
+    for (flag_name, file) in [
+        ("--etcd-ca-file", "ca.crt"),
+        ("--etcd-cert-file", "tls.crt"),
+        ("--etcd-key-file", "tls.key"),
+    ] {
+        assert_eq!(
+            arg(rc, flag_name),
+            Some(format!("{}/{file}", mount.mount_path).as_str()),
+            "{ctx}"
+        );
+    }
+}
+
+/// RBAC: read-only, only what each component reads, never Secrets. The one exception is the registrar's
+/// TokenReview `create` (it reads and changes nothing), checked in assert_control_plane_tls.
+fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, identity: &str, ctx: &str) {
     for role in &r.cluster_roles {
         for rule in role.rules.iter().flatten() {
             if is_token_review_rule(rule) {
@@ -493,7 +519,10 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
     }
     assert_eq!(role_names, want, "{ctx}: ClusterRoles");
     assert_eq!(r.cluster_role_bindings.len(), want.len(), "{ctx}");
-    // The agent's CNI installer reads its own DaemonSet (uninstall or rollout?), by name, nothing else.
+}
+
+/// The agent's CNI installer reads its own DaemonSet (uninstall or rollout?), by name, nothing else.
+fn assert_the_agent_role_reads_only_its_daemon_set<'a>(r: &'a Rendered, ctx: &str) -> &'a Role {
     let agent_role = r
         .roles
         .iter()
@@ -512,39 +541,49 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
         "{ctx}"
     );
     assert_eq!(rules[0].verbs, ["get"], "{ctx}");
+    let install = container(pod_spec(r, "aether-agent"), "cni-install");
     assert_eq!(
         arg(install, "--owner-daemonset"),
         Some("aether-system/aether-agent"),
         "{ctx}: the installer names its own DaemonSet"
     );
+    agent_role
+}
+
+/// The Kubernetes store keeps its VIPs in one ConfigMap: the only namespaced write anywhere in the chart, and
+/// every verb but `create` (which cannot be scoped by name) is limited to that ConfigMap.
+fn assert_only_the_kubernetes_store_writes_its_vip_config_map(r: &Rendered, store: &str, agent_role: &Role, ctx: &str) {
     let registrar_roles: Vec<&Role> = r.roles.iter().filter(|role| !std::ptr::eq(*role, agent_role)).collect();
-    // The Kubernetes store keeps its VIPs in one ConfigMap: the only namespaced write anywhere in the chart, and
-    // every verb but `create` (which cannot be scoped by name) is limited to that ConfigMap.
-    if store == "kubernetes" {
-        assert_eq!(registrar_roles.len(), 1, "{ctx}: the registrar's VIP ConfigMap Role");
-        assert_eq!(r.role_bindings.len(), 2, "{ctx}");
-        let vip_map = format!("{}/aether-registrar-vips", "aether-system");
-        assert_eq!(arg(rc, "--kube-vip-configmap"), Some(vip_map.as_str()), "{ctx}");
-        for rule in registrar_roles[0].rules.iter().flatten() {
-            assert_eq!(rule.resources.as_deref(), Some(&["configmaps".to_owned()][..]), "{ctx}");
-            if rule.verbs != ["create"] {
-                assert_eq!(
-                    rule.resource_names.as_deref(),
-                    Some(&["aether-registrar-vips".to_owned()][..]),
-                    "{ctx}: {:?} must be limited to the VIP ConfigMap",
-                    rule.verbs
-                );
-            }
-        }
-    } else {
+    if store != "kubernetes" {
         assert!(
             registrar_roles.is_empty() && r.role_bindings.len() == 1,
             "{ctx}: no registrar Role without the Kubernetes store"
         );
+        return;
     }
+    assert_eq!(registrar_roles.len(), 1, "{ctx}: the registrar's VIP ConfigMap Role");
+    assert_eq!(r.role_bindings.len(), 2, "{ctx}");
+    let rc = container(pod_spec(r, "aether-registrar"), "registrar");
+    let vip_map = format!("{}/aether-registrar-vips", "aether-system");
+    assert_eq!(arg(rc, "--kube-vip-configmap"), Some(vip_map.as_str()), "{ctx}");
+    for rule in registrar_roles[0].rules.iter().flatten() {
+        assert_eq!(rule.resources.as_deref(), Some(&["configmaps".to_owned()][..]), "{ctx}");
+        if rule.verbs != ["create"] {
+            assert_eq!(
+                rule.resource_names.as_deref(),
+                Some(&["aether-registrar-vips".to_owned()][..]),
+                "{ctx}: {:?} must be limited to the VIP ConfigMap",
+                rule.verbs
+            );
+        }
+    }
+}
+
+/// The registrar reviews agents' tokens (the bootstrap), and reads Pods with the Kubernetes store; no one else
+/// but the agent talks to the API.
+fn assert_only_api_clients_mount_a_token(r: &Rendered, store: &str, identity: &str, ctx: &str) {
     for sa in &r.service_accounts {
         let name = sa.metadata.name.as_deref().unwrap();
-        // The registrar reviews agents' tokens (the bootstrap), and reads Pods with the Kubernetes store.
         let talks_to_api =
             name == "aether-agent" || (name == "aether-registrar" && (identity == "builtin" || store == "kubernetes"));
         assert_eq!(
@@ -553,8 +592,10 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
             "{ctx}: {name} token"
         );
     }
+}
 
-    // OpenTelemetry flags reach every binary (when on).
+/// OpenTelemetry flags reach every binary (when on).
+fn assert_otel_flags_reach_every_binary(r: &Rendered, otel: bool, ctx: &str) {
     for (pod, spec) in r.pod_specs() {
         for c in spec.containers.iter() {
             let want = otel.then_some("http://otel-collector.observability:4317");
@@ -562,9 +603,6 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
             assert_eq!(has_flag(c, "--otel-enabled"), otel, "{ctx}: {pod}/{}", c.name);
         }
     }
-
-    assert_wiring(r, &ctx);
-    assert_control_plane_tls(r, identity, &ctx);
 }
 
 fn has_flag(c: &Container, flag: &str) -> bool {
@@ -685,7 +723,13 @@ fn assert_wiring(r: &Rendered, ctx: &str) {
         flag(agent, "--registrar").rsplit(':').next(),
         flag(registrar, "--listen").rsplit(':').next()
     );
-    // Host-network pods rolled with a surge: readiness is a file in the pod's own volume, not the shared port.
+    assert_surge_rolled_pods_are_ready_by_a_pod_local_file(r, ctx);
+}
+
+/// Host-network pods rolled with a surge: readiness is a file in the pod's own volume, not the shared port.
+fn assert_surge_rolled_pods_are_ready_by_a_pod_local_file(r: &Rendered, ctx: &str) {
+    let (proxy_spec, dns_spec) = (pod_spec(r, "aether-proxy"), pod_spec(r, "aether-mesh-dns"));
+    let (proxy, dns) = (container(proxy_spec, "proxy"), container(dns_spec, "mesh-dns"));
     for (spec, c) in [(proxy_spec, proxy), (dns_spec, dns)] {
         let ready = flag(c, "--ready-file");
         assert!(
@@ -787,6 +831,16 @@ fn strings(value: &Value, out: &mut Vec<String>) {
     }
 }
 
+/// The two ends of the control plane in a rendering: the agent's and the registrar's pod and container.
+struct Ends<'a> {
+    r: &'a Rendered,
+    agent_spec: &'a PodSpec,
+    agent: &'a Container,
+    registrar_spec: &'a PodSpec,
+    registrar: &'a Container,
+    ctx: &'a str,
+}
+
 /// The registrar's gRPC port is mTLS only, and the chart wires both ends by default: the registrar's serving
 /// certificate from a Secret it generates (group-readable only) and the agent's trust in it from a ConfigMap holding
 /// the CA alone. The agent's node certificate comes from the bootstrap (the default): the node CA in a second
@@ -794,15 +848,60 @@ fn strings(value: &Value, out: &mut Vec<String>) {
 /// check it (TokenReview, nothing more). With `identity=spire` the agent presents its SPIRE SVID instead, which the
 /// registrar verifies with SPIRE's bundle, and none of the bootstrap is rendered. Nothing plaintext is rendered.
 fn assert_control_plane_tls(r: &Rendered, identity: &str, ctx: &str) {
-    let agent_ds = r.daemon_set("aether-agent");
-    let agent_spec = pod_spec(r, "aether-agent");
-    let registrar_spec = pod_spec(r, "aether-registrar");
-    let agent = container(agent_spec, "agent");
-    let registrar = container(registrar_spec, "registrar");
+    let (agent_spec, registrar_spec) = (pod_spec(r, "aether-agent"), pod_spec(r, "aether-registrar"));
+    let ends = Ends {
+        r,
+        agent_spec,
+        agent: container(agent_spec, "agent"),
+        registrar_spec,
+        registrar: container(registrar_spec, "registrar"),
+        ctx,
+    };
+    let host = assert_nothing_plaintext(&ends);
+    // The registrar's serving certificate names what agents check.
+    let (serving_pem, _, serving_secret) = ends.tls_pair("--tls-cert", "--tls-key");
+    let serving_der = CertificateDer::from_pem_slice(serving_pem.as_bytes())
+        .unwrap_or_else(|e| panic!("{ctx}: the registrar's certificate: {e}"));
+    let names = PeerIdentity::from_leaf(&serving_der).unwrap().dns_names;
+    assert!(
+        names.iter().any(|n| *n == host),
+        "{ctx}: the registrar's certificate lacks {host}: {names:?}"
+    );
+    assert_agents_trust_the_registrar_ca_and_no_key_leaves_it(&ends, &serving_secret);
+    assert_eq!(
+        arg(ends.registrar, "--trust-domain"),
+        arg(ends.agent, "--trust-domain"),
+        "{ctx}: one trust domain"
+    );
+    let roles = assert_registrar_cluster_roles_read_or_review(&ends);
+    let reviews_anywhere = r
+        .cluster_roles
+        .iter()
+        .flat_map(|c| c.rules.iter().flatten())
+        .filter(|rule| rule.resources.iter().flatten().any(|res| res == "tokenreviews"))
+        .count();
+    if identity == "spire" {
+        assert_spire_svids_replace_the_bootstrap(&ends, reviews_anywhere);
+        return;
+    }
+    // The node CA: a second generated Secret, which loads as the registrar loads it (an issuer).
+    let (node_ca_pem, node_ca_key, node_ca_secret) = ends.tls_pair("--node-ca-cert", "--node-ca-key");
+    assert_ne!(
+        node_ca_secret, serving_secret,
+        "{ctx}: the node CA is not the serving certificate"
+    );
+    let node_ca_key = rcgen::KeyPair::from_pem(&node_ca_key).unwrap_or_else(|e| panic!("{ctx}: the node CA key: {e}"));
+    rcgen::Issuer::from_ca_cert_pem(&node_ca_pem, node_ca_key).unwrap_or_else(|e| panic!("{ctx}: the node CA: {e}"));
+    assert_the_agent_proves_its_node_with_a_projected_token(&ends);
+    assert_the_registrar_may_only_review_tokens(&ends, &roles, reviews_anywhere);
+}
 
-    // No plaintext registrar and no --insecure, in any string of any object.
+/// No plaintext registrar and no --insecure, in any string of any object, and a Service with the TLS port alone;
+/// the registrar's host as agents name it.
+fn assert_nothing_plaintext(ends: &Ends) -> String {
+    let ctx = ends.ctx;
     let mut all = Vec::new();
-    r.raw.iter().for_each(|o| strings(o, &mut all));
+    ends.r.raw.iter().for_each(|o| strings(o, &mut all));
     for s in &all {
         assert!(
             !s.contains("http://aether-registrar"),
@@ -811,7 +910,7 @@ fn assert_control_plane_tls(r: &Rendered, identity: &str, ctx: &str) {
         assert!(!s.contains("--insecure"), "{ctx}: {s:?}");
         assert!(!s.contains("AETHER_REGISTRAR_INSECURE"), "{ctx}: {s:?}");
     }
-    let url = flag(agent, "--registrar");
+    let url = flag(ends.agent, "--registrar");
     let host = url
         .strip_prefix("https://")
         .and_then(|rest| rest.rsplit_once(':'))
@@ -819,7 +918,7 @@ fn assert_control_plane_tls(r: &Rendered, identity: &str, ctx: &str) {
         .unwrap_or_else(|| panic!("{ctx}: --registrar {url} is not https://host:port"));
     assert_eq!(host, "aether-registrar.aether-system.svc", "{ctx}");
     // The Service exposes the (TLS) gRPC port alone: no second, plaintext port.
-    let ports: Vec<i32> = r.services[0]
+    let ports: Vec<i32> = ends.r.services[0]
         .spec
         .as_ref()
         .and_then(|s| s.ports.as_ref())
@@ -828,11 +927,21 @@ fn assert_control_plane_tls(r: &Rendered, identity: &str, ctx: &str) {
         .map(|p| p.port)
         .collect();
     assert_eq!(ports, [18090], "{ctx}: the registrar Service");
+    host.to_owned()
+}
 
-    // A certificate + key pair from one mounted Secret the chart generated, 0440 (the registrar's group).
-    let pair = |cert_flag: &str, key_flag: &str| {
-        let cert = secret_file(registrar_spec, registrar, flag(registrar, cert_flag), ctx);
-        let key = secret_file(registrar_spec, registrar, flag(registrar, key_flag), ctx);
+impl Ends<'_> {
+    /// A certificate + key pair from one mounted Secret the chart generated, 0440 (the registrar's group): the
+    /// certificate's and the key's text, and the Secret's name.
+    fn tls_pair(&self, cert_flag: &str, key_flag: &str) -> (String, String, String) {
+        let (r, ctx) = (self.r, self.ctx);
+        let cert = secret_file(
+            self.registrar_spec,
+            self.registrar,
+            flag(self.registrar, cert_flag),
+            ctx,
+        );
+        let key = secret_file(self.registrar_spec, self.registrar, flag(self.registrar, key_flag), ctx);
         assert_eq!(
             cert.secret, key.secret,
             "{ctx}: {cert_flag} and {key_flag} from one Secret"
@@ -858,21 +967,16 @@ fn assert_control_plane_tls(r: &Rendered, identity: &str, ctx: &str) {
             secret_text(r, &key.secret, &key.key, ctx),
             cert.secret,
         )
-    };
-    // The registrar's serving certificate names what agents check.
-    let (serving_pem, _, serving_secret) = pair("--tls-cert", "--tls-key");
-    let serving_der = CertificateDer::from_pem_slice(serving_pem.as_bytes())
-        .unwrap_or_else(|e| panic!("{ctx}: the registrar's certificate: {e}"));
-    let names = PeerIdentity::from_leaf(&serving_der).unwrap().dns_names;
-    assert!(
-        names.iter().any(|n| n == host),
-        "{ctx}: the registrar's certificate lacks {host}: {names:?}"
-    );
+    }
+}
 
-    // The agent trusts the CA that signed the registrar's certificate, from a ConfigMap: no key reaches it.
-    let ca_path = flag(agent, "--registrar-ca");
+/// The agent trusts the CA that signed the registrar's certificate, from a ConfigMap: no key reaches it, and only
+/// the registrar mounts the chart's Secrets.
+fn assert_agents_trust_the_registrar_ca_and_no_key_leaves_it(ends: &Ends, serving_secret: &str) {
+    let (r, ctx) = (ends.r, ends.ctx);
+    let ca_path = flag(ends.agent, "--registrar-ca");
     let (volume, file) =
-        volume_of(agent_spec, agent, ca_path).unwrap_or_else(|| panic!("{ctx}: nothing mounts {ca_path}"));
+        volume_of(ends.agent_spec, ends.agent, ca_path).unwrap_or_else(|| panic!("{ctx}: nothing mounts {ca_path}"));
     let cm = volume
         .config_map
         .as_ref()
@@ -885,7 +989,7 @@ fn assert_control_plane_tls(r: &Rendered, identity: &str, ctx: &str) {
         .unwrap_or_else(|| panic!("{ctx}: ConfigMap {} with {key} is not rendered", cm.name));
     assert_eq!(
         ca_text,
-        &secret_text(r, &serving_secret, "ca.crt", ctx),
+        &secret_text(r, serving_secret, "ca.crt", ctx),
         "{ctx}: agents trust the registrar's CA"
     );
     for c in &r.config_maps {
@@ -897,7 +1001,6 @@ fn assert_control_plane_tls(r: &Rendered, identity: &str, ctx: &str) {
             );
         }
     }
-    // Only the registrar mounts the chart's Secrets.
     for (pod, spec) in r.pod_specs() {
         for v in spec.volumes.iter().flatten() {
             if let Some(name) = v.secret.as_ref().and_then(|s| s.secret_name.as_deref())
@@ -907,14 +1010,13 @@ fn assert_control_plane_tls(r: &Rendered, identity: &str, ctx: &str) {
             }
         }
     }
-    assert_eq!(
-        arg(registrar, "--trust-domain"),
-        arg(agent, "--trust-domain"),
-        "{ctx}: one trust domain"
-    );
+}
 
-    // Roles bound to the registrar's ServiceAccount, and the ones among them that review tokens.
-    let registrar_sa = registrar_spec.service_account_name.as_deref().unwrap();
+/// The ClusterRoles bound to the registrar's ServiceAccount: each rule reads, or reviews tokens, and none has a
+/// wildcard.
+fn assert_registrar_cluster_roles_read_or_review<'a>(ends: &Ends<'a>) -> Vec<&'a ClusterRole> {
+    let (r, ctx) = (ends.r, ends.ctx);
+    let registrar_sa = ends.registrar_spec.service_account_name.as_deref().unwrap();
     let bound_to_registrar = |subjects: &Option<Vec<k8s_openapi::api::rbac::v1::Subject>>| {
         subjects.iter().flatten().any(|s| {
             s.kind == "ServiceAccount" && s.name == registrar_sa && s.namespace.as_deref() == Some("aether-system")
@@ -952,67 +1054,48 @@ fn assert_control_plane_tls(r: &Rendered, identity: &str, ctx: &str) {
             );
         }
     }
-    let reviewers: Vec<&&ClusterRole> = roles
-        .iter()
-        .filter(|c| c.rules.iter().flatten().any(is_token_review_rule))
-        .collect();
-    let reviews_anywhere = r
-        .cluster_roles
-        .iter()
-        .flat_map(|c| c.rules.iter().flatten())
-        .filter(|rule| rule.resources.iter().flatten().any(|res| res == "tokenreviews"))
-        .count();
-    let automount = r
-        .service_accounts
-        .iter()
-        .find(|sa| sa.metadata.name.as_deref() == Some(registrar_sa))
-        .and_then(|sa| sa.automount_service_account_token);
+    roles
+}
 
-    if identity == "spire" {
-        // The agent's SPIRE SVID, verified by the registrar with SPIRE's bundle: no bootstrap at all.
-        assert_eq!(arg(agent, "--node-identity"), Some("spire"), "{ctx}");
-        assert!(arg(agent, "--spire-workload-socket").is_some(), "{ctx}");
-        assert_eq!(arg(agent, "--bootstrap-token"), None, "{ctx}");
-        assert!(
-            !agent_spec.volumes.iter().flatten().any(|v| v.projected.is_some()),
-            "{ctx}: no bootstrap token"
-        );
-        for f in [
-            "--node-ca-cert",
-            "--node-ca-key",
-            "--bootstrap-audience",
-            "--agent-service-account",
-        ] {
-            assert_eq!(arg(registrar, f), None, "{ctx}: {f} without the bootstrap");
-        }
-        let client_ca = flag(registrar, "--client-ca");
-        let (volume, file) = volume_of(registrar_spec, registrar, client_ca)
-            .unwrap_or_else(|| panic!("{ctx}: nothing mounts {client_ca}"));
-        let cm = volume.config_map.as_ref().expect("SPIRE's bundle from a ConfigMap");
-        assert_eq!(
-            (cm.name.as_str(), key_of(cm.items.as_deref(), &file).as_deref()),
-            ("spire-bundle", Some("bundle.crt")),
-            "{ctx}"
-        );
-        assert_eq!(reviews_anywhere, 0, "{ctx}: no TokenReviews without the bootstrap");
-        assert_eq!(r.secrets.len(), 1, "{ctx}: no node CA without the bootstrap");
-        return;
-    }
-
-    // The node CA: a second generated Secret, which loads as the registrar loads it (an issuer).
-    let (node_ca_pem, node_ca_key, node_ca_secret) = pair("--node-ca-cert", "--node-ca-key");
-    assert_ne!(
-        node_ca_secret, serving_secret,
-        "{ctx}: the node CA is not the serving certificate"
+/// The agent's SPIRE SVID, verified by the registrar with SPIRE's bundle: no bootstrap at all.
+fn assert_spire_svids_replace_the_bootstrap(ends: &Ends, reviews_anywhere: usize) {
+    let (agent, registrar, ctx) = (ends.agent, ends.registrar, ends.ctx);
+    assert_eq!(arg(agent, "--node-identity"), Some("spire"), "{ctx}");
+    assert!(arg(agent, "--spire-workload-socket").is_some(), "{ctx}");
+    assert_eq!(arg(agent, "--bootstrap-token"), None, "{ctx}");
+    assert!(
+        !ends.agent_spec.volumes.iter().flatten().any(|v| v.projected.is_some()),
+        "{ctx}: no bootstrap token"
     );
-    let node_ca_key = rcgen::KeyPair::from_pem(&node_ca_key).unwrap_or_else(|e| panic!("{ctx}: the node CA key: {e}"));
-    rcgen::Issuer::from_ca_cert_pem(&node_ca_pem, node_ca_key).unwrap_or_else(|e| panic!("{ctx}: the node CA: {e}"));
+    for f in [
+        "--node-ca-cert",
+        "--node-ca-key",
+        "--bootstrap-audience",
+        "--agent-service-account",
+    ] {
+        assert_eq!(arg(registrar, f), None, "{ctx}: {f} without the bootstrap");
+    }
+    let client_ca = flag(registrar, "--client-ca");
+    let (volume, file) = volume_of(ends.registrar_spec, registrar, client_ca)
+        .unwrap_or_else(|| panic!("{ctx}: nothing mounts {client_ca}"));
+    let cm = volume.config_map.as_ref().expect("SPIRE's bundle from a ConfigMap");
+    assert_eq!(
+        (cm.name.as_str(), key_of(cm.items.as_deref(), &file).as_deref()),
+        ("spire-bundle", Some("bundle.crt")),
+        "{ctx}"
+    );
+    assert_eq!(reviews_anywhere, 0, "{ctx}: no TokenReviews without the bootstrap");
+    assert_eq!(ends.r.secrets.len(), 1, "{ctx}: no node CA without the bootstrap");
+}
 
-    // The agent's proof of node: a projected token with the registrar's audience, at the path the flag names.
+/// The agent's proof of node: a projected token with the registrar's audience, at the path the flag names; only
+/// the agent's ServiceAccount gets node certificates.
+fn assert_the_agent_proves_its_node_with_a_projected_token(ends: &Ends) {
+    let (agent, registrar, ctx) = (ends.agent, ends.registrar, ends.ctx);
     assert_eq!(arg(agent, "--node-identity"), Some("bootstrap"), "{ctx}");
     let token_path = flag(agent, "--bootstrap-token");
     let (volume, file) =
-        volume_of(agent_spec, agent, token_path).unwrap_or_else(|| panic!("{ctx}: nothing mounts {token_path}"));
+        volume_of(ends.agent_spec, agent, token_path).unwrap_or_else(|| panic!("{ctx}: nothing mounts {token_path}"));
     let token = volume
         .projected
         .as_ref()
@@ -1029,11 +1112,12 @@ fn assert_control_plane_tls(r: &Rendered, identity: &str, ctx: &str) {
         "{ctx}: the registrar requires the audience the token carries"
     );
     assert_eq!(token.expiration_seconds, Some(3600), "{ctx}");
-    // Only the agent's ServiceAccount gets node certificates: the registrar names the agents' real one.
+    // The registrar names the agents' real ServiceAccount.
+    let agent_ds = ends.r.daemon_set("aether-agent");
     let agent_sa = format!(
         "{}/{}",
         agent_ds.metadata.namespace.as_deref().unwrap(),
-        agent_spec.service_account_name.as_deref().unwrap()
+        ends.agent_spec.service_account_name.as_deref().unwrap()
     );
     assert_eq!(agent_sa, "aether-system/aether-agent", "{ctx}");
     assert_eq!(
@@ -1041,8 +1125,22 @@ fn assert_control_plane_tls(r: &Rendered, identity: &str, ctx: &str) {
         Some(agent_sa.as_str()),
         "{ctx}"
     );
+}
 
-    // The registrar may create TokenReviews, through a ClusterRole that grants nothing else, and mounts its token.
+/// The registrar may create TokenReviews, through a ClusterRole that grants nothing else, and mounts its token.
+fn assert_the_registrar_may_only_review_tokens(ends: &Ends, roles: &[&ClusterRole], reviews_anywhere: usize) {
+    let ctx = ends.ctx;
+    let reviewers: Vec<&&ClusterRole> = roles
+        .iter()
+        .filter(|c| c.rules.iter().flatten().any(is_token_review_rule))
+        .collect();
+    let registrar_sa = ends.registrar_spec.service_account_name.as_deref().unwrap();
+    let automount = ends
+        .r
+        .service_accounts
+        .iter()
+        .find(|sa| sa.metadata.name.as_deref() == Some(registrar_sa))
+        .and_then(|sa| sa.automount_service_account_token);
     assert_eq!(
         reviewers.len(),
         1,
@@ -1261,56 +1359,22 @@ fn the_network_policy_admits_only_agents_and_named_clients_to_the_registrar() {
     let policy = &r.network_policies[0];
     assert_eq!(policy.metadata.namespace.as_deref(), Some("aether-system"));
     let spec = policy.spec.as_ref().unwrap();
-    let labels_of = |name: &str| {
-        let template = match name {
-            "aether-registrar" => &r.registrar().spec.as_ref().unwrap().template,
-            other => &r.daemon_set(other).spec.as_ref().unwrap().template,
-        };
-        template.metadata.as_ref().unwrap().labels.clone().unwrap_or_default()
-    };
-    let selects = |selector: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
-                   labels: &std::collections::BTreeMap<String, String>| {
-        assert!(selector.match_expressions.is_none());
-        let want = selector.match_labels.clone().unwrap_or_default();
-        !want.is_empty() && want.iter().all(|(k, v)| labels.get(k) == Some(v))
-    };
     let pod_selector = spec.pod_selector.as_ref().expect("podSelector");
     assert!(
-        selects(pod_selector, &labels_of("aether-registrar")),
+        selects(pod_selector, &template_labels(&r, "aether-registrar")),
         "selects the registrar pods"
     );
     for other in ["aether-agent", "aether-proxy", "aether-mesh-dns"] {
-        assert!(!selects(pod_selector, &labels_of(other)), "selects {other}");
+        assert!(!selects(pod_selector, &template_labels(&r, other)), "selects {other}");
     }
     assert_eq!(spec.policy_types.as_deref(), Some(&["Ingress".to_owned()][..]));
     let rules = spec.ingress.as_deref().unwrap_or_default();
-    let port_of = |rule: &k8s_openapi::api::networking::v1::NetworkPolicyIngressRule| {
-        let ports = rule.ports.as_deref().expect("every rule names its port");
-        assert_eq!(ports.len(), 1);
-        match ports[0].port {
-            Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(p)) => p,
-            ref other => panic!("port {other:?}"),
-        }
-    };
-    let peers = |port: i32| {
-        let rule = rules
-            .iter()
-            .find(|rule| port_of(rule) == port)
-            .unwrap_or_else(|| panic!("no rule for {port}"));
-        rule.from.as_deref().expect("a rule without `from` admits everyone")
-    };
     assert_eq!(rules.len(), 2, "gRPC and admin, nothing else");
-    let ip_blocks = |peers: &[k8s_openapi::api::networking::v1::NetworkPolicyPeer]| {
-        peers
-            .iter()
-            .filter_map(|p| p.ip_block.as_ref().map(|b| b.cidr.clone()))
-            .collect::<Vec<_>>()
-    };
-    let grpc = peers(18090);
+    let grpc = peers_on(rules, 18090);
     assert_eq!(ip_blocks(grpc), ["10.0.0.0/16", "fd00::/64"]);
     let pod_peers: Vec<_> = grpc.iter().filter_map(|p| p.pod_selector.as_ref()).collect();
     assert_eq!(pod_peers.len(), 2, "agents and the controller");
-    assert!(selects(pod_peers[0], &labels_of("aether-agent")), "agents");
+    assert!(selects(pod_peers[0], &template_labels(&r, "aether-agent")), "agents");
     assert_eq!(
         pod_peers[1]
             .match_labels
@@ -1324,7 +1388,7 @@ fn the_network_policy_admits_only_agents_and_named_clients_to_the_registrar() {
         grpc.iter().all(|p| p.namespace_selector.is_none()),
         "pods of the release namespace only"
     );
-    let admin = peers(18091);
+    let admin = peers_on(rules, 18091);
     assert_eq!(
         ip_blocks(admin),
         ["10.0.0.0/16", "fd00::/64"],
@@ -1334,6 +1398,53 @@ fn the_network_policy_admits_only_agents_and_named_clients_to_the_registrar() {
         admin.iter().any(|p| p.namespace_selector.is_some()),
         "the monitoring peer"
     );
+}
+
+type Labels = std::collections::BTreeMap<String, String>;
+
+/// The pod template labels of the workload `name`.
+fn template_labels(r: &Rendered, name: &str) -> Labels {
+    let template = match name {
+        "aether-registrar" => &r.registrar().spec.as_ref().unwrap().template,
+        other => &r.daemon_set(other).spec.as_ref().unwrap().template,
+    };
+    template.metadata.as_ref().unwrap().labels.clone().unwrap_or_default()
+}
+
+/// Whether `selector` (match labels only, never empty) selects pods labelled `labels`.
+fn selects(selector: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector, labels: &Labels) -> bool {
+    assert!(selector.match_expressions.is_none());
+    let want = selector.match_labels.clone().unwrap_or_default();
+    !want.is_empty() && want.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+/// The one port an ingress rule admits.
+fn port_of(rule: &k8s_openapi::api::networking::v1::NetworkPolicyIngressRule) -> i32 {
+    let ports = rule.ports.as_deref().expect("every rule names its port");
+    assert_eq!(ports.len(), 1);
+    match ports[0].port {
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(p)) => p,
+        ref other => panic!("port {other:?}"),
+    }
+}
+
+/// The peers the rule for `port` admits.
+fn peers_on(
+    rules: &[k8s_openapi::api::networking::v1::NetworkPolicyIngressRule],
+    port: i32,
+) -> &[k8s_openapi::api::networking::v1::NetworkPolicyPeer] {
+    let rule = rules
+        .iter()
+        .find(|rule| port_of(rule) == port)
+        .unwrap_or_else(|| panic!("no rule for {port}"));
+    rule.from.as_deref().expect("a rule without `from` admits everyone")
+}
+
+fn ip_blocks(peers: &[k8s_openapi::api::networking::v1::NetworkPolicyPeer]) -> Vec<String> {
+    peers
+        .iter()
+        .filter_map(|p| p.ip_block.as_ref().map(|b| b.cidr.clone()))
+        .collect()
 }
 
 /// Certificates of the user's own (cert-manager, trust-manager) replace the generated ones: nothing is generated,
