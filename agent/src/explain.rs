@@ -371,7 +371,7 @@ fn declared(f: &Facts) -> Hop {
             "upstreams",
             Status::Warn,
             format!(
-                "{} is not declared; it was looked up on demand by an earlier call",
+                "{} is not declared; the node holds it already (another pod declares it, or a call looked it up)",
                 t.service
             ),
             fix,
@@ -555,48 +555,13 @@ fn identity(f: &Facts) -> Hop {
             "",
         );
     };
-    let fix = "check the identity provider (aether check: CA/SVID) and the agent's log";
-    let Some(svid) = &id.svid else {
-        return hop(
-            "identity",
-            Status::Fail,
-            format!("{} has no SVID: its calls cannot leave with mTLS", f.pod_id),
-            fix,
-        );
-    };
     let now = f.now.unwrap_or_else(SystemTime::now);
-    if svid.not_after <= now {
-        return hop(
-            "identity",
-            Status::Fail,
-            format!(
-                "{}'s SVID {} expired {} ago",
-                f.pod_id,
-                svid.spiffe_id,
-                ago(now, svid.not_after)
-            ),
-            fix,
-        );
-    }
-    if svid.not_before > now {
-        return hop(
-            "identity",
-            Status::Fail,
-            format!(
-                "{}'s SVID is not valid for another {} (clock skew?)",
-                f.pod_id,
-                ago(svid.not_before, now)
-            ),
-            "check the node's clock against the CA's",
-        );
-    }
-    if !id.secret_acked {
-        return hop(
-            "identity",
-            Status::Fail,
-            format!("Envoy does not hold {}'s SVID yet", f.pod_id),
-            fix,
-        );
+    if let Some(why) = svid_problem(&f.pod_id, id, now) {
+        let fix = match why.contains("clock skew") {
+            true => "check the node's clock against the CA's",
+            false => "check the identity provider (aether check: CA/SVID) and the agent's log",
+        };
+        return hop("identity", Status::Fail, why, fix);
     }
     if let Some((pod, spiffe_id)) = id
         .local_destinations
@@ -613,6 +578,7 @@ fn identity(f: &Facts) -> Hop {
             "run the destination under a service account its registration names, or fix the endpoint's registration",
         );
     }
+    let svid = id.svid.as_ref().expect("checked by svid_problem");
     ok(
         "identity",
         format!(
@@ -622,6 +588,22 @@ fn identity(f: &Facts) -> Hop {
             list(&id.expected_sans)
         ),
     )
+}
+
+/// Why the source pod's SVID cannot be used now, if it cannot.
+fn svid_problem(pod: &str, id: &IdentityFacts, now: SystemTime) -> Option<String> {
+    let Some(svid) = &id.svid else {
+        return Some(format!("{pod} has no SVID: its calls cannot leave with mTLS"));
+    };
+    if svid.not_after <= now {
+        let ago = ago(now, svid.not_after);
+        return Some(format!("{pod}'s SVID {} expired {ago} ago", svid.spiffe_id));
+    }
+    if svid.not_before > now {
+        let wait = ago(svid.not_before, now);
+        return Some(format!("{pod}'s SVID is not valid for another {wait} (clock skew?)"));
+    }
+    (!id.secret_acked).then(|| format!("Envoy does not hold {pod}'s SVID yet"))
 }
 
 fn authorization(f: &Facts) -> Hop {

@@ -5,15 +5,19 @@
 use std::process::Output;
 use std::time::{Duration, Instant};
 
-use aether_tests::mesh::{APP, Mesh};
+use aether_tests::mesh::{APP, Mesh, MeshIdentity};
 use aether_tests::{Envoy, TestPod, binary, free_port, unique_base_id};
 use serde_json::Value;
 
 /// A mesh whose agent knows where Envoy's admin is (the harness picks a free port).
 async fn mesh() -> Mesh {
+    mesh_with(MeshIdentity::DEFAULT).await
+}
+
+async fn mesh_with(identity: MeshIdentity) -> Mesh {
     let port = free_port();
     let admin = format!("127.0.0.1:{port}");
-    let mut mesh = Mesh::start_with(&["--envoy-admin", &admin]).await;
+    let mut mesh = Mesh::start_identity(identity, &["--envoy-admin", &admin]).await;
     mesh.envoy = None;
     mesh.envoy = Some(Envoy::start(&mesh.envoy_bootstrap(port), unique_base_id()));
     mesh
@@ -289,4 +293,48 @@ async fn status_and_check_on_a_healthy_node_then_with_envoy_then_the_agent_stopp
     let (code, text) = aether(&mesh, &["status"]).await;
     assert_eq!(code, 3, "{text}");
     assert!(text.contains("cannot reach the agent's admin API"), "{text}");
+}
+
+fn uid(pod: &TestPod) -> String {
+    format!("uid-{}", pod.netns_name())
+}
+
+/// SVID faults with SPIRE as the provider: a destination presenting an identity its callers
+/// do not pin, the source's SVID expired while SPIRE is away, and revoked (missing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_names_svid_faults() {
+    let mesh = mesh_with(MeshIdentity::Spire {
+        ttl: Duration::from_secs(600),
+    })
+    .await;
+    let (frontend, backend, _apps) = mesh.frontend_and_backend().await;
+    let spire = mesh.spire.as_ref().unwrap();
+    explain_until(&mesh, "demo/frontend", "backend", None).await;
+
+    spire.issue_as(&uid(&backend), "spiffe://aether.test/ns/demo/sa/impostor");
+    let (_, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("identity", "fail"))).await;
+    assert!(
+        why(&e)
+            .contains("SAN mismatch: destination pod demo/backend presents spiffe://aether.test/ns/demo/sa/impostor"),
+        "{e:#}"
+    );
+    spire.issue_as(&uid(&backend), "spiffe://aether.test/ns/demo/sa/backend");
+    explain_until(&mesh, "demo/frontend", "backend", None).await;
+
+    spire.set_ttl(Duration::from_secs(2));
+    spire.rotate_all();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    spire.break_streams();
+    let (_, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("identity", "fail"))).await;
+    assert!(
+        why(&e).contains("demo/frontend's SVID spiffe://aether.test/ns/demo/sa/frontend expired"),
+        "{e:#}"
+    );
+
+    spire.set_ttl(Duration::from_secs(600));
+    spire.restore();
+    explain_until(&mesh, "demo/frontend", "backend", None).await;
+    spire.revoke(&uid(&frontend));
+    let (_, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("identity", "fail"))).await;
+    assert!(why(&e).contains("demo/frontend has no SVID"), "{e:#}");
 }
