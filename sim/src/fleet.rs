@@ -35,6 +35,8 @@ pub enum Progress {
     Synced { node: u32, bytes: usize, at: Instant },
     /// A moved stream went on with deltas: no snapshot was needed.
     Resumed { node: u32, at: Instant },
+    /// The agent's stream broke (its replica died, or closed the connection).
+    Broken { node: u32 },
 }
 
 /// One agent's connection and, when kept, the view its stream built.
@@ -178,6 +180,7 @@ impl Fleet {
             if let Ok(stream) = self.open(node, request).await {
                 self.read(node, stream, moved, &mut version).await;
             }
+            let _ = self.progress.send(Progress::Broken { node });
             // The stream broke: the replica died (or the run ended and dropped us).
             tokio::time::sleep(Duration::from_millis(50)).await;
             self.connect(node).await?;

@@ -74,8 +74,12 @@ fn setup_rows() -> Vec<Row> {
             let rate = f.pods as f64 / f.load.as_secs_f64();
             format!("{:.1} ({rate:.0})", f.load.as_secs_f64())
         }),
-        ("initial sync, all agents s", |f| {
-            format!("{:.1}", f.initial_sync.as_secs_f64())
+        ("initial sync s: half / all agents", |f| {
+            format!(
+                "{:.1} / {:.1}",
+                f.initial_sync_p50.as_secs_f64(),
+                f.initial_sync.as_secs_f64()
+            )
         }),
         ("  CPU s: registrars / agents (this process)", |f| {
             format!("{:.1} / {:.1}", f.sync_cpu.0, f.sync_cpu.1)
@@ -133,12 +137,19 @@ fn storm_rows() -> Vec<Row> {
         ("registrar RSS MiB A/B after churn", |f| {
             format!("{:.0}/{:.0}", f.rss_after_churn[0], f.rss_after_churn[1])
         }),
+        ("streams broken before the kill", |f| {
+            format!("{}", f.broken_before_kill)
+        }),
         ("replica killed: agents moved", |f| format!("{}", f.storm.moved)),
         ("  resumed / full snapshot", |f| {
             format!("{} / {}", f.storm.resumed, f.storm.resynced)
         }),
-        ("  all current again s", |f| {
-            format!("{:.2}", f.storm.recovered.as_secs_f64())
+        ("  current again s: half / all", |f| {
+            format!(
+                "{:.2} / {:.2}",
+                f.storm.recovered_p50.as_secs_f64(),
+                f.storm.recovered.as_secs_f64()
+            )
         }),
         ("  survivor RSS MiB; CPU s: survivor / agents", |f| {
             let storm = &f.storm;

@@ -60,6 +60,8 @@ pub struct Figures {
     pub connect_retries: usize,
     pub load: Duration,
     pub initial_sync: Duration,
+    /// Until half the agents had their snapshot.
+    pub initial_sync_p50: Duration,
     /// Mean size of an agent's initial snapshot (its full state) on the wire.
     pub full_state_bytes: f64,
     pub driven: Driven,
@@ -76,6 +78,10 @@ pub struct Figures {
     /// CPU seconds of the initial sync: both registrars, and this simulator (the agents).
     pub sync_cpu: (f64, f64),
     pub storm: Storm,
+    /// Streams that broke before the replica was killed (e.g. HTTP/2 keepalive
+    /// timeouts while snapshots queue behind each other), and the snapshots and
+    /// resumes that followed.
+    pub broken_before_kill: usize,
     /// Agents whose view differed from the catalog at the end (with `check_views`).
     pub mismatched_views: Option<Vec<String>>,
 }
@@ -88,6 +94,8 @@ pub struct Storm {
     pub resynced: usize,
     /// Until every moved agent was current again.
     pub recovered: Duration,
+    /// Until half of them were.
+    pub recovered_p50: Duration,
     /// The surviving replica's RSS with every agent on it, and its CPU seconds in the storm.
     pub survivor_rss: f64,
     pub survivor_cpu: f64,
@@ -170,6 +178,11 @@ pub async fn run(config: &Config) -> Result<Figures, RunError> {
     figures.outcome = fleet.ledger.take();
     figures.rss_after_churn = rss(cluster.usage());
 
+    while let Ok(event) = progress.try_recv() {
+        if let Progress::Broken { .. } = event {
+            figures.broken_before_kill += 1;
+        }
+    }
     let mut cluster = cluster;
     figures.storm = storm(&fleet, &mut cluster, &mut progress).await?;
     if config.check_views {
@@ -237,24 +250,27 @@ async fn sync(
             tokio::spawn(fleet.clone().follow(n as u32, services))
         })
         .collect();
-    let (mut synced, mut bytes) = (0, 0usize);
-    while synced < deps.len() {
+    let (mut synced, mut bytes) = (Vec::with_capacity(deps.len()), 0usize);
+    while synced.len() < deps.len() {
         match tokio::time::timeout(PHASE_TIMEOUT, progress.recv()).await {
-            Ok(Some(Progress::Synced { bytes: b, .. })) => {
-                synced += 1;
+            Ok(Some(Progress::Synced { bytes: b, at, .. })) => {
+                synced.push(at.saturating_duration_since(started));
                 bytes += b;
             }
             Ok(Some(Progress::Resumed { .. })) => {}
+            Ok(Some(Progress::Broken { .. })) => figures.broken_before_kill += 1,
             _ => {
                 return Err(RunError::Timeout {
                     what: "initial sync",
-                    done: synced,
+                    done: synced.len(),
                     expected: deps.len(),
                 });
             }
         }
     }
     figures.initial_sync = started.elapsed();
+    synced.sort();
+    figures.initial_sync_p50 = crate::stats::percentile(&synced, 0.5);
     figures.sync_cpu = (cpu(cluster.usage()) - cpu_before, own_cpu() - own_before);
     figures.full_state_bytes = bytes as f64 / deps.len().max(1) as f64;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -277,8 +293,16 @@ async fn storm(
         moved,
         ..Default::default()
     };
+    let mut times = Vec::with_capacity(moved);
     while storm.resumed + storm.resynced < moved {
         let at = match tokio::time::timeout(PHASE_TIMEOUT, progress.recv()).await {
+            // Only the agents of the killed replica count (node n is on replica n % 2).
+            Ok(Some(Progress::Synced { node, .. } | Progress::Resumed { node, .. } | Progress::Broken { node }))
+                if node % 2 == 0 =>
+            {
+                continue;
+            }
+            Ok(Some(Progress::Broken { .. })) => continue,
             Ok(Some(Progress::Synced { at, .. })) => {
                 storm.resynced += 1;
                 at
@@ -295,8 +319,11 @@ async fn storm(
                 });
             }
         };
-        storm.recovered = storm.recovered.max(at.saturating_duration_since(killed));
+        times.push(at.saturating_duration_since(killed));
     }
+    times.sort();
+    storm.recovered = times.last().copied().unwrap_or_default();
+    storm.recovered_p50 = crate::stats::percentile(&times, 0.5);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let survivor = cluster.replicas[0].usage();
     storm.survivor_rss = survivor.rss_mib;
