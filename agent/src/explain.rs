@@ -330,7 +330,7 @@ fn dns(f: &Facts) -> Hop {
 }
 
 fn capture(f: &Facts) -> Hop {
-    let fix = "the agent repairs drifted rules when it restarts; inspect with `nsenter --net=<netns> nft list table inet aether`";
+    let fix = "restart the agent (it re-applies every pod's rules at start-up) or recreate the pod; inspect with `nsenter --net=<netns> nft list table inet aether`";
     match &f.capture {
         Capture::Intact => ok("capture", "the pod's netns holds the capture rules the agent applied"),
         Capture::Drifted => hop(
@@ -408,7 +408,7 @@ fn listener(f: &Facts) -> Hop {
             "check the proxy container (aether status: Envoy) and its log",
         );
     }
-    resource("listener", "the pod's outbound listener", &f.envoy.listener)
+    resource("listener", "the pod's listeners", &f.envoy.listener)
 }
 
 fn resource(name: &'static str, what: &str, r: &Resource) -> Hop {
@@ -424,7 +424,7 @@ fn resource(name: &'static str, what: &str, r: &Resource) -> Hop {
         return hop(
             name,
             Status::Fail,
-            format!("the agent serves no {what}"),
+            format!("the agent does not serve {what}"),
             "check the agent's log and /debug/xds",
         );
     }

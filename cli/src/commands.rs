@@ -38,13 +38,21 @@ pub fn explain(agent: &Agent, pod: &str, target: &str, output: Output) -> Answer
         .map(|s| format!(" ({s})"))
         .unwrap_or_default();
     let mut out = format!("{pod} → {target}{service}\n\n");
-    let rows: Vec<Vec<String>> = answer["hops"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    let hops = answer["hops"].as_array().cloned().unwrap_or_default();
+    // The hops up to the first failure: the later ones were not judged.
+    let shown = hops
+        .iter()
+        .position(|h| h["status"] == "fail")
+        .map_or(hops.len(), |i| i + 1);
+    let rows: Vec<Vec<String>> = hops[..shown]
+        .iter()
         .map(|h| vec![text(&h["hop"]), text(&h["status"]).to_uppercase(), text(&h["why"])])
         .collect();
     out.push_str(&table::render(&["HOP", "STATUS", "WHY"], &rows));
+    if shown < hops.len() {
+        let rest: Vec<String> = hops[shown..].iter().map(|h| text(&h["hop"])).collect();
+        out.push_str(&format!("(not checked after the failure: {})\n", rest.join(", ")));
+    }
     let first = &answer["first"];
     out.push_str(&match code {
         Code::Ok => "\nverdict: ok: every hop is ok\n".to_owned(),

@@ -185,7 +185,7 @@ const CASES: &[(&str, Fault, &str, Status, &str)] = &[
         |f| f.pod.as_mut().unwrap().upstreams.clear(),
         "upstreams",
         Status::Warn,
-        "looked up on demand by an earlier call",
+        "the node holds it already",
     ),
     (
         "undeclared, registrar down",
@@ -210,7 +210,7 @@ const CASES: &[(&str, Fault, &str, Status, &str)] = &[
         |f| f.envoy.listener.rejected = Some("bad filter".into()),
         "listener",
         Status::Fail,
-        "Envoy rejected the pod's outbound listener: bad filter",
+        "Envoy rejected the pod's listeners: bad filter",
     ),
     (
         "listener not acked",
