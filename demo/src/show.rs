@@ -424,6 +424,7 @@ impl Demo {
             }
             lines.push(format!("{who:<17} {url}"));
         }
+        lines.extend(self.explain_frontend_to_backend().await?);
         lines.push(format!(
             "pod manifests in {}, CNI log {}",
             self.path("pods").display(),
@@ -434,6 +435,27 @@ impl Demo {
                     keeps the node up until Ctrl-C"
                 .into(),
         );
+        Ok(lines)
+    }
+
+    /// `aether explain` for the demo's one call: every hop must be ok.
+    async fn explain_frontend_to_backend(&self) -> Result<Vec<String>, DemoError> {
+        let target = format!("{}:{APP_PORT}", Self::fqdn("backend"));
+        let agent = format!("127.0.0.1:{}", self.ports.agent_admin);
+        let pod = format!("{NAMESPACE}/frontend");
+        let args = ["--agent", &agent, "explain", &pod, &target];
+        let out = tokio::process::Command::new(bin_dir().join("aether"))
+            .args(args)
+            .output()
+            .await
+            .map_err(|e| fail(format!("running aether: {e}")))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            return Err(fail(format!("aether explain frontend -> backend: {text}{stderr}")));
+        }
+        let mut lines = vec![format!("$ aether {}", args.join(" "))];
+        lines.extend(text.lines().map(str::to_owned));
         Ok(lines)
     }
 
