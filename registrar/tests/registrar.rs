@@ -6,6 +6,7 @@ mod support;
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
+use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registrar::v1::{
     ListEndpointsRequest, ListServicesRequest, RegisterEndpointRequest, SnapshotReason, UnregisterEndpointRequest,
     Version, WatchRequest, change, watch_response,
@@ -13,6 +14,7 @@ use aether_proto::registrar::v1::{
 use aether_proto::registry::v1::{Endpoint, Health, Port, Protocol};
 use support::*;
 use tonic::Code;
+use tonic::transport::Channel;
 
 fn snapshot_reason(message: &aether_proto::registrar::v1::WatchResponse) -> Option<SnapshotReason> {
     match &message.event {
@@ -26,48 +28,13 @@ async fn register_list_and_watch_a_filtered_catalog() {
     let dir = tempfile::tempdir().unwrap();
     let registrar = Registrar::start(dir.path(), &[]).await;
     let mut client = registrar.client().await;
-
-    let reply = client
-        .register_endpoint(RegisterEndpointRequest {
-            endpoint: Some(endpoint("shop/cart", "10.0.0.1", 8080)),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let cart = reply.service.unwrap();
-    let vip: IpAddr = cart.vip.parse().unwrap();
-    assert!(
-        "240.240.0.0/16".parse::<ipnet::IpNet>().unwrap().contains(&vip),
-        "{vip}"
-    );
-    register(&mut client, endpoint("shop/cart", "10.0.0.2", 8080)).await;
-    register(&mut client, endpoint("shop/pay", "10.0.0.3", 9090)).await;
-
-    let services = client.list_services(ListServicesRequest {}).await.unwrap().into_inner();
-    let keys: Vec<_> = services
-        .services
-        .iter()
-        .map(|s| format!("{}/{}", s.namespace, s.name))
-        .collect();
-    assert_eq!(keys, ["shop/cart", "shop/pay"]);
-    assert_ne!(services.services[0].vip, services.services[1].vip);
-    let endpoints = client
-        .list_endpoints(ListEndpointsRequest {
-            service: "shop/cart".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let addresses: Vec<_> = endpoints.endpoints.iter().map(|e| e.address.as_str()).collect();
-    assert_eq!(addresses, ["10.0.0.1", "10.0.0.2"]);
-    assert_eq!(endpoints.endpoints[0].weight, 1, "weight 0 is stored as the default 1");
-    assert_eq!(endpoints.endpoints[0].health, Health::Healthy as i32);
+    let seq = a_catalog_registered_is_listed_with_a_vip_per_service(&mut client).await;
 
     // A watcher of shop/cart gets exactly cart's part of the catalog...
     let mut watcher = Watcher::open(&mut client, filter(&["shop/cart"])).await;
     let first = watcher.next().await;
     assert_eq!(snapshot_reason(&first), Some(SnapshotReason::Initial));
-    watcher.until(services.version.unwrap().seq).await;
+    watcher.until(seq).await;
     let (expected, _) = catalog(&mut client, |k| k == "shop/cart").await;
     assert_eq!(watcher.view.catalog, expected);
 
@@ -88,28 +55,59 @@ async fn register_list_and_watch_a_filtered_catalog() {
     assert_eq!((e.address.as_str(), e.health), ("10.0.0.1", Health::Draining as i32));
 
     // Unregistering is idempotent and reported.
-    let gone = client
-        .unregister_endpoint(UnregisterEndpointRequest {
-            service: "shop/cart".into(),
-            address: "10.0.0.2".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let unregister = || UnregisterEndpointRequest {
+        service: "shop/cart".into(),
+        address: "10.0.0.2".into(),
+    };
+    let gone = client.unregister_endpoint(unregister()).await.unwrap().into_inner();
     assert!(gone.existed);
-    let again = client
-        .unregister_endpoint(UnregisterEndpointRequest {
-            service: "shop/cart".into(),
-            address: "10.0.0.2".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let again = client.unregister_endpoint(unregister()).await.unwrap().into_inner();
     assert!(!again.existed);
     assert_eq!(again.version, gone.version, "a no-op does not advance the version");
     watcher.until(gone.version.unwrap().seq).await;
     let (expected, _) = catalog(&mut client, |k| k == "shop/cart").await;
     assert_eq!(watcher.view.catalog, expected);
+}
+
+/// shop/cart (two endpoints) and shop/pay registered: each service has its own VIP from the mesh range, and its
+/// endpoints list with the defaults filled in. The catalog's version then.
+async fn a_catalog_registered_is_listed_with_a_vip_per_service(client: &mut RegistrarClient<Channel>) -> u64 {
+    let reply = client
+        .register_endpoint(RegisterEndpointRequest {
+            endpoint: Some(endpoint("shop/cart", "10.0.0.1", 8080)),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let cart = reply.service.unwrap();
+    let vip: IpAddr = cart.vip.parse().unwrap();
+    assert!(
+        "240.240.0.0/16".parse::<ipnet::IpNet>().unwrap().contains(&vip),
+        "{vip}"
+    );
+    register(client, endpoint("shop/cart", "10.0.0.2", 8080)).await;
+    register(client, endpoint("shop/pay", "10.0.0.3", 9090)).await;
+
+    let services = client.list_services(ListServicesRequest {}).await.unwrap().into_inner();
+    let keys: Vec<_> = services
+        .services
+        .iter()
+        .map(|s| format!("{}/{}", s.namespace, s.name))
+        .collect();
+    assert_eq!(keys, ["shop/cart", "shop/pay"]);
+    assert_ne!(services.services[0].vip, services.services[1].vip);
+    let endpoints = client
+        .list_endpoints(ListEndpointsRequest {
+            service: "shop/cart".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let addresses: Vec<_> = endpoints.endpoints.iter().map(|e| e.address.as_str()).collect();
+    assert_eq!(addresses, ["10.0.0.1", "10.0.0.2"]);
+    assert_eq!(endpoints.endpoints[0].weight, 1, "weight 0 is stored as the default 1");
+    assert_eq!(endpoints.endpoints[0].health, Health::Healthy as i32);
+    services.version.unwrap().seq
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -440,84 +438,12 @@ async fn bad_input_is_refused_naming_the_field_and_changes_nothing() {
     register(&mut client, endpoint("ns/a", "10.0.5.1", 80)).await;
     let (before, version) = catalog(&mut client, |_| true).await;
 
-    let good = || endpoint("ns/a", "10.0.5.1", 8080);
-    let with = |f: &dyn Fn(&mut Endpoint)| {
-        let mut e = good();
-        f(&mut e);
-        Some(e)
-    };
-    let cases: Vec<(Option<Endpoint>, &str)> = vec![
-        (None, "endpoint: must be set"),
-        (
-            with(&|e| e.service.clear()),
-            "endpoint.service: must be set to \"<namespace>/<name>\"",
-        ),
-        (
-            with(&|e| e.service = "ns".into()),
-            "endpoint.service: \"ns\": expected \"<namespace>/<name>\"",
-        ),
-        (
-            with(&|e| e.service = "ns/Bad_Name".into()),
-            "endpoint.service: \"ns/Bad_Name\": name must be a DNS-1123 label",
-        ),
-        (
-            with(&|e| e.service = "/a".into()),
-            "endpoint.service: \"/a\": namespace is empty",
-        ),
-        (
-            with(&|e| e.address.clear()),
-            "endpoint.address: must be set to the pod's IP address",
-        ),
-        (
-            with(&|e| e.address = "10.0.5".into()),
-            "endpoint.address: \"10.0.5\" is not an IP address",
-        ),
-        (
-            with(&|e| e.address = "0.0.0.0".into()),
-            "endpoint.address: \"0.0.0.0\" is not a unicast pod address",
-        ),
-        (
-            with(&|e| e.ports.clear()),
-            "endpoint.ports: at least one port is required",
-        ),
-        (
-            with(&|e| e.ports[0].port = 0),
-            "endpoint.ports[0].port: 0 is out of range (1..=65535)",
-        ),
-        (
-            with(&|e| e.ports[0].port = 65_536),
-            "endpoint.ports[0].port: 65536 is out of range (1..=65535)",
-        ),
-        (
-            with(&|e| e.ports[0].protocol = 99),
-            "endpoint.ports[0].protocol: unknown protocol 99",
-        ),
-        (
-            with(&|e| e.ports[0].protocol = Protocol::Unspecified as i32),
-            "endpoint.ports[0].protocol: must be set (TCP, HTTP, HTTP2 or GRPC)",
-        ),
-        (
-            with(&|e| {
-                e.ports.push(Port {
-                    name: "other".into(),
-                    port: 8080,
-                    protocol: Protocol::Tcp as i32,
-                })
-            }),
-            "endpoint.ports[1].port: 8080 is listed twice",
-        ),
-        (
-            with(&|e| {
-                e.metadata.insert("big".into(), "x".repeat(20_000));
-            }),
-            "endpoint.metadata: 20003 bytes (at most 16384)",
-        ),
-        (with(&|e| e.health = 7), "endpoint.health: unknown health 7"),
-        (
-            with(&|e| e.weight = 70_000),
-            "endpoint.weight: 70000 is out of range (0..=65535; 0 means 1)",
-        ),
-    ];
+    let mut cases = vec![(None, "endpoint: must be set")];
+    cases.extend(BAD_ENDPOINTS.iter().map(|(edit, expected)| {
+        let mut e = endpoint("ns/a", "10.0.5.1", 8080);
+        edit(&mut e);
+        (Some(e), *expected)
+    }));
     for (endpoint, expected) in cases {
         let status = client
             .register_endpoint(RegisterEndpointRequest { endpoint })
@@ -530,12 +456,98 @@ async fn bad_input_is_refused_naming_the_field_and_changes_nothing() {
             status.message()
         );
     }
+    bad_unregisters_and_lists_are_refused(&mut client).await;
+    bad_filters_end_the_stream_naming_the_field(&mut client, version.seq).await;
 
+    // Nothing changed, and the registrar still serves.
+    let (after, after_version) = catalog(&mut client, |_| true).await;
+    assert_eq!(after, before);
+    assert_eq!(after_version, version);
+    let (_, metrics) = http_get(registrar.admin, "/metrics").await.unwrap();
+    assert!(
+        metrics.contains("aether_registrar_invalid_requests_total{method=\"RegisterEndpoint\"} 17"),
+        "{metrics}"
+    );
+}
+
+/// Edits that make a good endpoint bad, and the start of the message naming what is wrong.
+type EndpointEdit = fn(&mut Endpoint);
+const BAD_ENDPOINTS: [(EndpointEdit, &str); 16] = [
+    (
+        |e| e.service.clear(),
+        "endpoint.service: must be set to \"<namespace>/<name>\"",
+    ),
+    (
+        |e| e.service = "ns".into(),
+        "endpoint.service: \"ns\": expected \"<namespace>/<name>\"",
+    ),
+    (
+        |e| e.service = "ns/Bad_Name".into(),
+        "endpoint.service: \"ns/Bad_Name\": name must be a DNS-1123 label",
+    ),
+    (
+        |e| e.service = "/a".into(),
+        "endpoint.service: \"/a\": namespace is empty",
+    ),
+    (
+        |e| e.address.clear(),
+        "endpoint.address: must be set to the pod's IP address",
+    ),
+    (
+        |e| e.address = "10.0.5".into(),
+        "endpoint.address: \"10.0.5\" is not an IP address",
+    ),
+    (
+        |e| e.address = "0.0.0.0".into(),
+        "endpoint.address: \"0.0.0.0\" is not a unicast pod address",
+    ),
+    (|e| e.ports.clear(), "endpoint.ports: at least one port is required"),
+    (
+        |e| e.ports[0].port = 0,
+        "endpoint.ports[0].port: 0 is out of range (1..=65535)",
+    ),
+    (
+        |e| e.ports[0].port = 65_536,
+        "endpoint.ports[0].port: 65536 is out of range (1..=65535)",
+    ),
+    (
+        |e| e.ports[0].protocol = 99,
+        "endpoint.ports[0].protocol: unknown protocol 99",
+    ),
+    (
+        |e| e.ports[0].protocol = Protocol::Unspecified as i32,
+        "endpoint.ports[0].protocol: must be set (TCP, HTTP, HTTP2 or GRPC)",
+    ),
+    (
+        |e| {
+            e.ports.push(Port {
+                name: "other".into(),
+                port: 8080,
+                protocol: Protocol::Tcp as i32,
+            })
+        },
+        "endpoint.ports[1].port: 8080 is listed twice",
+    ),
+    (
+        |e| {
+            e.metadata.insert("big".into(), "x".repeat(20_000));
+        },
+        "endpoint.metadata: 20003 bytes (at most 16384)",
+    ),
+    (|e| e.health = 7, "endpoint.health: unknown health 7"),
+    (
+        |e| e.weight = 70_000,
+        "endpoint.weight: 70000 is out of range (0..=65535; 0 means 1)",
+    ),
+];
+
+async fn bad_unregisters_and_lists_are_refused(client: &mut RegistrarClient<Channel>) {
+    let unregister = |service: &str, address: &str| UnregisterEndpointRequest {
+        service: service.into(),
+        address: address.into(),
+    };
     let status = client
-        .unregister_endpoint(UnregisterEndpointRequest {
-            service: "ns/a".into(),
-            address: "nope".into(),
-        })
+        .unregister_endpoint(unregister("ns/a", "nope"))
         .await
         .unwrap_err();
     assert_eq!(
@@ -543,10 +555,7 @@ async fn bad_input_is_refused_naming_the_field_and_changes_nothing() {
         (Code::InvalidArgument, "address: \"nope\" is not an IP address")
     );
     let status = client
-        .unregister_endpoint(UnregisterEndpointRequest {
-            service: "".into(),
-            address: "10.0.5.1".into(),
-        })
+        .unregister_endpoint(unregister("", "10.0.5.1"))
         .await
         .unwrap_err();
     assert_eq!(
@@ -563,33 +572,24 @@ async fn bad_input_is_refused_naming_the_field_and_changes_nothing() {
         (status.code(), status.message()),
         (Code::NotFound, "service: ns/missing is not in the catalog")
     );
+}
 
-    // A bad filter ends that stream with the field named; the first one...
-    let mut watcher = Watcher::open(&mut client, filter(&["ns/a", "NOT A KEY"])).await;
+/// A bad filter ends that stream with the field named; the first one or a later one.
+async fn bad_filters_end_the_stream_naming_the_field(client: &mut RegistrarClient<Channel>, seq: u64) {
+    let mut watcher = Watcher::open(client, filter(&["ns/a", "NOT A KEY"])).await;
     let status = watcher.end().await;
     assert_eq!(status.code(), Code::InvalidArgument);
     assert_eq!(
         status.message(),
         "services[1]: \"NOT A KEY\": expected \"<namespace>/<name>\""
     );
-    // ...or a later one.
-    let mut watcher = Watcher::open(&mut client, filter(&["ns/a"])).await;
-    watcher.until(version.seq).await;
+    let mut watcher = Watcher::open(client, filter(&["ns/a"])).await;
+    watcher.until(seq).await;
     watcher.send(filter(&["ns/"])).await;
     let status = watcher.end().await;
     assert_eq!(
         (status.code(), status.message()),
         (Code::InvalidArgument, "services[0]: \"ns/\": name is empty")
-    );
-
-    // Nothing changed, and the registrar still serves.
-    let (after, after_version) = catalog(&mut client, |_| true).await;
-    assert_eq!(after, before);
-    assert_eq!(after_version, version);
-    let (_, metrics) = http_get(registrar.admin, "/metrics").await.unwrap();
-    assert!(
-        metrics.contains("aether_registrar_invalid_requests_total{method=\"RegisterEndpoint\"} 17"),
-        "{metrics}"
     );
 }
 
@@ -720,7 +720,6 @@ async fn a_second_registrar_on_the_same_data_dir_refuses_to_start() {
 /// nothing changes. The client has tonic's default limits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn huge_fields_are_refused_with_a_short_message_naming_the_field() {
-    const MIB: usize = 1 << 20;
     let dir = tempfile::tempdir().unwrap();
     let registrar = Registrar::start(dir.path(), &[]).await;
     let mut client = registrar.client().await;
@@ -729,90 +728,14 @@ async fn huge_fields_are_refused_with_a_short_message_naming_the_field() {
     let (before, version) = catalog(&mut client, |_| true).await;
     watcher.until(version.seq).await;
 
-    let huge = "a".repeat(MIB);
-    let check = |what: &str, status: tonic::Status, field: &str| {
-        assert_eq!(status.code(), Code::InvalidArgument, "{what}: {status:?}");
-        let message = status.message();
-        assert!(message.starts_with(&format!("{field}: ")), "{what}: {message}");
-        // The value is quoted by its start and its size.
-        assert!(message.contains("aaaa\"… (10485"), "{what}: {message}");
-        assert!(message.len() < 1024, "{what}: {} bytes: {message}", message.len());
-    };
-    let huge_endpoint = |f: &dyn Fn(&mut Endpoint)| {
-        let mut e = endpoint("ns/a", "10.0.6.2", 80);
-        f(&mut e);
-        RegisterEndpointRequest { endpoint: Some(e) }
-    };
-    let registrations = [
-        (
-            "service",
-            huge_endpoint(&|e| e.service = huge.clone()),
-            "endpoint.service",
-        ),
-        (
-            "service name",
-            huge_endpoint(&|e| e.service = format!("ns/{huge}")),
-            "endpoint.service",
-        ),
-        (
-            "address",
-            huge_endpoint(&|e| e.address = huge.clone()),
-            "endpoint.address",
-        ),
-        (
-            "port name",
-            huge_endpoint(&|e| e.ports[0].name = huge.clone()),
-            "endpoint.ports[0].name",
-        ),
-        (
-            "metadata key",
-            huge_endpoint(&|e| {
-                e.metadata.insert(huge.clone(), "v".into());
-            }),
-            "endpoint.metadata",
-        ),
-    ];
-    for (what, request, field) in registrations {
-        let status = client.register_endpoint(request).await.expect_err(what);
-        check(what, status, field);
-    }
-    // A label over 253 bytes is refused by its size alone.
-    let status = client
-        .register_endpoint(huge_endpoint(&|e| e.node = huge.clone()))
-        .await
-        .unwrap_err();
-    assert_eq!(
-        (status.code(), status.message()),
-        (Code::InvalidArgument, "endpoint.node: 1048576 bytes (at most 253)")
-    );
-
-    let status = client
-        .unregister_endpoint(UnregisterEndpointRequest {
-            service: huge.clone(),
-            address: "10.0.6.1".into(),
-        })
-        .await
-        .unwrap_err();
-    check("unregister service", status, "service");
-    let status = client
-        .unregister_endpoint(UnregisterEndpointRequest {
-            service: "ns/a".into(),
-            address: huge.clone(),
-        })
-        .await
-        .unwrap_err();
-    check("unregister address", status, "address");
-    let status = client
-        .list_endpoints(ListEndpointsRequest { service: huge.clone() })
-        .await
-        .unwrap_err();
-    check("list", status, "service");
-
+    huge_registrations_are_refused(&mut client).await;
+    huge_unregisters_and_lists_are_refused(&mut client).await;
     // A Watch whose first message names a huge service, and one that changes to it.
+    let huge = "a".repeat(MIB);
     let mut bad = Watcher::open(&mut client, filter(&["ns/a", &huge])).await;
-    check("watch", bad.end().await, "services[1]");
+    assert_huge_refused("watch", bad.end().await, "services[1]");
     watcher.send(filter(&["ns/a", "ns/b", &huge])).await;
-    check("watch filter change", watcher.end().await, "services[2]");
+    assert_huge_refused("watch filter change", watcher.end().await, "services[2]");
 
     // Over the registrar's decoding limit: refused by the transport from the message's
     // length prefix, before it is read.
@@ -832,4 +755,94 @@ async fn huge_fields_are_refused_with_a_short_message_naming_the_field() {
     let (after, after_version) = catalog(&mut client, |_| true).await;
     assert_eq!(after, before);
     assert_eq!(after_version, version);
+}
+
+const MIB: usize = 1 << 20;
+
+/// `status` refuses a 1 MiB value of `field` (in `what`): named, quoted by its start and its size, briefly.
+fn assert_huge_refused(what: &str, status: tonic::Status, field: &str) {
+    assert_eq!(status.code(), Code::InvalidArgument, "{what}: {status:?}");
+    let message = status.message();
+    assert!(message.starts_with(&format!("{field}: ")), "{what}: {message}");
+    // The value is quoted by its start and its size.
+    assert!(message.contains("aaaa\"… (10485"), "{what}: {message}");
+    assert!(message.len() < 1024, "{what}: {} bytes: {message}", message.len());
+}
+
+/// A registration of ns/a at 10.0.6.2 changed by `edit`.
+fn huge_endpoint(edit: impl Fn(&mut Endpoint)) -> RegisterEndpointRequest {
+    let mut e = endpoint("ns/a", "10.0.6.2", 80);
+    edit(&mut e);
+    RegisterEndpointRequest { endpoint: Some(e) }
+}
+
+async fn huge_registrations_are_refused(client: &mut RegistrarClient<Channel>) {
+    let huge = "a".repeat(MIB);
+    let registrations = [
+        (
+            "service",
+            huge_endpoint(|e| e.service = huge.clone()),
+            "endpoint.service",
+        ),
+        (
+            "service name",
+            huge_endpoint(|e| e.service = format!("ns/{huge}")),
+            "endpoint.service",
+        ),
+        (
+            "address",
+            huge_endpoint(|e| e.address = huge.clone()),
+            "endpoint.address",
+        ),
+        (
+            "port name",
+            huge_endpoint(|e| e.ports[0].name = huge.clone()),
+            "endpoint.ports[0].name",
+        ),
+        (
+            "metadata key",
+            huge_endpoint(|e| {
+                e.metadata.insert(huge.clone(), "v".into());
+            }),
+            "endpoint.metadata",
+        ),
+    ];
+    for (what, request, field) in registrations {
+        let status = client.register_endpoint(request).await.expect_err(what);
+        assert_huge_refused(what, status, field);
+    }
+    // A label over 253 bytes is refused by its size alone.
+    let status = client
+        .register_endpoint(huge_endpoint(|e| e.node = huge.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (status.code(), status.message()),
+        (Code::InvalidArgument, "endpoint.node: 1048576 bytes (at most 253)")
+    );
+}
+
+async fn huge_unregisters_and_lists_are_refused(client: &mut RegistrarClient<Channel>) {
+    let huge = "a".repeat(MIB);
+    let status = client
+        .unregister_endpoint(UnregisterEndpointRequest {
+            service: huge.clone(),
+            address: "10.0.6.1".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_huge_refused("unregister service", status, "service");
+    let status = client
+        .unregister_endpoint(UnregisterEndpointRequest {
+            service: "ns/a".into(),
+            address: huge.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_huge_refused("unregister address", status, "address");
+    let status = client
+        .list_endpoints(ListEndpointsRequest { service: huge.clone() })
+        .await
+        .unwrap_err();
+    assert_huge_refused("list", status, "service");
 }
