@@ -91,6 +91,10 @@ pub struct DnsFacts {
     pub record: Option<Vec<IpAddr>>,
     /// Reading the record file failed.
     pub file_error: Option<String>,
+    /// What mesh-dns itself answered, when the node runs one (`--mesh-dns`): its address,
+    /// and the A records or why there was no answer. Judged before the file: it is what
+    /// the pod's resolver gets.
+    pub answer: Option<(String, Result<Vec<IpAddr>, String>)>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -301,6 +305,9 @@ fn dns(f: &Facts) -> Hop {
             ),
         );
     }
+    if let Some((server, answer)) = &f.dns.answer {
+        return dns_answer(t, server, answer);
+    }
     let fix_file = "check the agent's DNS catalog watch (aether status) and mesh-dns's /debug/records; the agent rewrites the record file on every catalog change";
     if let Some(error) = &f.dns.file_error {
         return hop(
@@ -326,6 +333,42 @@ fn dns(f: &Facts) -> Hop {
             fix_file,
         ),
         _ => ok("dns", format!("{} resolves to {}", t.fqdn, list(record))),
+    }
+}
+
+/// mesh-dns asked directly: it answers the name with the service's VIP.
+fn dns_answer(t: &Target, server: &str, answer: &Result<Vec<IpAddr>, String>) -> Hop {
+    let fix = "check mesh-dns (aether check: mesh-dns answering), its /debug/records and the agent's DNS catalog watch";
+    let ips = match answer {
+        Err(e) => {
+            return hop(
+                "dns",
+                Status::Fail,
+                format!("mesh-dns at {server} did not answer: {e}"),
+                fix,
+            );
+        }
+        Ok(ips) if ips.is_empty() => {
+            let why = format!("mesh-dns at {server} has no record for {}", t.fqdn);
+            return hop("dns", Status::Fail, why, fix);
+        }
+        Ok(ips) => ips,
+    };
+    match t.vip {
+        Some(vip) if !ips.contains(&vip) => hop(
+            "dns",
+            Status::Fail,
+            format!(
+                "mesh-dns at {server} answers {} with {}, but its VIP is {vip}",
+                t.fqdn,
+                list(ips)
+            ),
+            fix,
+        ),
+        _ => ok(
+            "dns",
+            format!("mesh-dns at {server} answers {} with {}", t.fqdn, list(ips)),
+        ),
     }
 }
 

@@ -6,7 +6,7 @@ use std::process::Output;
 use std::time::{Duration, Instant};
 
 use aether_tests::mesh::{APP, Mesh, MeshIdentity};
-use aether_tests::{Envoy, TestPod, binary, free_port, unique_base_id};
+use aether_tests::{ChildGuard, Envoy, TestPod, binary, free_port, unique_base_id};
 use serde_json::Value;
 
 /// A mesh whose agent knows where Envoy's admin is (the harness picks a free port).
@@ -337,4 +337,39 @@ async fn explain_names_svid_faults() {
     spire.revoke(&uid(&frontend));
     let (_, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("identity", "fail"))).await;
     assert!(why(&e).contains("demo/frontend has no SVID"), "{e:#}");
+}
+
+/// With mesh-dns on the node, explain asks it: its answer, a record it lacks, its silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_asks_mesh_dns() {
+    let mut mesh = mesh().await;
+    let dns_addr = format!("{}:{}", mesh.node.gateway(), free_port());
+    mesh.agent = None;
+    mesh.agent_args.extend(["--mesh-dns".into(), dns_addr.clone()]);
+    mesh.start_agent().await;
+    let records = mesh.path("state/mesh-dns/records");
+    let mut cmd = std::process::Command::new(binary("aether-mesh-dns"));
+    cmd.args(["--listen", &dns_addr, "--admin", &format!("127.0.0.1:{}", free_port())])
+        .arg("--records")
+        .arg(&records)
+        .args(["--upstream", "127.0.0.1:9"]);
+    let dns = ChildGuard::spawn("mesh-dns", cmd);
+    let _pods = mesh.frontend_and_backend().await;
+
+    let (_, e) = explain_until(&mesh, "demo/frontend", "backend", None).await;
+    let answered = format!("mesh-dns at {dns_addr} answers backend.demo.aether.internal with 240.");
+    assert!(e["hops"][3]["why"].as_str().unwrap().starts_with(&answered), "{e:#}");
+
+    let mut file: Value = serde_json::from_slice(&std::fs::read(&records).unwrap()).unwrap();
+    file["records"].as_object_mut().unwrap().remove("demo/backend");
+    std::fs::write(&records, serde_json::to_vec(&file).unwrap()).unwrap();
+    let (_, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("dns", "fail"))).await;
+    assert!(
+        why(&e).contains(&format!("mesh-dns at {dns_addr} has no record for backend.demo")),
+        "{e:#}"
+    );
+
+    drop(dns);
+    let (_, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("dns", "fail"))).await;
+    assert!(why(&e).contains("did not answer"), "{e:#}");
 }

@@ -71,7 +71,10 @@ pub async fn gather(inspector: &Inspector, pod_id: &str, text: &str) -> Facts {
         pod_id: pod_id.to_owned(),
         pod: local.map(pod_facts),
         target_text: text.to_owned(),
-        dns: dns_facts(&records, target.as_ref()),
+        dns: DnsFacts {
+            answer: dns_answer(inspector, target.as_ref()).await,
+            ..dns_facts(&records, target.as_ref())
+        },
         target,
         registrar_connected: inspector.registrar_connected.get() == 1,
         capture,
@@ -139,6 +142,7 @@ fn dns_facts(records: &Result<RecordFile, String>, target: Option<&Target>) -> D
             return DnsFacts {
                 record: None,
                 file_error: Some(e.clone()),
+                answer: None,
             };
         }
     };
@@ -150,7 +154,14 @@ fn dns_facts(records: &Result<RecordFile, String>, target: Option<&Target>) -> D
     DnsFacts {
         record,
         file_error: None,
+        answer: None,
     }
+}
+
+/// mesh-dns's own answer for the target's name, when the node runs one.
+async fn dns_answer(inspector: &Inspector, target: Option<&Target>) -> Option<(String, Result<Vec<IpAddr>, String>)> {
+    let (addr, target) = (inspector.mesh_dns?, target.filter(|t| !t.by_ip)?);
+    Some((addr.to_string(), super::mesh_dns::resolve(addr, &target.fqdn).await))
 }
 
 async fn capture(inspector: &Inspector, pod: &LocalPod) -> Capture {

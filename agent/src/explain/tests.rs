@@ -51,6 +51,7 @@ fn healthy() -> Facts {
         dns: DnsFacts {
             record: Some(vec![vip]),
             file_error: None,
+            answer: None,
         },
         capture: Capture::Intact,
         envoy: EnvoyFacts {
@@ -141,6 +142,27 @@ const CASES: &[(&str, Fault, &str, Status, &str)] = &[
         "dns",
         Status::Fail,
         "but its VIP is 240.240.0.1",
+    ),
+    (
+        "mesh-dns silent",
+        |f| f.dns.answer = Some(("10.0.0.1:53".into(), Err("timeout".into()))),
+        "dns",
+        Status::Fail,
+        "mesh-dns at 10.0.0.1:53 did not answer: timeout",
+    ),
+    (
+        "mesh-dns lacks the name",
+        |f| f.dns.answer = Some(("10.0.0.1:53".into(), Ok(vec![]))),
+        "dns",
+        Status::Fail,
+        "has no record for backend.demo",
+    ),
+    (
+        "mesh-dns stale",
+        |f| f.dns.answer = Some(("10.0.0.1:53".into(), Ok(vec!["240.240.0.9".parse().unwrap()]))),
+        "dns",
+        Status::Fail,
+        "with 240.240.0.9, but its VIP is 240.240.0.1",
     ),
     (
         "record file unreadable",
