@@ -91,36 +91,10 @@ fn install_chains_once_repairs_after_rewrites_and_uninstall_removes_it() {
             .unwrap(),
     );
     let installed = bin.join("aether-cni");
-    eventually("the binary is installed", || installed.is_file());
-    use std::os::unix::fs::PermissionsExt;
-    assert_eq!(
-        std::fs::metadata(&installed).unwrap().permissions().mode() & 0o777,
-        0o755
-    );
-    // The installed copy is a working plugin.
-    let out = Command::new(&installed)
-        .env("CNI_COMMAND", "VERSION")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(String::from_utf8_lossy(&out.stdout).contains("\"supportedVersions\""));
-
+    the_installed_binary_is_a_working_plugin(&installed);
     let list = conf.join("10-pods.conflist");
     primary_writes(&conf, "10-pods.conflist");
-    eventually("our plugin is chained last", || {
-        plugin_types(&list) == ["bridge", "portmap", "aether-cni"]
-    });
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&list).unwrap()).unwrap();
-    assert_eq!(
-        v["plugins"][2],
-        json!({"type": "aether-cni", "agentSocket": "/run/test/cni.sock", "meshDns": "10.0.0.10:18054",
-               "logFile": "/var/log/aether-cni.log", "stateDir": "/var/run/aether", "excludedNamespaces": ["kube-system"]})
-    );
-    // The primary CNI's own settings are kept verbatim.
-    assert_eq!(
-        v["plugins"][1],
-        json!({"type": "portmap", "capabilities": {"portMappings": true}})
-    );
+    our_plugin_is_chained_last_keeping_the_primarys_settings(&list);
 
     // The primary CNI rewrites its file (e.g. on reboot): we are put back, once.
     for _ in 0..3 {
@@ -148,21 +122,49 @@ fn install_chains_once_repairs_after_rewrites_and_uninstall_removes_it() {
     assert_eq!(plugin_types(&conf.join("99-later.conflist")), ["ptp"]);
 
     drop(installer);
-    let out = Command::new(BIN)
-        .args([
-            "uninstall",
-            "--bin-dir",
-            &bin.display().to_string(),
-            "--conf-dir",
-            &conf.display().to_string(),
-        ])
-        .output()
-        .unwrap();
+    let out = uninstall(&bin, &conf);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(plugin_types(&list), ["bridge", "portmap"]);
     assert!(!installed.exists());
     // Uninstalling again is fine.
-    let again = Command::new(BIN)
+    assert!(uninstall(&bin, &conf).status.success());
+}
+
+/// The binary lands executable, and the installed copy answers VERSION.
+fn the_installed_binary_is_a_working_plugin(installed: &Path) {
+    eventually("the binary is installed", || installed.is_file());
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(installed).unwrap().permissions().mode() & 0o777,
+        0o755
+    );
+    let out = Command::new(installed)
+        .env("CNI_COMMAND", "VERSION")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("\"supportedVersions\""));
+}
+
+fn our_plugin_is_chained_last_keeping_the_primarys_settings(list: &Path) {
+    eventually("our plugin is chained last", || {
+        plugin_types(list) == ["bridge", "portmap", "aether-cni"]
+    });
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(list).unwrap()).unwrap();
+    assert_eq!(
+        v["plugins"][2],
+        json!({"type": "aether-cni", "agentSocket": "/run/test/cni.sock", "meshDns": "10.0.0.10:18054",
+               "logFile": "/var/log/aether-cni.log", "stateDir": "/var/run/aether", "excludedNamespaces": ["kube-system"]})
+    );
+    // The primary CNI's own settings are kept verbatim.
+    assert_eq!(
+        v["plugins"][1],
+        json!({"type": "portmap", "capabilities": {"portMappings": true}})
+    );
+}
+
+fn uninstall(bin: &Path, conf: &Path) -> std::process::Output {
+    Command::new(BIN)
         .args([
             "uninstall",
             "--bin-dir",
@@ -171,8 +173,7 @@ fn install_chains_once_repairs_after_rewrites_and_uninstall_removes_it() {
             &conf.display().to_string(),
         ])
         .output()
-        .unwrap();
-    assert!(again.status.success());
+        .unwrap()
 }
 
 #[test]

@@ -154,153 +154,15 @@ fn every_error_case_has_its_spec_code_and_names_the_cause() {
     let f = Fixture::new();
     let ns = Netns::new();
     let netns = ns.path();
-    let env = sandbox_env(&netns);
-    let add = |stdin: &str, env: &[(&str, &str)]| plugin(Some("ADD"), env, stdin);
-    let with_prev = |version: &str, extra: Value| {
-        let mut c: Value = serde_json::from_str(&f.conf(version, extra)).unwrap();
-        c["prevResult"] = prev_result(&netns);
-        c.to_string()
+    let case = ErrorCases {
+        f: &f,
+        netns: &netns,
+        env: sandbox_env(&netns),
     };
-    let good = with_prev("1.0.0", json!({}));
-
-    // 4: the environment.
-    let r = plugin(None, &env, &good);
-    assert_eq!((r.code(), r.msg()), (4, "CNI_COMMAND: missing".to_string()));
-    let r = plugin(Some("BOGUS"), &env, &good);
-    assert_eq!(r.code(), 4);
-    assert!(
-        r.msg().starts_with("CNI_COMMAND: \"BOGUS\" is not a CNI command"),
-        "{}",
-        r.msg()
-    );
-    let without = |key: &str| env.iter().copied().filter(|(k, _)| *k != key).collect::<Vec<_>>();
-    let r = add(&good, &without("CNI_NETNS"));
-    assert_eq!((r.code(), r.msg()), (4, "CNI_NETNS: missing".to_string()));
-    let r = add(&good, &without("CNI_CONTAINERID"));
-    assert_eq!((r.code(), r.msg()), (4, "CNI_CONTAINERID: missing".to_string()));
-    let r = add(&good, &without("CNI_IFNAME"));
-    assert_eq!((r.code(), r.msg()), (4, "CNI_IFNAME: missing".to_string()));
-    let mut bad_args = without("CNI_ARGS");
-    bad_args.push(("CNI_ARGS", "K8S_POD_NAME"));
-    let r = add(&good, &bad_args);
-    assert_eq!(
-        (r.code(), r.msg()),
-        (4, "CNI_ARGS: \"K8S_POD_NAME\" is not KEY=VALUE".to_string())
-    );
-
-    // 6: stdin is not a JSON object.
-    let r = add("{not json", &env);
-    assert_eq!(r.code(), 6);
-    assert!(
-        r.msg().starts_with("network configuration on stdin is not JSON"),
-        "{}",
-        r.msg()
-    );
-    assert_eq!(add("[]", &env).code(), 6);
-
-    // 7: invalid network config, field named.
-    let r = add(r#"{"name":"x"}"#, &env);
-    assert_eq!((r.code(), r.msg()), (7, "cniVersion: missing".to_string()));
-    let r = add(&f.conf("1.0.0", json!({})), &env);
-    assert_eq!(r.code(), 7);
-    assert!(r.msg().starts_with("prevResult: missing"), "{}", r.msg());
-    let r = add(&with_prev("1.0.0", json!({"meshDns": "dns.local"})), &env);
-    assert_eq!(
-        (r.code(), r.msg()),
-        (7, "meshDns: \"dns.local\" is not an ip or ip:port address".to_string())
-    );
-    let r = add(&with_prev("1.0.0", json!({"agentSocket": "cni.sock"})), &env);
-    assert_eq!(
-        (r.code(), r.msg()),
-        (7, "agentSocket: \"cni.sock\" is not an absolute path".to_string())
-    );
-    let r = add(&with_prev("1.0.0", json!({"excludedCidrs": ["10.0.0.0/40"]})), &env);
-    assert_eq!(
-        (r.code(), r.msg()),
-        (7, "excludedCidrs[0]: \"10.0.0.0/40\" is not a CIDR".to_string())
-    );
-    let mut bad_prev: Value = serde_json::from_str(&good).unwrap();
-    bad_prev["prevResult"]["ips"][0]["address"] = json!("10.99.0.5");
-    let r = add(&bad_prev.to_string(), &env);
-    assert_eq!(
-        (r.code(), r.msg()),
-        (
-            7,
-            "prevResult.ips[0].address: \"10.99.0.5\" is not an address/prefix".to_string()
-        )
-    );
-
-    // 2: a value we do not support.
-    let r = add(&with_prev("1.0.0", json!({"captureMode": "redirect-all"})), &env);
-    assert_eq!(
-        (r.code(), r.msg()),
-        (
-            2,
-            "captureMode: \"redirect-all\" is not supported (use \"vip\" or \"none\")".to_string()
-        )
-    );
-
-    // 1: incompatible versions.
-    let r = add(&with_prev("0.4.0", json!({})), &env);
-    assert_eq!(
-        (r.code(), r.msg()),
-        (
-            1,
-            "cniVersion: \"0.4.0\" is not supported for ADD (supported: 1.0.0, 1.1.0)".to_string()
-        )
-    );
-    assert_eq!(r.json()["cniVersion"], "0.4.0");
-    assert_eq!(add(&with_prev("9.9.9", json!({})), &env).code(), 1);
-    let r = plugin(
-        Some("GC"),
-        &[],
-        &f.conf("1.0.0", json!({"cni.dev/valid-attachments": []})),
-    );
-    assert_eq!(
-        (r.code(), r.msg()),
-        (
-            1,
-            "cniVersion: \"1.0.0\" is not supported for GC (supported: 1.1.0)".to_string()
-        )
-    );
-    let r = plugin(Some("STATUS"), &[], &f.conf("1.0.0", json!({})));
-    assert_eq!(r.code(), 1);
-
-    // 3: the netns is gone.
-    let mut gone = env.clone();
-    gone.retain(|(k, _)| *k != "CNI_NETNS");
-    gone.push(("CNI_NETNS", "/var/run/netns/aether-no-such-netns"));
-    let r = add(&good, &gone);
-    assert_eq!(
-        (r.code(), r.msg()),
-        (
-            3,
-            "CNI_NETNS: \"/var/run/netns/aether-no-such-netns\" does not exist".to_string()
-        )
-    );
-
-    // 11: the agent is down (fail closed) — and the pin made for it is gone again.
-    let r = add(&good, &env);
-    assert_eq!(r.code(), 11, "{}", r.stdout);
-    let expected = format!(
-        "the aether agent at {} is unavailable (2 attempts): ",
-        f.dir.path().join("no-agent.sock").display()
-    );
-    assert!(r.msg().starts_with(&expected), "{}", r.msg());
-    assert!(
-        !f.dir.path().join("state/netns/c1").exists(),
-        "a failed ADD left its pin"
-    );
-
-    // 50: STATUS while the agent does not answer.
-    let r = plugin(Some("STATUS"), &[], &f.conf("1.1.0", json!({})));
-    assert_eq!(r.code(), 50);
-    assert!(
-        r.msg().starts_with("plugin not available: the aether agent at"),
-        "{}",
-        r.msg()
-    );
-
+    case.environment_errors_are_4();
+    case.bad_stdin_is_6_and_bad_config_7();
+    case.unsupported_values_are_2_and_versions_1();
+    case.a_gone_netns_is_3_and_a_down_agent_11_then_50();
     // GC without the runtime's list.
     let r = plugin(Some("GC"), &[], &f.conf("1.1.0", json!({})));
     assert_eq!(
@@ -311,6 +173,182 @@ fn every_error_case_has_its_spec_code_and_names_the_cause() {
     // Logs went to the log file, never to stdout.
     let log = std::fs::read_to_string(f.log()).expect("log file");
     assert!(log.contains("CNI call failed"), "{log}");
+}
+
+/// The error cases' sandbox: a fixture (nobody listens on its agent socket), a real netns and the runtime's
+/// environment for it.
+struct ErrorCases<'a> {
+    f: &'a Fixture,
+    netns: &'a str,
+    env: Vec<(&'a str, &'a str)>,
+}
+
+impl ErrorCases<'_> {
+    fn add(&self, stdin: &str, env: &[(&str, &str)]) -> Run {
+        plugin(Some("ADD"), env, stdin)
+    }
+
+    /// A config at `version` with `extra` fields and a valid prevResult.
+    fn with_prev(&self, version: &str, extra: Value) -> String {
+        let mut c: Value = serde_json::from_str(&self.f.conf(version, extra)).unwrap();
+        c["prevResult"] = prev_result(self.netns);
+        c.to_string()
+    }
+
+    fn good(&self) -> String {
+        self.with_prev("1.0.0", json!({}))
+    }
+
+    /// The environment without `key`.
+    fn without(&self, key: &str) -> Vec<(&str, &str)> {
+        self.env.iter().copied().filter(|(k, _)| *k != key).collect()
+    }
+
+    /// 4: the environment.
+    fn environment_errors_are_4(&self) {
+        let good = self.good();
+        let r = plugin(None, &self.env, &good);
+        assert_eq!((r.code(), r.msg()), (4, "CNI_COMMAND: missing".to_string()));
+        let r = plugin(Some("BOGUS"), &self.env, &good);
+        assert_eq!(r.code(), 4);
+        assert!(
+            r.msg().starts_with("CNI_COMMAND: \"BOGUS\" is not a CNI command"),
+            "{}",
+            r.msg()
+        );
+        for key in ["CNI_NETNS", "CNI_CONTAINERID", "CNI_IFNAME"] {
+            let r = self.add(&good, &self.without(key));
+            assert_eq!((r.code(), r.msg()), (4, format!("{key}: missing")));
+        }
+        let mut bad_args = self.without("CNI_ARGS");
+        bad_args.push(("CNI_ARGS", "K8S_POD_NAME"));
+        let r = self.add(&good, &bad_args);
+        assert_eq!(
+            (r.code(), r.msg()),
+            (4, "CNI_ARGS: \"K8S_POD_NAME\" is not KEY=VALUE".to_string())
+        );
+    }
+
+    /// 6: stdin is not a JSON object. 7: invalid network config, field named.
+    fn bad_stdin_is_6_and_bad_config_7(&self) {
+        let env = &self.env;
+        let r = self.add("{not json", env);
+        assert_eq!(r.code(), 6);
+        assert!(
+            r.msg().starts_with("network configuration on stdin is not JSON"),
+            "{}",
+            r.msg()
+        );
+        assert_eq!(self.add("[]", env).code(), 6);
+
+        let r = self.add(r#"{"name":"x"}"#, env);
+        assert_eq!((r.code(), r.msg()), (7, "cniVersion: missing".to_string()));
+        let r = self.add(&self.f.conf("1.0.0", json!({})), env);
+        assert_eq!(r.code(), 7);
+        assert!(r.msg().starts_with("prevResult: missing"), "{}", r.msg());
+        let cases = [
+            (
+                json!({"meshDns": "dns.local"}),
+                "meshDns: \"dns.local\" is not an ip or ip:port address",
+            ),
+            (
+                json!({"agentSocket": "cni.sock"}),
+                "agentSocket: \"cni.sock\" is not an absolute path",
+            ),
+            (
+                json!({"excludedCidrs": ["10.0.0.0/40"]}),
+                "excludedCidrs[0]: \"10.0.0.0/40\" is not a CIDR",
+            ),
+        ];
+        for (extra, message) in cases {
+            let r = self.add(&self.with_prev("1.0.0", extra), env);
+            assert_eq!((r.code(), r.msg()), (7, message.to_string()));
+        }
+        let mut bad_prev: Value = serde_json::from_str(&self.good()).unwrap();
+        bad_prev["prevResult"]["ips"][0]["address"] = json!("10.99.0.5");
+        let r = self.add(&bad_prev.to_string(), env);
+        assert_eq!(
+            (r.code(), r.msg()),
+            (
+                7,
+                "prevResult.ips[0].address: \"10.99.0.5\" is not an address/prefix".to_string()
+            )
+        );
+    }
+
+    /// 2: a value we do not support. 1: incompatible versions.
+    fn unsupported_values_are_2_and_versions_1(&self) {
+        let env = &self.env;
+        let r = self.add(&self.with_prev("1.0.0", json!({"captureMode": "redirect-all"})), env);
+        assert_eq!(
+            (r.code(), r.msg()),
+            (
+                2,
+                "captureMode: \"redirect-all\" is not supported (use \"vip\" or \"none\")".to_string()
+            )
+        );
+
+        let r = self.add(&self.with_prev("0.4.0", json!({})), env);
+        assert_eq!(
+            (r.code(), r.msg()),
+            (
+                1,
+                "cniVersion: \"0.4.0\" is not supported for ADD (supported: 1.0.0, 1.1.0)".to_string()
+            )
+        );
+        assert_eq!(r.json()["cniVersion"], "0.4.0");
+        assert_eq!(self.add(&self.with_prev("9.9.9", json!({})), env).code(), 1);
+        let r = plugin(
+            Some("GC"),
+            &[],
+            &self.f.conf("1.0.0", json!({"cni.dev/valid-attachments": []})),
+        );
+        assert_eq!(
+            (r.code(), r.msg()),
+            (
+                1,
+                "cniVersion: \"1.0.0\" is not supported for GC (supported: 1.1.0)".to_string()
+            )
+        );
+        let r = plugin(Some("STATUS"), &[], &self.f.conf("1.0.0", json!({})));
+        assert_eq!(r.code(), 1);
+    }
+
+    /// 3: the netns is gone. 11: the agent is down (fail closed) — and the pin made for it is gone again. 50:
+    /// STATUS while the agent does not answer.
+    fn a_gone_netns_is_3_and_a_down_agent_11_then_50(&self) {
+        let good = self.good();
+        let mut gone = self.without("CNI_NETNS");
+        gone.push(("CNI_NETNS", "/var/run/netns/aether-no-such-netns"));
+        let r = self.add(&good, &gone);
+        assert_eq!(
+            (r.code(), r.msg()),
+            (
+                3,
+                "CNI_NETNS: \"/var/run/netns/aether-no-such-netns\" does not exist".to_string()
+            )
+        );
+
+        let r = self.add(&good, &self.env);
+        assert_eq!(r.code(), 11, "{}", r.stdout);
+        let expected = format!(
+            "the aether agent at {} is unavailable (2 attempts): ",
+            self.f.dir.path().join("no-agent.sock").display()
+        );
+        assert!(r.msg().starts_with(&expected), "{}", r.msg());
+        assert!(
+            !self.f.dir.path().join("state/netns/c1").exists(),
+            "a failed ADD left its pin"
+        );
+
+        let r = plugin(Some("STATUS"), &[], &self.f.conf("1.1.0", json!({})));
+        assert_eq!(r.code(), 50);
+        assert!(
+            r.msg().starts_with("plugin not available: the aether agent at"),
+            "{}",
+            r.msg()
+        );
+    }
 }
 
 #[test]
