@@ -118,6 +118,29 @@ impl CniMesh {
         })
     }
 
+    /// CHECK through the whole chain, off the runtime's threads.
+    async fn check(&self, sandbox: &Sandbox, cached: &Value) -> Result<(), PluginRun> {
+        let (list, sb, cached) = (self.conflist.clone(), sandbox.clone(), cached.clone());
+        tokio::task::spawn_blocking(move || list.check(&sb, &cached))
+            .await
+            .unwrap()
+    }
+
+    /// DEL through the whole chain (with the cached result, if any), off the runtime's threads.
+    async fn del(&self, sandbox: &Sandbox, cached: Option<&Value>) -> Result<(), PluginRun> {
+        let (list, sb, cached) = (self.conflist.clone(), sandbox.clone(), cached.cloned());
+        tokio::task::spawn_blocking(move || list.del(&sb, cached.as_ref()))
+            .await
+            .unwrap()
+    }
+
+    /// Our plugin's CHECK alone, with `cached` as its prevResult.
+    fn check_ours(&self, sandbox: &Sandbox, cached: &Value) -> PluginRun {
+        let ours = self.conflist.plugins()[1].clone();
+        self.conflist
+            .run(&ours, "CHECK", Some(sandbox), &[("prevResult", cached.clone())])
+    }
+
     async fn endpoints(&self, service: &str) -> Vec<String> {
         self.mesh
             .registrar()
@@ -178,11 +201,32 @@ async fn a_chained_add_captures_the_pod_and_del_undoes_everything() {
         results[1], results[0],
         "ADD must pass the main plugin's result through unchanged"
     );
-    let ip = pod_ip(&results[0]);
     let cached = results[1].clone();
 
-    // Pinned, captured, registered.
-    let pin = env.pin(&sb);
+    assert_pinned_captured_and_registered(&env, &ns, &sb, &pod_ip(&results[0])).await;
+    let vip = assert_the_vip_is_served_by_the_backend(&env, &ns.path()).await;
+    assert_dns_reaches_mesh_dns(&env, &ns.path());
+    // Envoy's own (marked) traffic to a VIP is not captured; the same connection unmarked is.
+    assert!(
+        connects_at_once(&ns.path(), vip, None),
+        "an unmarked connection to the VIP was not captured"
+    );
+    assert!(
+        !connects_at_once(&ns.path(), vip, Some(0x4145)),
+        "a socket with Envoy's mark was captured"
+    );
+    // CHECK: the whole chain agrees.
+    env.check(&sb, &cached)
+        .await
+        .unwrap_or_else(|run| panic!("CHECK: {run:?}\n{}", env.cni_log()));
+    check_sees_an_address_gone_from_the_interface(&env, &ns, &sb, &cached);
+    check_fails_on_drifted_rules_until_an_agent_restart_repairs_them(&mut env, &ns, &sb, &cached).await;
+    del_undoes_everything_and_is_idempotent(&env, ns, &sb, &cached).await;
+}
+
+/// Pinned, captured, registered.
+async fn assert_pinned_captured_and_registered(env: &CniMesh, ns: &BareNetns, sb: &Sandbox, ip: &str) {
+    let pin = env.pin(sb);
     assert!(
         is_pin_of(&pin, &ns.path()),
         "{} is not a pin of {}",
@@ -196,7 +240,7 @@ async fn a_chained_add_captures_the_pod_and_del_undoes_everything() {
     );
     assert!(table.contains(&format!("dnat ip to {}", env.dns.addr)), "{table}");
     assert!(table.contains("meta mark 0x00004145 return"), "{table}");
-    assert_eq!(env.endpoints("client").await, vec![ip.clone()]);
+    assert_eq!(env.endpoints("client").await, vec![ip.to_owned()]);
     let pods = env.debug_pods().await;
     let entry = pods["pods"]
         .as_array()
@@ -206,65 +250,45 @@ async fn a_chained_add_captures_the_pod_and_del_undoes_everything() {
         .expect("client known");
     assert_eq!(entry["netns"], json!(pin));
     assert_eq!(entry["ips"], json!([ip]));
+}
 
-    // A connection to the backend's VIP is captured and served by the backend pod.
+/// A connection to the backend's VIP is captured and served by the backend pod; the VIP.
+async fn assert_the_vip_is_served_by_the_backend(env: &CniMesh, netns: &Path) -> SocketAddr {
     let vip: SocketAddr = format!("{}:8080", env.mesh.vip("backend").await).parse().unwrap();
     let host = format!("{}:8080", fqdn("backend"));
-    let netns = ns.path();
-    let mut last = None;
     let reply = eventually("the VIP to answer through Envoy", || {
-        let reply = http_get_in(&netns, vip, "/via-cni", &host);
+        let reply = http_get_in(netns, vip, "/via-cni", &host);
         let ok = reply.as_ref().ok().filter(|r| r.starts_with("HTTP/1.1 200")).cloned();
         if ok.is_none() {
             eprintln!("VIP {vip}: {reply:?}");
         }
-        last = Some(reply);
         ok
     })
     .await;
-    drop(last);
     assert!(reply.contains("\"pod\":\"backend\""), "{reply}");
     assert!(reply.contains("/via-cni"), "{reply}");
+    vip
+}
 
-    // DNS (UDP and TCP :53) reaches the configured mesh-dns address.
+/// DNS (UDP and TCP :53) reaches the configured mesh-dns address.
+fn assert_dns_reaches_mesh_dns(env: &CniMesh, netns: &Path) {
     let cluster_dns: SocketAddr = CLUSTER_DNS.parse().unwrap();
-    let (answer, from) = udp_exchange_in(&netns, cluster_dns, b"query-udp").expect("UDP DNS captured");
+    let (answer, from) = udp_exchange_in(netns, cluster_dns, b"query-udp").expect("UDP DNS captured");
     assert_eq!(answer, b"dns-stand-in:query-udp");
     assert_eq!(
         from, cluster_dns,
         "the reply is un-NATed back to the address the pod asked"
     );
-    let answer = tcp_exchange_in(&netns, cluster_dns, b"query-tcp").expect("TCP DNS captured");
+    let answer = tcp_exchange_in(netns, cluster_dns, b"query-tcp").expect("TCP DNS captured");
     assert_eq!(answer, b"dns-stand-in:query-tcp");
     assert_eq!(env.dns.served.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
 
-    // Envoy's own (marked) traffic to a VIP is not captured; the same connection unmarked is.
-    assert!(
-        connects_at_once(&netns, vip, None),
-        "an unmarked connection to the VIP was not captured"
-    );
-    assert!(
-        !connects_at_once(&netns, vip, Some(0x4145)),
-        "a socket with Envoy's mark was captured"
-    );
-
-    // CHECK: the whole chain agrees.
-    let check = |list: ConfList, sb: Sandbox, cached: Value| async move {
-        tokio::task::spawn_blocking(move || list.check(&sb, &cached))
-            .await
-            .unwrap()
-    };
-    check(env.conflist.clone(), sb.clone(), cached.clone())
-        .await
-        .unwrap_or_else(|run| panic!("CHECK: {run:?}\n{}", env.cni_log()));
-
-    // Our CHECK sees an address gone from the interface.
-    let ours = env.conflist.plugins()[1].clone();
+/// Our CHECK sees an address gone from the interface; the address and route are put back after.
+fn check_sees_an_address_gone_from_the_interface(env: &CniMesh, ns: &BareNetns, sb: &Sandbox, cached: &Value) {
     let prefix = cached["ips"][0]["address"].as_str().unwrap().to_owned();
     assert!(ns.exec(&["ip", "addr", "del", &prefix, "dev", "eth0"]).status.success());
-    let run = env
-        .conflist
-        .run(&ours, "CHECK", Some(&sb), &[("prevResult", cached.clone())]);
+    let run = env.check_ours(sb, cached);
     assert_eq!(run.code(), 999);
     assert!(
         run.msg().starts_with(&format!(
@@ -275,24 +299,23 @@ async fn a_chained_add_captures_the_pod_and_del_undoes_everything() {
         run.msg()
     );
     assert!(ns.exec(&["ip", "addr", "add", &prefix, "dev", "eth0"]).status.success());
+    let gateway = env.mesh.node.gateway().to_string();
     assert!(
-        ns.exec(&[
-            "ip",
-            "route",
-            "replace",
-            "default",
-            "via",
-            &env.mesh.node.gateway().to_string()
-        ])
-        .status
-        .success()
+        ns.exec(&["ip", "route", "replace", "default", "via", &gateway])
+            .status
+            .success()
     );
+}
 
-    // Drifted capture rules fail CHECK, and an agent restart repairs them.
+/// Drifted capture rules fail CHECK, and an agent restart repairs them.
+async fn check_fails_on_drifted_rules_until_an_agent_restart_repairs_them(
+    env: &mut CniMesh,
+    ns: &BareNetns,
+    sb: &Sandbox,
+    cached: &Value,
+) {
     assert!(ns.exec(&["nft", "delete", "table", "inet", "aether"]).status.success());
-    let run = env
-        .conflist
-        .run(&ours, "CHECK", Some(&sb), &[("prevResult", cached.clone())]);
+    let run = env.check_ours(sb, cached);
     assert_eq!(run.code(), 999, "{run:?}");
     assert!(
         run.msg().contains("capture: the nftables table inet aether in"),
@@ -301,42 +324,36 @@ async fn a_chained_add_captures_the_pod_and_del_undoes_everything() {
     );
     env.mesh.agent = None;
     env.mesh.start_agent().await;
+    let netns = ns.path();
     let repaired = eventually("the restarted agent to repair the capture", || aether_table(&netns)).await;
     assert!(repaired.contains("redirect to :18001"), "{repaired}");
     // CHECK passes again once Envoy has re-ACKed the pod's listeners from the new agent.
     let mut last = None;
     let ok = eventually("CHECK to pass after the restart", || {
-        let run = env
-            .conflist
-            .run(&ours, "CHECK", Some(&sb), &[("prevResult", cached.clone())]);
+        let run = env.check_ours(sb, cached);
         let ok = run.success.then_some(());
         last = Some(run);
         ok
     });
     let deadline = tokio::time::timeout(Duration::from_secs(15), ok).await;
     assert!(deadline.is_ok(), "{last:?}");
+}
 
-    // DEL: rules, pin, endpoint and listeners gone; the address goes back to host-local.
-    let (list, sb2, c2) = (env.conflist.clone(), sb.clone(), cached.clone());
-    tokio::task::spawn_blocking(move || list.del(&sb2, Some(&c2)))
+/// DEL: rules, pin, endpoint and listeners gone; the address goes back to host-local. Idempotent: again, and once
+/// the netns itself is gone.
+async fn del_undoes_everything_and_is_idempotent(env: &CniMesh, ns: BareNetns, sb: &Sandbox, cached: &Value) {
+    env.del(sb, Some(cached))
         .await
-        .unwrap()
         .unwrap_or_else(|run| panic!("DEL: {run:?}"));
     assert_eq!(aether_table(&ns.path()), None, "the capture table outlived DEL");
-    assert!(!pin.exists(), "the pin outlived DEL");
+    assert!(!env.pin(sb).exists(), "the pin outlived DEL");
     assert!(env.endpoints("client").await.is_empty());
     assert!(!env.mesh.envoy().admin_get("/listeners").contains("demo/client"));
     let pods = env.debug_pods().await;
     assert!(!pods.to_string().contains("demo/client"), "{pods}");
-    // Idempotent: again, and once the netns itself is gone.
-    let del = |list: ConfList, sb: Sandbox| async move {
-        tokio::task::spawn_blocking(move || list.del(&sb, None)).await.unwrap()
-    };
-    del(env.conflist.clone(), sb.clone()).await.expect("second DEL");
+    env.del(sb, None).await.expect("second DEL");
     drop(ns);
-    del(env.conflist.clone(), sb.clone())
-        .await
-        .expect("DEL after the netns is gone");
+    env.del(sb, None).await.expect("DEL after the netns is gone");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -358,11 +375,7 @@ async fn add_fails_closed_while_the_agent_is_down_and_the_retry_succeeds() {
         run.msg()
     );
     // What the runtime does after a failed ADD: DEL (host-local frees the address).
-    let (list, sb2) = (env.conflist.clone(), sb.clone());
-    tokio::task::spawn_blocking(move || list.del(&sb2, None))
-        .await
-        .unwrap()
-        .expect("cleanup DEL");
+    env.del(&sb, None).await.expect("cleanup DEL");
     assert!(!env.pin(&sb).exists(), "a failed ADD left its pin");
     assert_eq!(aether_table(&ns.path()), None, "a failed ADD left capture rules");
 
@@ -375,11 +388,7 @@ async fn add_fails_closed_while_the_agent_is_down_and_the_retry_succeeds() {
     let results = env.add_ok(&sb).await;
     assert!(aether_table(&ns.path()).is_some());
     assert_eq!(env.endpoints("web").await, vec![pod_ip(&results[0])]);
-    let (list, sb2, c) = (env.conflist.clone(), sb.clone(), results[1].clone());
-    tokio::task::spawn_blocking(move || list.del(&sb2, Some(&c)))
-        .await
-        .unwrap()
-        .expect("DEL");
+    env.del(&sb, Some(&results[1])).await.expect("DEL");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -420,11 +429,7 @@ async fn gc_removes_sandboxes_the_runtime_no_longer_has() {
     let pods = env.debug_pods().await.to_string();
     assert!(pods.contains("demo/keep") && !pods.contains("demo/gone"), "{pods}");
     // host-local still holds gone's address until the runtime's DEL; that one is fine too.
-    let (list, c) = (env.conflist.clone(), gone_result[1].clone());
-    tokio::task::spawn_blocking(move || list.del(&gone, Some(&c)))
-        .await
-        .unwrap()
-        .expect("DEL after GC");
+    env.del(&gone, Some(&gone_result[1])).await.expect("DEL after GC");
     // GC with an empty list empties the node.
     env.ours_only.gc(&[]).expect("GC all");
     assert!(!env.pin(&keep).exists());
