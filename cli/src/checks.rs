@@ -9,42 +9,51 @@ use crate::Code;
 
 /// The node's health: the worst finding, and each problem in one line.
 pub fn judge_status(s: &Value) -> (Code, Vec<String>) {
-    let mut found: Vec<(Code, String)> = Vec::new();
-    let mut fail = |what: String| found.push((Code::Fail, what));
+    let mut fails = Vec::new();
     if s["agent"]["ready"] != json!(true) {
-        fail(format!("agent not ready: {}", s["agent"]["ready"]));
+        fails.push(format!("agent not ready: {}", s["agent"]["ready"]));
     }
     match s["envoy"]["server"]["state"].as_str() {
         Some("LIVE") => {}
-        Some(state) => fail(format!("Envoy is {state}")),
-        None => fail(format!("Envoy unreachable: {}", s["envoy"]["error"])),
+        Some(state) => fails.push(format!("Envoy is {state}")),
+        None => fails.push(format!("Envoy unreachable: {}", s["envoy"]["error"])),
     }
     if s["xds"]["streams"].as_u64() == Some(0) {
-        fail("no Envoy connected to the xDS socket".into());
+        fails.push("no Envoy connected to the xDS socket".into());
     }
     if s["registrar"]["connected"] != json!(true) {
-        fail("the registrar watch is down".into());
+        fails.push("the registrar watch is down".into());
     }
     for pod in s["pods"].as_array().into_iter().flatten() {
         let capture = pod["capture"].as_str().unwrap_or_default();
         if capture != "intact" && capture != "notcaptured" {
-            fail(format!("{}: capture {capture}", pod["pod"]));
+            fails.push(format!("{}: capture {capture}", pod["pod"]));
         }
         if pod["svid_expires_in_seconds"].as_i64().is_some_and(|s| s <= 0) {
-            fail(format!("{}: SVID expired", pod["pod"]));
+            fails.push(format!("{}: SVID expired", pod["pod"]));
         }
     }
+    let warns = warnings(s);
+    let code = match (fails.is_empty(), warns.is_empty()) {
+        (false, _) => Code::Fail,
+        (true, false) => Code::Warn,
+        (true, true) => Code::Ok,
+    };
+    (code, fails.into_iter().chain(warns).collect())
+}
+
+fn warnings(s: &Value) -> Vec<String> {
+    let mut warns = Vec::new();
+    if s["registrar"]["connected"] == json!(true) && s["registrar"]["synced"] == json!(false) {
+        warns.push("the registrar has not answered for every dependency yet".into());
+    }
     if let Some(nacks) = s["xds"]["nacks"].as_array().filter(|n| !n.is_empty()) {
-        found.push((Code::Warn, format!("{} resource(s) NACKed by Envoy", nacks.len())));
+        warns.push(format!("{} resource(s) NACKed by Envoy", nacks.len()));
     }
     if s["dns"]["watch_connected"] != json!(true) || s["dns"].get("error").is_some() {
-        found.push((
-            Code::Warn,
-            "mesh-dns records may be stale (DNS watch down or file unreadable)".into(),
-        ));
+        warns.push("mesh-dns records may be stale (DNS watch down or file unreadable)".into());
     }
-    let code = found.iter().fold(Code::Ok, |c, (f, _)| c.worst(*f));
-    (code, found.into_iter().map(|(_, what)| what).collect())
+    warns
 }
 
 fn check(name: &str, status: &str, detail: impl Into<String>, fix: &str) -> Value {
@@ -134,7 +143,7 @@ mod tests {
             "agent": {"ready": true},
             "envoy": {"reachable": true, "server": {"state": "LIVE"}},
             "xds": {"streams": 1, "nacks": []},
-            "registrar": {"connected": true},
+            "registrar": {"connected": true, "synced": true},
             "dns": {"watch_connected": true, "records": 3},
             "pods": [{"pod": "demo/a", "capture": "intact", "svid_expires_in_seconds": 100}],
         })
@@ -143,7 +152,7 @@ mod tests {
     #[test]
     fn status_names_each_component_down() {
         assert_eq!(judge_status(&healthy()), (Code::Ok, vec![]));
-        let cases: [(&str, Value, Code, &str); 6] = [
+        let cases: [(&str, Value, Code, &str); 7] = [
             (
                 "/envoy",
                 json!({"reachable": false, "error": "connect refused"}),
@@ -165,6 +174,12 @@ mod tests {
             ("/pods/0/capture", json!("drifted"), Code::Fail, "capture drifted"),
             ("/xds/nacks", json!([{"name": "x"}]), Code::Warn, "NACKed"),
             ("/dns/watch_connected", json!(false), Code::Warn, "stale"),
+            (
+                "/registrar/synced",
+                json!(false),
+                Code::Warn,
+                "not answered for every dependency",
+            ),
         ];
         for (pointer, value, code, words) in cases {
             let mut s = healthy();

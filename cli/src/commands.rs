@@ -161,7 +161,7 @@ fn status_lines(s: &Value) -> String {
     };
     let up = |v: &Value| if v.as_bool() == Some(true) { "up" } else { "DOWN" };
     format!(
-        "node       {}\nagent      {}  {}\nenvoy      {envoy}\nxds        {} stream(s)  {}/{} acked  {nacks} NACK(s)\nregistrar  watch {}  {} services in the node's slice\nmesh-dns   watch {}  {dns}\n",
+        "node       {}\nagent      {}  {}\nenvoy      {envoy}\nxds        {} stream(s)  {}/{} acked  {nacks} NACK(s)\nregistrar  watch {}  {}  {} services in the node's slice\nmesh-dns   watch {}  {dns}\n",
         text(&s["node"]),
         text(&s["agent"]["version"]),
         ready,
@@ -169,6 +169,7 @@ fn status_lines(s: &Value) -> String {
         text(&x["acked"]),
         text(&x["served"]),
         up(&r["connected"]),
+        if r["synced"] == true { "synced" } else { "NOT SYNCED" },
         text(&r["services"]),
         up(&d["watch_connected"]),
     )

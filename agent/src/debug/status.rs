@@ -30,6 +30,8 @@ pub async fn status(inspector: &Inspector) -> Value {
         "xds": xds_state(&view),
         "registrar": {
             "connected": inspector.registrar_connected.get() == 1,
+            // The registrar has answered for every service the node depends on.
+            "synced": view.wanted.is_subset(&view.watched.filter),
             "watched": view.watched.filter.len(),
             "services": view.watched.catalog.services.len(),
         },

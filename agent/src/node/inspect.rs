@@ -24,13 +24,18 @@ pub struct NodeView {
     pub identities: Option<Arc<Identities>>,
     /// Services in the dependency set because Envoy asked for them on demand.
     pub on_demand: BTreeSet<String>,
+    /// The dependency set the node wants watched now (the registrar has answered for it
+    /// once `watched.filter` holds it all).
+    pub wanted: BTreeSet<String>,
 }
 
 impl Node {
     pub fn view(&self) -> NodeView {
+        let pods = self.pods();
         NodeView {
             mesh_domain: self.mesh_domain.clone(),
-            pods: self.pods(),
+            wanted: self.dependencies(&pods),
+            pods,
             watched: self.catalog.borrow().clone(),
             snapshot: self.cache.snapshot(),
             streams: self.cache.streams(),
