@@ -220,6 +220,13 @@ async fn explain_names_each_fault_injected_on_a_live_node() {
     let (code, text) = aether(&mesh, &["status"]).await;
     assert_eq!(code, 1, "{text}");
     assert!(text.contains("the registrar watch is down"), "{text}");
+    let (code, text) = aether(&mesh, &["check"]).await;
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("FAIL") && l.contains("registrar reachable")),
+        "{text}"
+    );
 }
 
 /// A CNI config dir whose conflist chains aether-cni last, as `aether-cni install` leaves it.
@@ -372,4 +379,11 @@ async fn explain_asks_mesh_dns() {
     drop(dns);
     let (_, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("dns", "fail"))).await;
     assert!(why(&e).contains("did not answer"), "{e:#}");
+    let (code, text) = aether(&mesh, &["check"]).await;
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("FAIL") && l.contains("mesh-dns answering")),
+        "{text}"
+    );
 }
