@@ -209,18 +209,23 @@ async fn explain_names_each_fault_injected_on_a_live_node() {
         .unwrap();
     explain_until(&mesh, "demo/frontend", "backend", None).await;
 
-    // The registrar stream down: named, and an on-demand lookup can no longer be answered.
+    registrar_down_is_named(&mut mesh).await;
+}
+
+/// The registrar stream down: named by explain (and an on-demand lookup can no longer be
+/// answered), by status and by check.
+async fn registrar_down_is_named(mesh: &mut Mesh) {
     mesh.registrar.terminate();
-    let (code, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("registrar", "warn"))).await;
+    let (code, e) = explain_until(mesh, "demo/frontend", "backend", Some(("registrar", "warn"))).await;
     assert_eq!(code, 4);
     assert!(why(&e).contains("catalog watch on the registrar is down"), "{e:#}");
-    let (code, e) = explain_until(&mesh, "demo/frontend", "remote", Some(("upstreams", "fail"))).await;
+    let (code, e) = explain_until(mesh, "demo/frontend", "remote", Some(("upstreams", "fail"))).await;
     assert_eq!(code, 1);
     assert!(why(&e).contains("registrar is unreachable"), "{e:#}");
-    let (code, text) = aether(&mesh, &["status"]).await;
+    let (code, text) = aether(mesh, &["status"]).await;
     assert_eq!(code, 1, "{text}");
     assert!(text.contains("the registrar watch is down"), "{text}");
-    let (code, text) = aether(&mesh, &["check"]).await;
+    let (code, text) = aether(mesh, &["check"]).await;
     assert_eq!(code, 1, "{text}");
     assert!(
         text.lines()
