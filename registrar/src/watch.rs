@@ -17,7 +17,7 @@ use aether_proto::registrar::v1::{
 use aether_proto::registry::v1::{Endpoint, Service};
 use futures::{Stream, StreamExt};
 use tokio::sync::broadcast::{self, error::RecvError, error::TryRecvError};
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, SemaphorePermit, mpsc};
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
@@ -31,6 +31,38 @@ pub const MAX_FILTER_SERVICES: usize = 100_000;
 /// How often a watcher with nothing to send tells its client how far it has read,
 /// so a reconnect can resume from a recent version.
 pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Watch starts (snapshots, resumes) streamed at once in this process. Each one holds
+/// its selection and fills its outbox, HTTP/2 and TLS buffers; thousands at once (every
+/// agent after a replica died) left the registrar a few hundred KiB per agent
+/// (proposals/011). The rest wait their turn: the total is bound by CPU anyway, and
+/// each agent is current sooner.
+pub const CONCURRENT_STARTS: usize = 32;
+/// How long a start keeps its turn while its client does not read.
+const TURN_LIMIT: Duration = Duration::from_secs(5);
+static TURNS: Semaphore = Semaphore::const_new(CONCURRENT_STARTS);
+
+/// A turn at streaming a start: given up when it is over or its client is too slow.
+struct Turn {
+    permit: Option<SemaphorePermit<'static>>,
+    until: tokio::time::Instant,
+}
+
+impl Turn {
+    async fn take() -> Turn {
+        Turn {
+            permit: Some(TURNS.acquire().await.expect("the turns are never closed")),
+            until: tokio::time::Instant::now() + TURN_LIMIT,
+        }
+    }
+
+    /// Waits for room in `out`; past the limit, gives the turn to the next start.
+    async fn room<T>(&mut self, out: &mpsc::Sender<T>) {
+        if self.permit.is_some() && tokio::time::timeout_at(self.until, out.reserve()).await.is_err() {
+            self.permit = None;
+        }
+    }
+}
 
 /// Which services a watcher wants.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -128,6 +160,10 @@ pub async fn serve<S>(
             return;
         }
     };
+    let turn = tokio::select! {
+        _ = shutdown.cancelled() => return,
+        turn = Turn::take() => turn,
+    };
     let (rx, start) = {
         let state = catalog.read();
         let rx = state.subscribe();
@@ -157,6 +193,7 @@ pub async fn serve<S>(
         rx,
         processed: 0,
         sent: 0,
+        turn: Some(turn),
     };
     let started = match start {
         Start::Resume(batches, from) => {
@@ -169,6 +206,7 @@ pub async fn serve<S>(
     if started.is_err() {
         return;
     }
+    watcher.turn = None;
     let _ = watcher.run(inbound, shutdown).await;
 }
 
@@ -191,6 +229,8 @@ struct Watcher {
     processed: u64,
     /// The last version the client was told.
     sent: u64,
+    /// While streaming a start or a resync: its turn.
+    turn: Option<Turn>,
 }
 
 impl Watcher {
@@ -258,6 +298,9 @@ impl Watcher {
             watch_response::Event::SnapshotComplete(c) => c.version.as_ref().map(|v| v.seq),
             watch_response::Event::Snapshot(_) => None,
         };
+        if let Some(turn) = &mut self.turn {
+            turn.room(&self.out).await;
+        }
         self.out
             .send(Ok(WatchResponse { event: Some(event) }))
             .await
@@ -327,12 +370,15 @@ impl Watcher {
     }
 
     async fn resync(&mut self, reason: SnapshotReason) -> Result<(), Gone> {
+        self.turn = Some(Turn::take().await);
         let (services, version) = {
             let state = self.catalog.read();
             self.rx = state.subscribe();
             (collect(&state, &self.filter), state.version())
         };
-        self.send_snapshot(services, version, reason).await
+        let sent = self.send_snapshot(services, version, reason).await;
+        self.turn = None;
+        sent
     }
 
     /// Replaces the filter. Batches already published are first sent under the old
