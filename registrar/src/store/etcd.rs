@@ -719,13 +719,19 @@ enum WatchEnd {
     Failed(String),
 }
 
+/// The largest etcd watch response the feed accepts. etcd hands a watcher that is
+/// catching up many revisions in one response: with 5,000 nodes registering at once one
+/// was 4.5 MiB, past tonic's 4 MiB default, and the feed failed on it again and again
+/// (proposals/011). The limit only bounds a response; nothing is allocated up front.
+const FEED_MESSAGE_LIMIT: usize = 256 << 20;
+
 /// Follows the prefix from `next` until the stream breaks.
 async fn watch(client: &Client, keys: &Keys, next: &mut i64, tx: &mpsc::Sender<FeedEvent>) -> WatchEnd {
     let options = WatchOptions::new()
         .with_prefix()
         .with_start_revision(*next)
         .with_progress_notify();
-    let mut c = client.clone();
+    let mut c = client.watch_client().max_decoding_message_size(FEED_MESSAGE_LIMIT);
     let mut stream = match c.watch(keys.all(), Some(options)).await {
         Ok(stream) => stream,
         Err(e) => return WatchEnd::Failed(chain(&e)),
