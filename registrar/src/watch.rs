@@ -56,6 +56,14 @@ impl Turn {
         }
     }
 
+    /// A turn, or `None` if the registrar shuts down first.
+    async fn take_unless(shutdown: &CancellationToken) -> Option<Turn> {
+        tokio::select! {
+            _ = shutdown.cancelled() => None,
+            turn = Turn::take() => Some(turn),
+        }
+    }
+
     /// Waits for room in `out`; past the limit, gives the turn to the next start.
     async fn room<T>(&mut self, out: &mpsc::Sender<T>) {
         if self.permit.is_some() && tokio::time::timeout_at(self.until, out.reserve()).await.is_err() {
@@ -150,19 +158,10 @@ pub async fn serve<S>(
     let Some(Ok(first)) = first else { return };
     let filter = match Filter::parse(&first) {
         Ok(filter) => filter,
-        Err(e) => {
-            catalog
-                .metrics()
-                .invalid_requests
-                .get_or_create(&[("method", "Watch")])
-                .inc();
-            let _ = out.send(Err(e.into())).await;
-            return;
-        }
+        Err(e) => return refuse(&catalog, &out, e).await,
     };
-    let turn = tokio::select! {
-        _ = shutdown.cancelled() => return,
-        turn = Turn::take() => turn,
+    let Some(turn) = Turn::take_unless(&shutdown).await else {
+        return;
     };
     let (rx, start) = {
         let state = catalog.read();
@@ -258,8 +257,7 @@ impl Watcher {
                     Some(Ok(request)) => match Filter::parse(&request) {
                         Ok(filter) => self.change_filter(filter).await?,
                         Err(e) => {
-                            self.catalog.metrics().invalid_requests.get_or_create(&[("method", "Watch")]).inc();
-                            let _ = self.out.send(Err(e.into())).await;
+                            refuse(&self.catalog, &self.out, e).await;
                             return Ok(());
                         }
                     },
@@ -467,6 +465,13 @@ fn delta(version: Version, changes: Vec<Change>, filter_id: u64) -> watch_respon
         changes,
         filter_id,
     })
+}
+
+/// Ends a stream whose request is invalid, naming the field.
+async fn refuse(catalog: &Catalog, out: &mpsc::Sender<Result<WatchResponse, Status>>, e: InvalidField) {
+    let metrics = catalog.metrics();
+    metrics.invalid_requests.get_or_create(&[("method", "Watch")]).inc();
+    let _ = out.send(Err(e.into())).await;
 }
 
 fn shutting_down() -> Status {
