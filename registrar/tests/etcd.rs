@@ -205,25 +205,6 @@ impl Store for GatedFeed {
 async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() {
     let etcd = Etcd::start().await;
     let other = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
-    let svc = |name: &str, vip: &str| Service {
-        namespace: "ns".into(),
-        name: name.into(),
-        vip: vip.into(),
-    };
-    let ep = |service: &str, address: &str| {
-        Arc::new(Endpoint {
-            service: service.into(),
-            address: address.into(),
-            ports: vec![aether_proto::registry::v1::Port {
-                name: "http".into(),
-                port: 80,
-                protocol: aether_proto::registry::v1::Protocol::Http as i32,
-            }],
-            weight: 1,
-            health: aether_proto::registry::v1::Health::Healthy as i32,
-            ..Default::default()
-        })
-    };
     other
         .commit(vec![
             StoreOp::CreateService(svc("a", "240.240.0.10")),
@@ -233,57 +214,13 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
         ])
         .await
         .unwrap();
-
-    let (open, gate) = tokio::sync::oneshot::channel();
-    let store = GatedFeed {
-        inner: Arc::new(EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap()),
-        gate: parking_lot::Mutex::new(Some(gate)),
-    };
-    let mut registry = prometheus_client::registry::Registry::default();
-    let (catalog, writer) = Catalog::open(
-        Arc::new(store),
-        CatalogConfig {
-            vips: VipAllocator::new("240.240.0.0/16".parse().unwrap()).unwrap(),
-            history_changes: 1000,
-            watch_buffer: 64,
-            empty_service_ttl: Duration::from_secs(3600),
-            endpoint_ttl: Duration::from_secs(60),
-            write_behind_limit: 100,
-        },
-        Metrics::new(&mut registry),
-    )
-    .await
-    .unwrap();
+    let (catalog, writer, open) = catalog_with_a_gated_feed(&etcd).await;
     let mut batches = catalog.read().subscribe();
     let stop = CancellationToken::new();
     let writer = tokio::spawn(writer.run(stop.clone()));
 
     // While this replica is not watching: changes, then the history is compacted away.
-    other
-        .commit(vec![StoreOp::DeleteEndpoint {
-            service: aether_registrar::model::ServiceKey::parse("s", "ns/a").unwrap(),
-            address: "10.0.0.1".into(),
-        }])
-        .await
-        .unwrap();
-    other
-        .commit(vec![StoreOp::PutEndpoint(ep("ns/a", "10.0.0.3"))])
-        .await
-        .unwrap();
-    other
-        .commit(vec![StoreOp::DeleteService {
-            key: aether_registrar::model::ServiceKey::parse("s", "ns/b").unwrap(),
-            vip: "240.240.0.11".into(),
-        }])
-        .await
-        .unwrap();
-    other
-        .commit(vec![
-            StoreOp::CreateService(svc("c", "240.240.0.12")),
-            StoreOp::PutEndpoint(ep("ns/c", "10.0.1.1")),
-        ])
-        .await
-        .unwrap();
+    change_a_b_and_c(&other).await;
     etcd.compact().await;
     open.send(()).unwrap();
 
@@ -291,20 +228,8 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
         .await
         .unwrap()
         .unwrap();
-    let mut seen: Vec<String> = batch
-        .changes
-        .iter()
-        .map(|c| match &c.event {
-            Event::ServiceAdded(s) => format!("+service {}/{} {}", s.namespace, s.name, s.vip),
-            Event::ServiceRemoved => format!("-service {}", c.service),
-            Event::EndpointAdded(e) => format!("+endpoint {}/{}", e.service, e.address),
-            Event::EndpointUpdated(e) => format!("~endpoint {}/{}", e.service, e.address),
-            Event::EndpointRemoved(a) => format!("-endpoint {}/{a}", c.service),
-        })
-        .collect();
-    seen.sort();
     assert_eq!(
-        seen,
+        described(&batch),
         [
             "+endpoint ns/a/10.0.0.3",
             "+endpoint ns/c/10.0.1.1",
@@ -341,6 +266,100 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
     assert!(matches!(&batch.changes[0].event, Event::EndpointAdded(e) if e.address == "10.0.1.2"));
     stop.cancel();
     writer.await.unwrap();
+}
+
+fn svc(name: &str, vip: &str) -> Service {
+    Service {
+        namespace: "ns".into(),
+        name: name.into(),
+        vip: vip.into(),
+    }
+}
+
+fn ep(service: &str, address: &str) -> Arc<Endpoint> {
+    Arc::new(Endpoint {
+        service: service.into(),
+        address: address.into(),
+        ports: vec![aether_proto::registry::v1::Port {
+            name: "http".into(),
+            port: 80,
+            protocol: aether_proto::registry::v1::Protocol::Http as i32,
+        }],
+        weight: 1,
+        health: aether_proto::registry::v1::Health::Healthy as i32,
+        ..Default::default()
+    })
+}
+
+/// A catalog on `etcd` whose feed opens only when the returned sender fires.
+async fn catalog_with_a_gated_feed(
+    etcd: &Etcd,
+) -> (
+    Catalog,
+    aether_registrar::catalog::Writer,
+    tokio::sync::oneshot::Sender<()>,
+) {
+    let (open, gate) = tokio::sync::oneshot::channel();
+    let store = GatedFeed {
+        inner: Arc::new(EtcdStore::connect(etcd_config(etcd), settings()).await.unwrap()),
+        gate: parking_lot::Mutex::new(Some(gate)),
+    };
+    let mut registry = prometheus_client::registry::Registry::default();
+    let (catalog, writer) = Catalog::open(
+        Arc::new(store),
+        CatalogConfig {
+            vips: VipAllocator::new("240.240.0.0/16".parse().unwrap()).unwrap(),
+            history_changes: 1000,
+            watch_buffer: 64,
+            empty_service_ttl: Duration::from_secs(3600),
+            endpoint_ttl: Duration::from_secs(60),
+            write_behind_limit: 100,
+        },
+        Metrics::new(&mut registry),
+    )
+    .await
+    .unwrap();
+    (catalog, writer, open)
+}
+
+/// From `other`, in four commits: ns/a loses 10.0.0.1 and gains 10.0.0.3, ns/b goes, ns/c comes with 10.0.1.1.
+async fn change_a_b_and_c(other: &EtcdStore) {
+    let key = |k: &str| aether_registrar::model::ServiceKey::parse("s", k).unwrap();
+    let commits = [
+        vec![StoreOp::DeleteEndpoint {
+            service: key("ns/a"),
+            address: "10.0.0.1".into(),
+        }],
+        vec![StoreOp::PutEndpoint(ep("ns/a", "10.0.0.3"))],
+        vec![StoreOp::DeleteService {
+            key: key("ns/b"),
+            vip: "240.240.0.11".into(),
+        }],
+        vec![
+            StoreOp::CreateService(svc("c", "240.240.0.12")),
+            StoreOp::PutEndpoint(ep("ns/c", "10.0.1.1")),
+        ],
+    ];
+    for ops in commits {
+        other.commit(ops).await.unwrap();
+    }
+}
+
+/// A batch's changes, one sorted line each.
+fn described(batch: &aether_registrar::catalog::Batch) -> Vec<String> {
+    let mut seen: Vec<String> = batch
+        .changes
+        .iter()
+        .map(|c| match &c.event {
+            Event::ServiceAdded(s) => format!("+service {}/{} {}", s.namespace, s.name, s.vip),
+            Event::ServiceRemoved => format!("-service {}", c.service),
+            Event::EndpointAdded(e) => format!("+endpoint {}/{}", e.service, e.address),
+            Event::EndpointUpdated(e) => format!("~endpoint {}/{}", e.service, e.address),
+            Event::EndpointRemoved(a) => format!("-endpoint {}/{a}", c.service),
+        })
+        .collect();
+    seen.sort();
+    seen
 }
 
 /// Runs the binary expecting it to refuse to start; returns what it said.
@@ -380,14 +399,6 @@ fn bad_etcd_flags_and_an_unreachable_etcd_are_refused_clearly() {
 
 #[test]
 fn half_given_credentials_and_bad_pem_files_are_refused_naming_the_flag() {
-    let dir = tempfile::tempdir().unwrap();
-    let garbage = dir.path().join("garbage.pem");
-    std::fs::write(&garbage, "not a certificate\n").unwrap();
-    let garbage = garbage.to_str().unwrap();
-    let missing = dir.path().join("missing.pem");
-    let missing = missing.to_str().unwrap();
-    let https = "--etcd-endpoints=https://127.0.0.1:2379";
-
     // Empty environment values (a chart's unset values) mean unset: the registrar gets
     // as far as dialling the (dead) etcd.
     let dead = format!("--etcd-endpoints=http://127.0.0.1:{}", support::free_port());
@@ -402,69 +413,79 @@ fn half_given_credentials_and_bad_pem_files_are_refused_naming_the_flag() {
     let err = refused_with_env(&["--store=etcd", &dead, "--etcd-timeout=1s"], &empty);
     assert!(err.contains("store unavailable: etcd"), "{err}");
 
-    let err = refused(&["--store=etcd", "--etcd-username=aether"]);
-    assert!(
-        err.contains("--etcd-username is set but --etcd-password is not"),
-        "{err}"
-    );
     let err = refused_with_env(&["--store=etcd"], &[(ETCD_PASSWORD_ENV, "lonely-secret-31")]);
     assert!(
         err.contains("--etcd-password is set but --etcd-username is not"),
         "{err}"
     );
     assert!(!err.contains("lonely-secret-31"), "the password leaked: {err}");
-    let err = refused(&["--store=etcd", https, &format!("--etcd-cert-file={garbage}")]);
-    assert!(
-        err.contains("--etcd-cert-file is set but --etcd-key-file is not"),
-        "{err}"
-    );
-    let err = refused(&["--store=etcd", https, &format!("--etcd-key-file={garbage}")]);
-    assert!(
-        err.contains("--etcd-key-file is set but --etcd-cert-file is not"),
-        "{err}"
-    );
-    let err = refused(&["--store=etcd", https]);
-    assert!(
-        err.contains("--etcd-endpoints https://127.0.0.1:2379: https:// needs --etcd-ca-file"),
-        "{err}"
-    );
-    let err = refused(&["--store=etcd", https, &format!("--etcd-ca-file={missing}")]);
-    assert!(
-        err.contains(&format!("--etcd-ca-file {missing}: cannot read it")),
-        "{err}"
-    );
-    let err = refused(&["--store=etcd", https, &format!("--etcd-ca-file={garbage}")]);
-    assert!(
-        err.contains(&format!("--etcd-ca-file {garbage}: holds no PEM certificate")),
-        "{err}"
-    );
-    // A real certificate where the key belongs.
+
+    let dir = tempfile::tempdir().unwrap();
+    for (args, expected) in bad_etcd_credentials(dir.path()) {
+        let mut all = vec!["--store=etcd"];
+        all.extend(args.iter().map(String::as_str));
+        let err = refused(&all);
+        assert!(err.contains(&expected), "{err}");
+    }
+}
+
+/// Flags (after `--store=etcd`) that give half the credentials or unusable PEM files, each with the message
+/// naming the flag; the files are made in `dir`.
+fn bad_etcd_credentials(dir: &std::path::Path) -> Vec<(Vec<String>, String)> {
+    let garbage = dir.join("garbage.pem");
+    std::fs::write(&garbage, "not a certificate\n").unwrap();
+    let garbage = garbage.to_str().unwrap();
+    let missing = dir.join("missing.pem");
+    let missing = missing.to_str().unwrap();
+    // A real certificate, given where the key belongs.
     let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
-    let cert_path = dir.path().join("cert.pem");
+    let cert_path = dir.join("cert.pem");
     std::fs::write(&cert_path, cert.cert.pem()).unwrap();
     let cert_path = cert_path.to_str().unwrap();
-    let err = refused(&[
-        "--store=etcd",
-        https,
-        &format!("--etcd-ca-file={cert_path}"),
-        &format!("--etcd-cert-file={cert_path}"),
-        &format!("--etcd-key-file={cert_path}"),
-    ]);
-    assert!(
-        err.contains(&format!("--etcd-key-file {cert_path}: holds no valid PEM private key")),
-        "{err}"
-    );
-    let err = refused(&[
-        "--store=etcd",
-        "--etcd-endpoints=http://127.0.0.1:2379",
-        &format!("--etcd-ca-file={cert_path}"),
-    ]);
-    assert!(
-        err.contains(
-            "--etcd-endpoints http://127.0.0.1:2379: --etcd-ca-file is set, so every endpoint must be https://"
+    let https = "--etcd-endpoints=https://127.0.0.1:2379";
+    let case = |args: &[&str], expected: &str| (args.iter().map(|a| a.to_string()).collect(), expected.to_owned());
+    vec![
+        case(
+            &["--etcd-username=aether"],
+            "--etcd-username is set but --etcd-password is not",
         ),
-        "{err}"
-    );
+        case(
+            &[https, &format!("--etcd-cert-file={garbage}")],
+            "--etcd-cert-file is set but --etcd-key-file is not",
+        ),
+        case(
+            &[https, &format!("--etcd-key-file={garbage}")],
+            "--etcd-key-file is set but --etcd-cert-file is not",
+        ),
+        case(
+            &[https],
+            "--etcd-endpoints https://127.0.0.1:2379: https:// needs --etcd-ca-file",
+        ),
+        case(
+            &[https, &format!("--etcd-ca-file={missing}")],
+            &format!("--etcd-ca-file {missing}: cannot read it"),
+        ),
+        case(
+            &[https, &format!("--etcd-ca-file={garbage}")],
+            &format!("--etcd-ca-file {garbage}: holds no PEM certificate"),
+        ),
+        case(
+            &[
+                https,
+                &format!("--etcd-ca-file={cert_path}"),
+                &format!("--etcd-cert-file={cert_path}"),
+                &format!("--etcd-key-file={cert_path}"),
+            ],
+            &format!("--etcd-key-file {cert_path}: holds no valid PEM private key"),
+        ),
+        case(
+            &[
+                "--etcd-endpoints=http://127.0.0.1:2379",
+                &format!("--etcd-ca-file={cert_path}"),
+            ],
+            "--etcd-endpoints http://127.0.0.1:2379: --etcd-ca-file is set, so every endpoint must be https://",
+        ),
+    ]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
