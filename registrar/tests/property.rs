@@ -13,7 +13,9 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
-use aether_proto::registrar::v1::{RegisterEndpointRequest, UnregisterEndpointRequest, WatchRequest, watch_response};
+use aether_proto::registrar::v1::{
+    RegisterEndpointRequest, RegisterEndpointResponse, UnregisterEndpointRequest, WatchRequest, watch_response,
+};
 use aether_proto::registry::v1::{Endpoint, Health};
 use aether_proto::view::Catalog;
 use clap::Parser;
@@ -174,115 +176,130 @@ impl Case {
                 address,
                 port,
                 draining,
-            } => {
-                let mut e: Endpoint = endpoint(SERVICES[service], ADDRESSES[address], port);
-                e.weight = 1;
-                e.health = if draining { Health::Draining } else { Health::Healthy } as i32;
-                let reply = self
-                    .client
-                    .register_endpoint(RegisterEndpointRequest {
-                        endpoint: Some(e.clone()),
-                    })
-                    .await
-                    .expect("register")
-                    .into_inner();
-                let key = SERVICES[service].to_string();
-                let endpoints = Arc::make_mut(self.model.endpoints.entry(key.clone()).or_default());
-                let changed = endpoints.get(&e.address) != Some(&e);
-                endpoints.insert(e.address.clone(), e);
-                let new_service = !self.model.services.contains_key(&key);
-                self.model.services.insert(key, reply.service.unwrap());
-                self.record(reply.version.unwrap().seq, changed || new_service);
-            }
-            Op::Unregister { service, address } => {
-                let reply = self
-                    .client
-                    .unregister_endpoint(UnregisterEndpointRequest {
-                        service: SERVICES[service].into(),
-                        address: ADDRESSES[address].into(),
-                    })
-                    .await
-                    .expect("unregister")
-                    .into_inner();
-                let had = self
-                    .model
-                    .endpoints
-                    .get_mut(SERVICES[service])
-                    .and_then(|e| Arc::make_mut(e).remove(ADDRESSES[address]))
-                    .is_some();
-                assert_eq!(reply.existed, had);
-                self.record(reply.version.unwrap().seq, had);
-            }
-            Op::Filter { watcher, spec } => {
-                let client = &mut self.clients[watcher];
-                client.current += 1;
-                client.filters.insert(client.current, spec.clone());
-                client.watcher.send(request(&spec, client.current)).await;
-            }
-            Op::Reconnect { watcher } => {
-                let client = &mut self.clients[watcher];
-                let id = client.current;
-                let first = WatchRequest {
-                    resume_from: client.watcher.view.resume_from(id),
-                    ..request(&client.filters[&id], id)
-                };
-                let mut fresh = Watcher::open(&mut self.client, first).await;
-                fresh.view = std::mem::take(&mut client.watcher.view);
-                client.watcher = fresh;
-            }
+            } => self.register(service, address, port, draining).await,
+            Op::Unregister { service, address } => self.unregister(service, address).await,
+            Op::Filter { watcher, spec } => self.change_filter(watcher, spec).await,
+            Op::Reconnect { watcher } => self.reconnect(watcher).await,
             Op::Read { watcher } => self.drain(watcher),
             Op::Burst {
                 services,
                 watcher,
                 spec,
-            } => {
-                let endpoints: Vec<Endpoint> = services
-                    .iter()
-                    .map(|&service| {
-                        self.next_address += 1;
-                        let n = self.next_address;
-                        let mut e = endpoint(SERVICES[service], &format!("10.8.{}.{}", n / 200, n % 200 + 1), 80);
-                        e.weight = 1;
-                        e.health = Health::Healthy as i32;
-                        e
-                    })
-                    .collect();
-                let registers = endpoints.iter().map(|e| {
-                    let mut client = self.client.clone();
-                    let e = e.clone();
-                    async move {
-                        client
-                            .register_endpoint(RegisterEndpointRequest { endpoint: Some(e) })
-                            .await
-                            .expect("register")
-                            .into_inner()
-                    }
-                });
-                let client = &mut self.clients[watcher];
-                client.current += 1;
-                client.filters.insert(client.current, spec.clone());
-                let filter_change = client.watcher.send(request(&spec, client.current));
-                let (replies, ()) = futures::join!(futures::future::join_all(registers), filter_change);
-                // The state at each version is the base plus every write committed by then.
-                let versions: Vec<u64> = replies.iter().map(|r| r.version.as_ref().unwrap().seq).collect();
-                let last = *versions.iter().max().unwrap();
-                assert!(versions.iter().all(|&v| v > self.seq));
-                let base = self.model.clone();
-                for seq in self.seq + 1..=last {
-                    let mut state = base.clone();
-                    for ((e, reply), &v) in endpoints.iter().zip(&replies).zip(&versions) {
-                        if v <= seq {
-                            state.services.insert(e.service.clone(), reply.service.clone().unwrap());
-                            Arc::make_mut(state.endpoints.entry(e.service.clone()).or_default())
-                                .insert(e.address.clone(), e.clone());
-                        }
-                    }
-                    self.history.insert(seq, state);
-                }
-                self.model = self.history[&last].clone();
-                self.seq = last;
-            }
+            } => self.burst(services, watcher, spec).await,
         }
+    }
+
+    async fn register(&mut self, service: usize, address: usize, port: u32, draining: bool) {
+        let mut e: Endpoint = endpoint(SERVICES[service], ADDRESSES[address], port);
+        e.weight = 1;
+        e.health = if draining { Health::Draining } else { Health::Healthy } as i32;
+        let reply = self
+            .client
+            .register_endpoint(RegisterEndpointRequest {
+                endpoint: Some(e.clone()),
+            })
+            .await
+            .expect("register")
+            .into_inner();
+        let key = SERVICES[service].to_string();
+        let endpoints = Arc::make_mut(self.model.endpoints.entry(key.clone()).or_default());
+        let changed = endpoints.get(&e.address) != Some(&e);
+        endpoints.insert(e.address.clone(), e);
+        let new_service = !self.model.services.contains_key(&key);
+        self.model.services.insert(key, reply.service.unwrap());
+        self.record(reply.version.unwrap().seq, changed || new_service);
+    }
+
+    async fn unregister(&mut self, service: usize, address: usize) {
+        let reply = self
+            .client
+            .unregister_endpoint(UnregisterEndpointRequest {
+                service: SERVICES[service].into(),
+                address: ADDRESSES[address].into(),
+            })
+            .await
+            .expect("unregister")
+            .into_inner();
+        let had = self
+            .model
+            .endpoints
+            .get_mut(SERVICES[service])
+            .and_then(|e| Arc::make_mut(e).remove(ADDRESSES[address]))
+            .is_some();
+        assert_eq!(reply.existed, had);
+        self.record(reply.version.unwrap().seq, had);
+    }
+
+    async fn change_filter(&mut self, watcher: usize, spec: Spec) {
+        let client = &mut self.clients[watcher];
+        client.current += 1;
+        client.filters.insert(client.current, spec.clone());
+        client.watcher.send(request(&spec, client.current)).await;
+    }
+
+    async fn reconnect(&mut self, watcher: usize) {
+        let client = &mut self.clients[watcher];
+        let id = client.current;
+        let first = WatchRequest {
+            resume_from: client.watcher.view.resume_from(id),
+            ..request(&client.filters[&id], id)
+        };
+        let mut fresh = Watcher::open(&mut self.client, first).await;
+        fresh.view = std::mem::take(&mut client.watcher.view);
+        client.watcher = fresh;
+    }
+
+    /// New endpoints of `services` registered concurrently with a filter change of `watcher`.
+    async fn burst(&mut self, services: Vec<usize>, watcher: usize, spec: Spec) {
+        let endpoints: Vec<Endpoint> = services
+            .iter()
+            .map(|&service| {
+                self.next_address += 1;
+                let n = self.next_address;
+                let mut e = endpoint(SERVICES[service], &format!("10.8.{}.{}", n / 200, n % 200 + 1), 80);
+                e.weight = 1;
+                e.health = Health::Healthy as i32;
+                e
+            })
+            .collect();
+        let registers = endpoints.iter().map(|e| {
+            let mut client = self.client.clone();
+            let e = e.clone();
+            async move {
+                client
+                    .register_endpoint(RegisterEndpointRequest { endpoint: Some(e) })
+                    .await
+                    .expect("register")
+                    .into_inner()
+            }
+        });
+        let client = &mut self.clients[watcher];
+        client.current += 1;
+        client.filters.insert(client.current, spec.clone());
+        let filter_change = client.watcher.send(request(&spec, client.current));
+        let (replies, ()) = futures::join!(futures::future::join_all(registers), filter_change);
+        self.record_burst(&endpoints, &replies);
+    }
+
+    /// The state at each version is the base plus every write committed by then.
+    fn record_burst(&mut self, endpoints: &[Endpoint], replies: &[RegisterEndpointResponse]) {
+        let versions: Vec<u64> = replies.iter().map(|r| r.version.as_ref().unwrap().seq).collect();
+        let last = *versions.iter().max().unwrap();
+        assert!(versions.iter().all(|&v| v > self.seq));
+        let base = self.model.clone();
+        for seq in self.seq + 1..=last {
+            let mut state = base.clone();
+            for ((e, reply), &v) in endpoints.iter().zip(replies).zip(&versions) {
+                if v <= seq {
+                    state.services.insert(e.service.clone(), reply.service.clone().unwrap());
+                    Arc::make_mut(state.endpoints.entry(e.service.clone()).or_default())
+                        .insert(e.address.clone(), e.clone());
+                }
+            }
+            self.history.insert(seq, state);
+        }
+        self.model = self.history[&last].clone();
+        self.seq = last;
     }
 
     /// Brings every watcher to the latest version under its latest filter.
