@@ -200,39 +200,86 @@ async fn a_services_only_watch_carries_every_service_and_no_endpoint() {
         .await
         .expect("watch")
         .into_inner();
-    let mut services = Vec::new();
-    loop {
-        let message = tokio::time::timeout(Duration::from_secs(10), stream.message())
-            .await
-            .expect("a snapshot in time")
-            .expect("stream")
-            .expect("message");
-        match message.event.expect("event") {
-            watch_response::Event::Snapshot(chunk) => {
-                assert!(
-                    chunk.endpoints.is_empty(),
-                    "endpoints in a services-only snapshot: {chunk:?}"
-                );
-                services.extend(
-                    chunk
-                        .services
-                        .into_iter()
-                        .map(|s| format!("{}/{}", s.namespace, s.name)),
-                );
-            }
-            watch_response::Event::SnapshotComplete(c) => {
-                assert_eq!(c.filter_id, 7);
-                break;
-            }
-            other => panic!("unexpected before the snapshot completes: {other:?}"),
-        }
-    }
+    let (mut services, endpoints) = snapshot_of(&mut stream, (None, 7), "a snapshot in time", |chunk| {
+        assert!(
+            chunk.endpoints.is_empty(),
+            "endpoints in a services-only snapshot: {chunk:?}"
+        );
+    })
+    .await;
+    assert!(endpoints.is_empty());
     services.sort();
     assert_eq!(services, vec!["shop/cart", "web/front"]);
 
     // A new endpoint of a known service sends nothing; a new service sends only itself.
     register(&mesh, "web/front", "10.9.0.6").await;
     register(&mesh, "web/back", "10.9.0.7").await;
+    only_the_new_service_is_sent(&mut stream).await;
+
+    // Switching to an ordinary filter on the same stream: a fresh snapshot, with endpoints.
+    requests
+        .send(WatchRequest {
+            services: vec!["shop/cart".into()],
+            filter_id: 8,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let (services, mut endpoints) = snapshot_of(&mut stream, (Some(7), 8), "the resync in time", |chunk| {
+        assert_eq!(chunk.reason, SnapshotReason::FilterChanged as i32);
+    })
+    .await;
+    endpoints.sort();
+    assert_eq!(
+        (services, endpoints),
+        (
+            vec!["shop/cart".to_owned()],
+            vec!["10.9.0.1".to_owned(), "10.9.0.5".to_owned()]
+        )
+    );
+}
+
+type WatchStream = tonic::Streaming<aether_proto::registrar::v1::WatchResponse>;
+
+/// Reads a snapshot up to its completion for `filter_id` (each chunk checked by `check_chunk`): the services'
+/// keys and the endpoints' addresses. Deltas still in flight under the `earlier` filter may come first; nothing
+/// else may.
+async fn snapshot_of(
+    stream: &mut WatchStream,
+    (earlier, filter_id): (Option<u64>, u64),
+    what: &str,
+    check_chunk: impl Fn(&aether_proto::registrar::v1::Snapshot),
+) -> (Vec<String>, Vec<String>) {
+    let (mut services, mut endpoints) = (Vec::new(), Vec::new());
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(10), stream.message())
+            .await
+            .expect(what)
+            .expect("stream")
+            .expect("message");
+        match message.event.expect("event") {
+            watch_response::Event::Snapshot(chunk) => {
+                check_chunk(&chunk);
+                services.extend(
+                    chunk
+                        .services
+                        .into_iter()
+                        .map(|s| format!("{}/{}", s.namespace, s.name)),
+                );
+                endpoints.extend(chunk.endpoints.into_iter().map(|e| e.address));
+            }
+            watch_response::Event::SnapshotComplete(c) => {
+                assert_eq!(c.filter_id, filter_id);
+                return (services, endpoints);
+            }
+            watch_response::Event::Delta(d) if earlier.is_some() => assert_eq!(Some(d.filter_id), earlier),
+            other => panic!("unexpected before the snapshot completes: {other:?}"),
+        }
+    }
+}
+
+/// After web/front's new endpoint and the new web/back: deltas carrying nothing but web/back's addition.
+async fn only_the_new_service_is_sent(stream: &mut WatchStream) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let message = tokio::time::timeout(deadline - Instant::now(), stream.message())
@@ -255,48 +302,4 @@ async fn a_services_only_watch_carries_every_service_and_no_endpoint() {
             break;
         }
     }
-
-    // Switching to an ordinary filter on the same stream: a fresh snapshot, with endpoints.
-    requests
-        .send(WatchRequest {
-            services: vec!["shop/cart".into()],
-            filter_id: 8,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let (mut services, mut endpoints) = (Vec::new(), Vec::new());
-    loop {
-        let message = tokio::time::timeout(Duration::from_secs(10), stream.message())
-            .await
-            .expect("the resync in time")
-            .expect("stream")
-            .expect("message");
-        match message.event.expect("event") {
-            watch_response::Event::Snapshot(chunk) => {
-                assert_eq!(chunk.reason, SnapshotReason::FilterChanged as i32);
-                services.extend(
-                    chunk
-                        .services
-                        .into_iter()
-                        .map(|s| format!("{}/{}", s.namespace, s.name)),
-                );
-                endpoints.extend(chunk.endpoints.into_iter().map(|e| e.address));
-            }
-            watch_response::Event::SnapshotComplete(c) => {
-                assert_eq!(c.filter_id, 8);
-                break;
-            }
-            // Deltas already in flight under the old filter may come first.
-            watch_response::Event::Delta(d) => assert_eq!(d.filter_id, 7),
-        }
-    }
-    endpoints.sort();
-    assert_eq!(
-        (services, endpoints),
-        (
-            vec!["shop/cart".to_owned()],
-            vec!["10.9.0.1".to_owned(), "10.9.0.5".to_owned()]
-        )
-    );
 }
