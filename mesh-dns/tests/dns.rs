@@ -280,7 +280,40 @@ fn malformed_and_stale_files_and_packets_keep_the_last_good_table() {
     );
     let server = dns.addr();
     assert_eq!(dns.metric("aether_mesh_dns_snapshot_stale"), 0.0);
+    malformed_files_are_counted_and_the_last_table_serves(&mut dns, &records);
 
+    // The file disappears: the last table keeps serving.
+    std::fs::remove_file(&records.path).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(cart_a(server), vec!["240.240.0.9"]);
+
+    // A file its writer stopped re-stamping an hour ago: stale, reported, still served.
+    records.write(
+        7,
+        SystemTime::now() - Duration::from_secs(3600),
+        &[("shop", "cart", v4([240, 240, 7, 7]))],
+    );
+    dns.wait_for("generation 7", |d| d.metric("aether_mesh_dns_generation") == 7.0);
+    dns.wait_for("the stale flag", |d| d.metric("aether_mesh_dns_snapshot_stale") == 1.0);
+    assert!(dns.metric("aether_mesh_dns_snapshot_age_seconds") >= 3600.0);
+    assert_eq!(cart_a(server), vec!["240.240.7.7"]);
+    // Re-stamped: fresh again.
+    records.write(7, SystemTime::now(), &[("shop", "cart", v4([240, 240, 7, 7]))]);
+    dns.wait_for("fresh again", |d| d.metric("aether_mesh_dns_snapshot_stale") == 0.0);
+
+    malformed_packets_get_a_formerr_or_nothing(server);
+    assert_eq!(cart_a(server), vec!["240.240.7.7"]);
+    assert!(dns.metric("aether_mesh_dns_malformed_packets_total") >= 4.0);
+    dns.proc.assert_running();
+}
+
+/// The A answer for cart.shop.
+fn cart_a(server: SocketAddr) -> Vec<String> {
+    dig(server, "cart.shop.aether.internal", "A", &[]).answer_data("A")
+}
+
+/// Each malformed record file is counted and logged, and generation 5's answers stay.
+fn malformed_files_are_counted_and_the_last_table_serves(dns: &mut MeshDns, records: &Records) {
     let bad: [&[u8]; 4] = [
         b"{ not json",
         br#"{"version":2,"generation":6,"written_at_unix_ms":1,"records":{}}"#,
@@ -295,7 +328,7 @@ fn malformed_and_stale_files_and_packets_keep_the_last_good_table() {
         dns.wait_for("the malformed file to be counted", |d| {
             d.metric("aether_mesh_dns_malformed_files_total") == want
         });
-        let still = dig(server, "cart.shop.aether.internal", "A", &[]);
+        let still = dig(dns.addr(), "cart.shop.aether.internal", "A", &[]);
         assert_eq!(still.answer_data("A"), vec!["240.240.0.9"], "file {i}: {}", still.raw);
     }
     assert_eq!(dns.metric("aether_mesh_dns_generation"), 5.0);
@@ -308,33 +341,10 @@ fn malformed_and_stale_files_and_packets_keep_the_last_good_table() {
         dns.proc.logs().contains("records[\\\"shop/cart\\\"].v4")
             || dns.proc.logs().contains("records[\"shop/cart\"].v4")
     );
+}
 
-    // The file disappears: the last table keeps serving.
-    std::fs::remove_file(&records.path).unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(
-        dig(server, "cart.shop.aether.internal", "A", &[]).answer_data("A"),
-        vec!["240.240.0.9"]
-    );
-
-    // A file its writer stopped re-stamping an hour ago: stale, reported, still served.
-    records.write(
-        7,
-        SystemTime::now() - Duration::from_secs(3600),
-        &[("shop", "cart", v4([240, 240, 7, 7]))],
-    );
-    dns.wait_for("generation 7", |d| d.metric("aether_mesh_dns_generation") == 7.0);
-    dns.wait_for("the stale flag", |d| d.metric("aether_mesh_dns_snapshot_stale") == 1.0);
-    assert!(dns.metric("aether_mesh_dns_snapshot_age_seconds") >= 3600.0);
-    assert_eq!(
-        dig(server, "cart.shop.aether.internal", "A", &[]).answer_data("A"),
-        vec!["240.240.7.7"]
-    );
-    // Re-stamped: fresh again.
-    records.write(7, SystemTime::now(), &[("shop", "cart", v4([240, 240, 7, 7]))]);
-    dns.wait_for("fresh again", |d| d.metric("aether_mesh_dns_snapshot_stale") == 0.0);
-
-    // Malformed packets: a FORMERR when there is a header to answer, nothing otherwise; never a crash.
+/// Malformed packets: a FORMERR when there is a header to answer, nothing otherwise; never a crash.
+fn malformed_packets_get_a_formerr_or_nothing(server: SocketAddr) {
     let socket = UdpSocket::bind("127.0.0.1:0").unwrap();
     socket.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
     let mut garbage = build_query(0xbeef, "cart.shop.aether.internal", A, IN);
@@ -353,12 +363,6 @@ fn malformed_and_stale_files_and_packets_keep_the_last_good_table() {
     let mut tcp = std::net::TcpStream::connect(server).unwrap();
     std::io::Write::write_all(&mut tcp, &[0, 5, 1, 2, 3, 4, 5]).unwrap();
     drop(tcp);
-    assert_eq!(
-        dig(server, "cart.shop.aether.internal", "A", &[]).answer_data("A"),
-        vec!["240.240.7.7"]
-    );
-    assert!(dns.metric("aether_mesh_dns_malformed_packets_total") >= 4.0);
-    dns.proc.assert_running();
 }
 
 #[test]
