@@ -145,38 +145,7 @@ async fn an_agent_writes_only_its_own_nodes_endpoints_and_nothing_else_changes()
     let before = r.endpoints("shop/cart").await;
     assert_eq!(before, ["10.1.0.1@node-a", "10.2.0.1@node-b"]);
 
-    // Node A claiming an endpoint of node B, new or existing, or taking one over.
-    assert_denied(
-        register(&mut a, endpoint("shop/cart", "10.2.0.9", "node-b")).await,
-        Code::PermissionDenied,
-        "own-node",
-    );
-    assert_denied(
-        register(&mut a, endpoint("shop/cart", "10.2.0.1", "node-b")).await,
-        Code::PermissionDenied,
-        "own-node",
-    );
-    assert_denied(
-        register(&mut a, endpoint("shop/cart", "10.2.0.1", "node-a")).await,
-        Code::PermissionDenied,
-        "own-node",
-    );
-    // ... or removing it: the outage the rule exists for.
-    let removed = a
-        .unregister_endpoint(UnregisterEndpointRequest {
-            service: "shop/cart".into(),
-            address: "10.2.0.1".into(),
-        })
-        .await
-        .map(|_| ());
-    assert_denied(removed, Code::PermissionDenied, "own-node");
-    // A reader may look, never write.
-    let mut reader = r.reader().await;
-    assert_denied(
-        register(&mut reader, endpoint("shop/cart", "10.3.0.1", "node-a")).await,
-        Code::PermissionDenied,
-        "agent-writes",
-    );
+    writes_to_another_nodes_endpoints_are_denied(&r, &mut a).await;
     assert_eq!(
         r.endpoints("shop/cart").await,
         before,
@@ -187,19 +156,48 @@ async fn an_agent_writes_only_its_own_nodes_endpoints_and_nothing_else_changes()
     let mut draining = endpoint("shop/cart", "10.1.0.1", "node-a");
     draining.weight = 5;
     register(&mut a, draining).await.unwrap();
-    let existed = a
-        .unregister_endpoint(UnregisterEndpointRequest {
-            service: "shop/cart".into(),
-            address: "10.1.0.1".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .existed;
+    let existed = unregister(&mut a, "10.1.0.1").await.unwrap().into_inner().existed;
     assert!(existed);
     assert_eq!(r.endpoints("shop/cart").await, ["10.2.0.1@node-b"]);
 
-    // Every refusal is counted by method and rule, and logged with the caller.
+    every_refusal_is_counted_and_logged_with_the_caller(&r).await;
+}
+
+async fn unregister(
+    client: &mut RegistrarClient<Channel>,
+    address: &str,
+) -> Result<tonic::Response<aether_proto::registrar::v1::UnregisterEndpointResponse>, tonic::Status> {
+    client
+        .unregister_endpoint(UnregisterEndpointRequest {
+            service: "shop/cart".into(),
+            address: address.into(),
+        })
+        .await
+}
+
+/// Node A claiming an endpoint of node B, new or existing, or taking one over, or removing it; a reader writing.
+async fn writes_to_another_nodes_endpoints_are_denied(r: &Registrar, a: &mut RegistrarClient<Channel>) {
+    for (address, node) in [("10.2.0.9", "node-b"), ("10.2.0.1", "node-b"), ("10.2.0.1", "node-a")] {
+        assert_denied(
+            register(a, endpoint("shop/cart", address, node)).await,
+            Code::PermissionDenied,
+            "own-node",
+        );
+    }
+    // ... or removing it: the outage the rule exists for.
+    let removed = unregister(a, "10.2.0.1").await.map(|_| ());
+    assert_denied(removed, Code::PermissionDenied, "own-node");
+    // A reader may look, never write.
+    let mut reader = r.reader().await;
+    assert_denied(
+        register(&mut reader, endpoint("shop/cart", "10.3.0.1", "node-a")).await,
+        Code::PermissionDenied,
+        "agent-writes",
+    );
+}
+
+/// Every refusal is counted by method and rule, and logged with the caller.
+async fn every_refusal_is_counted_and_logged_with_the_caller(r: &Registrar) {
     let metrics = r.metrics().await;
     let denied = |method: &str, rule: &str| {
         metrics
