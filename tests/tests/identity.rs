@@ -523,16 +523,7 @@ async fn spire_streams_break_and_recover() {
         r.status == 200
     })
     .await;
-    // Settled: no SVID arrived for a while.
-    let mut issued = spire.issued().len();
-    loop {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let now = spire.issued().len();
-        if now == issued {
-            break;
-        }
-        issued = now;
-    }
+    wait_until_no_svid_arrives(spire).await;
     let before = envoy_secrets(&mesh);
     let calls = spire.subscribe_calls();
 
@@ -547,41 +538,7 @@ async fn spire_streams_break_and_recover() {
     }
     assert_eq!(envoy_secrets(&mesh)["svid|demo/backend"], before["svid|demo/backend"]);
 
-    // A pod added during the outage waits for its identity...
-    let late = mesh.node.add_pod("late");
-    let _late_app = late.serve_http(APP.parse().unwrap(), "late");
-    mesh.describe_pod(&late, "late", "late", "backend", &[("http", 8080)]);
-    let adding = {
-        let mut cni = mesh.cni().await;
-        let request = aether_proto::cni::v1::AddPodRequest {
-            container_id: format!("sandbox-{}", late.netns_name()),
-            netns_path: late.netns_path().to_string_lossy().into(),
-            interface_name: "eth0".into(),
-            pod: Some(aether_proto::cni::v1::PodRef {
-                namespace: NAMESPACE.into(),
-                name: "late".into(),
-                uid: uid(&late),
-            }),
-            ips: vec![late.ip().to_string()],
-            ..Default::default()
-        };
-        tokio::spawn(async move { cni.add_pod(request).await })
-    };
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(!envoy_secrets(&mesh).contains_key("svid|demo/late"));
-
-    // ...and gets it once SPIRE is back.
-    spire.restore();
-    let added = adding.await.unwrap().expect("AddPod after SPIRE came back");
-    assert_eq!(
-        added.into_inner().outcome,
-        aether_proto::cni::v1::Outcome::Success as i32
-    );
-    let reply = eventually(&late, "http://127.0.0.1:18081/", Some(&backend_host()), |r| {
-        r.status == 200
-    })
-    .await;
-    assert_eq!(peer_uris(&xfcc(&reply)), [spiffe_id(NAMESPACE, "late")]);
+    let _late = a_pod_added_in_the_outage_gets_its_identity_once_spire_is_back(&mesh).await;
     // Every pod's stream reconnects (each within its backoff, at most 5 s).
     let deadline = Instant::now() + Duration::from_secs(10);
     while spire.subscriptions() < 3 || spire.subscribe_calls() < calls + 3 {
@@ -604,6 +561,58 @@ async fn spire_streams_break_and_recover() {
         r.status == 200
     })
     .await;
+}
+
+/// Settled: no SVID arrived for a while.
+async fn wait_until_no_svid_arrives(spire: &aether_tests::spire::FakeSpire) {
+    let mut issued = spire.issued().len();
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = spire.issued().len();
+        if now == issued {
+            break;
+        }
+        issued = now;
+    }
+}
+
+/// A pod added during the outage waits for its identity, and gets it once SPIRE is back. The pod and its app, kept
+/// for the rest of the test.
+async fn a_pod_added_in_the_outage_gets_its_identity_once_spire_is_back(mesh: &Mesh) -> (TestPod, HttpServer) {
+    let late = mesh.node.add_pod("late");
+    let late_app = late.serve_http(APP.parse().unwrap(), "late");
+    mesh.describe_pod(&late, "late", "late", "backend", &[("http", 8080)]);
+    let adding = {
+        let mut cni = mesh.cni().await;
+        let request = aether_proto::cni::v1::AddPodRequest {
+            container_id: format!("sandbox-{}", late.netns_name()),
+            netns_path: late.netns_path().to_string_lossy().into(),
+            interface_name: "eth0".into(),
+            pod: Some(aether_proto::cni::v1::PodRef {
+                namespace: NAMESPACE.into(),
+                name: "late".into(),
+                uid: uid(&late),
+            }),
+            ips: vec![late.ip().to_string()],
+            ..Default::default()
+        };
+        tokio::spawn(async move { cni.add_pod(request).await })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!envoy_secrets(mesh).contains_key("svid|demo/late"));
+
+    mesh.spire.as_ref().unwrap().restore();
+    let added = adding.await.unwrap().expect("AddPod after SPIRE came back");
+    assert_eq!(
+        added.into_inner().outcome,
+        aether_proto::cni::v1::Outcome::Success as i32
+    );
+    let reply = eventually(&late, "http://127.0.0.1:18081/", Some(&backend_host()), |r| {
+        r.status == 200
+    })
+    .await;
+    assert_eq!(peer_uris(&xfcc(&reply)), [spiffe_id(NAMESPACE, "late")]);
+    (late, late_app)
 }
 
 /// Federated trust domains travel in the validation context.
