@@ -20,7 +20,7 @@ use aether_tests::spire_workload::pb::X509svidRequest;
 use aether_tests::spire_workload::pb::spiffe_workload_api_client::SpiffeWorkloadApiClient;
 use aether_tests::spire_workload::{FakeWorkloadApi, SECURITY_HEADER};
 use aether_tests::supervisor::metric_sum;
-use aether_tests::{ChildGuard, http_get};
+use aether_tests::{ChildGuard, TestPod, http_get};
 
 const NODE: &str = "test-node";
 /// What the agent logs for each SVID it takes as its node certificate.
@@ -119,27 +119,7 @@ async fn the_agents_spire_svid_is_its_node_certificate_across_rotations() {
     let dir = tempfile::tempdir().unwrap();
     let (workload, mesh) = start(dir.path(), &node_id(NODE), FIRST_TTL).await;
     let first = workload.current();
-
-    // The first SVID is the node certificate: the pod's endpoint reaches the registrar,
-    // with no bootstrap at all.
-    let frontend = mesh.node.add_pod("frontend");
-    mesh.describe_pod(&frontend, "frontend", "frontend", "remote", &[("http", 8080)]);
-    mesh.add_pod_ok(&frontend, "frontend").await;
-    assert_eq!(
-        endpoints(&mesh, "frontend").await,
-        [format!("{}@{NODE}", frontend.ip())]
-    );
-    assert!(
-        mesh.control_plane.kube.reviews().is_empty(),
-        "the agent used the bootstrap"
-    );
-    assert!(workload.fetch_calls() >= 1);
-    assert_eq!(workload.refused(), 0, "the agent called without the security header");
-    let logs = agent(&mesh).logs();
-    assert!(logs.contains(TOOK_SVID) && logs.contains(&node_id(NODE)), "{logs}");
-    assert!(!logs.contains("does not name its node"), "{logs}");
-    assert!(!logs.contains("BEGIN PRIVATE KEY"), "a key in the logs");
-
+    let _frontend = the_first_svid_is_the_node_certificate(&mesh, &workload).await;
     assert!(
         first.not_after > SystemTime::now() + Duration::from_secs(2),
         "the mesh took most of the first SVID's {FIRST_TTL:?} to start: the rotation below would come too late"
@@ -155,32 +135,7 @@ async fn the_agents_spire_svid_is_its_node_certificate_across_rotations() {
     if let Ok(left) = first.not_after.duration_since(SystemTime::now()) {
         tokio::time::sleep(left + Duration::from_millis(1500)).await;
     }
-
-    // The Watch resumed on the new connection: an endpoint registered elsewhere arrives.
-    let remote = mesh.node.add_pod("remote");
-    mesh.registrar_as("other-node")
-        .await
-        .register_endpoint(RegisterEndpointRequest {
-            endpoint: Some(remote_endpoint("remote", &remote.ip().to_string())),
-        })
-        .await
-        .unwrap();
-    until(&mesh, "demo/remote in the agent's watched catalog", async || {
-        dependencies(&mesh).await.known.contains("demo/remote")
-    })
-    .await;
-    // Writes work on it too.
-    let backend = mesh.node.add_pod("backend");
-    mesh.describe_pod(&backend, "backend", "backend", "", &[("http", 8080)]);
-    mesh.add_pod_ok(&backend, "backend").await;
-    assert_eq!(endpoints(&mesh, "backend").await, [format!("{}@{NODE}", backend.ip())]);
-    let metrics = registrar_metrics(&mesh).await;
-    assert_eq!(
-        metric_sum(&metrics, "aether_registrar_requests_denied_total"),
-        0.0,
-        "the registrar refused something (an expired certificate still in use?):\n{}",
-        mesh.registrar.logs()
-    );
+    let (_remote, backend) = watch_and_writes_work_on_the_new_connection(&mesh).await;
 
     // The Workload API stream breaks (SPIRE restarting): the agent reconnects, keeping its
     // certificate meanwhile, and the next rotation still arrives.
@@ -197,14 +152,67 @@ async fn the_agents_spire_svid_is_its_node_certificate_across_rotations() {
         agent(&mesh).logs().matches(REDIALED).count() == 2
     })
     .await;
-    let backend2 = mesh.node.add_pod("backend2");
-    mesh.describe_pod(&backend2, "backend2", "backend", "", &[("http", 8080)]);
-    mesh.add_pod_ok(&backend2, "backend2").await;
+    let backend2 = add_backend(&mesh, "backend2").await;
     let mut expected = vec![format!("{}@{NODE}", backend.ip()), format!("{}@{NODE}", backend2.ip())];
     expected.sort();
     let mut got = endpoints(&mesh, "backend").await;
     got.sort();
     assert_eq!(got, expected);
+}
+
+/// The first SVID is the node certificate: the pod's endpoint reaches the registrar, with no bootstrap at all.
+/// The pod, kept for the rest of the test.
+async fn the_first_svid_is_the_node_certificate(mesh: &Mesh, workload: &FakeWorkloadApi) -> TestPod {
+    let frontend = mesh.node.add_pod("frontend");
+    mesh.describe_pod(&frontend, "frontend", "frontend", "remote", &[("http", 8080)]);
+    mesh.add_pod_ok(&frontend, "frontend").await;
+    assert_eq!(endpoints(mesh, "frontend").await, [format!("{}@{NODE}", frontend.ip())]);
+    assert!(
+        mesh.control_plane.kube.reviews().is_empty(),
+        "the agent used the bootstrap"
+    );
+    assert!(workload.fetch_calls() >= 1);
+    assert_eq!(workload.refused(), 0, "the agent called without the security header");
+    let logs = agent(mesh).logs();
+    assert!(logs.contains(TOOK_SVID) && logs.contains(&node_id(NODE)), "{logs}");
+    assert!(!logs.contains("does not name its node"), "{logs}");
+    assert!(!logs.contains("BEGIN PRIVATE KEY"), "a key in the logs");
+    frontend
+}
+
+/// A pod `name` of service backend, added.
+async fn add_backend(mesh: &Mesh, name: &str) -> TestPod {
+    let backend = mesh.node.add_pod(name);
+    mesh.describe_pod(&backend, name, "backend", "", &[("http", 8080)]);
+    mesh.add_pod_ok(&backend, name).await;
+    backend
+}
+
+/// The Watch resumed on the new connection (an endpoint registered elsewhere arrives) and writes work on it too,
+/// none refused. The remote and backend pods.
+async fn watch_and_writes_work_on_the_new_connection(mesh: &Mesh) -> (TestPod, TestPod) {
+    let remote = mesh.node.add_pod("remote");
+    mesh.registrar_as("other-node")
+        .await
+        .register_endpoint(RegisterEndpointRequest {
+            endpoint: Some(remote_endpoint("remote", &remote.ip().to_string())),
+        })
+        .await
+        .unwrap();
+    until(mesh, "demo/remote in the agent's watched catalog", async || {
+        dependencies(mesh).await.known.contains("demo/remote")
+    })
+    .await;
+    let backend = add_backend(mesh, "backend").await;
+    assert_eq!(endpoints(mesh, "backend").await, [format!("{}@{NODE}", backend.ip())]);
+    let metrics = registrar_metrics(mesh).await;
+    assert_eq!(
+        metric_sum(&metrics, "aether_registrar_requests_denied_total"),
+        0.0,
+        "the registrar refused something (an expired certificate still in use?):\n{}",
+        mesh.registrar.logs()
+    );
+    (remote, backend)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
