@@ -2,18 +2,67 @@
 //! each with 20 upstreams out of a 2,000-service / 20,000-endpoint catalog. Prints the
 //! median and worst of several rebuilds, and the resource counts and bytes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use aether_agent::pod::{ContainerPort, LocalPod, PodInfo};
-use aether_agent::xds::resources::{Generator, Inputs, generate};
+use aether_agent::xds::resources::{Generated, Generator, Inputs, generate};
 use aether_proto::registry::v1::{Endpoint, Locality, Port, Protocol, Service};
 use aether_proto::view::Catalog;
 
+const SERVICES: usize = 2_000;
+const PODS: usize = 100;
+const UPSTREAMS: usize = 20;
+/// Rebuilds timed, of each kind.
+const ROUNDS: usize = 15;
+
 fn main() {
-    let services = 2_000;
+    let catalog = full_catalog();
+    let pods = local_pods();
+    let deps = dependency_set(&pods);
+    let scoped = scoped_to(&catalog, &deps);
+    let locality = Locality {
+        region: "r1".into(),
+        zone: "z1".into(),
+        subzone: String::new(),
+    };
+    let on_demand = BTreeMap::new();
+    let inputs = Inputs {
+        pods: &pods,
+        catalog: &scoped,
+        mesh_domain: "aether.internal",
+        locality: &locality,
+        on_demand: &on_demand,
+    };
+    let (full, last) = time_full_rebuilds(&inputs);
+    // Kept live until the RSS is read.
+    let mut generator = Generator::default();
+    let incremental = time_one_endpoint_changes(&mut generator, &inputs);
+    println!(
+        "agent rebuild: {PODS} pods x {UPSTREAMS} upstreams, {} services in the dependency set",
+        deps.len()
+    );
+    println!(
+        "  one endpoint changed (memoized): median {:.2} ms, worst {:.2} ms (of {})",
+        incremental[incremental.len() / 2].as_secs_f64() * 1e3,
+        incremental[incremental.len() - 1].as_secs_f64() * 1e3,
+        incremental.len()
+    );
+    println!(
+        "  full rebuild: median {:.1} ms, worst {:.1} ms (of {})",
+        full[full.len() / 2].as_secs_f64() * 1e3,
+        full[full.len() - 1].as_secs_f64() * 1e3,
+        full.len()
+    );
+    print_rss();
+    print_resources(&last);
+    drop(generator);
+}
+
+/// 2,000 services of 10 endpoints each, over three zones.
+fn full_catalog() -> Catalog {
     let mut catalog = Catalog::default();
-    for s in 0..services {
+    for s in 0..SERVICES {
         let key = format!("bench/svc-{s:04}");
         catalog.services.insert(
             key.clone(),
@@ -26,32 +75,41 @@ fn main() {
         let endpoints: BTreeMap<String, Endpoint> = (0..10)
             .map(|e| {
                 let address = format!("10.{}.{}.{}", s / 250, s % 250, e + 1);
-                let endpoint = Endpoint {
-                    service: key.clone(),
-                    address: address.clone(),
-                    ports: vec![Port {
-                        name: "http".into(),
-                        port: 8080,
-                        protocol: Protocol::Http as i32,
-                    }],
-                    locality: Some(Locality {
-                        region: "r1".into(),
-                        zone: format!("z{}", e % 3),
-                        subzone: String::new(),
-                    }),
-                    weight: 1,
-                    health: 1,
-                    ..Default::default()
-                };
-                (address, endpoint)
+                (address.clone(), catalog_endpoint(&key, address, e))
             })
             .collect();
         catalog.endpoints.insert(key, std::sync::Arc::new(endpoints));
     }
-    let pods: Vec<LocalPod> = (0..100)
+    catalog
+}
+
+/// Endpoint `e` of `service`, at `address`.
+fn catalog_endpoint(service: &str, address: String, e: usize) -> Endpoint {
+    Endpoint {
+        service: service.into(),
+        address,
+        ports: vec![Port {
+            name: "http".into(),
+            port: 8080,
+            protocol: Protocol::Http as i32,
+        }],
+        locality: Some(Locality {
+            region: "r1".into(),
+            zone: format!("z{}", e % 3),
+            subzone: String::new(),
+        }),
+        weight: 1,
+        health: 1,
+        ..Default::default()
+    }
+}
+
+/// 100 pods, each with 20 upstreams spread over the catalog.
+fn local_pods() -> Vec<LocalPod> {
+    (0..PODS)
         .map(|p| {
-            let upstreams: Vec<String> = (0..20)
-                .map(|u| format!("svc-{:04}", (p * 37 + u * 101) % services))
+            let upstreams: Vec<String> = (0..UPSTREAMS)
+                .map(|u| format!("svc-{:04}", (p * 37 + u * 101) % SERVICES))
                 .collect();
             LocalPod {
                 container_id: format!("c{p}"),
@@ -71,14 +129,22 @@ fn main() {
                 },
             }
         })
-        .collect();
-    // The catalog slice the node watches: its dependency set.
-    let mut deps = std::collections::BTreeSet::new();
-    for pod in &pods {
+        .collect()
+}
+
+/// The services the node's pods are or depend on.
+fn dependency_set(pods: &[LocalPod]) -> BTreeSet<String> {
+    let mut deps = BTreeSet::new();
+    for pod in pods {
         deps.insert(pod.info.service());
         deps.extend(pod.info.upstreams().services);
     }
-    let scoped = Catalog {
+    deps
+}
+
+/// The catalog slice the node watches: its dependency set.
+fn scoped_to(catalog: &Catalog, deps: &BTreeSet<String>) -> Catalog {
+    Catalog {
         services: catalog
             .services
             .iter()
@@ -91,34 +157,28 @@ fn main() {
             .filter(|(k, _)| deps.contains(*k))
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect(),
-    };
-    let locality = Locality {
-        region: "r1".into(),
-        zone: "z1".into(),
-        subzone: String::new(),
-    };
-    let on_demand = BTreeMap::new();
-    let inputs = Inputs {
-        pods: &pods,
-        catalog: &scoped,
-        mesh_domain: "aether.internal",
-        locality: &locality,
-        on_demand: &on_demand,
-    };
+    }
+}
+
+/// Full rebuilds, sorted, and the last one's output.
+fn time_full_rebuilds(inputs: &Inputs) -> (Vec<Duration>, Generated) {
     let mut times: Vec<Duration> = Vec::new();
     let mut last = BTreeMap::new();
-    for _ in 0..15 {
+    for _ in 0..ROUNDS {
         let started = Instant::now();
-        last = generate(&inputs);
+        last = generate(inputs);
         times.push(started.elapsed());
     }
     times.sort();
-    // One endpoint changes: the memoizing generator rebuilds only that service.
-    let mut generator = Generator::default();
-    generator.generate(&inputs);
+    (times, last)
+}
+
+/// One endpoint changes per round: the memoizing generator rebuilds only that service. Sorted.
+fn time_one_endpoint_changes(generator: &mut Generator, inputs: &Inputs) -> Vec<Duration> {
+    generator.generate(inputs);
     let mut incremental: Vec<Duration> = Vec::new();
-    let mut changing = scoped.clone();
-    for i in 0..15 {
+    let mut changing = inputs.catalog.clone();
+    for i in 0..ROUNDS {
         let key = changing.endpoints.keys().nth(i * 7).unwrap().clone();
         let endpoints = std::sync::Arc::make_mut(changing.endpoints.get_mut(&key).unwrap());
         let mut endpoint = endpoints.values().next().unwrap().clone();
@@ -126,29 +186,17 @@ fn main() {
         endpoints.insert(endpoint.address.clone(), endpoint);
         let changed = Inputs {
             catalog: &changing,
-            ..inputs
+            ..*inputs
         };
         let started = Instant::now();
         generator.generate(&changed);
         incremental.push(started.elapsed());
     }
     incremental.sort();
-    println!(
-        "agent rebuild: 100 pods x 20 upstreams, {} services in the dependency set",
-        deps.len()
-    );
-    println!(
-        "  one endpoint changed (memoized): median {:.2} ms, worst {:.2} ms (of {})",
-        incremental[incremental.len() / 2].as_secs_f64() * 1e3,
-        incremental[incremental.len() - 1].as_secs_f64() * 1e3,
-        incremental.len()
-    );
-    println!(
-        "  full rebuild: median {:.1} ms, worst {:.1} ms (of {})",
-        times[times.len() / 2].as_secs_f64() * 1e3,
-        times[times.len() - 1].as_secs_f64() * 1e3,
-        times.len()
-    );
+    incremental
+}
+
+fn print_rss() {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |name: &str| {
         status
@@ -164,7 +212,10 @@ fn main() {
         field("VmRSS:"),
         field("VmHWM:")
     );
-    for (type_url, resources) in &last {
+}
+
+fn print_resources(resources: &Generated) {
+    for (type_url, resources) in resources {
         let bytes: usize = resources.iter().map(|r| r.body.value.len()).sum();
         println!(
             "  {:<20} {:>6} resources {:>10} bytes",
