@@ -71,7 +71,7 @@ impl Chooser {
     /// The next event, or `None` if the pod it picked is busy (skip this tick).
     pub fn next(&mut self, model: &Model, busy: impl Fn(u32) -> bool) -> Option<PodEvent> {
         self.tick += 1;
-        if self.tick % 2 == 0
+        if self.tick.is_multiple_of(2)
             && let Some(&old) = self.rollout.front()
         {
             let pod = &model.pods[old as usize];

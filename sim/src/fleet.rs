@@ -61,6 +61,8 @@ pub struct Fleet {
     pub ledger: Ledger,
     gate: Semaphore,
     progress: mpsc::UnboundedSender<Progress>,
+    /// Why streams broke (the status they ended with), and how often.
+    pub breaks: Mutex<std::collections::BTreeMap<String, usize>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +100,7 @@ impl Fleet {
             ledger: Ledger::default(),
             gate: Semaphore::new(CONNECT_CONCURRENCY),
             progress,
+            breaks: Mutex::default(),
         };
         (fleet, rx)
     }
@@ -197,6 +200,11 @@ impl Fleet {
         Ok(stream)
     }
 
+    fn broke(&self, why: String) {
+        let why: String = why.chars().take(120).collect();
+        *self.breaks.lock().entry(why).or_default() += 1;
+    }
+
     /// Applies the stream's messages until it breaks.
     async fn read(
         &self,
@@ -207,7 +215,12 @@ impl Fleet {
     ) {
         let link = &self.links[node as usize];
         let mut snapshot_bytes = 0;
-        while let Ok(Some(message)) = stream.message().await {
+        loop {
+            let message = match stream.message().await {
+                Ok(Some(message)) => message,
+                Ok(None) => break self.broke("the stream ended".into()),
+                Err(status) => break self.broke(format!("{:?}: {}", status.code(), status.message())),
+            };
             let (at, bytes) = (Instant::now(), wire_bytes(&message));
             match &message.event {
                 Some(watch_response::Event::Snapshot(_)) => snapshot_bytes += bytes,

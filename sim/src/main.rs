@@ -86,6 +86,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("\n== N = {agents}: {:?}", config.shape);
         let figures = run(&config).await?;
         println!("{}", report::table(std::slice::from_ref(&figures)));
+        for (why, count) in &figures.breaks {
+            println!("  {count} streams ended with: {why}");
+        }
         runs.push(figures);
     }
     println!("\n{}", report::table(&runs));

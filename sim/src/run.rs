@@ -82,6 +82,8 @@ pub struct Figures {
     /// timeouts while snapshots queue behind each other), and the snapshots and
     /// resumes that followed.
     pub broken_before_kill: usize,
+    /// Why streams broke, before and after the kill.
+    pub breaks: std::collections::BTreeMap<String, usize>,
     /// Agents whose view differed from the catalog at the end (with `check_views`).
     pub mismatched_views: Option<Vec<String>>,
 }
@@ -191,6 +193,7 @@ pub async fn run(config: &Config) -> Result<Figures, RunError> {
     for watcher in watchers {
         watcher.abort();
     }
+    figures.breaks = std::mem::take(&mut *fleet.breaks.lock());
     Ok(figures)
 }
 
