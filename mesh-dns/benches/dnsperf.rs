@@ -225,80 +225,115 @@ fn status_kib(pid: u32, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn main() {
-    if std::env::args().any(|a| a == "--list") {
-        return;
-    }
-    let records = knob("AETHER_BENCH_DNS_RECORDS", 10_000);
-    let seconds = knob("AETHER_BENCH_DNS_SECONDS", 10);
-    let threads = knob("AETHER_BENCH_DNS_THREADS", 2);
-    let clients = knob("AETHER_BENCH_DNS_CLIENTS", 4);
-    let outstanding = knob("AETHER_BENCH_DNS_OUTSTANDING", 100);
-    let rounds = knob("AETHER_BENCH_DNS_ROUNDS", 2).max(1);
-    let rate = knob("AETHER_BENCH_DNS_LATENCY_QPS", 20_000);
-    let dir = tempfile::Builder::new().prefix("mesh-dns-bench-").tempdir().unwrap();
+/// The bench's knobs (see the module doc).
+struct Knobs {
+    records: usize,
+    seconds: usize,
+    threads: usize,
+    clients: usize,
+    outstanding: usize,
+    rounds: usize,
+    rate: usize,
+}
 
-    // The same names for both: a query file of every name, type A.
-    let mut file = RecordFile {
-        generation: 1,
-        written_at: SystemTime::now(),
-        records: BTreeMap::new(),
-    };
-    let mut queries = String::new();
-    let mut local_data = String::new();
-    for i in 0..records {
-        let (ns, svc) = name(i);
-        file.records.insert(
-            (ns.clone(), svc.clone()),
-            Addresses {
+impl Knobs {
+    fn from_env() -> Knobs {
+        Knobs {
+            records: knob("AETHER_BENCH_DNS_RECORDS", 10_000),
+            seconds: knob("AETHER_BENCH_DNS_SECONDS", 10),
+            threads: knob("AETHER_BENCH_DNS_THREADS", 2),
+            clients: knob("AETHER_BENCH_DNS_CLIENTS", 4),
+            outstanding: knob("AETHER_BENCH_DNS_OUTSTANDING", 100),
+            rounds: knob("AETHER_BENCH_DNS_ROUNDS", 2).max(1),
+            rate: knob("AETHER_BENCH_DNS_LATENCY_QPS", 20_000),
+        }
+    }
+}
+
+/// The same names for both servers: mesh-dns's record file, unbound's `local-data` lines, a dnsperf query file of
+/// every name (type A) and the same queries as packets for the in-process handler.
+struct Names {
+    file: RecordFile,
+    local_data: String,
+    query_file: std::path::PathBuf,
+    records_path: std::path::PathBuf,
+    packets: Vec<Vec<u8>>,
+    /// A name both answer, to know they are up.
+    probe: String,
+}
+
+impl Names {
+    fn write(records: usize, dir: &Path) -> Names {
+        let mut file = RecordFile {
+            generation: 1,
+            written_at: SystemTime::now(),
+            records: BTreeMap::new(),
+        };
+        let mut queries = String::new();
+        let mut local_data = String::new();
+        for i in 0..records {
+            let (ns, svc) = name(i);
+            let addresses = Addresses {
                 v4: Some(vip(i)),
                 v6: None,
-            },
-        );
-        queries.push_str(&format!("{svc}.{ns}.aether.internal A\n"));
-        local_data.push_str(&format!(
-            "  local-data: \"{svc}.{ns}.aether.internal. 30 IN A {}\"\n",
-            vip(i)
-        ));
+            };
+            file.records.insert((ns.clone(), svc.clone()), addresses);
+            queries.push_str(&format!("{svc}.{ns}.aether.internal A\n"));
+            local_data.push_str(&format!(
+                "  local-data: \"{svc}.{ns}.aether.internal. 30 IN A {}\"\n",
+                vip(i)
+            ));
+        }
+        let query_file = dir.join("queries.txt");
+        std::fs::write(&query_file, queries).unwrap();
+        let records_path = dir.join("mesh-dns").join("records");
+        std::fs::create_dir_all(records_path.parent().unwrap()).unwrap();
+        std::fs::write(&records_path, file.to_json()).unwrap();
+        let (probe_ns, probe_svc) = name(0);
+        Names {
+            file,
+            local_data,
+            query_file,
+            records_path,
+            packets: (0..records).map(query_packet).collect(),
+            probe: format!("{probe_svc}.{probe_ns}.aether.internal"),
+        }
     }
-    let packets: Vec<Vec<u8>> = (0..records)
-        .map(|i| {
-            let (ns, svc) = name(i);
-            let mut p = vec![0x12, 0x34, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0];
-            for l in [svc.as_str(), ns.as_str(), "aether", "internal"] {
-                p.push(l.len() as u8);
-                p.extend_from_slice(l.as_bytes());
-            }
-            p.extend_from_slice(&[0, 0, 1, 0, 1]);
-            p
-        })
-        .collect();
-    let query_file = dir.path().join("queries.txt");
-    std::fs::write(&query_file, queries).unwrap();
-    let records_path = dir.path().join("mesh-dns").join("records");
-    std::fs::create_dir_all(records_path.parent().unwrap()).unwrap();
-    std::fs::write(&records_path, file.to_json()).unwrap();
-    let (probe_ns, probe_svc) = name(0);
-    let probe = format!("{probe_svc}.{probe_ns}.aether.internal");
+}
 
-    println!(
-        "mesh-dns vs unbound: {records} records, {threads} server threads, dnsperf -c {clients} -q {outstanding} -l {seconds} \
-         (UDP, loopback); QPS = best of {rounds} alternating saturating runs; latency at a fixed {rate} QPS with -v \
-         (best p99 of {rounds} alternating runs)"
-    );
+/// A DNS query (id 0x1234, RD) for name `i`, type A.
+fn query_packet(i: usize) -> Vec<u8> {
+    let (ns, svc) = name(i);
+    let mut p = vec![0x12, 0x34, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0];
+    for l in [svc.as_str(), ns.as_str(), "aether", "internal"] {
+        p.push(l.len() as u8);
+        p.extend_from_slice(l.as_bytes());
+    }
+    p.extend_from_slice(&[0, 0, 1, 0, 1]);
+    p
+}
 
-    // unbound, the reference: the same names as local data, never recursing.
-    let unbound_port = free_port();
-    let unbound_conf = dir.path().join("unbound.conf");
+/// A running server and the loopback port it answers on.
+struct Server {
+    process: Process,
+    port: u16,
+}
+
+/// unbound, the reference: the same names as local data, never recursing.
+fn start_unbound(k: &Knobs, names: &Names, dir: &Path) -> Server {
+    let port = free_port();
+    let unbound_conf = dir.join("unbound.conf");
     let mut conf = std::fs::File::create(&unbound_conf).unwrap();
     write!(
         conf,
-        "server:\n  interface: 127.0.0.1@{unbound_port}\n  port: {unbound_port}\n  do-daemonize: no\n  use-syslog: no\n  \
+        "server:\n  interface: 127.0.0.1@{port}\n  port: {port}\n  do-daemonize: no\n  use-syslog: no\n  \
          logfile: \"\"\n  username: \"\"\n  chroot: \"\"\n  directory: \"{d}\"\n  pidfile: \"{d}/unbound.pid\"\n  \
          access-control: 127.0.0.0/8 allow\n  do-ip6: no\n  verbosity: 0\n  module-config: \"iterator\"\n  \
          auto-trust-anchor-file: \"\"\n  num-threads: {threads}\n  so-reuseport: yes\n  \
          local-zone: \"aether.internal.\" static\n{local_data}remote-control:\n  control-enable: no\n",
-        d = dir.path().display()
+        d = dir.display(),
+        threads = k.threads,
+        local_data = names.local_data,
     )
     .unwrap();
     drop(conf);
@@ -309,9 +344,12 @@ fn main() {
         .arg(&unbound_conf)
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    let mut unbound = Process(unbound.spawn().expect("start unbound"));
-    wait_answering(unbound_port, &probe, &mut unbound.0);
+    let mut process = Process(unbound.spawn().expect("start unbound"));
+    wait_answering(port, &names.probe, &mut process.0);
+    Server { process, port }
+}
 
+fn start_mesh_dns(k: &Knobs, names: &Names) -> Server {
     let port = free_port();
     let admin = free_port();
     let mut mesh = Command::new(MESH_DNS);
@@ -322,85 +360,129 @@ fn main() {
         &format!("127.0.0.1:{admin}"),
     ])
     .arg("--records")
-    .arg(&records_path)
-    .args(["--upstream", "127.0.0.1:9", "--workers", &threads.to_string()])
+    .arg(&names.records_path)
+    .args(["--upstream", "127.0.0.1:9", "--workers", &k.threads.to_string()])
     .env("RUST_LOG", "warn")
     .stdout(Stdio::null())
     .stderr(Stdio::null());
-    let mut mesh = Process(mesh.spawn().expect("start mesh-dns"));
-    wait_answering(port, &probe, &mut mesh.0);
-    let pid = mesh.0.id();
-    let rss_loaded = status_kib(pid, "VmRSS:");
+    let mut process = Process(mesh.spawn().expect("start mesh-dns"));
+    wait_answering(port, &names.probe, &mut process.0);
+    Server { process, port }
+}
 
+/// Alternates the two so machine noise hits both alike: each one's best throughput run and its run with the
+/// lowest p99 at the fixed rate, as (mesh-dns, unbound).
+fn measure_both(k: &Knobs, names: &Names, ours: &Server, reference: &Server) -> (Figures, Figures) {
     let perf = Dnsperf {
-        queries: &query_file,
-        seconds,
-        clients,
-        outstanding,
+        queries: &names.query_file,
+        seconds: k.seconds,
+        clients: k.clients,
+        outstanding: k.outstanding,
     };
-    // Alternate the two so machine noise hits both alike; keep each one's best run.
-    let (mut ours, mut reference) = ((0.0f64, 0.0f64), (0.0f64, 0.0f64));
-    for _ in 0..rounds {
-        let r = perf.throughput(unbound_port);
-        if r.0 > reference.0 {
-            reference = r;
+    let (mut ours_qps, mut reference_qps) = ((0.0f64, 0.0f64), (0.0f64, 0.0f64));
+    for _ in 0..k.rounds {
+        let r = perf.throughput(reference.port);
+        if r.0 > reference_qps.0 {
+            reference_qps = r;
         }
-        let o = perf.throughput(port);
-        if o.0 > ours.0 {
-            ours = o;
+        let o = perf.throughput(ours.port);
+        if o.0 > ours_qps.0 {
+            ours_qps = o;
         }
     }
-    // Latency too alternates; each keeps its run with the lowest p99.
     let better = |a: (f64, f64, f64), b: (f64, f64, f64)| if b.1 < a.1 { b } else { a };
     let inf = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
     let (mut reference_latency, mut ours_latency) = (inf, inf);
-    for _ in 0..rounds {
-        reference_latency = better(reference_latency, perf.latency(unbound_port, rate));
-        ours_latency = better(ours_latency, perf.latency(port, rate));
+    for _ in 0..k.rounds {
+        reference_latency = better(reference_latency, perf.latency(reference.port, k.rate));
+        ours_latency = better(ours_latency, perf.latency(ours.port, k.rate));
     }
-    let unbound_rss = status_kib(unbound.0.id(), "VmRSS:");
-    let rss_after = status_kib(pid, "VmRSS:");
-    let hwm = status_kib(pid, "VmHWM:");
-    drop(mesh);
-    drop(unbound);
+    (
+        Figures::new(ours_qps, ours_latency),
+        Figures::new(reference_qps, reference_latency),
+    )
+}
 
-    let figures = |(qps, lost): (f64, f64), (p50_us, p99_us, avg_us): (f64, f64, f64)| Figures {
-        qps,
-        lost,
-        p50_us,
-        p99_us,
-        avg_us,
-    };
-    let ours = figures(ours, ours_latency);
-    let reference = figures(reference, reference_latency);
-    let row = |who: &str, f: &Figures| {
+impl Figures {
+    fn new((qps, lost): (f64, f64), (p50_us, p99_us, avg_us): (f64, f64, f64)) -> Figures {
+        Figures {
+            qps,
+            lost,
+            p50_us,
+            p99_us,
+            avg_us,
+        }
+    }
+
+    fn print_row(&self, who: &str) {
         println!(
             "  {who:<9} QPS {:>9.0} (lost {:.3}%)  latency p50 {:>5.0} µs  p99 {:>5.0} µs  avg {:>5.0} µs",
-            f.qps,
-            f.lost * 100.0,
-            f.p50_us,
-            f.p99_us,
-            f.avg_us,
+            self.qps,
+            self.lost * 100.0,
+            self.p50_us,
+            self.p99_us,
+            self.avg_us,
         )
+    }
+}
+
+/// Resident memory in KiB: mesh-dns once loaded, after the runs and at its peak, and unbound after the runs.
+struct Memory {
+    loaded: u64,
+    after: u64,
+    peak: u64,
+    unbound: u64,
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let k = Knobs::from_env();
+    let dir = tempfile::Builder::new().prefix("mesh-dns-bench-").tempdir().unwrap();
+    let names = Names::write(k.records, dir.path());
+    println!(
+        "mesh-dns vs unbound: {} records, {} server threads, dnsperf -c {} -q {} -l {} \
+         (UDP, loopback); QPS = best of {} alternating saturating runs; latency at a fixed {} QPS with -v \
+         (best p99 of {} alternating runs)",
+        k.records, k.threads, k.clients, k.outstanding, k.seconds, k.rounds, k.rate, k.rounds
+    );
+    let unbound = start_unbound(&k, &names, dir.path());
+    let mesh = start_mesh_dns(&k, &names);
+    let pid = mesh.process.0.id();
+    let loaded = status_kib(pid, "VmRSS:");
+    let (ours, reference) = measure_both(&k, &names, &mesh, &unbound);
+    let memory = Memory {
+        loaded,
+        unbound: status_kib(unbound.process.0.id(), "VmRSS:"),
+        after: status_kib(pid, "VmRSS:"),
+        peak: status_kib(pid, "VmHWM:"),
     };
-    row("mesh-dns", &ours);
-    row("unbound", &reference);
+    drop(mesh);
+    drop(unbound);
+    print_results(&k, &names, &ours, &reference, &memory);
+}
+
+fn print_results(k: &Knobs, names: &Names, ours: &Figures, reference: &Figures, memory: &Memory) {
+    ours.print_row("mesh-dns");
+    reference.print_row("unbound");
     println!(
         "  ratio mesh-dns/unbound: QPS {:.2}x, p50 {:.2}x, p99 {:.2}x (goal: QPS >= 1.00x, p99 < 1000 µs)",
         ours.qps / reference.qps,
         ours.p50_us / reference.p50_us,
         ours.p99_us / reference.p99_us
     );
-    let (hit_ns, nodata_ns) = handler_cost(&file, &packets);
+    let (hit_ns, nodata_ns) = handler_cost(&names.file, &names.packets);
     println!(
         "  mesh-dns handler alone (in process): {hit_ns:.0} ns per A hit (fast path), {nodata_ns:.0} ns per NODATA (hickory-proto path)"
     );
     println!(
-        "  mesh-dns RSS with {records} records: {:.1} MiB loaded idle, {:.1} MiB after the runs, peak {:.1} MiB \
+        "  mesh-dns RSS with {} records: {:.1} MiB loaded idle, {:.1} MiB after the runs, peak {:.1} MiB \
          (goal < 20 MB); unbound {:.1} MiB",
-        rss_loaded as f64 / 1024.0,
-        rss_after as f64 / 1024.0,
-        hwm as f64 / 1024.0,
-        unbound_rss as f64 / 1024.0
+        k.records,
+        memory.loaded as f64 / 1024.0,
+        memory.after as f64 / 1024.0,
+        memory.peak as f64 / 1024.0,
+        memory.unbound as f64 / 1024.0
     );
 }
