@@ -455,7 +455,36 @@ fn free_ports_are_bindable() {
 async fn envoy_serves_a_static_listener() {
     let admin_port = free_port();
     let listener_port = free_port();
-    let bootstrap = serde_json::json!({
+    let bootstrap = hello_bootstrap(admin_port, listener_port);
+    let base_id = unique_base_id();
+    assert_ne!(base_id, unique_base_id(), "base ids repeat");
+    let mut envoy = Envoy::start(&bootstrap, base_id);
+    assert_eq!(envoy.admin_addr(), SocketAddr::from((Ipv4Addr::LOCALHOST, admin_port)));
+
+    let reply = http_get(&format!("http://127.0.0.1:{listener_port}/anything"), None)
+        .await
+        .expect("GET");
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.body, "hello");
+    assert_eq!(reply.headers.get("server").map(String::as_str), Some("envoy"));
+    the_admin_api_shows_the_listener_and_its_request(&envoy, listener_port);
+
+    let shm = shared_memory_path(base_id);
+    assert!(shm.exists(), "{} missing", shm.display());
+
+    let status = envoy.terminate();
+    assert!(status.success(), "envoy exited with {status}: {}", envoy.logs());
+    assert!(
+        TcpStream::connect(("127.0.0.1", listener_port)).is_err(),
+        "the listener outlived Envoy"
+    );
+    drop(envoy);
+    assert!(!shm.exists(), "{} left behind", shm.display());
+}
+
+/// A bootstrap with one static listener `hello` on `listener_port` answering 200 "hello" to everything.
+fn hello_bootstrap(admin_port: u16, listener_port: u16) -> serde_json::Value {
+    serde_json::json!({
         "admin": admin_address_json(admin_port),
         "static_resources": {
             "listeners": [{
@@ -489,19 +518,11 @@ async fn envoy_serves_a_static_listener() {
                 }]
             }]
         }
-    });
-    let base_id = unique_base_id();
-    assert_ne!(base_id, unique_base_id(), "base ids repeat");
-    let mut envoy = Envoy::start(&bootstrap, base_id);
-    assert_eq!(envoy.admin_addr(), SocketAddr::from((Ipv4Addr::LOCALHOST, admin_port)));
+    })
+}
 
-    let reply = http_get(&format!("http://127.0.0.1:{listener_port}/anything"), None)
-        .await
-        .expect("GET");
-    assert_eq!(reply.status, 200);
-    assert_eq!(reply.body, "hello");
-    assert_eq!(reply.headers.get("server").map(String::as_str), Some("envoy"));
-
+/// The config dump has the listener on its port, the stats count the one 2xx, the log shows Envoy started.
+fn the_admin_api_shows_the_listener_and_its_request(envoy: &Envoy, listener_port: u16) {
     let dump = envoy.config_dump();
     let listeners = dump["configs"]
         .as_array()
@@ -529,18 +550,6 @@ async fn envoy_serves_a_static_listener() {
         .and_then(|s| s["value"].as_u64());
     assert_eq!(rq_2xx, Some(1), "stats: {stats}");
     assert!(envoy.logs().contains("starting main dispatch loop"), "{}", envoy.logs());
-
-    let shm = shared_memory_path(base_id);
-    assert!(shm.exists(), "{} missing", shm.display());
-
-    let status = envoy.terminate();
-    assert!(status.success(), "envoy exited with {status}: {}", envoy.logs());
-    assert!(
-        TcpStream::connect(("127.0.0.1", listener_port)).is_err(),
-        "the listener outlived Envoy"
-    );
-    drop(envoy);
-    assert!(!shm.exists(), "{} left behind", shm.display());
 }
 
 /// Polls `f` every 20 ms for up to 10 s until it returns Some.
