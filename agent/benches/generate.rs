@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use aether_agent::pod::{ContainerPort, LocalPod, PodInfo};
 use aether_agent::xds::resources::{Generated, Generator, Inputs, generate};
 use aether_proto::registry::v1::{Endpoint, Locality, Port, Protocol, Service};
-use aether_proto::view::Catalog;
+use aether_proto::view::CatalogView;
 
 const SERVICES: usize = 2_000;
 const PODS: usize = 100;
@@ -60,8 +60,8 @@ fn main() {
 }
 
 /// 2,000 services of 10 endpoints each, over three zones.
-fn full_catalog() -> Catalog {
-    let mut catalog = Catalog::default();
+fn full_catalog() -> CatalogView {
+    let mut catalog = CatalogView::default();
     for s in 0..SERVICES {
         let key = format!("bench/svc-{s:04}");
         catalog.services.insert(
@@ -143,8 +143,8 @@ fn dependency_set(pods: &[LocalPod]) -> BTreeSet<String> {
 }
 
 /// The catalog slice the node watches: its dependency set.
-fn scoped_to(catalog: &Catalog, deps: &BTreeSet<String>) -> Catalog {
-    Catalog {
+fn scoped_to(catalog: &CatalogView, deps: &BTreeSet<String>) -> CatalogView {
+    CatalogView {
         services: catalog
             .services
             .iter()

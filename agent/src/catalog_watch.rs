@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aether_proto::registrar::v1::WatchRequest;
-use aether_proto::view::{Applied, Catalog, WatchView};
+use aether_proto::view::{Applied, CatalogView, WatchView};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -34,7 +34,7 @@ pub enum Interest {
 /// [`Interest::ServicesOnly`]).
 #[derive(Debug, Default)]
 pub struct WatchedCatalog {
-    pub catalog: Catalog,
+    pub catalog: CatalogView,
     pub filter: BTreeSet<String>,
 }
 

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use aether_mesh_dns::records::{self, Addresses, RecordFile};
-use aether_proto::view::Catalog;
+use aether_proto::view::CatalogView;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -84,7 +84,7 @@ pub fn path(state_dir: &Path) -> PathBuf {
 }
 
 /// Every service's addresses, from a catalog view. The count is of VIPs that are not IPs.
-pub fn records_of(catalog: &Catalog) -> (BTreeMap<(String, String), Addresses>, usize) {
+pub fn records_of(catalog: &CatalogView) -> (BTreeMap<(String, String), Addresses>, usize) {
     let mut out = BTreeMap::new();
     let mut bad = 0;
     for service in catalog.services.values() {
@@ -241,7 +241,7 @@ mod tests {
 
     #[test]
     fn every_service_with_an_ip_vip_is_a_record() {
-        let mut catalog = Catalog::default();
+        let mut catalog = CatalogView::default();
         for s in [
             service("a", "web", "240.240.0.1"),
             service("b", "api", "fd00::1"),

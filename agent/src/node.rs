@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_proto::registry::v1::Locality;
-use aether_proto::view::Catalog;
+use aether_proto::view::CatalogView;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
@@ -279,7 +279,7 @@ impl Node {
         });
         let watched = self.catalog.borrow().clone();
         // Serve only what is both wanted and known; a service leaving the set goes now.
-        let catalog = Catalog {
+        let catalog = CatalogView {
             services: watched
                 .catalog
                 .services

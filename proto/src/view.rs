@@ -12,9 +12,10 @@ use crate::registry::v1::{Endpoint, Service};
 /// service whose endpoints did not change keeps the same `Arc` (consumers can skip it).
 pub type Endpoints = Arc<BTreeMap<String, Endpoint>>;
 
-/// Services by key (`<ns>/<name>`), and their endpoints by address.
+/// What a watcher holds of the catalog (the registrar's `Catalog` is the original):
+/// services by key (`<ns>/<name>`), and their endpoints by address.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct Catalog {
+pub struct CatalogView {
     pub services: BTreeMap<String, Service>,
     pub endpoints: BTreeMap<String, Endpoints>,
 }
@@ -23,12 +24,12 @@ pub struct Catalog {
 #[derive(Clone, Debug, Default)]
 pub struct WatchView {
     /// The last consistent state; kept while a new snapshot streams in.
-    pub catalog: Catalog,
+    pub catalog: CatalogView,
     /// The version `catalog` is at; what to send as `resume_from` on reconnect.
     pub version: Option<Version>,
     /// The id of the filter `catalog` was computed with.
     pub filter_id: u64,
-    incoming: Option<Catalog>,
+    incoming: Option<CatalogView>,
 }
 
 /// What applying one message did.
@@ -64,7 +65,7 @@ pub fn service_key(service: &Service) -> String {
     format!("{}/{}", service.namespace, service.name)
 }
 
-impl Catalog {
+impl CatalogView {
     fn add_service(&mut self, service: Service) {
         let key = service_key(&service);
         self.endpoints.entry(key.clone()).or_default();
@@ -103,7 +104,7 @@ impl WatchView {
         match response.event.ok_or(ViewError::Empty)? {
             watch_response::Event::Snapshot(chunk) => {
                 if chunk.reset {
-                    self.incoming = Some(Catalog::default());
+                    self.incoming = Some(CatalogView::default());
                 }
                 let incoming = self.incoming.as_mut().ok_or(ViewError::ChunkWithoutReset)?;
                 for service in chunk.services {
@@ -232,7 +233,7 @@ mod tests {
             view.apply(event(watch_response::Event::Delta(delta))),
             Ok(Applied::Delta)
         );
-        assert_eq!(view.catalog, Catalog::default());
+        assert_eq!(view.catalog, CatalogView::default());
         assert_eq!(view.version, version(4));
     }
 

@@ -262,7 +262,7 @@ async fn replicas_racing_for_vips_agree_through_the_configmap() {
 // ---------------------------------------------------------------- helpers
 
 fn endpoint_of<'a>(
-    view: &'a aether_proto::view::Catalog,
+    view: &'a aether_proto::view::CatalogView,
     service: &str,
     address: &str,
 ) -> Option<&'a aether_proto::registry::v1::Endpoint> {

@@ -17,7 +17,7 @@ use aether_proto::registrar::v1::{
     RegisterEndpointRequest, RegisterEndpointResponse, UnregisterEndpointRequest, WatchRequest, watch_response,
 };
 use aether_proto::registry::v1::{Endpoint, Health};
-use aether_proto::view::Catalog;
+use aether_proto::view::CatalogView;
 use clap::Parser;
 use proptest::prelude::*;
 use support::{Watcher, catalog, endpoint};
@@ -97,9 +97,9 @@ fn request(spec: &Spec, id: u64) -> WatchRequest {
     }
 }
 
-fn filtered(catalog: &Catalog, spec: &Spec) -> Catalog {
+fn filtered(catalog: &CatalogView, spec: &Spec) -> CatalogView {
     let keep = |key: &String| spec.as_ref().is_none_or(|set| set.iter().any(|&i| SERVICES[i] == key));
-    Catalog {
+    CatalogView {
         services: catalog
             .services
             .iter()
@@ -124,8 +124,8 @@ struct Client {
 struct Case {
     client: RegistrarClient<Channel>,
     /// The catalog at each version, as the test's own model says it must be.
-    history: HashMap<u64, Catalog>,
-    model: Catalog,
+    history: HashMap<u64, CatalogView>,
+    model: CatalogView,
     seq: u64,
     clients: Vec<Client>,
     /// Bursts use fresh addresses, so their writes always change the catalog.
@@ -134,7 +134,11 @@ struct Case {
 
 impl Case {
     /// Checks a watcher's view against the model whenever the view is consistent.
-    fn check(client: &Client, message: &aether_proto::registrar::v1::WatchResponse, history: &HashMap<u64, Catalog>) {
+    fn check(
+        client: &Client,
+        message: &aether_proto::registrar::v1::WatchResponse,
+        history: &HashMap<u64, CatalogView>,
+    ) {
         let consistent = matches!(
             message.event,
             Some(watch_response::Event::Delta(_) | watch_response::Event::SnapshotComplete(_))
@@ -353,8 +357,8 @@ async fn run(filters: Vec<Spec>, ops: Vec<Op>) {
     }
     let mut case = Case {
         client,
-        history: HashMap::from([(0, Catalog::default())]),
-        model: Catalog::default(),
+        history: HashMap::from([(0, CatalogView::default())]),
+        model: CatalogView::default(),
         seq: 0,
         clients,
         next_address: 0,

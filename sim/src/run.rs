@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_proto::registrar::v1::{ListEndpointsRequest, ListServicesRequest};
-use aether_proto::view::Catalog;
+use aether_proto::view::CatalogView;
 use futures::StreamExt;
 use tokio::sync::mpsc;
 
@@ -336,14 +336,14 @@ async fn storm(
 }
 
 /// The registrar's catalog (from the surviving replica, as agent 0 may List).
-async fn listed(fleet: &Fleet) -> Result<Catalog, RunError> {
+async fn listed(fleet: &Fleet) -> Result<CatalogView, RunError> {
     let mut client = fleet.links[0].client();
     let services = client
         .list_services(ListServicesRequest {})
         .await?
         .into_inner()
         .services;
-    let mut catalog = Catalog::default();
+    let mut catalog = CatalogView::default();
     for service in services {
         let key = format!("{}/{}", service.namespace, service.name);
         let request = ListEndpointsRequest { service: key.clone() };

@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use aether_proto::registry::v1::{Locality, Protocol, Service};
-use aether_proto::view::{Catalog, Endpoints};
+use aether_proto::view::{CatalogView, Endpoints};
 use envoy_types::pb::google::protobuf::Any;
 
 use super::cache::Resource;
@@ -42,7 +42,7 @@ pub use util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, PORT_HEADER};
 pub struct Inputs<'a> {
     pub pods: &'a [LocalPod],
     /// The catalog, already filtered to the node's dependency set.
-    pub catalog: &'a Catalog,
+    pub catalog: &'a CatalogView,
     pub mesh_domain: &'a str,
     pub locality: &'a Locality,
     /// Cluster names Envoy asked for on demand, with their service key.
@@ -107,7 +107,7 @@ pub fn parse_authority(authority: &str, mesh_domain: &str) -> Option<(String, Op
     Some((format!("{ns}/{name}"), port))
 }
 
-pub fn services<'a>(catalog: &'a Catalog, mesh_domain: &str) -> Vec<MeshService<'a>> {
+pub fn services<'a>(catalog: &'a CatalogView, mesh_domain: &str) -> Vec<MeshService<'a>> {
     catalog
         .services
         .iter()
@@ -409,7 +409,7 @@ pub fn generate(inputs: &Inputs) -> Generated {
 
 /// The names of the clusters a dependency service is served as (none while no
 /// endpoint serves it).
-pub fn cluster_names(catalog: &Catalog, key: &str, mesh_domain: &str) -> Vec<String> {
+pub fn cluster_names(catalog: &CatalogView, key: &str, mesh_domain: &str) -> Vec<String> {
     services(catalog, mesh_domain)
         .iter()
         .filter(|s| s.key == key)

@@ -15,7 +15,7 @@ use aether_proto::registrar::v1::{
     ListEndpointsRequest, ListServicesRequest, RegisterEndpointRequest, Version, WatchRequest, WatchResponse,
 };
 use aether_proto::registry::v1::{Endpoint, Port, Protocol};
-use aether_proto::view::{Catalog, WatchView};
+use aether_proto::view::{CatalogView, WatchView};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -192,9 +192,9 @@ pub fn wildcard() -> WatchRequest {
 }
 
 /// The registrar's catalog as List reports it, restricted to `matches`.
-pub async fn catalog(client: &mut RegistrarClient<Channel>, matches: impl Fn(&str) -> bool) -> (Catalog, Version) {
+pub async fn catalog(client: &mut RegistrarClient<Channel>, matches: impl Fn(&str) -> bool) -> (CatalogView, Version) {
     let listed = client.list_services(ListServicesRequest {}).await.unwrap().into_inner();
-    let mut catalog = Catalog::default();
+    let mut catalog = CatalogView::default();
     for service in listed.services {
         let key = format!("{}/{}", service.namespace, service.name);
         if !matches(&key) {

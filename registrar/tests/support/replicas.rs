@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registrar::v1::{RegisterEndpointRequest, UnregisterEndpointRequest, WatchRequest};
 use aether_proto::registry::v1::{Endpoint, Health};
-use aether_proto::view::Catalog;
+use aether_proto::view::CatalogView;
 use tonic::transport::Channel;
 
 use super::*;
@@ -70,12 +70,12 @@ pub fn node_endpoint(service: &str, address: &str, node: &str) -> Endpoint {
 }
 
 /// The whole catalog as `client`'s replica lists it.
-pub async fn listed(client: &mut RegistrarClient<Channel>, prefix: &str) -> Catalog {
+pub async fn listed(client: &mut RegistrarClient<Channel>, prefix: &str) -> CatalogView {
     catalog(client, |k| k.starts_with(prefix)).await.0
 }
 
-fn restrict(catalog: &Catalog, prefix: &str) -> Catalog {
-    Catalog {
+fn restrict(catalog: &CatalogView, prefix: &str) -> CatalogView {
+    CatalogView {
         services: catalog
             .services
             .iter()
@@ -92,7 +92,7 @@ fn restrict(catalog: &Catalog, prefix: &str) -> Catalog {
 }
 
 /// Addresses per service of the services under `prefix`.
-pub fn addresses(catalog: &Catalog, prefix: &str) -> BTreeSet<(String, String)> {
+pub fn addresses(catalog: &CatalogView, prefix: &str) -> BTreeSet<(String, String)> {
     catalog
         .endpoints
         .iter()
@@ -103,7 +103,7 @@ pub fn addresses(catalog: &Catalog, prefix: &str) -> BTreeSet<(String, String)> 
 
 /// Reads `watcher` until its view (restricted to `prefix`) equals what `client`'s
 /// replica lists, re-listing as it goes.
-pub async fn converge(watcher: &mut Watcher, client: &mut RegistrarClient<Channel>, prefix: &str) -> Catalog {
+pub async fn converge(watcher: &mut Watcher, client: &mut RegistrarClient<Channel>, prefix: &str) -> CatalogView {
     let deadline = Instant::now() + TIMEOUT;
     loop {
         let expected = listed(client, prefix).await;
@@ -123,7 +123,7 @@ pub async fn converge(watcher: &mut Watcher, client: &mut RegistrarClient<Channe
 
 /// Waits until both replicas list the same catalog under `prefix` (a store whose
 /// feed is a periodic sync converges within a sync interval); returns it.
-pub async fn agree(a: &mut RegistrarClient<Channel>, b: &mut RegistrarClient<Channel>, prefix: &str) -> Catalog {
+pub async fn agree(a: &mut RegistrarClient<Channel>, b: &mut RegistrarClient<Channel>, prefix: &str) -> CatalogView {
     let deadline = Instant::now() + TIMEOUT;
     loop {
         let (on_a, on_b) = (listed(a, prefix).await, listed(b, prefix).await);
@@ -140,7 +140,7 @@ pub async fn agree(a: &mut RegistrarClient<Channel>, b: &mut RegistrarClient<Cha
 }
 
 /// What differs between two catalogs, for failure messages.
-pub fn difference(a: &Catalog, b: &Catalog) -> String {
+pub fn difference(a: &CatalogView, b: &CatalogView) -> String {
     let mut out = String::new();
     let keys: BTreeSet<&String> = a.services.keys().chain(b.services.keys()).collect();
     for key in keys {
@@ -160,7 +160,7 @@ pub fn difference(a: &Catalog, b: &Catalog) -> String {
 }
 
 /// Waits until `f(view)` holds.
-pub async fn wait_view(watcher: &mut Watcher, what: &str, f: impl Fn(&Catalog) -> bool) {
+pub async fn wait_view(watcher: &mut Watcher, what: &str, f: impl Fn(&CatalogView) -> bool) {
     let deadline = Instant::now() + TIMEOUT;
     while !f(&watcher.view.catalog) {
         assert!(Instant::now() < deadline, "timed out waiting for: {what}");
@@ -177,7 +177,7 @@ pub async fn metric(admin: std::net::SocketAddr, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn has(catalog: &Catalog, service: &str, address: &str) -> bool {
+fn has(catalog: &CatalogView, service: &str, address: &str) -> bool {
     catalog.endpoints.get(service).is_some_and(|e| e.contains_key(address))
 }
 
