@@ -84,7 +84,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for &agents in &flags.agents {
         let config = flags.config(agents);
         println!("\n== N = {agents}: {:?}", config.shape);
-        let figures = run(&config).await?;
+        // A run that does not finish (e.g. its sync outlasts the phase limit) is a
+        // finding too: say so and go on with the next N.
+        let figures = match run(&config).await {
+            Ok(figures) => figures,
+            Err(e) => {
+                println!("N = {agents} did not finish: {e}");
+                continue;
+            }
+        };
         println!("{}", report::table(std::slice::from_ref(&figures)));
         for (why, count) in &figures.breaks {
             println!("  {count} streams ended with: {why}");
