@@ -107,56 +107,70 @@ fn main() {
             "logFile": dir.path().join("cni.log"), "meshDns": "10.251.0.1:18054",
         }),
     };
-    let pool = single.max(parallel);
-    let netns: Vec<BareNetns> = (0..pool).map(|_| BareNetns::new()).collect();
+    let netns: Vec<BareNetns> = (0..single.max(parallel)).map(|_| BareNetns::new()).collect();
     let sandboxes: Vec<(Sandbox, String)> = netns
         .iter()
         .enumerate()
-        .map(|(i, ns)| {
-            let name = format!("bench-{i}");
-            let sb = Sandbox::new(&format!("ctr-{}", ns.name()), &ns.path(), NAMESPACE, &name);
-            describe(&mesh, &name, &sb.pod.as_ref().unwrap().2);
-            let ip = format!("10.251.{}.{}", i / 250, i % 250 + 2);
-            // What the main plugin would have left: eth0 with the pod's address (Envoy binds the pod's
-            // inbound listener on it).
-            for cmd in [
-                vec!["link", "add", "eth0", "type", "veth", "peer", "name", "peer0"],
-                vec!["link", "set", "peer0", "up"],
-                vec!["addr", "add", &format!("{ip}/16"), "dev", "eth0"],
-                vec!["link", "set", "eth0", "up"],
-            ] {
-                let out = ns.exec(&[&["ip"][..], &cmd[..]].concat());
-                assert!(
-                    out.status.success(),
-                    "ip {cmd:?}: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-            (sb, ip)
-        })
+        .map(|(i, ns)| described_sandbox(&mesh, i, ns))
         .collect();
-    // Warm up (the pod source picks the manifests up; first-connection costs).
-    let warm = &sandboxes[0];
-    let (_, run) = bench.run("ADD", &warm.0, &warm.1);
+    warm_up(&bench, &mesh, &sandboxes[0]);
+    add_one_at_a_time(&bench, &sandboxes[..single.min(sandboxes.len())]);
+    add_in_parallel(&bench, &sandboxes[..parallel.min(sandboxes.len())], rounds);
+    version_floor(&bench);
+    print_agent_phases(&rt.block_on(mesh.agent_get("/metrics")));
+}
+
+/// Sandbox `i` in `ns`, described to the pod source, with what the main plugin would have left: eth0 with the
+/// pod's address (Envoy binds the pod's inbound listener on it). The sandbox and the address.
+fn described_sandbox(mesh: &Mesh, i: usize, ns: &BareNetns) -> (Sandbox, String) {
+    let name = format!("bench-{i}");
+    let sb = Sandbox::new(&format!("ctr-{}", ns.name()), &ns.path(), NAMESPACE, &name);
+    describe(mesh, &name, &sb.pod.as_ref().unwrap().2);
+    let ip = format!("10.251.{}.{}", i / 250, i % 250 + 2);
+    for cmd in [
+        vec!["link", "add", "eth0", "type", "veth", "peer", "name", "peer0"],
+        vec!["link", "set", "peer0", "up"],
+        vec!["addr", "add", &format!("{ip}/16"), "dev", "eth0"],
+        vec!["link", "set", "eth0", "up"],
+    ] {
+        let out = ns.exec(&[&["ip"][..], &cmd[..]].concat());
+        assert!(
+            out.status.success(),
+            "ip {cmd:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    (sb, ip)
+}
+
+/// Warm up (the pod source picks the manifests up; first-connection costs).
+fn warm_up(bench: &Bench, mesh: &Mesh, (sb, ip): &(Sandbox, String)) {
+    let (_, run) = bench.run("ADD", sb, ip);
     assert!(
         run.success,
         "warm-up ADD failed: {run:?}\nagent:\n{}",
         mesh.agent.as_ref().unwrap().logs()
     );
-    bench.run("DEL", &warm.0, &warm.1);
+    bench.run("DEL", sb, ip);
+}
 
+fn add_one_at_a_time(bench: &Bench, sandboxes: &[(Sandbox, String)]) {
     let check = |run: &PluginRun, what: &str| {
         assert!(run.success, "{what} failed: {run:?}");
     };
     let mut samples = Vec::new();
-    for (sb, ip) in sandboxes.iter().take(single) {
+    for (sb, ip) in sandboxes {
         let (took, run) = bench.run("ADD", sb, ip);
         check(&run, "ADD");
         samples.push(took);
         check(&bench.run("DEL", sb, ip).1, "DEL");
     }
     report("aether-cni ADD, one at a time", samples, "20 ms");
+}
 
+/// `rounds` batches: every sandbox ADDed at once, then DELed at once.
+fn add_in_parallel(bench: &Bench, sandboxes: &[(Sandbox, String)], rounds: usize) {
+    let parallel = sandboxes.len();
     let mut samples = Vec::new();
     let mut wall = Vec::new();
     for _ in 0..rounds {
@@ -164,9 +178,7 @@ fn main() {
         let took: Vec<Duration> = std::thread::scope(|s| {
             let handles: Vec<_> = sandboxes
                 .iter()
-                .take(parallel)
                 .map(|(sb, ip)| {
-                    let bench = &bench;
                     s.spawn(move || {
                         let (took, run) = bench.run("ADD", sb, ip);
                         assert!(run.success, "parallel ADD failed: {run:?}");
@@ -179,8 +191,7 @@ fn main() {
         wall.push(started.elapsed());
         samples.extend(took);
         std::thread::scope(|s| {
-            for (sb, ip) in sandboxes.iter().take(parallel) {
-                let bench = &bench;
+            for (sb, ip) in sandboxes {
                 s.spawn(move || assert!(bench.run("DEL", sb, ip).1.success));
             }
         });
@@ -196,7 +207,10 @@ fn main() {
         ms(wall[0]),
         ms(*wall.last().unwrap())
     );
-    // The plugin's own start-up: VERSION (no agent call).
+}
+
+/// The plugin's own start-up: VERSION (no agent call).
+fn version_floor(bench: &Bench) {
     let mut version = Vec::new();
     for _ in 0..50 {
         let started = Instant::now();
@@ -205,9 +219,10 @@ fn main() {
         assert!(run.success);
     }
     report("aether-cni VERSION (process start-up floor)", version, "-");
+}
 
-    // Where the agent's AddPod time went (its phases run concurrently; `total` is the slowest plus the set-up).
-    let metrics = rt.block_on(mesh.agent_get("/metrics"));
+/// Where the agent's AddPod time went (its phases run concurrently; `total` is the slowest plus the set-up).
+fn print_agent_phases(metrics: &str) {
     let series = |name: &str, phase: &str| {
         let prefix = format!("aether_agent_cni_add_phase_seconds_{name}{{phase=\"{phase}\"}} ");
         metrics

@@ -78,19 +78,8 @@ async fn main() {
     h2.wait_ok(200, Duration::from_secs(20)).await;
 
     let proxy = mesh.proxy.as_mut().expect("supervisor");
-    let mut handoffs = Vec::new();
     let started = Instant::now();
-    for epoch in 1..=restarts {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while proxy.envoy_pids().len() > 1 {
-            assert!(Instant::now() < deadline, "epoch {} did not retire", epoch - 1);
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        proxy.signal(Signal::SIGHUP);
-        handoffs.push(wait_live(proxy, epoch).await);
-        h1.wait_ok(20, Duration::from_secs(10)).await;
-        h2.wait_ok(20, Duration::from_secs(10)).await;
-    }
+    let handoffs = restart_under_load(proxy, restarts, &h1, &h2).await;
     let restarting = started.elapsed();
     // The last old epoch drains and exits under load as well.
     while proxy.envoy_pids().len() > 1 {
@@ -117,6 +106,28 @@ async fn main() {
             println!("hot_restart:   failure: {e}");
         }
     }
+    print_handoffs(handoffs, &metrics);
+}
+
+/// `restarts` SIGHUPs, each once the previous old epoch retired, while both loads keep succeeding: how long each
+/// new epoch took to go LIVE.
+async fn restart_under_load(proxy: &mut ProxySupervisor, restarts: u64, h1: &Load, h2: &Load) -> Vec<Duration> {
+    let mut handoffs = Vec::new();
+    for epoch in 1..=restarts {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while proxy.envoy_pids().len() > 1 {
+            assert!(Instant::now() < deadline, "epoch {} did not retire", epoch - 1);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        proxy.signal(Signal::SIGHUP);
+        handoffs.push(wait_live(proxy, epoch).await);
+        h1.wait_ok(20, Duration::from_secs(10)).await;
+        h2.wait_ok(20, Duration::from_secs(10)).await;
+    }
+    handoffs
+}
+
+fn print_handoffs(mut handoffs: Vec<Duration>, metrics: &str) {
     handoffs.sort();
     println!(
         "hot_restart: SIGHUP -> new epoch LIVE (admin polled every 2 ms): p50 {:.1?} p90 {:.1?} p99 {:.1?} max {:.1?}",
@@ -126,15 +137,15 @@ async fn main() {
         handoffs.last().copied().unwrap_or_default()
     );
     let (sum, count) = (
-        metric_sum(&metrics, "aether_proxy_handoff_duration_seconds_sum"),
-        metric_sum(&metrics, "aether_proxy_handoff_duration_seconds_count"),
+        metric_sum(metrics, "aether_proxy_handoff_duration_seconds_sum"),
+        metric_sum(metrics, "aether_proxy_handoff_duration_seconds_count"),
     );
     println!(
         "hot_restart: supervisor trigger -> LIVE (its histogram, incl. epoch 0): mean {:.1} ms over {count} handoffs; \
          hot restarts {} crashes {} validation failures {}",
         1000.0 * sum / count.max(1.0),
-        metric_sum(&metrics, "aether_proxy_hot_restarts_total"),
-        metric_sum(&metrics, "aether_proxy_envoy_crashes_total"),
-        metric_sum(&metrics, "aether_proxy_validation_failures_total"),
+        metric_sum(metrics, "aether_proxy_hot_restarts_total"),
+        metric_sum(metrics, "aether_proxy_envoy_crashes_total"),
+        metric_sum(metrics, "aether_proxy_validation_failures_total"),
     );
 }

@@ -138,15 +138,17 @@ async fn main() {
     if std::env::args().any(|a| a == "--list") {
         return; // `cargo test --benches` probes harness=false benches with --list.
     }
-    let seconds = knob("AETHER_BENCH_DURATION", 10);
-    let connections = knob("AETHER_BENCH_CONNECTIONS", 8);
+    let load = Load {
+        seconds: knob("AETHER_BENCH_DURATION", 10),
+        connections: knob("AETHER_BENCH_CONNECTIONS", 8),
+        rate: knob("AETHER_BENCH_RATE", 1000),
+        dir: tempfile::tempdir().unwrap(),
+    };
     let rotations = knob("AETHER_BENCH_ROTATIONS", 20) as usize;
-    let dir = tempfile::tempdir().unwrap();
-    let host = format!("{}:8080", fqdn("backend"));
-
-    let rate = knob("AETHER_BENCH_RATE", 1000);
-    println!("mtls bench: 1 KB POST through the node Envoy, wrk -t1 -c{connections} -d{seconds}s, keep-alive");
-    let outbound = "http://127.0.0.1:18081/bench";
+    println!(
+        "mtls bench: 1 KB POST through the node Envoy, wrk -t1 -c{} -d{}s, keep-alive",
+        load.connections, load.seconds
+    );
     let mut results = Vec::new();
     let mut fixed = Vec::new();
     for (label, identity) in [
@@ -156,43 +158,72 @@ async fn main() {
         ),
         ("mTLS (--identity builtin)", MeshIdentity::DEFAULT),
     ] {
-        let mesh = Mesh::start_identity(identity, &[]).await;
-        let (frontend, backend, mut apps) = mesh.frontend_and_backend().await;
-        let mut paths = vec![(label.to_owned(), outbound.to_owned(), host.clone())];
-        if matches!(identity, MeshIdentity::Builtin { .. }) {
-            // The same backend app, also on the pod's own address: reached directly, no mesh.
-            let direct = format!("{}:9080", backend.ip());
-            apps.push(backend.serve_http(direct.parse().unwrap(), "backend"));
-            paths.insert(
-                0,
-                (
-                    "direct (pod -> pod, no mesh)".to_owned(),
-                    format!("http://{direct}/bench"),
-                    direct,
-                ),
-            );
-        }
-        for (label, url, host) in paths {
-            // Warm-up: connections established, caches hot.
-            let _ = wrk(&frontend, &url, &host, 2, connections, dir.path());
-            let r = wrk(&frontend, &url, &host, seconds, connections, dir.path());
-            println!(
-                "  {label:<48} p50 {:>9}  p99 {:>9}  {:>9.0} req/s  errors: {}",
-                r.p50, r.p99, r.rps, r.errors
-            );
-            let (p50, p99) = hey_fixed(&frontend, &url, &host, seconds, rate, dir.path());
-            fixed.push((label, p50, p99));
-            results.push(r);
-        }
+        measure_paths(&load, label, identity, &mut results, &mut fixed).await;
     }
-    if let [plain, _direct, mtls] = &results[..] {
+    print_comparison(&load, &results, &fixed);
+    measure_svid_to_envoy(rotations).await;
+}
+
+/// How hard and how long each path is loaded, and where the load tools write.
+struct Load {
+    seconds: u64,
+    connections: u64,
+    /// The fixed rate of the latency runs.
+    rate: u64,
+    dir: tempfile::TempDir,
+}
+
+/// A mesh with `identity`: the frontend → backend path through the node Envoy (and, with mTLS, the same backend
+/// reached directly), each loaded by wrk then at the fixed rate; appends to `results` and `fixed`.
+async fn measure_paths(
+    load: &Load,
+    label: &str,
+    identity: MeshIdentity,
+    results: &mut Vec<Wrk>,
+    fixed: &mut Vec<(String, f64, f64)>,
+) {
+    let mesh = Mesh::start_identity(identity, &[]).await;
+    let (frontend, backend, mut apps) = mesh.frontend_and_backend().await;
+    let host = format!("{}:8080", fqdn("backend"));
+    let mut paths = vec![(label.to_owned(), "http://127.0.0.1:18081/bench".to_owned(), host)];
+    if matches!(identity, MeshIdentity::Builtin { .. }) {
+        // The same backend app, also on the pod's own address: reached directly, no mesh.
+        let direct = format!("{}:9080", backend.ip());
+        apps.push(backend.serve_http(direct.parse().unwrap(), "backend"));
+        paths.insert(
+            0,
+            (
+                "direct (pod -> pod, no mesh)".to_owned(),
+                format!("http://{direct}/bench"),
+                direct,
+            ),
+        );
+    }
+    let (seconds, connections, dir) = (load.seconds, load.connections, load.dir.path());
+    for (label, url, host) in paths {
+        // Warm-up: connections established, caches hot.
+        let _ = wrk(&frontend, &url, &host, 2, connections, dir);
+        let r = wrk(&frontend, &url, &host, seconds, connections, dir);
+        println!(
+            "  {label:<48} p50 {:>9}  p99 {:>9}  {:>9.0} req/s  errors: {}",
+            r.p50, r.p99, r.rps, r.errors
+        );
+        let (p50, p99) = hey_fixed(&frontend, &url, &host, seconds, load.rate, dir);
+        fixed.push((label, p50, p99));
+        results.push(r);
+    }
+}
+
+fn print_comparison(load: &Load, results: &[Wrk], fixed: &[(String, f64, f64)]) {
+    let (rate, seconds) = (load.rate, load.seconds);
+    if let [plain, _direct, mtls] = results {
         println!(
             "  throughput with mTLS: {:.1}% of plaintext",
             100.0 * mtls.rps / plain.rps.max(1.0)
         );
     }
     println!("at a fixed {rate} req/s (hey, 8 workers, {seconds} s, keep-alive):");
-    for (label, p50, p99) in &fixed {
+    for (label, p50, p99) in fixed {
         println!("  {label:<48} p50 {p50:>7.3} ms  p99 {p99:>7.3} ms");
     }
     let p99 = |prefix: &str| fixed.iter().find(|(l, _, _)| l.starts_with(prefix)).map(|(_, _, p)| *p);
@@ -202,8 +233,10 @@ async fn main() {
             mtls - direct
         );
     }
+}
 
-    // SVID issued → Envoy serving it.
+/// SVID issued → Envoy serving it, over `rotations` rotations of a fake SPIRE.
+async fn measure_svid_to_envoy(rotations: usize) {
     let mesh = Mesh::start_identity(
         MeshIdentity::Spire {
             ttl: Duration::from_secs(3600),
