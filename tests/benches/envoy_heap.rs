@@ -333,25 +333,12 @@ struct Row {
 }
 
 async fn measure(pods: usize, services: usize, workers: usize, workloads: usize) -> Row {
-    let mut mesh = Mesh::start().await;
-    // The fixture's default identity is the built-in CA (mTLS); make sure this agent runs with it.
-    assert!(
-        mesh.agent_args
-            .windows(2)
-            .any(|a| a[0] == "--identity" && a[1] == "builtin"),
-        "the mesh's agent does not run with the built-in CA (mTLS): {:?}",
-        mesh.agent_args
-    );
-    // Swap the fixture's 1-worker Envoy for one with the production worker count.
-    mesh.envoy = None;
-    let envoy = BenchEnvoy::start(&mesh, workers).await;
+    let (mesh, envoy) = mesh_with_bench_envoy(workers).await;
     let idle_heap = envoy.allocated().await;
-
     let endpoints: Vec<Endpoint> = (0..services * ENDPOINTS_PER_SERVICE)
         .map(|n| endpoint(n % services, catalog_address(n), n))
         .collect();
     register_all(&mesh, endpoints, LOAD_CONCURRENCY).await;
-
     let upstreams: Vec<String> = (0..services).map(service_key).collect();
     let upstreams = upstreams.join(",");
     let test_pods: Vec<(TestPod, String)> = (0..pods)
@@ -364,30 +351,9 @@ async fn measure(pods: usize, services: usize, workers: usize, workloads: usize)
         .collect();
     // The static pod source polls its directory every 200 ms.
     tokio::time::sleep(Duration::from_millis(600)).await;
-
     let started = Instant::now();
-    let (mesh_ref, envoy_ref) = (&mesh, &envoy);
-    let results: Vec<Result<Duration, String>> = futures::stream::iter(test_pods.iter())
-        .map(|(pod, name)| async move { try_add_pod(mesh_ref, envoy_ref, pod, name).await })
-        .buffer_unordered(ADD_CONCURRENCY)
-        .collect()
-        .await;
+    let latencies = add_all(&mesh, &envoy, &test_pods, services).await;
     let adds = started.elapsed();
-    let mut latencies = Vec::new();
-    let mut failures = Vec::new();
-    for r in results {
-        match r {
-            Ok(d) => latencies.push(d),
-            Err(e) => failures.push(e),
-        }
-    }
-    if let Some(first) = failures.first() {
-        panic!(
-            "P={pods} C={services}: {} of {pods} AddPods failed; the first:\n{first}",
-            failures.len()
-        );
-    }
-    latencies.sort();
 
     let own: BTreeSet<String> = (0..pods)
         .map(|p| format!("{}/{}", aether_tests::mesh::NAMESPACE, workload(p, workloads)))
@@ -400,29 +366,7 @@ async fn measure(pods: usize, services: usize, workers: usize, workloads: usize)
     let heap = envoy.allocated().await;
     let rss = proc_status(envoy.child.pid(), "VmRSS:");
     let h = held(&envoy.get_json("/config_dump").await);
-
-    // What the row claims: the C service clusters, one originate cluster per pod, mTLS on.
-    let expected: BTreeSet<String> = (0..services).map(cluster_name).collect();
-    assert_eq!(
-        h.service_clusters, expected,
-        "P={pods} C={services}: Envoy's service clusters are not the C services' clusters"
-    );
-    assert_eq!(
-        h.own_service_clusters,
-        own.len(),
-        "P={pods} C={services}: Envoy does not hold one cluster per local workload"
-    );
-    assert_eq!(
-        h.originate_clusters, pods,
-        "P={pods} C={services}: Envoy does not hold one originate cluster per pod"
-    );
-    assert!(
-        h.secrets >= pods && h.tls_sockets >= pods,
-        "P={pods} C={services}: mTLS is not on in Envoy ({} secrets, {} upstream TLS sockets for {pods} pods)",
-        h.secrets,
-        h.tls_sockets
-    );
-
+    assert_the_row_holds_what_it_claims(&h, pods, services, own.len());
     drop(envoy);
     drop(mesh);
     drop(test_pods);
@@ -438,6 +382,72 @@ async fn measure(pods: usize, services: usize, workers: usize, workloads: usize)
         add_max: *latencies.last().unwrap(),
         settle: settle_took,
     }
+}
+
+/// A fresh mesh whose fixture Envoy (1 worker) is swapped for one with the production worker count.
+async fn mesh_with_bench_envoy(workers: usize) -> (Mesh, BenchEnvoy) {
+    let mut mesh = Mesh::start().await;
+    // The fixture's default identity is the built-in CA (mTLS); make sure this agent runs with it.
+    assert!(
+        mesh.agent_args
+            .windows(2)
+            .any(|a| a[0] == "--identity" && a[1] == "builtin"),
+        "the mesh's agent does not run with the built-in CA (mTLS): {:?}",
+        mesh.agent_args
+    );
+    mesh.envoy = None;
+    let envoy = BenchEnvoy::start(&mesh, workers).await;
+    (mesh, envoy)
+}
+
+/// Adds every pod, [`ADD_CONCURRENCY`] at a time; each AddPod's latency, sorted (panics on any failure).
+async fn add_all(mesh: &Mesh, envoy: &BenchEnvoy, test_pods: &[(TestPod, String)], services: usize) -> Vec<Duration> {
+    let pods = test_pods.len();
+    let results: Vec<Result<Duration, String>> = futures::stream::iter(test_pods.iter())
+        .map(|(pod, name)| async move { try_add_pod(mesh, envoy, pod, name).await })
+        .buffer_unordered(ADD_CONCURRENCY)
+        .collect()
+        .await;
+    let mut latencies = Vec::new();
+    let mut failures = Vec::new();
+    for r in results {
+        match r {
+            Ok(d) => latencies.push(d),
+            Err(e) => failures.push(e),
+        }
+    }
+    if let Some(first) = failures.first() {
+        panic!(
+            "P={pods} C={services}: {} of {pods} AddPods failed; the first:\n{first}",
+            failures.len()
+        );
+    }
+    latencies.sort();
+    latencies
+}
+
+/// What the row claims: the C service clusters, one cluster per local workload, one originate cluster per pod,
+/// mTLS on.
+fn assert_the_row_holds_what_it_claims(h: &Held, pods: usize, services: usize, own: usize) {
+    let expected: BTreeSet<String> = (0..services).map(cluster_name).collect();
+    assert_eq!(
+        h.service_clusters, expected,
+        "P={pods} C={services}: Envoy's service clusters are not the C services' clusters"
+    );
+    assert_eq!(
+        h.own_service_clusters, own,
+        "P={pods} C={services}: Envoy does not hold one cluster per local workload"
+    );
+    assert_eq!(
+        h.originate_clusters, pods,
+        "P={pods} C={services}: Envoy does not hold one originate cluster per pod"
+    );
+    assert!(
+        h.secrets >= pods && h.tls_sockets >= pods,
+        "P={pods} C={services}: mTLS is not on in Envoy ({} secrets, {} upstream TLS sockets for {pods} pods)",
+        h.secrets,
+        h.tls_sockets
+    );
 }
 
 /// Least squares of heap = a + b·P + c·C + d·P·C (bytes) over the rows: [a, b, c, d].
@@ -476,30 +486,69 @@ fn fit(rows: &[Row]) -> [f64; 4] {
     [0, 1, 2, 3].map(|i| m[i][4] / m[i][i])
 }
 
+/// The grid and the node's shape (see the module doc's knobs).
+struct Grid {
+    pods: Vec<usize>,
+    clusters: Vec<usize>,
+    workers: usize,
+    workloads: usize,
+}
+
+impl Grid {
+    fn from_env() -> Grid {
+        let pod_grid = list_knob("AETHER_BENCH_GRID_PODS", "10,50,100");
+        let cluster_grid = list_knob("AETHER_BENCH_GRID_CLUSTERS", "50,200");
+        let workers = knob("AETHER_BENCH_ENVOY_CONCURRENCY", 2);
+        let workloads = knob("AETHER_BENCH_POD_WORKLOADS", 0);
+        assert!(
+            pod_grid.len() >= 2 && cluster_grid.len() >= 2,
+            "fitting a + b·P + c·C + d·P·C needs at least 2 pod counts and 2 cluster counts \
+             (AETHER_BENCH_GRID_PODS={pod_grid:?}, AETHER_BENCH_GRID_CLUSTERS={cluster_grid:?})"
+        );
+        assert!(
+            pod_grid[0] >= 1 && *pod_grid.last().unwrap() <= 250,
+            "pods per point must be 1..=250 (one /24 per node): {pod_grid:?}"
+        );
+        assert!(cluster_grid[0] >= 1, "clusters per point must be ≥ 1: {cluster_grid:?}");
+        assert!(workers >= 1, "AETHER_BENCH_ENVOY_CONCURRENCY must be ≥ 1");
+        Grid {
+            pods: pod_grid,
+            clusters: cluster_grid,
+            workers,
+            workloads,
+        }
+    }
+}
+
 fn main() {
     aether_tests::require_root();
-    let pod_grid = list_knob("AETHER_BENCH_GRID_PODS", "10,50,100");
-    let cluster_grid = list_knob("AETHER_BENCH_GRID_CLUSTERS", "50,200");
-    let workers = knob("AETHER_BENCH_ENVOY_CONCURRENCY", 2);
-    let workloads = knob("AETHER_BENCH_POD_WORKLOADS", 0);
-    assert!(
-        pod_grid.len() >= 2 && cluster_grid.len() >= 2,
-        "fitting a + b·P + c·C + d·P·C needs at least 2 pod counts and 2 cluster counts \
-         (AETHER_BENCH_GRID_PODS={pod_grid:?}, AETHER_BENCH_GRID_CLUSTERS={cluster_grid:?})"
-    );
-    assert!(
-        pod_grid[0] >= 1 && *pod_grid.last().unwrap() <= 250,
-        "pods per point must be 1..=250 (one /24 per node): {pod_grid:?}"
-    );
-    assert!(cluster_grid[0] >= 1, "clusters per point must be ≥ 1: {cluster_grid:?}");
-    assert!(workers >= 1, "AETHER_BENCH_ENVOY_CONCURRENCY must be ≥ 1");
+    let grid = Grid::from_env();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
     let bench_started = Instant::now();
+    print_header(&grid);
+    let mut rows = Vec::new();
+    for &services in &grid.clusters {
+        for &pods in &grid.pods {
+            let r = rt.block_on(measure(pods, services, grid.workers, grid.workloads));
+            print_row(&r);
+            rows.push(r);
+        }
+    }
+    print_fit_and_goals(&rows);
+    println!(
+        "earlier measurement, NOT re-measured by this bench (proposal notes; measured 2026-12-01 with a static config \
+         of the old layout, one TLS socket per pod in every cluster): 5.8 MiB + 2.2 KiB/pod + 63 KiB/cluster + 16.7 \
+         KiB/(pod×cluster)"
+    );
+    println!("total bench time {:.0} s", bench_started.elapsed().as_secs_f64());
+}
 
+fn print_header(grid: &Grid) {
+    let (workers, workloads) = (grid.workers, grid.workloads);
     println!(
         "Envoy heap grid: the agent's real output, mTLS on (built-in CA, one SVID / SDS secret per pod), Envoy 1.40 \
          --concurrency {workers}; C services × {ENDPOINTS_PER_SERVICE} endpoints (HTTP :{PORT}); P pods ({}) all \
@@ -537,36 +586,35 @@ fn main() {
          delivery: local|<pod>|<port>; TLS sock: upstream TLS sockets over all clusters; AddPod×P: wall time of all \
          AddPods, p50/max of one; settle: after the last AddPod until everything was ACKed)"
     );
-    let mut rows = Vec::new();
-    for &services in &cluster_grid {
-        for &pods in &pod_grid {
-            let r = rt.block_on(measure(pods, services, workers, workloads));
-            println!(
-                "{:>5} {:>5} | {:>8} {:>5} {:>5} {:>9} {:>8} {:>9} {:>7} {:>8} | {:>5.1} MiB {:>5.1} MiB {:>6.1} MiB | {:>7.2} s \
-                 {:>7} {:>7} {:>7}",
-                r.pods,
-                r.services,
-                r.held.clusters(),
-                r.held.service_clusters.len(),
-                r.held.own_service_clusters,
-                r.held.originate_clusters,
-                r.held.delivery_clusters,
-                r.held.listeners.len(),
-                r.held.secrets,
-                r.held.tls_sockets,
-                r.idle_heap as f64 / MIB,
-                r.heap as f64 / MIB,
-                r.rss as f64 / MIB,
-                r.adds.as_secs_f64(),
-                ms(r.add_p50),
-                ms(r.add_max),
-                ms(r.settle)
-            );
-            rows.push(r);
-        }
-    }
+}
 
-    let [a, b, c, d] = fit(&rows);
+fn print_row(r: &Row) {
+    println!(
+        "{:>5} {:>5} | {:>8} {:>5} {:>5} {:>9} {:>8} {:>9} {:>7} {:>8} | {:>5.1} MiB {:>5.1} MiB {:>6.1} MiB | {:>7.2} s \
+         {:>7} {:>7} {:>7}",
+        r.pods,
+        r.services,
+        r.held.clusters(),
+        r.held.service_clusters.len(),
+        r.held.own_service_clusters,
+        r.held.originate_clusters,
+        r.held.delivery_clusters,
+        r.held.listeners.len(),
+        r.held.secrets,
+        r.held.tls_sockets,
+        r.idle_heap as f64 / MIB,
+        r.heap as f64 / MIB,
+        r.rss as f64 / MIB,
+        r.adds.as_secs_f64(),
+        ms(r.add_p50),
+        ms(r.add_max),
+        ms(r.settle)
+    );
+}
+
+/// The fitted model, its per-pod×cluster goal and the heap at 100 pods × 200 clusters against its goal.
+fn print_fit_and_goals(rows: &[Row]) {
+    let [a, b, c, d] = fit(rows);
     let predict = |p: f64, cl: f64| a + b * p + c * cl + d * p * cl;
     let worst = rows
         .iter()
@@ -617,10 +665,4 @@ fn main() {
             );
         }
     }
-    println!(
-        "earlier measurement, NOT re-measured by this bench (proposal notes; measured 2026-12-01 with a static config \
-         of the old layout, one TLS socket per pod in every cluster): 5.8 MiB + 2.2 KiB/pod + 63 KiB/cluster + 16.7 \
-         KiB/(pod×cluster)"
-    );
-    println!("total bench time {:.0} s", bench_started.elapsed().as_secs_f64());
 }
