@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use aether_common::admin::Pages;
+use aether_common::admin::{Pages, answered};
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::capture::CaptureConfig;
@@ -73,10 +73,13 @@ impl Inspector {
 /// `base` (the node's own pages) plus the CLI's; each answer is JSON.
 pub fn pages(base: Pages, inspector: Inspector) -> Pages {
     let inspector = Arc::new(inspector);
-    Arc::new(move |path: &str| {
-        let route = Route::parse(path)?;
-        let Route::Cli(request) = route else { return base(path) };
-        Some(blocking(inspector.clone(), request))
+    Arc::new(move |path: &str| match Route::parse(path) {
+        None => answered(None),
+        Some(Route::Other) => base(path),
+        Some(Route::Cli(request)) => {
+            let inspector = inspector.clone();
+            Box::pin(async move { Some(answer(&inspector, request).await) })
+        }
     })
 }
 
@@ -116,17 +119,6 @@ impl Route {
         };
         Some(Route::Cli(request))
     }
-}
-
-/// The admin server's pages are synchronous; the answers need Envoy's admin and `nft` in
-/// pod netns. The agent runs on the multi-thread runtime, so the admin connection's task
-/// may block its worker while the answer is gathered.
-fn blocking(inspector: Arc<Inspector>, request: Request) -> (u16, String) {
-    let handle = tokio::runtime::Handle::current();
-    if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread {
-        return error(503, "the debug API needs the multi-thread runtime");
-    }
-    tokio::task::block_in_place(|| handle.block_on(answer(&inspector, request)))
 }
 
 async fn answer(inspector: &Inspector, request: Request) -> (u16, String) {

@@ -28,7 +28,7 @@ use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_common::admin::{AdminServer, Pages};
+use aether_common::admin::{AdminServer, Pages, answered};
 use aether_common::readiness::Readiness;
 use aether_common::telemetry::{Component, MetricsPush};
 use prometheus_client::registry::Registry;
@@ -105,11 +105,13 @@ async fn serve_admin(
 }
 
 fn pages(status: Arc<Mutex<Status>>) -> Pages {
-    Arc::new(move |path: &str| match path {
-        "/debug/proxy" => {
-            let status = status.lock().clone();
-            Some((200, serde_json::to_string_pretty(&status).unwrap_or_default()))
-        }
-        _ => None,
+    Arc::new(move |path: &str| {
+        answered(match path {
+            "/debug/proxy" => {
+                let status = status.lock().clone();
+                Some((200, serde_json::to_string_pretty(&status).unwrap_or_default()))
+            }
+            _ => None,
+        })
     })
 }

@@ -6,7 +6,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
-use aether_common::admin::{AdminError, AdminServer, Pages};
+use aether_common::admin::{AdminError, AdminServer, Pages, answered};
 use aether_common::readiness::{Gate, Readiness};
 use aether_common::tasks::Tasks;
 use aether_common::telemetry::otlp::Refresh;
@@ -522,7 +522,7 @@ async fn sync_pod_info(directory: PodDirectory, node: Node, registrar: Registrar
 
 fn debug_pages(node: Node) -> Pages {
     Arc::new(move |path: &str| {
-        let body = node.debug_page(path)?;
-        Some((200, serde_json::to_string_pretty(&body).expect("JSON serialises")))
+        let body = node.debug_page(path);
+        answered(body.map(|body| (200, serde_json::to_string_pretty(&body).expect("JSON serialises"))))
     })
 }

@@ -5,7 +5,9 @@
 //! `/metrics` is Prometheus text exposition of the registry handed in.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -31,9 +33,18 @@ pub enum AdminError {
     Bind { addr: SocketAddr, source: std::io::Error },
 }
 
-/// Extra GET paths a binary serves (e.g. `/debug/...`): path → (status, JSON body),
-/// or `None` for not found.
-pub type Pages = Arc<dyn Fn(&str) -> Option<(u16, String)> + Send + Sync>;
+/// Extra GET paths a binary serves (e.g. `/debug/...`): path → (status, JSON body), or
+/// `None` for not found. Async: a page may ask other processes (Envoy's admin, mesh-dns)
+/// before it answers.
+pub type Pages = Arc<dyn Fn(&str) -> PageAnswer + Send + Sync>;
+
+/// What a page answers, when it has gathered it.
+pub type PageAnswer = Pin<Box<dyn Future<Output = Option<(u16, String)>> + Send>>;
+
+/// A page answer that needs no waiting.
+pub fn answered(answer: Option<(u16, String)>) -> PageAnswer {
+    Box::pin(std::future::ready(answer))
+}
 
 /// A bound admin server; [`AdminServer::serve`] runs it until `shutdown`.
 pub struct AdminServer {
@@ -134,7 +145,7 @@ impl AdminServer {
                         {
                             refresh().await;
                         }
-                        Ok::<_, Infallible>(respond(&req, &readiness, &registry, pages.as_ref()))
+                        Ok::<_, Infallible>(respond(&req, &readiness, &registry, pages.as_ref()).await)
                     }
                 });
                 let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
@@ -146,7 +157,7 @@ impl AdminServer {
     }
 }
 
-fn respond(
+async fn respond(
     req: &Request<Incoming>,
     readiness: &Readiness,
     registry: &Registry,
@@ -174,7 +185,7 @@ fn respond(
                 ),
             }
         }
-        path => match pages.and_then(|pages| pages(path)) {
+        path => match page(pages, path).await {
             Some((status, body)) => Response::builder()
                 .status(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
                 .header(CONTENT_TYPE, "application/json")
@@ -186,6 +197,10 @@ fn respond(
             ),
         },
     }
+}
+
+async fn page(pages: Option<&Pages>, path: &str) -> Option<(u16, String)> {
+    pages?(path).await
 }
 
 fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {

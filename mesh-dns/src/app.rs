@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_common::admin::{AdminError, AdminServer, Pages};
+use aether_common::admin::{AdminError, AdminServer, Pages, answered};
 use aether_common::readiness::{Gate, Readiness};
 use aether_common::tasks::TaskFailed;
 use aether_common::tasks::Tasks;
@@ -257,7 +257,7 @@ async fn serve_admin(
 fn debug_pages(store: Arc<CurrentTable>, upstreams: Vec<SocketAddr>, domain: String) -> Pages {
     Arc::new(move |path: &str| {
         if path != "/debug/records" {
-            return None;
+            return answered(None);
         }
         let table = store.load();
         let body = serde_json::json!({
@@ -268,6 +268,9 @@ fn debug_pages(store: Arc<CurrentTable>, upstreams: Vec<SocketAddr>, domain: Str
             "records": table.as_ref().map(|t| t.len()),
             "written_at_unix_ms": table.as_ref().and_then(|t| t.written_at.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_millis() as u64),
         });
-        Some((200, serde_json::to_string_pretty(&body).expect("JSON serialises")))
+        answered(Some((
+            200,
+            serde_json::to_string_pretty(&body).expect("JSON serialises"),
+        )))
     })
 }

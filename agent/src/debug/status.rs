@@ -18,11 +18,9 @@ const CAPTURE_CHECKS: usize = 8;
 pub async fn status(inspector: &Inspector) -> Value {
     let view = inspector.node.view();
     let envoy = envoy(inspector).await;
-    let pods: Vec<Value> = futures::stream::iter(view.pods.iter())
-        .map(|pod| pod_row(inspector, &view, pod))
-        .buffered(CAPTURE_CHECKS)
-        .collect()
-        .await;
+    // The futures are made first: a closure inside the stream would not be Send (rust#64552).
+    let rows: Vec<_> = view.pods.iter().map(|pod| pod_row(inspector, &view, pod)).collect();
+    let pods: Vec<Value> = futures::stream::iter(rows).buffered(CAPTURE_CHECKS).collect().await;
     json!({
         "node": inspector.node_name,
         "agent": { "version": env!("CARGO_PKG_VERSION") },
