@@ -368,6 +368,9 @@ fn assert_refused<T: std::fmt::Debug>(result: Result<T, tonic::Status>, code: to
     assert_eq!((status.code(), status.message()), (code, message));
 }
 
+/// A change that makes a good ADD bad.
+type RequestEdit = fn(&mut AddPodRequest);
+
 /// A valid ADD of `pod` as demo/p in sandbox-1.
 fn good_add(pod: &TestPod) -> AddPodRequest {
     AddPodRequest {
@@ -421,7 +424,7 @@ async fn every_cni_call_answers_bad_input_with_the_field_named() {
 
 async fn bad_adds_are_refused_naming_the_field(cni: &mut Cni, good: &AddPodRequest) {
     use tonic::Code::{InvalidArgument, Unavailable};
-    let cases: [(fn(&mut AddPodRequest), tonic::Code, &str); 11] = [
+    let cases: [(RequestEdit, tonic::Code, &str); 11] = [
         (
             |r| r.container_id = "".into(),
             InvalidArgument,
@@ -484,7 +487,7 @@ async fn bad_adds_are_refused_naming_the_field(cni: &mut Cni, good: &AddPodReque
 /// so the status fits in the trailers a default client accepts (16 KiB).
 async fn huge_fields_are_refused_with_a_short_message(cni: &mut Cni, good: &AddPodRequest) {
     let start = huge_start();
-    let cases: [(fn(&mut AddPodRequest), String); 8] = [
+    let cases: [(RequestEdit, String); 8] = [
         (
             |r| r.container_id = huge(),
             format!("container_id: {start}… (1048576 bytes) is not a container id"),

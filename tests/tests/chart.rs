@@ -864,7 +864,7 @@ fn assert_control_plane_tls(r: &Rendered, identity: &str, ctx: &str) {
         .unwrap_or_else(|e| panic!("{ctx}: the registrar's certificate: {e}"));
     let names = PeerIdentity::from_leaf(&serving_der).unwrap().dns_names;
     assert!(
-        names.iter().any(|n| *n == host),
+        names.contains(&host),
         "{ctx}: the registrar's certificate lacks {host}: {names:?}"
     );
     assert_agents_trust_the_registrar_ca_and_no_key_leaves_it(&ends, &serving_secret);
