@@ -55,7 +55,7 @@ fn spawn(mut command: Command) -> Process {
     Process(child)
 }
 
-/// A store server for the bench. The DynamoDB helper adds the moto variant below.
+/// A store server for the bench: etcd or moto's DynamoDB API.
 trait BenchStore {
     /// Registrar flags selecting this store.
     fn registrar_args(&self) -> Vec<String>;
@@ -115,8 +115,6 @@ impl BenchStore for EtcdServer {
         ]
     }
 }
-
-// ---- DynamoDB helper: add a `MotoServer` implementing `BenchStore` and its arm in `main` ----
 
 /// moto_server (the project venv's, or AETHER_MOTO_BIN) serving the DynamoDB API.
 struct MotoServer {
@@ -226,9 +224,41 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 async fn measure(name: &str, store: &dyn BenchStore, n: usize, rate: usize) {
     let a = replica(store).await;
     let mut b = replica(store).await;
-    let sent: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel::<(String, Instant)>();
+    let sent: Arc<SentAt> = Arc::default();
+    let mut seen = watch_additions(&mut b).await;
+    let started = Instant::now();
+    let mut acks = register_at_rate(&a, n, rate, &sent).await;
+    let mut latencies = Vec::with_capacity(n);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while latencies.len() < n {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let Ok(Some((address, at))) = tokio::time::timeout(remaining, seen.recv()).await else {
+            panic!(
+                "{name}: only {} of {n} registrations reached replica B",
+                latencies.len()
+            );
+        };
+        if let Some(t0) = sent.lock().get(&address) {
+            latencies.push(at.saturating_duration_since(*t0));
+        }
+    }
+    let total = started.elapsed();
+    let mut acked = Vec::with_capacity(n);
+    while let Some(ack) = acks.recv().await {
+        acked.push(ack);
+    }
+    latencies.sort();
+    acked.sort();
+    print_results(name, n, rate, total, &latencies, &acked);
+}
 
+/// When the bench sent each registration, by address.
+type SentAt = Mutex<HashMap<String, Instant>>;
+
+/// A wildcard watcher on `b`: yields every added endpoint's address and when it was
+/// seen, once the watcher's snapshot is complete.
+async fn watch_additions(b: &mut Replica) -> mpsc::UnboundedReceiver<(String, Instant)> {
+    let (seen_tx, seen_rx) = mpsc::unbounded_channel::<(String, Instant)>();
     let (requests, outbox) = mpsc::channel(1);
     requests
         .send(WatchRequest {
@@ -262,11 +292,14 @@ async fn measure(name: &str, store: &dyn BenchStore, n: usize, rate: usize) {
         }
     });
     ready_rx.await.expect("the watcher on B got its snapshot");
+    seen_rx
+}
 
-    let mut acks = Vec::with_capacity(n);
-    let (ack_tx, mut ack_rx) = mpsc::unbounded_channel();
+/// Sends `n` registrations to `a` at `rate`/s, each in its own task, noting in `sent`
+/// when each left; yields how long each took to be acknowledged.
+async fn register_at_rate(a: &Replica, n: usize, rate: usize, sent: &Arc<SentAt>) -> mpsc::UnboundedReceiver<Duration> {
+    let (ack_tx, ack_rx) = mpsc::unbounded_channel();
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate.max(1) as f64));
-    let started = Instant::now();
     for i in 0..n {
         tick.tick().await;
         let e = endpoint(i);
@@ -283,39 +316,22 @@ async fn measure(name: &str, store: &dyn BenchStore, n: usize, rate: usize) {
             let _ = ack_tx.send(t0.elapsed());
         });
     }
-    drop(ack_tx);
-    let mut latencies = Vec::with_capacity(n);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while latencies.len() < n {
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let Ok(Some((address, at))) = tokio::time::timeout(remaining, seen_rx.recv()).await else {
-            panic!(
-                "{name}: only {} of {n} registrations reached replica B",
-                latencies.len()
-            );
-        };
-        if let Some(t0) = sent.lock().get(&address) {
-            latencies.push(at.saturating_duration_since(*t0));
-        }
-    }
-    let total = started.elapsed();
-    while let Some(ack) = ack_rx.recv().await {
-        acks.push(ack);
-    }
-    latencies.sort();
-    acks.sort();
+    ack_rx
+}
+
+fn print_results(name: &str, n: usize, rate: usize, total: Duration, latencies: &[Duration], acks: &[Duration]) {
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     println!(
         "  {name:<8} register on A -> watcher on B: p50 {:>7.1} ms  p99 {:>7.1} ms  max {:>7.1} ms  ({n} registrations at {rate}/s, {:.1} s)",
-        ms(percentile(&latencies, 0.50)),
-        ms(percentile(&latencies, 0.99)),
+        ms(percentile(latencies, 0.50)),
+        ms(percentile(latencies, 0.99)),
         ms(*latencies.last().unwrap()),
         total.as_secs_f64()
     );
     println!(
         "  {name:<8} Register acknowledged on A:   p50 {:>7.1} ms  p99 {:>7.1} ms",
-        ms(percentile(&acks, 0.50)),
-        ms(percentile(&acks, 0.99))
+        ms(percentile(acks, 0.50)),
+        ms(percentile(acks, 0.99))
     );
 }
 
@@ -331,7 +347,6 @@ async fn main() {
                 let etcd = EtcdServer::start().await;
                 measure("etcd", &etcd, n, rate).await;
             }
-            // ---- DynamoDB helper: "dynamodb" => { let moto = MotoServer::start().await; measure(...) } ----
             "dynamodb" => {
                 let moto = MotoServer::start().await;
                 measure("dynamodb", &moto, n, rate).await;
