@@ -6,7 +6,7 @@ use envoy_types::pb::google::protobuf::Any;
 
 use super::cache::{Resource, Sent, Snapshot, version_of};
 use super::short;
-use super::stream::Record;
+use super::stream::{Protocol, Record};
 
 /// A body whose bytes read back as its `name` and `version`: `a` at `1` is `a1`.
 pub fn body(name: &str, version: &str) -> Any {
@@ -66,4 +66,27 @@ pub fn record(record: &Record) -> String {
 /// A body as written by [`body`]: `a1`.
 pub fn read(body: &Any) -> String {
     String::from_utf8_lossy(&body.value).into_owned()
+}
+
+/// One step of a stream test: a snapshot published, or a request from Envoy.
+pub enum Step<P: Protocol> {
+    Publish(Snapshot),
+    Request(Box<P::Request>),
+}
+
+/// Runs `steps` through one new stream, checking what each puts out: the ACK-state
+/// records, then the responses as `response` summarises them, comma-separated.
+pub fn run<P: Protocol>(steps: Vec<(Step<P>, &str)>, response: fn(&P::Response) -> String) {
+    let mut stream = P::default();
+    let mut snapshot = Snapshot::default();
+    let now = std::time::Instant::now();
+    for (i, (step, expected)) in steps.into_iter().enumerate() {
+        let mut out: Vec<String> = Vec::new();
+        match step {
+            Step::Publish(published) => snapshot = published,
+            Step::Request(request) => out.extend(stream.request(&request).iter().map(record)),
+        }
+        out.extend(stream.push(&snapshot, now).iter().map(response));
+        assert_eq!(out.join(", "), expected, "step {i}");
+    }
 }

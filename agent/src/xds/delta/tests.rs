@@ -3,29 +3,15 @@
 //! responses (`send <nonce> <type> +<name><version> -<removed>`), comma-separated.
 
 use super::*;
-use crate::xds::testing::{read, record, serving, version};
+use crate::xds::testing::{self, read, record, serving, version};
 use crate::xds::{CLUSTER, LISTENER, short};
 use envoy_types::pb::google::rpc;
 
-enum Step {
-    Publish(Snapshot),
-    Request(Box<DeltaDiscoveryRequest>),
-}
+type Step = testing::Step<DeltaStream>;
 
 /// Runs `steps` through one new stream, checking what each puts out.
 fn run(steps: Vec<(Step, &str)>) {
-    let mut stream = DeltaStream::default();
-    let mut snapshot = Snapshot::default();
-    let now = Instant::now();
-    for (i, (step, expected)) in steps.into_iter().enumerate() {
-        let mut out: Vec<String> = Vec::new();
-        match step {
-            Step::Publish(published) => snapshot = published,
-            Step::Request(request) => out.extend(stream.request(&request).iter().map(record)),
-        }
-        out.extend(stream.push(&snapshot, now).iter().map(response));
-        assert_eq!(out.join(", "), expected, "step {i}");
-    }
+    testing::run(steps, response);
 }
 
 fn response(response: &DeltaDiscoveryResponse) -> String {
