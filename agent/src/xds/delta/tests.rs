@@ -3,7 +3,7 @@
 //! responses (`send <nonce> <type> +<name><version> -<removed>`), comma-separated.
 
 use super::*;
-use crate::xds::testing::{self, read, record, serving, version};
+use crate::xds::testing::{self, read, serving, version};
 use crate::xds::{CLUSTER, LISTENER, short};
 use envoy_types::pb::google::rpc;
 

@@ -3,7 +3,7 @@
 //! then the responses (`send <nonce> <type> <name><version>…`), comma-separated.
 
 use super::*;
-use crate::xds::testing::{self, read, record, serving};
+use crate::xds::testing::{self, read, serving};
 use crate::xds::{CLUSTER, LISTENER, short};
 use envoy_types::pb::google::rpc;
 
