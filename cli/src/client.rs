@@ -100,15 +100,16 @@ fn parse_reply(reply: &[u8]) -> Option<(u16, String)> {
     Some((status, body.to_owned()))
 }
 
+/// Everything but RFC 3986's unreserved characters is encoded in a path segment.
+const SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
 /// Percent-encodes a path segment (a target URL carries `/`, `:` and `?`).
 pub fn encode(segment: &str) -> String {
-    segment
-        .bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
+    percent_encoding::utf8_percent_encode(segment, SEGMENT).to_string()
 }
 
 #[cfg(test)]
