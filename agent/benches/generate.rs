@@ -144,20 +144,7 @@ fn dependency_set(pods: &[LocalPod]) -> BTreeSet<String> {
 
 /// The catalog slice the node watches: its dependency set.
 fn scoped_to(catalog: &CatalogView, deps: &BTreeSet<String>) -> CatalogView {
-    CatalogView {
-        services: catalog
-            .services
-            .iter()
-            .filter(|(k, _)| deps.contains(*k))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-        endpoints: catalog
-            .endpoints
-            .iter()
-            .filter(|(k, _)| deps.contains(*k))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-    }
+    catalog.restricted(|k| deps.contains(k))
 }
 
 /// Full rebuilds, sorted, and the last one's output.

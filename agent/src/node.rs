@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_proto::registry::v1::Locality;
-use aether_proto::view::CatalogView;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
@@ -279,22 +278,7 @@ impl Node {
         });
         let watched = self.catalog.borrow().clone();
         // Serve only what is both wanted and known; a service leaving the set goes now.
-        let catalog = CatalogView {
-            services: watched
-                .catalog
-                .services
-                .iter()
-                .filter(|(k, _)| deps.contains(*k))
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect(),
-            endpoints: watched
-                .catalog
-                .endpoints
-                .iter()
-                .filter(|(k, _)| deps.contains(*k))
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect(),
-        };
+        let catalog = watched.catalog.restricted(|k| deps.contains(k));
         // A lookup ends when the registrar has answered for a filter including it.
         let (pending, on_demand_clusters) = {
             let mut on_demand = self.on_demand.lock();

@@ -6,18 +6,20 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::registrar::v1::{Version, WatchResponse, change, watch_response};
-use crate::registry::v1::{Endpoint, Service};
+use crate::registry::v1::{Endpoint, Route, RouteKind, Service};
 
 /// A service's endpoints by address. Shared: cloning a catalog is cheap, and a
 /// service whose endpoints did not change keeps the same `Arc` (consumers can skip it).
 pub type Endpoints = Arc<BTreeMap<String, Endpoint>>;
 
 /// What a watcher holds of the catalog (the registrar's `Catalog` is the original):
-/// services by key (`<ns>/<name>`), and their endpoints by address.
+/// services by key (`<ns>/<name>`), their endpoints by address, and the routes
+/// attached to them by route key (`<kind>/<ns>/<name>`, see [`route_key`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CatalogView {
     pub services: BTreeMap<String, Service>,
     pub endpoints: BTreeMap<String, Endpoints>,
+    pub routes: BTreeMap<String, Arc<Route>>,
 }
 
 /// What a client believes after the messages it has applied.
@@ -65,6 +67,19 @@ pub fn service_key(service: &Service) -> String {
     format!("{}/{}", service.namespace, service.name)
 }
 
+/// A route's key, `<kind>/<namespace>/<name>` with kind `http` or `grpc`.
+pub fn route_key(route: &Route) -> String {
+    format!("{}/{}/{}", route_kind_name(route.kind()), route.namespace, route.name)
+}
+
+/// The short kind name used in route keys.
+pub fn route_kind_name(kind: RouteKind) -> &'static str {
+    match kind {
+        RouteKind::Grpc => "grpc",
+        RouteKind::Http | RouteKind::Unspecified => "http",
+    }
+}
+
 impl CatalogView {
     fn add_service(&mut self, service: Service) {
         let key = service_key(&service);
@@ -81,6 +96,31 @@ impl CatalogView {
         };
         Arc::make_mut(endpoints).insert(endpoint.address.clone(), endpoint);
         Ok(())
+    }
+
+    /// The part of the catalog about the services `keep` accepts: those services,
+    /// their endpoints, and the routes with at least one of them as a parent.
+    pub fn restricted(&self, keep: impl Fn(&str) -> bool) -> CatalogView {
+        CatalogView {
+            services: self
+                .services
+                .iter()
+                .filter(|(k, _)| keep(k))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            endpoints: self
+                .endpoints
+                .iter()
+                .filter(|(k, _)| keep(k))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            routes: self
+                .routes
+                .iter()
+                .filter(|(_, route)| route.parents.iter().any(|p| keep(&p.service)))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        }
     }
 
     /// Every endpoint, in key then address order.
@@ -113,6 +153,9 @@ impl WatchView {
                 for endpoint in chunk.endpoints {
                     incoming.put_endpoint(endpoint)?;
                 }
+                for route in chunk.routes {
+                    incoming.routes.insert(route_key(&route), Arc::new(route));
+                }
                 Ok(Applied::SnapshotChunk)
             }
             watch_response::Event::SnapshotComplete(complete) => {
@@ -141,6 +184,12 @@ impl WatchView {
                             if let Some(endpoints) = self.catalog.endpoints.get_mut(&removed.service) {
                                 Arc::make_mut(endpoints).remove(&removed.address);
                             }
+                        }
+                        change::Change::RoutePut(route) => {
+                            self.catalog.routes.insert(route_key(&route), Arc::new(route));
+                        }
+                        change::Change::RouteRemoved(key) => {
+                            self.catalog.routes.remove(&key);
                         }
                     }
                 }

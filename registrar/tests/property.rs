@@ -98,21 +98,7 @@ fn request(spec: &Spec, id: u64) -> WatchRequest {
 }
 
 fn filtered(catalog: &CatalogView, spec: &Spec) -> CatalogView {
-    let keep = |key: &String| spec.as_ref().is_none_or(|set| set.iter().any(|&i| SERVICES[i] == key));
-    CatalogView {
-        services: catalog
-            .services
-            .iter()
-            .filter(|(k, _)| keep(k))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-        endpoints: catalog
-            .endpoints
-            .iter()
-            .filter(|(k, _)| keep(k))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-    }
+    catalog.restricted(|key| spec.as_ref().is_none_or(|set| set.iter().any(|&i| SERVICES[i] == key)))
 }
 
 struct Client {

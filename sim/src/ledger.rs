@@ -22,7 +22,10 @@ pub fn changed_addresses(delta: &Delta) -> impl Iterator<Item = &str> {
     delta.changes.iter().filter_map(|c| match c.change.as_ref()? {
         change::Change::EndpointAdded(e) | change::Change::EndpointUpdated(e) => Some(e.address.as_str()),
         change::Change::EndpointRemoved(r) => Some(r.address.as_str()),
-        change::Change::ServiceAdded(_) | change::Change::ServiceRemoved(_) => None,
+        change::Change::ServiceAdded(_)
+        | change::Change::ServiceRemoved(_)
+        | change::Change::RoutePut(_)
+        | change::Change::RouteRemoved(_) => None,
     })
 }
 

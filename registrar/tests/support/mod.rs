@@ -375,6 +375,14 @@ pub fn check_delta(view: &WatchView, message: &WatchResponse) {
                     r.address
                 );
             }
+            change::Change::RoutePut(route) => {
+                let key = aether_proto::view::route_key(route);
+                let old = catalog.routes.insert(key.clone(), std::sync::Arc::new(route.clone()));
+                assert_ne!(old.as_deref(), Some(route), "duplicate RoutePut {key}");
+            }
+            change::Change::RouteRemoved(key) => {
+                assert!(catalog.routes.remove(key).is_some(), "ghost RouteRemoved {key}");
+            }
         }
     }
 }

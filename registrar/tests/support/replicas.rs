@@ -75,20 +75,7 @@ pub async fn listed(client: &mut RegistrarClient<Channel>, prefix: &str) -> Cata
 }
 
 fn restrict(catalog: &CatalogView, prefix: &str) -> CatalogView {
-    CatalogView {
-        services: catalog
-            .services
-            .iter()
-            .filter(|(k, _)| k.starts_with(prefix))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-        endpoints: catalog
-            .endpoints
-            .iter()
-            .filter(|(k, _)| k.starts_with(prefix))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-    }
+    catalog.restricted(|k| k.starts_with(prefix))
 }
 
 /// Addresses per service of the services under `prefix`.
