@@ -1,0 +1,23 @@
+//! Aether's user-facing API objects, validated and projected in one place ("one projector
+//! per API"): Gateway API HTTPRoute and GRPCRoute with Service parents (GAMMA) become
+//! `aether.registry.v1.Route`. The registrar's sources (Kubernetes watch, YAML directory),
+//! the agent (re-validation before compiling to Envoy) and the admission webhooks call
+//! these same functions.
+//!
+//! - [`gateway`]: the typed objects (`kube::Api::<HttpRoute>` works on them).
+//! - [`route`]: [`project`], [`validate`], [`backend_services`], [`unresolved_backends`].
+//! - [`yaml`]: [`parse_documents`] for route files.
+//! - [`status`]: the `status.parents[]` entries the registrar writes.
+//! - [`duration`]: Gateway API durations (GEP-2257).
+
+pub mod duration;
+pub mod gateway;
+pub mod route;
+pub mod status;
+pub mod yaml;
+
+pub use route::{
+    ConditionType, InvalidRoute, Rejected, RouteObject, backend_services, project, unresolved_backends, validate,
+};
+pub use status::parent_status;
+pub use yaml::{ParseError, parse_documents};

@@ -1,0 +1,84 @@
+//! Route objects from YAML, as a route directory holds them: many documents per file,
+//! documents of other kinds (Services, Deployments, …) skipped, each document's error
+//! on its own so one bad object does not hide the others.
+
+use std::fmt;
+
+use aether_common::quote::{clip, quote};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::gateway::{GROUP, VERSION};
+use crate::route::RouteObject;
+
+/// Why one document is not a route object.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParseError {
+    /// 1-based position among the text's non-empty documents.
+    pub document: usize,
+    /// The field at fault (e.g. `spec.rules[0].backendRefs[0].port`); empty for the
+    /// document as a whole (YAML syntax).
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "document {}: ", self.document)?;
+        if !self.field.is_empty() {
+            write!(f, "{}: ", self.field)?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ParseError {}
+
+/// Parses every document of `text`: a route object, or why not, for each HTTPRoute and
+/// GRPCRoute; nothing for documents of other kinds. A YAML syntax error ends the text (the
+/// parser cannot find the next document reliably): it is the last item.
+pub fn parse_documents(text: &str) -> Vec<Result<RouteObject, ParseError>> {
+    let mut input = text.as_bytes();
+    (serde_saphyr::read::<_, Value>(&mut input).enumerate())
+        .filter_map(|(i, document)| {
+            let fail = |field: &str, message: String| ParseError {
+                document: i + 1,
+                field: field.to_owned(),
+                message,
+            };
+            match document {
+                Ok(value) => route_object(value).map(|r| r.map_err(|(field, message)| fail(&field, message))),
+                Err(e) => Some(Err(fail("", format!("not YAML: {}", clip(&e.to_string()))))),
+            }
+        })
+        .collect()
+}
+
+/// `None` for another kind of object; the field and message of an error otherwise.
+fn route_object(value: Value) -> Option<Result<RouteObject, (String, String)>> {
+    let Value::Object(fields) = &value else {
+        return Some(Err((
+            String::new(),
+            "is not a Kubernetes object (a mapping with apiVersion and kind)".to_owned(),
+        )));
+    };
+    let text = |name: &str| fields.get(name).and_then(Value::as_str).unwrap_or_default().to_owned();
+    let (api_version, kind) = (text("apiVersion"), text("kind"));
+    let (group, version) = api_version.split_once('/').unwrap_or(("", &api_version));
+    if group != GROUP || !["HTTPRoute", "GRPCRoute"].contains(&kind.as_str()) {
+        return None;
+    }
+    if version != VERSION {
+        let message = format!("{} is not served: use {GROUP}/{VERSION}", quote(&api_version));
+        return Some(Err(("apiVersion".to_owned(), message)));
+    }
+    Some(match kind.as_str() {
+        "HTTPRoute" => typed(value).map(RouteObject::Http),
+        _ => typed(value).map(RouteObject::Grpc),
+    })
+}
+
+fn typed<T: DeserializeOwned>(value: Value) -> Result<T, (String, String)> {
+    serde_path_to_error::deserialize(value)
+        .map_err(|e| (e.path().to_string(), clip(&e.inner().to_string()).to_string()))
+}
