@@ -319,39 +319,32 @@ impl Mesh {
         upstreams: &str,
         ports: &[(&str, u16)],
     ) {
-        self.write_manifest(pod, name, service_account, upstreams, ports, false);
+        self.save_manifest(name, manifest(pod, name, service_account, upstreams, ports));
     }
 
-    /// The pod's manifest with a deletionTimestamp: it is terminating.
-    pub fn describe_terminating_pod(&self, pod: &TestPod, name: &str, service_account: &str, ports: &[(&str, u16)]) {
-        self.write_manifest(pod, name, service_account, "", ports, true);
-    }
-
-    fn write_manifest(
+    /// [`Mesh::describe_pod`] in another namespace.
+    pub fn describe_pod_in(
         &self,
+        namespace: &str,
         pod: &TestPod,
         name: &str,
         service_account: &str,
         upstreams: &str,
         ports: &[(&str, u16)],
-        terminating: bool,
     ) {
-        let ports: Vec<_> = ports
-            .iter()
-            .map(|(n, p)| json!({"name": n, "containerPort": p}))
-            .collect();
-        let mut manifest = json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {
-                "name": name, "namespace": NAMESPACE, "uid": format!("uid-{}", pod.netns_name()),
-                "labels": {"aether.io/managed": "true"},
-                "annotations": {"config.aether.io/upstreams": upstreams}
-            },
-            "spec": {"serviceAccountName": service_account, "containers": [{"name": "app", "ports": ports}]}
-        });
-        if terminating {
-            manifest["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
-        }
+        let mut manifest = manifest(pod, name, service_account, upstreams, ports);
+        manifest["metadata"]["namespace"] = json!(namespace);
+        self.save_manifest(name, manifest);
+    }
+
+    /// The pod's manifest with a deletionTimestamp: it is terminating.
+    pub fn describe_terminating_pod(&self, pod: &TestPod, name: &str, service_account: &str, ports: &[(&str, u16)]) {
+        let mut manifest = manifest(pod, name, service_account, "", ports);
+        manifest["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        self.save_manifest(name, manifest);
+    }
+
+    fn save_manifest(&self, name: &str, manifest: serde_json::Value) {
         std::fs::write(
             self.path(&format!("pods/{name}.json")),
             serde_json::to_vec(&manifest).unwrap(),
@@ -398,6 +391,16 @@ impl Mesh {
     }
 
     pub async fn add_pod(&self, pod: &TestPod, name: &str) -> Result<AddPodResponse, tonic::Status> {
+        self.add_pod_in(NAMESPACE, pod, name).await
+    }
+
+    /// [`Mesh::add_pod`] in another namespace.
+    pub async fn add_pod_in(
+        &self,
+        namespace: &str,
+        pod: &TestPod,
+        name: &str,
+    ) -> Result<AddPodResponse, tonic::Status> {
         self.cni()
             .await
             .add_pod(AddPodRequest {
@@ -405,7 +408,7 @@ impl Mesh {
                 netns_path: pod.netns_path().to_string_lossy().into(),
                 interface_name: "eth0".into(),
                 pod: Some(PodRef {
-                    namespace: NAMESPACE.into(),
+                    namespace: namespace.into(),
                     name: name.into(),
                     uid: format!("uid-{}", pod.netns_name()),
                 }),
@@ -502,6 +505,29 @@ impl Mesh {
         names.sort();
         names
     }
+}
+
+/// A managed pod in [`NAMESPACE`] for the static pod source.
+fn manifest(
+    pod: &TestPod,
+    name: &str,
+    service_account: &str,
+    upstreams: &str,
+    ports: &[(&str, u16)],
+) -> serde_json::Value {
+    let ports: Vec<_> = ports
+        .iter()
+        .map(|(n, p)| json!({"name": n, "containerPort": p}))
+        .collect();
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": name, "namespace": NAMESPACE, "uid": format!("uid-{}", pod.netns_name()),
+            "labels": {"aether.io/managed": "true"},
+            "annotations": {"config.aether.io/upstreams": upstreams}
+        },
+        "spec": {"serviceAccountName": service_account, "containers": [{"name": "app", "ports": ports}]}
+    })
 }
 
 pub fn fqdn(service: &str) -> String {

@@ -1,0 +1,307 @@
+//! A fixture file, typed: the case, its request rows and their expectations, and the check of one answer against
+//! one expectation (pure, so it is unit-tested without a mesh).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::Observed;
+
+/// One fixture file.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Case {
+    /// The file's stem; not in the file.
+    #[serde(skip)]
+    pub name: String,
+    /// What the case shows, in one sentence.
+    pub about: String,
+    /// The gateway-api conformance test it restates, if any.
+    #[serde(default)]
+    pub restates: Option<String>,
+    /// Gateway API feature names (and ours: RequestTimeout, Retry, …) the case exercises.
+    pub features: Vec<String>,
+    /// Gateway API YAML (one or more documents) written into the registrar's routes directory; empty for a case
+    /// about the mesh without routes.
+    #[serde(default)]
+    pub routes: String,
+    pub requests: Vec<Row>,
+    /// Weighted splits checked once every row holds.
+    #[serde(default)]
+    pub splits: Vec<Split>,
+}
+
+/// One request and what must come of it.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Row {
+    /// The client pod: `client` (namespace demo) or `consumer` (namespace consumer).
+    #[serde(default = "client")]
+    pub from: String,
+    /// The service called, in namespace demo (by its VIP, with its mesh name as the authority).
+    #[serde(default = "echo")]
+    pub to: String,
+    #[serde(default = "http_port")]
+    pub port: u16,
+    #[serde(default = "get")]
+    pub method: String,
+    /// Path with query.
+    #[serde(default = "root")]
+    pub path: String,
+    /// Request headers; `{nonce}` in a value becomes a token unique to each request sent.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// The authority sent instead of the service's mesh name (the connection still goes to its VIP).
+    #[serde(default)]
+    pub authority: Option<String>,
+    /// A unary gRPC call instead of an HTTP request (`path` is then ignored).
+    #[serde(default)]
+    pub grpc: Option<GrpcCall>,
+    pub expect: Expect,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GrpcCall {
+    /// Fully qualified gRPC service, e.g. `aether.test.Echo`.
+    pub service: String,
+    pub method: String,
+}
+
+impl GrpcCall {
+    pub fn path(&self) -> String {
+        format!("/{}/{}", self.service, self.method)
+    }
+}
+
+/// What a row's answer must show; unset fields are not checked.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expect {
+    /// HTTP status (a gRPC call: the HTTP status, and `grpc-status: 0` when 200).
+    #[serde(default = "ok")]
+    pub status: u16,
+    /// A gRPC call's `grpc-status`; unset: `0` whenever `status` is 200.
+    #[serde(default)]
+    pub grpc_status: Option<String>,
+    /// The service whose pod answered: one name, or a list of which any will do (weighted rules).
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub backend: Vec<String>,
+    /// Path with query as the backend saw it.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// Host (authority) as the backend saw it.
+    #[serde(default)]
+    pub host: Option<String>,
+    /// Headers the backend saw (names case-insensitive; repeated ones joined with ",").
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// Headers the backend must not see.
+    #[serde(default)]
+    pub absent: Vec<String>,
+    #[serde(default)]
+    pub response_headers: BTreeMap<String, String>,
+    #[serde(default)]
+    pub response_absent: Vec<String>,
+    /// The redirect's Location, part by part.
+    #[serde(default)]
+    pub redirect: Option<Redirect>,
+    /// Bounds on how long the answer took, in milliseconds.
+    #[serde(default)]
+    pub elapsed_ms: Option<[u64; 2]>,
+}
+
+/// The parts of a Location header that are checked; unset ones are not.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Redirect {
+    pub scheme: Option<String>,
+    pub host: Option<String>,
+    /// 0: the Location names no port.
+    pub port: Option<u16>,
+    pub path: Option<String>,
+}
+
+/// Many requests to one service and the share each backend service must answer.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Split {
+    #[serde(default = "client")]
+    pub from: String,
+    #[serde(default = "echo")]
+    pub to: String,
+    #[serde(default = "http_port")]
+    pub port: u16,
+    #[serde(default = "root")]
+    pub path: String,
+    #[serde(default)]
+    pub grpc: Option<GrpcCall>,
+    #[serde(default = "five_hundred")]
+    pub requests: usize,
+    /// Backend service → expected share (0..=1); every answer must come from one of them.
+    pub shares: BTreeMap<String, f64>,
+    /// Allowed distance from each share.
+    #[serde(default = "five_percent")]
+    pub tolerance: f64,
+}
+
+fn client() -> String {
+    "client".into()
+}
+fn echo() -> String {
+    "echo".into()
+}
+fn http_port() -> u16 {
+    80
+}
+fn get() -> String {
+    "GET".into()
+}
+fn root() -> String {
+    "/".into()
+}
+fn ok() -> u16 {
+    200
+}
+fn five_hundred() -> usize {
+    500
+}
+fn five_percent() -> f64 {
+    0.05
+}
+
+/// Every `*.yaml` case in `dir`, sorted by name.
+pub fn load_cases(dir: &Path) -> Result<Vec<Case>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("reading {}: {e}", dir.display()))?;
+    let mut paths: Vec<_> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    paths.sort();
+    paths.iter().map(|p| load_case(p)).collect()
+}
+
+fn load_case(path: &Path) -> Result<Case, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    let mut case: Case = serde_saphyr::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    case.name = path.file_stem().unwrap_or_default().to_string_lossy().into_owned();
+    if case.requests.is_empty() {
+        return Err(format!("{}: no requests", path.display()));
+    }
+    Ok(case)
+}
+
+impl Row {
+    /// How a failure names the row: its number and the request.
+    pub fn describe(&self, index: usize) -> String {
+        let what = match &self.grpc {
+            Some(call) => format!("gRPC {}", call.path()),
+            None => format!("{} {}", self.method, self.path),
+        };
+        let headers = if self.headers.is_empty() {
+            String::new()
+        } else {
+            format!(" {:?}", self.headers)
+        };
+        format!(
+            "row {index} ({} → {}:{} {what}{headers})",
+            self.from, self.to, self.port
+        )
+    }
+}
+
+impl Expect {
+    /// Every way `got` differs from this expectation (empty: it holds).
+    pub fn check(&self, got: &Observed) -> Vec<String> {
+        let mut errors = Vec::new();
+        if got.status != self.status {
+            errors.push(format!("status: want {}, got {}", self.status, got.status));
+        }
+        let want_grpc = match (&self.grpc_status, self.status) {
+            (Some(want), _) => Some(want.as_str()),
+            (None, 200) if got.grpc_status.is_some() => Some("0"),
+            (None, _) => None,
+        };
+        if let Some(want) = want_grpc
+            && got.grpc_status.as_deref() != Some(want)
+        {
+            errors.push(format!("grpc-status: want {want}, got {:?}", got.grpc_status));
+        }
+        let seen = |field: &str| got.backend_field(field);
+        let service = seen("service").unwrap_or_default();
+        if !self.backend.is_empty() && !self.backend.contains(&service) {
+            errors.push(format!("backend service: want {:?}, got {service:?}", self.backend));
+        }
+        for (field, want) in [("path", &self.path), ("host", &self.host)] {
+            if let Some(want) = want
+                && seen(field).as_deref() != Some(want.as_str())
+            {
+                errors.push(format!("backend {field}: want {want:?}, got {:?}", seen(field)));
+            }
+        }
+        let backend_headers = got.backend_headers();
+        super::compare_headers(
+            "backend header",
+            &self.headers,
+            &self.absent,
+            &backend_headers,
+            &mut errors,
+        );
+        let response = &got.headers;
+        super::compare_headers(
+            "response header",
+            &self.response_headers,
+            &self.response_absent,
+            response,
+            &mut errors,
+        );
+        if let Some(redirect) = &self.redirect {
+            redirect.check(got.headers.get("location"), &mut errors);
+        }
+        if let Some([min, max]) = self.elapsed_ms
+            && !(Duration::from_millis(min)..=Duration::from_millis(max)).contains(&got.elapsed)
+        {
+            errors.push(format!("took {:?}, want {min}..={max} ms", got.elapsed));
+        }
+        errors
+    }
+}
+
+impl Redirect {
+    fn check(&self, location: Option<&String>, errors: &mut Vec<String>) {
+        let Some(location) = location else {
+            errors.push("no Location header".into());
+            return;
+        };
+        let Ok(uri) = location.parse::<hyper::Uri>() else {
+            errors.push(format!("Location {location:?} is not a URI"));
+            return;
+        };
+        let mut differs = |part: &str, want: Option<String>, got: Option<String>| {
+            if want.is_some() && want != got {
+                errors.push(format!("Location {location:?}: {part} want {want:?}, got {got:?}"));
+            }
+        };
+        differs("scheme", self.scheme.clone(), uri.scheme_str().map(str::to_owned));
+        differs("host", self.host.clone(), uri.host().map(str::to_owned));
+        let port = uri.port_u16().unwrap_or(0);
+        differs("port", self.port.map(|p| p.to_string()), Some(port.to_string()));
+        differs("path", self.path.clone(), Some(uri.path().to_owned()));
+    }
+}
+
+/// A YAML field that is one string or a list of them.
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(one) => vec![one],
+        OneOrMany::Many(many) => many,
+    })
+}

@@ -1,0 +1,452 @@
+//! The mesh a suite runs on, and running one case on it: requests from the client pods, polling until each row
+//! settles, the weighted splits, and the return to default routing once the routes are gone.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use super::case::{Case, GrpcCall, Row, Split};
+use super::{CONSECUTIVE_PASSES, SETTLE_DEADLINE, nonce};
+use crate::echo::{EchoIdentity, EchoServer, FailureCounters, grpc_call, serve_echo};
+use crate::mesh::{MESH_DOMAIN, Mesh, NAMESPACE};
+use crate::netns::TestPod;
+
+/// The echo pods: (pod, service). `echo` has two replicas, as upstream's `echo` spans two deployments.
+const BACKENDS: [(&str, &str); 4] = [
+    ("echo-a", "echo"),
+    ("echo-b", "echo"),
+    ("echo-v1", "echo-v1"),
+    ("echo-v2", "echo-v2"),
+];
+/// Every echo pod serves these ports (upstream's echo Services: `http` 80, `http-alt` 8080, `grpc` 7070).
+const PORTS: [(&str, u16); 3] = [("http", 80), ("http-alt", 8080), ("grpc", 7070)];
+/// The namespace of the `consumer` client (consumer routes live there).
+pub const CONSUMER_NAMESPACE: &str = "consumer";
+/// Requests a weighted split sends at once.
+const SPLIT_CONCURRENCY: usize = 10;
+
+/// One answer, as the client saw it. A request that got no answer has status 0 and `error` set.
+#[derive(Clone, Debug, Default)]
+pub struct Observed {
+    pub status: u16,
+    /// Response headers, lower-case names, repeated ones joined with ", ".
+    pub headers: BTreeMap<String, String>,
+    /// The echo's JSON, when the answer carried it.
+    pub body: Option<serde_json::Value>,
+    /// A gRPC call's `grpc-status`.
+    pub grpc_status: Option<String>,
+    pub elapsed: Duration,
+    pub error: Option<String>,
+    /// The first bytes of a body that is not the echo's JSON.
+    pub raw: String,
+}
+
+impl Observed {
+    /// A top-level string field of the echo's JSON (`service`, `pod`, `path`, `host`, …).
+    pub fn backend_field(&self, field: &str) -> Option<String> {
+        self.body.as_ref()?.get(field)?.as_str().map(str::to_owned)
+    }
+
+    /// The headers the backend saw.
+    pub fn backend_headers(&self) -> BTreeMap<String, String> {
+        let Some(headers) = self
+            .body
+            .as_ref()
+            .and_then(|b| b.get("headers"))
+            .and_then(|h| h.as_object())
+        else {
+            return BTreeMap::new();
+        };
+        headers
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+            .collect()
+    }
+
+    /// What routing decided: the status and the service that answered.
+    fn outcome(&self) -> (u16, Option<String>) {
+        (self.status, self.backend_field("service"))
+    }
+
+    /// The answer in one line, for failure messages.
+    fn summary(&self) -> String {
+        if let Some(error) = &self.error {
+            return format!("no answer: {error}");
+        }
+        let mut s = format!("status {}", self.status);
+        if let Some(body) = &self.body {
+            s.push_str(&format!(", echo {body}"));
+        } else if !self.raw.is_empty() {
+            s.push_str(&format!(", body {:?}", self.raw));
+        }
+        if let Some(location) = self.headers.get("location") {
+            s.push_str(&format!(", location {location:?}"));
+        }
+        s
+    }
+}
+
+/// One node of the mesh with the echo services, two clients and a registrar reading routes from a directory.
+pub struct Suite {
+    // Dropped first: the servers and pods before the mesh that serves them.
+    _servers: Vec<EchoServer>,
+    clients: BTreeMap<&'static str, TestPod>,
+    _backends: Vec<TestPod>,
+    vips: BTreeMap<String, String>,
+    mesh: Mesh,
+    routes_dir: tempfile::TempDir,
+}
+
+impl Suite {
+    /// Starts the mesh and its pods and waits until each client reaches each echo service.
+    pub async fn start() -> Suite {
+        let routes_dir = tempfile::tempdir().expect("routes dir");
+        let routes_flag = routes_dir.path().display().to_string();
+        let mesh = Mesh::start_with_registrar(&[], &["--routes-dir", &routes_flag]).await;
+        let failures = FailureCounters::default();
+        let (mut backends, mut servers) = (Vec::new(), Vec::new());
+        for (pod_name, service) in BACKENDS {
+            let pod = mesh.node.add_pod(pod_name);
+            let who = EchoIdentity {
+                pod: pod_name.into(),
+                namespace: NAMESPACE.into(),
+                service: service.into(),
+            };
+            for (_, port) in PORTS {
+                let addr = SocketAddr::from(([0, 0, 0, 0], port));
+                servers.push(serve_echo(&pod, addr, who.clone(), failures.clone()));
+            }
+            mesh.describe_pod(&pod, pod_name, service, "", &PORTS);
+            mesh.add_pod_ok(&pod, pod_name).await;
+            backends.push(pod);
+        }
+        let clients = start_clients(&mesh).await;
+        let mut vips = BTreeMap::new();
+        for (_, service) in BACKENDS {
+            vips.insert(service.to_owned(), mesh.vip(service).await);
+        }
+        let suite = Suite {
+            _servers: servers,
+            clients,
+            _backends: backends,
+            vips,
+            mesh,
+            routes_dir,
+        };
+        suite.wait_for_default_routing().await;
+        suite
+    }
+
+    /// The registrar's and the agent's logs, for failure messages.
+    pub fn registrar_logs(&self) -> String {
+        let tail = |logs: String| {
+            let lines: Vec<&str> = logs.lines().collect();
+            lines[lines.len().saturating_sub(40)..].join("\n")
+        };
+        let agent = self.mesh.agent.as_ref().map(|a| tail(a.logs())).unwrap_or_default();
+        format!("{}\n\nagent:\n{agent}", tail(self.mesh.registrar.logs()))
+    }
+
+    /// Every client reaches every echo service's own pods while no route is applied.
+    async fn wait_for_default_routing(&self) {
+        for from in self.clients.keys() {
+            for (_, service) in BACKENDS {
+                let row = Row {
+                    from: (*from).into(),
+                    to: service.into(),
+                    ..default_row()
+                };
+                let mut expect = row.expect.clone();
+                expect.backend = vec![service.into()];
+                let settled = self.settle(&Row { expect, ..row }, "default routing").await;
+                settled.unwrap_or_else(|e| panic!("{e}\n{}", self.registrar_logs()));
+            }
+        }
+    }
+
+    /// Runs one case (module docs of [`crate::gamma`]); Err names each failed row and its last answer.
+    pub async fn run_case(&self, case: &Case) -> Result<(), String> {
+        let mut before = Vec::new();
+        for row in &case.requests {
+            before.push(self.send(row).await);
+        }
+        let (held, changed): (Vec<usize>, Vec<usize>) =
+            (0..case.requests.len()).partition(|&i| case.requests[i].expect.check(&before[i]).is_empty());
+        if !case.routes.is_empty() && changed.is_empty() {
+            return Err("every row already holds with no route applied: nothing shows the routes work".into());
+        }
+        let file = self.apply(case);
+        let mut errors = Vec::new();
+        for &i in changed.iter().chain(&held) {
+            if let Err(e) = self.settle(&case.requests[i], &case.requests[i].describe(i)).await {
+                errors.push(e);
+                break;
+            }
+        }
+        if errors.is_empty() {
+            for split in &case.splits {
+                if let Err(e) = self.split(split).await {
+                    errors.push(e);
+                }
+            }
+        }
+        if let Some(file) = file {
+            std::fs::remove_file(&file).unwrap_or_else(|e| panic!("removing {}: {e}", file.display()));
+            errors.extend(self.revert(case, &changed, &before).await);
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("\n  "))
+        }
+    }
+
+    /// Writes the case's routes into the registrar's directory (whole, by rename: never half a file).
+    fn apply(&self, case: &Case) -> Option<PathBuf> {
+        if case.routes.is_empty() {
+            return None;
+        }
+        let file = self.routes_dir.path().join(format!("{}.yaml", case.name));
+        let partial = self.routes_dir.path().join(format!(".{}.partial", case.name));
+        std::fs::write(&partial, &case.routes).expect("writing routes");
+        std::fs::rename(&partial, &file).expect("renaming routes");
+        Some(file)
+    }
+
+    /// After the routes are removed: every row they changed answers as it did before them.
+    async fn revert(&self, case: &Case, changed: &[usize], before: &[Observed]) -> Vec<String> {
+        let mut errors = Vec::new();
+        for &i in changed {
+            let row = &case.requests[i];
+            let deadline = Instant::now() + SETTLE_DEADLINE;
+            loop {
+                let now = self.send(row).await;
+                if now.outcome() == before[i].outcome() {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    errors.push(format!(
+                        "{}: routes removed, but after {SETTLE_DEADLINE:?} it still answers {} (before the routes: {})",
+                        row.describe(i),
+                        now.summary(),
+                        before[i].summary()
+                    ));
+                    return errors;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        errors
+    }
+
+    /// Sends `row` until its expectation holds [`CONSECUTIVE_PASSES`] times in a row, or fails after
+    /// [`SETTLE_DEADLINE`] with the last answer.
+    async fn settle(&self, row: &Row, name: &str) -> Result<Observed, String> {
+        let deadline = Instant::now() + SETTLE_DEADLINE;
+        let mut passes = 0;
+        loop {
+            let got = self.send(row).await;
+            let errors = row.expect.check(&got);
+            if errors.is_empty() {
+                passes += 1;
+                if passes == CONSECUTIVE_PASSES {
+                    return Ok(got);
+                }
+                continue;
+            }
+            passes = 0;
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "{name}: did not settle within {SETTLE_DEADLINE:?}: {}; last answer: {}",
+                    errors.join("; "),
+                    got.summary()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// One request as the row describes it.
+    async fn send(&self, row: &Row) -> Observed {
+        let client = &self.clients[row.from.as_str()];
+        let headers: Vec<(String, String)> = row
+            .headers
+            .iter()
+            .map(|(k, v)| (k.clone(), v.replace("{nonce}", &nonce())))
+            .collect();
+        let Some(vip) = self.vips.get(&row.to) else {
+            return Observed {
+                error: Some(format!("no VIP known for service {:?}", row.to)),
+                ..Observed::default()
+            };
+        };
+        let authority = row.authority.clone().unwrap_or_else(|| authority(&row.to, row.port));
+        let started = Instant::now();
+        let mut got = match &row.grpc {
+            Some(call) => self.grpc(client, vip, row.port, &authority, call, &headers).await,
+            None => http(client, vip, row, &authority, &headers).await,
+        };
+        got.elapsed = started.elapsed();
+        got
+    }
+
+    async fn grpc(
+        &self,
+        client: &TestPod,
+        vip: &str,
+        port: u16,
+        authority: &str,
+        call: &GrpcCall,
+        headers: &[(String, String)],
+    ) -> Observed {
+        let addr = SocketAddr::new(vip.parse().expect("VIP"), port);
+        match grpc_call(client, addr, authority, &call.path(), headers).await {
+            Ok(reply) => Observed {
+                status: reply.status,
+                headers: reply.headers,
+                body: serde_json::from_slice(&reply.message).ok(),
+                grpc_status: reply.grpc_status,
+                ..Observed::default()
+            },
+            Err(e) => Observed {
+                error: Some(e),
+                ..Observed::default()
+            },
+        }
+    }
+
+    /// `split.requests` requests; each backend service's share must be within the tolerance. Three tries, as
+    /// a fair split misses a ±5 % window at 500 requests about once in 60.
+    async fn split(&self, split: &Split) -> Result<(), String> {
+        let row = Row {
+            from: split.from.clone(),
+            to: split.to.clone(),
+            port: split.port,
+            path: split.path.clone(),
+            grpc: split.grpc.clone(),
+            ..default_row()
+        };
+        let mut last = String::new();
+        for _ in 0..3 {
+            let counts = self.count_backends(&row, split.requests).await;
+            match split_errors(split, &counts) {
+                None => return Ok(()),
+                Some(e) => last = e,
+            }
+        }
+        Err(format!("split {} → {}:{}: {last}", split.from, split.to, split.port))
+    }
+
+    /// Sends `total` copies of `row`, [`SPLIT_CONCURRENCY`] at a time; counts answers by backend service
+    /// (failed ones as `status <n>`).
+    async fn count_backends(&self, row: &Row, total: usize) -> BTreeMap<String, usize> {
+        let mut counts = BTreeMap::new();
+        let mut sent = 0;
+        while sent < total {
+            let batch = SPLIT_CONCURRENCY.min(total - sent);
+            let answers = futures::future::join_all((0..batch).map(|_| self.send(row))).await;
+            for got in answers {
+                let key = match (got.status, got.backend_field("service")) {
+                    (200, Some(service)) => service,
+                    (status, _) => format!("status {status}"),
+                };
+                *counts.entry(key).or_default() += 1;
+            }
+            sent += batch;
+        }
+        counts
+    }
+}
+
+/// The row the suite uses for its own checks: GET / on port 80, expecting 200.
+fn default_row() -> Row {
+    Row {
+        from: "client".into(),
+        to: "echo".into(),
+        port: 80,
+        method: "GET".into(),
+        path: "/".into(),
+        headers: BTreeMap::new(),
+        authority: None,
+        grpc: None,
+        expect: super::Expect {
+            status: 200,
+            ..Default::default()
+        },
+    }
+}
+
+/// The two clients: `client` in the echo services' namespace, `consumer` in another one; both declare the echo
+/// services as upstreams.
+async fn start_clients(mesh: &Mesh) -> BTreeMap<&'static str, TestPod> {
+    let client = mesh.node.add_pod("client");
+    mesh.describe_pod(&client, "client", "client", "echo, echo-v1, echo-v2", &[("http", 8080)]);
+    mesh.add_pod_ok(&client, "client").await;
+    let consumer = mesh.node.add_pod("consumer");
+    let upstreams = format!("{NAMESPACE}/echo, {NAMESPACE}/echo-v1, {NAMESPACE}/echo-v2");
+    mesh.describe_pod_in(
+        CONSUMER_NAMESPACE,
+        &consumer,
+        "consumer",
+        "client",
+        &upstreams,
+        &[("http", 8080)],
+    );
+    let added = mesh.add_pod_in(CONSUMER_NAMESPACE, &consumer, "consumer").await;
+    let added = added.unwrap_or_else(|s| panic!("AddPod consumer: {s:?}"));
+    assert_eq!(
+        added.outcome,
+        aether_proto::cni::v1::Outcome::Success as i32,
+        "{added:?}"
+    );
+    BTreeMap::from([("client", client), ("consumer", consumer)])
+}
+
+/// A service's mesh name as a client's authority (the port only when not 80, as a browser would write it).
+fn authority(service: &str, port: u16) -> String {
+    let name = format!("{service}.{NAMESPACE}.{MESH_DOMAIN}");
+    if port == 80 { name } else { format!("{name}:{port}") }
+}
+
+async fn http(client: &TestPod, vip: &str, row: &Row, authority: &str, headers: &[(String, String)]) -> Observed {
+    let url = format!("http://{vip}:{}{}", row.port, row.path);
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    match client
+        .http_request(&row.method, &url, Some(authority), &headers, "")
+        .await
+    {
+        Ok(reply) => Observed {
+            status: reply.status,
+            body: serde_json::from_str(&reply.body).ok(),
+            raw: reply.body.chars().take(200).collect(),
+            headers: reply.headers,
+            ..Observed::default()
+        },
+        Err(e) => Observed {
+            error: Some(e),
+            ..Observed::default()
+        },
+    }
+}
+
+/// Why `counts` misses the split, or None when every share is within the tolerance.
+fn split_errors(split: &Split, counts: &BTreeMap<String, usize>) -> Option<String> {
+    let total: usize = counts.values().sum();
+    let mut errors = Vec::new();
+    for (service, want) in &split.shares {
+        let got = counts.get(service).copied().unwrap_or(0) as f64 / total.max(1) as f64;
+        if (got - want).abs() > split.tolerance {
+            errors.push(format!(
+                "{service}: share {got:.3}, want {want:.3} ± {}",
+                split.tolerance
+            ));
+        }
+    }
+    for (key, n) in counts {
+        if !split.shares.contains_key(key) {
+            errors.push(format!("{n} answers from {key}, which has no share"));
+        }
+    }
+    (!errors.is_empty()).then(|| format!("{} (counts over {total}: {counts:?})", errors.join("; ")))
+}
