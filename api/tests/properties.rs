@@ -10,8 +10,8 @@ fn mostly(valid: Vec<&'static str>, invalid: Vec<&'static str>) -> impl Strategy
     prop_oneof![6 => select(valid), 1 => select(invalid)]
 }
 
-fn rule() -> impl Strategy<Value = String> {
-    let path = mostly(
+fn path() -> impl Strategy<Value = &'static str> {
+    mostly(
         vec![
             "{type: PathPrefix, value: '/a/'}",
             "{type: Exact, value: /a}",
@@ -24,8 +24,11 @@ fn rule() -> impl Strategy<Value = String> {
             "{type: Exact, value: '/a//b'}",
             "{type: RegularExpression, value: '('}",
         ],
-    );
-    let header = mostly(
+    )
+}
+
+fn header() -> impl Strategy<Value = &'static str> {
+    mostly(
         vec![
             "{name: X-A, value: v}",
             "{type: RegularExpression, name: x-b, value: '.*'}",
@@ -35,9 +38,11 @@ fn rule() -> impl Strategy<Value = String> {
             "{name: x, value: ''}",
             "{type: RegularExpression, name: x, value: '[a&&b]'}",
         ],
-    );
-    let method = mostly(vec!["GET", "get", "patch"], vec!["BREW"]);
-    let filter = mostly(
+    )
+}
+
+fn filter() -> impl Strategy<Value = &'static str> {
+    mostly(
         vec![
             "{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: X-S, value: s}], remove: [x-r]}}",
             "{type: ResponseHeaderModifier, responseHeaderModifier: {set: [{name: a, value: b}], add: [{name: C, value: c}]}}",
@@ -50,12 +55,18 @@ fn rule() -> impl Strategy<Value = String> {
             "{type: URLRewrite, urlRewrite: {path: {type: ReplacePrefixMatch, replacePrefixMatch: /y}}}",
             "{type: ExtensionRef}",
         ],
-    );
-    let backend = (
-        mostly(vec!["v1", "v-2"], vec!["V1"]),
-        prop_oneof![9 => 1..65536i32, 1 => 65536..70_000i32],
-        prop_oneof![9 => 0..1_000_001i32, 1 => Just(-1)],
-    );
+    )
+}
+
+fn backend() -> impl Strategy<Value = String> {
+    let name = mostly(vec!["v1", "v-2"], vec!["V1"]);
+    let port = prop_oneof![9 => 1..65536i32, 1 => 65536..70_000i32];
+    let weight = prop_oneof![9 => 0..1_000_001i32, 1 => Just(-1)];
+    (name, port, weight).prop_map(|(n, port, w)| format!("{{name: {n}, port: {port}, weight: {w}}}"))
+}
+
+fn rule() -> impl Strategy<Value = String> {
+    let method = mostly(vec!["GET", "get", "patch"], vec!["BREW"]);
     let timeouts = mostly(
         vec![
             "",
@@ -68,33 +79,24 @@ fn rule() -> impl Strategy<Value = String> {
         vec!["", "retry: {codes: [500, 503], attempts: 3, backoff: 10ms},"],
         vec!["retry: {attempts: 11},", "retry: {codes: [600]},"],
     );
-    let redirect = prop_oneof![8 => Just(""), 1 => Just("{type: RequestRedirect, requestRedirect: {path: {type: ReplacePrefixMatch, replacePrefixMatch: ''}}}")];
-    (
-        path,
-        header,
-        method,
-        prop::collection::vec(filter, 0..3),
-        prop::collection::vec(backend, 0..3),
-        timeouts,
-        retry,
-        redirect,
-    )
-        .prop_map(|(path, header, method, filters, backends, timeouts, retry, redirect)| {
-            let backends: Vec<String> = backends
-                .iter()
-                .map(|(n, port, w)| format!("{{name: {n}, port: {port}, weight: {w}}}"))
-                .collect();
+    let redirect =
+        "{type: RequestRedirect, requestRedirect: {path: {type: ReplacePrefixMatch, replacePrefixMatch: ''}}}";
+    let redirect = prop_oneof![8 => Just(""), 1 => Just(redirect)];
+    let filters = prop::collection::vec(filter(), 0..3);
+    let backends = prop::collection::vec(backend(), 0..3);
+    (path(), header(), method, filters, backends, timeouts, retry, redirect).prop_map(
+        |(path, header, method, filters, backends, timeouts, retry, redirect)| {
             // A redirect rule has no backends (else it is refused, which is exercised too).
-            let (filters, backends) = if redirect.is_empty() {
-                (filters.join(", "), backends.join(", "))
-            } else {
-                (redirect.to_owned(), String::new())
+            let (filters, backends) = match redirect {
+                "" => (filters.join(", "), backends.join(", ")),
+                redirect => (redirect.to_owned(), String::new()),
             };
             format!(
                 "{{matches: [{{path: {path}, headers: [{header}], method: {method}}}], \
                  filters: [{filters}], backendRefs: [{backends}], {timeouts} {retry}}}"
             )
-        })
+        },
+    )
 }
 
 fn route(rules: Vec<String>) -> String {
@@ -106,7 +108,7 @@ fn route(rules: Vec<String>) -> String {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    #![proptest_config(ProptestConfig::with_cases(256))]
 
     #[test]
     fn accepted_projections_always_validate(rules in prop::collection::vec(rule(), 1..4)) {

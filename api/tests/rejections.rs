@@ -24,266 +24,294 @@ fn grab(yaml: &str) -> RouteObject {
     documents.remove(0).unwrap_or_else(|e| panic!("{e}\n{yaml}"))
 }
 
-const B: &str = "backendRefs: [{name: v1, port: 80}]";
+/// Which kind of route a case's rule is in.
+const HTTP: bool = true;
+const GRPC: bool = false;
+
+/// (kind, first rules (YAML), field refused, Gateway API reason, text the message quotes)
+const CASES: &[(bool, &str, &str, &str, &str)] = &[
+    (
+        HTTP,
+        "{matches: [{path: {value: nope}}]}",
+        "spec.rules[0].matches[0].path.value",
+        "UnsupportedValue",
+        "\"nope\" must start with '/'",
+    ),
+    (
+        HTTP,
+        "{matches: [{path: {type: Exact, value: /a//b}}]}",
+        "spec.rules[0].matches[0].path.value",
+        "UnsupportedValue",
+        "\"//\"",
+    ),
+    (
+        HTTP,
+        "{}, {matches: [{}, {path: {type: RegularExpression, value: '(['}}]}",
+        "spec.rules[1].matches[1].path.value",
+        "UnsupportedValue",
+        "not a valid RE2",
+    ),
+    (
+        HTTP,
+        "{matches: [{path: {type: Glob, value: /x}}]}",
+        "spec.rules[0].matches[0].path.type",
+        "UnsupportedValue",
+        "\"Glob\"",
+    ),
+    (
+        HTTP,
+        "{matches: [{headers: [{name: 'bad name', value: x}]}]}",
+        "spec.rules[0].matches[0].headers[0].name",
+        "UnsupportedValue",
+        "\"bad name\"",
+    ),
+    (
+        HTTP,
+        "{matches: [{headers: [{type: RegularExpression, name: x, value: '[a-z&&b]'}]}]}",
+        "spec.rules[0].matches[0].headers[0].value",
+        "UnsupportedValue",
+        "RE2",
+    ),
+    (
+        HTTP,
+        "{matches: [{queryParams: [{type: Prefix, name: q, value: x}]}]}",
+        "spec.rules[0].matches[0].queryParams[0].type",
+        "UnsupportedValue",
+        "\"Prefix\"",
+    ),
+    (
+        HTTP,
+        "{matches: [{method: BREW}]}",
+        "spec.rules[0].matches[0].method",
+        "UnsupportedValue",
+        "\"BREW\"",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: RequestRedirect, requestRedirect: {}}], backendRefs: [{name: v1, port: 80}]}",
+        "spec.rules[0].backendRefs",
+        "IncompatibleFilters",
+        "cannot have backendRefs",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: RequestRedirect, requestRedirect: {statusCode: 304}}]}",
+        "spec.rules[0].filters[0].requestRedirect.statusCode",
+        "UnsupportedValue",
+        "304",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: RequestRedirect, requestRedirect: {scheme: ftp}}]}",
+        "spec.rules[0].filters[0].requestRedirect.scheme",
+        "UnsupportedValue",
+        "\"ftp\"",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: RequestRedirect, requestRedirect: {port: 70000}}]}",
+        "spec.rules[0].filters[0].requestRedirect.port",
+        "UnsupportedValue",
+        "70000",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: RequestRedirect, requestRedirect: {}}, {type: URLRewrite, urlRewrite: {}}]}",
+        "spec.rules[0].filters",
+        "IncompatibleFilters",
+        "both",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: URLRewrite, urlRewrite: {hostname: 'Not A Host'}}]}",
+        "spec.rules[0].filters[0].urlRewrite.hostname",
+        "UnsupportedValue",
+        "\"Not A Host\"",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: ExtensionRef, extensionRef: {group: x.io, kind: F, name: f}}]}",
+        "spec.rules[0].filters[0].type",
+        "UnsupportedValue",
+        "\"ExtensionRef\"",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: CORS}]}",
+        "spec.rules[0].filters[0].type",
+        "UnsupportedValue",
+        "\"CORS\"",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: RequestHeaderModifier}]}",
+        "spec.rules[0].filters[0].requestHeaderModifier",
+        "UnsupportedValue",
+        "must be set",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: Host, value: x}]}}]}",
+        "spec.rules[0].filters[0].requestHeaderModifier.set[0].name",
+        "UnsupportedValue",
+        "host",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: RequestMirror, requestMirror: {backendRef: {name: m, port: 80}, percent: 101}}]}",
+        "spec.rules[0].filters[0].requestMirror",
+        "UnsupportedValue",
+        "0 to 100",
+    ),
+    (
+        HTTP,
+        "{backendRefs: [{name: v1}]}",
+        "spec.rules[0].backendRefs[0].port",
+        "UnsupportedValue",
+        "required",
+    ),
+    (
+        HTTP,
+        "{backendRefs: [{name: v1, port: 80, weight: 1000001}]}",
+        "spec.rules[0].backendRefs[0].weight",
+        "UnsupportedValue",
+        "1000001",
+    ),
+    (
+        HTTP,
+        "{backendRefs: [{name: v1, port: 80, weight: -1}]}",
+        "spec.rules[0].backendRefs[0].weight",
+        "UnsupportedValue",
+        "-1",
+    ),
+    (
+        HTTP,
+        "{backendRefs: [{name: Bad_Name, port: 80}]}",
+        "spec.rules[0].backendRefs[0].name",
+        "UnsupportedValue",
+        "\"Bad_Name\"",
+    ),
+    (
+        HTTP,
+        "{timeouts: {request: 1.5s}}",
+        "spec.rules[0].timeouts.request",
+        "UnsupportedValue",
+        "\"1.5s\"",
+    ),
+    (
+        HTTP,
+        "{timeouts: {request: 1s, backendRequest: 2s}}",
+        "spec.rules[0].timeouts.backendRequest",
+        "UnsupportedValue",
+        "longer than the request timeout",
+    ),
+    (
+        HTTP,
+        "{retry: {attempts: 11}}",
+        "spec.rules[0].retry.attempts",
+        "UnsupportedValue",
+        "11",
+    ),
+    (
+        HTTP,
+        "{retry: {codes: [500, 600]}}",
+        "spec.rules[0].retry.codes[1]",
+        "UnsupportedValue",
+        "600",
+    ),
+    (
+        HTTP,
+        "{retry: {backoff: 1d}}",
+        "spec.rules[0].retry.backoff",
+        "UnsupportedValue",
+        "\"1d\"",
+    ),
+    (
+        HTTP,
+        "{sessionPersistence: {sessionName: s}}",
+        "spec.rules[0].sessionPersistence",
+        "UnsupportedValue",
+        "not supported",
+    ),
+    (
+        HTTP,
+        "{name: a}, {name: a}",
+        "spec.rules[1].name",
+        "UnsupportedValue",
+        "two rules",
+    ),
+    (
+        GRPC,
+        "{matches: [{method: {type: Exact}}]}",
+        "spec.rules[0].matches[0].method",
+        "UnsupportedValue",
+        "service, method",
+    ),
+    (
+        GRPC,
+        "{matches: [{method: {service: 'not a service'}}]}",
+        "spec.rules[0].matches[0].method.service",
+        "UnsupportedValue",
+        "gRPC service",
+    ),
+    (
+        GRPC,
+        "{matches: [{method: {type: RegularExpression, method: '('}}]}",
+        "spec.rules[0].matches[0].method.method",
+        "UnsupportedValue",
+        "RE2",
+    ),
+    (
+        GRPC,
+        "{filters: [{type: ExtensionRef}]}",
+        "spec.rules[0].filters[0].type",
+        "UnsupportedValue",
+        "\"ExtensionRef\"",
+    ),
+    (
+        HTTP,
+        "{matches: [{path: {type: Exact, value: /a}}], filters: [{type: URLRewrite, urlRewrite: {path: {type: ReplacePrefixMatch, replacePrefixMatch: /b}}}]}",
+        "spec.rules[0].filters[0].urlRewrite.path",
+        "UnsupportedValue",
+        "PathPrefix",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: A, value: x}], remove: [a]}}]}",
+        "spec.rules[0].filters[0].requestHeaderModifier.remove[0]",
+        "UnsupportedValue",
+        "more than one action",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: RequestHeaderModifier, requestHeaderModifier: {}}, {type: RequestHeaderModifier, requestHeaderModifier: {}}]}",
+        "spec.rules[0].filters[1].type",
+        "UnsupportedValue",
+        "twice",
+    ),
+    (
+        HTTP,
+        "{filters: [{type: RequestMirror, requestMirror: {backendRef: {name: m, port: 80}, percent: 10, fraction: {numerator: 1}}}]}",
+        "spec.rules[0].filters[0].requestMirror",
+        "UnsupportedValue",
+        "not both",
+    ),
+    (
+        HTTP,
+        "{backendRefs: [{name: v1, port: 80, filters: [{type: RequestMirror, requestMirror: {backendRef: {name: m, port: 1}}}]}]}",
+        "spec.rules[0].backendRefs[0].filters[0].type",
+        "UnsupportedValue",
+        "on a backend",
+    ),
+];
 
 #[test]
 fn each_invalid_value_is_refused_on_its_field() {
-    let accepted = ConditionType::Accepted;
-    let cases: &[(RouteObject, &str, &str, &str)] = &[
-        (
-            http("{matches: [{path: {value: nope}}]}"),
-            "spec.rules[0].matches[0].path.value",
-            "UnsupportedValue",
-            "\"nope\" must start with '/'",
-        ),
-        (
-            http("{matches: [{path: {type: Exact, value: /a//b}}]}"),
-            "spec.rules[0].matches[0].path.value",
-            "UnsupportedValue",
-            "\"//\"",
-        ),
-        (
-            http("{}, {matches: [{}, {path: {type: RegularExpression, value: '(['}}]}"),
-            "spec.rules[1].matches[1].path.value",
-            "UnsupportedValue",
-            "not a valid RE2",
-        ),
-        (
-            http("{matches: [{path: {type: Glob, value: /x}}]}"),
-            "spec.rules[0].matches[0].path.type",
-            "UnsupportedValue",
-            "\"Glob\"",
-        ),
-        (
-            http("{matches: [{headers: [{name: 'bad name', value: x}]}]}"),
-            "spec.rules[0].matches[0].headers[0].name",
-            "UnsupportedValue",
-            "\"bad name\"",
-        ),
-        (
-            http("{matches: [{headers: [{type: RegularExpression, name: x, value: '[a-z&&b]'}]}]}"),
-            "spec.rules[0].matches[0].headers[0].value",
-            "UnsupportedValue",
-            "RE2",
-        ),
-        (
-            http("{matches: [{queryParams: [{type: Prefix, name: q, value: x}]}]}"),
-            "spec.rules[0].matches[0].queryParams[0].type",
-            "UnsupportedValue",
-            "\"Prefix\"",
-        ),
-        (
-            http("{matches: [{method: BREW}]}"),
-            "spec.rules[0].matches[0].method",
-            "UnsupportedValue",
-            "\"BREW\"",
-        ),
-        (
-            http(&format!(
-                "{{filters: [{{type: RequestRedirect, requestRedirect: {{}}}}], {B}}}"
-            )),
-            "spec.rules[0].backendRefs",
-            "IncompatibleFilters",
-            "cannot have backendRefs",
-        ),
-        (
-            http("{filters: [{type: RequestRedirect, requestRedirect: {statusCode: 304}}]}"),
-            "spec.rules[0].filters[0].requestRedirect.statusCode",
-            "UnsupportedValue",
-            "304",
-        ),
-        (
-            http("{filters: [{type: RequestRedirect, requestRedirect: {scheme: ftp}}]}"),
-            "spec.rules[0].filters[0].requestRedirect.scheme",
-            "UnsupportedValue",
-            "\"ftp\"",
-        ),
-        (
-            http("{filters: [{type: RequestRedirect, requestRedirect: {port: 70000}}]}"),
-            "spec.rules[0].filters[0].requestRedirect.port",
-            "UnsupportedValue",
-            "70000",
-        ),
-        (
-            http("{filters: [{type: RequestRedirect, requestRedirect: {}}, {type: URLRewrite, urlRewrite: {}}]}"),
-            "spec.rules[0].filters",
-            "IncompatibleFilters",
-            "both",
-        ),
-        (
-            http(
-                "{matches: [{path: {type: Exact, value: /a}}], filters: [{type: URLRewrite, urlRewrite: {path: {type: ReplacePrefixMatch, replacePrefixMatch: /b}}}]}",
-            ),
-            "spec.rules[0].filters[0].urlRewrite.path",
-            "UnsupportedValue",
-            "PathPrefix",
-        ),
-        (
-            http("{filters: [{type: URLRewrite, urlRewrite: {hostname: 'Not A Host'}}]}"),
-            "spec.rules[0].filters[0].urlRewrite.hostname",
-            "UnsupportedValue",
-            "\"Not A Host\"",
-        ),
-        (
-            http("{filters: [{type: ExtensionRef, extensionRef: {group: x.io, kind: F, name: f}}]}"),
-            "spec.rules[0].filters[0].type",
-            "UnsupportedValue",
-            "\"ExtensionRef\"",
-        ),
-        (
-            http("{filters: [{type: CORS}]}"),
-            "spec.rules[0].filters[0].type",
-            "UnsupportedValue",
-            "\"CORS\"",
-        ),
-        (
-            http("{filters: [{type: RequestHeaderModifier}]}"),
-            "spec.rules[0].filters[0].requestHeaderModifier",
-            "UnsupportedValue",
-            "must be set",
-        ),
-        (
-            http(
-                "{filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: A, value: x}], remove: [a]}}]}",
-            ),
-            "spec.rules[0].filters[0].requestHeaderModifier.remove[0]",
-            "UnsupportedValue",
-            "more than one action",
-        ),
-        (
-            http("{filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: Host, value: x}]}}]}"),
-            "spec.rules[0].filters[0].requestHeaderModifier.set[0].name",
-            "UnsupportedValue",
-            "host",
-        ),
-        (
-            http(
-                "{filters: [{type: RequestHeaderModifier, requestHeaderModifier: {}}, {type: RequestHeaderModifier, requestHeaderModifier: {}}]}",
-            ),
-            "spec.rules[0].filters[1].type",
-            "UnsupportedValue",
-            "twice",
-        ),
-        (
-            http(
-                "{filters: [{type: RequestMirror, requestMirror: {backendRef: {name: m, port: 80}, percent: 10, fraction: {numerator: 1}}}]}",
-            ),
-            "spec.rules[0].filters[0].requestMirror",
-            "UnsupportedValue",
-            "not both",
-        ),
-        (
-            http("{filters: [{type: RequestMirror, requestMirror: {backendRef: {name: m, port: 80}, percent: 101}}]}"),
-            "spec.rules[0].filters[0].requestMirror",
-            "UnsupportedValue",
-            "0 to 100",
-        ),
-        (
-            http("{backendRefs: [{name: v1}]}"),
-            "spec.rules[0].backendRefs[0].port",
-            "UnsupportedValue",
-            "required",
-        ),
-        (
-            http("{backendRefs: [{name: v1, port: 80, weight: 1000001}]}"),
-            "spec.rules[0].backendRefs[0].weight",
-            "UnsupportedValue",
-            "1000001",
-        ),
-        (
-            http("{backendRefs: [{name: v1, port: 80, weight: -1}]}"),
-            "spec.rules[0].backendRefs[0].weight",
-            "UnsupportedValue",
-            "-1",
-        ),
-        (
-            http("{backendRefs: [{name: Bad_Name, port: 80}]}"),
-            "spec.rules[0].backendRefs[0].name",
-            "UnsupportedValue",
-            "\"Bad_Name\"",
-        ),
-        (
-            http(
-                "{backendRefs: [{name: v1, port: 80, filters: [{type: RequestMirror, requestMirror: {backendRef: {name: m, port: 1}}}]}]}",
-            ),
-            "spec.rules[0].backendRefs[0].filters[0].type",
-            "UnsupportedValue",
-            "on a backend",
-        ),
-        (
-            http("{timeouts: {request: 1.5s}}"),
-            "spec.rules[0].timeouts.request",
-            "UnsupportedValue",
-            "\"1.5s\"",
-        ),
-        (
-            http("{timeouts: {request: 1s, backendRequest: 2s}}"),
-            "spec.rules[0].timeouts.backendRequest",
-            "UnsupportedValue",
-            "longer than the request timeout",
-        ),
-        (
-            http("{retry: {attempts: 11}}"),
-            "spec.rules[0].retry.attempts",
-            "UnsupportedValue",
-            "11",
-        ),
-        (
-            http("{retry: {codes: [500, 600]}}"),
-            "spec.rules[0].retry.codes[1]",
-            "UnsupportedValue",
-            "600",
-        ),
-        (
-            http("{retry: {backoff: 1d}}"),
-            "spec.rules[0].retry.backoff",
-            "UnsupportedValue",
-            "\"1d\"",
-        ),
-        (
-            http("{sessionPersistence: {sessionName: s}}"),
-            "spec.rules[0].sessionPersistence",
-            "UnsupportedValue",
-            "not supported",
-        ),
-        (
-            http("{name: a}, {name: a}"),
-            "spec.rules[1].name",
-            "UnsupportedValue",
-            "two rules",
-        ),
-        (
-            grpc("{matches: [{method: {type: Exact}}]}"),
-            "spec.rules[0].matches[0].method",
-            "UnsupportedValue",
-            "service, method",
-        ),
-        (
-            grpc("{matches: [{method: {service: 'not a service'}}]}"),
-            "spec.rules[0].matches[0].method.service",
-            "UnsupportedValue",
-            "gRPC service",
-        ),
-        (
-            grpc("{matches: [{method: {type: RegularExpression, method: '('}}]}"),
-            "spec.rules[0].matches[0].method.method",
-            "UnsupportedValue",
-            "RE2",
-        ),
-        (
-            grpc("{filters: [{type: ExtensionRef}]}"),
-            "spec.rules[0].filters[0].type",
-            "UnsupportedValue",
-            "\"ExtensionRef\"",
-        ),
-    ];
-    for (object, field, reason, quoted) in cases {
-        let refused = project(object).expect_err(field);
-        assert_eq!(
-            (refused.condition, refused.reason, refused.field.as_str()),
-            (accepted, *reason, *field),
-            "{refused}"
-        );
+    for (is_http, rule, field, reason, quoted) in CASES {
+        let object = if *is_http { http(rule) } else { grpc(rule) };
+        let refused = project(&object).expect_err(field);
+        let got = (refused.condition, refused.reason, refused.field.as_str());
+        assert_eq!(got, (ConditionType::Accepted, *reason, *field), "{refused}");
         assert!(refused.message.contains(quoted), "{refused} lacks {quoted}");
         assert_eq!(refused.to_string(), format!("{field}: {}", refused.message));
     }
