@@ -82,6 +82,11 @@ pub struct Config {
     #[arg(long, env = "AETHER_REGISTRAR_STORE", value_enum, default_value = "embedded")]
     pub store: StoreKind,
 
+    /// Directory of HTTPRoute/GRPCRoute YAML files (`*.yaml`, `*.yml`) to serve as the
+    /// mesh's routes, re-read when it changes (clusters without Kubernetes, demos).
+    #[arg(long, env = "AETHER_REGISTRAR_ROUTES_DIR")]
+    pub routes_dir: Option<PathBuf>,
+
     /// Directory of the embedded store's file.
     #[arg(long, env = "AETHER_REGISTRAR_DATA_DIR", default_value = "/var/lib/aether/registrar")]
     pub data_dir: PathBuf,

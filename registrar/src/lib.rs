@@ -8,6 +8,7 @@ pub mod catalog;
 pub mod config;
 pub mod metrics;
 pub mod model;
+pub mod routes;
 pub mod server;
 pub mod store;
 pub mod vip;

@@ -30,6 +30,8 @@ pub struct Metrics {
     pub feed_unusable: Counter,
     pub expired_endpoints: Counter,
     pub store_conflicts: Counter,
+    pub routes: Gauge,
+    pub routes_refused: Family<Labels, Gauge>,
 }
 
 impl Metrics {
@@ -54,6 +56,8 @@ impl Metrics {
             feed_unusable: Counter::default(),
             expired_endpoints: Counter::default(),
             store_conflicts: Counter::default(),
+            routes: Gauge::default(),
+            routes_refused: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("aether_registrar");
         metrics.register_catalog(r);
@@ -75,6 +79,12 @@ impl Metrics {
             self.catalog_version.clone(),
         );
         r.register("changes", "Catalog changes committed", self.changes.clone());
+        r.register("routes", "Routes in the catalog", self.routes.clone());
+        r.register(
+            "routes_refused",
+            "Route objects a source holds that the projector refused (their last accepted version, if any, serves)",
+            self.routes_refused.clone(),
+        );
     }
 
     /// Commits to the store and what it held at start-up.

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use aether_common::names::dns_label;
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{Endpoint, Health, Port, Protocol};
+use aether_proto::registry::v1::{Endpoint, Health, Port, Protocol, Route};
+use aether_proto::view::route_key;
 
 /// Limits that keep one endpoint from bloating every watcher's stream.
 pub const MAX_PORTS: usize = 64;
@@ -122,6 +123,16 @@ pub struct ValidEndpoint {
     pub service: ServiceKey,
     pub address: IpAddr,
     pub endpoint: Endpoint,
+}
+
+/// Checks a stored or streamed route (a store can hold anything) with the
+/// projector's own rules; returns it with its key, or the key and why it is unusable.
+pub fn validate_route(route: Route) -> Result<(String, Route), (String, aether_api::InvalidRoute)> {
+    let key = route_key(&route);
+    match aether_api::validate(&route) {
+        Ok(()) => Ok((key, route)),
+        Err(e) => Err((key, e)),
+    }
 }
 
 /// Validates an endpoint; `field` is the path of the endpoint in the request

@@ -44,6 +44,8 @@ pub const TELEMETRY: Component = Component {
 pub enum StartError {
     #[error("--vip-cidr: {0}")]
     VipRange(#[from] VipError),
+    #[error("--routes-dir: the kubernetes store is read-only and serves the cluster's own routes; drop --routes-dir")]
+    RoutesOnReadOnlyStore,
     #[error("opening the store: {0}")]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -266,6 +268,9 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StoreError> {
 
 /// Opens the store, loads the catalog and starts serving; runs until `shutdown`.
 pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Running, StartError> {
+    if config.routes_dir.is_some() && config.store == StoreKind::Kubernetes {
+        return Err(StartError::RoutesOnReadOnlyStore);
+    }
     let vips = VipAllocator::new(config.vip_cidr)?;
     let store = open_store(&config).await?;
     let mut registry = Registry::default();
@@ -297,6 +302,15 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let tasks = Tasks::new(shutdown.clone(), &readiness);
     tasks.critical("the catalog writer", writer.run(writer_stop.clone()));
     tasks.critical("the reaper", catalog.clone().run_reaper(shutdown.clone()));
+    if let Some(dir) = &config.routes_dir {
+        let source = crate::routes::directory::run(
+            dir.clone(),
+            catalog.clone(),
+            catalog.metrics().clone(),
+            shutdown.clone(),
+        );
+        tasks.critical("the routes directory source", source);
+    }
     let admin_stop = CancellationToken::new();
     let admin_task = tokio::spawn(admin.serve(admin_stop.clone()));
     // Stops with the admin server, after the writer: the last push carries the final values.

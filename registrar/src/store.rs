@@ -30,6 +30,9 @@
 //! - [`StoreOp::DeleteService`] removes the service, its VIP and *all* its endpoints;
 //!   deletes of absent records succeed (several replicas may reap the same thing).
 //! - A `PutEndpoint` counts as a liveness refresh of the endpoint's node (see TTL).
+//! - [`StoreOp::PutRoute`] / [`StoreOp::DeleteRoute`] write a projected route by its
+//!   key (`<kind>/<namespace>/<name>`), unconditionally: routes reference services
+//!   by name and may exist before or after them.
 //!
 //! **Feed** ([`Store::feed`]): every change committed after a revision, by any replica
 //! (echoes of this replica's own commits may be included; the catalog skips them by
@@ -57,7 +60,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_proto::registry::v1::{Endpoint, Service};
+use aether_proto::registry::v1::{Endpoint, Route, Service};
 use async_trait::async_trait;
 use futures::Stream;
 
@@ -87,6 +90,10 @@ pub enum StoreOp {
     /// Drops the liveness record of a node whose endpoints were just expired (only
     /// issued for nodes that [`Store::expired_nodes`] returned).
     ForgetNode(String),
+    /// Creates or replaces a projected route (key: `aether_proto::view::route_key`).
+    PutRoute(Arc<Route>),
+    /// Deletes a route by key; deleting an absent one succeeds.
+    DeleteRoute(String),
 }
 
 /// A record with the revision it was last written at.
@@ -104,6 +111,7 @@ pub struct Contents {
     pub revision: Revision,
     pub services: Vec<Stored<Service>>,
     pub endpoints: Vec<Stored<Endpoint>>,
+    pub routes: Vec<Stored<Route>>,
     pub unreadable: Vec<UnreadableRecord>,
 }
 
@@ -136,6 +144,11 @@ pub enum FeedChangeKind {
     EndpointDeleted {
         service: String,
         address: String,
+    },
+    RoutePut(Route),
+    /// `key` is the route's key, `<kind>/<namespace>/<name>`.
+    RouteDeleted {
+        key: String,
     },
     /// A record that could not be decoded (logged and counted, not applied).
     Unreadable(UnreadableRecord),
@@ -225,6 +238,19 @@ pub trait Store: Send + Sync + 'static {
     fn accepts_writes(&self) -> bool {
         true
     }
+}
+
+/// Refuses a batch with route ops, for a backend that does not store routes yet.
+pub(crate) fn refuse_routes(kind: &str, ops: &[StoreOp]) -> Result<(), StoreError> {
+    if ops
+        .iter()
+        .any(|op| matches!(op, StoreOp::PutRoute(_) | StoreOp::DeleteRoute(_)))
+    {
+        return Err(StoreError::Config(format!(
+            "the {kind} store does not store routes yet: not implemented"
+        )));
+    }
+    Ok(())
 }
 
 /// A feed that never yields: for stores no other replica writes to.

@@ -14,14 +14,14 @@ use aether_proto::registrar::v1::{
     Change, Delta, Snapshot, SnapshotComplete, SnapshotReason, Version, WatchRequest, WatchResponse, change,
     watch_response,
 };
-use aether_proto::registry::v1::{Endpoint, Service};
+use aether_proto::registry::v1::{Endpoint, Route, Service};
 use futures::{Stream, StreamExt};
 use tokio::sync::broadcast::{self, error::RecvError, error::TryRecvError};
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc};
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
-use crate::catalog::{Batch, Catalog, Event, KeyedChange, State};
+use crate::catalog::{Batch, Catalog, Event, KeyedChange, State, route_change};
 use crate::model::{InvalidField, ServiceKey};
 
 /// Endpoints per snapshot message, so no message nears gRPC's 4 MiB default limit.
@@ -117,10 +117,16 @@ impl Filter {
         self.wildcard || self.services.contains(key)
     }
 
-    /// Whether this filter sends `change`: a services-only filter drops endpoint changes.
+    /// Whether this filter sends `change`: a services-only filter drops endpoint and
+    /// route changes.
     fn passes(&self, change: &KeyedChange) -> bool {
         let is_service = matches!(change.event, Event::ServiceAdded(_) | Event::ServiceRemoved);
         self.matches(change.service.as_str()) && (is_service || !self.services_only)
+    }
+
+    /// Whether the client holds `route`: one of its parents is in the filter.
+    fn wants(&self, route: &Route) -> bool {
+        !self.services_only && route.parents.iter().any(|p| self.matches(&p.service))
     }
 
     /// The catalog's services this filter selects.
@@ -200,7 +206,7 @@ pub async fn serve<S>(
             watcher.sent = from;
             watcher.send_batches(&batches).await
         }
-        Start::Snapshot(services, version, reason) => watcher.send_snapshot(services, version, reason).await,
+        Start::Snapshot(selection, version, reason) => watcher.send_snapshot(selection, version, reason).await,
     };
     if started.is_err() {
         return;
@@ -311,12 +317,23 @@ impl Watcher {
 
     async fn send_batches(&mut self, batches: &[Arc<Batch>]) -> Result<(), Gone> {
         for batch in batches {
-            let changes: Vec<Change> = batch
-                .changes
-                .iter()
-                .filter(|c| self.filter.passes(c))
-                .map(KeyedChange::to_proto)
-                .collect();
+            let mut routes_sent = HashSet::new();
+            let mut changes = Vec::new();
+            for c in batch.changes.iter().filter(|c| self.filter.passes(c)) {
+                match &c.event {
+                    // Once per batch, although published once per parent: a put if
+                    // the client wants the route now, else its removal.
+                    Event::Route { key, route } => {
+                        if routes_sent.insert(key.clone()) {
+                            let wanted = route.as_deref().filter(|r| self.filter.wants(r));
+                            changes.push(Change {
+                                change: Some(route_change(key, wanted)),
+                            });
+                        }
+                    }
+                    _ => changes.push(c.to_proto()),
+                }
+            }
             self.processed = batch.seq;
             if !changes.is_empty() {
                 let version = self.version(batch.seq);
@@ -328,10 +345,11 @@ impl Watcher {
 
     async fn send_snapshot(
         &mut self,
-        services: Selection,
+        selection: Selection,
         version: Version,
         reason: SnapshotReason,
     ) -> Result<(), Gone> {
+        let Selection { services, routes } = selection;
         self.catalog
             .metrics()
             .watch_snapshots
@@ -356,7 +374,18 @@ impl Watcher {
                 }
             }
         }
-        if chunk.reset || !chunk.services.is_empty() || !chunk.endpoints.is_empty() {
+        for route in routes {
+            chunk.routes.push(Route::clone(&route));
+            if chunk.routes.len() >= SNAPSHOT_CHUNK_ENDPOINTS {
+                let next = Snapshot {
+                    reason: reason as i32,
+                    ..Default::default()
+                };
+                let full = std::mem::replace(&mut chunk, next);
+                self.send(watch_response::Event::Snapshot(full)).await?;
+            }
+        }
+        if chunk.reset || !chunk.services.is_empty() || !chunk.endpoints.is_empty() || !chunk.routes.is_empty() {
             self.send(watch_response::Event::Snapshot(chunk)).await?;
         }
         self.processed = version.seq;
@@ -369,12 +398,12 @@ impl Watcher {
 
     async fn resync(&mut self, reason: SnapshotReason) -> Result<(), Gone> {
         self.turn = Some(Turn::take().await);
-        let (services, version) = {
+        let (selection, version) = {
             let state = self.catalog.read();
             self.rx = state.subscribe();
             (collect(&state, &self.filter), state.version())
         };
-        let sent = self.send_snapshot(services, version, reason).await;
+        let sent = self.send_snapshot(selection, version, reason).await;
         self.turn = None;
         sent
     }
@@ -427,6 +456,15 @@ impl Watcher {
                     change: Some(change::Change::EndpointAdded(Endpoint::clone(e))),
                 }));
             }
+            for route in state.routes() {
+                let (had, has) = (self.filter.wants(route), filter.wants(route));
+                if had != has {
+                    let key = aether_proto::view::route_key(route);
+                    changes.push(Change {
+                        change: Some(route_change(&key, Some(&**route).filter(|_| has))),
+                    });
+                }
+            }
             (pending, delta(state.version(), changes, filter.id))
         };
         self.send_batches(&pending).await?;
@@ -438,12 +476,16 @@ impl Watcher {
     }
 }
 
-/// The services a filter selects, with their endpoints: shared, so reading it under
-/// the lock is cheap; wire messages are built after the lock is released.
-type Selection = Vec<(Service, Vec<Arc<Endpoint>>)>;
+/// The services a filter selects, with their endpoints, and the routes it wants:
+/// shared, so reading it under the lock is cheap; wire messages are built after the
+/// lock is released.
+struct Selection {
+    services: Vec<(Service, Vec<Arc<Endpoint>>)>,
+    routes: Vec<Arc<Route>>,
+}
 
 fn collect(state: &State, filter: &Filter) -> Selection {
-    let mut services: Selection = filter
+    let mut services: Vec<_> = filter
         .selected(state)
         .map(|key| {
             let entry = state.service(key.as_str()).expect("selected services exist");
@@ -456,7 +498,8 @@ fn collect(state: &State, filter: &Filter) -> Selection {
         })
         .collect();
     services.sort_by(|a, b| (&a.0.namespace, &a.0.name).cmp(&(&b.0.namespace, &b.0.name)));
-    services
+    let routes = state.routes().filter(|r| filter.wants(r)).cloned().collect();
+    Selection { services, routes }
 }
 
 fn delta(version: Version, changes: Vec<Change>, filter_id: u64) -> watch_response::Event {

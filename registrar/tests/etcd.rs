@@ -356,6 +356,8 @@ fn described(batch: &aether_registrar::catalog::Batch) -> Vec<String> {
             Event::EndpointAdded(e) => format!("+endpoint {}/{}", e.service, e.address),
             Event::EndpointUpdated(e) => format!("~endpoint {}/{}", e.service, e.address),
             Event::EndpointRemoved(a) => format!("-endpoint {}/{a}", c.service),
+            Event::Route { key, route: Some(_) } => format!("+route {key} via {}", c.service),
+            Event::Route { key, route: None } => format!("-route {key} via {}", c.service),
         })
         .collect();
     seen.sort();

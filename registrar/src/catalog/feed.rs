@@ -7,12 +7,15 @@ use std::net::IpAddr;
 use std::time::Instant;
 
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{Endpoint, Service};
+use std::sync::Arc;
+
+use aether_proto::registry::v1::{Endpoint, Route, Service};
+use aether_proto::view::route_key;
 
 use super::revisions::RecordKey;
 use super::state::{KeyedChange, State};
 use super::writer::Writer;
-use crate::model::{ServiceKey, parse_address, validate_endpoint};
+use crate::model::{ServiceKey, parse_address, validate_endpoint, validate_route};
 use crate::store::{Conflict, Contents, FeedChangeKind, FeedEvent, Revision, UnreadableRecord};
 
 /// A change to apply, with the store revision it was made at (`None`: apply anyway).
@@ -58,6 +61,12 @@ impl Writer {
                 .into_iter()
                 .map(|e| (Some(e.revision), FeedChangeKind::EndpointPut(e.value))),
         );
+        changes.extend(
+            contents
+                .routes
+                .into_iter()
+                .map(|r| (Some(r.revision), FeedChangeKind::RoutePut(r.value))),
+        );
         for record in contents.unreadable {
             changes.push((None, FeedChangeKind::Unreadable(record)));
         }
@@ -99,8 +108,24 @@ impl Writer {
                 }
             }
         }
+        changes.extend(self.vanished_routes(contents, &mut forgotten));
         for key in forgotten {
             self.revisions.forget(&key);
+        }
+        changes
+    }
+
+    /// Deletions of the routes memory holds but the snapshot `contents` shows gone.
+    fn vanished_routes(&self, contents: &Contents, forgotten: &mut Vec<RecordKey>) -> Vec<RemoteChange> {
+        let stored: HashSet<String> = contents.routes.iter().map(|r| route_key(&r.value)).collect();
+        let state = self.state.read();
+        let mut changes = Vec::new();
+        for key in state.routes.keys() {
+            let record = RecordKey::Route(key.clone());
+            if !stored.contains(key) && self.revisions.gone_at(&record, contents.revision) {
+                forgotten.push(record);
+                changes.push((None, FeedChangeKind::RouteDeleted { key: key.clone() }));
+            }
         }
         changes
     }
@@ -143,6 +168,8 @@ impl Writer {
                 FeedChangeKind::EndpointDeleted { service, address } => {
                     self.remote_endpoint_deleted(&mut state, &service, &address, revision, now, &mut out)
                 }
+                FeedChangeKind::RoutePut(route) => self.remote_route_put(&mut state, route, revision, &mut out),
+                FeedChangeKind::RouteDeleted { key } => self.remote_route_deleted(&mut state, key, revision, &mut out),
                 FeedChangeKind::Unreadable(record) => self.skip_unreadable(record),
             }
         }
@@ -255,6 +282,43 @@ impl Writer {
             self.revisions.add_tombstone(revision, record);
         }
         state.remove_endpoint(&key, address, now, out);
+    }
+
+    fn remote_route_put(
+        &mut self,
+        state: &mut State,
+        route: Route,
+        revision: Option<Revision>,
+        out: &mut Vec<KeyedChange>,
+    ) {
+        match validate_route(route) {
+            Ok((key, route)) => {
+                if self.revisions.newer(&RecordKey::Route(key.clone()), revision) {
+                    state.put_route(key, Some(Arc::new(route)), out);
+                }
+            }
+            Err((key, error)) => {
+                self.metrics.feed_unusable.inc();
+                tracing::error!(route = %quote(&key), %error, "skipping an unusable route from the store feed");
+            }
+        }
+    }
+
+    fn remote_route_deleted(
+        &mut self,
+        state: &mut State,
+        key: String,
+        revision: Option<Revision>,
+        out: &mut Vec<KeyedChange>,
+    ) {
+        let record = RecordKey::Route(key.clone());
+        if !self.revisions.newer(&record, revision) {
+            return;
+        }
+        if let Some(revision) = revision {
+            self.revisions.add_tombstone(revision, record);
+        }
+        state.put_route(key, None, out);
     }
 
     fn skip_unreadable(&self, record: UnreadableRecord) {

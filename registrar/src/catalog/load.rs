@@ -8,12 +8,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{Endpoint, Service};
+use aether_proto::registry::v1::{Endpoint, Route, Service};
 
 use super::revisions::RecordKey;
 use super::state::Entry;
 use crate::metrics::Metrics;
-use crate::model::{InvalidField, ServiceKey, parse_address, validate_endpoint};
+use crate::model::{InvalidField, ServiceKey, parse_address, validate_endpoint, validate_route};
 use crate::store::{Contents, Revision, Stored, UnreadableRecord};
 use crate::vip::VipAllocator;
 
@@ -32,6 +32,7 @@ pub(super) struct Loaded {
     pub(super) services: BTreeMap<ServiceKey, Entry>,
     pub(super) vips: HashMap<IpAddr, ServiceKey>,
     pub(super) endpoint_count: usize,
+    pub(super) routes: BTreeMap<String, Arc<Route>>,
     pub(super) revs: HashMap<RecordKey, Revision>,
     pub(super) unreadable: Vec<UnreadableRecord>,
 }
@@ -49,6 +50,9 @@ impl Loaded {
         }
         for stored in contents.endpoints {
             loaded.add_endpoint(stored);
+        }
+        for stored in contents.routes {
+            loaded.add_route(stored);
         }
         loaded
     }
@@ -116,6 +120,19 @@ impl Loaded {
         );
         entry.endpoints.insert(valid.address, Arc::new(valid.endpoint));
         self.endpoint_count += 1;
+    }
+
+    fn add_route(&mut self, stored: Stored<Route>) {
+        match validate_route(stored.value) {
+            Ok((key, route)) => {
+                self.revs.insert(RecordKey::Route(key.clone()), stored.revision);
+                self.routes.insert(key, Arc::new(route));
+            }
+            Err((key, error)) => self.unreadable.push(UnreadableRecord {
+                key: format!("routes/{key}"),
+                reason: error.to_string(),
+            }),
+        }
     }
 
     /// Logs the records that were skipped and exports what was loaded.

@@ -28,18 +28,18 @@ mod write_behind;
 mod writer;
 
 use parking_lot::{RwLock, RwLockReadGuard};
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use aether_proto::registrar::v1::Version;
-use aether_proto::registry::v1::Service;
+use aether_proto::registry::v1::{Route, Service};
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
 use self::load::Loaded;
-pub use self::state::{Batch, Entry, Event, KeyedChange, State};
+pub use self::state::{Batch, Entry, Event, KeyedChange, State, route_change};
 use self::writer::Write;
 pub use self::writer::Writer;
 use crate::metrics::Metrics;
@@ -103,6 +103,7 @@ impl Catalog {
             loaded.services,
             loaded.vips,
             loaded.endpoint_count,
+            loaded.routes,
             config.history_changes,
             config.watch_buffer,
         )));
@@ -180,6 +181,19 @@ impl Catalog {
             reply,
         })
         .await?;
+        response.await.map_err(|_| shutting_down())?
+    }
+
+    /// Makes the catalog's routes exactly `desired` (keyed by route key), as one
+    /// versioned batch; what is unchanged is not written.
+    pub async fn set_routes(&self, desired: BTreeMap<String, Route>) -> Result<Version, Status> {
+        if self.read_only {
+            return Err(Status::failed_precondition(
+                "this registrar's store is read-only: its routes come from the store itself",
+            ));
+        }
+        let (reply, response) = oneshot::channel();
+        self.submit(Write::Routes { desired, reply }).await?;
         response.await.map_err(|_| shutting_down())?
     }
 

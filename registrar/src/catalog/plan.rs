@@ -5,10 +5,12 @@ use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use aether_proto::registry::v1::{Endpoint, Service};
+use std::collections::BTreeMap;
+
+use aether_proto::registry::v1::{Endpoint, Route, Service};
 use tonic::Status;
 
-use super::state::{Event, KeyedChange, State};
+use super::state::{Event, KeyedChange, State, route_changes};
 use crate::model::{ServiceKey, ValidEndpoint};
 use crate::store::StoreOp;
 use crate::vip::VipAllocator;
@@ -20,6 +22,8 @@ pub(super) struct Plan {
     pub(super) new_vips: HashSet<IpAddr>,
     pub(super) endpoints: HashMap<(ServiceKey, IpAddr), Option<Arc<Endpoint>>>,
     pub(super) removed_services: Vec<(ServiceKey, IpAddr)>,
+    /// Routes to put (`Some`) or delete, by key.
+    pub(super) routes: Vec<(String, Option<Arc<Route>>)>,
     pub(super) ops: Vec<StoreOp>,
     pub(super) changes: Vec<KeyedChange>,
 }
@@ -109,6 +113,30 @@ impl Plan {
         self.change(&key, Event::EndpointRemoved(address));
         self.endpoints.insert((key, address), None);
         Ok(true)
+    }
+}
+
+impl Plan {
+    /// Makes the stored routes exactly `desired` (a route source's whole set): puts
+    /// what is new or changed, deletes what the source no longer has.
+    pub(super) fn set_routes(&mut self, state: &State, desired: BTreeMap<String, Route>) {
+        for (key, old) in &state.routes {
+            if !desired.contains_key(key) {
+                self.ops.push(StoreOp::DeleteRoute(key.clone()));
+                self.changes.extend(route_changes(key, Some(&**old), None));
+                self.routes.push((key.clone(), None));
+            }
+        }
+        for (key, route) in desired {
+            if state.routes.get(&key).is_some_and(|old| **old == route) {
+                continue;
+            }
+            let route = Arc::new(route);
+            self.ops.push(StoreOp::PutRoute(route.clone()));
+            let old = state.routes.get(&key).map(|old| &**old);
+            self.changes.extend(route_changes(&key, old, Some(route.clone())));
+            self.routes.push((key, Some(route)));
+        }
     }
 }
 

@@ -24,6 +24,8 @@ pub(super) const PENDING: Revision = Revision::MAX;
 pub(super) enum RecordKey {
     Service(ServiceKey),
     Endpoint(ServiceKey, IpAddr),
+    /// A route, by its key `<kind>/<namespace>/<name>`.
+    Route(String),
 }
 
 impl RecordKey {
@@ -42,12 +44,17 @@ impl RecordKey {
                 Some(RecordKey::Endpoint(service.clone(), address.parse().ok()?))
             }
             StoreOp::ForgetNode(_) => None,
+            StoreOp::PutRoute(route) => Some(RecordKey::Route(aether_proto::view::route_key(route))),
+            StoreOp::DeleteRoute(key) => Some(RecordKey::Route(key.clone())),
         }
     }
 }
 
 pub(super) fn is_delete(op: &StoreOp) -> bool {
-    matches!(op, StoreOp::DeleteService { .. } | StoreOp::DeleteEndpoint { .. })
+    matches!(
+        op,
+        StoreOp::DeleteService { .. } | StoreOp::DeleteEndpoint { .. } | StoreOp::DeleteRoute(_)
+    )
 }
 
 pub(super) struct Revisions {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use aether_proto::registrar::v1::{Change, EndpointRef, Version, change};
-use aether_proto::registry::v1::{Endpoint, Service};
+use aether_proto::registry::v1::{Endpoint, Route, Service};
 use tokio::sync::broadcast;
 
 use super::plan::Plan;
@@ -23,7 +23,9 @@ pub struct Batch {
 }
 
 /// A committed change to one service. Endpoint data is shared with the catalog and
-/// the history (not copied), and turned into its wire form only when sent.
+/// the history (not copied), and turned into its wire form only when sent. A route
+/// change is published once per parent it had or has, so filtering by service finds
+/// every watcher that holds or now wants it (watchers send it once per batch).
 #[derive(Clone, Debug)]
 pub struct KeyedChange {
     pub service: ServiceKey,
@@ -37,6 +39,11 @@ pub enum Event {
     EndpointAdded(Arc<Endpoint>),
     EndpointUpdated(Arc<Endpoint>),
     EndpointRemoved(IpAddr),
+    /// A route was put (`Some`) or deleted (`None`).
+    Route {
+        key: Arc<str>,
+        route: Option<Arc<Route>>,
+    },
 }
 
 impl KeyedChange {
@@ -50,8 +57,17 @@ impl KeyedChange {
                 service: self.service.to_string(),
                 address: address.to_string(),
             }),
+            Event::Route { key, route } => route_change(key, route.as_deref()),
         };
         Change { change: Some(change) }
+    }
+}
+
+/// A route put, or its removal when `route` is `None`.
+pub fn route_change(key: &str, route: Option<&Route>) -> change::Change {
+    match route {
+        Some(route) => change::Change::RoutePut(route.clone()),
+        None => change::Change::RouteRemoved(key.to_owned()),
     }
 }
 
@@ -69,6 +85,8 @@ pub struct State {
     /// Which service holds each VIP.
     pub(super) vips: HashMap<IpAddr, ServiceKey>,
     pub(super) endpoint_count: usize,
+    /// Projected routes by key (`<kind>/<namespace>/<name>`).
+    pub(super) routes: BTreeMap<String, Arc<Route>>,
     history: VecDeque<Arc<Batch>>,
     history_changes: usize,
     history_limit: usize,
@@ -81,6 +99,7 @@ impl State {
         services: BTreeMap<ServiceKey, Entry>,
         vips: HashMap<IpAddr, ServiceKey>,
         endpoint_count: usize,
+        routes: BTreeMap<String, Arc<Route>>,
         history_limit: usize,
         watch_buffer: usize,
     ) -> State {
@@ -91,6 +110,7 @@ impl State {
             services,
             vips,
             endpoint_count,
+            routes,
             history: VecDeque::new(),
             history_changes: 0,
             history_limit,
@@ -141,6 +161,10 @@ impl State {
         self.services.get(key)
     }
 
+    pub fn routes(&self) -> impl Iterator<Item = &Arc<Route>> {
+        self.routes.values()
+    }
+
     pub(super) fn apply(&mut self, plan: Plan) -> u64 {
         let now = Instant::now();
         for (key, service) in plan.new_services {
@@ -177,6 +201,12 @@ impl State {
         for (key, vip) in plan.removed_services {
             self.services.remove(&key);
             self.vips.remove(&vip);
+        }
+        for (key, route) in plan.routes {
+            match route {
+                Some(route) => self.routes.insert(key, route),
+                None => self.routes.remove(&key),
+            };
         }
         self.publish(plan.changes)
     }
@@ -281,11 +311,25 @@ impl State {
         });
     }
 
+    /// Puts (`Some`) or deletes a route as another replica stored it.
+    pub(super) fn put_route(&mut self, key: String, route: Option<Arc<Route>>, out: &mut Vec<KeyedChange>) {
+        let old = self.routes.get(&key).cloned();
+        if old == route {
+            return;
+        }
+        out.extend(route_changes(&key, old.as_deref(), route.clone()));
+        match route {
+            Some(route) => self.routes.insert(key, route),
+            None => self.routes.remove(&key),
+        };
+    }
+
     /// Exports the catalog's version and size.
     pub(super) fn report(&self, metrics: &Metrics) {
         metrics.catalog_version.set(self.seq as i64);
         metrics.services.set(self.services.len() as i64);
         metrics.endpoints.set(self.endpoint_count as i64);
+        metrics.routes.set(self.routes.len() as i64);
     }
 
     pub(super) fn publish(&mut self, changes: Vec<KeyedChange>) -> u64 {
@@ -301,4 +345,28 @@ impl State {
         let _ = self.events.send(batch);
         self.seq
     }
+}
+
+/// The changes that publish a route going from `old` to `new`: one per parent of
+/// either (see [`KeyedChange`]).
+pub(super) fn route_changes(key: &str, old: Option<&Route>, new: Option<Arc<Route>>) -> Vec<KeyedChange> {
+    let key: Arc<str> = key.into();
+    let mut parents: Vec<ServiceKey> = old
+        .into_iter()
+        .chain(new.as_deref())
+        .flat_map(|route| &route.parents)
+        .filter_map(|parent| ServiceKey::parse("parent", &parent.service).ok())
+        .collect();
+    parents.sort();
+    parents.dedup();
+    parents
+        .into_iter()
+        .map(|service| KeyedChange {
+            service,
+            event: Event::Route {
+                key: key.clone(),
+                route: new.clone(),
+            },
+        })
+        .collect()
 }

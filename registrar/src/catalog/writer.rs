@@ -4,14 +4,14 @@
 //! store's feed and retries the store while it is down.
 
 use parking_lot::RwLock;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_common::readiness::Gate;
 use aether_proto::registrar::v1::Version;
-use aether_proto::registry::v1::Service;
+use aether_proto::registry::v1::{Route, Service};
 use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -46,6 +46,11 @@ pub(super) enum Write {
         address: IpAddr,
         owner: Option<String>,
         reply: oneshot::Sender<Result<(bool, Version), Status>>,
+    },
+    /// Make the stored routes exactly these (a route source's whole set); planned alone.
+    Routes {
+        desired: BTreeMap<String, Route>,
+        reply: oneshot::Sender<Result<Version, Status>>,
     },
     /// Remove expired empty services; always planned alone.
     Reap,
@@ -102,7 +107,7 @@ impl Request {
                 owner,
                 reply,
             } => Some(Request::Unregister(service, address, owner, reply)),
-            Write::Reap | Write::Expire => None,
+            Write::Routes { .. } | Write::Reap | Write::Expire => None,
         }
     }
 
@@ -234,7 +239,8 @@ impl Writer {
         }
         let mut reap = false;
         let mut expire = false;
-        group.retain(|w| match w {
+        let mut routes = Vec::new();
+        group.retain_mut(|w| match w {
             Write::Reap => {
                 reap = true;
                 false
@@ -243,10 +249,18 @@ impl Writer {
                 expire = true;
                 false
             }
+            Write::Routes { desired, reply } => {
+                let (closed, _) = oneshot::channel();
+                routes.push((std::mem::take(desired), std::mem::replace(reply, closed)));
+                false
+            }
             _ => true,
         });
         if !group.is_empty() {
             self.commit_group(group).await;
+        }
+        for (desired, reply) in routes {
+            let _ = reply.send(self.set_routes(desired).await);
         }
         if !self.store.accepts_writes() {
             // A read-only store decides what exists; nothing to reap or expire here.
@@ -303,6 +317,17 @@ impl Writer {
                 Outcome::Refused(status) => return (Err(status), results),
                 Outcome::Done(version) => return (Ok(version), results),
             }
+        }
+    }
+
+    /// Commits a route source's whole set (routes never conflict: no retries needed).
+    async fn set_routes(&mut self, desired: BTreeMap<String, Route>) -> Result<Version, Status> {
+        let mut plan = Plan::default();
+        plan.set_routes(&self.state.read(), desired);
+        match self.commit(plan).await {
+            Outcome::Done(version) => Ok(version),
+            Outcome::Refused(status) => Err(status),
+            Outcome::Conflict(conflict) => Err(Status::aborted(conflict.detail)),
         }
     }
 

@@ -1145,6 +1145,8 @@ impl Batch {
                     batch.live_nodes.remove(&node);
                     batch.forgotten_nodes.insert(node);
                 }
+                // Refused before a batch is built (`refuse_routes`).
+                StoreOp::PutRoute(_) | StoreOp::DeleteRoute(_) => {}
             }
         }
         let created: BTreeSet<String> = batch
@@ -1182,6 +1184,7 @@ impl Store for DynamoStore {
     }
 
     async fn commit(&self, ops: Vec<StoreOp>) -> Result<Revision, StoreError> {
+        super::refuse_routes(self.kind(), &ops)?;
         let (revision, live) = self.inner.commit(ops).await?;
         if !live.is_empty() {
             // Liveness is a timestamp beside the data, not part of the commit: stamp it

@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use aether_proto::registry::v1::{Endpoint, Service};
+use aether_proto::registry::v1::{Endpoint, Route, Service};
+use aether_proto::view::route_key;
 use async_trait::async_trait;
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
@@ -30,6 +31,7 @@ use crate::model::ServiceKey;
 const SERVICES: TableDefinition<&str, &[u8]> = TableDefinition::new("services");
 const VIPS: TableDefinition<&str, &str> = TableDefinition::new("vips");
 const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
+const ROUTES: TableDefinition<&str, &[u8]> = TableDefinition::new("routes");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const SCHEMA_VERSION: u64 = 1;
 
@@ -90,6 +92,7 @@ impl EmbeddedStore {
             txn.open_table(SERVICES).map_err(|e| self.unavailable(e))?;
             txn.open_table(VIPS).map_err(|e| self.unavailable(e))?;
             txn.open_table(ENDPOINTS).map_err(|e| self.unavailable(e))?;
+            txn.open_table(ROUTES).map_err(|e| self.unavailable(e))?;
         }
         txn.commit().map_err(|e| self.unavailable(e))
     }
@@ -128,6 +131,7 @@ struct Tables<'txn> {
     services: redb::Table<'txn, &'static str, &'static [u8]>,
     vips: redb::Table<'txn, &'static str, &'static str>,
     endpoints: redb::Table<'txn, &'static str, &'static [u8]>,
+    routes: redb::Table<'txn, &'static str, &'static [u8]>,
     meta: redb::Table<'txn, &'static str, u64>,
 }
 
@@ -137,6 +141,7 @@ impl<'txn> Tables<'txn> {
             services: txn.open_table(SERVICES).map_err(|e| fail(&e))?,
             vips: txn.open_table(VIPS).map_err(|e| fail(&e))?,
             endpoints: txn.open_table(ENDPOINTS).map_err(|e| fail(&e))?,
+            routes: txn.open_table(ROUTES).map_err(|e| fail(&e))?,
             meta: txn.open_table(META).map_err(|e| fail(&e))?,
         })
     }
@@ -152,6 +157,17 @@ impl<'txn> Tables<'txn> {
                 Ok(())
             }
             StoreOp::ForgetNode(_) => Ok(()),
+            StoreOp::PutRoute(route) => {
+                let key = route_key(route);
+                self.routes
+                    .insert(key.as_str(), route.encode_to_vec().as_slice())
+                    .map_err(|e| fail(&e))?;
+                Ok(())
+            }
+            StoreOp::DeleteRoute(key) => {
+                self.routes.remove(key.as_str()).map_err(|e| fail(&e))?;
+                Ok(())
+            }
         }
     }
 
@@ -285,6 +301,16 @@ impl Store for EmbeddedStore {
                     Err(e) => contents.unreadable.push(UnreadableRecord {
                         key: format!("endpoints/{}", key.value()),
                         reason: format!("not an Endpoint protobuf: {e}"),
+                    }),
+                }
+            }
+            for row in txn.open_table(ROUTES)?.iter()? {
+                let (key, value) = row?;
+                match Route::decode(value.value()) {
+                    Ok(value) => contents.routes.push(Stored { value, revision }),
+                    Err(e) => contents.unreadable.push(UnreadableRecord {
+                        key: format!("routes/{}", key.value()),
+                        reason: format!("not a Route protobuf: {e}"),
                     }),
                 }
             }

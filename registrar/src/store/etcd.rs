@@ -493,6 +493,9 @@ impl EtcdStore {
     /// Adds `op` to the transaction: its writes, and the conditions it needs.
     async fn add_op<'a>(&self, txn: &mut TxnPlan<'a>, op: &'a StoreOp) -> Result<(), StoreError> {
         match op {
+            StoreOp::PutRoute(_) | StoreOp::DeleteRoute(_) => {
+                return super::refuse_routes("etcd", std::slice::from_ref(op));
+            }
             StoreOp::CreateService(service) => {
                 let key = key_of(service);
                 let skey = self.keys.service(&key);

@@ -94,6 +94,7 @@ impl Derived {
             revision: self.revision,
             services: self.services.values().cloned().collect(),
             endpoints: self.endpoints.values().cloned().collect(),
+            routes: Vec::new(),
             unreadable: Vec::new(),
         }
     }
