@@ -1,5 +1,5 @@
-//! Property: under any interleaving of registrations, unregistrations, filter changes
-//! and reconnects, every consistent point of every watcher's view equals the catalog
+//! Property: under any interleaving of registrations, unregistrations, route set
+//! changes, filter changes and reconnects, every consistent point of every watcher's view equals the catalog
 //! at that version, filtered by the filter the view says it reflects; and at the end
 //! every view equals the registrar's catalog.
 //!
@@ -9,15 +9,16 @@
 
 mod support;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registrar::v1::{
     RegisterEndpointRequest, RegisterEndpointResponse, UnregisterEndpointRequest, WatchRequest, watch_response,
 };
-use aether_proto::registry::v1::{Endpoint, Health};
-use aether_proto::view::CatalogView;
+use aether_proto::registry::v1::{Endpoint, Health, Route, RouteKind, RouteParent};
+use aether_proto::view::{CatalogView, route_key};
+use aether_registrar::catalog::Catalog;
 use clap::Parser;
 use proptest::prelude::*;
 use support::{Watcher, catalog, endpoint};
@@ -53,6 +54,8 @@ enum Op {
     Read {
         watcher: usize,
     },
+    /// A route source's whole set: route `r<i>` (namespace `a`) with these parents.
+    Routes(Vec<(usize, BTreeSet<usize>)>),
     /// New endpoints registered concurrently while `watcher` changes its filter, so
     /// writes are group-committed and batches race the filter change.
     Burst {
@@ -79,7 +82,29 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0..WATCHERS).prop_map(|watcher| Op::Read { watcher }),
         2 => (proptest::collection::vec(0..SERVICES.len(), 1..24), 0..WATCHERS, spec())
             .prop_map(|(services, watcher, spec)| Op::Burst { services, watcher, spec }),
+        2 => proptest::collection::vec(
+            (0..3usize, proptest::collection::btree_set(0..SERVICES.len(), 1..=2)),
+            0..3
+        )
+        .prop_map(Op::Routes),
     ]
+}
+
+/// Route `r<i>` of namespace `a` with `parents` (indexes into SERVICES).
+fn route(i: usize, parents: &BTreeSet<usize>) -> Route {
+    Route {
+        kind: RouteKind::Http as i32,
+        namespace: "a".into(),
+        name: format!("r{i}"),
+        parents: parents
+            .iter()
+            .map(|&p| RouteParent {
+                service: SERVICES[p].into(),
+                port: 0,
+            })
+            .collect(),
+        ..Default::default()
+    }
 }
 
 fn request(spec: &Spec, id: u64) -> WatchRequest {
@@ -109,6 +134,7 @@ struct Client {
 
 struct Case {
     client: RegistrarClient<Channel>,
+    catalog: Catalog,
     /// The catalog at each version, as the test's own model says it must be.
     history: HashMap<u64, CatalogView>,
     model: CatalogView,
@@ -168,6 +194,7 @@ impl Case {
                 draining,
             } => self.register(service, address, port, draining).await,
             Op::Unregister { service, address } => self.unregister(service, address).await,
+            Op::Routes(routes) => self.set_routes(routes).await,
             Op::Filter { watcher, spec } => self.change_filter(watcher, spec).await,
             Op::Reconnect { watcher } => self.reconnect(watcher).await,
             Op::Read { watcher } => self.drain(watcher),
@@ -218,6 +245,19 @@ impl Case {
             .is_some();
         assert_eq!(reply.existed, had);
         self.record(reply.version.unwrap().seq, had);
+    }
+
+    async fn set_routes(&mut self, routes: Vec<(usize, BTreeSet<usize>)>) {
+        let desired: BTreeMap<String, Route> = routes
+            .iter()
+            .map(|(i, parents)| route(*i, parents))
+            .map(|r| (route_key(&r), r))
+            .collect();
+        let version = self.catalog.set_routes(desired.clone()).await.expect("set routes");
+        let wanted: BTreeMap<String, Arc<Route>> = desired.into_iter().map(|(k, r)| (k, Arc::new(r))).collect();
+        let changed = self.model.routes != wanted;
+        self.model.routes = wanted;
+        self.record(version.seq, changed);
     }
 
     async fn change_filter(&mut self, watcher: usize, spec: Spec) {
@@ -294,7 +334,15 @@ impl Case {
 
     /// Brings every watcher to the latest version under its latest filter.
     async fn settle(&mut self) {
-        let (actual, version) = catalog(&mut self.client, |_| true).await;
+        let (mut actual, version) = catalog(&mut self.client, |_| true).await;
+        // List does not carry routes; the catalog's own state does.
+        let routes = self
+            .catalog
+            .read()
+            .routes()
+            .map(|r| (route_key(r), r.clone()))
+            .collect();
+        actual.routes = routes;
         assert_eq!(actual, self.model, "the registrar's catalog differs from the model");
         assert_eq!(version.seq, self.seq);
         for client in &mut self.clients {
@@ -343,6 +391,7 @@ async fn run(filters: Vec<Spec>, ops: Vec<Op>) {
     }
     let mut case = Case {
         client,
+        catalog: running.catalog.clone(),
         history: HashMap::from([(0, CatalogView::default())]),
         model: CatalogView::default(),
         seq: 0,
