@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use aether_proto::registry::v1::{Locality, Protocol, Service};
+use aether_proto::registry::v1::{Locality, Protocol, Route, Service};
 use aether_proto::view::{CatalogView, Endpoints};
 use envoy_types::pb::google::protobuf::Any;
 
@@ -36,6 +36,7 @@ use crate::pod::LocalPod;
 use transport::Mtls;
 
 pub use clusters::server_sans;
+pub use routes::{RouteError, backend_services};
 pub use util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, PORT_HEADER};
 
 /// Everything the generators read.
@@ -146,7 +147,9 @@ pub type Generated = BTreeMap<String, Vec<Arc<Resource>>>;
 pub struct Generator {
     services: HashMap<String, ServiceMemo>,
     pods: HashMap<String, PodMemo>,
-    routes: Option<(Vec<RouteKey>, Vec<Arc<Resource>>)>,
+    /// The catalog's routes last seen, and the valid ones among them.
+    checked: Checked,
+    routes: Option<(RoutesInput, Vec<Arc<Resource>>)>,
     /// mTLS between pods; `None`: plaintext (`--identity none`, not for production).
     mtls: Option<Mtls>,
     /// The pods' SVIDs and trust bundles (with mTLS).
@@ -164,8 +167,60 @@ struct ServiceMemo {
 struct PodMemo {
     pod: LocalPod,
     declared: Vec<RouteKey>,
+    /// The outbound route table its listener names.
+    table: String,
     listeners: Vec<Arc<Resource>>,
     clusters: Vec<Arc<Resource>>,
+}
+
+/// The catalog's routes, checked once per version of each.
+#[derive(Default)]
+struct Checked {
+    seen: Vec<Arc<Route>>,
+    valid: Vec<Arc<Route>>,
+    invalid: usize,
+}
+
+impl Checked {
+    /// Checks what changed since the last call; an invalid route is logged and skipped,
+    /// so one bad route never makes Envoy refuse a table.
+    fn refresh(&mut self, routes: &BTreeMap<String, Arc<Route>>) {
+        let current: Vec<Arc<Route>> = routes.values().cloned().collect();
+        if same_routes(&current, &self.seen) {
+            return;
+        }
+        self.valid.clear();
+        self.invalid = 0;
+        for route in &current {
+            match routes::check(route) {
+                Ok(()) => self.valid.push(route.clone()),
+                Err(error) => {
+                    self.invalid += 1;
+                    let key = aether_proto::view::route_key(route);
+                    tracing::warn!(route = %aether_common::quote::quote(&key), %error, "route skipped: Envoy would refuse it");
+                }
+            }
+        }
+        self.seen = current;
+    }
+}
+
+/// Equal by identity: the catalog view shares an unchanged route.
+fn same_routes(a: &[Arc<Route>], b: &[Arc<Route>]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(a, b)| Arc::ptr_eq(a, b))
+}
+
+/// What the route tables are built from.
+struct RoutesInput {
+    services: Vec<RouteKey>,
+    routes: Vec<Arc<Route>>,
+    consumers: BTreeSet<String>,
+}
+
+impl RoutesInput {
+    fn same(&self, other: &RoutesInput) -> bool {
+        self.services == other.services && same_routes(&self.routes, &other.routes) && self.consumers == other.consumers
+    }
 }
 
 /// What a service contributes to routes and capture chains.
@@ -235,11 +290,26 @@ impl Generator {
         for service in &mut services {
             service.bare = inputs.on_demand.contains_key(&service.fqdn);
         }
+        self.checked.refresh(&inputs.catalog.routes);
+        let valid = self.checked.valid.clone();
+        let attached = routes::Attached::new(valid.iter().map(|r| &**r));
+        // A table of its own only for a namespace whose callers live here.
+        let consumers: BTreeSet<String> = attached
+            .consumer_namespaces()
+            .into_iter()
+            .filter(|ns| inputs.pods.iter().any(|p| p.info.namespace == *ns))
+            .map(str::to_owned)
+            .collect();
         let mut out = Collected::default();
         self.add_services(&services, inputs.locality, mtls, &mut out);
-        self.add_pods(inputs.pods, &services, mtls, &mut out);
+        self.add_pods(inputs.pods, &services, &consumers, mtls, &mut out);
         add_empty_on_demand(inputs, mtls, &mut out);
-        let routes = self.routes(inputs.mesh_domain, &services);
+        let input = RoutesInput {
+            services: services.iter().map(RouteKey::of).collect(),
+            routes: valid.clone(),
+            consumers,
+        };
+        let routes = self.routes(inputs.mesh_domain, &services, &attached, input);
 
         let Collected {
             mut clusters,
@@ -288,7 +358,14 @@ impl Generator {
 
     /// Each pod's listeners and clusters, rebuilt only when the pod or the addresses of
     /// its declared services changed. With mTLS, a pod without an SVID yet gets none.
-    fn add_pods(&mut self, pods: &[LocalPod], services: &[MeshService], mtls: Option<&Mtls>, out: &mut Collected) {
+    fn add_pods(
+        &mut self,
+        pods: &[LocalPod],
+        services: &[MeshService],
+        consumers: &BTreeSet<String>,
+        mtls: Option<&Mtls>,
+        out: &mut Collected,
+    ) {
         let by_key: HashMap<&str, &MeshService> = services.iter().map(|s| (s.key, s)).collect();
         let mut fresh = HashMap::new();
         for pod in pods {
@@ -304,9 +381,10 @@ impl Generator {
                 .filter_map(|key| by_key.get(key.as_str()).copied())
                 .collect();
             let declared_keys: Vec<RouteKey> = declared.iter().map(|s| RouteKey::of(s)).collect();
+            let table = routes::table_name(&pod.info.namespace, consumers);
             let memo = match self.pods.remove(&pod.id()) {
-                Some(memo) if memo.pod == *pod && memo.declared == declared_keys => memo,
-                _ => PodMemo::build(pod, &declared, declared_keys, mtls),
+                Some(memo) if memo.pod == *pod && memo.declared == declared_keys && memo.table == table => memo,
+                _ => PodMemo::build(pod, &declared, declared_keys, table, mtls),
             };
             out.listeners.extend(memo.listeners.iter().cloned());
             out.clusters.extend(memo.clusters.iter().cloned());
@@ -315,15 +393,26 @@ impl Generator {
         self.pods = fresh;
     }
 
-    /// The route table, rebuilt only when some service's name, VIP or ports changed.
-    fn routes(&mut self, mesh_domain: &str, services: &[MeshService]) -> Vec<Arc<Resource>> {
-        let route_keys: Vec<RouteKey> = services.iter().map(RouteKey::of).collect();
+    /// The route tables, rebuilt only when some service's name, VIP or ports changed, a
+    /// route did, or the namespaces with tables of their own.
+    fn routes(
+        &mut self,
+        mesh_domain: &str,
+        services: &[MeshService],
+        attached: &routes::Attached,
+        input: RoutesInput,
+    ) -> Vec<Arc<Resource>> {
         let routes = match self.routes.take() {
-            Some((keys, routes)) if keys == route_keys => routes,
-            _ => resources(routes::route_configs(mesh_domain, services)),
+            Some((last, routes)) if last.same(&input) => routes,
+            _ => resources(routes::route_configs(mesh_domain, services, attached, &input.consumers)),
         };
-        self.routes = Some((route_keys, routes.clone()));
+        self.routes = Some((input, routes.clone()));
         routes
+    }
+
+    /// Routes in the catalog that Envoy would refuse, skipped (see `routes::check`).
+    pub fn invalid_routes(&self) -> usize {
+        self.checked.invalid
     }
 
     /// The SVIDs and bundles of the pods still local: a deleted pod's secret is withdrawn with it.
@@ -370,7 +459,13 @@ impl ServiceMemo {
 }
 
 impl PodMemo {
-    fn build(pod: &LocalPod, declared: &[&MeshService], declared_keys: Vec<RouteKey>, mtls: Option<&Mtls>) -> Self {
+    fn build(
+        pod: &LocalPod,
+        declared: &[&MeshService],
+        declared_keys: Vec<RouteKey>,
+        table: String,
+        mtls: Option<&Mtls>,
+    ) -> Self {
         let clusters = clusters::pod_clusters(pod)
             .into_iter()
             .chain(mtls.map(|m| origination::pod_cluster(m, &pod.id())))
@@ -378,7 +473,8 @@ impl PodMemo {
         PodMemo {
             pod: pod.clone(),
             declared: declared_keys,
-            listeners: resources(listeners::pod_listeners(pod, declared, mtls)),
+            listeners: resources(listeners::pod_listeners(pod, declared, &table, mtls)),
+            table,
             clusters: resources(clusters),
         }
     }

@@ -2,7 +2,8 @@
 //! - `outbound` on 127.0.0.1:18081 and 127.0.0.1:18001: the pod's outgoing traffic. On
 //!   18081, HTTP the app sends explicitly; on 18001, connections the pod's nft rules
 //!   redirected from a mesh VIP. HTTP is routed by authority (name or VIP; RDS
-//!   `outbound`, with on-demand CDS for mesh names outside the dependency set); plain
+//!   `outbound`, or `outbound~<ns>` where the pod's namespace has consumer routes, with
+//!   on-demand CDS for mesh names outside the dependency set); plain
 //!   TCP by original destination VIP:port for the pod's declared upstreams. (One
 //!   listener with two addresses: a listener costs Envoy far more than an address.)
 //! - `inbound` on 0.0.0.0:18008: traffic from peers, delivered to the app on
@@ -29,7 +30,7 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpPro
 use envoy_types::pb::google::protobuf::{Any, UInt32Value};
 
 use super::clusters::local_name;
-use super::routes::{OUTBOUND_ROUTES, inbound_routes};
+use super::routes::inbound_routes;
 use super::transport::{self, Mtls};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
 use super::{MeshService, is_http};
@@ -43,10 +44,16 @@ pub fn inbound_name(pod: &LocalPod) -> String {
     format!("inbound|{}", pod.id())
 }
 
-/// A local pod's listeners; `services` are the dependency services it declared.
-pub fn pod_listeners(pod: &LocalPod, services: &[&MeshService], mtls: Option<&Mtls>) -> Vec<(String, Any)> {
+/// A local pod's listeners; `services` are the dependency services it declared, `table`
+/// the outbound route table its HTTP goes through.
+pub fn pod_listeners(
+    pod: &LocalPod,
+    services: &[&MeshService],
+    table: &str,
+    mtls: Option<&Mtls>,
+) -> Vec<(String, Any)> {
     let netns = pod.netns.to_string_lossy();
-    let mut out = vec![(outbound_name(pod), any(&outbound(pod, &netns, services, mtls)))];
+    let mut out = vec![(outbound_name(pod), any(&outbound(pod, &netns, services, table, mtls)))];
     if let Some(inbound) = inbound(pod, &netns, mtls) {
         out.push((inbound_name(pod), any(&inbound)));
     }
@@ -68,10 +75,10 @@ fn outgoing(
     chain
 }
 
-/// HTTP routed by authority through the node's `outbound` table, with on-demand CDS
+/// HTTP routed by authority through the node's outbound `table`, with on-demand CDS
 /// for mesh names outside the dependency set. Requests are stamped with the source pod's
 /// service `source` for request metrics (crate::request_metrics).
-fn routed_by_authority(stat_prefix: &str, source: &str) -> Filter {
+fn routed_by_authority(stat_prefix: &str, source: &str, table: &str) -> Filter {
     let on_demand = OnDemand {
         odcds: Some(OnDemandCds {
             source: ads(),
@@ -83,7 +90,7 @@ fn routed_by_authority(stat_prefix: &str, source: &str) -> Filter {
         stat_prefix: stat_prefix.to_owned(),
         route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
             config_source: ads(),
-            route_config_name: OUTBOUND_ROUTES.to_owned(),
+            route_config_name: table.to_owned(),
         })),
         http_filters: vec![
             http_filter_of("envoy.filters.http.on_demand", &on_demand),
@@ -154,7 +161,7 @@ fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>) -> Option<Listener>
 /// original destination; everything else is HTTP routed by authority through the node's
 /// `outbound` table, whose virtual hosts answer to each service's VIP as well as its name
 /// (and on demand for undeclared mesh names). Anything that is neither is closed.
-fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], mtls: Option<&Mtls>) -> Listener {
+fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], table: &str, mtls: Option<&Mtls>) -> Listener {
     let mut filter_chains = Vec::new();
     for service in declared {
         for (port, _) in service.ports.iter().filter(|(_, p)| !is_http(**p)) {
@@ -195,7 +202,11 @@ fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], mtls: Option
             pod,
             mtls,
             None,
-            routed_by_authority(&format!("outbound.{}", pod.id().replace('/', ".")), &pod.info.service()),
+            routed_by_authority(
+                &format!("outbound.{}", pod.id().replace('/', ".")),
+                &pod.info.service(),
+                table,
+            ),
         )),
         ..Default::default()
     }

@@ -1,8 +1,24 @@
 //! RDS: the node's shared `outbound` route table (one virtual host per dependency
 //! service port, a catch-all that sends any other mesh authority to the cluster of
-//! that name via on-demand CDS, and a 404 for the rest), and the per-pod inbound
-//! table that picks the app port from the port header.
+//! that name via on-demand CDS, and a 404 for the rest), one `outbound~<ns>` table per
+//! namespace with consumer routes (see `attached`), and the per-pod inbound table that
+//! picks the app port from the port header.
+//!
+//! An HTTP port with routes attached serves their compiled rules (see `compile`); one
+//! without serves everything to its own cluster, with the mesh's default retries.
 
+mod actions;
+mod attached;
+mod check;
+mod compile;
+mod matching;
+mod rewrite;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeSet;
+
+use aether_proto::registry::v1::Route as MeshRoute;
 use envoy_types::pb::envoy::config::core::v3::{DataSource, data_source};
 use envoy_types::pb::envoy::config::route::v3::{
     DirectResponseAction, HeaderMatcher, RetryPolicy, Route, RouteAction, RouteConfiguration, RouteMatch, VirtualHost,
@@ -12,14 +28,61 @@ use envoy_types::pb::envoy::extensions::retry::host::previous_hosts::v3::Previou
 use envoy_types::pb::envoy::r#type::matcher::v3::{RegexMatcher, StringMatcher, string_matcher};
 use envoy_types::pb::google::protobuf::Any;
 
-use super::MeshService;
 use super::clusters::local_name;
 use super::util::{PORT_HEADER, any, millis, u32v};
+use super::{MeshService, is_http};
 use crate::pod::LocalPod;
+pub use attached::Attached;
+pub use check::{RouteError, check};
 
 pub const OUTBOUND_ROUTES: &str = "outbound";
 
-pub fn route_configs(mesh_domain: &str, services: &[MeshService]) -> Vec<(String, Any)> {
+/// The outbound table of callers in `namespace`: their own when their namespace has
+/// consumer routes (`consumers`), else the shared one.
+pub fn table_name(namespace: &str, consumers: &BTreeSet<String>) -> String {
+    if consumers.contains(namespace) {
+        format!("{OUTBOUND_ROUTES}~{namespace}")
+    } else {
+        OUTBOUND_ROUTES.to_owned()
+    }
+}
+
+/// The services a route sends traffic to (backends and mirrors): they join the
+/// dependency set of every node that has the route.
+pub fn backend_services(route: &MeshRoute) -> impl Iterator<Item = &str> {
+    use aether_proto::registry::v1::route_filter::Filter;
+    route.rules.iter().flat_map(|rule| {
+        let mirrors = rule
+            .filters
+            .iter()
+            .chain(rule.backends.iter().flat_map(|b| &b.filters))
+            .filter_map(|f| match &f.filter {
+                Some(Filter::RequestMirror(m)) => m.backend.as_ref(),
+                _ => None,
+            });
+        rule.backends.iter().chain(mirrors).map(|b| b.service.as_str())
+    })
+}
+
+/// The shared table, then one per namespace in `consumers`.
+pub fn route_configs(
+    mesh_domain: &str,
+    services: &[MeshService],
+    attached: &Attached,
+    consumers: &BTreeSet<String>,
+) -> Vec<(String, Any)> {
+    let callers = std::iter::once(None).chain(consumers.iter().map(|ns| Some(ns.as_str())));
+    callers
+        .map(|caller| {
+            let config = table(mesh_domain, services, attached, caller);
+            (config.name.clone(), any(&config))
+        })
+        .collect()
+}
+
+/// The outbound table as callers in `caller` (`None`: any namespace without consumer
+/// routes) see it.
+fn table(mesh_domain: &str, services: &[MeshService], attached: &Attached, caller: Option<&str>) -> RouteConfiguration {
     let mut virtual_hosts = Vec::new();
     for service in services {
         if service.ports.is_empty() {
@@ -41,41 +104,56 @@ pub fn route_configs(mesh_domain: &str, services: &[MeshService]) -> Vec<(String
         let default = service.default_port();
         // By name, or by VIP: a captured HTTP connection carries the VIP as its authority.
         let vip = host_literal(service.vip);
-        for port in service.ports.keys() {
+        for (port, protocol) in &service.ports {
             let mut domains = vec![service.cluster(*port), format!("{vip}:{port}")];
             if Some(*port) == default {
                 domains.push(service.fqdn.clone());
                 domains.push(vip.clone());
             }
-            virtual_hosts.push(service_routes(service, *port, domains));
+            let routes = if is_http(*protocol) {
+                attached.on(service.key, *port, caller)
+            } else {
+                Vec::new()
+            };
+            let target = actions::Target {
+                mesh_domain,
+                port: *port,
+                domains: &domains,
+            };
+            let routes = service_routes(service, *port, &routes, &target);
+            virtual_hosts.push(VirtualHost {
+                name: service.cluster(*port),
+                domains,
+                routes,
+                ..Default::default()
+            });
         }
     }
     virtual_hosts.push(catch_all(mesh_domain));
-    let config = RouteConfiguration {
-        name: OUTBOUND_ROUTES.to_owned(),
+    RouteConfiguration {
+        name: caller.map_or(OUTBOUND_ROUTES.to_owned(), |ns| format!("{OUTBOUND_ROUTES}~{ns}")),
         virtual_hosts,
-        ..Default::default()
-    };
-    vec![(OUTBOUND_ROUTES.to_owned(), any(&config))]
-}
-
-/// A virtual host sending everything to one service port's cluster.
-fn service_routes(service: &MeshService, port: u32, domains: Vec<String>) -> VirtualHost {
-    let cluster = service.cluster(port);
-    VirtualHost {
-        name: cluster.clone(),
-        domains,
-        routes: vec![Route {
-            r#match: Some(prefix_match("/")),
-            action: Some(route::Action::Route(RouteAction {
-                cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(cluster)),
-                retry_policy: Some(retries()),
-                ..Default::default()
-            })),
-            ..Default::default()
-        }],
+        // A backend's own header edits win over its rule's (Gateway API applies them last).
+        most_specific_header_mutations_wins: !attached.is_empty(),
         ..Default::default()
     }
+}
+
+/// A service port's routes: compiled from those attached, or with none everything to
+/// the port's cluster.
+fn service_routes(service: &MeshService, port: u32, routes: &[&MeshRoute], target: &actions::Target) -> Vec<Route> {
+    if !routes.is_empty() {
+        return compile::compile(routes, target);
+    }
+    vec![Route {
+        r#match: Some(prefix_match("/")),
+        action: Some(route::Action::Route(RouteAction {
+            cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(service.cluster(port))),
+            retry_policy: Some(retries()),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }]
 }
 
 /// Any `<svc>.<ns>.<domain>[:port]` not declared: route by authority to the cluster
@@ -186,16 +264,20 @@ fn prefix_match(prefix: &str) -> RouteMatch {
 fn direct(status: u32, body: &str) -> Route {
     Route {
         r#match: Some(prefix_match("/")),
-        action: Some(route::Action::DirectResponse(DirectResponseAction {
-            status,
-            body: Some(DataSource {
-                specifier: Some(data_source::Specifier::InlineString(body.to_owned())),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })),
+        action: Some(direct_action(status, body)),
         ..Default::default()
     }
+}
+
+fn direct_action(status: u32, body: &str) -> route::Action {
+    route::Action::DirectResponse(DirectResponseAction {
+        status,
+        body: Some(DataSource {
+            specifier: Some(data_source::Specifier::InlineString(body.to_owned())),
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
 }
 
 /// Retry what is safe to retry: connection failures, refused streams, resets before

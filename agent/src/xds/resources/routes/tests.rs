@@ -1,0 +1,193 @@
+//! The route tables as the generator makes them from a catalog with routes: precedence,
+//! every match, filter, timeout and retry mapping, consumer tables, and the table
+//! without routes unchanged.
+
+mod compiled;
+mod envoy;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use aether_proto::registry::v1::{
+    Endpoint, Header, HeaderModifier, Locality, MatchType, Mirror, PathMatch, PathModifier, Port, Protocol, Redirect,
+    Route, RouteBackend, RouteFilter, RouteKind, RouteMatch, RouteParent, RouteRetry, RouteRule, Service, UrlRewrite,
+    ValueMatch, path_modifier, route_filter,
+};
+use aether_proto::view::CatalogView;
+use envoy_types::pb::envoy::config::listener::v3::Listener;
+use envoy_types::pb::envoy::config::route::v3::{RouteAction, RouteConfiguration, VirtualHost, route, route_action};
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    HttpConnectionManager, http_connection_manager,
+};
+use prost::Message;
+
+use crate::pod::{LocalPod, PodInfo};
+use crate::xds::resources::{Generated, Inputs, generate};
+
+pub const DOMAIN: &str = "aether.internal";
+
+/// `echo`, `echo-v1`, `echo-v2` in `gamma` (HTTP 80 and gRPC 9000), `db` (TCP 5432).
+pub fn catalog(routes: Vec<Route>) -> CatalogView {
+    let mut catalog = CatalogView::default();
+    let services: [(&str, &[(u32, Protocol)]); 4] = [
+        ("gamma/echo", &[(80, Protocol::Http), (9000, Protocol::Grpc)]),
+        ("gamma/echo-v1", &[(80, Protocol::Http), (9000, Protocol::Grpc)]),
+        ("gamma/echo-v2", &[(80, Protocol::Http), (9000, Protocol::Grpc)]),
+        ("gamma/db", &[(5432, Protocol::Tcp)]),
+    ];
+    for (i, (key, ports)) in services.into_iter().enumerate() {
+        let (namespace, name) = key.split_once('/').unwrap();
+        let service = Service {
+            namespace: namespace.into(),
+            name: name.into(),
+            vip: format!("240.240.0.{}", i + 1),
+        };
+        let address = format!("10.1.0.{}", i + 1);
+        let endpoint = Endpoint {
+            service: key.into(),
+            address: address.clone(),
+            ports: ports
+                .iter()
+                .map(|(port, protocol)| Port {
+                    name: String::new(),
+                    port: *port,
+                    protocol: *protocol as i32,
+                })
+                .collect(),
+            weight: 1,
+            ..Default::default()
+        };
+        catalog.services.insert(key.into(), service);
+        catalog
+            .endpoints
+            .insert(key.into(), Arc::new(BTreeMap::from([(address, endpoint)])));
+    }
+    for route in routes {
+        catalog
+            .routes
+            .insert(aether_proto::view::route_key(&route), Arc::new(route));
+    }
+    catalog
+}
+
+pub fn pod(namespace: &str, name: &str) -> LocalPod {
+    LocalPod {
+        container_id: format!("c-{name}"),
+        netns: format!("/run/aether/netns/{name}").into(),
+        ips: vec!["10.2.0.1".parse().unwrap()],
+        info: PodInfo {
+            namespace: namespace.into(),
+            name: name.into(),
+            annotations: BTreeMap::from([("config.aether.io/upstreams".into(), "gamma/echo".into())]),
+            ..Default::default()
+        },
+    }
+}
+
+pub fn generated(catalog: &CatalogView, pods: &[LocalPod]) -> Generated {
+    let locality = Locality::default();
+    let on_demand = BTreeMap::new();
+    generate(&Inputs {
+        pods,
+        catalog,
+        mesh_domain: DOMAIN,
+        locality: &locality,
+        on_demand: &on_demand,
+    })
+}
+
+/// The route tables generated for `routes`, by name.
+fn tables(routes: Vec<Route>, pods: &[LocalPod]) -> BTreeMap<String, RouteConfiguration> {
+    generated(&catalog(routes), pods)[crate::xds::ROUTE]
+        .iter()
+        .map(|r| (r.name.clone(), RouteConfiguration::decode(&*r.body.value).unwrap()))
+        .collect()
+}
+
+fn vhost<'a>(table: &'a RouteConfiguration, name: &str) -> &'a VirtualHost {
+    table
+        .virtual_hosts
+        .iter()
+        .find(|v| v.name == name)
+        .unwrap_or_else(|| panic!("no virtual host {name}"))
+}
+
+/// The routes of echo:80 in the shared table.
+fn echo_routes(routes: Vec<Route>) -> Vec<envoy_types::pb::envoy::config::route::v3::Route> {
+    let tables = tables(routes, &[]);
+    vhost(&tables["outbound"], "echo.gamma.aether.internal:80")
+        .routes
+        .clone()
+}
+
+pub fn http_route(name: &str, rules: Vec<RouteRule>) -> Route {
+    Route {
+        kind: RouteKind::Http as i32,
+        namespace: "gamma".into(),
+        name: name.into(),
+        parents: vec![RouteParent {
+            service: "gamma/echo".into(),
+            port: 0,
+        }],
+        rules,
+        created_unix_seconds: 1_700_000_000,
+        generation: 1,
+    }
+}
+
+pub fn rule(matches: Vec<RouteMatch>, backends: &[(&str, u32)]) -> RouteRule {
+    RouteRule {
+        matches,
+        backends: backends.iter().map(|(s, w)| backend(s, *w)).collect(),
+        ..Default::default()
+    }
+}
+
+pub fn backend(service: &str, weight: u32) -> RouteBackend {
+    RouteBackend {
+        service: service.into(),
+        port: 0,
+        weight,
+        filters: Vec::new(),
+    }
+}
+
+pub fn path(kind: MatchType, value: &str) -> RouteMatch {
+    RouteMatch {
+        path: Some(PathMatch {
+            r#type: kind as i32,
+            value: value.into(),
+        }),
+        ..Default::default()
+    }
+}
+
+pub fn value(name: &str, value: &str) -> ValueMatch {
+    ValueMatch {
+        name: name.into(),
+        r#type: MatchType::Exact as i32,
+        value: value.into(),
+    }
+}
+
+pub fn filter(filter: route_filter::Filter) -> RouteFilter {
+    RouteFilter { filter: Some(filter) }
+}
+
+fn names(routes: &[envoy_types::pb::envoy::config::route::v3::Route]) -> Vec<&str> {
+    routes.iter().map(|r| r.name.as_str()).collect()
+}
+
+fn forward(route: &envoy_types::pb::envoy::config::route::v3::Route) -> &route_action::ClusterSpecifier {
+    match &route.action {
+        Some(route::Action::Route(action)) => action.cluster_specifier.as_ref().unwrap(),
+        other => panic!("not forwarded: {other:?}"),
+    }
+}
+
+fn route_action_of(route: &envoy_types::pb::envoy::config::route::v3::Route) -> &RouteAction {
+    match &route.action {
+        Some(route::Action::Route(action)) => action,
+        other => panic!("not forwarded: {other:?}"),
+    }
+}
