@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use aether_proto::registry::v1::Locality;
+use aether_proto::registry::v1::{Locality, Route};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
@@ -41,6 +41,8 @@ pub struct NodeMetrics {
     /// Annotation entries skipped as malformed, across local pods.
     pub pod_config_errors: Gauge,
     pub rebuilds: prometheus_client::metrics::counter::Counter,
+    /// Routes in the node's catalog skipped because Envoy would refuse them.
+    pub invalid_routes: Gauge,
 }
 
 impl NodeMetrics {
@@ -57,6 +59,11 @@ impl NodeMetrics {
             "pod_config_errors",
             "Malformed mesh annotation entries on this node's pods (skipped; see /debug/pods)",
             self.pod_config_errors.clone(),
+        );
+        metrics.register(
+            "invalid_routes",
+            "Routes in the node's catalog skipped because Envoy would refuse them (see the agent's log)",
+            self.invalid_routes.clone(),
         );
         metrics.register(
             "rebuilds",
@@ -174,19 +181,32 @@ impl Node {
         self.pods.update_info(&pod.id(), &pod.container_id, info).await
     }
 
-    /// The node's dependency set: local pods' upstreams and own services, and what
-    /// was looked up on demand recently.
+    /// The node's dependency set: local pods' upstreams and own services, what was
+    /// looked up on demand recently, and the services the routes of those send to (one
+    /// level: a backend's own routes add nothing, so the set cannot chase itself).
     pub fn dependencies(&self, pods: &[LocalPod]) -> BTreeSet<String> {
         let mut deps = BTreeSet::new();
         for pod in pods {
             deps.insert(pod.info.service());
             deps.extend(pod.info.upstreams().services);
         }
-        let mut on_demand = self.on_demand.lock();
-        on_demand.services.retain(|_, at| at.elapsed() < ON_DEMAND_TTL);
-        let OnDemand { services, clusters, .. } = &mut *on_demand;
-        clusters.retain(|_, service| services.contains_key(service));
-        deps.extend(on_demand.services.keys().cloned());
+        {
+            let mut on_demand = self.on_demand.lock();
+            on_demand.services.retain(|_, at| at.elapsed() < ON_DEMAND_TTL);
+            let OnDemand { services, clusters, .. } = &mut *on_demand;
+            clusters.retain(|_, service| services.contains_key(service));
+            deps.extend(on_demand.services.keys().cloned());
+        }
+        let namespaces: BTreeSet<&str> = pods.iter().map(|p| p.info.namespace.as_str()).collect();
+        let watched = self.catalog.borrow().clone();
+        let backends: BTreeSet<String> = watched
+            .catalog
+            .routes
+            .values()
+            .filter(|route| route_applies_here(route, &deps, &namespaces))
+            .flat_map(|route| resources::backend_services(route).map(str::to_owned))
+            .collect();
+        deps.extend(backends);
         deps
     }
 
@@ -298,6 +318,7 @@ impl Node {
             on_demand: &on_demand_clusters,
         });
         self.metrics.dependencies.set(deps.len() as i64);
+        self.metrics.invalid_routes.set(generator.invalid_routes() as i64);
         self.metrics.pods.set(pods.len() as i64);
         self.metrics
             .pod_config_errors
@@ -376,6 +397,18 @@ impl Node {
     pub async fn wait_listeners(&self, pod: &LocalPod, timeout: Duration) -> Result<(), WaitError> {
         self.cache.wait_acked(&listener_names(pod), timeout).await
     }
+}
+
+/// Whether a route may shape a call from this node: it is attached to a dependency,
+/// as a producer route, or as a consumer route of a namespace with pods here.
+fn route_applies_here(route: &Route, deps: &BTreeSet<String>, namespaces: &BTreeSet<&str>) -> bool {
+    route.parents.iter().any(|parent| {
+        let producer = parent
+            .service
+            .split_once('/')
+            .is_some_and(|(ns, _)| ns == route.namespace);
+        deps.contains(&parent.service) && (producer || namespaces.contains(route.namespace.as_str()))
+    })
 }
 
 fn listener_names(pod: &LocalPod) -> Vec<(&'static str, String)> {
@@ -469,6 +502,89 @@ mod tests {
             NodeMetrics::default(),
         );
         (node, catalog_tx, cache)
+    }
+
+    fn route(namespace: &str, name: &str, parent: &str, backends: &[&str]) -> (String, Arc<Route>) {
+        use aether_proto::registry::v1::{RouteBackend, RouteParent, RouteRule};
+        let route = Route {
+            namespace: namespace.into(),
+            name: name.into(),
+            parents: vec![RouteParent {
+                service: parent.into(),
+                port: 0,
+            }],
+            rules: vec![RouteRule {
+                backends: backends
+                    .iter()
+                    .map(|b| RouteBackend {
+                        service: (*b).into(),
+                        weight: 1,
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        (aether_proto::view::route_key(&route), Arc::new(route))
+    }
+
+    #[tokio::test]
+    async fn route_backends_join_the_dependency_set_one_level_deep() {
+        use aether_proto::registry::v1::{Mirror, RouteBackend, RouteFilter, route_filter};
+        let state = tempfile::tempdir().unwrap();
+        let (node, catalog, _) = node(state.path());
+        let mut info = PodInfo {
+            namespace: "demo".into(),
+            name: "p".into(),
+            ..PodInfo::default()
+        };
+        info.annotations
+            .insert(crate::upstreams::ANNOTATION.into(), "cart,shop/pay".into());
+        node.add_pod(LocalPod {
+            container_id: "c-p".into(),
+            netns: "/run/netns/p".into(),
+            ips: vec!["10.0.0.1".parse().unwrap()],
+            info: info.clone(),
+        });
+        let (key, split) = route("demo", "canary", "demo/cart", &["demo/cart", "demo/cart-v2"]);
+        let mut split = (*split).clone();
+        split.rules[0].filters.push(RouteFilter {
+            filter: Some(route_filter::Filter::RequestMirror(Mirror {
+                backend: Some(RouteBackend {
+                    service: "demo/shadow".into(),
+                    ..Default::default()
+                }),
+                percent: 10,
+            })),
+        });
+        let routes = BTreeMap::from([
+            (key, Arc::new(split)),
+            // A backend's own route does not pull its backends in.
+            route("demo", "v2-split", "demo/cart-v2", &["demo/cart-v3"]),
+            // A consumer route of a namespace without pods here applies to no one here.
+            route("batch", "pin", "demo/cart", &["demo/cart-batch"]),
+            // One of a namespace with pods here does.
+            route("demo", "pin", "shop/pay", &["shop/pay-v2"]),
+            // A route on a service outside the dependency set adds nothing.
+            route("shop", "other", "shop/other", &["shop/other-v2"]),
+        ]);
+        let mut watched = WatchedCatalog::default();
+        watched.catalog.routes = routes;
+        catalog.send_replace(Arc::new(watched));
+        let deps = node.dependencies(&node.pods());
+        let expected: BTreeSet<String> = [
+            info.service().as_str(),
+            "demo/cart",
+            "demo/cart-v2",
+            "demo/shadow",
+            "shop/pay",
+            "shop/pay-v2",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+        assert_eq!(deps, expected);
     }
 
     #[tokio::test(start_paused = true)]
