@@ -3,23 +3,30 @@
 //! kinds are skipped, so the directory can hold a whole manifest). For clusters
 //! without Kubernetes, the demo and tests.
 //!
-//! The directory is polled: a cheap listing (names, sizes, modification times) each
-//! interval, and a full read only when it changed. Polling sees every way a file can
-//! change (editors' renames, ConfigMap symlink swaps) without inotify's corner cases.
+//! An inotify watch on the directory wakes the source at once; a poll every
+//! [`POLL_INTERVAL`] is the safety net (and the only signal while the directory is
+//! missing). Either way the source takes a cheap listing (names, sizes, modification
+//! times) and reads the files only when it changed, so every way a file can change
+//! (editors' renames, ConfigMap symlink swaps) is seen, and seen once.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use aether_api::{RouteObject, parse_documents};
+use notify::{RecursiveMode, Watcher};
+use std::sync::Arc;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::{Projector, Refusal, apply};
 use crate::catalog::Catalog;
 use crate::metrics::Metrics;
 
-/// How often the directory's listing is checked.
-pub const POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// How often the directory's listing is checked without an inotify event.
+pub const POLL_INTERVAL: Duration = Duration::from_secs(2);
+/// Events within this window are taken in together (an editor's write + rename).
+const SETTLE: Duration = Duration::from_millis(20);
 /// A file larger than this is refused whole (one object cannot bloat every node).
 pub const MAX_FILE_BYTES: u64 = 4 << 20;
 
@@ -35,13 +42,31 @@ pub async fn run(dir: PathBuf, catalog: Catalog, metrics: Metrics, shutdown: Can
         reported: Vec::new(),
         listed: None,
     };
+    let wake = Arc::new(Notify::new());
+    let mut watch = None;
     loop {
+        if watch.is_none() {
+            watch = watch_dir(&source.dir, wake.clone());
+        }
         source.sync(&catalog, &metrics).await;
+        if source.listed.is_none() {
+            // The directory may have been replaced: watch it afresh next time.
+            watch = None;
+        }
         tokio::select! {
             _ = shutdown.cancelled() => return,
+            _ = wake.notified() => tokio::time::sleep(SETTLE).await,
             _ = tokio::time::sleep(POLL_INTERVAL) => {}
         }
     }
+}
+
+/// An inotify watch on `dir` that wakes the source; `None` if it cannot be set up
+/// (the poll covers until the next attempt).
+fn watch_dir(dir: &Path, wake: Arc<Notify>) -> Option<notify::RecommendedWatcher> {
+    let mut watcher = notify::recommended_watcher(move |_: notify::Result<notify::Event>| wake.notify_one()).ok()?;
+    watcher.watch(dir, RecursiveMode::NonRecursive).ok()?;
+    Some(watcher)
 }
 
 struct Directory {
