@@ -4,9 +4,10 @@
 use std::collections::BTreeMap;
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::Resource;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tokio::sync::broadcast;
@@ -19,25 +20,52 @@ pub(super) struct Kind {
     pub api_version: &'static str,
     pub kind: &'static str,
     pub plural: &'static str,
+    /// Whether `status` is a subresource: writes to the object leave it alone, and only
+    /// writes to `<object>/status` change it (and nothing else).
+    pub status: bool,
 }
 
 /// What the project's clients read and write: pods and nodes (the agent's pod source and
-/// locality, the registrar's Kubernetes store), the registrar's VIP ConfigMap, and the
-/// CNI installer's owner DaemonSet.
-const SERVED: [Kind; 4] = [
-    Kind::of::<Pod>(),
-    Kind::of::<Node>(),
+/// locality, the registrar's Kubernetes store), the registrar's VIP ConfigMap, the
+/// CNI installer's owner DaemonSet, and the Gateway API routes the registrar watches and
+/// writes the status of (CRDs with the status subresource, as gateway-api installs them).
+const SERVED: [Kind; 6] = [
+    Kind::of::<Pod>().with_status(),
+    Kind::of::<Node>().with_status(),
     Kind::of::<ConfigMap>(),
-    Kind::of::<DaemonSet>(),
+    Kind::of::<DaemonSet>().with_status(),
+    Kind::route("HTTPRoute", "httproutes"),
+    Kind::route("GRPCRoute", "grpcroutes"),
 ];
 
 impl Kind {
-    pub const fn of<K: Resource>() -> Kind {
+    pub const fn of<K: k8s_openapi::Resource>() -> Kind {
         Kind {
             api_version: K::API_VERSION,
             kind: K::KIND,
             plural: K::URL_PATH_SEGMENT,
+            status: false,
         }
+    }
+
+    const fn with_status(self) -> Kind {
+        Kind { status: true, ..self }
+    }
+
+    const fn route(kind: &'static str, plural: &'static str) -> Kind {
+        Kind {
+            api_version: "gateway.networking.k8s.io/v1",
+            kind,
+            plural,
+            status: true,
+        }
+    }
+
+    /// The served kind of `K` (any `kube::Resource`, e.g. a CRD's type); panics if the fake does not serve it.
+    pub fn find<K: kube::Resource<DynamicType = ()>>() -> Kind {
+        let (api_version, plural) = (K::api_version(&()), K::plural(&()));
+        Kind::served(&api_version, &plural)
+            .unwrap_or_else(|| panic!("the fake API server does not serve {api_version} {plural}"))
     }
 
     pub fn served(api_version: &str, plural: &str) -> Option<Kind> {
@@ -75,8 +103,17 @@ impl Change {
 pub(super) enum Refusal {
     NotFound,
     AlreadyExists,
-    /// A replace carrying a resourceVersion that is no longer current.
+    /// A write carrying a resourceVersion that is no longer current.
     Conflict,
+    /// A request body the server cannot use.
+    BadRequest(String),
+}
+
+/// Which part of an object a write addresses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Subresource {
+    None,
+    Status,
 }
 
 type Key = (Kind, String, String);
@@ -108,32 +145,31 @@ fn key(kind: Kind, namespace: &str, name: &str) -> Key {
 }
 
 impl Cluster {
-    /// Stores `object` under a new resourceVersion (ADDED or MODIFIED) and returns it as stored.
+    /// Stores `object` under a new resourceVersion (ADDED or MODIFIED) and returns it as
+    /// stored: whole, status included (the test acts as whoever owns each part).
     pub fn put(&self, kind: Kind, object: Value) -> Value {
-        self.write(kind, object, |_| Ok(())).expect("an unconditional write")
+        let (namespace, name) = names(&object);
+        self.write(kind, &namespace, &name, |_| Ok(object))
+            .expect("an unconditional write")
     }
 
-    /// Stores `object` if `allowed` accepts what is stored under its name now (one lock: no race).
+    /// Stores what `make` builds from what is stored under the name now (one lock: no race),
+    /// with the fields the server maintains ([`stamp`]).
     fn write(
         &self,
         kind: Kind,
-        mut object: Value,
-        allowed: impl FnOnce(Option<&Value>) -> Result<(), Refusal>,
+        namespace: &str,
+        name: &str,
+        make: impl FnOnce(Option<&Value>) -> Result<Value, Refusal>,
     ) -> Result<Value, Refusal> {
-        let metadata = &object["metadata"];
-        let name = metadata["name"].as_str().unwrap_or_default();
-        let key = key(kind, metadata["namespace"].as_str().unwrap_or_default(), name);
+        let key = key(kind, namespace, name);
         let mut state = self.state.lock();
-        allowed(state.objects.get(&key))?;
-        state.rv += 1;
-        object["apiVersion"] = json!(kind.api_version);
-        object["kind"] = json!(kind.kind);
-        object["metadata"]["resourceVersion"] = json!(state.rv.to_string());
-        let event = if state.objects.contains_key(&key) {
-            "MODIFIED"
-        } else {
-            "ADDED"
-        };
+        let current = state.objects.get(&key).cloned();
+        let mut object = make(current.as_ref())?;
+        let rv = state.rv + 1;
+        stamp(&mut object, kind, current.as_ref(), rv);
+        state.rv = rv;
+        let event = if current.is_some() { "MODIFIED" } else { "ADDED" };
         state.objects.insert(key, object.clone());
         self.record(&mut state, kind, event, object.clone());
         Ok(object)
@@ -200,31 +236,154 @@ impl Cluster {
         if let Some(namespace) = namespace {
             object["metadata"]["namespace"] = json!(namespace);
         }
-        self.write(kind, object, |current| match current {
+        let (namespace, name) = names(&object);
+        self.write(kind, &namespace, &name, |current| match current {
             Some(_) => Err(Refusal::AlreadyExists),
-            None => Ok(()),
+            None => Ok(object),
         })
     }
 
-    /// Replaces an object; a resourceVersion in `object` must be the current one.
-    pub fn replace(
-        &self,
-        kind: Kind,
-        namespace: Option<&str>,
-        name: &str,
-        mut object: Value,
-    ) -> Result<Value, Refusal> {
-        if let Some(namespace) = namespace {
+    /// Replaces an object (`PUT`); a resourceVersion in `object` must be the current one.
+    /// With a status subresource, the stored status stays: only `/status` writes it.
+    pub fn replace(&self, kind: Kind, namespace: &str, name: &str, mut object: Value) -> Result<Value, Refusal> {
+        if !namespace.is_empty() {
             object["metadata"]["namespace"] = json!(namespace);
         }
         object["metadata"]["name"] = json!(name);
-        let expected = object["metadata"]["resourceVersion"].clone();
-        self.write(kind, object, |current| {
+        self.write(kind, namespace, name, |current| {
             let current = current.ok_or(Refusal::NotFound)?;
-            match expected.is_null() || expected == current["metadata"]["resourceVersion"] {
-                true => Ok(()),
-                false => Err(Refusal::Conflict),
+            precondition(&object, current)?;
+            if kind.status {
+                set_status(&mut object, current.get("status").cloned());
             }
+            Ok(object)
         })
     }
+
+    /// Replaces an object's status (`PUT <object>/status`); the rest of `object` is ignored.
+    pub fn replace_status(&self, kind: Kind, namespace: &str, name: &str, object: Value) -> Result<Value, Refusal> {
+        self.write(kind, namespace, name, |current| {
+            let current = current.ok_or(Refusal::NotFound)?;
+            precondition(&object, current)?;
+            let mut updated = current.clone();
+            set_status(&mut updated, object.get("status").cloned());
+            Ok(updated)
+        })
+    }
+
+    /// Applies a JSON merge patch (RFC 7386) to an object, or only to its status (`PATCH
+    /// <object>/status`: anything else in the patch is ignored). A resourceVersion in the
+    /// patch is a precondition, as on a real server.
+    pub fn merge_patch(
+        &self,
+        target: (Kind, &str, &str),
+        subresource: Subresource,
+        patch: &Value,
+    ) -> Result<Value, Refusal> {
+        let (kind, namespace, name) = target;
+        if !patch.is_object() {
+            return Err(Refusal::BadRequest("a merge patch must be a JSON object".into()));
+        }
+        self.write(kind, namespace, name, |current| {
+            let current = current.ok_or(Refusal::NotFound)?;
+            precondition(patch, current)?;
+            let mut merged = current.clone();
+            merge(&mut merged, patch);
+            let mut updated = current.clone();
+            match subresource {
+                Subresource::Status => set_status(&mut updated, merged.get("status").cloned()),
+                Subresource::None => {
+                    // Identity cannot be patched, nor a status-subresource kind's status.
+                    merged["metadata"]["name"] = current["metadata"]["name"].clone();
+                    merged["metadata"]["namespace"] = current["metadata"]["namespace"].clone();
+                    if kind.status {
+                        set_status(&mut merged, current.get("status").cloned());
+                    }
+                    updated = merged;
+                }
+            }
+            Ok(updated)
+        })
+    }
+}
+
+/// `metadata.namespace` and `metadata.name` of an object.
+fn names(object: &Value) -> (String, String) {
+    let metadata = &object["metadata"];
+    let text = |field: &str| metadata[field].as_str().unwrap_or_default().to_owned();
+    (text("namespace"), text("name"))
+}
+
+/// A resourceVersion in a write must be the stored one (optimistic concurrency).
+fn precondition(write: &Value, current: &Value) -> Result<(), Refusal> {
+    let expected = &write["metadata"]["resourceVersion"];
+    match expected.is_null() || *expected == current["metadata"]["resourceVersion"] {
+        true => Ok(()),
+        false => Err(Refusal::Conflict),
+    }
+}
+
+fn set_status(object: &mut Value, status: Option<Value>) {
+    if let Some(object) = object.as_object_mut() {
+        match status {
+            Some(status) => object.insert("status".into(), status),
+            None => object.remove("status"),
+        };
+    }
+}
+
+/// RFC 7386: objects merge key by key, `null` deletes a key, anything else replaces.
+fn merge(target: &mut Value, patch: &Value) {
+    let Value::Object(patch) = patch else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = json!({});
+    }
+    if let Value::Object(target) = target {
+        for (key, value) in patch {
+            match value {
+                Value::Null => {
+                    target.remove(key);
+                }
+                value => merge(target.entry(key.clone()).or_insert(Value::Null), value),
+            }
+        }
+    }
+}
+
+/// What the server maintains on every write: apiVersion and kind, a new resourceVersion,
+/// uid and creationTimestamp (kept from the stored object, minted on create unless given),
+/// and a generation that moves only when the desired state (all but metadata and status)
+/// changes.
+fn stamp(object: &mut Value, kind: Kind, current: Option<&Value>, rv: u64) {
+    let generation = match current {
+        None => 1,
+        Some(current) => {
+            let stored = current["metadata"]["generation"].as_i64().unwrap_or(1);
+            stored + i64::from(desired_state(current) != desired_state(object))
+        }
+    };
+    object["apiVersion"] = json!(kind.api_version);
+    object["kind"] = json!(kind.kind);
+    let metadata = &mut object["metadata"];
+    metadata["resourceVersion"] = json!(rv.to_string());
+    metadata["generation"] = json!(generation);
+    let minted = |field: &str| match field {
+        "uid" => json!(format!("fake-uid-{rv}")),
+        _ => serde_json::to_value(Time(Timestamp::now())).unwrap_or_default(),
+    };
+    for field in ["uid", "creationTimestamp"] {
+        if metadata[field].is_null() {
+            metadata[field] = current.map_or_else(|| minted(field), |c| c["metadata"][field].clone());
+        }
+    }
+}
+
+fn desired_state(object: &Value) -> Vec<(&String, &Value)> {
+    let fields = object.as_object().into_iter().flatten();
+    fields
+        .filter(|(key, _)| !matches!(key.as_str(), "apiVersion" | "kind" | "metadata" | "status"))
+        .collect()
 }

@@ -4,7 +4,11 @@
 //! new resourceVersion; lists and watches with label and field selectors, a watch
 //! replaying what came after its resourceVersion then streaming live; get, create and
 //! replace with the real refusals (404, 409 on a name taken or a stale resourceVersion);
-//! TokenReview of the tokens it minted. The test changes the cluster with [`ApiServer::apply`]
+//! JSON merge patches; the status subresource of the kinds that have one (writes to the
+//! object keep its status, writes to `<object>/status` change only the status); the
+//! server-maintained metadata (uid, creationTimestamp, a generation that moves with the
+//! desired state); TokenReview of the tokens it minted. [`ApiServer::uninstall`] takes a
+//! CRD's kind away (404 on every request, as when the CRD is not installed). The test changes the cluster with [`ApiServer::apply`]
 //! and [`ApiServer::delete`] as a controller or the kubelet would.
 //!
 //! [`ApiServer::script`] hands every later request to the test instead, to check it and
@@ -20,6 +24,7 @@ mod select;
 mod tokens;
 mod wire;
 
+use std::collections::HashSet;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -34,7 +39,7 @@ use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 
-use cluster::{Cluster, Kind, Refusal};
+use cluster::{Cluster, Kind, Refusal, Subresource};
 pub use script::{Call, Calls, WatchFeed};
 use select::{Selection, Unsupported};
 pub use tokens::TokenInfo;
@@ -61,6 +66,8 @@ struct Shared {
     /// Set by [`ApiServer::script`]: requests go to the test.
     script: Mutex<Option<mpsc::UnboundedSender<Call>>>,
     forbidden: AtomicBool,
+    /// Kinds whose CRD is not installed: every request about them is 404.
+    absent: Mutex<HashSet<Kind>>,
 }
 
 impl ApiServer {
@@ -120,20 +127,33 @@ impl ApiServer {
         path
     }
 
-    /// Creates or replaces an object of kind `K` (its apiVersion, kind and resourceVersion are set here).
-    pub fn apply<K: k8s_openapi::Resource>(&self, object: Value) {
-        self.shared.cluster.put(Kind::of::<K>(), object);
+    /// Creates or replaces an object of kind `K` whole, status included, as whoever owns each
+    /// part would (the server sets apiVersion, kind, resourceVersion and generation; uid and
+    /// creationTimestamp unless given). Returns it as stored.
+    pub fn apply<K: kube::Resource<DynamicType = ()>>(&self, object: Value) -> Value {
+        self.shared.cluster.put(Kind::find::<K>(), object)
     }
 
     /// Deletes an object (`namespace` empty for a cluster-scoped kind); panics if there is none.
-    pub fn delete<K: k8s_openapi::Resource>(&self, namespace: &str, name: &str) {
-        if let Err(refusal) = self.shared.cluster.remove(Kind::of::<K>(), namespace, name) {
-            panic!("deleting {} {namespace}/{name}: {refusal:?}", K::KIND);
+    pub fn delete<K: kube::Resource<DynamicType = ()>>(&self, namespace: &str, name: &str) {
+        let kind = Kind::find::<K>();
+        if let Err(refusal) = self.shared.cluster.remove(kind, namespace, name) {
+            panic!("deleting {} {namespace}/{name}: {refusal:?}", kind.kind);
         }
     }
 
-    pub fn get<K: k8s_openapi::Resource>(&self, namespace: &str, name: &str) -> Option<Value> {
-        self.shared.cluster.get(Kind::of::<K>(), namespace, name).ok()
+    pub fn get<K: kube::Resource<DynamicType = ()>>(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.shared.cluster.get(Kind::find::<K>(), namespace, name).ok()
+    }
+
+    /// From now on kind `K` is not served (404 on lists, watches and objects), as when its
+    /// CRD is not installed; [`ApiServer::install`] brings it back with the objects it had.
+    pub fn uninstall<K: kube::Resource<DynamicType = ()>>(&self) {
+        self.shared.absent.lock().insert(Kind::find::<K>());
+    }
+
+    pub fn install<K: kube::Resource<DynamicType = ()>>(&self) {
+        self.shared.absent.lock().remove(&Kind::find::<K>());
     }
 
     /// `METHOD uri` of every request so far, in order.
@@ -213,6 +233,12 @@ async fn answer(shared: &Shared, request: Request<Incoming>) -> Response<Body> {
     if let Some(calls) = script {
         return script::hand_over(&calls, parts.method, parts.uri).await;
     }
+    let content_type = parts.headers.get("content-type").and_then(|v| v.to_str().ok());
+    let merge_patch = content_type.is_some_and(|t| t.starts_with("application/merge-patch+json"));
+    if parts.method == Method::PATCH && !merge_patch {
+        let message = format!("the fake API server speaks only JSON merge patches, not {content_type:?}");
+        return wire::status(StatusCode::UNSUPPORTED_MEDIA_TYPE, "UnsupportedMediaType", &message);
+    }
     let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     let body: Value = match body.is_empty() {
         true => Value::Null,
@@ -233,7 +259,7 @@ fn route(shared: &Shared, method: &Method, uri: &Uri, body: Value) -> Response<B
                    "compiler": "gc", "platform": "linux/amd64"}),
         ),
         (&Method::POST, TOKEN_REVIEWS) => wire::json(StatusCode::CREATED, shared.tokens.review(&body)),
-        (method, path) => match Target::parse(path) {
+        (method, path) => match Target::parse(path).filter(|t| !shared.absent.lock().contains(&t.kind)) {
             Some(target) => resource(&shared.cluster, method, uri, target, body),
             None => wire::status(
                 StatusCode::NOT_FOUND,
@@ -246,20 +272,33 @@ fn route(shared: &Shared, method: &Method, uri: &Uri, body: Value) -> Response<B
 
 /// A request about a served kind's collection or one of its objects.
 fn resource(cluster: &Cluster, method: &Method, uri: &Uri, target: Target, body: Value) -> Response<Body> {
-    let Target { kind, namespace, name } = target;
+    let Target {
+        kind,
+        namespace,
+        name,
+        subresource,
+    } = target;
     if *method == Method::GET && name.is_none() {
         return collection(cluster, kind, namespace, uri);
     }
-    let ns = namespace.as_deref();
+    let ns = namespace.as_deref().unwrap_or_default();
     let named = name
         .clone()
         .or_else(|| body["metadata"]["name"].as_str().map(str::to_owned));
-    let answered = match (method, name.as_deref()) {
-        (&Method::GET, Some(name)) => cluster
-            .get(kind, ns.unwrap_or_default(), name)
+    let answered = match (method, name.as_deref(), subresource) {
+        (&Method::GET, Some(name), _) => cluster.get(kind, ns, name).map(|o| (StatusCode::OK, o)),
+        (&Method::POST, None, _) => cluster
+            .create(kind, namespace.as_deref(), body)
+            .map(|o| (StatusCode::CREATED, o)),
+        (&Method::PUT, Some(name), Subresource::None) => {
+            cluster.replace(kind, ns, name, body).map(|o| (StatusCode::OK, o))
+        }
+        (&Method::PUT, Some(name), Subresource::Status) => cluster
+            .replace_status(kind, ns, name, body)
             .map(|o| (StatusCode::OK, o)),
-        (&Method::POST, None) => cluster.create(kind, ns, body).map(|o| (StatusCode::CREATED, o)),
-        (&Method::PUT, Some(name)) => cluster.replace(kind, ns, name, body).map(|o| (StatusCode::OK, o)),
+        (&Method::PATCH, Some(name), subresource) => cluster
+            .merge_patch((kind, ns, name), subresource, &body)
+            .map(|o| (StatusCode::OK, o)),
         _ => {
             let message = "the server does not allow this method on the requested resource";
             return wire::status(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", message);
@@ -308,6 +347,7 @@ fn refused(kind: Kind, name: &str, refusal: Refusal) -> Response<Body> {
                  please apply your changes to the latest version and try again"
             ),
         ),
+        Refusal::BadRequest(message) => (StatusCode::BAD_REQUEST, "BadRequest", message),
     };
     wire::status(code, reason, &message)
 }

@@ -153,3 +153,55 @@ fn a_token_review_authenticates_a_minted_token_for_its_audiences_only() {
     assert_eq!(review(&token, "registrar")["status"]["authenticated"], false);
     assert_eq!(tokens.reviewed().len(), 3);
 }
+
+fn route() -> Value {
+    json!({"metadata": {"name": "canary", "namespace": "shop"},
+           "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": "cart"}]}})
+}
+
+/// A CRD with the status subresource: the object's writes keep its status, `/status` writes
+/// change only the status, generation follows the spec, a stale resourceVersion is refused.
+#[tokio::test]
+async fn a_route_status_is_a_subresource() {
+    use aether_api::gateway::HttpRoute;
+    use kube::api::{Patch, PatchParams};
+
+    let server = ApiServer::start();
+    let stored = server.apply::<HttpRoute>(route());
+    assert_eq!(stored["metadata"]["generation"], 1);
+    assert!(stored["metadata"]["uid"].is_string() && stored["metadata"]["creationTimestamp"].is_string());
+    let routes: Api<HttpRoute> = Api::namespaced(server.client(), "shop");
+    let rv = stored["metadata"]["resourceVersion"].clone();
+    let status = json!({"parents": [{"parentRef": {"group": "", "kind": "Service", "name": "cart"},
+                                     "controllerName": "aether.io/mesh", "conditions": []}]});
+    let patch = json!({"metadata": {"resourceVersion": rv}, "status": status, "spec": {"hostnames": ["x"]}});
+    let patched = routes
+        .patch_status("canary", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    assert_eq!(patched.status.unwrap().parents[0].controller_name, "aether.io/mesh");
+    assert!(patched.spec.hostnames.is_empty(), "a status write ignores the spec");
+    assert_eq!(patched.metadata.generation, Some(1));
+    let stale = routes
+        .patch_status("canary", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap_err();
+    assert!(matches!(stale, kube::Error::Api(ref s) if s.code == 409), "{stale}");
+
+    let mut edited = routes.get("canary").await.unwrap();
+    edited.spec.hostnames = vec!["cart.shop".into()];
+    edited.status = None;
+    let replaced = routes.replace("canary", &PostParams::default(), &edited).await.unwrap();
+    assert_eq!(
+        replaced.metadata.generation,
+        Some(2),
+        "a spec change moves the generation"
+    );
+    assert!(replaced.status.is_some(), "an object write keeps the status");
+
+    server.uninstall::<HttpRoute>();
+    let missing = routes.list(&ListParams::default()).await.unwrap_err();
+    assert!(matches!(missing, kube::Error::Api(ref s) if s.code == 404), "{missing}");
+    server.install::<HttpRoute>();
+    assert_eq!(routes.list(&ListParams::default()).await.unwrap().items.len(), 1);
+}

@@ -10,7 +10,7 @@ use hyper::body::Frame;
 use hyper::{Response, StatusCode};
 use serde_json::{Value, json};
 
-use super::cluster::Kind;
+use super::cluster::{Kind, Subresource};
 
 pub(super) type Body = UnsyncBoxBody<Bytes, std::io::Error>;
 
@@ -61,16 +61,19 @@ pub(super) fn list(kind: Kind, resource_version: &str, items: impl IntoIterator<
            "metadata": {"resourceVersion": resource_version}, "items": items})
 }
 
-/// What a request path names: a served kind's collection (in one namespace or all), or one object of it.
+/// What a request path names: a served kind's collection (in one namespace or all), one
+/// object of it, or an object's status subresource.
 #[derive(Clone, Debug)]
 pub(super) struct Target {
     pub kind: Kind,
     pub namespace: Option<String>,
     pub name: Option<String>,
+    pub subresource: Subresource,
 }
 
 impl Target {
-    /// `/api/v1/[namespaces/<ns>/]<plural>[/<name>]` or the same under `/apis/<group>/<version>`.
+    /// `/api/v1/[namespaces/<ns>/]<plural>[/<name>[/status]]` or the same under
+    /// `/apis/<group>/<version>`.
     pub fn parse(path: &str) -> Option<Target> {
         let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
         let (api_version, rest) = match segments.as_slice() {
@@ -83,15 +86,18 @@ impl Target {
             [plural, name @ ..] => (None, *plural, name),
             [] => return None,
         };
-        let name = match name {
-            [] => None,
-            [name] => Some((*name).to_owned()),
+        let kind = Kind::served(&api_version, plural)?;
+        let (name, subresource) = match name {
+            [] => (None, Subresource::None),
+            [name] => (Some((*name).to_owned()), Subresource::None),
+            [name, "status"] if kind.status => (Some((*name).to_owned()), Subresource::Status),
             _ => return None,
         };
         Some(Target {
-            kind: Kind::served(&api_version, plural)?,
+            kind,
             namespace,
             name,
+            subresource,
         })
     }
 }
