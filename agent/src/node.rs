@@ -41,7 +41,7 @@ pub struct NodeMetrics {
     /// Annotation entries skipped as malformed, across local pods.
     pub pod_config_errors: Gauge,
     pub rebuilds: prometheus_client::metrics::counter::Counter,
-    /// Routes in the node's catalog skipped because Envoy would refuse them.
+    /// Routes in the node's catalog skipped as invalid (Envoy must never see them).
     pub invalid_routes: Gauge,
 }
 
@@ -62,7 +62,7 @@ impl NodeMetrics {
         );
         metrics.register(
             "invalid_routes",
-            "Routes in the node's catalog skipped because Envoy would refuse them (see the agent's log)",
+            "Routes in the node's catalog skipped as invalid, never sent to Envoy (see the agent's log)",
             self.invalid_routes.clone(),
         );
         metrics.register(
@@ -204,7 +204,7 @@ impl Node {
             .routes
             .values()
             .filter(|route| route_applies_here(route, &deps, &namespaces))
-            .flat_map(|route| resources::backend_services(route).map(str::to_owned))
+            .flat_map(|route| aether_api::route::backend_services(route).map(str::to_owned))
             .collect();
         deps.extend(backends);
         deps

@@ -36,7 +36,6 @@ use crate::pod::LocalPod;
 use transport::Mtls;
 
 pub use clusters::server_sans;
-pub use routes::{RouteError, backend_services};
 pub use util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, PORT_HEADER};
 
 /// Everything the generators read.
@@ -182,7 +181,7 @@ struct Checked {
 }
 
 impl Checked {
-    /// Checks what changed since the last call; an invalid route is logged and skipped,
+    /// Re-checks the routes when any changed; an invalid one is logged and skipped,
     /// so one bad route never makes Envoy refuse a table.
     fn refresh(&mut self, routes: &BTreeMap<String, Arc<Route>>) {
         let current: Vec<Arc<Route>> = routes.values().cloned().collect();
@@ -192,12 +191,12 @@ impl Checked {
         self.valid.clear();
         self.invalid = 0;
         for route in &current {
-            match routes::check(route) {
+            match aether_api::route::validate(route) {
                 Ok(()) => self.valid.push(route.clone()),
                 Err(error) => {
                     self.invalid += 1;
                     let key = aether_proto::view::route_key(route);
-                    tracing::warn!(route = %aether_common::quote::quote(&key), %error, "route skipped: Envoy would refuse it");
+                    tracing::warn!(route = %aether_common::quote::quote(&key), %error, "invalid route skipped");
                 }
             }
         }
@@ -410,7 +409,7 @@ impl Generator {
         routes
     }
 
-    /// Routes in the catalog that Envoy would refuse, skipped (see `routes::check`).
+    /// Routes in the catalog that fail `aether_api::route::validate`, skipped.
     pub fn invalid_routes(&self) -> usize {
         self.checked.invalid
     }

@@ -9,7 +9,6 @@
 
 mod actions;
 mod attached;
-mod check;
 mod compile;
 mod matching;
 mod rewrite;
@@ -33,7 +32,6 @@ use super::util::{PORT_HEADER, any, millis, u32v};
 use super::{MeshService, is_http};
 use crate::pod::LocalPod;
 pub use attached::Attached;
-pub use check::{RouteError, check};
 
 pub const OUTBOUND_ROUTES: &str = "outbound";
 
@@ -45,23 +43,6 @@ pub fn table_name(namespace: &str, consumers: &BTreeSet<String>) -> String {
     } else {
         OUTBOUND_ROUTES.to_owned()
     }
-}
-
-/// The services a route sends traffic to (backends and mirrors): they join the
-/// dependency set of every node that has the route.
-pub fn backend_services(route: &MeshRoute) -> impl Iterator<Item = &str> {
-    use aether_proto::registry::v1::route_filter::Filter;
-    route.rules.iter().flat_map(|rule| {
-        let mirrors = rule
-            .filters
-            .iter()
-            .chain(rule.backends.iter().flat_map(|b| &b.filters))
-            .filter_map(|f| match &f.filter {
-                Some(Filter::RequestMirror(m)) => m.backend.as_ref(),
-                _ => None,
-            });
-        rule.backends.iter().chain(mirrors).map(|b| b.service.as_str())
-    })
 }
 
 /// The shared table, then one per namespace in `consumers`.

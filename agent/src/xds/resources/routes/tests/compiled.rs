@@ -612,7 +612,7 @@ fn consumer_routes_get_a_table_per_namespace_with_callers_here() {
 }
 
 #[test]
-fn a_route_envoy_would_refuse_is_skipped_and_counted() {
+fn an_invalid_route_is_skipped_and_counted() {
     let mut bad = rule(Vec::new(), &[("gamma/echo-v1", 1)]);
     bad.filters = vec![filter(route_filter::Filter::RequestHeaderModifier(modifier(
         &[("host", "x")],

@@ -132,7 +132,11 @@ fn rewrites() -> Vec<RouteRule> {
             path_modifier::Modifier::ReplacePrefixMatch("/x/".into()),
         ),
         rewrite("/rw/strip", "", path_modifier::Modifier::ReplacePrefixMatch("/".into())),
-        rewrite("/rw/full", "", path_modifier::Modifier::ReplaceFullPath("/a\\b".into())),
+        rewrite(
+            "/rw/full",
+            "",
+            path_modifier::Modifier::ReplaceFullPath("/full/path".into()),
+        ),
         rewrite("/", "", path_modifier::Modifier::ReplacePrefixMatch("/root".into())),
     ]
 }
