@@ -7,7 +7,10 @@
 //! Request headers steer it, so resilience cases need no other backend:
 //! - `x-echo-delay-ms: N` answers after N ms (timeouts);
 //! - `x-echo-status: N` answers with status N (a backend that always fails);
-//! - `x-echo-fail-first: <key>:<n>` answers 503 to the first n requests carrying `<key>`, then normally (retries).
+//! - `x-echo-fail-pod: <pod>` makes that pod answer 500 (or `x-echo-fail-status`), the others normally (outlier
+//!   ejection);
+//! - `x-echo-fail-first: <key>:<n>` answers 503 (or `x-echo-fail-status`) to the first n requests carrying `<key>`,
+//!   then normally (retries).
 //!   The counters are shared by every echo server of one [`FailureCounters`], so a retry that lands on another
 //!   replica still counts.
 
@@ -35,6 +38,8 @@ use crate::netns::TestPod;
 pub const DELAY_HEADER: &str = "x-echo-delay-ms";
 pub const STATUS_HEADER: &str = "x-echo-status";
 pub const FAIL_FIRST_HEADER: &str = "x-echo-fail-first";
+pub const FAIL_STATUS_HEADER: &str = "x-echo-fail-status";
+pub const FAIL_POD_HEADER: &str = "x-echo-fail-pod";
 
 /// Who an echo server answers as.
 #[derive(Clone, Debug)]
@@ -123,20 +128,22 @@ async fn answer(
     req: Request<Incoming>,
 ) -> Result<Response<EchoBody>, Infallible> {
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
-    if let Some(ms) = header(DELAY_HEADER).and_then(|v| v.parse::<u64>().ok()) {
+    let number = |name: &str| header(name).and_then(|v| v.parse::<u64>().ok());
+    if let Some(ms) = number(DELAY_HEADER) {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
-    let forced = header(STATUS_HEADER).and_then(|v| v.parse::<u16>().ok());
-    let failing = header(FAIL_FIRST_HEADER).is_some_and(|spec| failures.should_fail(&spec));
+    let fail_status = number(FAIL_STATUS_HEADER).and_then(|n| u16::try_from(n).ok());
+    let status = if header(FAIL_POD_HEADER).is_some_and(|pod| pod == who.pod) {
+        fail_status.unwrap_or(500)
+    } else if header(FAIL_FIRST_HEADER).is_some_and(|spec| failures.should_fail(&spec)) {
+        fail_status.unwrap_or(503)
+    } else {
+        number(STATUS_HEADER).and_then(|n| u16::try_from(n).ok()).unwrap_or(200)
+    };
     let grpc = header("content-type").is_some_and(|c| c.starts_with("application/grpc"));
     let description = describe(&who, &req, grpc);
     // Read the request to its end: an early answer could reset a stream Envoy still writes to.
     let _ = req.into_body().collect().await;
-    let status = match (failing, forced) {
-        (true, _) => 503,
-        (false, Some(status)) => status,
-        (false, None) => 200,
-    };
     if grpc && status == 200 {
         return Ok(grpc_answer(description));
     }

@@ -59,6 +59,9 @@ pub struct Row {
     /// A unary gRPC call instead of an HTTP request (`path` is then ignored).
     #[serde(default)]
     pub grpc: Option<GrpcCall>,
+    /// Passes in a row that make the row settled (default [`super::CONSECUTIVE_PASSES`]).
+    #[serde(default)]
+    pub passes: Option<usize>,
     pub expect: Expect,
 }
 
@@ -136,6 +139,8 @@ pub struct Split {
     pub port: u16,
     #[serde(default = "root")]
     pub path: String,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
     #[serde(default)]
     pub grpc: Option<GrpcCall>,
     #[serde(default = "five_hundred")]
@@ -304,4 +309,73 @@ fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D:
         OneOrMany::One(one) => vec![one],
         OneOrMany::Many(many) => many,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(status: u16, echo: serde_json::Value, headers: &[(&str, &str)]) -> Observed {
+        Observed {
+            status,
+            body: Some(echo),
+            headers: headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            ..Observed::default()
+        }
+    }
+
+    fn expect(yaml: &str) -> Expect {
+        serde_saphyr::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn backends_headers_and_paths_are_checked_only_when_asked() {
+        let got = answer(
+            200,
+            serde_json::json!({"service": "echo-v2", "path": "/one?x=1", "headers": {"x-a": "1,2"}}),
+            &[("x-route", "on")],
+        );
+        assert!(
+            expect("{backend: [echo-v1, echo-v2], path: /one?x=1}")
+                .check(&got)
+                .is_empty()
+        );
+        assert!(
+            expect("{headers: {X-A: '1,2'}, response_headers: {X-Route: 'on'}}")
+                .check(&got)
+                .is_empty()
+        );
+        let errors = expect("{backend: echo-v1, absent: [x-a], response_absent: [x-route]}").check(&got);
+        assert_eq!(errors.len(), 3, "{errors:?}");
+        assert_eq!(expect("{status: 404}").check(&got), ["status: want 404, got 200"]);
+    }
+
+    #[test]
+    fn a_redirect_is_checked_part_by_part_and_port_0_means_none() {
+        let got = answer(
+            302,
+            serde_json::Value::Null,
+            &[("location", "https://elsewhere.example/new")],
+        );
+        assert!(
+            expect("{status: 302, redirect: {scheme: https, host: elsewhere.example, port: 0, path: /new}}")
+                .check(&got)
+                .is_empty()
+        );
+        let errors = expect("{status: 302, redirect: {port: 8443}}").check(&got);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        let no_location = answer(302, serde_json::Value::Null, &[]);
+        assert_eq!(
+            expect("{status: 302, redirect: {}}").check(&no_location),
+            ["no Location header"]
+        );
+    }
+
+    #[test]
+    fn a_grpc_answer_must_carry_status_0_unless_told_otherwise() {
+        let mut got = answer(200, serde_json::json!({"service": "echo"}), &[]);
+        got.grpc_status = Some("12".into());
+        assert_eq!(expect("{}").check(&got), ["grpc-status: want 0, got Some(\"12\")"]);
+        assert!(expect("{grpc_status: '12'}").check(&got).is_empty());
+    }
 }

@@ -250,7 +250,7 @@ impl Suite {
             let errors = row.expect.check(&got);
             if errors.is_empty() {
                 passes += 1;
-                if passes == CONSECUTIVE_PASSES {
+                if passes == row.passes.unwrap_or(CONSECUTIVE_PASSES) {
                     return Ok(got);
                 }
                 continue;
@@ -324,6 +324,7 @@ impl Suite {
             to: split.to.clone(),
             port: split.port,
             path: split.path.clone(),
+            headers: split.headers.clone(),
             grpc: split.grpc.clone(),
             ..default_row()
         };
@@ -370,6 +371,7 @@ fn default_row() -> Row {
         headers: BTreeMap::new(),
         authority: None,
         grpc: None,
+        passes: None,
         expect: super::Expect {
             status: 200,
             ..Default::default()
