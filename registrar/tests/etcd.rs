@@ -1,21 +1,24 @@
 //! The etcd store against a real etcd 3.4 (Debian `etcd-server`), one per test: the
-//! replica scenarios shared with the other distributed stores, the key layout, and
-//! the feed's recovery from compacted history, and the credentials: etcd auth
-//! (user/password) and mTLS.
+//! replica scenarios shared with the other distributed stores, the key layout, the
+//! feed's recovery from compacted history, route records, and the credentials: etcd
+//! auth (user/password) and mTLS.
 
 mod support;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_proto::registry::v1::{Endpoint, Service};
+use aether_proto::registry::v1::{Endpoint, Route, RouteBackend, RouteKind, RouteParent, RouteRule, Service};
+use aether_proto::view::route_key;
 use aether_registrar::catalog::{Catalog, CatalogConfig, Event};
 use aether_registrar::config::{
     ETCD_CA_FILE_ENV, ETCD_CERT_FILE_ENV, ETCD_KEY_FILE_ENV, ETCD_PASSWORD_ENV, ETCD_USERNAME_ENV,
 };
 use aether_registrar::metrics::Metrics;
 use aether_registrar::store::etcd::{EtcdConfig, EtcdStore};
-use aether_registrar::store::{Contents, Feed, Revision, Store, StoreError, StoreOp, StoreSettings};
+use aether_registrar::store::{
+    Contents, Feed, FeedChange, FeedChangeKind, FeedEvent, Revision, Store, StoreError, StoreOp, StoreSettings,
+};
 use aether_registrar::vip::VipAllocator;
 use async_trait::async_trait;
 use futures::StreamExt;
@@ -211,6 +214,8 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
             StoreOp::PutEndpoint(ep("ns/a", "10.0.0.1")),
             StoreOp::PutEndpoint(ep("ns/a", "10.0.0.2")),
             StoreOp::CreateService(svc("b", "240.240.0.11")),
+            put_route("gone", "ns/a", 1),
+            put_route("kept", "ns/a", 1),
         ])
         .await
         .unwrap();
@@ -233,8 +238,10 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
         [
             "+endpoint ns/a/10.0.0.3",
             "+endpoint ns/c/10.0.1.1",
+            "+route http/ns/kept via ns/a",
             "+service ns/c 240.240.0.12",
             "-endpoint ns/a/10.0.0.1",
+            "-route http/ns/gone via ns/a",
             "-service ns/b",
         ],
         "one resync batch with exactly the differences"
@@ -252,6 +259,8 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
         assert_eq!(a, ["10.0.0.2", "10.0.0.3"]);
         assert!(state.service("ns/b").is_none());
         assert_eq!(state.service("ns/c").unwrap().service.vip, "240.240.0.12");
+        let routes: Vec<(String, i64)> = state.routes().map(|r| (route_key(r), r.generation)).collect();
+        assert_eq!(routes, [("http/ns/kept".to_owned(), 2)]);
     }
     // The watch continues after the resync.
     other
@@ -322,7 +331,8 @@ async fn catalog_with_a_gated_feed(
     (catalog, writer, open)
 }
 
-/// From `other`, in four commits: ns/a loses 10.0.0.1 and gains 10.0.0.3, ns/b goes, ns/c comes with 10.0.1.1.
+/// From `other`, in five commits: ns/a loses 10.0.0.1 and gains 10.0.0.3, ns/b goes, ns/c comes with
+/// 10.0.1.1, route gone goes and route kept gets generation 2.
 async fn change_a_b_and_c(other: &EtcdStore) {
     let key = |k: &str| aether_registrar::model::ServiceKey::parse("s", k).unwrap();
     let commits = [
@@ -338,6 +348,10 @@ async fn change_a_b_and_c(other: &EtcdStore) {
         vec![
             StoreOp::CreateService(svc("c", "240.240.0.12")),
             StoreOp::PutEndpoint(ep("ns/c", "10.0.1.1")),
+        ],
+        vec![
+            StoreOp::DeleteRoute("http/ns/gone".into()),
+            put_route("kept", "ns/a", 2),
         ],
     ];
     for ops in commits {
@@ -647,4 +661,204 @@ async fn an_expired_auth_token_is_renewed_without_the_registrar_noticing() {
         logs.contains("invalid auth token"),
         "etcd never refused an expired token, so this test proved nothing:\n{logs}"
     );
+}
+
+// ------------------------------------------------------------- routes
+
+fn route(name: &str, parent: &str, generation: i64) -> Route {
+    Route {
+        kind: RouteKind::Http as i32,
+        namespace: "ns".into(),
+        name: name.into(),
+        parents: vec![RouteParent {
+            service: parent.into(),
+            port: 0,
+        }],
+        rules: vec![RouteRule {
+            backends: vec![RouteBackend {
+                service: parent.into(),
+                port: 8080,
+                weight: 1,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+        generation,
+        ..Default::default()
+    }
+}
+
+fn put_route(name: &str, parent: &str, generation: i64) -> StoreOp {
+    StoreOp::PutRoute(Arc::new(route(name, parent, generation)))
+}
+
+/// Each stored route as `key generation @revision`.
+fn routes_of(contents: &Contents) -> Vec<String> {
+    let mut routes: Vec<String> = contents
+        .routes
+        .iter()
+        .map(|r| format!("{} {} @{}", route_key(&r.value), r.value.generation, r.revision))
+        .collect();
+    routes.sort();
+    routes
+}
+
+/// The route changes a feed delivers up to `until`, as `@revision +key generation` / `@revision -key`.
+async fn route_changes(feed: &mut Feed, until: Revision) -> Vec<String> {
+    let mut seen = Vec::new();
+    loop {
+        let event = tokio::time::timeout(support::TIMEOUT, feed.next())
+            .await
+            .expect("the feed brought nothing in time")
+            .expect("feeds never end");
+        let FeedEvent::Changes { revision, changes } = event else {
+            panic!("expected changes, got {event:?}");
+        };
+        for change in changes {
+            match change.kind {
+                FeedChangeKind::RoutePut(r) => {
+                    seen.push(format!("@{} +{} {}", change.revision, route_key(&r), r.generation))
+                }
+                FeedChangeKind::RouteDeleted { key } => seen.push(format!("@{} -{key}", change.revision)),
+                other => panic!("only routes were written, got {other:?}"),
+            }
+        }
+        if revision >= until {
+            return seen;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_are_put_replaced_and_deleted_durably_and_reach_another_replicas_feed() {
+    let etcd = Etcd::start().await;
+    let a = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    let b = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    let mut feed = b.feed(b.load().await.unwrap().revision);
+    let reopened = || async { EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap() };
+
+    let r1 = a
+        .commit(vec![put_route("canary", "ns/web", 1), put_route("stable", "ns/web", 1)])
+        .await
+        .unwrap();
+    let r2 = a.commit(vec![put_route("canary", "ns/web", 2)]).await.unwrap();
+    assert_eq!(
+        routes_of(&reopened().await.load().await.unwrap()),
+        [format!("http/ns/canary 2 @{r2}"), format!("http/ns/stable 1 @{r1}")]
+    );
+    let r3 = a
+        .commit(vec![StoreOp::DeleteRoute("http/ns/canary".into())])
+        .await
+        .unwrap();
+    a.commit(vec![StoreOp::DeleteRoute("http/ns/never-stored".into())])
+        .await
+        .expect("deleting an absent route succeeds");
+    assert_eq!(
+        routes_of(&reopened().await.load().await.unwrap()),
+        [format!("http/ns/stable 1 @{r1}")]
+    );
+    assert!(r1 < r2 && r2 < r3, "{r1} {r2} {r3}");
+    assert_eq!(
+        route_changes(&mut feed, r3).await,
+        [
+            format!("@{r1} +http/ns/canary 1"),
+            format!("@{r1} +http/ns/stable 1"),
+            format!("@{r2} +http/ns/canary 2"),
+            format!("@{r3} -http/ns/canary"),
+        ]
+    );
+    // Routes come from configuration, not agents: no lease ever expires them.
+    let stored = etcd
+        .client()
+        .await
+        .get(format!("{}/routes/http/ns/stable", etcd.prefix), None)
+        .await
+        .unwrap();
+    assert_eq!(stored.kvs()[0].lease(), 0, "a route is attached to a lease");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_route_is_reported_unreadable_and_left_untouched() {
+    let etcd = Etcd::start().await;
+    let store = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    store.commit(vec![put_route("good", "ns/web", 1)]).await.unwrap();
+    let mut feed = store.feed(store.load().await.unwrap().revision);
+    let bad = format!("{}/routes/http/ns/bad", etcd.prefix);
+    let garbage = b"\xff\xff not a protobuf".to_vec();
+    let mut kv = etcd.client().await;
+    kv.put(bad.clone(), garbage.clone(), None).await.unwrap();
+
+    let contents = store.load().await.unwrap();
+    assert_eq!(routes_of(&contents).len(), 1, "the good route is still read");
+    assert_eq!(contents.unreadable.len(), 1);
+    assert_eq!(contents.unreadable[0].key, bad);
+    assert!(
+        contents.unreadable[0].reason.contains("not a Route protobuf"),
+        "{}",
+        contents.unreadable[0].reason
+    );
+    let event = tokio::time::timeout(support::TIMEOUT, feed.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let FeedEvent::Changes { changes, .. } = event else {
+        panic!("expected changes, got {event:?}");
+    };
+    assert!(
+        matches!(&changes[..], [FeedChange { kind: FeedChangeKind::Unreadable(r), .. }] if r.key == bad),
+        "{changes:?}"
+    );
+    let stored = kv.get(bad, None).await.unwrap();
+    assert_eq!(stored.kvs()[0].value(), garbage, "the unreadable record was changed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_and_routes_of_one_batch_land_together_or_not_at_all() {
+    let etcd = Etcd::start().await;
+    let store = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    let revision = store
+        .commit(vec![
+            StoreOp::CreateService(svc("web", "240.240.0.20")),
+            StoreOp::PutEndpoint(ep("ns/web", "10.0.2.1")),
+            put_route("canary", "ns/web", 1),
+            StoreOp::DeleteRoute("http/ns/absent".into()),
+        ])
+        .await
+        .unwrap();
+    let contents = store.load().await.unwrap();
+    assert_eq!(routes_of(&contents), [format!("http/ns/canary 1 @{revision}")]);
+    assert_eq!(
+        contents.endpoints[0].revision, revision,
+        "one transaction, one revision"
+    );
+
+    // An endpoint of a missing service fails the batch: its route does not land either.
+    let err = store
+        .commit(vec![
+            put_route("stray", "ns/ghost", 1),
+            StoreOp::PutEndpoint(ep("ns/ghost", "10.0.2.2")),
+        ])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Conflict(_)), "{err}");
+    assert_eq!(routes_of(&store.load().await.unwrap()).len(), 1);
+
+    // Route ops count against etcd's --max-txn-ops like any other.
+    let mut config = etcd_config(&etcd);
+    config.max_txn_ops = 8;
+    let small = EtcdStore::connect(config, settings()).await.unwrap();
+    let ops: Vec<StoreOp> = (0..9).map(|i| put_route(&format!("r{i}"), "ns/web", 1)).collect();
+    let err = small.commit(ops).await.unwrap_err();
+    assert!(err.to_string().contains("--max-txn-ops 8"), "{err}");
+    assert_eq!(
+        routes_of(&store.load().await.unwrap()).len(),
+        1,
+        "a refused batch left routes"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_read_by_one_replica_is_streamed_by_the_other() {
+    let mut etcd = Etcd::start().await;
+    replicas::route_reaches_other_replica(&mut etcd).await;
 }

@@ -7,11 +7,15 @@
 //! - `P/endpoints/<ns>/<name>/<address>` → `aether.registry.v1.Endpoint`, attached to
 //!   the lease of the endpoint's node (no lease when `node` is empty)
 //! - `P/nodes/<node>` → lease id (decimal text), attached to that same lease
+//! - `P/routes/<kind>/<ns>/<name>` → `aether.registry.v1.Route`, without a lease:
+//!   routes come from configuration, not from agents, and never expire
 //!
 //! Revisions are etcd's: a record's revision is its `mod_revision`, a commit's is
 //! the transaction's header revision. Service creation is one transaction comparing
 //! `create_revision == 0` on the service key and on the VIP key, so of two replicas
 //! creating the same service one wins and the other reads the winner's record back.
+//! Route writes are plain puts and deletes
+//! in the same transaction as the rest of the batch, with no conditions.
 //! Endpoint TTL uses leases: one per node, granted on its first endpoint and kept
 //! alive by every re-registration; when it lapses etcd deletes the node's endpoints
 //! and every replica sees the deletions on its Watch.
@@ -28,7 +32,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{Endpoint, Service};
+use aether_proto::registry::v1::{Endpoint, Route, Service};
+use aether_proto::view::route_key;
 use async_trait::async_trait;
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity, KeyValue, PutOptions,
@@ -120,7 +125,12 @@ struct Keys {
 /// What a key under the prefix is.
 enum Record<'a> {
     Service(&'a str),
-    Endpoint { service: &'a str, address: &'a str },
+    Endpoint {
+        service: &'a str,
+        address: &'a str,
+    },
+    /// The route's key, `<kind>/<ns>/<name>`.
+    Route(&'a str),
     Other,
 }
 
@@ -143,6 +153,9 @@ impl Keys {
     fn node(&self, node: &str) -> String {
         format!("{}/nodes/{node}", self.prefix)
     }
+    fn route(&self, key: &str) -> String {
+        format!("{}/routes/{key}", self.prefix)
+    }
 
     fn classify<'a>(&self, key: &'a str) -> Record<'a> {
         let Some(rest) = key.strip_prefix(self.prefix.as_str()).and_then(|k| k.strip_prefix('/')) else {
@@ -156,6 +169,9 @@ impl Keys {
             if let Some((service, address)) = rest.rsplit_once('/') {
                 return Record::Endpoint { service, address };
             }
+        }
+        if let Some(route) = rest.strip_prefix("routes/") {
+            return Record::Route(route);
         }
         Record::Other
     }
@@ -493,9 +509,6 @@ impl EtcdStore {
     /// Adds `op` to the transaction: its writes, and the conditions it needs.
     async fn add_op<'a>(&self, txn: &mut TxnPlan<'a>, op: &'a StoreOp) -> Result<(), StoreError> {
         match op {
-            StoreOp::PutRoute(_) | StoreOp::DeleteRoute(_) => {
-                return super::refuse_routes("etcd", std::slice::from_ref(op));
-            }
             StoreOp::CreateService(service) => {
                 let key = key_of(service);
                 let skey = self.keys.service(&key);
@@ -538,6 +551,14 @@ impl EtcdStore {
                 let key = self.keys.node(node);
                 txn.put(key.clone(), TxnOp::delete(key, None));
                 self.forget_leases(std::iter::once(node.as_str()));
+            }
+            StoreOp::PutRoute(route) => {
+                let key = self.keys.route(&route_key(route));
+                txn.put(key.clone(), TxnOp::put(key, route.encode_to_vec(), None));
+            }
+            StoreOp::DeleteRoute(key) => {
+                let key = self.keys.route(key);
+                txn.put(key.clone(), TxnOp::delete(key, None));
             }
         }
         Ok(())
@@ -676,6 +697,10 @@ async fn load(client: &Client, keys: &Keys, timeout: Duration) -> Result<Content
                     value,
                     revision: kv.mod_revision() as Revision,
                 }),
+                Some(FeedChangeKind::RoutePut(value)) => contents.routes.push(Stored {
+                    value,
+                    revision: kv.mod_revision() as Revision,
+                }),
                 Some(FeedChangeKind::Unreadable(record)) => contents.unreadable.push(record),
                 _ => {}
             }
@@ -709,6 +734,10 @@ fn decode(keys: &Keys, kv: &KeyValue) -> Option<FeedChangeKind> {
         Record::Endpoint { .. } => match Endpoint::decode(kv.value()) {
             Ok(e) => Some(FeedChangeKind::EndpointPut(e)),
             Err(e) => unreadable(format!("not an Endpoint protobuf: {e}")),
+        },
+        Record::Route(_) => match Route::decode(kv.value()) {
+            Ok(r) => Some(FeedChangeKind::RoutePut(r)),
+            Err(e) => unreadable(format!("not a Route protobuf: {e}")),
         },
         Record::Other => None,
     }
@@ -766,6 +795,7 @@ async fn watch(client: &Client, keys: &Keys, next: &mut i64, tx: &mpsc::Sender<F
                         service: service.to_owned(),
                         address: address.to_owned(),
                     }),
+                    Record::Route(key) => Some(FeedChangeKind::RouteDeleted { key: key.to_owned() }),
                     Record::Other => None,
                 },
             };
@@ -945,6 +975,13 @@ mod tests {
             match keys.classify(&keys.service(&service)) {
                 Record::Service(s) => prop_assert_eq!(s, service.as_str()),
                 _ => prop_assert!(false, "a service key was not classified as one"),
+            }
+            for kind in ["http", "grpc"] {
+                let route = format!("{kind}/{ns}/{name}");
+                match keys.classify(&keys.route(&route)) {
+                    Record::Route(r) => prop_assert_eq!(r, route.as_str()),
+                    _ => prop_assert!(false, "a route key was not classified as one"),
+                }
             }
             prop_assert!(matches!(keys.classify(&keys.vip(&address)), Record::Other));
             prop_assert!(matches!(keys.classify(&keys.node(&name)), Record::Other));

@@ -507,3 +507,50 @@ pub async fn full_write_behind_queue_refuses(store: &mut impl StoreFixture) {
         accepted
     );
 }
+
+/// An HTTPRoute on the Service `shop/cart`, in the shape a `--routes-dir` holds.
+const CANARY_ROUTE: &str = r#"
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {name: canary, namespace: shop}
+spec:
+  parentRefs: [{group: "", kind: Service, name: cart}]
+  rules:
+  - matches: [{path: {type: PathPrefix, value: /items}}]
+    backendRefs:
+    - {name: cart-v1, port: 8080, weight: 90}
+    - {name: cart-v2, port: 8080, weight: 10}
+"#;
+
+/// A route replica A reads from its `--routes-dir` is stored and streamed by replica B
+/// to the watchers of its parent (and no one else's); deleting the file deletes it on B.
+pub async fn route_reaches_other_replica(store: &mut impl StoreFixture) {
+    const KEY: &str = "http/shop/canary";
+    let b = start_replica(store, &[]).await;
+    let mut cb = b.client().await;
+    let mut cart = Watcher::open(&mut cb, filter(&["shop/cart"])).await.strict();
+    let mut pay = Watcher::open(&mut cb, filter(&["shop/pay"])).await.strict();
+    pay.until(0).await;
+
+    let routes = tempfile::tempdir().unwrap();
+    std::fs::write(routes.path().join("canary.yaml"), CANARY_ROUTE).unwrap();
+    let a = start_replica(store, &["--routes-dir", routes.path().to_str().unwrap()]).await;
+    wait_view(&mut cart, "B streams A's route to cart's watcher", |c| {
+        c.routes.contains_key(KEY)
+    })
+    .await;
+    let route = &cart.view.catalog.routes[KEY];
+    assert_eq!(route.parents[0].service, "shop/cart");
+    let weights: Vec<_> = route.rules[0]
+        .backends
+        .iter()
+        .map(|b| (b.service.as_str(), b.weight))
+        .collect();
+    assert_eq!(weights, [("shop/cart-v1", 90), ("shop/cart-v2", 10)]);
+    while pay.try_next().is_some() {}
+    assert!(pay.view.catalog.routes.is_empty(), "pay's watcher got cart's route");
+
+    std::fs::remove_file(routes.path().join("canary.yaml")).unwrap();
+    wait_view(&mut cart, "B streams the route's deletion", |c| c.routes.is_empty()).await;
+    drop(a);
+}
