@@ -87,6 +87,12 @@ pub struct Config {
     #[arg(long, env = "AETHER_REGISTRAR_ROUTES_DIR")]
     pub routes_dir: Option<PathBuf>,
 
+    /// Serve the cluster's Gateway API HTTPRoutes and GRPCRoutes (Service parents) as the
+    /// mesh's routes, and write their status: for a writable store running in a cluster
+    /// (the kubernetes store always does). Uses the in-cluster or KUBECONFIG client.
+    #[arg(long, env = "AETHER_REGISTRAR_ROUTES_FROM_KUBERNETES", conflicts_with = "routes_dir")]
+    pub routes_from_kubernetes: bool,
+
     /// Directory of the embedded store's file.
     #[arg(long, env = "AETHER_REGISTRAR_DATA_DIR", default_value = "/var/lib/aether/registrar")]
     pub data_dir: PathBuf,

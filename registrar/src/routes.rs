@@ -9,6 +9,7 @@
 //! keeps serving until the object is fixed or deleted.
 
 pub mod directory;
+pub mod kubernetes;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 

@@ -25,6 +25,7 @@ use crate::catalog::{Catalog, CatalogConfig, OpenError};
 use crate::config::{Config, SecurityConfig, StoreKind};
 use crate::metrics::Metrics;
 use crate::model::MAX_SERVICE_KEY_BYTES;
+use crate::routes::kubernetes::ClusterRoutes;
 use crate::store::dynamodb::{DynamoConfig, DynamoStore};
 use crate::store::embedded::EmbeddedStore;
 use crate::store::etcd::{DEFAULT_MAX_TXN_OPS, EtcdConfig, EtcdStore, EtcdTlsFiles};
@@ -206,8 +207,33 @@ impl Running {
     }
 }
 
-/// Opens the store `--store` names.
-pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StoreError> {
+/// The Kubernetes API, when the store or the route source reads the cluster: one client
+/// and one route watch for both.
+#[derive(Clone)]
+pub struct ClusterAccess {
+    pub client: kube::Client,
+    pub routes: ClusterRoutes,
+}
+
+/// Connects to the cluster if `--store kubernetes` or `--routes-from-kubernetes` asks to.
+pub async fn connect_cluster(config: &Config) -> Result<Option<ClusterAccess>, StoreError> {
+    let why = match (config.store, config.routes_from_kubernetes) {
+        (StoreKind::Kubernetes, _) => "--store kubernetes",
+        (_, true) => "--routes-from-kubernetes",
+        _ => return Ok(None),
+    };
+    let client = kube::Client::try_default().await.map_err(|e| {
+        StoreError::Config(format!(
+            "{why}: cannot build a Kubernetes client (tried KUBECONFIG, ~/.kube/config and the in-cluster \
+             service account): {e}"
+        ))
+    })?;
+    let routes = ClusterRoutes::start(client.clone());
+    Ok(Some(ClusterAccess { client, routes }))
+}
+
+/// Opens the store `--store` names (`cluster`: from [`connect_cluster`]).
+pub async fn open_store(config: &Config, cluster: Option<&ClusterAccess>) -> Result<Arc<dyn Store>, StoreError> {
     let settings = StoreSettings {
         endpoint_ttl: config.endpoint_ttl,
     };
@@ -247,19 +273,16 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StoreError> {
             .await?,
         ),
         StoreKind::Kubernetes => {
-            let client = kube::Client::try_default().await.map_err(|e| {
-                StoreError::Config(format!(
-                    "--store kubernetes: cannot build a Kubernetes client (tried KUBECONFIG, ~/.kube/config and \
-                     the in-cluster service account): {e}"
-                ))
-            })?;
+            let cluster =
+                cluster.ok_or_else(|| StoreError::Config("--store kubernetes: no Kubernetes client".into()))?;
             let vips =
                 VipAllocator::new(config.vip_cidr).map_err(|e| StoreError::Config(format!("--vip-cidr: {e}")))?;
             Arc::new(KubeStore::start(
-                client,
+                cluster.client.clone(),
                 KubeConfig {
                     vip_configmap: config.kube_vip_configmap.clone(),
                     vips,
+                    routes: cluster.routes.clone(),
                 },
             )?)
         }
@@ -272,7 +295,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         return Err(StartError::RoutesOnReadOnlyStore);
     }
     let vips = VipAllocator::new(config.vip_cidr)?;
-    let store = open_store(&config).await?;
+    let cluster = connect_cluster(&config).await?;
+    let store = open_store(&config, cluster.as_ref()).await?;
     let mut registry = Registry::default();
     let metrics = Metrics::new(&mut registry);
     let metrics_push = MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
@@ -302,15 +326,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let tasks = Tasks::new(shutdown.clone(), &readiness);
     tasks.critical("the catalog writer", writer.run(writer_stop.clone()));
     tasks.critical("the reaper", catalog.clone().run_reaper(shutdown.clone()));
-    if let Some(dir) = &config.routes_dir {
-        let source = crate::routes::directory::run(
-            dir.clone(),
-            catalog.clone(),
-            catalog.metrics().clone(),
-            shutdown.clone(),
-        );
-        tasks.critical("the routes directory source", source);
-    }
+    run_route_sources(&config, cluster, &tasks, &catalog, &shutdown);
     let admin_stop = CancellationToken::new();
     let admin_task = tokio::spawn(admin.serve(admin_stop.clone()));
     // Stops with the admin server, after the writer: the last push carries the final values.
@@ -348,6 +364,35 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         catalog,
         task,
     })
+}
+
+/// The route sources: `--routes-dir`, or the cluster's routes into the catalog (a
+/// writable store; the Kubernetes store derives them itself) with their status written
+/// back to the cluster (both stores).
+fn run_route_sources(
+    config: &Config,
+    cluster: Option<ClusterAccess>,
+    tasks: &Tasks,
+    catalog: &Catalog,
+    shutdown: &CancellationToken,
+) {
+    if let Some(dir) = &config.routes_dir {
+        let source = crate::routes::directory::run(
+            dir.clone(),
+            catalog.clone(),
+            catalog.metrics().clone(),
+            shutdown.clone(),
+        );
+        tasks.critical("the routes directory source", source);
+    }
+    let Some(cluster) = cluster else { return };
+    use crate::routes::kubernetes::{run as route_source, status};
+    if config.store != StoreKind::Kubernetes {
+        let source = route_source(cluster.routes.clone(), catalog.clone(), shutdown.clone());
+        tasks.critical("the Kubernetes route source", source);
+    }
+    let writer = status::run(cluster.routes, catalog.clone(), cluster.client, shutdown.clone());
+    tasks.critical("the route status writer", writer);
 }
 
 /// Loads the catalog from the store.

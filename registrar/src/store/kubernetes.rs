@@ -16,9 +16,13 @@
 //!   replicas racing, one wins and the others get 409, re-read and find the VIP.
 //!   VIPs are never removed, so a service that comes back keeps its address.
 //! - A service is in the catalog while it has a VIP and at least one endpoint.
+//! - **Routes** are the cluster's HTTPRoutes and GRPCRoutes with Service parents,
+//!   projected by the one projector from the route watch ([`ClusterRoutes`]); a refused
+//!   object keeps its last accepted version while this process runs. They do not hold
+//!   `load` back longer than [`ROUTES_GRACE`] (a cluster without the CRDs has none).
 //! - Agents' Register/Unregister are accepted and ignored (`accepts_writes` is false).
 //!
-//! The three watches (pods, nodes, the ConfigMap) feed one task that recomputes the
+//! The watches (pods, nodes, the ConfigMap, routes) feed one task that recomputes the
 //! derived catalog after each burst of events and diffs it against the last one; every
 //! changed record gets the next revision of a per-process counter. Revisions are local:
 //! each replica derives the same catalog from the same cluster on its own.
@@ -32,7 +36,8 @@ use std::time::Duration;
 
 use aether_common::pod_endpoint::{self, PodEndpoints};
 use aether_common::pod_meta::{self, AppProtocol};
-use aether_proto::registry::v1::{Endpoint, Locality, PodInfo as PodRef, Service};
+use aether_common::quote::quote;
+use aether_proto::registry::v1::{Endpoint, Locality, PodInfo as PodRef, Route, Service};
 use async_trait::async_trait;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, PodSpec, PodStatus};
@@ -45,6 +50,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Contents, Feed, FeedChange, FeedChangeKind, FeedEvent, Revision, Store, StoreError, StoreOp, Stored};
 use crate::model::{ServiceKey, validate_endpoint};
+use crate::routes::kubernetes::{ClusterRoutes, RouteSet};
+use crate::routes::{Projector, Refusal};
 use crate::vip::VipAllocator;
 
 /// Where VIPs are kept unless `--kube-vip-configmap` says otherwise.
@@ -56,12 +63,16 @@ const LOG_LIMIT: usize = 100_000;
 const DEBOUNCE: Duration = Duration::from_millis(20);
 /// Pause before retrying a failed VIP write.
 const VIP_RETRY: Duration = Duration::from_millis(500);
+/// The longest `load` waits for the first set of routes.
+pub const ROUTES_GRACE: Duration = Duration::from_secs(5);
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct KubeConfig {
     /// `<namespace>/<name>` of the VIP ConfigMap.
     pub vip_configmap: String,
     pub vips: VipAllocator,
+    /// The cluster's route objects (the registrar's one route watch).
+    pub routes: ClusterRoutes,
 }
 
 pub struct KubeStore {
@@ -75,7 +86,8 @@ struct Shared {
     state: Mutex<Derived>,
     /// The derived catalog's revision, bumped after each recompute that changed it.
     revision: watch::Sender<Revision>,
-    /// True once pods, nodes and the ConfigMap have each been listed once.
+    /// True once pods, nodes and the ConfigMap have each been listed once, and the routes
+    /// (or [`ROUTES_GRACE`] passed).
     synced: watch::Sender<bool>,
 }
 
@@ -85,6 +97,7 @@ struct Derived {
     revision: Revision,
     services: BTreeMap<String, Stored<Service>>,
     endpoints: BTreeMap<(String, String), Stored<Endpoint>>,
+    routes: BTreeMap<String, Stored<Route>>,
     log: VecDeque<FeedChange>,
 }
 
@@ -94,7 +107,7 @@ impl Derived {
             revision: self.revision,
             services: self.services.values().cloned().collect(),
             endpoints: self.endpoints.values().cloned().collect(),
-            routes: Vec::new(),
+            routes: self.routes.values().cloned().collect(),
             unreadable: Vec::new(),
         }
     }
@@ -163,6 +176,33 @@ impl Derived {
         }
         self.revision != before
     }
+
+    /// Replaces the routes with `routes` (by route key), logging each difference.
+    fn update_routes(&mut self, routes: &BTreeMap<String, Route>) -> bool {
+        let before = self.revision;
+        let gone: Vec<String> = self
+            .routes
+            .keys()
+            .filter(|k| !routes.contains_key(*k))
+            .cloned()
+            .collect();
+        for key in gone {
+            self.routes.remove(&key);
+            self.record(FeedChangeKind::RouteDeleted { key });
+        }
+        for (key, route) in routes {
+            if self.routes.get(key).is_some_and(|r| r.value == *route) {
+                continue;
+            }
+            let revision = self.record(FeedChangeKind::RoutePut(route.clone()));
+            let stored = Stored {
+                value: route.clone(),
+                revision,
+            };
+            self.routes.insert(key.clone(), stored);
+        }
+        self.revision != before
+    }
 }
 
 /// `<namespace>/<name>` of the VIP ConfigMap, checked.
@@ -205,9 +245,10 @@ impl KubeStore {
             nodes: HashMap::new(),
             vip_map: BTreeMap::new(),
             skipped: HashMap::new(),
-            synced: [false; 3],
+            routes: DerivedRoutes::default(),
+            synced: [false; 4],
         };
-        tokio::spawn(deriver.run(client.clone(), stop.clone()));
+        tokio::spawn(deriver.run(client.clone(), config.routes, stop.clone()));
         Ok(Self {
             shared,
             _stop: stop.drop_guard(),
@@ -304,6 +345,8 @@ enum Input {
     Pod(Box<Event<Pod>>),
     Node(Box<Event<Node>>),
     ConfigMap(Box<Event<ConfigMap>>),
+    /// The cluster's route objects; `None`: not listed within [`ROUTES_GRACE`].
+    Routes(Option<Arc<RouteSet>>),
     Failed(&'static str, String),
 }
 
@@ -326,8 +369,60 @@ struct Deriver {
     vip_map: BTreeMap<String, String>,
     /// Pods skipped for bad data, with the reason last logged (each logged once).
     skipped: HashMap<String, String>,
-    /// pods, nodes, ConfigMap listed once.
-    synced: [bool; 3],
+    routes: DerivedRoutes,
+    /// pods, nodes, ConfigMap listed once; routes listed (or late).
+    synced: [bool; 4],
+}
+
+/// The routes projected from the cluster's route objects.
+#[derive(Default)]
+struct DerivedRoutes {
+    projector: Projector,
+    /// The `spec_version` of the set last projected.
+    projected: Option<u64>,
+    routes: BTreeMap<String, Route>,
+    /// Refusals last logged.
+    reported: Vec<Refusal>,
+}
+
+impl DerivedRoutes {
+    /// Projects `set` unless it was already (only statuses changed since).
+    fn project(&mut self, set: &RouteSet) {
+        if self.projected == Some(set.spec_version) {
+            return;
+        }
+        self.projected = Some(set.spec_version);
+        let projection = self.projector.project_holding(set.origins(), &HashSet::new());
+        if projection.refused != self.reported {
+            for refusal in &projection.refused {
+                tracing::warn!(origin = %quote(&refusal.origin), reason = %refusal.reason,
+                    "route refused; its last accepted version (if any) keeps serving");
+            }
+            self.reported = projection.refused;
+        }
+        self.routes = projection.routes;
+    }
+}
+
+/// Forwards each set of route objects; the first within [`ROUTES_GRACE`], or `None`
+/// then, so routes never hold the catalog back for long.
+async fn forward_routes(mut routes: ClusterRoutes, tx: mpsc::Sender<Input>) {
+    let first = match tokio::time::timeout(ROUTES_GRACE, routes.next()).await {
+        Ok(Some(set)) => Some(set),
+        Ok(None) => return,
+        Err(_) => {
+            tracing::warn!("the route objects are not listed yet; serving the catalog without routes until they are");
+            None
+        }
+    };
+    if tx.send(Input::Routes(first)).await.is_err() {
+        return;
+    }
+    while let Some(set) = routes.next().await {
+        if tx.send(Input::Routes(Some(set))).await.is_err() {
+            return;
+        }
+    }
 }
 
 /// Forwards one watch into the deriver's queue.
@@ -365,7 +460,7 @@ async fn forward<K, F>(
 }
 
 impl Deriver {
-    async fn run(mut self, client: Client, stop: CancellationToken) {
+    async fn run(mut self, client: Client, routes: ClusterRoutes, stop: CancellationToken) {
         let (tx, mut rx) = mpsc::channel(1024);
         let labels = format!("{}=true", pod_meta::MANAGED_LABEL);
         let pods = watcher::watcher(
@@ -382,9 +477,10 @@ impl Deriver {
         let tasks = [
             tokio::spawn(forward(pods, "pods", tx.clone(), |e| Input::Pod(Box::new(e)))),
             tokio::spawn(forward(nodes, "nodes", tx.clone(), |e| Input::Node(Box::new(e)))),
-            tokio::spawn(forward(configmap, "vip configmap", tx, |e| {
+            tokio::spawn(forward(configmap, "vip configmap", tx.clone(), |e| {
                 Input::ConfigMap(Box::new(e))
             })),
+            tokio::spawn(forward_routes(routes, tx)),
         ];
         tracing::info!(configmap = %self.configmap, "deriving the catalog from managed Pods and Nodes");
         let mut relists = Relists::default();
@@ -476,6 +572,12 @@ impl Deriver {
                     "the VIP ConfigMap was deleted; keeping the VIPs already known"
                 ),
             },
+            Input::Routes(set) => {
+                if let Some(set) = set {
+                    self.routes.project(&set);
+                }
+                self.synced[3] = true;
+            }
             Input::Failed(what, error) => {
                 tracing::warn!(watch = what, %error, "Kubernetes watch failed; retrying with backoff (serving the last state)");
             }
@@ -617,7 +719,8 @@ impl Deriver {
             }
         }
         let mut state = self.shared.state.lock();
-        if state.update(services, endpoints) {
+        let routes_changed = state.update_routes(&self.routes.routes);
+        if state.update(services, endpoints) | routes_changed {
             let revision = state.revision;
             drop(state);
             self.shared.revision.send_replace(revision);
