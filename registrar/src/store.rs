@@ -240,19 +240,6 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
-/// Refuses a batch with route ops, for a backend that does not store routes yet.
-pub(crate) fn refuse_routes(kind: &str, ops: &[StoreOp]) -> Result<(), StoreError> {
-    if ops
-        .iter()
-        .any(|op| matches!(op, StoreOp::PutRoute(_) | StoreOp::DeleteRoute(_)))
-    {
-        return Err(StoreError::Config(format!(
-            "the {kind} store does not store routes yet: not implemented"
-        )));
-    }
-    Ok(())
-}
-
 /// A feed that never yields: for stores no other replica writes to.
 pub fn no_feed() -> Feed {
     Box::pin(futures::stream::pending())

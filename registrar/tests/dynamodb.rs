@@ -28,10 +28,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use aether_proto::registry::v1::{Endpoint, Service};
+use aether_proto::registry::v1::{Endpoint, Route, RouteBackend, RouteKind, RouteParent, RouteRule, Service};
+use aether_proto::view::route_key;
 use aether_registrar::model::ServiceKey;
 use aether_registrar::store::dynamodb::{DynamoConfig, DynamoStore};
-use aether_registrar::store::{FeedEvent, Store, StoreError, StoreOp, StoreSettings};
+use aether_registrar::store::{Contents, Feed, FeedEvent, Store, StoreError, StoreOp, StoreSettings};
+use aws_sdk_dynamodb::primitives::Blob;
+use aws_sdk_dynamodb::types::AttributeValue;
 use futures::StreamExt;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
@@ -685,4 +688,222 @@ async fn a_snapshot_holds_every_commit_at_or_below_its_revision() {
         assert!(addresses.contains(address), "{address} (revision {r}) is missing");
         assert!(*r <= last.revision);
     }
+}
+
+// ------------------------------------------------------------- routes
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_read_by_one_replica_is_streamed_by_the_other() {
+    let mut moto = Moto::start().await;
+    replicas::route_reaches_other_replica(&mut moto).await;
+}
+
+fn put_route(name: &str, parent: &str, generation: i64) -> StoreOp {
+    StoreOp::PutRoute(Arc::new(Route {
+        kind: RouteKind::Http as i32,
+        namespace: "ns".into(),
+        name: name.into(),
+        parents: vec![RouteParent {
+            service: parent.into(),
+            port: 0,
+        }],
+        rules: vec![RouteRule {
+            backends: vec![RouteBackend {
+                service: parent.into(),
+                port: 8080,
+                weight: 1,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+        generation,
+        ..Default::default()
+    }))
+}
+
+/// Each stored route as `key generation @revision`.
+fn routes_of(contents: &Contents) -> Vec<String> {
+    let mut routes: Vec<String> = contents
+        .routes
+        .iter()
+        .map(|r| format!("{} {} @{}", route_key(&r.value), r.value.generation, r.revision))
+        .collect();
+    routes.sort();
+    routes
+}
+
+/// Reads the feed until a sync shows exactly `expected` routes; returns that snapshot.
+async fn synced(feed: &mut Feed, expected: &[String]) -> Contents {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let event = tokio::time::timeout_at(deadline.into(), feed.next())
+            .await
+            .unwrap_or_else(|_| panic!("no sync showed the routes {expected:?} in time"))
+            .expect("feeds never end");
+        if let FeedEvent::Resync(contents) = event
+            && routes_of(&contents) == expected
+        {
+            return contents;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_are_put_replaced_and_deleted_durably_and_each_sync_shows_them() {
+    let moto = Moto::start().await;
+    let sync = Duration::from_millis(200);
+    let a = DynamoStore::connect(moto.config(sync)).await.unwrap();
+    let b = DynamoStore::connect(moto.config(sync)).await.unwrap();
+    let mut feed = b.feed(b.load().await.unwrap().revision);
+    let reopened = || async { DynamoStore::connect(moto.config(sync)).await.unwrap() };
+
+    let r1 = a
+        .commit(vec![put_route("canary", "ns/web", 1), put_route("stable", "ns/web", 1)])
+        .await
+        .unwrap();
+    let both = [format!("http/ns/canary 1 @{r1}"), format!("http/ns/stable 1 @{r1}")];
+    synced(&mut feed, &both).await;
+    let r2 = a.commit(vec![put_route("canary", "ns/web", 2)]).await.unwrap();
+    let replaced = [format!("http/ns/canary 2 @{r2}"), format!("http/ns/stable 1 @{r1}")];
+    assert_eq!(routes_of(&reopened().await.load().await.unwrap()), replaced);
+    synced(&mut feed, &replaced).await;
+
+    let r3 = a
+        .commit(vec![StoreOp::DeleteRoute("http/ns/canary".into())])
+        .await
+        .unwrap();
+    a.commit(vec![StoreOp::DeleteRoute("http/ns/never-stored".into())])
+        .await
+        .expect("deleting an absent route succeeds");
+    assert!(r1 < r2 && r2 < r3, "{r1} {r2} {r3}");
+    let left = [format!("http/ns/stable 1 @{r1}")];
+    assert_eq!(routes_of(&reopened().await.load().await.unwrap()), left);
+    let contents = synced(&mut feed, &left).await;
+    assert!(
+        contents.revision >= r3,
+        "the sync that lost the route is at {}",
+        contents.revision
+    );
+}
+
+/// A client of moto's table that bypasses the store.
+fn raw_client(moto: &Moto) -> aws_sdk_dynamodb::Client {
+    let config = aws_sdk_dynamodb::Config::builder()
+        .behavior_version(aws_sdk_dynamodb::config::BehaviorVersion::latest())
+        .region(aws_sdk_dynamodb::config::Region::new(REGION))
+        .endpoint_url(moto.url())
+        .credentials_provider(aws_sdk_dynamodb::config::Credentials::new(
+            "test", "test", None, None, "tests",
+        ))
+        .build();
+    aws_sdk_dynamodb::Client::from_conf(config)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undecodable_and_misplaced_routes_are_reported_unreadable_and_left_untouched() {
+    let moto = Moto::start().await;
+    let store = DynamoStore::connect(moto.config(Duration::from_millis(200)))
+        .await
+        .unwrap();
+    let revision = store.commit(vec![put_route("good", "ns/web", 1)]).await.unwrap();
+    let raw = raw_client(&moto);
+    let good = raw
+        .get_item()
+        .table_name(&moto.table)
+        .key("PK", AttributeValue::S("route#http/ns/good".into()))
+        .key("SK", AttributeValue::S("route".into()))
+        .send()
+        .await
+        .unwrap()
+        .item
+        .expect("routes are stored as route#<key> / route");
+    // Garbage, and a readable route under another route's key.
+    let garbage = AttributeValue::B(Blob::new(b"\xff\xff not a protobuf".to_vec()));
+    let mut planted = Vec::new();
+    for (pk, data) in [
+        ("route#http/ns/bad", garbage),
+        ("route#http/ns/elsewhere", good["D"].clone()),
+    ] {
+        let mut item = good.clone();
+        item.insert("PK".into(), AttributeValue::S(pk.into()));
+        item.insert("D".into(), data);
+        raw.put_item()
+            .table_name(&moto.table)
+            .set_item(Some(item.clone()))
+            .send()
+            .await
+            .unwrap();
+        planted.push(item);
+    }
+
+    let mut feed = store.feed(0);
+    let FeedEvent::Resync(contents) = tokio::time::timeout(TIMEOUT, feed.next()).await.unwrap().unwrap() else {
+        panic!("the first sync is a full scan");
+    };
+    for contents in [store.load().await.unwrap(), contents] {
+        assert_eq!(routes_of(&contents), [format!("http/ns/good 1 @{revision}")]);
+        let mut unreadable: Vec<(String, String)> =
+            contents.unreadable.into_iter().map(|u| (u.key, u.reason)).collect();
+        unreadable.sort();
+        assert_eq!(unreadable.len(), 2, "{unreadable:?}");
+        assert_eq!(unreadable[0].0, "route#http/ns/bad/route");
+        assert!(unreadable[0].1.contains("not a Route protobuf"), "{}", unreadable[0].1);
+        assert_eq!(unreadable[1].0, "route#http/ns/elsewhere/route");
+        assert!(
+            unreadable[1].1.contains("holds route \"http/ns/good\""),
+            "{}",
+            unreadable[1].1
+        );
+    }
+    for item in planted {
+        let stored = raw
+            .get_item()
+            .table_name(&moto.table)
+            .key("PK", item["PK"].clone())
+            .key("SK", item["SK"].clone())
+            .send()
+            .await
+            .unwrap()
+            .item;
+        assert_eq!(stored, Some(item), "an unreadable record was changed");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_and_routes_of_one_batch_land_together_or_not_at_all() {
+    let moto = Moto::start().await;
+    let store = DynamoStore::connect(moto.config(Duration::from_secs(1))).await.unwrap();
+    let revision = store
+        .commit(vec![
+            StoreOp::CreateService(service("web", "240.240.6.1")),
+            StoreOp::PutEndpoint(endpoint("ns/web", "10.6.0.1", "n1")),
+            put_route("canary", "ns/web", 1),
+            StoreOp::DeleteRoute("http/ns/absent".into()),
+        ])
+        .await
+        .unwrap();
+    let contents = store.load().await.unwrap();
+    assert_eq!(routes_of(&contents), [format!("http/ns/canary 1 @{revision}")]);
+    assert_eq!(
+        contents.endpoints[0].revision, revision,
+        "one transaction, one revision"
+    );
+
+    // An endpoint of a missing service cancels the transaction: its route does not land.
+    let err = store
+        .commit(vec![
+            put_route("stray", "ns/ghost", 1),
+            put_route("canary", "ns/web", 2),
+            StoreOp::PutEndpoint(endpoint("ns/ghost", "10.6.0.2", "n1")),
+        ])
+        .await
+        .unwrap_err();
+    let StoreError::Conflict(conflict) = err else {
+        panic!("expected a conflict: {err}");
+    };
+    assert_eq!(conflict.missing, vec![key("ns/ghost")]);
+    assert_eq!(
+        routes_of(&store.load().await.unwrap()),
+        [format!("http/ns/canary 1 @{revision}")]
+    );
 }

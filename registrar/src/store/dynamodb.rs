@@ -7,6 +7,7 @@
 //! |---|---|---|---|
 //! | service | `svc#<ns>/<name>` | `svc` | `D` (Service), `REV`, `VIP` |
 //! | endpoint | `svc#<ns>/<name>` | `ep#<address>` | `D` (Endpoint), `REV`, `NODE` |
+//! | route | `route#<kind>/<ns>/<name>` | `route` | `D` (Route), `REV` |
 //! | VIP index | `vip#<ip>` | `vip` | `SVC` (owner key) |
 //! | revision counter | `meta` | `revision` | `REV` |
 //! | schema | `meta` | `schema` | `V` |
@@ -15,14 +16,15 @@
 //! Access patterns: a service and its endpoints share a partition, so deleting a
 //! service is one Query; VIP uniqueness is a conditional put on its `vip#` item; the
 //! whole catalog is a consistent paginated Scan; node liveness is one Query on `nodes`.
+//! A route is its own partition: it names services but belongs to none of them.
 //!
 //! # Revisions
 //! `commit` reserves a revision from the counter (`ADD REV 1`), then writes every item
-//! of the batch with `REV = r` in `TransactWriteItems`, each endpoint write conditioned
-//! on `REV < r` so a write that reserved earlier but landed later never overwrites a
-//! newer one (it is retried with a fresh revision). Service creation is conditioned on
-//! `attribute_not_exists(PK)` for the service and its VIP; endpoint puts on their
-//! service existing.
+//! of the batch with `REV = r` in `TransactWriteItems`, each endpoint and route write
+//! conditioned on `REV < r` so a write that reserved earlier but landed later never
+//! overwrites a newer one (it is retried with a fresh revision). Service creation is
+//! conditioned on `attribute_not_exists(PK)` for the service and its VIP; endpoint puts
+//! on their service existing. Routes have no condition beyond the revision's.
 //!
 //! # Sync
 //! DynamoDB has no watch, so the feed is a periodic full scan (`--dynamodb-sync-interval`)
@@ -41,7 +43,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{Endpoint, Service};
+use aether_proto::registry::v1::{Endpoint, Route, Service};
+use aether_proto::view::route_key;
 use async_trait::async_trait;
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::config::http::HttpResponse;
@@ -224,6 +227,10 @@ fn endpoint_sk(address: &str) -> String {
     format!("ep#{address}")
 }
 
+fn route_pk(key: &str) -> String {
+    format!("route#{key}")
+}
+
 fn vip_pk(vip: &str) -> String {
     format!("vip#{vip}")
 }
@@ -236,6 +243,7 @@ const META_PK: &str = "meta";
 const COUNTER_SK: &str = "revision";
 const SCHEMA_SK: &str = "schema";
 const NODES_PK: &str = "nodes";
+const ROUTE_SK: &str = "route";
 
 fn text<'a>(item: &'a HashMap<String, AttributeValue>, name: &str) -> Option<&'a str> {
     item.get(name).and_then(|v| v.as_s().ok()).map(String::as_str)
@@ -243,6 +251,46 @@ fn text<'a>(item: &'a HashMap<String, AttributeValue>, name: &str) -> Option<&'a
 
 fn number(item: &HashMap<String, AttributeValue>, name: &str) -> Option<i64> {
     item.get(name).and_then(|v| v.as_n().ok()).and_then(|v| v.parse().ok())
+}
+
+/// Adds a scanned item to `contents` when it is a catalog record (a service, endpoint
+/// or route); one that cannot be read is returned, for `Contents::unreadable`.
+fn read_item(item: &HashMap<String, AttributeValue>, contents: &mut Contents) -> Result<(), UnreadableRecord> {
+    let (Some(pk), Some(sk)) = (text(item, PK), text(item, SK)) else {
+        return Ok(());
+    };
+    let (service_key, route) = (pk.strip_prefix("svc#"), pk.strip_prefix("route#"));
+    if service_key.is_none() && route.is_none() {
+        return Ok(());
+    }
+    let unreadable = |reason: String| UnreadableRecord {
+        key: format!("{pk}/{sk}"),
+        reason,
+    };
+    let revision = number(item, REV).unwrap_or(0).max(0) as Revision;
+    let bytes = match item.get(DATA).and_then(|v| v.as_b().ok()) {
+        Some(blob) => blob.as_ref(),
+        None => return Err(unreadable(format!("no binary {DATA} attribute"))),
+    };
+    if let Some(key) = route.filter(|_| sk == ROUTE_SK) {
+        let value = Route::decode(bytes).map_err(|e| unreadable(format!("not a Route protobuf: {e}")))?;
+        // A route under another route's key could never be deleted by its own key.
+        if route_key(&value) != key {
+            return Err(unreadable(format!("holds route {}", quote(&route_key(&value)))));
+        }
+        contents.routes.push(Stored { value, revision });
+    } else if let Some(key) = service_key.filter(|_| sk == "svc") {
+        let value = Service::decode(bytes).map_err(|e| unreadable(format!("not a Service protobuf: {e}")))?;
+        let held = format!("{}/{}", value.namespace, value.name);
+        if held != key {
+            return Err(unreadable(format!("holds service {}", quote(&held))));
+        }
+        contents.services.push(Stored { value, revision });
+    } else if service_key.is_some() && sk.starts_with("ep#") {
+        let value = Endpoint::decode(bytes).map_err(|e| unreadable(format!("not an Endpoint protobuf: {e}")))?;
+        contents.endpoints.push(Stored { value, revision });
+    }
+    Ok(())
 }
 
 /// The store; cheap to share (the feed holds a clone of its insides).
@@ -628,49 +676,8 @@ impl Inner {
             ..Default::default()
         };
         for item in items {
-            let (Some(pk), Some(sk)) = (text(&item, PK), text(&item, SK)) else {
-                continue;
-            };
-            let Some(service_key) = pk.strip_prefix("svc#") else {
-                continue;
-            };
-            let record = format!("{pk}/{sk}");
-            let revision = number(&item, REV).unwrap_or(0).max(0) as Revision;
-            let bytes = match item.get(DATA).and_then(|v| v.as_b().ok()) {
-                Some(blob) => blob.as_ref(),
-                None => {
-                    contents.unreadable.push(UnreadableRecord {
-                        key: record,
-                        reason: format!("no binary {DATA} attribute"),
-                    });
-                    continue;
-                }
-            };
-            if sk == "svc" {
-                match Service::decode(bytes) {
-                    Ok(value) if format!("{}/{}", value.namespace, value.name) == service_key => {
-                        contents.services.push(Stored { value, revision })
-                    }
-                    Ok(value) => contents.unreadable.push(UnreadableRecord {
-                        key: record,
-                        reason: format!(
-                            "holds service {}",
-                            quote(&format!("{}/{}", value.namespace, value.name))
-                        ),
-                    }),
-                    Err(e) => contents.unreadable.push(UnreadableRecord {
-                        key: record,
-                        reason: format!("not a Service protobuf: {e}"),
-                    }),
-                }
-            } else if sk.starts_with("ep#") {
-                match Endpoint::decode(bytes) {
-                    Ok(value) => contents.endpoints.push(Stored { value, revision }),
-                    Err(e) => contents.unreadable.push(UnreadableRecord {
-                        key: record,
-                        reason: format!("not an Endpoint protobuf: {e}"),
-                    }),
-                }
+            if let Err(unreadable) = read_item(&item, &mut contents) {
+                contents.unreadable.push(unreadable);
             }
         }
         self.max_seen.fetch_max(counter, Ordering::SeqCst);
@@ -744,8 +751,8 @@ impl Inner {
     }
 
     /// The batch's writes at `revision`, the condition-carrying ones first: new
-    /// services and their VIPs, services that must exist, endpoints, deleted services
-    /// and VIPs, then the `doomed` items and forgotten nodes.
+    /// services and their VIPs, services that must exist, endpoints, routes, deleted
+    /// services and VIPs, then the `doomed` items and forgotten nodes.
     fn actions(
         &self,
         batch: &Batch,
@@ -771,8 +778,21 @@ impl Inner {
             ));
         }
         for ((service, address), endpoint) in &batch.endpoints {
-            let item = self.write_endpoint(service, address, endpoint.as_deref(), &rev)?;
-            actions.push((Action::Endpoint, item));
+            let attributes = endpoint.as_deref().map(|e| {
+                HashMap::from([
+                    (DATA.to_owned(), AttributeValue::B(Blob::new(e.encode_to_vec()))),
+                    ("NODE".to_owned(), s(&e.node)),
+                ])
+            });
+            let item = self.write_revisioned(key(service_pk(service), endpoint_sk(address)), attributes, &rev)?;
+            actions.push((Action::Revisioned, item));
+        }
+        for (route, value) in &batch.routes {
+            let attributes = value
+                .as_deref()
+                .map(|r| HashMap::from([(DATA.to_owned(), AttributeValue::B(Blob::new(r.encode_to_vec())))]));
+            let item = self.write_revisioned(key(route_pk(route), ROUTE_SK), attributes, &rev)?;
+            actions.push((Action::Revisioned, item));
         }
         for (service, vip) in &batch.deleted_services {
             actions.push((Action::Plain, self.delete_item(service_pk(service), "svc")?));
@@ -825,23 +845,24 @@ impl Inner {
         ])
     }
 
-    /// Puts (`Some`) or deletes (`None`) an endpoint, only over an older revision.
-    fn write_endpoint(
+    /// Puts the item at `key` with `attributes` (`Some`) or deletes it (`None`), only
+    /// over an older revision: endpoints and routes, the records written again and again.
+    fn write_revisioned(
         &self,
-        service: &str,
-        address: &str,
-        endpoint: Option<&Endpoint>,
+        key: HashMap<String, AttributeValue>,
+        attributes: Option<HashMap<String, AttributeValue>>,
         rev: &AttributeValue,
     ) -> Result<TransactWriteItem, WriteError> {
-        let item = match endpoint {
-            Some(endpoint) => {
+        let newer = "attribute_not_exists(REV) OR REV < :rev";
+        let item = match attributes {
+            Some(attributes) => {
+                let mut item = key;
+                item.extend(attributes);
+                item.insert(REV.to_owned(), rev.clone());
                 let put = Put::builder()
                     .table_name(self.table())
-                    .set_item(Some(key(service_pk(service), endpoint_sk(address))))
-                    .item(DATA, AttributeValue::B(Blob::new(endpoint.encode_to_vec())))
-                    .item(REV, rev.clone())
-                    .item("NODE", s(&endpoint.node))
-                    .condition_expression("attribute_not_exists(REV) OR REV < :rev")
+                    .set_item(Some(item))
+                    .condition_expression(newer)
                     .expression_attribute_values(":rev", rev.clone())
                     .build()
                     .map_err(build_failed)?;
@@ -850,8 +871,8 @@ impl Inner {
             None => {
                 let delete = Delete::builder()
                     .table_name(self.table())
-                    .set_key(Some(key(service_pk(service), endpoint_sk(address))))
-                    .condition_expression("attribute_not_exists(REV) OR REV < :rev")
+                    .set_key(Some(key))
+                    .condition_expression(newer)
                     .expression_attribute_values(":rev", rev.clone())
                     .build()
                     .map_err(build_failed)?;
@@ -950,7 +971,7 @@ impl Inner {
                 Action::CreateService(service) => self.service_taken(service, &mut conflict).await,
                 Action::CreateVip(vip) => self.vip_taken(vip, &mut conflict).await,
                 Action::ServiceExists(service) => service_missing(service, &mut conflict),
-                Action::Endpoint => {
+                Action::Revisioned => {
                     race = true;
                     Ok(())
                 }
@@ -1078,14 +1099,15 @@ enum Action {
     CreateService(String),
     CreateVip(String),
     ServiceExists(String),
-    Endpoint,
+    /// An endpoint or route write, conditioned on the item's older revision.
+    Revisioned,
     DeleteVip(String),
     Plain,
 }
 
 enum WriteError {
     Store(StoreError),
-    /// An endpoint already carries a revision ≥ ours: reserve a new one and retry.
+    /// An endpoint or route already carries a revision ≥ ours: reserve a new one and retry.
     RevisionRace,
     /// The VIP of a deleted service already belongs to another service: keep it.
     VipReassigned(String),
@@ -1114,6 +1136,8 @@ struct Batch {
     deleted_services: Vec<(String, String)>,
     /// (service, address) → the endpoint, or `None` to delete it.
     endpoints: BTreeMap<(String, String), Option<Arc<Endpoint>>>,
+    /// route key → the route, or `None` to delete it.
+    routes: BTreeMap<String, Option<Arc<Route>>>,
     /// Services written into but not created by this batch: they must exist.
     must_exist: BTreeSet<String>,
     live_nodes: BTreeSet<String>,
@@ -1145,8 +1169,12 @@ impl Batch {
                     batch.live_nodes.remove(&node);
                     batch.forgotten_nodes.insert(node);
                 }
-                // Refused before a batch is built (`refuse_routes`).
-                StoreOp::PutRoute(_) | StoreOp::DeleteRoute(_) => {}
+                StoreOp::PutRoute(route) => {
+                    batch.routes.insert(route_key(&route), Some(route));
+                }
+                StoreOp::DeleteRoute(key) => {
+                    batch.routes.insert(key, None);
+                }
             }
         }
         let created: BTreeSet<String> = batch
@@ -1169,6 +1197,7 @@ impl Batch {
         self.created.is_empty()
             && self.deleted_services.is_empty()
             && self.endpoints.is_empty()
+            && self.routes.is_empty()
             && self.forgotten_nodes.is_empty()
     }
 }
@@ -1184,7 +1213,6 @@ impl Store for DynamoStore {
     }
 
     async fn commit(&self, ops: Vec<StoreOp>) -> Result<Revision, StoreError> {
-        super::refuse_routes(self.kind(), &ops)?;
         let (revision, live) = self.inner.commit(ops).await?;
         if !live.is_empty() {
             // Liveness is a timestamp beside the data, not part of the commit: stamp it
@@ -1234,7 +1262,7 @@ impl Store for DynamoStore {
     }
 
     /// Every op takes at most two transaction actions (a service and its VIP; or an
-    /// endpoint and its service's condition check), so batches this size fit one
+    /// endpoint and its service's condition check; a route is one), so batches this size fit one
     /// transaction; only a DeleteService of a service with many endpoints spills over.
     fn max_batch_ops(&self) -> usize {
         MAX_TRANSACTION_ITEMS / 2
@@ -1387,5 +1415,30 @@ mod tests {
         assert_eq!(batch.must_exist, BTreeSet::from(["ns/other".to_owned()]));
         assert_eq!(batch.live_nodes, BTreeSet::from(["n1".to_owned(), "n2".to_owned()]));
         assert_eq!(batch.forgotten_nodes, BTreeSet::from(["n3".to_owned()]));
+    }
+
+    #[test]
+    fn a_batch_keeps_the_last_op_per_route_and_routes_alone_are_a_batch() {
+        let route = |name: &str, generation: i64| {
+            Arc::new(Route {
+                kind: aether_proto::registry::v1::RouteKind::Http as i32,
+                namespace: "ns".into(),
+                name: name.into(),
+                generation,
+                ..Default::default()
+            })
+        };
+        let batch = Batch::from_ops(vec![
+            StoreOp::PutRoute(route("canary", 1)),
+            StoreOp::DeleteRoute("http/ns/canary".into()),
+            StoreOp::PutRoute(route("canary", 2)),
+            StoreOp::PutRoute(route("stable", 1)),
+            StoreOp::DeleteRoute("http/ns/stable".into()),
+        ]);
+        assert!(!batch.is_empty());
+        assert_eq!(batch.routes.len(), 2);
+        assert_eq!(batch.routes["http/ns/canary"].as_ref().map(|r| r.generation), Some(2));
+        assert!(batch.routes["http/ns/stable"].is_none());
+        assert!(batch.must_exist.is_empty(), "routes need no service to exist");
     }
 }
