@@ -5,7 +5,9 @@
 use std::collections::BTreeMap;
 
 use aether_proto::registry::v1::{Endpoint as MeshEndpoint, Health, Locality as MeshLocality, Protocol};
-use envoy_types::pb::envoy::config::cluster::v3::{Cluster, OutlierDetection, cluster};
+use envoy_types::pb::envoy::config::cluster::v3::{
+    CircuitBreakers, Cluster, OutlierDetection, circuit_breakers, cluster,
+};
 use envoy_types::pb::envoy::config::core::v3::{BindConfig, HealthStatus, Http2ProtocolOptions, Locality};
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint,
@@ -147,18 +149,55 @@ fn mesh_cluster(name: &str, port: u32, protocol: Protocol, mtls: Option<&Mtls>, 
             healthy_panic_threshold: Some(Percent { value: 0.0 }),
             ..Default::default()
         }),
-        outlier_detection: Some(OutlierDetection {
-            consecutive_5xx: u32v(5),
-            consecutive_local_origin_failure: u32v(3),
-            split_external_local_origin_errors: true,
-            base_ejection_time: millis(30_000),
-            max_ejection_percent: u32v(50),
-            ..Default::default()
-        }),
+        outlier_detection: Some(outlier_detection()),
+        circuit_breakers: Some(circuit_breakers()),
         ignore_health_on_host_removal: true,
         close_connections_on_host_health_failure: true,
         transport_socket: mtls.map(|_| origination::service_socket()),
         metadata: mtls.map(|_| origination::service_metadata(sans)),
+        ..Default::default()
+    }
+}
+
+/// The mesh's default ejection of misbehaving endpoints: 5 consecutive 5xx, 3
+/// consecutive gateway errors (502/503/504) or 3 consecutive connect failures eject an
+/// endpoint for 30 s, longer each time it is ejected again (Envoy multiplies the base
+/// by the ejection count, up to 5 minutes); never more than half of a service at once,
+/// so a bad push cannot empty it.
+fn outlier_detection() -> OutlierDetection {
+    OutlierDetection {
+        consecutive_5xx: u32v(5),
+        consecutive_gateway_failure: u32v(3),
+        // Envoy counts gateway failures but ejects on them only when told to.
+        enforcing_consecutive_gateway_failure: u32v(100),
+        consecutive_local_origin_failure: u32v(3),
+        split_external_local_origin_errors: true,
+        base_ejection_time: millis(30_000),
+        max_ejection_time: millis(300_000),
+        max_ejection_percent: u32v(50),
+        ..Default::default()
+    }
+}
+
+/// Limits sized for one proxy shared by every pod of a node: Envoy's defaults (1,024
+/// connections, pending and active requests, 3 concurrent retries per cluster) are
+/// sized for one client and would throttle a busy node long before its backends
+/// are. Retries are bounded by a budget (a fifth of active requests, at least 32)
+/// instead of a fixed count, so they scale with the traffic they protect.
+fn circuit_breakers() -> CircuitBreakers {
+    let thresholds = circuit_breakers::Thresholds {
+        max_connections: u32v(16_384),
+        max_pending_requests: u32v(16_384),
+        max_requests: u32v(65_536),
+        retry_budget: Some(circuit_breakers::thresholds::RetryBudget {
+            budget_percent: Some(Percent { value: 20.0 }),
+            min_retry_concurrency: u32v(32),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    CircuitBreakers {
+        thresholds: vec![thresholds],
         ..Default::default()
     }
 }
@@ -304,5 +343,31 @@ fn lb_endpoint_at(
         health_status: health as i32,
         load_balancing_weight: u32v(weight),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mesh_clusters_eject_bad_endpoints_and_are_sized_for_a_node() {
+        let cluster = mesh_cluster("echo.gamma.aether.internal:80", 80, Protocol::Http, None, &[]);
+        let outlier = cluster.outlier_detection.unwrap();
+        // Gateway errors count only when enforced (Envoy's default enforcement is 0).
+        assert_eq!(outlier.consecutive_gateway_failure, u32v(3));
+        assert_eq!(outlier.enforcing_consecutive_gateway_failure, u32v(100));
+        assert_eq!(outlier.max_ejection_percent, u32v(50));
+        let seconds = |d: Option<envoy_types::pb::google::protobuf::Duration>| d.unwrap().seconds;
+        assert!(
+            seconds(outlier.max_ejection_time) > seconds(outlier.base_ejection_time),
+            "ejections back off"
+        );
+        let limits = &cluster.circuit_breakers.unwrap().thresholds[0];
+        assert!(
+            limits.max_requests.unwrap().value > 1024,
+            "above Envoy's per-client default"
+        );
+        assert!(limits.retry_budget.is_some() && limits.max_retries.is_none());
     }
 }
