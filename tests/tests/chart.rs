@@ -262,7 +262,7 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
     assert_cluster_roles_are_read_only_and_minimal(r, store, identity, &ctx);
     let agent_role = assert_the_agent_role_reads_only_its_daemon_set(r, &ctx);
     assert_only_the_kubernetes_store_writes_its_vip_config_map(r, store, agent_role, &ctx);
-    assert_only_api_clients_mount_a_token(r, store, identity, &ctx);
+    assert_only_api_clients_mount_a_token(r, &ctx);
     assert_otel_flags_reach_every_binary(r, otel, &ctx);
     assert_wiring(r, &ctx);
     assert_control_plane_tls(r, identity, &ctx);
@@ -484,12 +484,13 @@ fn assert_etcd_tls_is_a_group_readable_secret_volume(rspec: &PodSpec, rc: &Conta
     }
 }
 
-/// RBAC: read-only, only what each component reads, never Secrets. The one exception is the registrar's
-/// TokenReview `create` (it reads and changes nothing), checked in assert_control_plane_tls.
+/// RBAC: read-only, only what each component reads, never Secrets. The exceptions are the registrar's
+/// TokenReview `create` (it reads and changes nothing), checked in assert_control_plane_tls, and its writes of
+/// route status (never of routes), checked in assert_the_registrar_writes_only_route_status.
 fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, identity: &str, ctx: &str) {
     for role in &r.cluster_roles {
         for rule in role.rules.iter().flatten() {
-            if is_token_review_rule(rule) {
+            if is_token_review_rule(rule) || is_route_status_rule(rule) {
                 continue;
             }
             let verbs: BTreeSet<&str> = rule.verbs.iter().map(String::as_str).collect();
@@ -517,8 +518,51 @@ fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, ide
     if store == "kubernetes" {
         want.insert("aether-registrar");
     }
+    // Routes are read with every store (registrar.routes.fromKubernetes is on by default).
+    want.insert("aether-registrar-routes");
     assert_eq!(role_names, want, "{ctx}: ClusterRoles");
     assert_eq!(r.cluster_role_bindings.len(), want.len(), "{ctx}");
+    assert_the_registrar_writes_only_route_status(r, store, ctx);
+}
+
+/// The registrar watches HTTPRoutes and GRPCRoutes and may write only their `/status`; with a writable store it
+/// is told to read them (the kubernetes store always does).
+fn assert_the_registrar_writes_only_route_status(r: &Rendered, store: &str, ctx: &str) {
+    let role = r
+        .cluster_roles
+        .iter()
+        .find(|c| c.metadata.name.as_deref() == Some("aether-registrar-routes"))
+        .unwrap_or_else(|| panic!("{ctx}: no route ClusterRole"));
+    let rules: Vec<(Vec<String>, Vec<String>, Vec<String>)> = role
+        .rules
+        .iter()
+        .flatten()
+        .map(|rule| {
+            let list = |v: &Option<Vec<String>>| v.clone().unwrap_or_default();
+            (list(&rule.api_groups), list(&rule.resources), rule.verbs.clone())
+        })
+        .collect();
+    let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let group = strings(&["gateway.networking.k8s.io"]);
+    assert_eq!(
+        rules,
+        [
+            (
+                group.clone(),
+                strings(&["httproutes", "grpcroutes"]),
+                strings(&["get", "list", "watch"])
+            ),
+            (
+                group,
+                strings(&["httproutes/status", "grpcroutes/status"]),
+                strings(&["patch", "update"])
+            ),
+        ],
+        "{ctx}"
+    );
+    let rc = container(pod_spec(r, "aether-registrar"), "registrar");
+    let flagged = rc.args.iter().flatten().any(|a| a == "--routes-from-kubernetes");
+    assert_eq!(flagged, store != "kubernetes", "{ctx}: --routes-from-kubernetes");
 }
 
 /// The agent's CNI installer reads its own DaemonSet (uninstall or rollout?), by name, nothing else.
@@ -579,13 +623,14 @@ fn assert_only_the_kubernetes_store_writes_its_vip_config_map(r: &Rendered, stor
     }
 }
 
-/// The registrar reviews agents' tokens (the bootstrap), and reads Pods with the Kubernetes store; no one else
-/// but the agent talks to the API.
-fn assert_only_api_clients_mount_a_token(r: &Rendered, store: &str, identity: &str, ctx: &str) {
+/// The registrar reviews agents' tokens (the bootstrap), reads Pods with the Kubernetes store, and routes with any
+/// store; no one else but the agent talks to the API.
+fn assert_only_api_clients_mount_a_token(r: &Rendered, ctx: &str) {
     for sa in &r.service_accounts {
         let name = sa.metadata.name.as_deref().unwrap();
-        let talks_to_api =
-            name == "aether-agent" || (name == "aether-registrar" && (identity == "builtin" || store == "kubernetes"));
+        // The registrar reviews tokens (builtin identity), reads Pods (kubernetes store), and reads routes with
+        // every store (registrar.routes.fromKubernetes is on by default): it always talks to the API.
+        let talks_to_api = name == "aether-agent" || name == "aether-registrar";
         assert_eq!(
             sa.automount_service_account_token,
             Some(talks_to_api),
@@ -754,6 +799,13 @@ fn assert_surge_rolled_pods_are_ready_by_a_pod_local_file(r: &Rendered, ctx: &st
 }
 
 /// The rule that lets the registrar ask the API server about a token: `create` on `tokenreviews`, nothing else.
+/// `patch`/`update` of route status only: what the registrar writes on Gateway API routes.
+fn is_route_status_rule(rule: &PolicyRule) -> bool {
+    rule.api_groups.as_deref() == Some(&["gateway.networking.k8s.io".to_owned()][..])
+        && rule.resources.iter().flatten().all(|r| r.ends_with("routes/status"))
+        && rule.verbs.iter().all(|v| v == "patch" || v == "update")
+}
+
 fn is_token_review_rule(rule: &PolicyRule) -> bool {
     rule.api_groups.as_deref() == Some(&["authentication.k8s.io".to_owned()][..])
         && rule.resources.as_deref() == Some(&["tokenreviews".to_owned()][..])
@@ -1038,6 +1090,7 @@ fn assert_registrar_cluster_roles_read_or_review<'a>(ends: &Ends<'a>) -> Vec<&'a
         for rule in role.rules.iter().flatten() {
             assert!(
                 is_token_review_rule(rule)
+                    || is_route_status_rule(rule)
                     || rule
                         .verbs
                         .iter()

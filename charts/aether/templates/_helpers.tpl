@@ -72,6 +72,11 @@ https://{{ include "aether.registrarHost" . }}:{{ .Values.registrar.port }}
 {{ eq (include "aether.nodeIdentity" .) "bootstrap" }}
 {{- end -}}
 
+{{/* Whether the registrar watches Gateway API routes (and writes their status): the kubernetes store always does. */}}
+{{- define "aether.registrarReadsRoutes" -}}
+{{ or (eq .Values.registrar.store.type "kubernetes") .Values.registrar.routes.fromKubernetes }}
+{{- end -}}
+
 {{/* Where the agent finds its projected bootstrap token and the registrar's CA (the agent's flag defaults). */}}
 {{- define "aether.agentTokenDir" -}}/var/run/secrets/aether/registrar-token{{- end -}}
 {{- define "aether.agentRegistrarCaDir" -}}/etc/aether/registrar-ca{{- end -}}
