@@ -332,6 +332,25 @@ fn redirect_status_codes_map_to_envoys_and_303_exists() {
     }
 }
 
+/// The authority a route matches exactly, if it matches one.
+fn exact_authority(route: &EnvoyRoute) -> Option<&str> {
+    use envoy_types::pb::envoy::config::route::v3::header_matcher::HeaderMatchSpecifier;
+    use envoy_types::pb::envoy::r#type::matcher::v3::string_matcher::MatchPattern;
+    let header = route
+        .r#match
+        .as_ref()?
+        .headers
+        .iter()
+        .find(|h| h.name == ":authority")?;
+    match &header.header_match_specifier {
+        Some(HeaderMatchSpecifier::StringMatch(m)) => match &m.match_pattern {
+            Some(MatchPattern::Exact(value)) => Some(value),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
 #[test]
 fn redirect_ports_follow_gateway_api() {
     let https = Redirect {
@@ -372,23 +391,12 @@ fn redirect_ports_follow_gateway_api() {
     let https: Vec<(Option<&str>, String, u32)> = rule(0)
         .into_iter()
         .map(|r| {
-            let authority = r.r#match.as_ref().unwrap().headers.first();
             let redirect = redirect_of(r);
             assert_eq!(
                 redirect.scheme_rewrite_specifier,
                 Some(redirect_action::SchemeRewriteSpecifier::SchemeRedirect("https".into()))
             );
-            let exact = authority.map(|h| match &h.header_match_specifier {
-                Some(envoy_types::pb::envoy::config::route::v3::header_matcher::HeaderMatchSpecifier::StringMatch(
-                    m,
-                )) => match &m.match_pattern {
-                    Some(envoy_types::pb::envoy::r#type::matcher::v3::string_matcher::MatchPattern::Exact(v)) => {
-                        v.as_str()
-                    }
-                    other => panic!("{other:?}"),
-                },
-                other => panic!("{other:?}"),
-            });
+            let exact = exact_authority(r);
             (exact, redirect.host_redirect.clone(), redirect.port_redirect)
         })
         .collect();
