@@ -25,11 +25,19 @@ async fn gamma_resilience_cases_pass() {
     run_suite(&fixtures("resilience"), &table).await;
 }
 
+/// Outlier ejection on a mesh of its own: an ejection lasts 30 s and more, and would change which replica
+/// answers in the cases after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gamma_ejection_cases_pass() {
+    let table = table_path(env!("CARGO_TARGET_TMPDIR"), "ejection");
+    run_suite(&fixtures("ejection"), &table).await;
+}
+
 /// Every fixture parses, and its routes pass the one projector (aether-api) and become mesh routes: a fixture that
 /// the registrar would refuse tests nothing. Needs no mesh.
 #[test]
 fn every_fixture_route_projects() {
-    for suite in ["conformance", "resilience"] {
+    for suite in ["conformance", "resilience", "ejection"] {
         let cases = load_cases(&fixtures(suite)).unwrap_or_else(|e| panic!("{e}"));
         assert!(!cases.is_empty(), "no cases in {suite}");
         for case in cases.iter().filter(|c| !c.routes.is_empty()) {
