@@ -330,6 +330,7 @@ mod tests {
                     namespace: namespace.into(),
                     name: name.into(),
                     vip: "240.240.0.1".into(),
+                    kubernetes: None,
                 }
             })
             .collect();

@@ -236,6 +236,7 @@ mod tests {
             namespace: ns.into(),
             name: name.into(),
             vip: vip.into(),
+            kubernetes: None,
         }
     }
 

@@ -209,7 +209,9 @@ impl Owner {
         let api = ApiServer::start();
         let mut daemonset = json!({"metadata": {"name": "aether-agent", "namespace": "aether-system", "uid": "u-1"}});
         match self {
-            Owner::Present => api.apply::<DaemonSet>(daemonset),
+            Owner::Present => {
+                api.apply::<DaemonSet>(daemonset);
+            }
             Owner::Deleting => {
                 daemonset["metadata"]["deletionTimestamp"] = json!("2026-11-30T12:00:00Z");
                 api.apply::<DaemonSet>(daemonset);

@@ -211,6 +211,7 @@ mod tests {
             namespace: "ns".into(),
             name: name.into(),
             vip: "240.240.0.1".into(),
+            kubernetes: None,
         }
     }
 

@@ -374,6 +374,7 @@ fn service(name: &str, vip: &str) -> Service {
         namespace: "ns".into(),
         name: name.into(),
         vip: vip.into(),
+        kubernetes: None,
     }
 }
 

@@ -129,6 +129,7 @@ async fn the_loser_of_a_creation_race_learns_the_winners_vip() {
         namespace: "ns".into(),
         name: "web".into(),
         vip: vip.into(),
+        kubernetes: None,
     };
     a.commit(vec![StoreOp::CreateService(service("240.240.0.1"))])
         .await
@@ -146,6 +147,7 @@ async fn the_loser_of_a_creation_race_learns_the_winners_vip() {
         namespace: "ns".into(),
         name: "api".into(),
         vip: "240.240.0.1".into(),
+        kubernetes: None,
     };
     let StoreError::Conflict(conflict) = b.commit(vec![StoreOp::CreateService(other)]).await.unwrap_err() else {
         panic!("expected a conflict")
@@ -282,6 +284,7 @@ fn svc(name: &str, vip: &str) -> Service {
         namespace: "ns".into(),
         name: name.into(),
         vip: vip.into(),
+        kubernetes: None,
     }
 }
 

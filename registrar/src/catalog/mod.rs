@@ -146,6 +146,7 @@ impl Catalog {
                 namespace: endpoint.service.namespace().to_owned(),
                 name: endpoint.service.name().to_owned(),
                 vip: String::new(),
+                kubernetes: None,
             });
             return Ok((service, state.version()));
         }

@@ -75,6 +75,7 @@ impl Plan {
                     namespace: key.namespace().to_owned(),
                     name: key.name().to_owned(),
                     vip: vip.to_string(),
+                    kubernetes: None,
                 };
                 self.new_vips.insert(vip);
                 self.new_services.insert(key.clone(), service.clone());

@@ -1400,6 +1400,7 @@ mod tests {
                 namespace: "ns".into(),
                 name: "new".into(),
                 vip: "240.240.0.9".into(),
+                kubernetes: None,
             }),
             StoreOp::PutEndpoint(endpoint("ns/new", "10.0.0.1", "n1")),
             StoreOp::PutEndpoint(endpoint("ns/old", "10.0.0.2", "n1")),

@@ -392,6 +392,7 @@ mod tests {
             namespace: "ns".into(),
             name: name.into(),
             vip: vip.into(),
+            kubernetes: None,
         }
     }
 

@@ -711,6 +711,7 @@ impl Deriver {
                 namespace: namespace.to_owned(),
                 name: name.to_owned(),
                 vip: vip.clone(),
+                kubernetes: None,
             });
             for endpoint in &pod.endpoints {
                 let mut endpoint = endpoint.clone();
@@ -974,6 +975,7 @@ mod tests {
             namespace: "ns".into(),
             name: "a".into(),
             vip: "240.240.0.1".into(),
+            kubernetes: None,
         };
         let endpoint = Endpoint {
             service: "ns/a".into(),
