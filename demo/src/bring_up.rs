@@ -116,7 +116,7 @@ impl Demo {
             vec![PathBuf::from(DEBIAN_CNI_DIR), self.bins.clone()],
         ));
         self.node = Some(node);
-        for dir in ["run", "pods", "cni", "ca", "agent", "proxy"] {
+        for dir in ["run", "pods", "cni", "ca", "agent", "proxy", "routes"] {
             std::fs::create_dir_all(self.path(dir)).map_err(|e| fail(format!("creating {dir}: {e}")))?;
         }
         Ok(vec![line])
@@ -133,12 +133,16 @@ impl Demo {
             .arg("--data-dir")
             .arg(self.path("registrar"))
             // The other teams' endpoints below are registered once; keep them for the whole run.
-            .args(["--endpoint-ttl", "1h"]);
+            .args(["--endpoint-ttl", "1h"])
+            // Gateway API routes, as a cluster without Kubernetes (or this demo) gives them.
+            .arg("--routes-dir")
+            .arg(self.path("routes"));
         let child = spawn("registrar", cmd);
         let child = self.registrar.insert(child);
         wait_ready(self.ports.registrar_admin, child).await?;
         Ok(vec![
             format!("catalog on a redb file under {}", self.path("registrar").display()),
+            format!("routes (HTTPRoute YAML) from {}", self.path("routes").display()),
             "gRPC over mTLS only: agents get node certificates by showing a ServiceAccount token (reviewed by a \
              stand-in Kubernetes API), and each may write only its own node's endpoints"
                 .into(),
@@ -355,6 +359,7 @@ impl Demo {
         let specs = [
             ("backend-1", "backend", "", true),
             ("backend-2", "backend", "", true),
+            ("backend-v2", "backend-v2", "", true),
             ("frontend", "frontend", "backend", true),
             ("legacy", "legacy", "", false),
         ];

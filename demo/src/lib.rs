@@ -47,6 +47,7 @@ use aether_tests::supervisor::metric_sum;
 use aether_tests::{ChildGuard, TestNode, free_port, http_get};
 
 mod bring_up;
+mod canary;
 mod pod_net;
 mod processes;
 mod show;
@@ -69,7 +70,7 @@ pub const APP_PORT: u16 = 8080;
 pub const WORK_BASE: &str = "/tmp";
 pub const WORK_PREFIX: &str = "aether-demo-";
 /// The numbered steps of a run (teardown included).
-pub const STEPS: usize = 16;
+pub const STEPS: usize = 17;
 /// Prefix of the pod netns [`BareNetns`] creates: `aen-<pid as 6 hex><seq as 4 hex>`.
 const NETNS_PREFIX: &str = "aen-";
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -210,6 +211,7 @@ pub struct Facts {
     pub restart_failed: u64,
     pub envoy_clusters: usize,
     pub catalog_services: usize,
+    pub canary: String,
 }
 
 pub struct Demo {
@@ -310,6 +312,7 @@ impl Demo {
              \x20 by name:        frontend -> {} -> VIP {} -> Envoy (mTLS) -> a backend replica\n\
              \x20 backend saw:    {}\n\
              \x20 load spread:    {} (of {} requests)\n\
+             \x20 canary route:   {} (HTTPRoute 90/10; x-version: v2 pinned to the canary)\n\
              \x20 demand scoping: {} clusters in this node's Envoy for {} services in the catalog\n\
              \x20 hot restart:    {} requests during the restart, {} failed\n\
              \x20 unmanaged pod:  left alone (no capture rules, not registered, not in Envoy)",
@@ -318,6 +321,7 @@ impl Demo {
             f.spiffe_id,
             spread.join(" "),
             self.options.requests,
+            f.canary,
             f.envoy_clusters,
             f.catalog_services,
             f.restart_ok,

@@ -100,6 +100,17 @@ impl Reply {
 
 /// An HTTP/1.1 GET whose socket lives in the netns at `netns` (the pod's app making a call).
 pub(crate) async fn get_in(netns: &Path, addr: SocketAddr, host: &str, path: &str) -> Result<Reply, String> {
+    get_in_with(netns, addr, host, path, &[]).await
+}
+
+/// As [`get_in`], with extra request headers.
+pub(crate) async fn get_in_with(
+    netns: &Path,
+    addr: SocketAddr,
+    host: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Result<Reply, String> {
     let stream = run_in(netns, move || {
         std::net::TcpStream::connect_timeout(&addr, REQUEST_TIMEOUT)
     })
@@ -111,10 +122,11 @@ pub(crate) async fn get_in(netns: &Path, addr: SocketAddr, host: &str, path: &st
             .await
             .map_err(|e| format!("handshake: {e}"))?;
         let driver = tokio::spawn(conn);
-        let req = Request::get(path)
-            .header(hyper::header::HOST, host)
-            .body(Empty::<Bytes>::new())
-            .map_err(|e| e.to_string())?;
+        let mut req = Request::get(path).header(hyper::header::HOST, host);
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        let req = req.body(Empty::<Bytes>::new()).map_err(|e| e.to_string())?;
         let resp = sender.send_request(req).await.map_err(|e| format!("request: {e}"))?;
         let status = resp.status().as_u16();
         let body = resp

@@ -3,7 +3,7 @@
 use super::*;
 
 impl Demo {
-    /// Steps 9–15: the mesh at work, each step checked.
+    /// Steps 9–16: the mesh at work, each step checked.
     pub(crate) async fn show(&mut self) -> Result<(), DemoError> {
         self.progress
             .begin(format!("frontend resolves {} through DNS", Self::fqdn("backend")));
@@ -20,6 +20,11 @@ impl Demo {
             self.options.requests
         ));
         let r = self.spread().await;
+        self.progress.end(r)?;
+
+        self.progress
+            .begin("an HTTPRoute splits backend 90/10 with a canary and pins x-version: v2 to it");
+        let r = self.canary().await;
         self.progress.end(r)?;
 
         self.progress
