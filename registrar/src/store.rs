@@ -30,6 +30,12 @@
 //! - [`StoreOp::DeleteService`] removes the service, its VIP and *all* its endpoints;
 //!   deletes of absent records succeed (several replicas may reap the same thing).
 //! - A `PutEndpoint` counts as a liveness refresh of the endpoint's node (see TTL).
+//! - [`StoreOp::UpdateService`] replaces the record of a service that exists, keeping
+//!   its key and VIP (only its other attributes change, e.g. `kubernetes`). It fails
+//!   the batch with `Conflict` when the service is not in the store (listed in
+//!   [`Conflict::missing`]); it never creates one. A VIP other than the stored one is
+//!   a programming error: [`StoreError::Corrupt`]. The record gets the batch's
+//!   revision and shows up on the feed as a `ServicePut`.
 //! - [`StoreOp::PutRoute`] / [`StoreOp::DeleteRoute`] write a projected route by its
 //!   key (`<kind>/<namespace>/<name>`), unconditionally: routes reference services
 //!   by name and may exist before or after them.
@@ -75,6 +81,10 @@ pub enum StoreOp {
     /// Creates a service with its VIP; fails the batch with `Conflict` if the service
     /// key or the VIP already exists.
     CreateService(Service),
+    /// Replaces the record of an existing service with this one (same key, same VIP);
+    /// fails the batch with `Conflict` (in `missing`) if the service does not exist,
+    /// and with `Corrupt` if the VIP differs from the stored one.
+    UpdateService(Service),
     /// Deletes a service, releases its VIP and deletes all its endpoints.
     DeleteService {
         key: ServiceKey,
@@ -193,6 +203,13 @@ pub enum StoreError {
     Corrupt(String),
     #[error("{0}")]
     Config(String),
+}
+
+/// The refusal of an [`StoreOp::UpdateService`] that would move a service's VIP.
+pub fn vip_change(service: &str, stored: &str, update: &str) -> StoreError {
+    StoreError::Corrupt(format!(
+        "an update of service {service} would move its VIP from {stored} to {update}; VIPs never change"
+    ))
 }
 
 /// Settings every backend gets.

@@ -514,6 +514,16 @@ async fn conditional_writes_make_one_winner_and_tell_the_loser() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_update_lands_on_the_existing_service_only_and_reaches_the_feed() {
+    let moto = Moto::start().await;
+    let sync = Duration::from_millis(200);
+    let a = DynamoStore::connect(moto.config(sync)).await.unwrap();
+    let b = DynamoStore::connect(moto.config(sync)).await.unwrap();
+    let feed = b.feed(b.load().await.unwrap().revision);
+    support::updates::service_updates(&a, &b, feed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_feed_brings_another_replicas_writes_with_their_revisions() {
     let moto = Moto::start().await;
     let sync = Duration::from_millis(200);

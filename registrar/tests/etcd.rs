@@ -75,6 +75,15 @@ fn settings() -> StoreSettings {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_update_lands_on_the_existing_service_only_and_reaches_the_feed() {
+    let etcd = Etcd::start().await;
+    let a = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    let b = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    let feed = b.feed(b.load().await.unwrap().revision);
+    support::updates::service_updates(&a, &b, feed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_follow_the_documented_layout_with_protobuf_values_and_node_leases() {
     let etcd = Etcd::start().await;
     let replica = start_replica(&etcd, &[]).await;

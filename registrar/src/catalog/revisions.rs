@@ -32,9 +32,11 @@ impl RecordKey {
     /// The record `op` writes, if it writes one.
     pub(super) fn of_op(op: &StoreOp) -> Option<RecordKey> {
         match op {
-            StoreOp::CreateService(s) => ServiceKey::from_parts("service", &s.namespace, &s.name)
-                .ok()
-                .map(RecordKey::Service),
+            StoreOp::CreateService(s) | StoreOp::UpdateService(s) => {
+                ServiceKey::from_parts("service", &s.namespace, &s.name)
+                    .ok()
+                    .map(RecordKey::Service)
+            }
             StoreOp::DeleteService { key, .. } => Some(RecordKey::Service(key.clone())),
             StoreOp::PutEndpoint(e) => {
                 let service = ServiceKey::parse("service", &e.service).ok()?;

@@ -180,10 +180,13 @@ impl Writer {
                 .map(|s| (None, FeedChangeKind::ServicePut(s)))
                 .collect(),
         );
+        let gone: HashSet<String> = conflict.missing.iter().map(ToString::to_string).collect();
         ops.retain(|op| match op {
             StoreOp::CreateService(service) => {
                 !winners.contains_key(&format!("{}/{}", service.namespace, service.name))
             }
+            // Recreated below from memory, which already holds the update.
+            StoreOp::UpdateService(service) => !gone.contains(&format!("{}/{}", service.namespace, service.name)),
             _ => true,
         });
         for op in ops.iter_mut() {

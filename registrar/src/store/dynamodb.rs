@@ -24,7 +24,9 @@
 //! conditioned on `REV < r` so a write that reserved earlier but landed later never
 //! overwrites a newer one (it is retried with a fresh revision). Service creation is
 //! conditioned on `attribute_not_exists(PK)` for the service and its VIP; endpoint puts
-//! on their service existing. Routes have no condition beyond the revision's.
+//! on their service existing. A service update is conditioned on the service existing
+//! with the same `VIP` and an older revision. Routes have no condition beyond the
+//! revision's.
 //!
 //! # Sync
 //! DynamoDB has no watch, so the feed is a periodic full scan (`--dynamodb-sync-interval`)
@@ -62,7 +64,9 @@ use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
 use prost::Message;
 
 use super::UnreadableRecord;
-use super::{Conflict, Contents, Feed, FeedEvent, Revision, Store, StoreError, StoreOp, StoreSettings, Stored};
+use super::{
+    Conflict, Contents, Feed, FeedEvent, Revision, Store, StoreError, StoreOp, StoreSettings, Stored, vip_change,
+};
 use crate::model::ServiceKey;
 
 /// The default table name.
@@ -765,6 +769,9 @@ impl Inner {
         for service in &batch.created {
             actions.extend(self.create_service(service, &rev)?);
         }
+        for service in batch.updated.values() {
+            actions.push(self.update_service(service, &rev)?);
+        }
         for service in &batch.must_exist {
             let check = ConditionCheck::builder()
                 .table_name(self.table())
@@ -843,6 +850,29 @@ impl Inner {
                 TransactWriteItem::builder().put(put_vip).build(),
             ),
         ])
+    }
+
+    /// Replaces an existing service's item, only if it holds the same VIP at an older
+    /// revision.
+    fn update_service(
+        &self,
+        service: &Service,
+        rev: &AttributeValue,
+    ) -> Result<(Action, TransactWriteItem), WriteError> {
+        let service_key = format!("{}/{}", service.namespace, service.name);
+        let put = Put::builder()
+            .table_name(self.table())
+            .set_item(Some(key(service_pk(&service_key), "svc")))
+            .item(DATA, AttributeValue::B(Blob::new(service.encode_to_vec())))
+            .item(REV, rev.clone())
+            .item("VIP", s(&service.vip))
+            .condition_expression("attribute_exists(PK) AND VIP = :vip AND REV < :rev")
+            .expression_attribute_values(":vip", s(&service.vip))
+            .expression_attribute_values(":rev", rev.clone())
+            .build()
+            .map_err(build_failed)?;
+        let action = Action::UpdateService(service_key, service.vip.clone());
+        Ok((action, TransactWriteItem::builder().put(put).build()))
     }
 
     /// Puts the item at `key` with `attributes` (`Some`) or deletes it (`None`), only
@@ -971,6 +1001,18 @@ impl Inner {
                 Action::CreateService(service) => self.service_taken(service, &mut conflict).await,
                 Action::CreateVip(vip) => self.vip_taken(vip, &mut conflict).await,
                 Action::ServiceExists(service) => service_missing(service, &mut conflict),
+                Action::UpdateService(service, vip) => match self.stored_service(service).await {
+                    Ok(None) => service_missing(service, &mut conflict),
+                    Ok(Some(stored)) if stored.vip != *vip => {
+                        Err(WriteError::Store(vip_change(service, &stored.vip, vip)))
+                    }
+                    // There at an equal or newer revision: another replica wrote it since.
+                    Ok(Some(_)) => {
+                        race = true;
+                        Ok(())
+                    }
+                    Err(error) => Err(WriteError::Store(error)),
+                },
                 Action::Revisioned => {
                     race = true;
                     Ok(())
@@ -1099,6 +1141,9 @@ enum Action {
     CreateService(String),
     CreateVip(String),
     ServiceExists(String),
+    /// A service update (key, VIP): the service must exist with that VIP, at an older
+    /// revision.
+    UpdateService(String, String),
     /// An endpoint or route write, conditioned on the item's older revision.
     Revisioned,
     DeleteVip(String),
@@ -1133,6 +1178,8 @@ fn service_missing(service: &str, conflict: &mut Conflict) -> Result<(), WriteEr
 #[derive(Default)]
 struct Batch {
     created: Vec<Service>,
+    /// Updates of services the batch does not create, by key.
+    updated: BTreeMap<String, Service>,
     deleted_services: Vec<(String, String)>,
     /// (service, address) → the endpoint, or `None` to delete it.
     endpoints: BTreeMap<(String, String), Option<Arc<Endpoint>>>,
@@ -1150,8 +1197,10 @@ impl Batch {
         for op in ops {
             match op {
                 StoreOp::CreateService(service) => batch.created.push(service),
+                StoreOp::UpdateService(service) => batch.update(service),
                 StoreOp::DeleteService { key, vip } => {
                     let key = key.to_string();
+                    batch.updated.remove(&key);
                     batch.endpoints.retain(|(service, _), _| *service != key);
                     batch.created.retain(|s| format!("{}/{}", s.namespace, s.name) != key);
                     batch.deleted_services.push((key, vip));
@@ -1189,12 +1238,27 @@ impl Batch {
             .filter(|(_, e)| e.is_some())
             .map(|((service, _), _)| service.clone())
             .filter(|service| !created.contains(service) && !deleted.contains(service))
+            // An update's own condition checks that its service exists.
+            .filter(|service| !batch.updated.contains_key(service))
             .collect();
         batch
     }
 
+    /// Folds an update into the batch: into the creation of the same service if the
+    /// batch creates it (one action per item), else as an update.
+    fn update(&mut self, service: Service) {
+        let key = format!("{}/{}", service.namespace, service.name);
+        match (self.created.iter_mut()).find(|c| format!("{}/{}", c.namespace, c.name) == key && c.vip == service.vip) {
+            Some(created) => *created = service,
+            None => {
+                self.updated.insert(key, service);
+            }
+        }
+    }
+
     fn is_empty(&self) -> bool {
         self.created.is_empty()
+            && self.updated.is_empty()
             && self.deleted_services.is_empty()
             && self.endpoints.is_empty()
             && self.routes.is_empty()

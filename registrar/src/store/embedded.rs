@@ -25,6 +25,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
 use super::{
     Conflict, Contents, Feed, Revision, Store, StoreError, StoreOp, StoreSettings, Stored, UnreadableRecord, no_feed,
+    vip_change,
 };
 use crate::model::ServiceKey;
 
@@ -149,6 +150,7 @@ impl<'txn> Tables<'txn> {
     fn apply(&mut self, op: &StoreOp) -> Result<(), StoreError> {
         match op {
             StoreOp::CreateService(service) => self.create_service(service),
+            StoreOp::UpdateService(service) => self.update_service(service),
             StoreOp::DeleteService { key, vip } => self.delete_service(key.as_str(), vip),
             StoreOp::PutEndpoint(endpoint) => self.put_endpoint(endpoint),
             StoreOp::DeleteEndpoint { service, address } => {
@@ -208,6 +210,27 @@ impl<'txn> Tables<'txn> {
             .map_err(|e| fail(&e))?;
         self.vips
             .insert(service.vip.as_str(), key.as_str())
+            .map_err(|e| fail(&e))?;
+        Ok(())
+    }
+
+    /// Replaces an existing service's record; a conflict if it is gone, `Corrupt` if
+    /// the update would move its VIP.
+    fn update_service(&mut self, service: &Service) -> Result<(), StoreError> {
+        let key = format!("{}/{}", service.namespace, service.name);
+        let Some(stored) = self.stored_service(&key)? else {
+            let missing = ServiceKey::parse("service", &key).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+            return Err(StoreError::Conflict(Conflict {
+                existing: vec![],
+                missing: vec![missing],
+                detail: format!("service {key} is not in the store"),
+            }));
+        };
+        if stored.vip != service.vip {
+            return Err(vip_change(&key, &stored.vip, &service.vip));
+        }
+        self.services
+            .insert(key.as_str(), service.encode_to_vec().as_slice())
             .map_err(|e| fail(&e))?;
         Ok(())
     }
@@ -513,6 +536,50 @@ mod tests {
         };
         assert_eq!(conflict.missing, vec![ServiceKey::parse("s", "ns/gone").unwrap()]);
         assert!(store.load().await.unwrap().endpoints.is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_update_replaces_an_existing_service_and_never_creates_or_moves_one() {
+        use aether_proto::registry::v1::{KubernetesService, TrafficDistribution};
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path(), settings()).unwrap();
+        store
+            .commit(vec![StoreOp::CreateService(service("a", "240.240.0.1"))])
+            .await
+            .unwrap();
+        let mut updated = service("a", "240.240.0.1");
+        updated.kubernetes = Some(KubernetesService {
+            cluster_ips: vec!["10.96.0.10".into()],
+            traffic_distribution: TrafficDistribution::PreferSameZone as i32,
+        });
+        let revision = store
+            .commit(vec![StoreOp::UpdateService(updated.clone())])
+            .await
+            .unwrap();
+        let contents = store.load().await.unwrap();
+        let stored: Vec<_> = contents.services.iter().map(|s| (&s.value, s.revision)).collect();
+        assert_eq!(stored, [(&updated, revision)]);
+
+        let err = store
+            .commit(vec![StoreOp::UpdateService(service("gone", "240.240.0.2"))])
+            .await
+            .unwrap_err();
+        let StoreError::Conflict(conflict) = err else {
+            panic!("{err}")
+        };
+        assert_eq!(conflict.missing, vec![ServiceKey::parse("s", "ns/gone").unwrap()]);
+
+        let err = store
+            .commit(vec![StoreOp::UpdateService(service("a", "240.240.0.9"))])
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, StoreError::Corrupt(m) if m.contains("240.240.0.9")),
+            "{err}"
+        );
+        let contents = store.load().await.unwrap();
+        assert_eq!(contents.services.len(), 1, "an update never creates a service");
+        assert_eq!(contents.services[0].value, updated, "refused updates change nothing");
     }
 
     #[tokio::test]

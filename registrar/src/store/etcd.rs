@@ -14,7 +14,9 @@
 //! the transaction's header revision. Service creation is one transaction comparing
 //! `create_revision == 0` on the service key and on the VIP key, so of two replicas
 //! creating the same service one wins and the other reads the winner's record back.
-//! Route writes are plain puts and deletes
+//! A service update compares `create_revision > 0` on the service key and the VIP
+//! key's value with the service's key: it lands only on the service it read, VIP
+//! unchanged. Route writes are plain puts and deletes
 //! in the same transaction as the rest of the batch, with no conditions.
 //! Endpoint TTL uses leases: one per node, granted on its first endpoint and kept
 //! alive by every re-registration; when it lapses etcd deletes the node's endpoints
@@ -47,7 +49,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::{
     Conflict, Contents, Feed, FeedChange, FeedChangeKind, FeedEvent, Revision, Store, StoreError, StoreOp,
-    StoreSettings, Stored, UnreadableRecord,
+    StoreSettings, Stored, UnreadableRecord, vip_change,
 };
 use crate::config::Secret;
 use crate::model::ServiceKey;
@@ -503,7 +505,7 @@ impl EtcdStore {
         if response.succeeded() {
             return Ok(revision as Revision);
         }
-        Err(self.explain_conflict(txn.created, needs_service).await?)
+        Err(self.explain_conflict(txn.created, txn.updated, needs_service).await?)
     }
 
     /// Adds `op` to the transaction: its writes, and the conditions it needs.
@@ -521,6 +523,21 @@ impl EtcdStore {
                 txn.put(vkey.clone(), TxnOp::put(vkey, key.into_bytes(), None));
                 txn.created.push(service);
                 txn.created_keys.push(key_of(service));
+            }
+            StoreOp::UpdateService(service) => {
+                let key = key_of(service);
+                let skey = self.keys.service(&key);
+                if !txn.created_keys.contains(&key) {
+                    // It exists, and the VIP it names is its own (a value compare on a
+                    // missing key fails).
+                    txn.compares
+                        .push(Compare::create_revision(skey.clone(), CompareOp::Greater, 0));
+                    let vkey = self.keys.vip(&service.vip);
+                    txn.compares
+                        .push(Compare::value(vkey, CompareOp::Equal, key.into_bytes()));
+                    txn.updated.push(service);
+                }
+                txn.put(skey.clone(), TxnOp::put(skey, service.encode_to_vec(), None));
             }
             StoreOp::DeleteService { key, vip } => {
                 let skey = self.keys.service(key.as_str());
@@ -565,12 +582,24 @@ impl EtcdStore {
     }
 
     /// After a transaction's conditions failed: which condition, and who won. An
-    /// error other than a conflict if that cannot be told.
+    /// error other than a conflict if that cannot be told (`Corrupt` for an update
+    /// that would move a VIP).
     async fn explain_conflict(
         &self,
         created: Vec<&Service>,
+        updated: Vec<&Service>,
         needs_service: Vec<&str>,
     ) -> Result<StoreError, StoreError> {
+        let mut gone = Vec::new();
+        for service in &updated {
+            let key = key_of(service);
+            match self.get_service(&key).await? {
+                Some(stored) if stored.vip != service.vip => return Err(vip_change(&key, &stored.vip, &service.vip)),
+                Some(_) => {}
+                None => gone.push(key),
+            }
+        }
+
         let mut conflict = Conflict::default();
         let mut details = Vec::new();
         for service in created {
@@ -588,7 +617,7 @@ impl EtcdStore {
                 }
             }
         }
-        for service in needs_service {
+        for service in needs_service.into_iter().chain(gone.iter().map(String::as_str)) {
             if self.get_service(service).await?.is_none() {
                 details.push(format!("service {service} is not in the store"));
                 let key = ServiceKey::parse("service", service).map_err(|e| StoreError::Corrupt(e.to_string()))?;
@@ -617,6 +646,8 @@ struct TxnPlan<'a> {
     compares: Vec<Compare>,
     /// Services the batch creates, and their keys.
     created: Vec<&'a Service>,
+    /// Services the batch updates (not created by it).
+    updated: Vec<&'a Service>,
     created_keys: Vec<String>,
     /// Services the batch puts endpoints into.
     needs_service: Vec<&'a str>,
