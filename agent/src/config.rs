@@ -61,6 +61,11 @@ pub struct Config {
     #[arg(long, env = "AETHER_MESH_DOMAIN", default_value = "aether.internal")]
     pub mesh_domain: String,
 
+    /// Kubernetes' cluster DNS domain: a mesh service with a Kubernetes Service also
+    /// answers to `<svc>.<ns>.svc.<cluster domain>` (and its ClusterIPs are captured).
+    #[arg(long, env = "AETHER_CLUSTER_DOMAIN", default_value = crate::xds::resources::DEFAULT_CLUSTER_DOMAIN)]
+    pub cluster_domain: String,
+
     /// This node's locality (topology.kubernetes.io/region, zone, subzone). With
     /// `--pod-source kubernetes`, region and zone left empty are read once from the Node's
     /// topology labels (a flag given wins).

@@ -142,8 +142,21 @@ impl Node {
 
     /// mTLS between pods, with SVIDs from `identity` (served as SDS secrets).
     pub fn with_identity(mut self, identity: Identity) -> Self {
-        self.generator = Arc::new(Mutex::new(Generator::with_mtls(&identity.current().trust_domain)));
+        self.generator.lock().enable_mtls(&identity.current().trust_domain);
         self.identity = Some(identity);
+        self
+    }
+
+    /// Kubernetes' cluster DNS domain (`--cluster-domain`): services with a Kubernetes
+    /// Service also answer to `<svc>.<ns>.svc.<cluster domain>`.
+    pub fn with_cluster_domain(self, cluster_domain: &str) -> Self {
+        self.generator.lock().set_cluster_domain(cluster_domain);
+        self
+    }
+
+    /// This node's name: its endpoints come first for services that PreferSameNode.
+    pub fn with_node_name(self, node_name: &str) -> Self {
+        self.generator.lock().set_node_name(node_name);
         self
     }
 

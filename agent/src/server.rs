@@ -228,7 +228,9 @@ fn node(
         catalog_rx,
         deps_tx,
         metrics.node.clone(),
-    );
+    )
+    .with_cluster_domain(&config.cluster_domain)
+    .with_node_name(&config.node_name);
     let node = match identity {
         Some(identity) => node.with_identity(identity),
         None => node,

@@ -55,6 +55,8 @@ pub struct MeshService<'a> {
     pub service: &'a Service,
     pub fqdn: String,
     pub vip: &'a str,
+    /// Its Kubernetes Service's ClusterIPs (empty without one): captured and routed like the VIP.
+    pub cluster_ips: &'a [String],
     /// The ports its endpoints serve, with their protocol.
     pub ports: BTreeMap<u32, Protocol>,
     pub endpoints: Option<&'a Endpoints>,
@@ -80,6 +82,16 @@ impl MeshService<'_> {
 
     pub fn cluster(&self, port: u32) -> String {
         format!("{}:{port}", self.fqdn)
+    }
+
+    /// The names its Kubernetes Service has in cluster DNS, if it has ClusterIPs:
+    /// `<svc>.<ns>.svc.<cluster domain>` and `<svc>.<ns>.svc`.
+    pub fn kubernetes_names(&self, cluster_domain: &str) -> Vec<String> {
+        if self.cluster_ips.is_empty() {
+            return Vec::new();
+        }
+        let (ns, name) = self.key.split_once('/').unwrap_or(("", self.key));
+        vec![format!("{name}.{ns}.svc.{cluster_domain}"), format!("{name}.{ns}.svc")]
     }
 }
 
@@ -124,6 +136,7 @@ pub fn services<'a>(catalog: &'a CatalogView, mesh_domain: &str) -> Vec<MeshServ
                 service,
                 fqdn: fqdn(key, mesh_domain),
                 vip: &service.vip,
+                cluster_ips: service.kubernetes.as_ref().map_or(&[], |k| k.cluster_ips.as_slice()),
                 ports,
                 endpoints: catalog.endpoints.get(key),
                 bare: false,
@@ -153,6 +166,21 @@ pub struct Generator {
     mtls: Option<Mtls>,
     /// The pods' SVIDs and trust bundles (with mTLS).
     identities: Arc<Identities>,
+    cluster_domain: ClusterDomain,
+    /// This node's name (endpoints on it are "same node" for trafficDistribution).
+    node_name: String,
+}
+
+/// Kubernetes' cluster DNS domain (`--cluster-domain`).
+struct ClusterDomain(String);
+
+/// What Kubernetes uses unless the cluster was set up otherwise.
+pub const DEFAULT_CLUSTER_DOMAIN: &str = "cluster.local";
+
+impl Default for ClusterDomain {
+    fn default() -> Self {
+        ClusterDomain(DEFAULT_CLUSTER_DOMAIN.to_owned())
+    }
 }
 
 struct ServiceMemo {
@@ -227,6 +255,7 @@ impl RoutesInput {
 struct RouteKey {
     key: String,
     vip: String,
+    cluster_ips: Vec<String>,
     ports: BTreeMap<u32, Protocol>,
 }
 
@@ -235,6 +264,7 @@ impl RouteKey {
         Self {
             key: service.key.to_owned(),
             vip: service.vip.to_owned(),
+            cluster_ips: service.cluster_ips.to_vec(),
             ports: service.ports.clone(),
         }
     }
@@ -274,6 +304,24 @@ impl Generator {
         }
     }
 
+    /// Kubernetes' cluster DNS domain, for the names of services with a Kubernetes
+    /// Service (default [`DEFAULT_CLUSTER_DOMAIN`]).
+    pub fn set_cluster_domain(&mut self, cluster_domain: &str) {
+        self.cluster_domain = ClusterDomain(cluster_domain.to_owned());
+    }
+
+    /// This node's name, as its agent registers endpoints under it.
+    pub fn set_node_name(&mut self, node_name: &str) {
+        self.node_name = node_name.to_owned();
+    }
+
+    /// mTLS between pods in `trust_domain` from now on.
+    pub fn enable_mtls(&mut self, trust_domain: &str) {
+        self.mtls = Some(Mtls {
+            trust_domain: trust_domain.to_owned(),
+        });
+    }
+
     /// The identities the next [`Generator::generate`] serves (SDS). With mTLS, a pod
     /// without an SVID gets no listeners: it cannot join the mesh without an identity
     /// (its CNI ADD waits, then fails, and kubelet retries).
@@ -300,7 +348,12 @@ impl Generator {
             .map(str::to_owned)
             .collect();
         let mut out = Collected::default();
-        self.add_services(&services, inputs.locality, mtls, &mut out);
+        let node_name = self.node_name.clone();
+        let here = clusters::Here {
+            locality: inputs.locality,
+            node: &node_name,
+        };
+        self.add_services(&services, here, mtls, &mut out);
         self.add_pods(inputs.pods, &services, &consumers, mtls, &mut out);
         add_empty_on_demand(inputs, mtls, &mut out);
         let input = RoutesInput {
@@ -338,7 +391,7 @@ impl Generator {
     fn add_services(
         &mut self,
         services: &[MeshService],
-        locality: &Locality,
+        here: clusters::Here,
         mtls: Option<&Mtls>,
         out: &mut Collected,
     ) {
@@ -346,7 +399,7 @@ impl Generator {
         for service in services {
             let memo = match self.services.remove(service.key) {
                 Some(memo) if memo.is_current(service) => memo,
-                _ => ServiceMemo::build(service, locality, mtls),
+                _ => ServiceMemo::build(service, here, mtls),
             };
             out.clusters.extend(memo.clusters.iter().cloned());
             out.assignments.extend(memo.assignments.iter().cloned());
@@ -403,7 +456,13 @@ impl Generator {
     ) -> Vec<Arc<Resource>> {
         let routes = match self.routes.take() {
             Some((last, routes)) if last.same(&input) => routes,
-            _ => resources(routes::route_configs(mesh_domain, services, attached, &input.consumers)),
+            _ => {
+                let names = routes::Names {
+                    mesh_domain,
+                    cluster_domain: &self.cluster_domain.0,
+                };
+                resources(routes::route_configs(&names, services, attached, &input.consumers))
+            }
         };
         self.routes = Some((input, routes.clone()));
         routes
@@ -443,8 +502,8 @@ impl ServiceMemo {
         self.service == *service.service && self.bare == service.bare && same_endpoints
     }
 
-    fn build(service: &MeshService, locality: &Locality, mtls: Option<&Mtls>) -> Self {
-        let (c, a) = clusters::service_resources(service, locality, mtls);
+    fn build(service: &MeshService, here: clusters::Here, mtls: Option<&Mtls>) -> Self {
+        let (c, a) = clusters::service_resources(service, here, mtls);
         let clusters = resources(c);
         let assignments = with_cluster_versions(a, &clusters);
         ServiceMemo {

@@ -4,13 +4,15 @@
 
 use std::collections::BTreeMap;
 
-use aether_proto::registry::v1::{Endpoint as MeshEndpoint, Health, Locality as MeshLocality, Protocol};
+use aether_proto::registry::v1::{
+    Endpoint as MeshEndpoint, Health, Locality as MeshLocality, Protocol, TrafficDistribution,
+};
 use envoy_types::pb::envoy::config::cluster::v3::{
     CircuitBreakers, Cluster, OutlierDetection, circuit_breakers, cluster,
 };
 use envoy_types::pb::envoy::config::core::v3::{BindConfig, HealthStatus, Http2ProtocolOptions, Locality};
 use envoy_types::pb::envoy::config::endpoint::v3::{
-    ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint,
+    ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, cluster_load_assignment, lb_endpoint,
 };
 use envoy_types::pb::envoy::extensions::upstreams::http::v3::{HttpProtocolOptions, http_protocol_options};
 use envoy_types::pb::envoy::r#type::v3::Percent;
@@ -48,7 +50,7 @@ pub fn service_clusters(service: &MeshService) -> Vec<(String, u32, Protocol)> {
 
 /// A dependency service's clusters and their endpoint assignments.
 /// Returns (clusters, assignments).
-pub fn service_resources(service: &MeshService, here: &MeshLocality, mtls: Option<&Mtls>) -> (Named, Named) {
+pub fn service_resources(service: &MeshService, here: Here, mtls: Option<&Mtls>) -> (Named, Named) {
     let endpoints: Vec<&MeshEndpoint> = service.endpoints.map(|e| e.values().collect()).unwrap_or_default();
     let sans = mtls
         .map(|m| server_sans(m, service.key, &endpoints))
@@ -63,7 +65,8 @@ pub fn service_resources(service: &MeshService, here: &MeshLocality, mtls: Optio
             .filter(|e| e.ports.iter().any(|p| p.port == port))
             .collect();
         let http = mtls.is_some().then_some(is_http(protocol));
-        assignments.push((name.clone(), any(&load_assignment(&name, &serving, here, http))));
+        let assignment = load_assignment(&name, &serving, here, distribution(service), http);
+        assignments.push((name.clone(), any(&assignment)));
     }
     (clusters, assignments)
 }
@@ -271,50 +274,83 @@ fn local_cluster(name: &str, port: u32, netns: &str) -> Cluster {
     }
 }
 
-/// Endpoints grouped by locality; priority 0 in this node's zone, 1 in its region, 2
-/// elsewhere, so traffic stays close while it can. `originate`: with mTLS, whether the
-/// endpoints are reached through the HTTP (`true`) or TCP origination hop.
+/// Where this node is, which decides which endpoints are near.
+#[derive(Clone, Copy)]
+pub struct Here<'a> {
+    pub locality: &'a MeshLocality,
+    /// This node's name, as endpoints carry it (`Endpoint.node`).
+    pub node: &'a str,
+}
+
+/// An endpoint's priority (0 first; Envoy moves to the next only when a level has too
+/// few healthy endpoints). With the Service's `trafficDistribution`: PreferSameNode puts
+/// this node's endpoints first, PreferSameZone this zone's, the rest at 1. Without (or
+/// when this node does not know its node name or zone): 0 in this node's zone, 1 in its
+/// region, 2 elsewhere, so traffic stays close while it can.
+fn priority(endpoint: &MeshEndpoint, here: Here, distribution: TrafficDistribution) -> u32 {
+    let locality = endpoint.locality.clone().unwrap_or_default();
+    match distribution {
+        TrafficDistribution::PreferSameNode if !here.node.is_empty() => u32::from(endpoint.node != here.node),
+        TrafficDistribution::PreferSameZone if !here.locality.zone.is_empty() => {
+            u32::from(locality.zone != here.locality.zone)
+        }
+        _ if locality.region == here.locality.region && locality.zone == here.locality.zone => 0,
+        _ if locality.region == here.locality.region => 1,
+        _ => 2,
+    }
+}
+
+/// The Service's traffic distribution, if it has a Kubernetes Service.
+pub fn distribution(service: &MeshService) -> TrafficDistribution {
+    service
+        .service
+        .kubernetes
+        .as_ref()
+        .map_or(TrafficDistribution::Unspecified, |k| k.traffic_distribution())
+}
+
+/// Endpoints grouped by priority (see [`priority`]) and locality. `originate`: with
+/// mTLS, whether the endpoints are reached through the HTTP (`true`) or TCP origination
+/// hop.
 fn load_assignment(
     name: &str,
     endpoints: &[&MeshEndpoint],
-    here: &aether_proto::registry::v1::Locality,
+    here: Here,
+    distribution: TrafficDistribution,
     originate: Option<bool>,
 ) -> ClusterLoadAssignment {
     let mut groups: BTreeMap<(u32, String, String, String), Vec<LbEndpoint>> = BTreeMap::new();
     for endpoint in endpoints {
         let locality = endpoint.locality.clone().unwrap_or_default();
-        let priority = if locality.region == here.region && locality.zone == here.zone {
-            0
-        } else if locality.region == here.region {
-            1
-        } else {
-            2
-        };
         let health = match Health::try_from(endpoint.health) {
             Ok(Health::Unhealthy) => HealthStatus::Unhealthy,
             Ok(Health::Draining) => HealthStatus::Draining,
             _ => HealthStatus::Healthy,
         };
+        let weight = endpoint.weight.max(1);
         let lb_endpoint = match originate {
             Some(http) => {
                 let (address, metadata) = origination::endpoint(&endpoint.address, INBOUND_PORT, http);
-                let mut lb_endpoint = lb_endpoint_at(address, health, endpoint.weight.max(1));
+                let mut lb_endpoint = lb_endpoint_at(address, health, weight);
                 lb_endpoint.metadata = Some(metadata);
                 lb_endpoint
             }
-            None => lb_endpoint_at(
-                address(&endpoint.address, INBOUND_PORT, None),
-                health,
-                endpoint.weight.max(1),
-            ),
+            None => lb_endpoint_at(address(&endpoint.address, INBOUND_PORT, None), health, weight),
         };
         groups
-            .entry((priority, locality.region, locality.zone, locality.subzone))
+            .entry((
+                priority(endpoint, here, distribution),
+                locality.region,
+                locality.zone,
+                locality.subzone,
+            ))
             .or_default()
             .push(lb_endpoint);
     }
+    let preferred = groups.iter().filter(|((p, ..), _)| *p == 0).map(|(_, e)| e.len()).sum();
     ClusterLoadAssignment {
         cluster_name: name.to_owned(),
+        policy: all_or_nothing(distribution, preferred),
         endpoints: groups
             .into_iter()
             .map(
@@ -328,6 +364,26 @@ fn load_assignment(
             .collect(),
         ..Default::default()
     }
+}
+
+/// Kubernetes' trafficDistribution keeps every request on the preferred endpoints while
+/// one of them is ready, and moves all of them when none is. Envoy instead spills a share
+/// to the next priority once fewer than 1/1.4 of a level's endpoints are healthy (its
+/// overprovisioning factor, default 140 %): a factor of 100 % × the level's endpoint
+/// count makes one healthy endpoint enough to hold the whole load, and none (all
+/// unhealthy, ejected, draining or gone) a clean failover. Unspecified keeps Envoy's
+/// default, as before.
+fn all_or_nothing(distribution: TrafficDistribution, preferred: usize) -> Option<cluster_load_assignment::Policy> {
+    if distribution == TrafficDistribution::Unspecified {
+        return None;
+    }
+    let factor = u32::try_from(preferred.max(1))
+        .unwrap_or(u32::MAX / 100)
+        .saturating_mul(100);
+    Some(cluster_load_assignment::Policy {
+        overprovisioning_factor: u32v(factor),
+        ..Default::default()
+    })
 }
 
 fn lb_endpoint_at(
@@ -369,5 +425,94 @@ mod tests {
             "above Envoy's per-client default"
         );
         assert!(limits.retry_budget.is_some() && limits.max_retries.is_none());
+    }
+
+    fn endpoint(address: &str, node: &str, region: &str, zone: &str) -> MeshEndpoint {
+        MeshEndpoint {
+            address: address.into(),
+            node: node.into(),
+            locality: Some(MeshLocality {
+                region: region.into(),
+                zone: zone.into(),
+                subzone: String::new(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// (priority, endpoint addresses) per group, and the overprovisioning factor.
+    fn placed(here: Here, distribution: TrafficDistribution) -> (Vec<(u32, Vec<String>)>, Option<u32>) {
+        let endpoints = [
+            endpoint("10.0.0.1", "n1", "eu", "a"),
+            endpoint("10.0.0.2", "n1", "eu", "a"),
+            endpoint("10.0.0.3", "n2", "eu", "a"),
+            endpoint("10.0.0.4", "n3", "eu", "b"),
+            endpoint("10.0.0.5", "n4", "us", "c"),
+        ];
+        let refs: Vec<&MeshEndpoint> = endpoints.iter().collect();
+        let assignment = load_assignment("svc", &refs, here, distribution, None);
+        let mut groups: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+        for group in &assignment.endpoints {
+            for e in &group.lb_endpoints {
+                let Some(lb_endpoint::HostIdentifier::Endpoint(endpoint)) = &e.host_identifier else {
+                    panic!()
+                };
+                let Some(envoy_types::pb::envoy::config::core::v3::address::Address::SocketAddress(socket)) =
+                    endpoint.address.as_ref().unwrap().address.as_ref()
+                else {
+                    panic!()
+                };
+                groups.entry(group.priority).or_default().push(socket.address.clone());
+            }
+        }
+        let factor = assignment
+            .policy
+            .and_then(|p| p.overprovisioning_factor)
+            .map(|f| f.value);
+        (groups.into_iter().collect(), factor)
+    }
+
+    fn ips(last: &[u8]) -> Vec<String> {
+        last.iter().map(|i| format!("10.0.0.{i}")).collect()
+    }
+
+    #[test]
+    fn prefer_same_node_puts_this_nodes_endpoints_first_and_holds_them_while_one_is_healthy() {
+        let locality = MeshLocality {
+            region: "eu".into(),
+            zone: "a".into(),
+            subzone: String::new(),
+        };
+        let here = Here {
+            locality: &locality,
+            node: "n1",
+        };
+        let (groups, factor) = placed(here, TrafficDistribution::PreferSameNode);
+        assert_eq!(groups, [(0, ips(&[1, 2])), (1, ips(&[3, 4, 5]))]);
+        // Two preferred endpoints: one healthy of two still carries everything.
+        assert_eq!(factor, Some(200));
+
+        let (groups, factor) = placed(here, TrafficDistribution::PreferSameZone);
+        assert_eq!(groups, [(0, ips(&[1, 2, 3])), (1, ips(&[4, 5]))]);
+        assert_eq!(factor, Some(300));
+
+        // Unspecified: zone, then region, then the rest, with Envoy's default spill-over.
+        let (groups, factor) = placed(here, TrafficDistribution::Unspecified);
+        assert_eq!(groups, [(0, ips(&[1, 2, 3])), (1, ips(&[4])), (2, ips(&[5]))]);
+        assert_eq!(factor, None);
+    }
+
+    #[test]
+    fn a_node_that_does_not_know_where_it_is_keeps_the_default_order() {
+        let locality = MeshLocality::default();
+        let nowhere = Here {
+            locality: &locality,
+            node: "",
+        };
+        let (unspecified, _) = placed(nowhere, TrafficDistribution::Unspecified);
+        assert_eq!(placed(nowhere, TrafficDistribution::PreferSameNode).0, unspecified);
+        assert_eq!(placed(nowhere, TrafficDistribution::PreferSameZone).0, unspecified);
+        // Still one group first and the rest after: the region is what endpoints lack too.
+        assert_eq!(unspecified, [(2, ips(&[1, 2, 3, 4, 5]))]);
     }
 }

@@ -1,11 +1,12 @@
 //! LDS: two listeners per local pod, each bound inside the pod's netns:
 //! - `outbound` on 127.0.0.1:18081 and 127.0.0.1:18001: the pod's outgoing traffic. On
-//!   18081, HTTP the app sends explicitly; on 18001, connections the pod's nft rules
-//!   redirected from a mesh VIP. HTTP is routed by authority (name or VIP; RDS
+//!   18081, HTTP the app sends explicitly, routed by authority (name or VIP; RDS
 //!   `outbound`, or `outbound~<ns>` where the pod's namespace has consumer routes, with
-//!   on-demand CDS for mesh names outside the dependency set); plain
-//!   TCP by original destination VIP:port for the pod's declared upstreams. (One
-//!   listener with two addresses: a listener costs Envoy far more than an address.)
+//!   on-demand CDS for mesh names outside the dependency set); on 18001, connections the
+//!   pod's nft rules redirected from a mesh VIP or ClusterIP, HTTP routed by that
+//!   original destination (RDS `outbound-captured[~<ns>]`, see `routes`); plain TCP by
+//!   original destination VIP:port for the pod's declared upstreams. (One listener with
+//!   two addresses: a listener costs Envoy far more than an address.)
 //! - `inbound` on 0.0.0.0:18008: traffic from peers, delivered to the app on
 //!   127.0.0.1:<port> (HTTP by the port header, anything else to the primary port).
 //!
@@ -13,7 +14,10 @@
 //! h2 through the TLS inspector) and the outgoing listeners mark connections with the
 //! pod's identity (see `transport`).
 
-use envoy_types::pb::envoy::config::core::v3::CidrRange;
+use envoy_types::pb::envoy::config::common::mutation_rules::v3::{HeaderMutation as MutationRule, header_mutation};
+use envoy_types::pb::envoy::config::core::v3::{
+    CidrRange, HeaderValue, HeaderValueOption, TypedExtensionConfig, header_value_option,
+};
 use envoy_types::pb::envoy::config::listener::v3::{
     AdditionalAddress, Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter, listener_filter,
 };
@@ -27,10 +31,11 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
     HttpConnectionManager, HttpFilter, Rds, http_connection_manager, http_filter,
 };
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpProxy, tcp_proxy};
+use envoy_types::pb::envoy::extensions::http::early_header_mutation::header_mutation::v3::HeaderMutation as EarlyHeaderMutation;
 use envoy_types::pb::google::protobuf::{Any, UInt32Value};
 
 use super::clusters::local_name;
-use super::routes::inbound_routes;
+use super::routes::{DESTINATION_HEADER, captured_table_name, inbound_routes};
 use super::transport::{self, Mtls};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
 use super::{MeshService, is_http};
@@ -75,10 +80,19 @@ fn outgoing(
     chain
 }
 
-/// HTTP routed by authority through the node's outbound `table`, with on-demand CDS
-/// for mesh names outside the dependency set. Requests are stamped with the source pod's
-/// service `source` for request metrics (crate::request_metrics).
-fn routed_by_authority(stat_prefix: &str, source: &str, table: &str) -> Filter {
+/// How the HTTP of one of a pod's outgoing chains picks its virtual host.
+enum RoutedBy<'a> {
+    /// The request's authority, through the node's outbound `table` (explicit calls).
+    Authority(&'a str),
+    /// The connection's original destination, through the captured twin of `table`
+    /// (see `routes`): the address called decides, whatever the Host header says.
+    Destination(&'a str),
+}
+
+/// HTTP routed through an outbound table, with on-demand CDS for mesh names outside
+/// the dependency set. Requests are stamped with the source pod's service `source` for
+/// request metrics (crate::request_metrics).
+fn routed(stat_prefix: &str, source: &str, by: RoutedBy) -> Filter {
     let on_demand = OnDemand {
         odcds: Some(OnDemandCds {
             source: ads(),
@@ -86,12 +100,17 @@ fn routed_by_authority(stat_prefix: &str, source: &str, table: &str) -> Filter {
             ..Default::default()
         }),
     };
+    let (table, early_header_mutation_extensions) = match by {
+        RoutedBy::Authority(table) => (table.to_owned(), Vec::new()),
+        RoutedBy::Destination(table) => (captured_table_name(table), vec![stamp_destination()]),
+    };
     let hcm = HttpConnectionManager {
         stat_prefix: stat_prefix.to_owned(),
         route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
             config_source: ads(),
-            route_config_name: table.to_owned(),
+            route_config_name: table,
         })),
+        early_header_mutation_extensions,
         http_filters: vec![
             http_filter_of("envoy.filters.http.on_demand", &on_demand),
             http_filter_of(
@@ -104,6 +123,29 @@ fn routed_by_authority(stat_prefix: &str, source: &str, table: &str) -> Filter {
         ..Default::default()
     };
     network_filter("envoy.filters.network.http_connection_manager", &hcm)
+}
+
+/// Sets the destination header to the connection's local address (the original
+/// destination, restored by the original_dst listener filter) before the route table
+/// picks a virtual host by it; whatever the client sent in it is overwritten.
+fn stamp_destination() -> TypedExtensionConfig {
+    let mutation = EarlyHeaderMutation {
+        mutations: vec![MutationRule {
+            action: Some(header_mutation::Action::Append(HeaderValueOption {
+                header: Some(HeaderValue {
+                    key: DESTINATION_HEADER.to_owned(),
+                    value: "%DOWNSTREAM_LOCAL_ADDRESS%".to_owned(),
+                    ..Default::default()
+                }),
+                append_action: header_value_option::HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+                ..Default::default()
+            })),
+        }],
+    };
+    TypedExtensionConfig {
+        name: "envoy.http.early_header_mutation.header_mutation".to_owned(),
+        typed_config: Some(any(&mutation)),
+    }
 }
 
 fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>) -> Option<Listener> {
@@ -157,32 +199,26 @@ fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>) -> Option<Listener>
 }
 
 /// The pod's outgoing traffic, explicit (18081) or captured (18001): plain TCP to a
-/// VIP:port of a service this pod declared goes to that service port's cluster by
-/// original destination; everything else is HTTP routed by authority through the node's
-/// `outbound` table, whose virtual hosts answer to each service's VIP as well as its name
-/// (and on demand for undeclared mesh names). Anything that is neither is closed.
+/// VIP:port (or ClusterIP:port) of a service this pod declared goes to that service
+/// port's cluster by original destination; HTTP sent to 127.0.0.1:18081 is routed by
+/// authority through the node's `outbound` table, and every other connection (captured:
+/// its original destination is a mesh address) by that destination through the
+/// captured table, falling back to the authority for destinations that are no declared
+/// service (on demand for undeclared mesh names). Anything that is neither is closed.
 fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], table: &str, mtls: Option<&Mtls>) -> Listener {
-    let mut filter_chains = Vec::new();
-    for service in declared {
-        for (port, _) in service.ports.iter().filter(|(_, p)| !is_http(**p)) {
-            let name = service.cluster(*port);
-            filter_chains.push(outgoing(
-                pod,
-                mtls,
-                Some(FilterChainMatch {
-                    destination_port: Some(UInt32Value { value: *port }),
-                    prefix_ranges: vec![CidrRange {
-                        address_prefix: service.vip.to_owned(),
-                        prefix_len: Some(UInt32Value {
-                            value: if service.vip.contains(':') { 128 } else { 32 },
-                        }),
-                    }],
-                    ..Default::default()
-                }),
-                tcp_proxy_to(&format!("capture.{}", name.replace(':', "_")), &name),
-            ));
-        }
-    }
+    let stat_prefix = format!("outbound.{}", pod.id().replace('/', "."));
+    let source = pod.info.service();
+    let mut filter_chains = tcp_chains(pod, declared, mtls);
+    filter_chains.push(outgoing(
+        pod,
+        mtls,
+        Some(FilterChainMatch {
+            destination_port: Some(UInt32Value { value: OUTBOUND_PORT }),
+            prefix_ranges: vec![host_range("127.0.0.1")],
+            ..Default::default()
+        }),
+        routed(&stat_prefix, &source, RoutedBy::Authority(table)),
+    ));
     Listener {
         name: outbound_name(pod),
         stat_prefix: stat_name(&outbound_name(pod)),
@@ -202,13 +238,45 @@ fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], table: &str,
             pod,
             mtls,
             None,
-            routed_by_authority(
-                &format!("outbound.{}", pod.id().replace('/', ".")),
-                &pod.info.service(),
-                table,
-            ),
+            routed(&stat_prefix, &source, RoutedBy::Destination(table)),
         )),
         ..Default::default()
+    }
+}
+
+/// Plain TCP to a declared service's address and TCP port, one chain per port (its
+/// VIP and ClusterIPs as the chain's ranges).
+fn tcp_chains(pod: &LocalPod, declared: &[&MeshService], mtls: Option<&Mtls>) -> Vec<FilterChain> {
+    let mut filter_chains = Vec::new();
+    for service in declared {
+        let prefix_ranges: Vec<CidrRange> = std::iter::once(service.vip)
+            .chain(service.cluster_ips.iter().map(String::as_str))
+            .map(host_range)
+            .collect();
+        for (port, _) in service.ports.iter().filter(|(_, p)| !is_http(**p)) {
+            let name = service.cluster(*port);
+            filter_chains.push(outgoing(
+                pod,
+                mtls,
+                Some(FilterChainMatch {
+                    destination_port: Some(UInt32Value { value: *port }),
+                    prefix_ranges: prefix_ranges.clone(),
+                    ..Default::default()
+                }),
+                tcp_proxy_to(&format!("capture.{}", name.replace(':', "_")), &name),
+            ));
+        }
+    }
+    filter_chains
+}
+
+/// One address as a CIDR range.
+fn host_range(ip: &str) -> CidrRange {
+    CidrRange {
+        address_prefix: ip.to_owned(),
+        prefix_len: Some(UInt32Value {
+            value: if ip.contains(':') { 128 } else { 32 },
+        }),
     }
 }
 

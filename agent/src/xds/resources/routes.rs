@@ -4,6 +4,12 @@
 //! namespace with consumer routes (see `attached`), and the per-pod inbound table that
 //! picks the app port from the port header.
 //!
+//! Each outbound table has a captured twin (`outbound-captured[~<ns>]`) with the same
+//! virtual hosts, chosen by a captured connection's original destination (`vip:port`,
+//! `clusterip:port`) instead of the authority: a call to a service's address reaches that
+//! service whatever its Host header says (GAMMA). Both are shared per node (per consumer
+//! namespace), so the cost is twice the services' virtual hosts, never per pod.
+//!
 //! An HTTP port with routes attached serves their compiled rules (see `compile`); one
 //! without serves everything to its own cluster, with the mesh's default retries.
 
@@ -25,15 +31,20 @@ use envoy_types::pb::envoy::config::route::v3::{
 };
 use envoy_types::pb::envoy::extensions::retry::host::previous_hosts::v3::PreviousHostsPredicate;
 use envoy_types::pb::envoy::r#type::matcher::v3::{RegexMatcher, StringMatcher, string_matcher};
-use envoy_types::pb::google::protobuf::Any;
 
 use super::clusters::local_name;
 use super::util::{PORT_HEADER, any, millis, u32v};
-use super::{MeshService, is_http};
+use super::{MeshService, Named, is_http};
 use crate::pod::LocalPod;
 pub use attached::Attached;
 
 pub const OUTBOUND_ROUTES: &str = "outbound";
+/// The tables of captured connections: virtual hosts chosen by the connection's
+/// original destination (see `listeners`), not by the request's authority.
+pub const CAPTURED_ROUTES: &str = "outbound-captured";
+/// The header the captured chain stamps with the original destination `ip:port`
+/// before virtual-host selection (overwriting any client value); never sent upstream.
+pub const DESTINATION_HEADER: &str = "x-aether-destination";
 
 /// The outbound table of callers in `namespace`: their own when their namespace has
 /// consumer routes (`consumers`), else the shared one.
@@ -45,51 +56,120 @@ pub fn table_name(namespace: &str, consumers: &BTreeSet<String>) -> String {
     }
 }
 
-/// The shared table, then one per namespace in `consumers`.
+/// The captured table that goes with the authority table `table`.
+pub fn captured_table_name(table: &str) -> String {
+    match table.strip_prefix(OUTBOUND_ROUTES) {
+        Some(rest) => format!("{CAPTURED_ROUTES}{rest}"),
+        None => format!("{CAPTURED_ROUTES}~{table}"),
+    }
+}
+
+/// Per caller (the shared one, then one per namespace in `consumers`) the authority
+/// table and the captured table, which share every compiled virtual host.
 pub fn route_configs(
-    mesh_domain: &str,
+    names: &Names,
     services: &[MeshService],
     attached: &Attached,
     consumers: &BTreeSet<String>,
-) -> Vec<(String, Any)> {
+) -> Named {
     let callers = std::iter::once(None).chain(consumers.iter().map(|ns| Some(ns.as_str())));
-    callers
-        .map(|caller| {
-            let config = table(mesh_domain, services, attached, caller);
-            (config.name.clone(), any(&config))
-        })
-        .collect()
+    let mut out = Vec::new();
+    for caller in callers {
+        let hosts = port_hosts(names, services, attached, caller);
+        let name = caller.map_or(OUTBOUND_ROUTES.to_owned(), |ns| format!("{OUTBOUND_ROUTES}~{ns}"));
+        let captured = captured_table(&name, &hosts, names.mesh_domain, !attached.is_empty());
+        let by_authority = RouteConfiguration {
+            name,
+            virtual_hosts: unique_domains(hosts.into_iter().map(|h| h.vhost))
+                .chain([catch_all(names.mesh_domain)])
+                .collect(),
+            // A backend's own header edits win over its rule's (Gateway API applies them last).
+            most_specific_header_mutations_wins: !attached.is_empty(),
+            ..Default::default()
+        };
+        for config in [by_authority, captured] {
+            out.push((config.name.clone(), any(&config)));
+        }
+    }
+    out
 }
 
-/// The outbound table as callers in `caller` (`None`: any namespace without consumer
-/// routes) see it.
-fn table(mesh_domain: &str, services: &[MeshService], attached: &Attached, caller: Option<&str>) -> RouteConfiguration {
-    let mut virtual_hosts = Vec::new();
+/// The names the generators give services.
+pub struct Names<'a> {
+    pub mesh_domain: &'a str,
+    /// Kubernetes' cluster DNS domain: a service with a Kubernetes Service also answers
+    /// to `<svc>.<ns>.svc.<cluster domain>`.
+    pub cluster_domain: &'a str,
+}
+
+/// One service port's virtual host, compiled once: its domains are the authorities it
+/// answers to; `destinations` the `ip:port` a captured connection to it has.
+struct PortHost {
+    vhost: VirtualHost,
+    destinations: Vec<String>,
+}
+
+/// The captured table: the same virtual hosts, selected by [`DESTINATION_HEADER`]; a
+/// destination that is no declared service falls to the catch-all, by authority.
+fn captured_table(authority_table: &str, hosts: &[PortHost], mesh_domain: &str, attached: bool) -> RouteConfiguration {
+    let vhosts = hosts.iter().map(|host| VirtualHost {
+        domains: host.destinations.clone(),
+        ..host.vhost.clone()
+    });
+    RouteConfiguration {
+        name: captured_table_name(authority_table),
+        virtual_hosts: unique_domains(vhosts).chain([catch_all(mesh_domain)]).collect(),
+        vhost_header: DESTINATION_HEADER.to_owned(),
+        request_headers_to_remove: vec![DESTINATION_HEADER.to_owned()],
+        most_specific_header_mutations_wins: attached,
+        ..Default::default()
+    }
+}
+
+/// Envoy refuses a table where two virtual hosts share a domain: the first (services
+/// are sorted by key) keeps it, so a stale address two services claim never NACKs.
+fn unique_domains(vhosts: impl Iterator<Item = VirtualHost>) -> impl Iterator<Item = VirtualHost> {
+    let mut seen = std::collections::HashSet::new();
+    vhosts.filter_map(move |mut vhost| {
+        vhost.domains.retain(|d| seen.insert(d.clone()));
+        (!vhost.domains.is_empty()).then_some(vhost)
+    })
+}
+
+/// Every dependency service port's virtual host as callers in `caller` (`None`: any
+/// namespace without consumer routes) see it.
+fn port_hosts(names: &Names, services: &[MeshService], attached: &Attached, caller: Option<&str>) -> Vec<PortHost> {
+    let mut hosts = Vec::new();
     for service in services {
+        let addresses: Vec<String> = std::iter::once(service.vip)
+            .chain(service.cluster_ips.iter().map(String::as_str))
+            .map(host_literal)
+            .collect();
+        let hostnames: Vec<String> = std::iter::once(service.fqdn.clone())
+            .chain(service.kubernetes_names(names.cluster_domain))
+            .collect();
         if service.ports.is_empty() {
             // Known, but nothing serves it right now: a retryable 503, not a 404.
-            let vip = host_literal(service.vip);
-            virtual_hosts.push(VirtualHost {
-                name: service.fqdn.clone(),
-                domains: vec![
-                    service.fqdn.clone(),
-                    format!("{}:*", service.fqdn),
-                    vip.clone(),
-                    format!("{vip}:*"),
-                ],
-                routes: vec![direct(503, "no endpoints for this mesh service\n")],
-                ..Default::default()
+            let any_port = |h: &String| [h.clone(), format!("{h}:*")];
+            hosts.push(PortHost {
+                vhost: VirtualHost {
+                    name: service.fqdn.clone(),
+                    domains: hostnames.iter().chain(&addresses[..1]).flat_map(any_port).collect(),
+                    routes: vec![direct(503, "no endpoints for this mesh service\n")],
+                    ..Default::default()
+                },
+                destinations: addresses.iter().map(|a| format!("{a}:*")).collect(),
             });
             continue;
         }
         let default = service.default_port();
-        // By name, or by VIP: a captured HTTP connection carries the VIP as its authority.
-        let vip = host_literal(service.vip);
         for (port, protocol) in &service.ports {
-            let mut domains = vec![service.cluster(*port), format!("{vip}:{port}")];
+            // By name, or by VIP (a client may name the VIP as its authority).
+            let mut domains: Vec<String> = hostnames.iter().map(|h| format!("{h}:{port}")).collect();
+            domains.push(format!("{}:{port}", addresses[0]));
             if Some(*port) == default {
-                domains.push(service.fqdn.clone());
-                domains.push(vip.clone());
+                domains.extend(hostnames.iter().cloned());
+                domains.push(addresses[0].clone());
             }
             let routes = if is_http(*protocol) {
                 attached.on(service.key, *port, caller)
@@ -97,27 +177,23 @@ fn table(mesh_domain: &str, services: &[MeshService], attached: &Attached, calle
                 Vec::new()
             };
             let target = actions::Target {
-                mesh_domain,
+                mesh_domain: names.mesh_domain,
                 port: *port,
                 domains: &domains,
             };
             let routes = service_routes(service, *port, &routes, &target);
-            virtual_hosts.push(VirtualHost {
-                name: service.cluster(*port),
-                domains,
-                routes,
-                ..Default::default()
+            hosts.push(PortHost {
+                vhost: VirtualHost {
+                    name: service.cluster(*port),
+                    domains,
+                    routes,
+                    ..Default::default()
+                },
+                destinations: addresses.iter().map(|a| format!("{a}:{port}")).collect(),
             });
         }
     }
-    virtual_hosts.push(catch_all(mesh_domain));
-    RouteConfiguration {
-        name: caller.map_or(OUTBOUND_ROUTES.to_owned(), |ns| format!("{OUTBOUND_ROUTES}~{ns}")),
-        virtual_hosts,
-        // A backend's own header edits win over its rule's (Gateway API applies them last).
-        most_specific_header_mutations_wins: !attached.is_empty(),
-        ..Default::default()
-    }
+    hosts
 }
 
 /// A service port's routes: compiled from those attached, or with none everything to

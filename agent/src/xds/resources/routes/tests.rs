@@ -2,6 +2,7 @@
 //! every match, filter, timeout and retry mapping, consumer tables, and the table
 //! without routes unchanged.
 
+mod captured;
 mod compiled;
 mod envoy;
 
@@ -191,4 +192,22 @@ fn route_action_of(route: &envoy_types::pb::envoy::config::route::v3::Route) -> 
         Some(route::Action::Route(action)) => action,
         other => panic!("not forwarded: {other:?}"),
     }
+}
+
+/// The HTTP connection manager of a listener chain.
+fn hcm_of(chain: &envoy_types::pb::envoy::config::listener::v3::FilterChain) -> HttpConnectionManager {
+    let filter = chain.filters.last().unwrap();
+    let Some(envoy_types::pb::envoy::config::listener::v3::filter::ConfigType::TypedConfig(any)) = &filter.config_type
+    else {
+        panic!("{filter:?}")
+    };
+    HttpConnectionManager::decode(&*any.value).unwrap()
+}
+
+/// The RDS table a listener chain's HTTP goes through.
+fn rds_of(chain: &envoy_types::pb::envoy::config::listener::v3::FilterChain) -> String {
+    let Some(http_connection_manager::RouteSpecifier::Rds(rds)) = hcm_of(chain).route_specifier else {
+        panic!("no RDS")
+    };
+    rds.route_config_name
 }

@@ -1,0 +1,175 @@
+//! Captured connections are routed by their original destination: the captured twin of
+//! each outbound table, the listener chains that choose between the two, and ClusterIPs
+//! (with their Kubernetes names) routed like the VIP.
+
+use aether_proto::registry::v1::KubernetesService;
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
+use envoy_types::pb::envoy::extensions::http::early_header_mutation::header_mutation::v3::HeaderMutation as EarlyHeaderMutation;
+
+use super::super::{DESTINATION_HEADER, captured_table_name};
+use super::*;
+
+/// The catalog with ClusterIPs on some services.
+fn with_cluster_ips(routes: Vec<Route>, ips: &[(&str, &[&str])]) -> CatalogView {
+    let mut catalog = catalog(routes);
+    for (key, ips) in ips {
+        let service = catalog.services.get_mut(*key).unwrap();
+        service.kubernetes = Some(KubernetesService {
+            cluster_ips: ips.iter().map(|ip| (*ip).into()).collect(),
+            traffic_distribution: 0,
+        });
+    }
+    catalog
+}
+
+fn tables_of(generated: &Generated) -> BTreeMap<String, RouteConfiguration> {
+    generated[crate::xds::ROUTE]
+        .iter()
+        .map(|r| (r.name.clone(), RouteConfiguration::decode(&*r.body.value).unwrap()))
+        .collect()
+}
+
+#[test]
+fn the_captured_table_picks_virtual_hosts_by_destination_with_the_same_routes() {
+    let canary = http_route("canary", vec![rule(Vec::new(), &[("gamma/echo-v1", 1)])]);
+    let tables = tables(vec![canary], &[]);
+    let (by_authority, captured) = (&tables["outbound"], &tables["outbound-captured"]);
+    assert_eq!(captured.vhost_header, DESTINATION_HEADER);
+    assert_eq!(captured.request_headers_to_remove, [DESTINATION_HEADER]);
+    assert!(by_authority.vhost_header.is_empty());
+    assert_eq!(
+        captured.most_specific_header_mutations_wins,
+        by_authority.most_specific_header_mutations_wins
+    );
+    let name = "echo.gamma.aether.internal:80";
+    assert_eq!(vhost(captured, name).domains, ["240.240.0.1:80"]);
+    assert_eq!(vhost(captured, name).routes, vhost(by_authority, name).routes);
+    assert_eq!(
+        vhost(captured, "echo.gamma.aether.internal:9000").domains,
+        ["240.240.0.1:9000"]
+    );
+    // Any other destination (an undeclared service's VIP) is routed by authority, on demand.
+    assert_eq!(vhost(captured, "mesh-on-demand"), vhost(by_authority, "mesh-on-demand"));
+    assert_eq!(captured_table_name("outbound~web"), "outbound-captured~web");
+}
+
+#[test]
+fn cluster_ips_route_like_the_vip_and_kubernetes_names_like_the_mesh_name() {
+    let catalog = with_cluster_ips(Vec::new(), &[("gamma/echo-v1", &["10.96.0.11", "fd00::11"])]);
+    let mut generator = crate::xds::resources::Generator::default();
+    generator.set_cluster_domain("example.cluster");
+    let (locality, on_demand) = (Locality::default(), BTreeMap::new());
+    let generated = generator.generate(&Inputs {
+        pods: &[],
+        catalog: &catalog,
+        mesh_domain: DOMAIN,
+        locality: &locality,
+        on_demand: &on_demand,
+    });
+    let tables = tables_of(&generated);
+    let name = "echo-v1.gamma.aether.internal:80";
+    assert_eq!(
+        vhost(&tables["outbound-captured"], name).domains,
+        ["240.240.0.2:80", "10.96.0.11:80", "[fd00::11]:80"]
+    );
+    assert_eq!(
+        vhost(&tables["outbound"], name).domains,
+        [
+            "echo-v1.gamma.aether.internal:80",
+            "echo-v1.gamma.svc.example.cluster:80",
+            "echo-v1.gamma.svc:80",
+            "240.240.0.2:80",
+            "echo-v1.gamma.aether.internal",
+            "echo-v1.gamma.svc.example.cluster",
+            "echo-v1.gamma.svc",
+            "240.240.0.2",
+        ]
+    );
+    // Without a Kubernetes Service, no Kubernetes names.
+    assert!(
+        !vhost(&tables["outbound"], "echo.gamma.aether.internal:80")
+            .domains
+            .iter()
+            .any(|d| d.contains(".svc"))
+    );
+}
+
+#[test]
+fn an_address_two_services_claim_stays_with_the_first_so_envoy_never_refuses_the_table() {
+    let catalog = with_cluster_ips(
+        Vec::new(),
+        &[("gamma/echo-v1", &["10.96.0.7"]), ("gamma/echo-v2", &["10.96.0.7"])],
+    );
+    let tables = tables_of(&generated(&catalog, &[]));
+    for table in tables.values() {
+        let mut domains: Vec<&String> = table.virtual_hosts.iter().flat_map(|v| &v.domains).collect();
+        let all = domains.len();
+        domains.sort();
+        domains.dedup();
+        assert_eq!(domains.len(), all, "{}: a domain twice", table.name);
+    }
+    let captured = &tables["outbound-captured"];
+    assert!(
+        vhost(captured, "echo-v1.gamma.aether.internal:80")
+            .domains
+            .contains(&"10.96.0.7:80".into())
+    );
+    assert_eq!(
+        vhost(captured, "echo-v2.gamma.aether.internal:80").domains,
+        ["240.240.0.3:80"]
+    );
+}
+
+#[test]
+fn explicit_calls_route_by_authority_and_captured_ones_by_their_stamped_destination() {
+    let catalog = with_cluster_ips(Vec::new(), &[("gamma/db", &["10.96.0.4"])]);
+    let mut client = pod("web", "client");
+    client
+        .info
+        .annotations
+        .insert("config.aether.io/upstreams".into(), "gamma/echo,gamma/db".into());
+    let generated = generated(&catalog, &[client]);
+    let listener = generated[crate::xds::LISTENER]
+        .iter()
+        .find(|r| r.name == "outbound|web/client")
+        .map(|r| Listener::decode(&*r.body.value).unwrap())
+        .unwrap();
+    let [tcp, explicit] = &listener.filter_chains[..] else {
+        panic!("{:?}", listener.filter_chains)
+    };
+    // db's TCP port by VIP or ClusterIP.
+    let ranges: Vec<&str> = tcp
+        .filter_chain_match
+        .as_ref()
+        .unwrap()
+        .prefix_ranges
+        .iter()
+        .map(|r| r.address_prefix.as_str())
+        .collect();
+    assert_eq!(ranges, ["240.240.0.4", "10.96.0.4"]);
+    let explicit_match = explicit.filter_chain_match.as_ref().unwrap();
+    assert_eq!(
+        explicit_match.destination_port.unwrap().value,
+        crate::xds::resources::OUTBOUND_PORT
+    );
+    assert_eq!(explicit_match.prefix_ranges[0].address_prefix, "127.0.0.1");
+    assert_eq!(rds_of(explicit), "outbound");
+    assert!(hcm_of(explicit).early_header_mutation_extensions.is_empty());
+    let captured = listener.default_filter_chain.as_ref().unwrap();
+    assert_eq!(rds_of(captured), "outbound-captured");
+    let early = &hcm_of(captured).early_header_mutation_extensions;
+    assert_eq!(early.len(), 1);
+    let mutation = EarlyHeaderMutation::decode(&*early[0].typed_config.as_ref().unwrap().value).unwrap();
+    let Some(envoy_types::pb::envoy::config::common::mutation_rules::v3::header_mutation::Action::Append(stamp)) =
+        &mutation.mutations[0].action
+    else {
+        panic!("{mutation:?}")
+    };
+    let header = stamp.header.as_ref().unwrap();
+    assert_eq!(
+        (header.key.as_str(), header.value.as_str()),
+        (DESTINATION_HEADER, "%DOWNSTREAM_LOCAL_ADDRESS%")
+    );
+    // A client's own value never picks the virtual host.
+    assert_eq!(stamp.append_action, HeaderAppendAction::OverwriteIfExistsOrAdd as i32);
+}
