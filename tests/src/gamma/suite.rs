@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use super::case::{Case, GrpcCall, Row, Split};
 use super::{CONSECUTIVE_PASSES, SETTLE_DEADLINE, nonce};
 use crate::echo::{EchoIdentity, EchoServer, FailureCounters, grpc_call, serve_echo};
+use crate::load::{LoadSpec, Protocol};
 use crate::mesh::{MESH_DOMAIN, Mesh, NAMESPACE};
 use crate::netns::TestPod;
 
@@ -202,16 +203,40 @@ impl Suite {
         }
     }
 
-    /// Writes the case's routes into the registrar's directory (whole, by rename: never half a file).
+    /// Writes the case's routes into the registrar's directory.
     fn apply(&self, case: &Case) -> Option<PathBuf> {
-        if case.routes.is_empty() {
-            return None;
-        }
-        let file = self.routes_dir.path().join(format!("{}.yaml", case.name));
-        let partial = self.routes_dir.path().join(format!(".{}.partial", case.name));
-        std::fs::write(&partial, &case.routes).expect("writing routes");
+        (!case.routes.is_empty()).then(|| self.write_routes(&case.name, &case.routes))
+    }
+
+    /// Writes `yaml` into the registrar's routes directory as `<name>.yaml`, whole, by rename (never half a file).
+    pub fn write_routes(&self, name: &str, yaml: &str) -> PathBuf {
+        let file = self.routes_dir.path().join(format!("{name}.yaml"));
+        let partial = self.routes_dir.path().join(format!(".{name}.partial"));
+        std::fs::write(&partial, yaml).expect("writing routes");
         std::fs::rename(&partial, &file).expect("renaming routes");
-        Some(file)
+        file
+    }
+
+    /// Waits until a plain GET from `client` to `echo` (port 80) is answered by `service`.
+    pub async fn settle_to(&self, service: &str) -> Result<(), String> {
+        let mut row = default_row();
+        row.expect.backend = vec![service.into()];
+        self.settle(&row, &format!("echo answered by {service}"))
+            .await
+            .map(|_| ())
+    }
+
+    /// Load from the `client` pod to the echo service's port 80 (its VIP, its mesh name as the authority).
+    pub fn load_to_echo(&self, protocol: Protocol, connections: usize) -> LoadSpec {
+        LoadSpec {
+            target: SocketAddr::new(self.vips["echo"].parse().expect("a VIP"), 80),
+            host: authority("echo", 80),
+            path: "/load".into(),
+            protocol,
+            connections,
+            streams: 4,
+            netns: Some(self.clients["client"].netns_path()),
+        }
     }
 
     /// After the routes are removed: every row they changed answers as it did before them.
