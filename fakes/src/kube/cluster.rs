@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use parking_lot::Mutex;
@@ -26,12 +26,14 @@ pub(super) struct Kind {
 }
 
 /// What the project's clients read and write: pods and nodes (the agent's pod source and
-/// locality, the registrar's Kubernetes store), the registrar's VIP ConfigMap, the
+/// locality, the registrar's Kubernetes store), Services (their clusterIPs and
+/// trafficDistribution, which the registrar carries in the catalog), the registrar's VIP ConfigMap, the
 /// CNI installer's owner DaemonSet, and the Gateway API routes the registrar watches and
 /// writes the status of (CRDs with the status subresource, as gateway-api installs them).
-const SERVED: [Kind; 6] = [
+const SERVED: [Kind; 7] = [
     Kind::of::<Pod>().with_status(),
     Kind::of::<Node>().with_status(),
+    Kind::of::<Service>().with_status(),
     Kind::of::<ConfigMap>(),
     Kind::of::<DaemonSet>().with_status(),
     Kind::route("HTTPRoute", "httproutes"),

@@ -205,3 +205,31 @@ async fn a_route_status_is_a_subresource() {
     server.install::<HttpRoute>();
     assert_eq!(routes.list(&ListParams::default()).await.unwrap().items.len(), 1);
 }
+
+/// core/v1 Services: listed across namespaces and watched as kube's typed client reads them.
+#[tokio::test]
+async fn services_are_served_with_their_spec() {
+    use k8s_openapi::api::core::v1::Service;
+
+    let server = ApiServer::start();
+    server.apply::<Service>(json!({"metadata": {"name": "cart", "namespace": "shop"},
+        "spec": {"clusterIP": "10.96.0.7", "clusterIPs": ["10.96.0.7", "fd00::7"],
+                 "trafficDistribution": "PreferSameZone", "ports": [{"port": 80}]}}));
+    let services: Api<Service> = Api::all(server.client());
+    let list = services.list(&ListParams::default()).await.unwrap();
+    let spec = list.items[0].spec.clone().unwrap();
+    assert_eq!(spec.cluster_ips.unwrap(), ["10.96.0.7", "fd00::7"]);
+    assert_eq!(spec.traffic_distribution.as_deref(), Some("PreferSameZone"));
+    let from = list.metadata.resource_version.unwrap();
+    let mut watch = Box::pin(services.watch(&WatchParams::default(), &from).await.unwrap());
+    server.delete::<Service>("shop", "cart");
+    match tokio::time::timeout(WAIT, watch.try_next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap()
+    {
+        WatchEvent::Deleted(s) => assert_eq!(s.metadata.name.as_deref(), Some("cart")),
+        other => panic!("unexpected {other:?}"),
+    }
+}
