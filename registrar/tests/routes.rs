@@ -110,8 +110,20 @@ async fn routes_reach_exactly_the_watchers_of_their_parents_and_follow_changes()
     })
     .await;
 
+    refused_edit_keeps_the_last_accepted_version(&registrar, routes.path(), &mut pay).await;
+
+    // DNS watchers never get routes.
+    while records.try_next().is_some() {}
+    assert!(records.view.catalog.routes.is_empty());
+
+    drop(registrar);
+    routes_are_stored_and_follow_the_file(data.path(), routes.path()).await;
+}
+
+/// A refused edit keeps the last accepted version serving, and says why.
+async fn refused_edit_keeps_the_last_accepted_version(registrar: &Registrar, routes: &Path, pay: &mut Watcher) {
     // A refused edit keeps the last accepted version serving, and says why.
-    write(routes.path(), "canary.yaml", &canary("cart", "^/items/[0-9+$"));
+    write(routes, "canary.yaml", &canary("cart", "^/items/[0-9+$"));
     let deadline = Instant::now() + TIMEOUT;
     while !metric(&registrar, "aether_registrar_routes_refused{source=\"directory\"} 1").await {
         assert!(
@@ -132,14 +144,13 @@ async fn routes_reach_exactly_the_watchers_of_their_parents_and_follow_changes()
         has_canary(&pay, "shop/pay"),
         "the last accepted canary must keep serving"
     );
+}
 
-    // DNS watchers never get routes.
-    while records.try_next().is_some() {}
-    assert!(records.view.catalog.routes.is_empty());
-
-    // Routes are stored: a restart without the source still serves them.
-    drop(registrar);
-    let registrar = Registrar::start(data.path(), &[]).await;
+/// Routes are stored: a restart without the source still serves them; with the source back (still holding the
+/// refused edit) the stored version is the last accepted one and keeps serving; deleting the file deletes it.
+async fn routes_are_stored_and_follow_the_file(data: &Path, routes: &Path) {
+    let dir = routes.to_str().unwrap();
+    let registrar = Registrar::start(data, &[]).await;
     let mut client = registrar.client().await;
     let mut again = Watcher::open(&mut client, filter(&["shop/pay"])).await.strict();
     until(&mut again, "the stored canary is served after a restart", |w| {
@@ -150,11 +161,11 @@ async fn routes_reach_exactly_the_watchers_of_their_parents_and_follow_changes()
 
     // With the source back (still holding the refused edit), the stored version is
     // the last accepted one and keeps serving; deleting the file deletes the route.
-    let registrar = Registrar::start(data.path(), &["--routes-dir", dir]).await;
+    let registrar = Registrar::start(data, &["--routes-dir", dir]).await;
     let mut client = registrar.client().await;
     let mut last = Watcher::open(&mut client, filter(&["shop/pay"])).await.strict();
     until(&mut last, "the canary is served", |w| has_canary(w, "shop/pay")).await;
-    std::fs::remove_file(routes.path().join("canary.yaml")).unwrap();
+    std::fs::remove_file(routes.join("canary.yaml")).unwrap();
     until(&mut last, "the deleted canary is gone", |w| {
         w.view.catalog.routes.is_empty()
     })
