@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aether_proto::registrar::v1::Version;
-use aether_proto::registry::v1::{Route, Service};
+use aether_proto::registry::v1::{KubernetesService, Route, Service};
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
@@ -195,6 +195,24 @@ impl Catalog {
         }
         let (reply, response) = oneshot::channel();
         self.submit(Write::Routes { desired, reply }).await?;
+        response.await.map_err(|_| shutting_down())?
+    }
+
+    /// Gives each service the attributes of the Kubernetes Service of the same key in
+    /// `desired` (the cluster's whole set; a service without one gets none), as one
+    /// versioned batch of the services that differ. Services created later start with
+    /// the latest `desired`. Identical calls write nothing, so every replica may make them.
+    pub async fn set_service_attributes(
+        &self,
+        desired: BTreeMap<ServiceKey, KubernetesService>,
+    ) -> Result<Version, Status> {
+        if self.read_only {
+            return Err(Status::failed_precondition(
+                "this registrar's store is read-only: its services come from the store itself",
+            ));
+        }
+        let (reply, response) = oneshot::channel();
+        self.submit(Write::ServiceAttributes { desired, reply }).await?;
         response.await.map_err(|_| shutting_down())?
     }
 

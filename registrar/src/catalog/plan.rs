@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 
-use aether_proto::registry::v1::{Endpoint, Route, Service};
+use aether_proto::registry::v1::{Endpoint, KubernetesService, Route, Service};
 use tonic::Status;
 
 use super::state::{Event, KeyedChange, State, route_changes};
@@ -22,6 +22,8 @@ pub(super) struct Plan {
     pub(super) new_vips: HashSet<IpAddr>,
     pub(super) endpoints: HashMap<(ServiceKey, IpAddr), Option<Arc<Endpoint>>>,
     pub(super) removed_services: Vec<(ServiceKey, IpAddr)>,
+    /// Existing services whose record is replaced (same key and VIP).
+    pub(super) updated_services: Vec<(ServiceKey, Service)>,
     /// Routes to put (`Some`) or delete, by key.
     pub(super) routes: Vec<(String, Option<Arc<Route>>)>,
     pub(super) ops: Vec<StoreOp>,
@@ -75,7 +77,7 @@ impl Plan {
                     namespace: key.namespace().to_owned(),
                     name: key.name().to_owned(),
                     vip: vip.to_string(),
-                    kubernetes: None,
+                    kubernetes: state.kubernetes.get(&key).cloned(),
                 };
                 self.new_vips.insert(vip);
                 self.new_services.insert(key.clone(), service.clone());
@@ -137,6 +139,26 @@ impl Plan {
             let old = state.routes.get(&key).map(|old| &**old);
             self.changes.extend(route_changes(&key, old, Some(route.clone())));
             self.routes.push((key, Some(route)));
+        }
+    }
+}
+
+impl Plan {
+    /// Gives every service the attributes of its Kubernetes Service in `desired`
+    /// (none without one): updates the services whose record differs, and nothing else.
+    pub(super) fn set_service_attributes(&mut self, state: &State, desired: &BTreeMap<ServiceKey, KubernetesService>) {
+        for (key, entry) in &state.services {
+            let kubernetes = desired.get(key);
+            if entry.service.kubernetes.as_ref() == kubernetes {
+                continue;
+            }
+            let service = Service {
+                kubernetes: kubernetes.cloned(),
+                ..entry.service.clone()
+            };
+            self.ops.push(StoreOp::UpdateService(service.clone()));
+            self.change(key, Event::ServiceAdded(service.clone()));
+            self.updated_services.push((key.clone(), service));
         }
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use aether_proto::registrar::v1::{Change, EndpointRef, Version, change};
-use aether_proto::registry::v1::{Endpoint, Route, Service};
+use aether_proto::registry::v1::{Endpoint, KubernetesService, Route, Service};
 use tokio::sync::broadcast;
 
 use super::plan::Plan;
@@ -87,6 +87,10 @@ pub struct State {
     pub(super) endpoint_count: usize,
     /// Projected routes by key (`<kind>/<namespace>/<name>`).
     pub(super) routes: BTreeMap<String, Arc<Route>>,
+    /// The Kubernetes Services' attributes as the cluster last gave them (see
+    /// `Catalog::set_service_attributes`): not published, but a service created from
+    /// now on starts with its own.
+    pub(super) kubernetes: BTreeMap<ServiceKey, KubernetesService>,
     history: VecDeque<Arc<Batch>>,
     history_changes: usize,
     history_limit: usize,
@@ -111,6 +115,7 @@ impl State {
             vips,
             endpoint_count,
             routes,
+            kubernetes: BTreeMap::new(),
             history: VecDeque::new(),
             history_changes: 0,
             history_limit,
@@ -196,6 +201,11 @@ impl State {
                     (false, _) => None,
                     (true, since) => since.or(Some(now)),
                 };
+            }
+        }
+        for (key, service) in plan.updated_services {
+            if let Some(entry) = self.services.get_mut(&key) {
+                entry.service = service;
             }
         }
         for (key, vip) in plan.removed_services {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use aether_common::readiness::Gate;
 use aether_proto::registrar::v1::Version;
-use aether_proto::registry::v1::{Route, Service};
+use aether_proto::registry::v1::{KubernetesService, Route, Service};
 use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -52,6 +52,12 @@ pub(super) enum Write {
         desired: BTreeMap<String, Route>,
         reply: oneshot::Sender<Result<Version, Status>>,
     },
+    /// Give services their Kubernetes Services' attributes (the cluster's whole set);
+    /// planned alone.
+    ServiceAttributes {
+        desired: BTreeMap<ServiceKey, KubernetesService>,
+        reply: oneshot::Sender<Result<Version, Status>>,
+    },
     /// Remove expired empty services; always planned alone.
     Reap,
     /// Remove the endpoints of nodes whose liveness lapsed; always planned alone.
@@ -82,6 +88,45 @@ pub(super) enum Outcome {
     Refused(Status),
 }
 
+/// The writes of a group that are planned alone, taken out of it.
+#[derive(Default)]
+struct Alone {
+    reap: bool,
+    expire: bool,
+    routes: Vec<(BTreeMap<String, Route>, oneshot::Sender<Result<Version, Status>>)>,
+    attributes: Vec<(
+        BTreeMap<ServiceKey, KubernetesService>,
+        oneshot::Sender<Result<Version, Status>>,
+    )>,
+}
+
+impl Alone {
+    fn take(group: &mut Vec<Write>) -> Alone {
+        let mut alone = Alone::default();
+        let closed = || oneshot::channel().0;
+        group.retain_mut(|w| match w {
+            Write::Reap => {
+                alone.reap = true;
+                false
+            }
+            Write::Expire => {
+                alone.expire = true;
+                false
+            }
+            Write::Routes { desired, reply } => {
+                (alone.routes).push((std::mem::take(desired), std::mem::replace(reply, closed())));
+                false
+            }
+            Write::ServiceAttributes { desired, reply } => {
+                (alone.attributes).push((std::mem::take(desired), std::mem::replace(reply, closed())));
+                false
+            }
+            _ => true,
+        });
+        alone
+    }
+}
+
 /// One register or unregister of a group, with where its answer goes.
 enum Request {
     Register(
@@ -107,7 +152,7 @@ impl Request {
                 owner,
                 reply,
             } => Some(Request::Unregister(service, address, owner, reply)),
-            Write::Routes { .. } | Write::Reap | Write::Expire => None,
+            Write::Routes { .. } | Write::ServiceAttributes { .. } | Write::Reap | Write::Expire => None,
         }
     }
 
@@ -237,30 +282,24 @@ impl Writer {
                 Err(_) => break,
             }
         }
-        let mut reap = false;
-        let mut expire = false;
-        let mut routes = Vec::new();
-        group.retain_mut(|w| match w {
-            Write::Reap => {
-                reap = true;
-                false
-            }
-            Write::Expire => {
-                expire = true;
-                false
-            }
-            Write::Routes { desired, reply } => {
-                let (closed, _) = oneshot::channel();
-                routes.push((std::mem::take(desired), std::mem::replace(reply, closed)));
-                false
-            }
-            _ => true,
-        });
+        let Alone {
+            reap,
+            expire,
+            routes,
+            attributes,
+        } = Alone::take(&mut group);
+        if let Some((desired, _)) = attributes.last() {
+            // Before the group: services it creates start with them.
+            self.state.write().kubernetes = desired.clone();
+        }
         if !group.is_empty() {
             self.commit_group(group).await;
         }
         for (desired, reply) in routes {
             let _ = reply.send(self.set_routes(desired).await);
+        }
+        for (_, reply) in attributes {
+            let _ = reply.send(self.set_service_attributes().await);
         }
         if !self.store.accepts_writes() {
             // A read-only store decides what exists; nothing to reap or expire here.
@@ -329,6 +368,24 @@ impl Writer {
             Outcome::Refused(status) => Err(status),
             Outcome::Conflict(conflict) => Err(Status::aborted(conflict.detail)),
         }
+    }
+
+    /// Gives services the attributes last set (`State::kubernetes`), planning again
+    /// after a conflict (a service another replica deleted meanwhile).
+    async fn set_service_attributes(&mut self) -> Result<Version, Status> {
+        for _ in 0..=MAX_CONFLICT_RETRIES {
+            let mut plan = Plan::default();
+            {
+                let state = self.state.read();
+                plan.set_service_attributes(&state, &state.kubernetes);
+            }
+            match self.commit(plan).await {
+                Outcome::Done(version) => return Ok(version),
+                Outcome::Refused(status) => return Err(status),
+                Outcome::Conflict(conflict) => self.adopt(conflict),
+            }
+        }
+        Err(Status::aborted("services kept changing under their attribute updates"))
     }
 
     async fn on_tick(&mut self) {
