@@ -87,11 +87,19 @@ pub struct Config {
     #[arg(long, env = "AETHER_REGISTRAR_ROUTES_DIR")]
     pub routes_dir: Option<PathBuf>,
 
-    /// Serve the cluster's Gateway API HTTPRoutes and GRPCRoutes (Service parents) as the
-    /// mesh's routes, and write their status: for a writable store running in a cluster
-    /// (the kubernetes store always does). Uses the in-cluster or KUBECONFIG client.
-    #[arg(long, env = "AETHER_REGISTRAR_ROUTES_FROM_KUBERNETES", conflicts_with = "routes_dir")]
-    pub routes_from_kubernetes: bool,
+    /// Read the mesh's configuration from the cluster into a writable store (the
+    /// kubernetes store always does): the Gateway API HTTPRoutes and GRPCRoutes with
+    /// Service parents as the mesh's routes (their status written back), and each
+    /// Service's clusterIPs and trafficDistribution into the mesh service of the same
+    /// name. Uses the in-cluster or KUBECONFIG client. `--routes-from-kubernetes` is its
+    /// former name.
+    #[arg(
+        long,
+        alias = "routes-from-kubernetes",
+        env = "AETHER_REGISTRAR_FROM_KUBERNETES",
+        conflicts_with = "routes_dir"
+    )]
+    pub from_kubernetes: bool,
 
     /// Directory of the embedded store's file.
     #[arg(long, env = "AETHER_REGISTRAR_DATA_DIR", default_value = "/var/lib/aether/registrar")]

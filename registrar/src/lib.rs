@@ -5,6 +5,7 @@ pub mod api;
 pub mod auth;
 pub mod bootstrap;
 pub mod catalog;
+pub mod cluster;
 pub mod config;
 pub mod metrics;
 pub mod model;

@@ -22,10 +22,10 @@ use crate::api::RegistrarApi;
 use crate::auth::Policy;
 use crate::bootstrap::{Bootstrap, BootstrapConfig, BootstrapError};
 use crate::catalog::{Catalog, CatalogConfig, OpenError};
+use crate::cluster::ClusterAccess;
 use crate::config::{Config, SecurityConfig, StoreKind};
 use crate::metrics::Metrics;
 use crate::model::MAX_SERVICE_KEY_BYTES;
-use crate::routes::kubernetes::ClusterRoutes;
 use crate::store::dynamodb::{DynamoConfig, DynamoStore};
 use crate::store::embedded::EmbeddedStore;
 use crate::store::etcd::{DEFAULT_MAX_TXN_OPS, EtcdConfig, EtcdStore, EtcdTlsFiles};
@@ -207,32 +207,7 @@ impl Running {
     }
 }
 
-/// The Kubernetes API, when the store or the route source reads the cluster: one client
-/// and one route watch for both.
-#[derive(Clone)]
-pub struct ClusterAccess {
-    pub client: kube::Client,
-    pub routes: ClusterRoutes,
-}
-
-/// Connects to the cluster if `--store kubernetes` or `--routes-from-kubernetes` asks to.
-pub async fn connect_cluster(config: &Config) -> Result<Option<ClusterAccess>, StoreError> {
-    let why = match (config.store, config.routes_from_kubernetes) {
-        (StoreKind::Kubernetes, _) => "--store kubernetes",
-        (_, true) => "--routes-from-kubernetes",
-        _ => return Ok(None),
-    };
-    let client = kube::Client::try_default().await.map_err(|e| {
-        StoreError::Config(format!(
-            "{why}: cannot build a Kubernetes client (tried KUBECONFIG, ~/.kube/config and the in-cluster \
-             service account): {e}"
-        ))
-    })?;
-    let routes = ClusterRoutes::start(client.clone());
-    Ok(Some(ClusterAccess { client, routes }))
-}
-
-/// Opens the store `--store` names (`cluster`: from [`connect_cluster`]).
+/// Opens the store `--store` names (`cluster`: from [`crate::cluster::connect`]).
 pub async fn open_store(config: &Config, cluster: Option<&ClusterAccess>) -> Result<Arc<dyn Store>, StoreError> {
     let settings = StoreSettings {
         endpoint_ttl: config.endpoint_ttl,
@@ -283,6 +258,7 @@ pub async fn open_store(config: &Config, cluster: Option<&ClusterAccess>) -> Res
                     vip_configmap: config.kube_vip_configmap.clone(),
                     vips,
                     routes: cluster.routes.clone(),
+                    services: cluster.services.clone(),
                 },
             )?)
         }
@@ -295,7 +271,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         return Err(StartError::RoutesOnReadOnlyStore);
     }
     let vips = VipAllocator::new(config.vip_cidr)?;
-    let cluster = connect_cluster(&config).await?;
+    let cluster = crate::cluster::connect(&config).await?;
     let store = open_store(&config, cluster.as_ref()).await?;
     let mut registry = Registry::default();
     let metrics = Metrics::new(&mut registry);
@@ -326,7 +302,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let tasks = Tasks::new(shutdown.clone(), &readiness);
     tasks.critical("the catalog writer", writer.run(writer_stop.clone()));
     tasks.critical("the reaper", catalog.clone().run_reaper(shutdown.clone()));
-    run_route_sources(&config, cluster, &tasks, &catalog, &shutdown);
+    run_sources(&config, cluster, &tasks, &catalog, &shutdown);
     let admin_stop = CancellationToken::new();
     let admin_task = tokio::spawn(admin.serve(admin_stop.clone()));
     // Stops with the admin server, after the writer: the last push carries the final values.
@@ -366,10 +342,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     })
 }
 
-/// The route sources: `--routes-dir`, or the cluster's routes into the catalog (a
-/// writable store; the Kubernetes store derives them itself) with their status written
-/// back to the cluster (both stores).
-fn run_route_sources(
+/// The configuration sources: `--routes-dir`, or the cluster's routes and Service
+/// attributes into the catalog (a writable store; the Kubernetes store derives them
+/// itself) with the routes' status written back to the cluster (both stores).
+fn run_sources(
     config: &Config,
     cluster: Option<ClusterAccess>,
     tasks: &Tasks,
@@ -390,6 +366,8 @@ fn run_route_sources(
     if config.store != StoreKind::Kubernetes {
         let source = route_source(cluster.routes.clone(), catalog.clone(), shutdown.clone());
         tasks.critical("the Kubernetes route source", source);
+        let source = crate::cluster::services::run(cluster.services.clone(), catalog.clone(), shutdown.clone());
+        tasks.critical("the Kubernetes Service attribute source", source);
     }
     let writer = status::run(cluster.routes, catalog.clone(), cluster.client, shutdown.clone());
     tasks.critical("the route status writer", writer);

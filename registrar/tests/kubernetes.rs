@@ -13,6 +13,7 @@ use aether_fakes::kube::ApiServer;
 use aether_proto::registrar::v1::RegisterEndpointRequest;
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registry::v1::Health;
+use aether_registrar::cluster::services::ClusterServices;
 use aether_registrar::routes::kubernetes::ClusterRoutes;
 use aether_registrar::store::kubernetes::{DEFAULT_VIP_CONFIGMAP, KubeConfig, KubeStore, vip_data_key};
 use aether_registrar::store::{FeedEvent, Store};
@@ -57,6 +58,7 @@ fn store(cluster: &ApiServer) -> KubeStore {
             vip_configmap: DEFAULT_VIP_CONFIGMAP.into(),
             vips: VipAllocator::new("240.240.0.0/16".parse().unwrap()).unwrap(),
             routes: ClusterRoutes::start(cluster.client()),
+            services: ClusterServices::start(cluster.client()),
         },
     )
     .unwrap()

@@ -2,7 +2,7 @@
 //! all namespaces ([`ClusterRoutes`], one watch per registrar), projected by the one
 //! projector, and their `status.parents[]` written back ([`status`]).
 //!
-//! - With a writable store (`--routes-from-kubernetes`), [`run`] makes the catalog's
+//! - With a writable store (`--from-kubernetes`), [`run`] makes the catalog's
 //!   routes the cluster's accepted ones, through the store like every other change.
 //!   Every replica may run it: they write the same routes, and unchanged routes are not
 //!   written again.

@@ -15,14 +15,18 @@
 //!   ConfigMap's VIPs) and writes the ConfigMap with its `resourceVersion`: of
 //!   replicas racing, one wins and the others get 409, re-read and find the VIP.
 //!   VIPs are never removed, so a service that comes back keeps its address.
-//! - A service is in the catalog while it has a VIP and at least one endpoint.
+//! - A service is in the catalog while it has a VIP and at least one endpoint. It
+//!   carries the attributes of the Kubernetes Service of the same namespace and name
+//!   (`kubernetes`: clusterIPs, trafficDistribution) from the Service watch
+//!   ([`ClusterServices`]), which does not hold `load` back longer than [`ROUTES_GRACE`]
+//!   either.
 //! - **Routes** are the cluster's HTTPRoutes and GRPCRoutes with Service parents,
 //!   projected by the one projector from the route watch ([`ClusterRoutes`]); a refused
 //!   object keeps its last accepted version while this process runs. They do not hold
 //!   `load` back longer than [`ROUTES_GRACE`] (a cluster without the CRDs has none).
 //! - Agents' Register/Unregister are accepted and ignored (`accepts_writes` is false).
 //!
-//! The watches (pods, nodes, the ConfigMap, routes) feed one task that recomputes the
+//! The watches (pods, nodes, the ConfigMap, routes, Services) feed one task that recomputes the
 //! derived catalog after each burst of events and diffs it against the last one; every
 //! changed record gets the next revision of a per-process counter. Revisions are local:
 //! each replica derives the same catalog from the same cluster on its own.
@@ -49,6 +53,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{Contents, Feed, FeedChange, FeedChangeKind, FeedEvent, Revision, Store, StoreError, StoreOp, Stored};
+use crate::cluster::services::{ClusterServices, ServiceSet};
 use crate::model::{ServiceKey, validate_endpoint};
 use crate::routes::kubernetes::{ClusterRoutes, RouteSet};
 use crate::routes::{Projector, Refusal};
@@ -63,7 +68,7 @@ const LOG_LIMIT: usize = 100_000;
 const DEBOUNCE: Duration = Duration::from_millis(20);
 /// Pause before retrying a failed VIP write.
 const VIP_RETRY: Duration = Duration::from_millis(500);
-/// The longest `load` waits for the first set of routes.
+/// The longest `load` waits for the first set of routes, and of Services.
 pub const ROUTES_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Clone)]
@@ -73,6 +78,8 @@ pub struct KubeConfig {
     pub vips: VipAllocator,
     /// The cluster's route objects (the registrar's one route watch).
     pub routes: ClusterRoutes,
+    /// The cluster's Services (the registrar's one Service watch).
+    pub services: ClusterServices,
 }
 
 pub struct KubeStore {
@@ -87,7 +94,7 @@ struct Shared {
     /// The derived catalog's revision, bumped after each recompute that changed it.
     revision: watch::Sender<Revision>,
     /// True once pods, nodes and the ConfigMap have each been listed once, and the routes
-    /// (or [`ROUTES_GRACE`] passed).
+    /// and Services (or [`ROUTES_GRACE`] passed).
     synced: watch::Sender<bool>,
 }
 
@@ -246,9 +253,11 @@ impl KubeStore {
             vip_map: BTreeMap::new(),
             skipped: HashMap::new(),
             routes: DerivedRoutes::default(),
-            synced: [false; 4],
+            attributes: Arc::default(),
+            synced: [false; 5],
         };
-        tokio::spawn(deriver.run(client.clone(), config.routes, stop.clone()));
+        let watches = (config.routes, config.services);
+        tokio::spawn(deriver.run(client.clone(), watches, stop.clone()));
         Ok(Self {
             shared,
             _stop: stop.drop_guard(),
@@ -347,6 +356,8 @@ enum Input {
     ConfigMap(Box<Event<ConfigMap>>),
     /// The cluster's route objects; `None`: not listed within [`ROUTES_GRACE`].
     Routes(Option<Arc<RouteSet>>),
+    /// The cluster's Services; `None`: not listed within [`ROUTES_GRACE`].
+    Services(Option<Arc<ServiceSet>>),
     Failed(&'static str, String),
 }
 
@@ -370,8 +381,10 @@ struct Deriver {
     /// Pods skipped for bad data, with the reason last logged (each logged once).
     skipped: HashMap<String, String>,
     routes: DerivedRoutes,
-    /// pods, nodes, ConfigMap listed once; routes listed (or late).
-    synced: [bool; 4],
+    /// Each Service's attributes, by service key.
+    attributes: Arc<ServiceSet>,
+    /// pods, nodes, ConfigMap listed once; routes and Services listed (or late).
+    synced: [bool; 5],
 }
 
 /// The routes projected from the cluster's route objects.
@@ -425,6 +438,30 @@ async fn forward_routes(mut routes: ClusterRoutes, tx: mpsc::Sender<Input>) {
     }
 }
 
+/// Forwards each set of Services; the first within [`ROUTES_GRACE`], or `None` then.
+async fn forward_services(mut services: ClusterServices, tx: mpsc::Sender<Input>) {
+    let first = match tokio::time::timeout(ROUTES_GRACE, services.next()).await {
+        Ok(Some(set)) => Some(set),
+        Ok(None) => return,
+        Err(_) => {
+            tracing::warn!(
+                "the Services are not listed yet; serving the catalog without their attributes until they are"
+            );
+            None
+        }
+    };
+    let mut next = first;
+    loop {
+        if tx.send(Input::Services(next)).await.is_err() {
+            return;
+        }
+        match services.next().await {
+            Some(set) => next = Some(set),
+            None => return,
+        }
+    }
+}
+
 /// Forwards one watch into the deriver's queue.
 async fn forward<K, F>(
     stream: impl futures::Stream<Item = Result<Event<K>, watcher::Error>>,
@@ -460,7 +497,12 @@ async fn forward<K, F>(
 }
 
 impl Deriver {
-    async fn run(mut self, client: Client, routes: ClusterRoutes, stop: CancellationToken) {
+    async fn run(
+        mut self,
+        client: Client,
+        (routes, services): (ClusterRoutes, ClusterServices),
+        stop: CancellationToken,
+    ) {
         let (tx, mut rx) = mpsc::channel(1024);
         let labels = format!("{}=true", pod_meta::MANAGED_LABEL);
         let pods = watcher::watcher(
@@ -480,7 +522,8 @@ impl Deriver {
             tokio::spawn(forward(configmap, "vip configmap", tx.clone(), |e| {
                 Input::ConfigMap(Box::new(e))
             })),
-            tokio::spawn(forward_routes(routes, tx)),
+            tokio::spawn(forward_routes(routes, tx.clone())),
+            tokio::spawn(forward_services(services, tx)),
         ];
         tracing::info!(configmap = %self.configmap, "deriving the catalog from managed Pods and Nodes");
         let mut relists = Relists::default();
@@ -577,6 +620,12 @@ impl Deriver {
                     self.routes.project(&set);
                 }
                 self.synced[3] = true;
+            }
+            Input::Services(set) => {
+                if let Some(set) = set {
+                    self.attributes = set;
+                }
+                self.synced[4] = true;
             }
             Input::Failed(what, error) => {
                 tracing::warn!(watch = what, %error, "Kubernetes watch failed; retrying with backoff (serving the last state)");
@@ -711,7 +760,7 @@ impl Deriver {
                 namespace: namespace.to_owned(),
                 name: name.to_owned(),
                 vip: vip.clone(),
-                kubernetes: None,
+                kubernetes: self.attributes.get(pod.service.as_str()).cloned(),
             });
             for endpoint in &pod.endpoints {
                 let mut endpoint = endpoint.clone();
