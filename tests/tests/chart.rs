@@ -518,21 +518,21 @@ fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, ide
     if store == "kubernetes" {
         want.insert("aether-registrar");
     }
-    // Routes are read with every store (registrar.routes.fromKubernetes is on by default).
-    want.insert("aether-registrar-routes");
+    // Routes and Services are read with every store (registrar.fromKubernetes is on by default).
+    want.insert("aether-registrar-routing");
     assert_eq!(role_names, want, "{ctx}: ClusterRoles");
     assert_eq!(r.cluster_role_bindings.len(), want.len(), "{ctx}");
     assert_the_registrar_writes_only_route_status(r, store, ctx);
 }
 
-/// The registrar watches HTTPRoutes and GRPCRoutes and may write only their `/status`; with a writable store it
-/// is told to read them (the kubernetes store always does).
+/// The registrar watches HTTPRoutes and GRPCRoutes and may write only their `/status`, and reads Services; with a
+/// writable store it is told to read them (the kubernetes store always does).
 fn assert_the_registrar_writes_only_route_status(r: &Rendered, store: &str, ctx: &str) {
     let role = r
         .cluster_roles
         .iter()
-        .find(|c| c.metadata.name.as_deref() == Some("aether-registrar-routes"))
-        .unwrap_or_else(|| panic!("{ctx}: no route ClusterRole"));
+        .find(|c| c.metadata.name.as_deref() == Some("aether-registrar-routing"))
+        .unwrap_or_else(|| panic!("{ctx}: no routing ClusterRole"));
     let rules: Vec<(Vec<String>, Vec<String>, Vec<String>)> = role
         .rules
         .iter()
@@ -557,12 +557,17 @@ fn assert_the_registrar_writes_only_route_status(r: &Rendered, store: &str, ctx:
                 strings(&["httproutes/status", "grpcroutes/status"]),
                 strings(&["patch", "update"])
             ),
+            (
+                strings(&[""]),
+                strings(&["services"]),
+                strings(&["get", "list", "watch"])
+            ),
         ],
         "{ctx}"
     );
     let rc = container(pod_spec(r, "aether-registrar"), "registrar");
-    let flagged = rc.args.iter().flatten().any(|a| a == "--routes-from-kubernetes");
-    assert_eq!(flagged, store != "kubernetes", "{ctx}: --routes-from-kubernetes");
+    let flagged = rc.args.iter().flatten().any(|a| a == "--from-kubernetes");
+    assert_eq!(flagged, store != "kubernetes", "{ctx}: --from-kubernetes");
 }
 
 /// The agent's CNI installer reads its own DaemonSet (uninstall or rollout?), by name, nothing else.
@@ -628,8 +633,8 @@ fn assert_only_the_kubernetes_store_writes_its_vip_config_map(r: &Rendered, stor
 fn assert_only_api_clients_mount_a_token(r: &Rendered, ctx: &str) {
     for sa in &r.service_accounts {
         let name = sa.metadata.name.as_deref().unwrap();
-        // The registrar reviews tokens (builtin identity), reads Pods (kubernetes store), and reads routes with
-        // every store (registrar.routes.fromKubernetes is on by default): it always talks to the API.
+        // The registrar reviews tokens (builtin identity), reads Pods (kubernetes store), and reads routes and
+        // Services with every store (registrar.fromKubernetes is on by default): it always talks to the API.
         let talks_to_api = name == "aether-agent" || name == "aether-registrar";
         assert_eq!(
             sa.automount_service_account_token,

@@ -72,9 +72,10 @@ https://{{ include "aether.registrarHost" . }}:{{ .Values.registrar.port }}
 {{ eq (include "aether.nodeIdentity" .) "bootstrap" }}
 {{- end -}}
 
-{{/* Whether the registrar watches Gateway API routes (and writes their status): the kubernetes store always does. */}}
-{{- define "aether.registrarReadsRoutes" -}}
-{{ or (eq .Values.registrar.store.type "kubernetes") .Values.registrar.routes.fromKubernetes }}
+{{/* Whether the registrar reads the mesh's configuration from the cluster (Gateway API routes, whose status it
+writes, and Services' clusterIPs/trafficDistribution): the kubernetes store always does. */}}
+{{- define "aether.registrarFromKubernetes" -}}
+{{ or (eq .Values.registrar.store.type "kubernetes") .Values.registrar.fromKubernetes }}
 {{- end -}}
 
 {{/* Where the agent finds its projected bootstrap token and the registrar's CA (the agent's flag defaults). */}}
