@@ -93,12 +93,14 @@ pub(super) enum Outcome {
 struct Alone {
     reap: bool,
     expire: bool,
-    routes: Vec<(BTreeMap<String, Route>, oneshot::Sender<Result<Version, Status>>)>,
-    attributes: Vec<(
-        BTreeMap<ServiceKey, KubernetesService>,
-        oneshot::Sender<Result<Version, Status>>,
-    )>,
+    routes: Vec<(BTreeMap<String, Route>, VersionReply)>,
+    /// The last set of Service attributes (it replaces the earlier ones), and every
+    /// caller to answer once it is applied.
+    attributes: Option<BTreeMap<ServiceKey, KubernetesService>>,
+    attribute_replies: Vec<VersionReply>,
 }
+
+type VersionReply = oneshot::Sender<Result<Version, Status>>;
 
 impl Alone {
     fn take(group: &mut Vec<Write>) -> Alone {
@@ -118,7 +120,8 @@ impl Alone {
                 false
             }
             Write::ServiceAttributes { desired, reply } => {
-                (alone.attributes).push((std::mem::take(desired), std::mem::replace(reply, closed())));
+                alone.attributes = Some(std::mem::take(desired));
+                (alone.attribute_replies).push(std::mem::replace(reply, closed()));
                 false
             }
             _ => true,
@@ -287,10 +290,11 @@ impl Writer {
             expire,
             routes,
             attributes,
+            attribute_replies,
         } = Alone::take(&mut group);
-        if let Some((desired, _)) = attributes.last() {
+        if let Some(desired) = attributes {
             // Before the group: services it creates start with them.
-            self.state.write().kubernetes = desired.clone();
+            self.state.write().kubernetes = desired;
         }
         if !group.is_empty() {
             self.commit_group(group).await;
@@ -298,8 +302,11 @@ impl Writer {
         for (desired, reply) in routes {
             let _ = reply.send(self.set_routes(desired).await);
         }
-        for (_, reply) in attributes {
-            let _ = reply.send(self.set_service_attributes().await);
+        if !attribute_replies.is_empty() {
+            let applied = self.set_service_attributes().await;
+            for reply in attribute_replies {
+                let _ = reply.send(applied.clone());
+            }
         }
         if !self.store.accepts_writes() {
             // A read-only store decides what exists; nothing to reap or expire here.
