@@ -125,7 +125,7 @@ async fn refused_edit_keeps_the_last_accepted_version(registrar: &Registrar, rou
     // A refused edit keeps the last accepted version serving, and says why.
     write(routes, "canary.yaml", &canary("cart", "^/items/[0-9+$"));
     let deadline = Instant::now() + TIMEOUT;
-    while !metric(&registrar, "aether_registrar_routes_refused{source=\"directory\"} 1").await {
+    while !metric(registrar, "aether_registrar_routes_refused{source=\"directory\"} 1").await {
         assert!(
             Instant::now() < deadline,
             "the bad regex was not refused:\n{}",
@@ -141,7 +141,7 @@ async fn refused_edit_keeps_the_last_accepted_version(registrar: &Registrar, rou
     tokio::time::sleep(Duration::from_millis(600)).await;
     while pay.try_next().is_some() {}
     assert!(
-        has_canary(&pay, "shop/pay"),
+        has_canary(pay, "shop/pay"),
         "the last accepted canary must keep serving"
     );
 }
