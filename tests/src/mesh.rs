@@ -252,6 +252,14 @@ impl Mesh {
             "admin": admin_address_json(admin_port),
             // As proxy/bootstrap.yaml: a cluster's traffic stats are created when first used.
             "deferred_stat_options": {"enable_deferred_creation_stats": true},
+            // As proxy/bootstrap.yaml: route regexes up to the agent's RE2 budget compile.
+            "layered_runtime": {"layers": [
+                {"name": "static", "static_layer": {
+                    "re2.max_program_size.error_level": 1000,
+                    "re2.max_program_size.warn_level": 500
+                }},
+                {"name": "admin", "admin_layer": {}}
+            ]},
             "bootstrap_extensions": [{"name": "envoy.bootstrap.internal_listener", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"
             }}],

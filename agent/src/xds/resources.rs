@@ -36,6 +36,7 @@ use crate::pod::LocalPod;
 use transport::Mtls;
 
 pub use clusters::server_sans;
+pub use routes::regex_budget;
 pub use util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, PORT_HEADER};
 
 /// Everything the generators read.
@@ -209,8 +210,9 @@ struct Checked {
 }
 
 impl Checked {
-    /// Re-checks the routes when any changed; an invalid one is logged and skipped,
-    /// so one bad route never makes Envoy refuse a table.
+    /// Re-checks the routes when any changed; an invalid one (or one with a regex over
+    /// the RE2 budget, see `routes::regex_budget`) is logged and skipped, so one bad
+    /// route never makes Envoy refuse a table.
     fn refresh(&mut self, routes: &BTreeMap<String, Arc<Route>>) {
         let current: Vec<Arc<Route>> = routes.values().cloned().collect();
         if same_routes(&current, &self.seen) {
@@ -219,7 +221,10 @@ impl Checked {
         self.valid.clear();
         self.invalid = 0;
         for route in &current {
-            match aether_api::route::validate(route) {
+            let checked = aether_api::route::validate(route)
+                .map_err(|e| e.to_string())
+                .and_then(|()| routes::regex_budget::check(route).map_err(|e| e.to_string()));
+            match checked {
                 Ok(()) => self.valid.push(route.clone()),
                 Err(error) => {
                     self.invalid += 1;

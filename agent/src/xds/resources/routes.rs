@@ -17,6 +17,7 @@ mod actions;
 mod attached;
 mod compile;
 mod matching;
+pub mod regex_budget;
 mod rewrite;
 #[cfg(test)]
 mod tests;
