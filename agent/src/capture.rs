@@ -7,11 +7,19 @@
 //! - Envoy's own sockets (socket mark) and loopback are never touched;
 //! - configured destination CIDRs and ports are never touched;
 //! - TCP to the mesh VIP CIDR is redirected to the capture listener (`127.0.0.1:18001`);
+//! - TCP to a mesh service's ClusterIP (the named set `mesh_cluster_ips`) is redirected
+//!   there too, so a call to `<svc>.<ns>.svc.cluster.local` is routed like one to the VIP;
 //! - DNS (UDP and TCP `:53`) is DNATed to mesh-dns, when an address is configured.
 //!
 //! The rendered ruleset of every captured pod is kept in `<state>/capture/<container id>.nft`
 //! (the desired state); a fingerprint comment on the first rule lets a check tell whether
 //! the pod's netns still holds exactly that ruleset.
+//!
+//! The ClusterIP set's elements are not part of the desired state: they are the node's
+//! current set of mesh ClusterIPs (see `cluster_ips`), added on every apply and repair and
+//! replaced in every captured pod, atomically, when the set changes. Only ClusterIPs of
+//! mesh services are captured, never a service CIDR: Envoy's upstream connections leave
+//! from the node, so a non-mesh ClusterIP must stay the pod's own business.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -36,6 +44,11 @@ const NFT_TIMEOUT: Duration = Duration::from_secs(10);
 const STATE_SUBDIR: &str = "capture";
 /// The comment prefix that carries the ruleset's fingerprint.
 const FINGERPRINT: &str = "aether-capture";
+/// The named set of mesh ClusterIPs in [`TABLE`].
+pub const CLUSTER_IP_SET: &str = "mesh_cluster_ips";
+
+pub mod cluster_ips;
+pub use cluster_ips::ClusterIps;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
@@ -81,6 +94,8 @@ pub struct CaptureConfig {
     pub state_dir: PathBuf,
     /// The `nft` binary.
     pub nft: PathBuf,
+    /// The node's mesh ClusterIPs, shared by every clone (what every captured pod's set holds).
+    pub cluster_ips: ClusterIps,
 }
 
 impl CaptureConfig {
@@ -91,6 +106,7 @@ impl CaptureConfig {
             proxy_mark,
             state_dir: state_dir.join(STATE_SUBDIR),
             nft: PathBuf::from("nft"),
+            cluster_ips: ClusterIps::default(),
         }
     }
 }
@@ -186,6 +202,10 @@ fn rules(capture: &PodCapture) -> Vec<String> {
         capture.vip_cidr,
         crate::xds::resources::CAPTURE_PORT
     ));
+    rules.push(format!(
+        "ip daddr @{CLUSTER_IP_SET} meta l4proto tcp redirect to :{}",
+        crate::xds::resources::CAPTURE_PORT
+    ));
     if let Some(dns) = capture.mesh_dns {
         let (nfproto, fam, target) = match dns {
             SocketAddr::V4(a) => ("ipv4", "ip", a.to_string()),
@@ -210,7 +230,11 @@ fn fingerprint(rules: &[String]) -> String {
 pub fn render(capture: &PodCapture) -> String {
     let rules = rules(capture);
     let fp = fingerprint(&rules);
-    let mut out = format!("table {TABLE} {{\n}}\ndelete table {TABLE}\ntable {TABLE} {{\n  chain output {{\n");
+    let mut out = format!("table {TABLE} {{\n}}\ndelete table {TABLE}\ntable {TABLE} {{\n");
+    // IPv4 only: the capture listener is on 127.0.0.1.
+    out.push_str(&format!(
+        "  set {CLUSTER_IP_SET} {{\n    type ipv4_addr\n  }}\n  chain output {{\n"
+    ));
     out.push_str("    type nat hook output priority -100\n    policy accept\n");
     for (i, rule) in rules.iter().enumerate() {
         if i == 0 {
@@ -236,7 +260,12 @@ fn render_removal() -> String {
     format!("table {TABLE} {{\n}}\ndelete table {TABLE}\n")
 }
 
-async fn nft(config: &CaptureConfig, netns: &Path, args: &[&str], stdin: Option<&str>) -> Result<String, CaptureError> {
+pub(crate) async fn nft(
+    config: &CaptureConfig,
+    netns: &Path,
+    args: &[&str],
+    stdin: Option<&str>,
+) -> Result<String, CaptureError> {
     let command = format!("nft {}", args.join(" "));
     let netns_s = netns.display().to_string();
     let mut cmd = tokio::process::Command::new("nsenter");
@@ -307,14 +336,23 @@ pub async fn apply(
             aether_common::fs::write_atomic(&path, ruleset.as_bytes(), 0o600)
         })
     };
-    let (applied, recorded) = tokio::join!(nft(config, netns, &["-f", "-"], Some(&ruleset)), record);
+    let elements = config.cluster_ips.get();
+    let with_elements = format!("{ruleset}{}", cluster_ips::render_elements(&elements));
+    let (applied, recorded) = tokio::join!(nft(config, netns, &["-f", "-"], Some(&with_elements)), record);
     applied?;
     recorded
         .unwrap_or_else(|e| Err(std::io::Error::other(e)))
         .map_err(|source| CaptureError::State {
             path: path.display().to_string(),
             source,
-        })
+        })?;
+    // The set changed while this pod was applied: the sync may have listed the pods
+    // before its state was recorded, so the newer set is put in here.
+    let current = config.cluster_ips.get();
+    if current != elements {
+        cluster_ips::replace(config, netns, &current).await?;
+    }
+    Ok(())
 }
 
 /// Removes the pod's table (if its netns still exists) and its desired state. Idempotent.
@@ -365,7 +403,7 @@ pub async fn check(config: &CaptureConfig, container_id: &str, netns: &Path) -> 
     }
 }
 
-fn desired(config: &CaptureConfig, container_id: &str) -> Result<Option<String>, CaptureError> {
+pub(crate) fn desired(config: &CaptureConfig, container_id: &str) -> Result<Option<String>, CaptureError> {
     let path = state_path(config, container_id);
     match std::fs::read_to_string(&path) {
         Ok(s) => Ok(Some(s)),
@@ -384,7 +422,8 @@ pub async fn repair(config: &CaptureConfig, container_id: &str, netns: &Path) ->
         Verdict::NotCaptured | Verdict::Intact => Ok(false),
         Verdict::Drifted => {
             let ruleset = desired(config, container_id)?.unwrap_or_default();
-            nft(config, netns, &["-f", "-"], Some(&ruleset)).await?;
+            let elements = cluster_ips::render_elements(&config.cluster_ips.get());
+            nft(config, netns, &["-f", "-"], Some(&format!("{ruleset}{elements}"))).await?;
             Ok(true)
         }
     }
@@ -502,6 +541,8 @@ mod tests {
         assert!(text.contains("    type nat hook output priority -100\n    policy accept\n"));
         assert!(text.contains("    meta mark 0x4145 return comment \"aether-capture "));
         assert!(text.contains("    ip daddr 240.240.0.0/16 meta l4proto tcp redirect to :18001\n"));
+        assert!(text.contains("  set mesh_cluster_ips {\n    type ipv4_addr\n  }\n"));
+        assert!(text.contains("    ip daddr @mesh_cluster_ips meta l4proto tcp redirect to :18001\n"));
         assert!(text.contains("    meta nfproto ipv4 udp dport 53 dnat ip to 10.0.0.1:18054\n"));
         assert!(text.contains("    meta nfproto ipv4 tcp dport 53 dnat ip to 10.0.0.1:18054\n"));
         for line in text.lines() {

@@ -153,7 +153,11 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         views: catalog_tx,
         connected: metrics.registrar_connected.clone(),
     };
-    watches.start(dns_records, &tasks, &shutdown);
+    let services = watches.start(dns_records, &tasks, &shutdown);
+    tasks.critical(
+        "the mesh ClusterIP capture sync",
+        crate::capture::cluster_ips::sync(capture.clone(), node.clone(), services, shutdown.clone()),
+    );
     tasks.critical("the node controller", node.clone().run(shutdown.clone()));
 
     let effects = Effects::production(registrar, capture.clone(), config.netns_pin_dir.clone(), node.clone());
@@ -332,7 +336,13 @@ struct Watches {
 }
 
 impl Watches {
-    fn start(self, dns_records: crate::dns_records::DnsRecords, tasks: &Tasks, shutdown: &CancellationToken) {
+    /// Starts both; returns the services-only views (every mesh service, no endpoints).
+    fn start(
+        self,
+        dns_records: crate::dns_records::DnsRecords,
+        tasks: &Tasks,
+        shutdown: &CancellationToken,
+    ) -> watch::Receiver<Arc<WatchedCatalog>> {
         tasks.critical(
             "the catalog watch",
             catalog_watch::follow(
@@ -354,7 +364,11 @@ impl Watches {
                 shutdown.clone(),
             ),
         );
-        tasks.critical("the DNS record writer", dns_records.run(dns_views, shutdown.clone()));
+        tasks.critical(
+            "the DNS record writer",
+            dns_records.run(dns_views.clone(), shutdown.clone()),
+        );
+        dns_views
     }
 }
 
