@@ -147,9 +147,10 @@ fn mesh_cluster(name: &str, port: u32, protocol: Protocol, mtls: Option<&Mtls>, 
         }),
         connect_timeout: millis(1000),
         typed_extension_protocol_options,
-        // Never spread load onto unhealthy hosts to "save" the cluster.
         common_lb_config: Some(cluster::CommonLbConfig {
-            healthy_panic_threshold: Some(Percent { value: 0.0 }),
+            healthy_panic_threshold: Some(Percent {
+                value: PANIC_THRESHOLD_PERCENT,
+            }),
             ..Default::default()
         }),
         outlier_detection: Some(outlier_detection()),
@@ -162,11 +163,27 @@ fn mesh_cluster(name: &str, port: u32, protocol: Protocol, mtls: Option<&Mtls>, 
     }
 }
 
+/// Envoy's panic mode (balance over every endpoint, healthy or not) starts below this
+/// share of healthy endpoints. Envoy's 50 % would send load to known-bad endpoints while
+/// half of a service is healthy; 0 would turn a service with nothing healthy into
+/// Envoy's own 503s — for a one-replica service, 30 s to 5 min of them after five 500s
+/// (the outlier detector ejects a lone endpoint: its max_ejection_percent check runs
+/// before the ejection). At 1 % panic starts only when (almost) nothing is healthy, and
+/// then callers reach the service itself as Kubernetes would (it falls back to
+/// terminating endpoints too) and see its own answers.
+const PANIC_THRESHOLD_PERCENT: f64 = 1.0;
+
 /// The mesh's default ejection of misbehaving endpoints: 5 consecutive 5xx, 3
 /// consecutive gateway errors (502/503/504) or 3 consecutive connect failures eject an
 /// endpoint for 30 s, longer each time it is ejected again (Envoy multiplies the base
 /// by the ejection count, up to 5 minutes); never more than half of a service at once,
 /// so a bad push cannot empty it.
+///
+/// The node's Envoy is shared by all its pods, so an ejection is what every caller on
+/// the node learned together, and it outlives the calls that caused it (a host that
+/// recovers comes back after its ejection time; there is no active health check to
+/// return it earlier). `always_eject_one_host` stays off: a small service is protected
+/// by the max ejection percent and the panic threshold instead.
 fn outlier_detection() -> OutlierDetection {
     OutlierDetection {
         consecutive_5xx: u32v(5),
@@ -414,6 +431,10 @@ mod tests {
         assert_eq!(outlier.consecutive_gateway_failure, u32v(3));
         assert_eq!(outlier.enforcing_consecutive_gateway_failure, u32v(100));
         assert_eq!(outlier.max_ejection_percent, u32v(50));
+        // Panic (every endpoint) only when nothing is healthy: never Envoy's own 503s for a
+        // service whose every replica was ejected, never load on bad ones while one is good.
+        let panic = cluster.common_lb_config.unwrap().healthy_panic_threshold.unwrap();
+        assert!(panic.value > 0.0 && panic.value <= 1.0, "{panic:?}");
         let seconds = |d: Option<envoy_types::pb::google::protobuf::Duration>| d.unwrap().seconds;
         assert!(
             seconds(outlier.max_ejection_time) > seconds(outlier.base_ejection_time),
