@@ -312,6 +312,52 @@ fn ep(service: &str, address: &str) -> Arc<Endpoint> {
     })
 }
 
+/// Service attributes written by a replica that missed a deletion: the update of the
+/// deleted service is a conflict, adopted (the service leaves memory, never recreated),
+/// and the rest lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attributes_for_a_service_another_replica_deleted_land_on_the_rest() {
+    use aether_proto::registry::v1::KubernetesService;
+    use std::collections::BTreeMap;
+    let etcd = Etcd::start().await;
+    let other = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    (other.commit(vec![
+        StoreOp::CreateService(svc("a", "240.240.0.10")),
+        StoreOp::CreateService(svc("b", "240.240.0.11")),
+    ]))
+    .await
+    .unwrap();
+    let (catalog, writer, _closed) = catalog_with_a_gated_feed(&etcd).await;
+    let stop = CancellationToken::new();
+    let writer = tokio::spawn(writer.run(stop.clone()));
+    let key = |k: &str| aether_registrar::model::ServiceKey::parse("s", k).unwrap();
+    other
+        .commit(vec![StoreOp::DeleteService {
+            key: key("ns/a"),
+            vip: "240.240.0.10".into(),
+        }])
+        .await
+        .unwrap();
+
+    let attributes = KubernetesService {
+        cluster_ips: vec!["10.96.0.11".into()],
+        traffic_distribution: 1,
+    };
+    let desired = BTreeMap::from([(key("ns/a"), attributes.clone()), (key("ns/b"), attributes.clone())]);
+    catalog.set_service_attributes(desired).await.unwrap();
+    let held: Vec<_> = catalog
+        .read()
+        .services()
+        .map(|(k, e)| (k.to_string(), e.service.kubernetes.clone()))
+        .collect();
+    assert_eq!(held, [("ns/b".to_owned(), Some(attributes.clone()))]);
+    let stored = other.load().await.unwrap().services;
+    let stored: Vec<_> = stored.into_iter().map(|s| (s.value.name, s.value.kubernetes)).collect();
+    assert_eq!(stored, [("b".to_owned(), Some(attributes))], "ns/a stays deleted");
+    stop.cancel();
+    writer.await.unwrap();
+}
+
 /// A catalog on `etcd` whose feed opens only when the returned sender fires.
 async fn catalog_with_a_gated_feed(
     etcd: &Etcd,
