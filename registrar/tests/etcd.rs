@@ -342,6 +342,7 @@ async fn attributes_for_a_service_another_replica_deleted_land_on_the_rest() {
     let attributes = KubernetesService {
         cluster_ips: vec!["10.96.0.11".into()],
         traffic_distribution: 1,
+        ports: Vec::new(),
     };
     let desired = BTreeMap::from([(key("ns/a"), attributes.clone()), (key("ns/b"), attributes.clone())]);
     catalog.set_service_attributes(desired).await.unwrap();

@@ -9,7 +9,7 @@ mod support;
 use std::path::Path;
 
 use aether_fakes::kube::ApiServer;
-use aether_proto::registry::v1::{KubernetesService, TrafficDistribution};
+use aether_proto::registry::v1::{KubernetesService, ServicePort, TrafficDistribution};
 use k8s_openapi::api::core::v1::{Pod, Service};
 use serde_json::{Value, json};
 use support::replicas::wait_view;
@@ -36,6 +36,13 @@ fn attributes(cluster_ips: &[&str], traffic: TrafficDistribution) -> Option<Kube
     Some(KubernetesService {
         cluster_ips: cluster_ips.iter().map(|ip| (*ip).to_owned()).collect(),
         traffic_distribution: traffic as i32,
+        // service()'s one port; no targetPort means the port itself.
+        ports: vec![ServicePort {
+            name: "http".into(),
+            port: 8080,
+            target_port: 8080,
+            ..Default::default()
+        }],
     })
 }
 

@@ -117,6 +117,7 @@ mod tests {
             kubernetes: ips.map(|ips| KubernetesService {
                 cluster_ips: ips.iter().map(|ip| (*ip).into()).collect(),
                 traffic_distribution: 0,
+                ports: Vec::new(),
             }),
         };
         catalog

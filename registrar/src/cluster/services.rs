@@ -1,7 +1,7 @@
 //! The cluster's core/v1 Services, watched in all namespaces and reduced to what a mesh
 //! service of the same namespace and name carries in `Service.kubernetes`
-//! ([`attributes`]): its `spec.clusterIPs` (ClusterIP matching) and its
-//! `spec.trafficDistribution` (locality). Published as the whole current set after each
+//! ([`attributes`]): its `spec.clusterIPs` and `spec.ports` (ClusterIP matching) and
+//! its `spec.trafficDistribution` (locality). Published as the whole current set after each
 //! burst of events that changed it; status-only changes publish nothing.
 //!
 //! - With a writable store (`--from-kubernetes`), [`run`] hands each set to
@@ -15,9 +15,10 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_proto::registry::v1::{KubernetesService, TrafficDistribution};
+use aether_proto::registry::v1::{KubernetesService, ServicePort, TrafficDistribution};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Service, ServiceSpec};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
@@ -35,9 +36,9 @@ const RETRY: Duration = Duration::from_secs(1);
 /// Every Service of the cluster, by `<namespace>/<name>`.
 pub type ServiceSet = BTreeMap<ServiceKey, KubernetesService>;
 
-/// What the mesh carries of a Service: its cluster IPs (none when headless: `None`)
-/// and its traffic distribution (`PreferClose` is the older name of `PreferSameZone`;
-/// anything else is no preference).
+/// What the mesh carries of a Service: its cluster IPs (none when headless: `None`),
+/// its ports with their targets, and its traffic distribution (`PreferClose` is the
+/// older name of `PreferSameZone`; anything else is no preference).
 pub fn attributes(spec: Option<&ServiceSpec>) -> KubernetesService {
     let Some(spec) = spec else {
         return KubernetesService::default();
@@ -56,7 +57,33 @@ pub fn attributes(spec: Option<&ServiceSpec>) -> KubernetesService {
         // "None" (headless) and anything else that is not an address carries nothing.
         cluster_ips: ips.into_iter().filter(|ip| ip.parse::<IpAddr>().is_ok()).collect(),
         traffic_distribution: traffic as i32,
+        ports: spec.ports.iter().flatten().filter_map(service_port).collect(),
     }
+}
+
+/// One of `spec.ports`: a numeric targetPort as the target, a named one kept by name, none
+/// meaning the port itself (as Kubernetes defaults it). `None` for a port out of range.
+fn service_port(port: &k8s_openapi::api::core::v1::ServicePort) -> Option<ServicePort> {
+    let number = u32::try_from(port.port).ok().filter(|p| (1..=65535).contains(p))?;
+    let (target_port, target_port_name) = match &port.target_port {
+        None => (number, String::new()),
+        Some(IntOrString::Int(target)) => (
+            u32::try_from(*target).ok().filter(|p| (1..=65535).contains(p))?,
+            String::new(),
+        ),
+        // A number written as a string is still a number (the API server accepts "8080").
+        Some(IntOrString::String(name)) => match name.parse::<u32>() {
+            Ok(target) if (1..=65535).contains(&target) => (target, String::new()),
+            _ => (0, name.clone()),
+        },
+    };
+    Some(ServicePort {
+        name: port.name.clone().unwrap_or_default(),
+        port: number,
+        target_port,
+        target_port_name,
+        app_protocol: port.app_protocol.clone().unwrap_or_default(),
+    })
 }
 
 /// A handle on the Service watch; the watch runs while any handle lives.
@@ -233,6 +260,33 @@ mod tests {
             "trafficDistribution": "SomethingNew"}));
         assert_eq!(headless, KubernetesService::default());
         assert_eq!(attributes(None), KubernetesService::default());
+    }
+
+    #[test]
+    fn ports_carry_their_targets() {
+        let service = of(serde_json::json!({"clusterIPs": ["10.96.0.7"], "ports": [
+            {"name": "http", "port": 80, "targetPort": 8080, "appProtocol": "http"},
+            {"name": "grpc", "port": 7070, "targetPort": "grpc-port"},
+            {"name": "metrics", "port": 9090},
+            {"name": "quoted", "port": 81, "targetPort": "8081"},
+            {"name": "bad", "port": 0, "targetPort": 1},
+        ]}));
+        let port = |name: &str, port, target_port, target_port_name: &str, app_protocol: &str| ServicePort {
+            name: name.into(),
+            port,
+            target_port,
+            target_port_name: target_port_name.into(),
+            app_protocol: app_protocol.into(),
+        };
+        assert_eq!(
+            service.ports,
+            [
+                port("http", 80, 8080, "", "http"),
+                port("grpc", 7070, 0, "grpc-port", ""),
+                port("metrics", 9090, 9090, "", ""),
+                port("quoted", 81, 8081, "", ""),
+            ]
+        );
     }
 
     #[test]

@@ -551,6 +551,7 @@ mod tests {
         updated.kubernetes = Some(KubernetesService {
             cluster_ips: vec!["10.96.0.10".into()],
             traffic_distribution: TrafficDistribution::PreferSameZone as i32,
+            ports: Vec::new(),
         });
         let revision = store
             .commit(vec![StoreOp::UpdateService(updated.clone())])

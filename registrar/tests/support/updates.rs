@@ -24,6 +24,7 @@ fn attributes(traffic: TrafficDistribution) -> KubernetesService {
     KubernetesService {
         cluster_ips: vec!["10.96.7.1".into(), "fd00:96::7:1".into()],
         traffic_distribution: traffic as i32,
+        ports: Vec::new(),
     }
 }
 

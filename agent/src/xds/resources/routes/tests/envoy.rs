@@ -268,6 +268,7 @@ async fn envoy_accepts_the_compiled_routes_of_every_feature() {
         catalog.services.get_mut(key).unwrap().kubernetes = Some(aether_proto::registry::v1::KubernetesService {
             cluster_ips: vec![format!("10.96.0.{}", key.len()), format!("fd00::{}", key.len())],
             traffic_distribution: 0,
+            ports: Vec::new(),
         });
     }
     let generated = generated(&catalog, &pods);
