@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use aether_proto::registry::v1::{Locality, Protocol, Route, Service};
+use aether_proto::registry::v1::{Locality, Protocol, Route, Service, ServicePort};
 use aether_proto::view::{CatalogView, Endpoints};
 use envoy_types::pb::google::protobuf::Any;
 
@@ -36,7 +36,7 @@ use crate::pod::LocalPod;
 use transport::Mtls;
 
 pub use clusters::server_sans;
-pub use routes::regex_budget;
+pub use routes::{Attached, regex_budget};
 pub use util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, PORT_HEADER};
 
 /// Everything the generators read.
@@ -58,6 +58,10 @@ pub struct MeshService<'a> {
     pub vip: &'a str,
     /// Its Kubernetes Service's ClusterIPs (empty without one): captured and routed like the VIP.
     pub cluster_ips: &'a [String],
+    /// Its Kubernetes Service's ports, each with the endpoint port it reaches (a named
+    /// targetPort resolved by the endpoints' port names; one no endpoint names is left
+    /// out). `None` while the Service's ports are unknown.
+    pub kubernetes_ports: Option<BTreeMap<u32, u32>>,
     /// The ports its endpoints serve, with their protocol.
     pub ports: BTreeMap<u32, Protocol>,
     pub endpoints: Option<&'a Endpoints>,
@@ -83,6 +87,30 @@ impl MeshService<'_> {
 
     pub fn cluster(&self, port: u32) -> String {
         format!("{}:{port}", self.fqdn)
+    }
+
+    /// The ports on which a call to its ClusterIPs or Kubernetes names reaches the
+    /// endpoint port `port`: the Service ports targeting it, or `port` itself while the
+    /// Service's ports are unknown.
+    pub fn kubernetes_ports_to(&self, port: u32) -> Vec<u32> {
+        match &self.kubernetes_ports {
+            None => vec![port],
+            Some(ports) => ports
+                .iter()
+                .filter(|(_, target)| **target == port)
+                .map(|(service_port, _)| *service_port)
+                .collect(),
+        }
+    }
+
+    /// The endpoint port a Kubernetes name without a port reaches: the target of the
+    /// Service's port 80 (what an HTTP client means), else the mesh's default port.
+    pub fn kubernetes_default_port(&self) -> Option<u32> {
+        let via_80 = self.kubernetes_ports.as_ref().and_then(|ports| ports.get(&80));
+        via_80
+            .copied()
+            .filter(|t| self.ports.contains_key(t))
+            .or_else(|| self.default_port())
     }
 
     /// The names its Kubernetes Service has in cluster DNS, if it has ClusterIPs:
@@ -126,10 +154,14 @@ pub fn services<'a>(catalog: &'a CatalogView, mesh_domain: &str) -> Vec<MeshServ
         .iter()
         .map(|(key, service)| {
             let mut ports = BTreeMap::new();
+            let mut named = BTreeMap::new();
             for endpoint in catalog.endpoints.get(key).into_iter().flat_map(|e| e.values()) {
                 for port in &endpoint.ports {
                     let protocol = Protocol::try_from(port.protocol).unwrap_or(Protocol::Tcp);
                     ports.entry(port.port).or_insert(protocol);
+                    if !port.name.is_empty() {
+                        named.entry(port.name.as_str()).or_insert(port.port);
+                    }
                 }
             }
             MeshService {
@@ -138,12 +170,26 @@ pub fn services<'a>(catalog: &'a CatalogView, mesh_domain: &str) -> Vec<MeshServ
                 fqdn: fqdn(key, mesh_domain),
                 vip: &service.vip,
                 cluster_ips: service.kubernetes.as_ref().map_or(&[], |k| k.cluster_ips.as_slice()),
+                kubernetes_ports: service.kubernetes.as_ref().and_then(|k| target_ports(&k.ports, &named)),
                 ports,
                 endpoints: catalog.endpoints.get(key),
                 bare: false,
             }
         })
         .collect()
+}
+
+/// Each Service port's endpoint port; a named target is the port the endpoints give that
+/// name (the first by address if they differ). `None` when the Service lists no ports.
+fn target_ports(ports: &[ServicePort], named: &BTreeMap<&str, u32>) -> Option<BTreeMap<u32, u32>> {
+    if ports.is_empty() {
+        return None;
+    }
+    let target = |p: &ServicePort| match p.target_port {
+        0 => named.get(p.target_port_name.as_str()).copied(),
+        target => Some(target),
+    };
+    Some(ports.iter().filter_map(|p| Some((p.port, target(p)?))).collect())
 }
 
 /// Named resource bodies, as a generator makes them.
@@ -221,10 +267,7 @@ impl Checked {
         self.valid.clear();
         self.invalid = 0;
         for route in &current {
-            let checked = aether_api::route::validate(route)
-                .map_err(|e| e.to_string())
-                .and_then(|()| routes::regex_budget::check(route).map_err(|e| e.to_string()));
-            match checked {
+            match check_route(route) {
                 Ok(()) => self.valid.push(route.clone()),
                 Err(error) => {
                     self.invalid += 1;
@@ -235,6 +278,14 @@ impl Checked {
         }
         self.seen = current;
     }
+}
+
+/// Whether the agent serves a route: valid, and every regex within Envoy's RE2 budget
+/// (`aether explain` names the ones it skips).
+pub fn check_route(route: &Route) -> Result<(), String> {
+    aether_api::route::validate(route)
+        .map_err(|e| e.to_string())
+        .and_then(|()| routes::regex_budget::check(route).map_err(|e| e.to_string()))
 }
 
 /// Equal by identity: the catalog view shares an unchanged route.
@@ -261,6 +312,7 @@ struct RouteKey {
     key: String,
     vip: String,
     cluster_ips: Vec<String>,
+    kubernetes_ports: Option<BTreeMap<u32, u32>>,
     ports: BTreeMap<u32, Protocol>,
 }
 
@@ -270,6 +322,7 @@ impl RouteKey {
             key: service.key.to_owned(),
             vip: service.vip.to_owned(),
             cluster_ips: service.cluster_ips.to_vec(),
+            kubernetes_ports: service.kubernetes_ports.clone(),
             ports: service.ports.clone(),
         }
     }

@@ -244,27 +244,38 @@ fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], table: &str,
     }
 }
 
-/// Plain TCP to a declared service's address and TCP port, one chain per port (its
-/// VIP and ClusterIPs as the chain's ranges).
+/// Plain TCP to a declared service's address and TCP port: per endpoint port one chain
+/// for its VIP (with the ClusterIPs when a Service port is the same number), and one for
+/// the ClusterIPs on each other Service port that targets it.
 fn tcp_chains(pod: &LocalPod, declared: &[&MeshService], mtls: Option<&Mtls>) -> Vec<FilterChain> {
     let mut filter_chains = Vec::new();
     for service in declared {
-        let prefix_ranges: Vec<CidrRange> = std::iter::once(service.vip)
-            .chain(service.cluster_ips.iter().map(String::as_str))
-            .map(host_range)
-            .collect();
+        let cluster_ips: Vec<CidrRange> = service.cluster_ips.iter().map(|ip| host_range(ip)).collect();
         for (port, _) in service.ports.iter().filter(|(_, p)| !is_http(**p)) {
             let name = service.cluster(*port);
-            filter_chains.push(outgoing(
-                pod,
-                mtls,
-                Some(FilterChainMatch {
-                    destination_port: Some(UInt32Value { value: *port }),
-                    prefix_ranges: prefix_ranges.clone(),
-                    ..Default::default()
-                }),
-                tcp_proxy_to(&format!("capture.{}", name.replace(':', "_")), &name),
-            ));
+            let kubernetes_ports = service.kubernetes_ports_to(*port);
+            let mut vip = vec![host_range(service.vip)];
+            if kubernetes_ports.contains(port) {
+                vip.extend(cluster_ips.iter().cloned());
+            }
+            let others = kubernetes_ports
+                .iter()
+                .filter(|p| *p != port && !cluster_ips.is_empty());
+            let chains = std::iter::once((*port, vip)).chain(others.map(|p| (*p, cluster_ips.clone())));
+            for (destination_port, prefix_ranges) in chains {
+                filter_chains.push(outgoing(
+                    pod,
+                    mtls,
+                    Some(FilterChainMatch {
+                        destination_port: Some(UInt32Value {
+                            value: destination_port,
+                        }),
+                        prefix_ranges,
+                        ..Default::default()
+                    }),
+                    tcp_proxy_to(&format!("capture.{}", name.replace(':', "_")), &name),
+                ));
+            }
         }
     }
     filter_chains

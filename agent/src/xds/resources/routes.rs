@@ -6,7 +6,8 @@
 //!
 //! Each outbound table has a captured twin (`outbound-captured[~<ns>]`) with the same
 //! virtual hosts, chosen by a captured connection's original destination (`vip:port`,
-//! `clusterip:port`) instead of the authority: a call to a service's address reaches that
+//! `clusterip:port`, the latter on the Kubernetes Service's ports, mapped to the endpoint
+//! ports they target) instead of the authority: a call to a service's address reaches that
 //! service whatever its Host header says (GAMMA). Both are shared per node (per consumer
 //! namespace), so the cost is twice the services' virtual hosts, never per pod.
 //!
@@ -163,14 +164,23 @@ fn port_hosts(names: &Names, services: &[MeshService], attached: &Attached, call
             });
             continue;
         }
-        let default = service.default_port();
+        let (default, kubernetes_default) = (service.default_port(), service.kubernetes_default_port());
+        let (vip, cluster_ips) = (&addresses[0], &addresses[1..]);
+        let kubernetes_names = &hostnames[1..];
         for (port, protocol) in &service.ports {
-            // By name, or by VIP (a client may name the VIP as its authority).
-            let mut domains: Vec<String> = hostnames.iter().map(|h| format!("{h}:{port}")).collect();
-            domains.push(format!("{}:{port}", addresses[0]));
+            // The mesh name and VIP on the endpoint port; the Kubernetes names and the
+            // ClusterIPs on each Service port that targets it (GAMMA: a call to
+            // ClusterIP:80 of a Service whose port 80 targets 8080 is a call to 8080).
+            let kubernetes_ports = service.kubernetes_ports_to(*port);
+            let on_kubernetes_ports = |hosts: &[String]| -> Vec<String> { cross(hosts, &kubernetes_ports).collect() };
+            let mut domains = vec![format!("{}:{port}", service.fqdn)];
+            domains.extend(on_kubernetes_ports(kubernetes_names));
+            domains.push(format!("{vip}:{port}"));
             if Some(*port) == default {
-                domains.extend(hostnames.iter().cloned());
-                domains.push(addresses[0].clone());
+                domains.extend([service.fqdn.clone(), vip.clone()]);
+            }
+            if Some(*port) == kubernetes_default {
+                domains.extend(kubernetes_names.iter().cloned());
             }
             let routes = if is_http(*protocol) {
                 attached.on(service.key, *port, caller)
@@ -190,11 +200,20 @@ fn port_hosts(names: &Names, services: &[MeshService], attached: &Attached, call
                     routes,
                     ..Default::default()
                 },
-                destinations: addresses.iter().map(|a| format!("{a}:{port}")).collect(),
+                destinations: std::iter::once(format!("{vip}:{port}"))
+                    .chain(on_kubernetes_ports(cluster_ips))
+                    .collect(),
             });
         }
     }
     hosts
+}
+
+/// Every `host:port` of `hosts` and `ports`.
+fn cross<'a>(hosts: &'a [String], ports: &'a [u32]) -> impl Iterator<Item = String> + 'a {
+    ports
+        .iter()
+        .flat_map(move |port| hosts.iter().map(move |h| format!("{h}:{port}")))
 }
 
 /// A service port's routes: compiled from those attached, or with none everything to

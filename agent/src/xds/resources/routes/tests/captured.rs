@@ -2,7 +2,7 @@
 //! each outbound table, the listener chains that choose between the two, and ClusterIPs
 //! (with their Kubernetes names) routed like the VIP.
 
-use aether_proto::registry::v1::KubernetesService;
+use aether_proto::registry::v1::{KubernetesService, ServicePort};
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::extensions::http::early_header_mutation::header_mutation::v3::HeaderMutation as EarlyHeaderMutation;
 
@@ -17,9 +17,45 @@ fn with_cluster_ips(routes: Vec<Route>, ips: &[(&str, &[&str])]) -> CatalogView 
         service.kubernetes = Some(KubernetesService {
             cluster_ips: ips.iter().map(|ip| (*ip).into()).collect(),
             traffic_distribution: 0,
+            ports: Vec::new(),
         });
     }
     catalog
+}
+
+/// A Kubernetes Service port: `(name, port, numeric target or 0, named target)`.
+fn service_port((name, port, target_port, target_port_name): (&str, u32, u32, &str)) -> ServicePort {
+    ServicePort {
+        name: name.into(),
+        port,
+        target_port,
+        target_port_name: target_port_name.into(),
+        app_protocol: String::new(),
+    }
+}
+
+/// `key` gets these Kubernetes Service ports, and its endpoints' port 9000 the name `grpc`.
+fn with_service_ports(catalog: &mut CatalogView, key: &str, ports: &[(&str, u32, u32, &str)]) {
+    let service = catalog.services.get_mut(key).unwrap();
+    service.kubernetes.as_mut().unwrap().ports = ports.iter().copied().map(service_port).collect();
+    let endpoints = Arc::make_mut(catalog.endpoints.get_mut(key).unwrap());
+    for port in endpoints.values_mut().flat_map(|e| &mut e.ports) {
+        if port.port == 9000 {
+            port.name = "grpc".into();
+        }
+    }
+}
+
+/// The generator's output with the default cluster domain.
+fn generated_with(catalog: &CatalogView, pods: &[LocalPod]) -> Generated {
+    let (locality, on_demand) = (Locality::default(), BTreeMap::new());
+    crate::xds::resources::Generator::default().generate(&Inputs {
+        pods,
+        catalog,
+        mesh_domain: DOMAIN,
+        locality: &locality,
+        on_demand: &on_demand,
+    })
 }
 
 fn tables_of(generated: &Generated) -> BTreeMap<String, RouteConfiguration> {
@@ -80,9 +116,9 @@ fn cluster_ips_route_like_the_vip_and_kubernetes_names_like_the_mesh_name() {
             "echo-v1.gamma.svc:80",
             "240.240.0.2:80",
             "echo-v1.gamma.aether.internal",
+            "240.240.0.2",
             "echo-v1.gamma.svc.example.cluster",
             "echo-v1.gamma.svc",
-            "240.240.0.2",
         ]
     );
     // Without a Kubernetes Service, no Kubernetes names.
@@ -172,4 +208,100 @@ fn explicit_calls_route_by_authority_and_captured_ones_by_their_stamped_destinat
     );
     // A client's own value never picks the virtual host.
     assert_eq!(stamp.append_action, HeaderAppendAction::OverwriteIfExistsOrAdd as i32);
+}
+
+#[test]
+fn cluster_ips_and_kubernetes_names_answer_on_the_service_ports_mapped_to_their_targets() {
+    let mut catalog = with_cluster_ips(Vec::new(), &[("gamma/echo-v1", &["10.96.0.11"])]);
+    let ports = [
+        ("http", 8080, 80, ""),
+        ("http-too", 8081, 80, ""),
+        ("grpc", 7070, 0, "grpc"),
+        ("gone", 7071, 0, "no-such-name"),
+    ];
+    with_service_ports(&mut catalog, "gamma/echo-v1", &ports);
+    let tables = tables_of(&generated_with(&catalog, &[]));
+    let (captured, by_authority) = (&tables["outbound-captured"], &tables["outbound"]);
+    // ClusterIP:8080 and :8081 reach endpoint port 80; the VIP keeps the endpoint port.
+    assert_eq!(
+        vhost(captured, "echo-v1.gamma.aether.internal:80").domains,
+        ["240.240.0.2:80", "10.96.0.11:8080", "10.96.0.11:8081"]
+    );
+    // A named targetPort resolves by the endpoints' port names; one no endpoint names reaches nothing.
+    assert_eq!(
+        vhost(captured, "echo-v1.gamma.aether.internal:9000").domains,
+        ["240.240.0.2:9000", "10.96.0.11:7070"]
+    );
+    assert_eq!(
+        vhost(by_authority, "echo-v1.gamma.aether.internal:9000").domains,
+        [
+            "echo-v1.gamma.aether.internal:9000",
+            "echo-v1.gamma.svc.cluster.local:7070",
+            "echo-v1.gamma.svc:7070",
+            "240.240.0.2:9000",
+        ]
+    );
+    let http = &vhost(by_authority, "echo-v1.gamma.aether.internal:80").domains;
+    assert!(
+        http.contains(&"echo-v1.gamma.svc.cluster.local:8080".to_owned()),
+        "{http:?}"
+    );
+    assert!(
+        !http.contains(&"echo-v1.gamma.svc.cluster.local:80".to_owned()),
+        "{http:?}"
+    );
+    let every: Vec<&String> = captured.virtual_hosts.iter().flat_map(|v| &v.domains).collect();
+    assert!(
+        !every.iter().any(|d| d.ends_with(":7071") || *d == "10.96.0.11:80"),
+        "{every:?}"
+    );
+}
+
+#[test]
+fn a_name_without_port_reaches_the_target_of_service_port_80() {
+    let mut catalog = with_cluster_ips(Vec::new(), &[("gamma/echo-v1", &["10.96.0.11"])]);
+    with_service_ports(
+        &mut catalog,
+        "gamma/echo-v1",
+        &[("grpc", 80, 9000, ""), ("http", 8080, 80, "")],
+    );
+    let tables = tables_of(&generated_with(&catalog, &[]));
+    let domains = |port: u32| {
+        vhost(&tables["outbound"], &format!("echo-v1.gamma.aether.internal:{port}"))
+            .domains
+            .clone()
+    };
+    assert!(domains(9000).contains(&"echo-v1.gamma.svc.cluster.local".to_owned()));
+    assert!(domains(9000).contains(&"echo-v1.gamma.svc.cluster.local:80".to_owned()));
+    // The mesh name without a port stays on the endpoints' port 80.
+    assert!(domains(80).contains(&"echo-v1.gamma.aether.internal".to_owned()));
+    assert!(!domains(80).contains(&"echo-v1.gamma.svc.cluster.local".to_owned()));
+}
+
+#[test]
+fn tcp_to_a_cluster_ip_is_matched_on_the_service_port_that_targets_the_endpoint_port() {
+    let mut catalog = with_cluster_ips(Vec::new(), &[("gamma/db", &["10.96.0.4"])]);
+    with_service_ports(&mut catalog, "gamma/db", &[("pg", 15432, 5432, "")]);
+    let mut client = pod("web", "client");
+    client
+        .info
+        .annotations
+        .insert("config.aether.io/upstreams".into(), "gamma/db".into());
+    let generated = generated_with(&catalog, &[client]);
+    let listener = generated[crate::xds::LISTENER]
+        .iter()
+        .find(|r| r.name == "outbound|web/client")
+        .map(|r| Listener::decode(&*r.body.value).unwrap())
+        .unwrap();
+    let tcp: Vec<(u32, Vec<&str>)> = listener
+        .filter_chains
+        .iter()
+        .filter_map(|chain| chain.filter_chain_match.as_ref())
+        .filter(|m| m.prefix_ranges.iter().all(|r| r.address_prefix != "127.0.0.1"))
+        .map(|m| {
+            let ranges = m.prefix_ranges.iter().map(|r| r.address_prefix.as_str()).collect();
+            (m.destination_port.unwrap().value, ranges)
+        })
+        .collect();
+    assert_eq!(tcp, [(5432, vec!["240.240.0.4"]), (15432, vec!["10.96.0.4"])]);
 }
