@@ -1,12 +1,13 @@
 //! Our own GAMMA conformance suite, as data. A fixture (`tests/fixtures/gamma/<suite>/<case>.yaml`) is a case: the
 //! features it exercises, Gateway API routes (HTTPRoute/GRPCRoute with Service parents, written as they would be
 //! applied) and a table of requests with what must come of each. The runner ([`run_suite`]) starts one node of the
-//! mesh whose registrar reads routes from a directory, pods for the echo services ([`crate::echo`]) and two
-//! clients, and for every case:
+//! mesh whose registrar reads routes from a directory (or, with [`Setup::Kubernetes`], from the fake Kubernetes API
+//! server, where the echo services also have Services with ClusterIPs), pods for the echo services
+//! ([`crate::echo`]) and two clients, and for every case:
 //!
 //! 1. sends each request once with no route applied: the rows that already hold there do not show the route
 //!    working, so they are checked only after one that does;
-//! 2. writes the routes into the registrar's directory and polls each row until it holds three times in a row
+//! 2. writes the routes where the registrar reads them and polls each row until it holds three times in a row
 //!    (routes reach Envoy asynchronously), within a deadline; then checks the weighted splits;
 //! 3. removes the routes and polls until every row that the routes changed is back to its answer without them.
 //!
@@ -19,24 +20,26 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 mod case;
+mod kubernetes;
 mod report;
 mod suite;
 
-pub use case::{Case, Expect, Redirect, Row, Split, load_cases};
+pub use case::{Case, Expect, Redirect, Row, Split, Via, load_cases};
+pub use kubernetes::{CLUSTER_DOMAIN, kubernetes_service};
 pub use report::feature_table;
-pub use suite::{Observed, Suite};
+pub use suite::{Observed, Setup, Suite};
 
 /// How long a row may take to hold after its routes were written (or to revert after they were removed).
 pub const SETTLE_DEADLINE: Duration = Duration::from_secs(20);
 /// Upstream's definition of "settled": this many passes in a row.
 pub const CONSECUTIVE_PASSES: usize = 3;
 
-/// Runs every case of `dir` against one mesh, prints the feature table and writes it to `table`, and panics
-/// naming every failed case and row.
-pub async fn run_suite(dir: &Path, table: &Path) {
+/// Runs every case of `dir` against one mesh set up as `setup` says, prints the feature table and writes it to
+/// `table`, and panics naming every failed case and row.
+pub async fn run_suite(dir: &Path, table: &Path, setup: Setup) {
     let cases = load_cases(dir).unwrap_or_else(|e| panic!("{e}"));
     let only = std::env::var("AETHER_GAMMA_CASE").ok();
-    let suite = Suite::start().await;
+    let suite = Suite::start_as(setup).await;
     let mut results = Vec::new();
     for case in cases
         .iter()

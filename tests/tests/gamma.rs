@@ -7,7 +7,7 @@ use std::path::Path;
 
 use std::time::Duration;
 
-use aether_tests::gamma::{Suite, load_cases, run_suite, table_path};
+use aether_tests::gamma::{Setup, Suite, load_cases, run_suite, table_path};
 use aether_tests::load::{Load, Protocol};
 
 fn fixtures(suite: &str) -> std::path::PathBuf {
@@ -18,14 +18,22 @@ fn fixtures(suite: &str) -> std::path::PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gamma_conformance_cases_pass() {
     let table = table_path(env!("CARGO_TARGET_TMPDIR"), "conformance");
-    run_suite(&fixtures("conformance"), &table).await;
+    run_suite(&fixtures("conformance"), &table, Setup::RoutesDir).await;
+}
+
+/// The cases that need Kubernetes Services (ClusterIP matching): the registrar reads routes and Services from the
+/// fake API server, and rows call the echo services by ClusterIP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gamma_kubernetes_cases_pass() {
+    let table = table_path(env!("CARGO_TARGET_TMPDIR"), "kubernetes");
+    run_suite(&fixtures("kubernetes"), &table, Setup::Kubernetes).await;
 }
 
 /// Beyond conformance: timeouts, retries, consumer versus producer routes, route removal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gamma_resilience_cases_pass() {
     let table = table_path(env!("CARGO_TARGET_TMPDIR"), "resilience");
-    run_suite(&fixtures("resilience"), &table).await;
+    run_suite(&fixtures("resilience"), &table, Setup::RoutesDir).await;
 }
 
 /// Outlier ejection on a mesh of its own: an ejection lasts 30 s and more, and would change which replica
@@ -33,7 +41,7 @@ async fn gamma_resilience_cases_pass() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gamma_ejection_cases_pass() {
     let table = table_path(env!("CARGO_TARGET_TMPDIR"), "ejection");
-    run_suite(&fixtures("ejection"), &table).await;
+    run_suite(&fixtures("ejection"), &table, Setup::RoutesDir).await;
 }
 
 /// A route changed again and again under steady load (HTTP/1.1 and HTTP/2 keep-alive connections from a client
@@ -63,7 +71,7 @@ async fn route_changes_under_load_lose_no_request() {
             load.wait_ok(200, Duration::from_secs(10)).await;
         }
     }
-    std::fs::remove_file(suite.write_routes("under-load", &split(100, 0))).unwrap();
+    suite.remove_routes(suite.write_routes("under-load", &split(100, 0)));
     let settled = suite.settle_to("echo").await;
     settled.unwrap_or_else(|e| panic!("after removal: {e}\n{}", suite.registrar_logs()));
     for load in loads {
@@ -91,7 +99,7 @@ spec:
 /// the registrar would refuse tests nothing. Needs no mesh.
 #[test]
 fn every_fixture_route_projects() {
-    for suite in ["conformance", "resilience", "ejection"] {
+    for suite in ["conformance", "resilience", "ejection", "kubernetes"] {
         let cases = load_cases(&fixtures(suite)).unwrap_or_else(|e| panic!("{e}"));
         assert!(!cases.is_empty(), "no cases in {suite}");
         for case in cases.iter().filter(|c| !c.routes.is_empty()) {

@@ -40,11 +40,14 @@ pub struct Row {
     /// The client pod: `client` (namespace demo) or `consumer` (namespace consumer).
     #[serde(default = "client")]
     pub from: String,
-    /// The service called, in namespace demo (by its VIP, with its mesh name as the authority).
+    /// The service called, in namespace demo (by its VIP, with its mesh name as the authority, unless `via` says).
     #[serde(default = "echo")]
     pub to: String,
     #[serde(default = "http_port")]
     pub port: u16,
+    /// The address the connection goes to.
+    #[serde(default)]
+    pub via: Via,
     #[serde(default = "get")]
     pub method: String,
     /// Path with query.
@@ -53,7 +56,7 @@ pub struct Row {
     /// Request headers; `{nonce}` in a value becomes a token unique to each request sent.
     #[serde(default)]
     pub headers: BTreeMap<String, String>,
-    /// The authority sent instead of the service's mesh name (the connection still goes to its VIP).
+    /// The authority sent instead of the default one (the connection still goes to the same address).
     #[serde(default)]
     pub authority: Option<String>,
     /// A unary gRPC call instead of an HTTP request (`path` is then ignored).
@@ -63,6 +66,18 @@ pub struct Row {
     #[serde(default)]
     pub passes: Option<usize>,
     pub expect: Expect,
+}
+
+/// How a client reaches the service it calls.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Via {
+    /// Its mesh VIP, with its mesh name (`<svc>.demo.aether.internal`) as the authority.
+    #[default]
+    Vip,
+    /// Its Kubernetes Service's ClusterIP (captured by the pod's ClusterIP set), with its Kubernetes name
+    /// (`<svc>.demo.svc.cluster.local`) as the authority; only in a suite with Kubernetes Services.
+    ClusterIp,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -210,8 +225,12 @@ impl Row {
         } else {
             format!(" {:?}", self.headers)
         };
+        let via = match self.via {
+            Via::Vip => "",
+            Via::ClusterIp => " by ClusterIP",
+        };
         format!(
-            "row {index} ({} → {}:{} {what}{headers})",
+            "row {index} ({} → {}:{}{via} {what}{headers})",
             self.from, self.to, self.port
         )
     }

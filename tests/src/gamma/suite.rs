@@ -3,10 +3,10 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use super::case::{Case, GrpcCall, Row, Split};
+use super::case::{Case, GrpcCall, Row, Split, Via};
+use super::kubernetes::{CLUSTER_DOMAIN, Written, apply_routes, create_services};
 use super::{CONSECUTIVE_PASSES, SETTLE_DEADLINE, nonce};
 use crate::echo::{EchoIdentity, EchoServer, FailureCounters, grpc_call, serve_echo};
 use crate::load::{LoadSpec, Protocol};
@@ -88,23 +88,52 @@ impl Observed {
     }
 }
 
-/// One node of the mesh with the echo services, two clients and a registrar reading routes from a directory.
+/// How a suite's mesh is set up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setup {
+    /// The registrar reads routes from a directory; the echo services have no Kubernetes Services.
+    RoutesDir,
+    /// The registrar reads the fake Kubernetes API server (`--from-kubernetes`): routes are applied there, and
+    /// the echo services have Services with ClusterIPs (rows may call `via: cluster-ip`).
+    Kubernetes,
+}
+
+/// One node of the mesh with the echo services, two clients and a registrar reading routes from a directory or
+/// the fake Kubernetes API server.
 pub struct Suite {
     // Dropped first: the servers and pods before the mesh that serves them.
     _servers: Vec<EchoServer>,
     clients: BTreeMap<&'static str, TestPod>,
     _backends: Vec<TestPod>,
     vips: BTreeMap<String, String>,
+    /// The echo services' ClusterIPs ([`Setup::Kubernetes`]; empty otherwise).
+    cluster_ips: BTreeMap<String, String>,
     mesh: Mesh,
-    routes_dir: tempfile::TempDir,
+    /// The routes directory ([`Setup::RoutesDir`]).
+    routes_dir: Option<tempfile::TempDir>,
 }
 
 impl Suite {
-    /// Starts the mesh and its pods and waits until each client reaches each echo service.
+    /// Starts the mesh (routes from a directory) and its pods and waits until each client reaches each echo
+    /// service.
     pub async fn start() -> Suite {
-        let routes_dir = tempfile::tempdir().expect("routes dir");
-        let routes_flag = routes_dir.path().display().to_string();
-        let mesh = Mesh::start_with_registrar(&[], &["--routes-dir", &routes_flag]).await;
+        Self::start_as(Setup::RoutesDir).await
+    }
+
+    /// [`Suite::start`] set up as `setup` says; with Kubernetes Services, also waits until each client reaches
+    /// each echo service by its ClusterIP.
+    pub async fn start_as(setup: Setup) -> Suite {
+        let routes_dir = (setup == Setup::RoutesDir).then(|| tempfile::tempdir().expect("routes dir"));
+        let routes_flag = routes_dir.as_ref().map(|d| d.path().display().to_string());
+        let registrar_args = match &routes_flag {
+            Some(dir) => vec!["--routes-dir", dir.as_str()],
+            None => vec!["--from-kubernetes"],
+        };
+        let mesh = Mesh::start_with_registrar(&[], &registrar_args).await;
+        let cluster_ips = match setup {
+            Setup::Kubernetes => create_services(&mesh.control_plane.kube),
+            Setup::RoutesDir => BTreeMap::new(),
+        };
         let failures = FailureCounters::default();
         let (mut backends, mut servers) = (Vec::new(), Vec::new());
         for (pod_name, service) in BACKENDS {
@@ -132,6 +161,7 @@ impl Suite {
             clients,
             _backends: backends,
             vips,
+            cluster_ips,
             mesh,
             routes_dir,
         };
@@ -149,17 +179,29 @@ impl Suite {
         format!("{}\n\nagent:\n{agent}", tail(self.mesh.registrar.logs()))
     }
 
-    /// Every client reaches every echo service's own pods while no route is applied.
+    /// The mesh the suite runs on.
+    pub fn mesh(&self) -> &Mesh {
+        &self.mesh
+    }
+
+    /// Every client reaches every echo service's own pods while no route is applied (by VIP, and by ClusterIP
+    /// when the services have them).
     async fn wait_for_default_routing(&self) {
+        let ways: &[Via] = if self.cluster_ips.is_empty() {
+            &[Via::Vip]
+        } else {
+            &[Via::Vip, Via::ClusterIp]
+        };
         for from in self.clients.keys() {
-            for (_, service) in BACKENDS {
+            for ((_, service), via) in BACKENDS.iter().flat_map(|b| ways.iter().map(move |v| (b, *v))) {
                 let row = Row {
                     from: (*from).into(),
-                    to: service.into(),
+                    to: (*service).into(),
+                    via,
                     ..default_row()
                 };
                 let mut expect = row.expect.clone();
-                expect.backend = vec![service.into()];
+                expect.backend = vec![(*service).into()];
                 let settled = self.settle(&Row { expect, ..row }, "default routing").await;
                 settled.unwrap_or_else(|e| panic!("{e}\n{}", self.registrar_logs()));
             }
@@ -177,7 +219,7 @@ impl Suite {
         if !case.routes.is_empty() && changed.is_empty() {
             return Err("every row already holds with no route applied: nothing shows the routes work".into());
         }
-        let file = self.apply(case);
+        let written = self.apply(case);
         let mut errors = Vec::new();
         for &i in changed.iter().chain(&held) {
             if let Err(e) = self.settle(&case.requests[i], &case.requests[i].describe(i)).await {
@@ -192,8 +234,8 @@ impl Suite {
                 }
             }
         }
-        if let Some(file) = file {
-            std::fs::remove_file(&file).unwrap_or_else(|e| panic!("removing {}: {e}", file.display()));
+        if let Some(written) = written {
+            self.remove_routes(written);
             errors.extend(self.revert(case, &changed, &before).await);
         }
         if errors.is_empty() {
@@ -203,18 +245,27 @@ impl Suite {
         }
     }
 
-    /// Writes the case's routes into the registrar's directory.
-    fn apply(&self, case: &Case) -> Option<PathBuf> {
+    /// Writes the case's routes where the registrar reads them.
+    fn apply(&self, case: &Case) -> Option<Written> {
         (!case.routes.is_empty()).then(|| self.write_routes(&case.name, &case.routes))
     }
 
-    /// Writes `yaml` into the registrar's routes directory as `<name>.yaml`, whole, by rename (never half a file).
-    pub fn write_routes(&self, name: &str, yaml: &str) -> PathBuf {
-        let file = self.routes_dir.path().join(format!("{name}.yaml"));
-        let partial = self.routes_dir.path().join(format!(".{name}.partial"));
+    /// Writes `yaml` where the registrar reads routes: into its routes directory as `<name>.yaml`, whole, by rename
+    /// (never half a file), or each route object into the fake API server.
+    pub fn write_routes(&self, name: &str, yaml: &str) -> Written {
+        let Some(dir) = &self.routes_dir else {
+            return apply_routes(&self.mesh.control_plane.kube, yaml);
+        };
+        let file = dir.path().join(format!("{name}.yaml"));
+        let partial = dir.path().join(format!(".{name}.partial"));
         std::fs::write(&partial, yaml).expect("writing routes");
         std::fs::rename(&partial, &file).expect("renaming routes");
-        file
+        Written::File(file)
+    }
+
+    /// Removes what [`Suite::write_routes`] wrote.
+    pub fn remove_routes(&self, written: Written) {
+        written.remove(&self.mesh.control_plane.kube);
     }
 
     /// Waits until a plain GET from `client` to `echo` (port 80) is answered by `service`.
@@ -300,17 +351,25 @@ impl Suite {
             .iter()
             .map(|(k, v)| (k.clone(), v.replace("{nonce}", &nonce())))
             .collect();
-        let Some(vip) = self.vips.get(&row.to) else {
+        let (addresses, what) = match row.via {
+            Via::Vip => (&self.vips, "VIP"),
+            Via::ClusterIp => (&self.cluster_ips, "ClusterIP"),
+        };
+        let Some(address) = addresses.get(&row.to) else {
             return Observed {
-                error: Some(format!("no VIP known for service {:?}", row.to)),
+                error: Some(format!("no {what} known for service {:?}", row.to)),
                 ..Observed::default()
             };
         };
-        let authority = row.authority.clone().unwrap_or_else(|| authority(&row.to, row.port));
+        let default_authority = || match row.via {
+            Via::Vip => authority(&row.to, row.port),
+            Via::ClusterIp => kubernetes_authority(&row.to, row.port),
+        };
+        let authority = row.authority.clone().unwrap_or_else(default_authority);
         let started = Instant::now();
         let mut got = match &row.grpc {
-            Some(call) => self.grpc(client, vip, row.port, &authority, call, &headers).await,
-            None => http(client, vip, row, &authority, &headers).await,
+            Some(call) => self.grpc(client, address, row.port, &authority, call, &headers).await,
+            None => http(client, address, row, &authority, &headers).await,
         };
         got.elapsed = started.elapsed();
         got
@@ -319,13 +378,13 @@ impl Suite {
     async fn grpc(
         &self,
         client: &TestPod,
-        vip: &str,
+        address: &str,
         port: u16,
         authority: &str,
         call: &GrpcCall,
         headers: &[(String, String)],
     ) -> Observed {
-        let addr = SocketAddr::new(vip.parse().expect("VIP"), port);
+        let addr = SocketAddr::new(address.parse().expect("an IP address"), port);
         match grpc_call(client, addr, authority, &call.path(), headers).await {
             Ok(reply) => Observed {
                 status: reply.status,
@@ -391,6 +450,7 @@ fn default_row() -> Row {
         from: "client".into(),
         to: "echo".into(),
         port: 80,
+        via: Via::Vip,
         method: "GET".into(),
         path: "/".into(),
         headers: BTreeMap::new(),
@@ -432,12 +492,20 @@ async fn start_clients(mesh: &Mesh) -> BTreeMap<&'static str, TestPod> {
 
 /// A service's mesh name as a client's authority (the port only when not 80, as a browser would write it).
 fn authority(service: &str, port: u16) -> String {
-    let name = format!("{service}.{NAMESPACE}.{MESH_DOMAIN}");
+    with_port(format!("{service}.{NAMESPACE}.{MESH_DOMAIN}"), port)
+}
+
+/// A service's Kubernetes name as a client's authority.
+fn kubernetes_authority(service: &str, port: u16) -> String {
+    with_port(format!("{service}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}"), port)
+}
+
+fn with_port(name: String, port: u16) -> String {
     if port == 80 { name } else { format!("{name}:{port}") }
 }
 
-async fn http(client: &TestPod, vip: &str, row: &Row, authority: &str, headers: &[(String, String)]) -> Observed {
-    let url = format!("http://{vip}:{}{}", row.port, row.path);
+async fn http(client: &TestPod, address: &str, row: &Row, authority: &str, headers: &[(String, String)]) -> Observed {
+    let url = format!("http://{address}:{}{}", row.port, row.path);
     let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     match client
         .http_request(&row.method, &url, Some(authority), &headers, "")
