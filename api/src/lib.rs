@@ -5,7 +5,9 @@
 //! these same functions.
 //!
 //! - [`gateway`]: the typed objects (`kube::Api::<HttpRoute>` works on them).
-//! - [`route`]: [`project`], [`validate`], [`backend_services`], [`unresolved_backends`].
+//! - [`route`]: [`project`], [`validate`], [`backend_services`], [`unresolved_backends`];
+//!   [`route::order`]: the precedence of the rules on a service port and which one a
+//!   request takes ([`route::request`]), for the agent's compile and `aether explain`.
 //! - [`yaml`]: [`parse_documents`] for route files.
 //! - [`status`]: the `status.parents[]` entries the registrar writes.
 //! - [`duration`]: Gateway API durations (GEP-2257).

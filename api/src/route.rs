@@ -19,6 +19,8 @@ use crate::gateway::{GrpcRoute, HttpRoute, ParentReference};
 pub mod check;
 mod grpc;
 mod http;
+pub mod order;
+pub mod request;
 mod shared;
 mod validate;
 

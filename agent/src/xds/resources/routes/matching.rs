@@ -2,73 +2,23 @@
 //! Envoy's `path_separated_prefix`; a gRPC method is a path), headers, query
 //! parameters and the method.
 
-use aether_proto::registry::v1::{GrpcMethodMatch, MatchType, RouteKind, RouteMatch, ValueMatch};
+use aether_proto::registry::v1::{MatchType, RouteMatch, ValueMatch};
 use envoy_types::pb::envoy::config::route::v3::{
     HeaderMatcher, QueryParameterMatcher, RouteMatch as EnvoyMatch, header_matcher, query_parameter_matcher,
     route_match,
 };
 use envoy_types::pb::envoy::r#type::matcher::v3::{RegexMatcher, StringMatcher, string_matcher};
 
-/// The path part of a match, normalized: what precedence ranks and rewrites build on.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PathSpec {
-    Exact(String),
-    /// Whole segments; no trailing `/` (Gateway API ignores it), `/` alone for everything.
-    Prefix(String),
-    Regex(String),
-}
+// The normalized path lives with the precedence that ranks it (one order for the
+// compile and `aether explain`).
+pub use aether_api::route::order::{PathSpec, escape};
 
-impl PathSpec {
-    /// The path a match selects; a rule without matches selects every path.
-    pub fn of(kind: RouteKind, matched: Option<&RouteMatch>) -> PathSpec {
-        let Some(matched) = matched else {
-            return PathSpec::Prefix("/".into());
-        };
-        if kind == RouteKind::Grpc {
-            return matched
-                .grpc_method
-                .as_ref()
-                .map_or(PathSpec::Prefix("/".into()), grpc_path);
-        }
-        match &matched.path {
-            None => PathSpec::Prefix("/".into()),
-            Some(path) => match path.r#type() {
-                MatchType::Exact => PathSpec::Exact(path.value.clone()),
-                MatchType::Regex => PathSpec::Regex(path.value.clone()),
-                MatchType::PathPrefix | MatchType::Unspecified => prefix(&path.value),
-            },
-        }
-    }
-
-    fn specifier(&self) -> route_match::PathSpecifier {
-        match self {
-            PathSpec::Exact(path) => route_match::PathSpecifier::Path(path.clone()),
-            PathSpec::Prefix(prefix) if prefix == "/" => route_match::PathSpecifier::Prefix(prefix.clone()),
-            PathSpec::Prefix(prefix) => route_match::PathSpecifier::PathSeparatedPrefix(prefix.clone()),
-            PathSpec::Regex(regex) => route_match::PathSpecifier::SafeRegex(regex_matcher(regex)),
-        }
-    }
-}
-
-fn prefix(value: &str) -> PathSpec {
-    let trimmed = value.trim_end_matches('/');
-    PathSpec::Prefix(if trimmed.is_empty() { "/".into() } else { trimmed.into() })
-}
-
-/// A gRPC method is the path `/<service>/<method>`: both exact is an exact path, the
-/// service alone a prefix, anything else a regex.
-fn grpc_path(method: &GrpcMethodMatch) -> PathSpec {
-    let any = "[^/]+";
-    match (method.r#type(), method.service.as_str(), method.method.as_str()) {
-        (MatchType::Regex, service, name) => PathSpec::Regex(format!(
-            "/{}/{}",
-            if service.is_empty() { any } else { service },
-            if name.is_empty() { any } else { name }
-        )),
-        (_, "", "") => PathSpec::Prefix("/".into()),
-        (_, service, "") => PathSpec::Prefix(format!("/{service}")),
-        (_, "", name) => PathSpec::Regex(format!("/{any}/{}", escape(name))),
-        (_, service, name) => PathSpec::Exact(format!("/{service}/{name}")),
+fn specifier(path: &PathSpec) -> route_match::PathSpecifier {
+    match path {
+        PathSpec::Exact(path) => route_match::PathSpecifier::Path(path.clone()),
+        PathSpec::Prefix(prefix) if prefix == "/" => route_match::PathSpecifier::Prefix(prefix.clone()),
+        PathSpec::Prefix(prefix) => route_match::PathSpecifier::PathSeparatedPrefix(prefix.clone()),
+        PathSpec::Regex(regex) => route_match::PathSpecifier::SafeRegex(regex_matcher(regex)),
     }
 }
 
@@ -89,7 +39,7 @@ pub fn route_match(path: &PathSpec, matched: Option<&RouteMatch>) -> EnvoyMatch 
         }));
     }
     EnvoyMatch {
-        path_specifier: Some(path.specifier()),
+        path_specifier: Some(specifier(path)),
         headers,
         query_parameters,
         ..Default::default()
@@ -130,58 +80,9 @@ pub fn regex_matcher(regex: &str) -> RegexMatcher {
     }
 }
 
-/// `text` as an RE2 literal.
-pub fn escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        if "\\.+*?()|[]{}^$".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use aether_proto::registry::v1::PathMatch;
-
-    fn path(kind: MatchType, value: &str) -> RouteMatch {
-        RouteMatch {
-            path: Some(PathMatch {
-                r#type: kind as i32,
-                value: value.into(),
-            }),
-            ..Default::default()
-        }
-    }
-
-    fn grpc(kind: MatchType, service: &str, method: &str) -> PathSpec {
-        let matched = RouteMatch {
-            grpc_method: Some(GrpcMethodMatch {
-                r#type: kind as i32,
-                service: service.into(),
-                method: method.into(),
-            }),
-            ..Default::default()
-        };
-        PathSpec::of(RouteKind::Grpc, Some(&matched))
-    }
-
-    #[test]
-    fn paths_are_normalized_as_gateway_api_defines_them() {
-        let http = |kind, value| PathSpec::of(RouteKind::Http, Some(&path(kind, value)));
-        assert_eq!(http(MatchType::PathPrefix, "/foo/"), PathSpec::Prefix("/foo".into()));
-        assert_eq!(http(MatchType::PathPrefix, "/"), PathSpec::Prefix("/".into()));
-        assert_eq!(http(MatchType::Exact, "/foo/"), PathSpec::Exact("/foo/".into()));
-        assert_eq!(http(MatchType::Regex, "/v[0-9]+"), PathSpec::Regex("/v[0-9]+".into()));
-        assert_eq!(PathSpec::of(RouteKind::Http, None), PathSpec::Prefix("/".into()));
-        assert_eq!(
-            PathSpec::of(RouteKind::Http, Some(&RouteMatch::default())),
-            PathSpec::Prefix("/".into())
-        );
-    }
 
     #[test]
     fn a_prefix_is_segment_aware_in_envoy() {
@@ -198,27 +99,6 @@ mod tests {
         assert_eq!(
             specifier(PathSpec::Exact("/a".into())),
             route_match::PathSpecifier::Path("/a".into())
-        );
-    }
-
-    #[test]
-    fn grpc_methods_become_paths() {
-        assert_eq!(
-            grpc(MatchType::Exact, "pkg.Echo", "Say"),
-            PathSpec::Exact("/pkg.Echo/Say".into())
-        );
-        assert_eq!(
-            grpc(MatchType::Exact, "pkg.Echo", ""),
-            PathSpec::Prefix("/pkg.Echo".into())
-        );
-        assert_eq!(
-            grpc(MatchType::Exact, "", "Say.It"),
-            PathSpec::Regex("/[^/]+/Say\\.It".into())
-        );
-        assert_eq!(grpc(MatchType::Exact, "", ""), PathSpec::Prefix("/".into()));
-        assert_eq!(
-            grpc(MatchType::Regex, "pkg\\..*", ""),
-            PathSpec::Regex("/pkg\\..*/[^/]+".into())
         );
     }
 
@@ -263,11 +143,5 @@ mod tests {
                 string(MatchType::Exact, "1")
             ))
         );
-    }
-
-    #[test]
-    fn literals_are_escaped_for_re2() {
-        assert_eq!(escape("a.b*c(d)"), "a\\.b\\*c\\(d\\)");
-        assert_eq!(escape("plain"), "plain");
     }
 }
