@@ -4,8 +4,9 @@
 //! - `/debug/status`: the node (agent, Envoy, xDS, registrar stream, DNS records, pods);
 //! - `/debug/check`: pre-flight and post-install checks, each PASS/WARN/FAIL with a fix;
 //! - `/debug/proxy-config/<ns>/<pod>/<section>`: what Envoy holds for a pod, as a table;
-//! - `/debug/explain/<ns>/<pod>/<target>`: the hops of a call and the first failing one
-//!   (`<target>` percent-encoded: a service name or URL).
+//! - `/debug/explain/<ns>/<pod>/<target>[/<method>[/<name>:<value>…]]`: the hops of a
+//!   call and the first failing one (each segment percent-encoded; `<target>` a service
+//!   name or URL, then the request's method and headers for the route hop).
 //!
 //! Envoy's admin is read here, by the agent, and never exposed further. Nothing here writes.
 
@@ -89,7 +90,7 @@ enum Request {
     Status,
     Check,
     ProxyConfig { pod: String, section: String },
-    Explain { pod: String, target: String },
+    Explain(facts::Question),
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -110,10 +111,21 @@ impl Route {
                 pod: pod(ns, name),
                 section: decode(section),
             },
-            ["debug", "explain", ns, name, target] => Request::Explain {
-                pod: pod(ns, name),
-                target: decode(target),
-            },
+            ["debug", "explain", ns, name, target, request @ ..] => {
+                let (method, headers) = match request {
+                    [] => (None, Vec::new()),
+                    [method, headers @ ..] => (
+                        Some(decode(method)),
+                        headers.iter().copied().map(header).collect::<Option<_>>()?,
+                    ),
+                };
+                Request::Explain(facts::Question {
+                    pod: pod(ns, name),
+                    target: decode(target),
+                    method,
+                    headers,
+                })
+            }
             ["debug", "status" | "check" | "proxy-config" | "explain", ..] => return None,
             _ => return Some(Route::Other),
         };
@@ -129,8 +141,8 @@ async fn answer(inspector: &Inspector, request: Request) -> (u16, String) {
             Ok(table) => table,
             Err(e) => return error(404, &e.to_string()),
         },
-        Request::Explain { pod, target } => {
-            let facts = facts::gather(inspector, &pod, &target).await;
+        Request::Explain(question) => {
+            let facts = facts::gather(inspector, &question).await;
             serde_json::to_value(crate::explain::explain(&facts)).expect("an explanation serialises")
         }
     };
@@ -139,6 +151,13 @@ async fn answer(inspector: &Inspector, request: Request) -> (u16, String) {
 
 fn error(status: u16, message: &str) -> (u16, String) {
     (status, serde_json::json!({ "error": message }).to_string())
+}
+
+/// A `<name>:<value>` header segment, the name lower-cased (`None`: no colon).
+fn header(segment: &str) -> Option<(String, String)> {
+    let decoded = decode(segment);
+    let (name, value) = decoded.split_once(':')?;
+    Some((name.trim().to_ascii_lowercase(), value.trim().to_owned()))
 }
 
 /// Percent-decoding of one path segment (the CLI encodes the target URL).
@@ -157,11 +176,23 @@ mod tests {
         let explain = Route::parse("/debug/explain/demo/frontend/http%3A%2F%2Fbackend.demo%3A8080%2Fx").unwrap();
         assert_eq!(
             explain,
-            Route::Cli(Request::Explain {
+            Route::Cli(Request::Explain(facts::Question {
                 pod: "demo/frontend".into(),
-                target: "http://backend.demo:8080/x".into()
-            })
+                target: "http://backend.demo:8080/x".into(),
+                ..Default::default()
+            }))
         );
+        let with_request = Route::parse("/debug/explain/demo/frontend/backend/POST/X-Env%3A%20canary").unwrap();
+        assert_eq!(
+            with_request,
+            Route::Cli(Request::Explain(facts::Question {
+                pod: "demo/frontend".into(),
+                target: "backend".into(),
+                method: Some("POST".into()),
+                headers: vec![("x-env".into(), "canary".into())],
+            }))
+        );
+        assert_eq!(Route::parse("/debug/explain/demo/frontend/backend/GET/no-colon"), None);
         assert_eq!(Route::parse("/debug/status"), Some(Route::Cli(Request::Status)));
         assert_eq!(
             Route::parse("/debug/proxy-config/demo/a/clusters"),

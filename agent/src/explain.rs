@@ -3,14 +3,20 @@
 //! (`crate::debug::gather`) in, one verdict per hop out, each with a one-sentence why and
 //! a fix. The first failing hop is the answer; later hops are not judged (`skip`).
 //!
-//! Routing and authorization do not exist in the mesh yet: their hops say so. When they
-//! land, they fill [`Facts::route`] and [`Facts::authorization`] and judge them in
-//! [`route`] and [`authorization`]; nothing else changes.
+//! The route hop (see [`route`]) names the rule of the routes attached to the target's
+//! port that takes the request, in the precedence order the agent compiles. Authorization
+//! does not exist in the mesh yet: its hop says so. When it lands, it fills
+//! [`Facts::authorization`] and judges it in [`authorization`]; nothing else changes.
 
 use std::net::IpAddr;
 use std::time::{Duration, SystemTime};
 
+use aether_api::route::request::Request;
 use serde::Serialize;
+
+mod route;
+
+pub use route::{Action, Backend, Matched, RouteFacts, RouteReport, Skipped};
 
 /// How one hop fared.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -50,8 +56,12 @@ pub struct Facts {
     pub capture: Capture,
     pub envoy: EnvoyFacts,
     pub identity: Option<IdentityFacts>,
-    /// Routing does not exist yet: `None` says so.
-    pub route: Option<()>,
+    /// The request the route hop judges: a URL's path and query, with the CLI's method
+    /// and headers; `None`: a service given without URL (a plain `GET /` is judged).
+    pub request: Option<Request>,
+    /// The routes on the target's port for the pod; `None`: not judged (the service is
+    /// not loaded, has no endpoints, or does not serve the port).
+    pub route: Option<RouteFacts>,
     /// Authorization does not exist yet: `None` says so.
     pub authorization: Option<()>,
     pub now: Option<SystemTime>,
@@ -166,6 +176,8 @@ pub struct Explanation {
     /// The hop the verdict is about (the first fail, else the first warn).
     pub first: Option<Hop>,
     pub hops: Vec<Hop>,
+    /// The routes on the target's port and the rule the request takes, when routes apply.
+    pub route: Option<RouteReport>,
 }
 
 type Judge = fn(&Facts) -> Hop;
@@ -179,7 +191,7 @@ const HOPS: [Judge; 12] = [
     capture,
     declared,
     listener,
-    route,
+    route::judge,
     cluster,
     endpoints,
     identity,
@@ -215,6 +227,7 @@ pub fn explain(facts: &Facts) -> Explanation {
         verdict: first.as_ref().map_or(Status::Ok, |h| h.status),
         first,
         hops,
+        route: route::report(facts),
     }
 }
 
@@ -482,20 +495,24 @@ fn resource(name: &'static str, what: &str, r: &Resource) -> Hop {
     ok(name, format!("Envoy holds {what}"))
 }
 
-fn route(f: &Facts) -> Hop {
-    match f.route {
-        None => hop(
-            "route",
+/// The rule the request takes redirects: no upstream is called.
+fn redirected(name: &'static str, f: &Facts) -> Option<Hop> {
+    let report = route::report(f)?;
+    matches!(report.matched?.action, Action::Redirect { .. }).then(|| {
+        hop(
+            name,
             Status::Skip,
-            "not applicable (no routes/policies in this mesh yet)",
+            "the request is redirected (route hop): no upstream is called",
             "",
-        ),
-        Some(()) => ok("route", "the request matches a route"),
-    }
+        )
+    })
 }
 
 fn cluster(f: &Facts) -> Hop {
     let Some(t) = &f.target else { return skipped("cluster") };
+    if let Some(hop) = redirected("cluster", f) {
+        return hop;
+    }
     if !t.loaded {
         return hop(
             "cluster",
@@ -537,6 +554,9 @@ fn endpoints(f: &Facts) -> Hop {
     let Some(t) = &f.target else {
         return skipped("endpoints");
     };
+    if let Some(hop) = redirected("endpoints", f) {
+        return hop;
+    }
     if !t.loaded {
         return hop(
             "endpoints",

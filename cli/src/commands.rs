@@ -21,9 +21,23 @@ fn text(v: &Value) -> String {
     }
 }
 
-pub fn explain(agent: &Agent, pod: &str, target: &str, output: Output) -> Answer {
+/// The request `explain` judges at the route hop: `-X` and `-H`.
+pub struct Call<'a> {
+    pub method: Option<&'a str>,
+    /// `name:value` each.
+    pub headers: &'a [String],
+}
+
+pub fn explain(agent: &Agent, pod: &str, target: &str, call: &Call, output: Output) -> Answer {
     let (ns, name) = pod.split_once('/').unwrap_or(("default", pod));
-    let path = format!("/debug/explain/{}/{}/{}", encode(ns), encode(name), encode(target));
+    let mut path = format!("/debug/explain/{}/{}/{}", encode(ns), encode(name), encode(target));
+    // The method and headers follow the target as segments (the admin API sees paths only).
+    if call.method.is_some() || !call.headers.is_empty() {
+        path.push_str(&format!("/{}", encode(call.method.unwrap_or("GET"))));
+        for header in call.headers {
+            path.push_str(&format!("/{}", encode(header)));
+        }
+    }
     let answer = agent.get(&path)?;
     let code = match answer["verdict"].as_str() {
         Some("ok") => Code::Ok,

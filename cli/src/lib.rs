@@ -72,7 +72,14 @@ pub enum Command {
         /// `<namespace>/<pod>` or `<pod>` (with -n).
         pod: String,
         /// A service (`backend`, `backend.ns`, `ns/backend`, its mesh name, with `:port`), a URL or a VIP.
+        /// A URL's path and query are judged against the routes attached to the service.
         target: String,
+        /// The request's method, for the route hop (default GET).
+        #[arg(short = 'X', long = "request", value_name = "METHOD")]
+        method: Option<String>,
+        /// A request header `name:value`, for the route hop (repeatable).
+        #[arg(short = 'H', long = "header", value_name = "NAME:VALUE", value_parser = header)]
+        headers: Vec<String>,
     },
 }
 
@@ -122,7 +129,18 @@ pub fn run(cli: &Cli) -> Outcome {
         Command::ProxyConfig { pod, section } => {
             commands::proxy_config(&agent, &pod_id(pod, &cli.namespace), *section, cli.output)
         }
-        Command::Explain { pod, target } => commands::explain(&agent, &pod_id(pod, &cli.namespace), target, cli.output),
+        Command::Explain {
+            pod,
+            target,
+            method,
+            headers,
+        } => {
+            let request = commands::Call {
+                method: method.as_deref(),
+                headers,
+            };
+            commands::explain(&agent, &pod_id(pod, &cli.namespace), target, &request, cli.output)
+        }
     };
     match result {
         Ok((code, output)) => Outcome {
@@ -138,10 +156,47 @@ pub fn run(cli: &Cli) -> Outcome {
     }
 }
 
+/// A `-H` value: `name:value` with a non-empty name.
+fn header(text: &str) -> Result<String, String> {
+    match text.split_once(':') {
+        Some((name, _)) if !name.trim().is_empty() => Ok(text.to_owned()),
+        _ => Err(format!("{text:?} is not name:value")),
+    }
+}
+
 /// `<ns>/<pod>`, completing a bare name with `namespace`.
 pub fn pod_id(pod: &str, namespace: &str) -> String {
     match pod.contains('/') {
         true => pod.to_owned(),
         false => format!("{namespace}/{pod}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn explain_takes_a_method_and_headers_like_curl() {
+        let cli = Cli::try_parse_from([
+            "aether",
+            "explain",
+            "frontend",
+            "http://backend.demo:8080/api",
+            "-X",
+            "POST",
+            "-H",
+            "x-env: canary",
+            "-H",
+            "x-user:1",
+        ])
+        .unwrap();
+        let Command::Explain { method, headers, .. } = cli.command else {
+            panic!("{cli:?}")
+        };
+        assert_eq!(method.as_deref(), Some("POST"));
+        assert_eq!(headers, ["x-env: canary", "x-user:1"]);
+        let bad = Cli::try_parse_from(["aether", "explain", "frontend", "backend", "-H", "no-colon"]);
+        assert!(bad.unwrap_err().to_string().contains("is not name:value"));
     }
 }

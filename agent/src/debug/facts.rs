@@ -4,11 +4,14 @@
 use std::net::IpAddr;
 use std::path::Path;
 
+use aether_api::route::request::Request;
 use aether_mesh_dns::records::RecordFile;
 use aether_proto::registry::v1::Endpoint;
 
 use super::Inspector;
-use crate::explain::{Capture, DnsFacts, EnvoyFacts, Facts, IdentityFacts, PodFacts, Resource, Svid, Target};
+use crate::explain::{
+    Capture, DnsFacts, EnvoyFacts, Facts, IdentityFacts, PodFacts, Resource, RouteFacts, Svid, Target,
+};
 use crate::node::NodeView;
 use crate::pod::LocalPod;
 use crate::xds;
@@ -48,7 +51,39 @@ pub fn parse_target(text: &str, pod_ns: &str, mesh_domain: &str) -> Option<Name>
     (valid(ns) && valid(name)).then(|| Name::Service(format!("{ns}/{name}"), port))
 }
 
-pub async fn gather(inspector: &Inspector, pod_id: &str, text: &str) -> Facts {
+/// The request the route hop judges: a URL's path and query with `method` (default GET)
+/// and `headers`; `None` for a target without URL when neither is given.
+pub fn request_of(text: &str, method: Option<&str>, headers: &[(String, String)]) -> Option<Request> {
+    let path = text
+        .trim()
+        .split_once("://")
+        .map(|(_, rest)| match rest.find(['/', '?', '#']) {
+            Some(at) if rest[at..].starts_with('/') => rest[at..].to_owned(),
+            Some(at) => format!("/{}", &rest[at..]),
+            None => "/".to_owned(),
+        });
+    if path.is_none() && method.is_none() && headers.is_empty() {
+        return None;
+    }
+    Some(Request {
+        method: method.unwrap_or("GET").to_ascii_uppercase(),
+        path: path.unwrap_or_else(|| "/".to_owned()),
+        headers: headers.to_vec(),
+    })
+}
+
+/// What one `explain` asks: the pod, the target as typed, and the request's method and
+/// headers from the CLI.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Question {
+    pub pod: String,
+    pub target: String,
+    pub method: Option<String>,
+    pub headers: Vec<(String, String)>,
+}
+
+pub async fn gather(inspector: &Inspector, question: &Question) -> Facts {
+    let (pod_id, text) = (question.pod.as_str(), question.target.as_str());
     let view = inspector.node.view();
     let local = view.pods.iter().find(|p| p.id() == pod_id);
     let records = read_records(&inspector.records);
@@ -62,10 +97,11 @@ pub async fn gather(inspector: &Inspector, pod_id: &str, text: &str) -> Facts {
         connected: view.streams.newest().is_some(),
         ..Default::default()
     };
-    let mut identity = None;
+    let (mut identity, mut route) = (None, None);
     if let (Some(pod), Some(t)) = (local, &target) {
         envoy = envoy_facts(inspector, &view, pod, t).await;
         identity = identity_facts(&view, pod, t);
+        route = route_facts(&view, pod, t);
     }
     Facts {
         pod_id: pod_id.to_owned(),
@@ -80,7 +116,8 @@ pub async fn gather(inspector: &Inspector, pod_id: &str, text: &str) -> Facts {
         capture,
         envoy,
         identity,
-        route: None,
+        request: request_of(text, question.method.as_deref(), &question.headers),
+        route,
         authorization: None,
         now: None,
     }
@@ -216,6 +253,43 @@ async fn envoy_facts(inspector: &Inspector, view: &NodeView, pod: &LocalPod, tar
     }
 }
 
+/// The routes the agent serves on the target's port to `pod`: the valid ones attached to
+/// it as the pod's namespace sees them, and the invalid ones naming the service.
+fn route_facts(view: &NodeView, pod: &LocalPod, target: &Target) -> Option<RouteFacts> {
+    let catalog = &view.watched.catalog;
+    let services = resources::services(catalog, &view.mesh_domain);
+    let service = services.iter().find(|s| s.key == target.service)?;
+    let port = target.port.or(service.default_port())?;
+    let protocol = *service.ports.get(&port)?;
+    let mut facts = RouteFacts {
+        port,
+        http: resources::is_http(protocol),
+        ..Default::default()
+    };
+    let naming = catalog
+        .routes
+        .values()
+        .filter(|r| r.parents.iter().any(|p| p.service == target.service));
+    let mut valid = Vec::new();
+    for route in naming {
+        match resources::check_route(route) {
+            Ok(()) => valid.push(route.as_ref()),
+            Err(error) => facts.skipped.push((aether_proto::view::route_key(route), error)),
+        }
+    }
+    let attached = resources::Attached::new(valid);
+    let on_port = attached.on(&target.service, port, Some(&pod.info.namespace));
+    facts.routes = on_port.into_iter().cloned().collect();
+    facts.known_backends = facts
+        .routes
+        .iter()
+        .flat_map(aether_api::backend_services)
+        .filter(|s| catalog.services.contains_key(*s))
+        .map(str::to_owned)
+        .collect();
+    Some(facts)
+}
+
 fn identity_facts(view: &NodeView, pod: &LocalPod, target: &Target) -> Option<IdentityFacts> {
     let identities = view.identities.as_ref()?;
     let svid = identities.svids.get(&pod.id()).map(|s| Svid {
@@ -285,5 +359,17 @@ mod tests {
         for (text, want) in cases {
             assert_eq!(parse_target(text, "demo", d), want, "{text}");
         }
+    }
+
+    #[test]
+    fn a_url_gives_the_request_and_a_bare_service_none() {
+        let path = |text: &str| request_of(text, None, &[]).map(|r| r.path);
+        assert_eq!(path("http://backend.demo:8080/a/b?c=1").as_deref(), Some("/a/b?c=1"));
+        assert_eq!(path("http://backend.demo:8080?c=1").as_deref(), Some("/?c=1"));
+        assert_eq!(path("http://backend.demo").as_deref(), Some("/"));
+        assert_eq!(path("backend.demo:8080"), None);
+        let headers = [("x-env".to_owned(), "canary".to_owned())];
+        let request = request_of("backend", Some("post"), &headers).unwrap();
+        assert_eq!(request.to_string(), "POST / [x-env: canary]");
     }
 }

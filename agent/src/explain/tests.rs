@@ -3,6 +3,8 @@
 
 use super::*;
 
+mod routes;
+
 const HOUR: Duration = Duration::from_secs(3600);
 
 fn now() -> SystemTime {
@@ -70,7 +72,12 @@ fn healthy() -> Facts {
             expected_sans: vec![BACKEND_ID.into()],
             local_destinations: vec![("demo/backend".into(), BACKEND_ID.into())],
         }),
-        route: None,
+        request: None,
+        route: Some(RouteFacts {
+            port: 8080,
+            http: true,
+            ..Default::default()
+        }),
         authorization: None,
         now: Some(now()),
     }
@@ -317,7 +324,7 @@ const CASES: &[(&str, Fault, &str, Status, &str)] = &[
 ];
 
 #[test]
-fn a_healthy_call_is_ok_at_every_hop_but_the_missing_features() {
+fn a_healthy_call_is_ok_at_every_hop_but_authorization() {
     let e = explain(&healthy());
     assert_eq!(e.verdict, Status::Ok, "{e:#?}");
     assert!(e.first.is_none());
@@ -340,17 +347,16 @@ fn a_healthy_call_is_ok_at_every_hop_but_the_missing_features() {
         ]
     );
     for h in &e.hops {
-        let expected = if matches!(h.hop, "route" | "authorization") {
+        let expected = if h.hop == "authorization" {
             Status::Skip
         } else {
             Status::Ok
         };
         assert_eq!(h.status, expected, "{h:?}");
     }
-    assert!(
-        e.hops[7]
-            .why
-            .contains("not applicable (no routes/policies in this mesh yet)")
+    assert_eq!(
+        e.hops[7].why,
+        "no route attached: default routing (retries, outlier ejection)"
     );
 }
 
