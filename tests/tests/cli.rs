@@ -6,7 +6,7 @@ use std::process::Output;
 use std::time::{Duration, Instant};
 
 use aether_tests::mesh::{APP, Mesh, MeshIdentity};
-use aether_tests::{ChildGuard, Envoy, TestPod, binary, free_port, unique_base_id};
+use aether_tests::{ChildGuard, Envoy, HttpReply, TestPod, binary, free_port, unique_base_id};
 use serde_json::Value;
 
 /// A mesh whose agent knows where Envoy's admin is (the harness picks a free port).
@@ -17,7 +17,20 @@ async fn mesh() -> Mesh {
 async fn mesh_with(identity: MeshIdentity) -> Mesh {
     let port = free_port();
     let admin = format!("127.0.0.1:{port}");
-    let mut mesh = Mesh::start_identity(identity, &["--envoy-admin", &admin]).await;
+    with_envoy_admin(Mesh::start_identity(identity, &["--envoy-admin", &admin]).await, port)
+}
+
+/// A mesh whose registrar reads routes from `routes_dir`.
+async fn mesh_with_routes(routes_dir: &std::path::Path) -> Mesh {
+    let port = free_port();
+    let admin = format!("127.0.0.1:{port}");
+    let dir = routes_dir.display().to_string();
+    let mesh = Mesh::start_with_registrar(&["--envoy-admin", &admin], &["--routes-dir", &dir]).await;
+    with_envoy_admin(mesh, port)
+}
+
+/// Restarts the mesh's Envoy with its admin on `port`, where the agent reads it.
+fn with_envoy_admin(mut mesh: Mesh, port: u16) -> Mesh {
     mesh.envoy = None;
     mesh.envoy = Some(Envoy::start(&mesh.envoy_bootstrap(port), unique_base_id()));
     mesh
@@ -36,8 +49,13 @@ async fn aether(mesh: &Mesh, args: &[&str]) -> (i32, String) {
 }
 
 async fn explain(mesh: &Mesh, pod: &str, target: &str) -> (i32, Value) {
-    let (code, out) = aether(mesh, &["-o", "json", "explain", pod, target]).await;
-    let json = serde_json::from_str(&out).unwrap_or_else(|e| panic!("explain {pod} {target}: {e}: {out}"));
+    explain_args(mesh, &[pod, target]).await
+}
+
+/// `aether -o json explain <args>`.
+async fn explain_args(mesh: &Mesh, args: &[&str]) -> (i32, Value) {
+    let (code, out) = aether(mesh, &[&["-o", "json", "explain"], args].concat()).await;
+    let json = serde_json::from_str(&out).unwrap_or_else(|e| panic!("explain {args:?}: {e}: {out}"));
     (code, json)
 }
 
@@ -129,16 +147,14 @@ async fn a_healthy_call_is_ok_at_every_hop() {
     assert_eq!((code, e["verdict"].as_str()), (0, Some("ok")), "{e:#}");
     for hop in e["hops"].as_array().unwrap() {
         let expected = match hop["hop"].as_str().unwrap() {
-            "route" | "authorization" => "skip",
+            "authorization" => "skip",
             _ => "ok",
         };
         assert_eq!(hop["status"], expected, "{hop}");
     }
-    assert!(
-        e["hops"][7]["why"]
-            .as_str()
-            .unwrap()
-            .contains("not applicable (no routes/policies in this mesh yet)")
+    assert_eq!(
+        e["hops"][7]["why"],
+        "no route attached: default routing (retries, outlier ejection)"
     );
     let (code, text) = aether(&mesh, &["explain", "frontend", "-n", "demo", "backend:8080"]).await;
     assert_eq!(code, 0, "{text}");
@@ -391,4 +407,108 @@ async fn explain_asks_mesh_dns() {
             .any(|l| l.starts_with("FAIL") && l.contains("mesh-dns answering")),
         "{text}"
     );
+}
+
+/// backend's `/api` goes to lonely (rule "api"); `x-env: canary` stays on backend.
+const BACKEND_ROUTE: &str = r#"
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata:
+  name: backend-api
+  namespace: demo
+spec:
+  parentRefs:
+  - {group: "", kind: Service, name: backend, port: 8080}
+  rules:
+  - name: api
+    matches:
+    - path: {type: PathPrefix, value: /api}
+    backendRefs:
+    - {name: lonely, port: 8080}
+  - matches:
+    - headers:
+      - {name: x-env, value: canary}
+    backendRefs:
+    - {name: backend, port: 8080}
+"#;
+
+/// Explains until the route hop's why contains `words` (routes land asynchronously).
+async fn explain_route_until(mesh: &Mesh, args: &[&str], words: &str) -> (i32, Value) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (code, e) = explain_args(mesh, args).await;
+        if e["hops"][7]["why"].as_str().is_some_and(|why| why.contains(words)) {
+            return (code, e);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "explain {args:?} never said {words:?}: {e:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// GET `path` on backend from `pod`, once Envoy answers it with `status`.
+async fn call_until(mesh: &Mesh, pod: &TestPod, path: &str, status: u16) -> HttpReply {
+    let url = format!("http://{}:8080{path}", mesh.vip("backend").await);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        match pod.http_get(&url, Some("backend.demo.aether.internal:8080")).await {
+            Ok(reply) if reply.status == status => return reply,
+            other => assert!(
+                Instant::now() < deadline,
+                "GET {path} never answered {status}: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// With a route on backend: explain names the rule a URL takes (and Envoy sends the call
+/// there), the rule a header selects, and the 404 of a URL no rule matches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_names_the_route_rule_a_url_takes() {
+    let routes = tempfile::tempdir().unwrap();
+    let mesh = mesh_with_routes(routes.path()).await;
+    let pods = pods(&mesh).await;
+    let frontend = &pods[3].0;
+    explain_until(&mesh, "demo/frontend", "backend", None).await;
+    let partial = routes.path().join(".backend-api.yaml.partial");
+    std::fs::write(&partial, BACKEND_ROUTE).unwrap();
+    std::fs::rename(&partial, routes.path().join("backend-api.yaml")).unwrap();
+
+    let url = "http://backend.demo.aether.internal:8080";
+    let api = format!("{url}/api/items?page=2");
+    let (code, e) = explain_route_until(&mesh, &["demo/frontend", &api], "takes route").await;
+    assert_eq!((code, e["verdict"].as_str()), (0, Some("ok")), "{e:#}");
+    assert_eq!(
+        e["hops"][7]["why"],
+        "GET /api/items?page=2 takes route http/demo/backend-api rule 0 (api): demo/lonely:8080"
+    );
+    assert_eq!(e["route"]["matched"]["rule_name"], "api", "{e:#}");
+    assert_eq!(
+        call_until(&mesh, frontend, "/api/items", 200).await.json()["pod"],
+        "lonely"
+    );
+
+    let other = format!("{url}/other");
+    let canary = ["demo/frontend", &other, "-H", "x-env: canary"];
+    let (code, e) = explain_args(&mesh, &canary).await;
+    assert_eq!(code, 0, "{e:#}");
+    assert_eq!(
+        e["hops"][7]["why"],
+        "GET /other [x-env: canary] takes route http/demo/backend-api rule 1: demo/backend:8080"
+    );
+
+    let (code, e) = explain(&mesh, "demo/frontend", &other).await;
+    assert_eq!((code, e["first"]["hop"].as_str()), (1, Some("route")), "{e:#}");
+    assert_eq!(why(&e), "404: no rule of http/demo/backend-api matches GET /other");
+    call_until(&mesh, frontend, "/other", 404).await;
+    let (code, text) = aether(&mesh, &["explain", "frontend", "-n", "demo", &other, "-X", "post"]).await;
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("verdict: FAIL at route: 404: no rule of http/demo/backend-api matches POST /other"),
+        "{text}"
+    );
+    assert!(text.contains("fix: add a rule or a PathPrefix / match"), "{text}");
 }
