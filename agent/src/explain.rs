@@ -4,7 +4,9 @@
 //! a fix. The first failing hop is the answer; later hops are not judged (`skip`).
 //!
 //! The route hop (see [`route`]) names the rule of the routes attached to the target's
-//! port that takes the request, in the precedence order the agent compiles. Authorization
+//! port that takes the request, in the precedence order the agent compiles; the cluster
+//! and endpoints hops stay about the service's own cluster (skipped when the rule
+//! redirects), the route hop saying whether the catalog holds its backends. Authorization
 //! does not exist in the mesh yet: its hop says so. When it lands, it fills
 //! [`Facts::authorization`] and judges it in [`authorization`]; nothing else changes.
 
@@ -674,7 +676,7 @@ fn authorization(f: &Facts) -> Hop {
         None => hop(
             "authorization",
             Status::Skip,
-            "not applicable (no routes/policies in this mesh yet)",
+            "not applicable (no authorization policies in this mesh yet)",
             "",
         ),
         Some(()) => ok("authorization", "allowed"),
