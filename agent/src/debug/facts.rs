@@ -278,7 +278,7 @@ fn route_facts(view: &NodeView, pod: &LocalPod, target: &Target) -> Option<Route
         }
     }
     let attached = resources::Attached::new(valid);
-    let on_port = attached.on(&target.service, port, Some(&pod.info.namespace));
+    let on_port = attached.on(service, port, Some(&pod.info.namespace));
     facts.routes = on_port.into_iter().cloned().collect();
     facts.known_backends = facts
         .routes

@@ -103,6 +103,17 @@ impl MeshService<'_> {
         }
     }
 
+    /// The endpoint port a Gateway API port reaches (a parentRef's or backendRef's, which
+    /// name Service ports): the one the Service port targets; a port the Service does not
+    /// map (or any, while its ports are unknown) is taken as an endpoint port itself.
+    pub fn endpoint_port(&self, service_port: u32) -> u32 {
+        let target = self
+            .kubernetes_ports
+            .as_ref()
+            .and_then(|ports| ports.get(&service_port));
+        target.copied().unwrap_or(service_port)
+    }
+
     /// The endpoint port a Kubernetes name without a port reaches: the target of the
     /// Service's port 80 (what an HTTP client means), else the mesh's default port.
     pub fn kubernetes_default_port(&self) -> Option<u32> {

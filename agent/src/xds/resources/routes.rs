@@ -23,7 +23,7 @@ mod rewrite;
 #[cfg(test)]
 mod tests;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 
 use aether_proto::registry::v1::Route as MeshRoute;
 use envoy_types::pb::envoy::config::core::v3::{DataSource, data_source};
@@ -141,6 +141,7 @@ fn unique_domains(vhosts: impl Iterator<Item = VirtualHost>) -> impl Iterator<It
 /// Every dependency service port's virtual host as callers in `caller` (`None`: any
 /// namespace without consumer routes) see it.
 fn port_hosts(names: &Names, services: &[MeshService], attached: &Attached, caller: Option<&str>) -> Vec<PortHost> {
+    let known: HashMap<&str, &MeshService> = services.iter().map(|s| (s.key, s)).collect();
     let mut hosts = Vec::new();
     for service in services {
         let addresses: Vec<String> = std::iter::once(service.vip)
@@ -183,7 +184,7 @@ fn port_hosts(names: &Names, services: &[MeshService], attached: &Attached, call
                 domains.extend(kubernetes_names.iter().cloned());
             }
             let routes = if is_http(*protocol) {
-                attached.on(service.key, *port, caller)
+                attached.on(service, *port, caller)
             } else {
                 Vec::new()
             };
@@ -191,6 +192,7 @@ fn port_hosts(names: &Names, services: &[MeshService], attached: &Attached, call
                 mesh_domain: names.mesh_domain,
                 port: *port,
                 domains: &domains,
+                services: &known,
             };
             let routes = service_routes(service, *port, &routes, &target);
             hosts.push(PortHost {

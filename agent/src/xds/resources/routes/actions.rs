@@ -8,6 +8,8 @@
 //! with `cluster_not_found_response_code` 500, as Gateway API requires for a backend
 //! that does not resolve.
 
+use std::collections::HashMap;
+
 use aether_proto::registry::v1::{
     HeaderModifier, Redirect, RouteBackend, RouteFilter, RouteRetry, RouteRule, UrlRewrite, route_filter,
 };
@@ -23,8 +25,8 @@ use envoy_types::pb::envoy::r#type::v3::{FractionalPercent, fractional_percent};
 use super::matching::PathSpec;
 use super::rewrite::PathRewrite;
 use super::{direct_action, retries};
-use crate::xds::resources::fqdn;
 use crate::xds::resources::util::{millis, u32v};
+use crate::xds::resources::{MeshService, fqdn};
 
 /// Where a service port's rules send traffic.
 pub struct Target<'a> {
@@ -33,11 +35,21 @@ pub struct Target<'a> {
     pub port: u32,
     /// The virtual host's domains (what a request's authority may be).
     pub domains: &'a [String],
+    /// The node's dependency services by key: a backend's port is a Service port, and
+    /// its cluster is named by the endpoint port that one targets.
+    pub services: &'a HashMap<&'a str, &'a MeshService<'a>>,
 }
 
 impl Target<'_> {
+    /// A backend's cluster: on the endpoint port its Service port targets (the port
+    /// itself while the backend or its Service's ports are unknown here), or the parent's
+    /// port when it names none.
     pub fn cluster(&self, backend: &RouteBackend) -> String {
-        let port = if backend.port == 0 { self.port } else { backend.port };
+        let port = match (backend.port, self.services.get(backend.service.as_str())) {
+            (0, _) => self.port,
+            (port, Some(service)) => service.endpoint_port(port),
+            (port, None) => port,
+        };
         format!("{}:{port}", fqdn(&backend.service, self.mesh_domain))
     }
 }

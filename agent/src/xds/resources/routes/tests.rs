@@ -5,6 +5,7 @@
 mod captured;
 mod compiled;
 mod envoy;
+mod service_ports;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

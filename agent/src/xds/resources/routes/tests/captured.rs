@@ -10,7 +10,7 @@ use super::super::{DESTINATION_HEADER, captured_table_name};
 use super::*;
 
 /// The catalog with ClusterIPs on some services.
-fn with_cluster_ips(routes: Vec<Route>, ips: &[(&str, &[&str])]) -> CatalogView {
+pub(super) fn with_cluster_ips(routes: Vec<Route>, ips: &[(&str, &[&str])]) -> CatalogView {
     let mut catalog = catalog(routes);
     for (key, ips) in ips {
         let service = catalog.services.get_mut(*key).unwrap();
@@ -35,7 +35,7 @@ fn service_port((name, port, target_port, target_port_name): (&str, u32, u32, &s
 }
 
 /// `key` gets these Kubernetes Service ports, and its endpoints' port 9000 the name `grpc`.
-fn with_service_ports(catalog: &mut CatalogView, key: &str, ports: &[(&str, u32, u32, &str)]) {
+pub(super) fn with_service_ports(catalog: &mut CatalogView, key: &str, ports: &[(&str, u32, u32, &str)]) {
     let service = catalog.services.get_mut(key).unwrap();
     service.kubernetes.as_mut().unwrap().ports = ports.iter().copied().map(service_port).collect();
     let endpoints = Arc::make_mut(catalog.endpoints.get_mut(key).unwrap());
@@ -47,7 +47,7 @@ fn with_service_ports(catalog: &mut CatalogView, key: &str, ports: &[(&str, u32,
 }
 
 /// The generator's output with the default cluster domain.
-fn generated_with(catalog: &CatalogView, pods: &[LocalPod]) -> Generated {
+pub(super) fn generated_with(catalog: &CatalogView, pods: &[LocalPod]) -> Generated {
     let (locality, on_demand) = (Locality::default(), BTreeMap::new());
     crate::xds::resources::Generator::default().generate(&Inputs {
         pods,
@@ -58,7 +58,7 @@ fn generated_with(catalog: &CatalogView, pods: &[LocalPod]) -> Generated {
     })
 }
 
-fn tables_of(generated: &Generated) -> BTreeMap<String, RouteConfiguration> {
+pub(super) fn tables_of(generated: &Generated) -> BTreeMap<String, RouteConfiguration> {
     generated[crate::xds::ROUTE]
         .iter()
         .map(|r| (r.name.clone(), RouteConfiguration::decode(&*r.body.value).unwrap()))
