@@ -151,6 +151,9 @@ fn mesh_cluster(name: &str, port: u32, protocol: Protocol, mtls: Option<&Mtls>, 
             healthy_panic_threshold: Some(Percent {
                 value: PANIC_THRESHOLD_PERCENT,
             }),
+            // update_merge_window stays Envoy's 1 s: it batches health flips for every
+            // worker, and the delay it puts on an ejection costs a call one retry at the
+            // next priority (routes' retry_priority), not an error.
             ..Default::default()
         }),
         outlier_detection: Some(outlier_detection()),

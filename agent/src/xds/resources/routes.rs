@@ -32,6 +32,7 @@ use envoy_types::pb::envoy::config::route::v3::{
     header_matcher, retry_policy, route, route_action, route_match,
 };
 use envoy_types::pb::envoy::extensions::retry::host::previous_hosts::v3::PreviousHostsPredicate;
+use envoy_types::pb::envoy::extensions::retry::priority::previous_priorities::v3::PreviousPrioritiesConfig;
 use envoy_types::pb::envoy::r#type::matcher::v3::{RegexMatcher, StringMatcher, string_matcher};
 
 use super::clusters::local_name;
@@ -359,8 +360,18 @@ fn direct_action(status: u32, body: &str) -> route::Action {
     })
 }
 
+/// Each retry leaves the priorities already tried (until no healthy one is left, then
+/// Envoy starts over). Until a failing endpoint is ejected (3 gateway errors) and the
+/// node's Envoy workers see that (the cluster's update merge window, up to 1 s), calls
+/// still pick it first; a retry at the same priority went back to it when it was the
+/// only one there (PreferSameNode's local pod), and the caller got its 503. 1, not 2: a
+/// rule with `attempts: 1` must cross too. A service with one priority keeps its retries
+/// there, on another host (previous_hosts).
+const RETRY_PRIORITY_UPDATE_FREQUENCY: i32 = 1;
+
 /// Retry what is safe to retry: connection failures, refused streams, resets before
-/// the request went out, and 503s; on another host, with a short backoff.
+/// the request went out, and 503s; on another host, with a short backoff, and at
+/// another priority when there is one (see [`RETRY_PRIORITY_UPDATE_FREQUENCY`]).
 fn retries() -> RetryPolicy {
     RetryPolicy {
         retry_on: "connect-failure,refused-stream,reset-before-request,retriable-status-codes".to_owned(),
@@ -373,6 +384,14 @@ fn retries() -> RetryPolicy {
             ))),
         }],
         host_selection_retry_max_attempts: 3,
+        retry_priority: Some(retry_policy::RetryPriority {
+            name: "envoy.retry_priorities.previous_priorities".to_owned(),
+            config_type: Some(retry_policy::retry_priority::ConfigType::TypedConfig(any(
+                &PreviousPrioritiesConfig {
+                    update_frequency: RETRY_PRIORITY_UPDATE_FREQUENCY,
+                },
+            ))),
+        }),
         retry_back_off: Some(retry_policy::RetryBackOff {
             base_interval: millis(25),
             max_interval: millis(250),

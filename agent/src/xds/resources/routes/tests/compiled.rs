@@ -513,6 +513,23 @@ fn timeouts_bound_the_request_and_each_attempt() {
 }
 
 #[test]
+fn mesh_retries_leave_the_priority_that_failed() {
+    use envoy_types::pb::envoy::config::route::v3::retry_policy::retry_priority::ConfigType;
+    use envoy_types::pb::envoy::extensions::retry::priority::previous_priorities::v3::PreviousPrioritiesConfig;
+    let priority = retries().retry_priority.unwrap();
+    assert_eq!(priority.name, "envoy.retry_priorities.previous_priorities");
+    let Some(ConfigType::TypedConfig(config)) = priority.config_type else {
+        panic!("no config")
+    };
+    let config = PreviousPrioritiesConfig::decode(&*config.value).unwrap();
+    assert_eq!(config.update_frequency, 1, "the first retry already leaves");
+    // A port without routes and a rule without its own retries use the mesh's.
+    let plain = route_action_of(&echo_routes(Vec::new())[0]).retry_policy.clone();
+    assert_eq!(plain, Some(retries()));
+    assert_eq!(timed(0, 0, None).retry_policy, Some(retries()));
+}
+
+#[test]
 fn retries_follow_gep_1731_and_zero_attempts_turn_them_off() {
     let retry = RouteRetry {
         codes: vec![503, 502],
@@ -534,6 +551,7 @@ fn retries_follow_gep_1731_and_zero_attempts_turn_them_off() {
         retries().retry_host_predicate,
         "on another host"
     );
+    assert_eq!(policy.retry_priority, retries().retry_priority, "at another priority");
 
     let resets_only = RouteRetry {
         attempts: 2,
