@@ -100,7 +100,8 @@ impl Envoy {
         Envoy::start_with_args(bootstrap, base_id, &[])
     }
 
-    /// [`Envoy::start`] with extra command-line arguments (e.g. `--restart-epoch 1`, `--drain-time-s 1`).
+    /// [`Envoy::start`] with extra command-line arguments (e.g. `--restart-epoch 1`, `--drain-time-s 1`, or
+    /// `--concurrency N` instead of the one worker).
     pub fn start_with_args(bootstrap: &serde_json::Value, base_id: u32, extra_args: &[&str]) -> Envoy {
         let admin = admin_addr_of(bootstrap);
         let dir = tempfile::Builder::new()
@@ -117,8 +118,12 @@ impl Envoy {
         cmd.arg("-c")
             .arg(&bootstrap_path)
             .args(["--base-id", &base_id.to_string()])
-            .args(["--concurrency", "1", "--log-level", "info"])
-            .args(extra_args);
+            .args(["--log-level", "info"]);
+        // One worker unless the caller names its own count (Envoy refuses a flag given twice).
+        if !extra_args.contains(&"--concurrency") {
+            cmd.args(["--concurrency", "1"]);
+        }
+        cmd.args(extra_args);
         *BASE_ID_USERS
             .lock()
             .get_or_insert_with(HashMap::new)
