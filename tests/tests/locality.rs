@@ -103,15 +103,31 @@ impl TwoNodes {
 
     /// Waits until [`IN_A_ROW`] answers in a row come from `pod`, within `deadline`.
     async fn settle_on(&self, pod: &str, deadline: Duration, what: &str) {
+        self.settle(pod, deadline, what, false).await;
+    }
+
+    /// As [`TwoNodes::settle_on`], and meanwhile every call is answered by one of echo's pods: none is lost.
+    async fn settle_on_losing_none(&self, pod: &str, deadline: Duration, what: &str) {
+        self.settle(pod, deadline, what, true).await;
+    }
+
+    async fn settle(&self, pod: &str, deadline: Duration, what: &str, losing_none: bool) {
         let until = Instant::now() + deadline;
-        let mut in_a_row = 0;
+        let (mut in_a_row, mut calls) = (0, 0);
         while in_a_row < IN_A_ROW {
             let got = self.answer().await;
+            calls += 1;
             in_a_row = if got == pod { in_a_row + 1 } else { 0 };
+            let logs = || self.mesh.agent.as_ref().map(|a| a.logs()).unwrap_or_default();
+            assert!(
+                !losing_none || got == "echo-local" || got == "echo-remote",
+                "{what}: call {calls} lost ({got})\n{}",
+                logs()
+            );
             assert!(
                 Instant::now() < until,
                 "{what}: no {IN_A_ROW} answers in a row from {pod} within {deadline:?} (last: {got})\n{}",
-                self.mesh.agent.as_ref().map(|a| a.logs()).unwrap_or_default()
+                logs()
             );
         }
     }
@@ -187,11 +203,11 @@ async fn prefer_same_node_keeps_calls_local_and_fails_over_to_another_node_and_b
     failing_and_back(&mut node).await;
 }
 
-/// The local pod leaves the mesh (CNI DEL): every call goes to node-b; it rejoins: calls come back.
+/// The local pod leaves the mesh (CNI DEL): every call goes to node-b, none lost; it rejoins: calls come back.
 async fn removed_and_back(node: &TwoNodes) {
     let removed = node.mesh.remove_pod(&node.local, "echo-local").await;
     removed.expect("RemovePod echo-local");
-    node.settle_on("echo-remote", Duration::from_secs(20), "local pod removed")
+    node.settle_on_losing_none("echo-remote", Duration::from_secs(20), "local pod removed")
         .await;
     assert_eq!(node.count(20).await, BTreeMap::from([("echo-remote".to_owned(), 20)]));
     node.mesh.add_pod_ok(&node.local, "echo-local").await;
@@ -199,13 +215,13 @@ async fn removed_and_back(node: &TwoNodes) {
         .await;
 }
 
-/// The local app stops answering: its endpoint is ejected and calls go to node-b; once it answers again and its
-/// ejection (30 s) ends, calls come back. (Until Envoy's workers see the ejection — its cluster update merge
-/// window, 1 s by default — calls still go to the local endpoint and its retries too: a retry can only cross to
-/// another priority with a retry priority plugin, which the mesh's retries do not set.)
+/// The local app stops answering: its endpoint is ejected and calls go to node-b, none lost; once it answers again
+/// and its ejection (30 s) ends, calls come back. (Until the ejection and Envoy's workers see it — the cluster update
+/// merge window, 1 s — a call's first attempt still goes to the local endpoint; its retry leaves that priority for
+/// node-b's.)
 async fn failing_and_back(node: &mut TwoNodes) {
     node.local_echo = None;
-    node.settle_on("echo-remote", Duration::from_secs(10), "local app down")
+    node.settle_on_losing_none("echo-remote", Duration::from_secs(10), "local app down")
         .await;
     assert_eq!(node.count(40).await, BTreeMap::from([("echo-remote".to_owned(), 40)]));
     let addr = SocketAddr::from(([0, 0, 0, 0], 80));
