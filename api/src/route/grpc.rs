@@ -6,24 +6,21 @@ use aether_common::quote::quote;
 use aether_proto::registry::v1::route_filter::Filter;
 use aether_proto::registry::v1::{GrpcMethodMatch, MatchType, RouteFilter, RouteMatch, RouteRule};
 
-use super::check::{self, limits};
+use super::check;
 use super::shared::{self, as_response};
 use super::{Rejected, at};
 use crate::gateway::{GrpcFilterType, GrpcRouteFilter, GrpcRouteMatch, GrpcRouteRule, MatchValueType};
 
 pub fn rules(rules: &[GrpcRouteRule], namespace: &str) -> Result<Vec<RouteRule>, Rejected> {
-    let rules = shared::rules_or_default(rules)?;
-    let total: usize = rules.iter().map(|r| r.matches.len()).sum();
-    if total > limits::MATCHES_PER_ROUTE {
-        return Err(Rejected::unsupported(
-            "spec.rules",
-            format!("{total} matches in all (at most 128)"),
-        ));
-    }
-    let mut names = HashSet::new();
-    (rules.iter().enumerate())
-        .map(|(i, rule)| self::rule(rule, namespace, &format!("spec.rules[{i}]"), &mut names))
-        .collect()
+    let size = |rule: &GrpcRouteRule| shared::RuleSize {
+        session_persistence: rule.session_persistence.is_some(),
+        matches: rule.matches.len(),
+        filters: rule.filters.len(),
+        backends: rule.backend_refs.len(),
+    };
+    shared::project_rules(rules, size, |rule, field, names| {
+        self::rule(rule, namespace, field, names)
+    })
 }
 
 fn rule(
@@ -32,24 +29,6 @@ fn rule(
     field: &str,
     names: &mut HashSet<String>,
 ) -> Result<RouteRule, Rejected> {
-    if rule.session_persistence.is_some() {
-        return Err(Rejected::unsupported(
-            format!("{field}.sessionPersistence"),
-            "session persistence is not supported",
-        ));
-    }
-    if rule.matches.len() > limits::MATCHES_PER_RULE {
-        return Err(Rejected::unsupported(format!("{field}.matches"), "at most 64 matches"));
-    }
-    if rule.filters.len() > limits::FILTERS {
-        return Err(Rejected::unsupported(format!("{field}.filters"), "at most 16 filters"));
-    }
-    if rule.backend_refs.len() > limits::BACKENDS {
-        return Err(Rejected::unsupported(
-            format!("{field}.backendRefs"),
-            "at most 16 backends",
-        ));
-    }
     let matches = (rule.matches.iter().enumerate())
         .map(|(i, m)| route_match(m, &format!("{field}.matches[{i}]")))
         .collect::<Result<Vec<_>, _>>()?;

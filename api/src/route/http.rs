@@ -19,18 +19,15 @@ use crate::gateway::{
 };
 
 pub fn rules(rules: &[HttpRouteRule], namespace: &str) -> Result<Vec<RouteRule>, Rejected> {
-    let rules = shared::rules_or_default(rules)?;
-    let total: usize = rules.iter().map(|r| r.matches.len()).sum();
-    if total > limits::MATCHES_PER_ROUTE {
-        return Err(Rejected::unsupported(
-            "spec.rules",
-            format!("{total} matches in all (at most 128)"),
-        ));
-    }
-    let mut names = HashSet::new();
-    (rules.iter().enumerate())
-        .map(|(i, rule)| self::rule(rule, namespace, &format!("spec.rules[{i}]"), &mut names))
-        .collect()
+    let size = |rule: &HttpRouteRule| shared::RuleSize {
+        session_persistence: rule.session_persistence.is_some(),
+        matches: rule.matches.len(),
+        filters: rule.filters.len(),
+        backends: rule.backend_refs.len(),
+    };
+    shared::project_rules(rules, size, |rule, field, names| {
+        self::rule(rule, namespace, field, names)
+    })
 }
 
 fn rule(
@@ -39,15 +36,6 @@ fn rule(
     field: &str,
     names: &mut HashSet<String>,
 ) -> Result<RouteRule, Rejected> {
-    if rule.session_persistence.is_some() {
-        return Err(Rejected::unsupported(
-            format!("{field}.sessionPersistence"),
-            "session persistence is not supported",
-        ));
-    }
-    if rule.matches.len() > limits::MATCHES_PER_RULE {
-        return Err(Rejected::unsupported(format!("{field}.matches"), "at most 64 matches"));
-    }
     let matches = (rule.matches.iter().enumerate())
         .map(|(i, m)| route_match(m, &format!("{field}.matches[{i}]")))
         .collect::<Result<Vec<_>, _>>()?;
@@ -58,12 +46,6 @@ fn rule(
             shared::weighted_backend(b, namespace, &at_i, backend_filter)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    if rule.backend_refs.len() > limits::BACKENDS {
-        return Err(Rejected::unsupported(
-            format!("{field}.backendRefs"),
-            "at most 16 backends",
-        ));
-    }
     let (request_timeout_ms, backend_request_timeout_ms) = timeouts(rule.timeouts.as_ref(), field)?;
     Ok(RouteRule {
         name: shared::rule_name(rule.name.as_deref(), names, &format!("{field}.name"))?,
@@ -140,9 +122,6 @@ fn path_match(path: &HttpPathMatch, field: &str) -> Result<PathMatch, Rejected> 
 }
 
 fn filters(rule: &HttpRouteRule, namespace: &str, field: &str) -> Result<Vec<RouteFilter>, Rejected> {
-    if rule.filters.len() > limits::FILTERS {
-        return Err(Rejected::unsupported(format!("{field}.filters"), "at most 16 filters"));
-    }
     let mut seen = HashSet::new();
     let mut projected = Vec::new();
     for (i, filter) in rule.filters.iter().enumerate() {

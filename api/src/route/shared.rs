@@ -5,7 +5,9 @@ use std::collections::HashSet;
 
 use aether_common::quote::quote;
 use aether_proto::registry::v1::route_filter::Filter;
-use aether_proto::registry::v1::{Header, HeaderModifier, MatchType, Mirror, RouteBackend, RouteFilter, ValueMatch};
+use aether_proto::registry::v1::{
+    Header, HeaderModifier, MatchType, Mirror, RouteBackend, RouteFilter, RouteRule, ValueMatch,
+};
 
 use super::check::{self, limits};
 use super::{Rejected, at};
@@ -224,19 +226,68 @@ pub fn rule_name(name: Option<&str>, seen: &mut HashSet<String>, field: &str) ->
     Ok(name.to_owned())
 }
 
-/// The rules, or the API's default of one rule matching everything when there are none.
-pub fn rules_or_default<R: Default + Clone>(rules: &[R]) -> Result<Vec<R>, Rejected> {
+/// How big a rule is, for the limits both route kinds share.
+pub struct RuleSize {
+    pub session_persistence: bool,
+    pub matches: usize,
+    pub filters: usize,
+    pub backends: usize,
+}
+
+/// Projects every rule with `project_rule(rule, field, names)`, or the API's default
+/// rule when there is none, within the limits both kinds share: 16 rules, 128 matches in
+/// all, and per rule 64 matches, 16 filters and 16 backends; session persistence is
+/// refused. `names` collects the rule names (they must be unique).
+pub fn project_rules<R: Default + Clone>(
+    rules: &[R],
+    size: impl Fn(&R) -> RuleSize,
+    mut project_rule: impl FnMut(&R, &str, &mut HashSet<String>) -> Result<RouteRule, Rejected>,
+) -> Result<Vec<RouteRule>, Rejected> {
     if rules.len() > limits::RULES {
         return Err(Rejected::unsupported(
             "spec.rules",
             format!("{} rules (at most 16)", rules.len()),
         ));
     }
-    Ok(if rules.is_empty() {
+    let rules = if rules.is_empty() {
         vec![R::default()]
     } else {
         rules.to_vec()
-    })
+    };
+    let total: usize = rules.iter().map(|r| size(r).matches).sum();
+    if total > limits::MATCHES_PER_ROUTE {
+        return Err(Rejected::unsupported(
+            "spec.rules",
+            format!("{total} matches in all (at most 128)"),
+        ));
+    }
+    let mut names = HashSet::new();
+    (rules.iter().enumerate())
+        .map(|(i, rule)| {
+            let field = format!("spec.rules[{i}]");
+            check_size(&size(rule), &field)?;
+            project_rule(rule, &field, &mut names)
+        })
+        .collect()
+}
+
+fn check_size(size: &RuleSize, field: &str) -> Result<(), Rejected> {
+    if size.session_persistence {
+        return Err(Rejected::unsupported(
+            format!("{field}.sessionPersistence"),
+            "session persistence is not supported",
+        ));
+    }
+    let over = |list: &str, what: &str, n: usize, most: usize| {
+        (n > most).then(|| Rejected::unsupported(format!("{field}.{list}"), format!("at most {most} {what}")))
+    };
+    let over = over("matches", "matches", size.matches, limits::MATCHES_PER_RULE)
+        .or_else(|| over("filters", "filters", size.filters, limits::FILTERS))
+        .or_else(|| over("backendRefs", "backends", size.backends, limits::BACKENDS));
+    match over {
+        Some(rejected) => Err(rejected),
+        None => Ok(()),
+    }
 }
 
 /// The filter of a header modifier as a response modifier.
