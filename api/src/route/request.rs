@@ -6,6 +6,8 @@
 
 use std::fmt;
 
+use aether_common::quote::clip;
+
 use aether_proto::registry::v1::{MatchType, RouteMatch, ValueMatch};
 use serde::Serialize;
 
@@ -59,11 +61,12 @@ impl Request {
     }
 }
 
+/// Shown in explanations; every part bounded (a request is the user's input).
 impl fmt::Display for Request {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        write!(f, "{} {}", self.method, self.path)?;
+        write!(f, "{} {}", clip(&self.method), clip(&self.path))?;
         for (name, value) in &self.headers {
-            write!(f, " [{name}: {value}]")?;
+            write!(f, " [{}: {}]", clip(name), clip(value))?;
         }
         Ok(())
     }
@@ -114,6 +117,16 @@ fn whole(regex: &str, text: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_request_is_shown_bounded() {
+        let mut request = super::Request::get(&format!("/{}", "p".repeat(1 << 20)));
+        request.headers.push(("x-big".into(), "v".repeat(1 << 16)));
+        let shown = request.to_string();
+        assert!(shown.len() < 1024, "{} bytes", shown.len());
+        assert!(shown.starts_with("GET /ppp"), "{shown}");
+        assert_eq!(super::Request::get("/short").to_string(), "GET /short");
+    }
+
     use super::*;
 
     fn value(name: &str, kind: MatchType, value: &str) -> ValueMatch {
