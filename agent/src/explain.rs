@@ -466,6 +466,16 @@ fn listener(f: &Facts) -> Hop {
             "check the proxy container (aether status: Envoy) and its log",
         );
     }
+    // With mTLS the agent withholds a pod's listeners until it has an SVID: name that cause.
+    if let Some(id) = f.identity.as_ref().filter(|id| id.svid.is_none() && !f.envoy.listener.served) {
+        let why = svid_problem(&f.pod_id, id, SystemTime::now()).unwrap_or_default();
+        return hop(
+            "listener",
+            Status::Fail,
+            format!("the agent withholds the pod's listeners: {why}"),
+            "check the identity provider (aether check: CA/SVID) and the agent's log",
+        );
+    }
     resource("listener", "the pod's listeners", &f.envoy.listener)
 }
 

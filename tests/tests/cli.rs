@@ -362,9 +362,13 @@ async fn explain_names_svid_faults() {
     spire.set_ttl(Duration::from_secs(600));
     spire.restore();
     explain_until(&mesh, "demo/frontend", "backend", None).await;
+    // Revoked: the agent withdraws the pod's listeners, and the listener hop names why.
     spire.revoke(&uid(&frontend));
-    let (_, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("identity", "fail"))).await;
-    assert!(why(&e).contains("demo/frontend has no SVID"), "{e:#}");
+    let (_, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("listener", "fail"))).await;
+    assert!(
+        why(&e).contains("the agent withholds the pod's listeners: demo/frontend has no SVID"),
+        "{e:#}"
+    );
 }
 
 /// With mesh-dns on the node, explain asks it: its answer, a record it lacks, its silence.

@@ -294,6 +294,16 @@ const CASES: &[(&str, Fault, &str, Status, &str)] = &[
         "has no SVID",
     ),
     (
+        "no SVID, so the agent withholds the listeners",
+        |f| {
+            f.identity.as_mut().unwrap().svid = None;
+            f.envoy.listener.served = false;
+        },
+        "listener",
+        Status::Fail,
+        "withholds the pod's listeners: demo/frontend has no SVID",
+    ),
+    (
         "SVID expired",
         |f| f.identity.as_mut().unwrap().svid.as_mut().unwrap().not_after = now() - HOUR,
         "identity",
