@@ -467,7 +467,11 @@ fn listener(f: &Facts) -> Hop {
         );
     }
     // With mTLS the agent withholds a pod's listeners until it has an SVID: name that cause.
-    if let Some(id) = f.identity.as_ref().filter(|id| id.svid.is_none() && !f.envoy.listener.served) {
+    if let Some(id) = f
+        .identity
+        .as_ref()
+        .filter(|id| id.svid.is_none() && !f.envoy.listener.served)
+    {
         let why = svid_problem(&f.pod_id, id, SystemTime::now()).unwrap_or_default();
         return hop(
             "listener",
