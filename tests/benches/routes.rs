@@ -16,7 +16,7 @@
 //!    matches (path prefix; exact path + header; prefix + header + query) with a 90/10 split to another of the 200.
 //!    Heap = `/memory` `allocated` 1 s after the node settled (dependency set known, every served resource ACKed,
 //!    Envoy holding all 3,000 compiled matches), before, with and after removing the routes; per HTTPRoute and per
-//!    Envoy route entry (the captured twin table repeats the shared one); the RDS bytes pushed (the agent's
+//!    Envoy route entry (over every table: one per consumer namespace); the RDS bytes pushed (the agent's
 //!    `xds_pushed` counter) and the route tables' size in Envoy. Asserts no NACK and no route skipped.
 //! 3. Added latency of a 20-rule route table vs none: client pod → echo pod through both pods' node Envoy hops
 //!    (mTLS), HTTP/1.1 keep-alive GETs at a fixed rate over a few connections, timed per request (µs resolution;
@@ -563,8 +563,8 @@ spec:
     yaml
 }
 
-/// Envoy's outbound tables: the compiled routes of bench routes in the shared table and in all tables (the
-/// captured twin repeats them), and each table's size as compact JSON.
+/// Envoy's outbound tables: the compiled routes of bench routes in the shared table and in all tables, and
+/// each table's size as compact JSON.
 async fn envoy_tables(mesh: &Mesh) -> (usize, usize, BTreeMap<String, usize>) {
     let dump = envoy_json(mesh, "/config_dump?resource=dynamic_route_configs").await;
     let (mut shared, mut all, mut sizes) = (0, 0, BTreeMap::new());
@@ -689,7 +689,7 @@ async fn heap_per_route(k: &Knobs) {
     );
     println!(
         "  no routes {:.2} MiB | {count} routes {:.2} MiB | routes removed {:.2} MiB  →  {:.2} KiB per HTTPRoute \
-         ({:.2} KiB per Envoy route entry: {entries} over all tables, the captured twin repeating the shared one)",
+         ({:.2} KiB per Envoy route entry: {entries} over all tables)",
         none as f64 / MIB,
         with as f64 / MIB,
         removed as f64 / MIB,

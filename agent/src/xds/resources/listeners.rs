@@ -4,7 +4,7 @@
 //!   `outbound`, or `outbound~<ns>` where the pod's namespace has consumer routes, with
 //!   on-demand CDS for mesh names outside the dependency set); on 18001, connections the
 //!   pod's nft rules redirected from a mesh VIP or ClusterIP, HTTP routed by that
-//!   original destination (RDS `outbound-captured[~<ns>]`, see `routes`); plain TCP by
+//!   original destination (the same table, see `routes`); plain TCP by
 //!   original destination VIP:port for the pod's declared upstreams. (One listener with
 //!   two addresses: a listener costs Envoy far more than an address.)
 //! - `inbound` on 0.0.0.0:18008: traffic from peers, delivered to the app on
@@ -35,7 +35,7 @@ use envoy_types::pb::envoy::extensions::http::early_header_mutation::header_muta
 use envoy_types::pb::google::protobuf::{Any, UInt32Value};
 
 use super::clusters::local_name;
-use super::routes::{DESTINATION_HEADER, captured_table_name, inbound_routes};
+use super::routes::{DESTINATION_HEADER, inbound_routes};
 use super::transport::{self, Mtls};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
 use super::{MeshService, is_http};
@@ -80,19 +80,20 @@ fn outgoing(
     chain
 }
 
-/// How the HTTP of one of a pod's outgoing chains picks its virtual host.
-enum RoutedBy<'a> {
-    /// The request's authority, through the node's outbound `table` (explicit calls).
-    Authority(&'a str),
-    /// The connection's original destination, through the captured twin of `table`
-    /// (see `routes`): the address called decides, whatever the Host header says.
-    Destination(&'a str),
+/// What an outgoing chain's HTTP picks its virtual host by: the value it stamps in
+/// [`DESTINATION_HEADER`] before the node's outbound table looks it up.
+enum RoutedBy {
+    /// The request's authority (explicit calls to 18081).
+    Authority,
+    /// The connection's original destination (captured calls): the address called
+    /// decides, whatever the Host header says.
+    Destination,
 }
 
-/// HTTP routed through an outbound table, with on-demand CDS for mesh names outside
+/// HTTP routed through the outbound `table`, with on-demand CDS for mesh names outside
 /// the dependency set. Requests are stamped with the source pod's service `source` for
 /// request metrics (crate::request_metrics).
-fn routed(stat_prefix: &str, source: &str, by: RoutedBy) -> Filter {
+fn routed(stat_prefix: &str, source: &str, table: &str, by: RoutedBy) -> Filter {
     let on_demand = OnDemand {
         odcds: Some(OnDemandCds {
             source: ads(),
@@ -100,17 +101,13 @@ fn routed(stat_prefix: &str, source: &str, by: RoutedBy) -> Filter {
             ..Default::default()
         }),
     };
-    let (table, early_header_mutation_extensions) = match by {
-        RoutedBy::Authority(table) => (table.to_owned(), Vec::new()),
-        RoutedBy::Destination(table) => (captured_table_name(table), vec![stamp_destination()]),
-    };
     let hcm = HttpConnectionManager {
         stat_prefix: stat_prefix.to_owned(),
         route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
             config_source: ads(),
-            route_config_name: table,
+            route_config_name: table.to_owned(),
         })),
-        early_header_mutation_extensions,
+        early_header_mutation_extensions: vec![stamp_destination(by)],
         http_filters: vec![
             http_filter_of("envoy.filters.http.on_demand", &on_demand),
             http_filter_of(
@@ -125,16 +122,20 @@ fn routed(stat_prefix: &str, source: &str, by: RoutedBy) -> Filter {
     network_filter("envoy.filters.network.http_connection_manager", &hcm)
 }
 
-/// Sets the destination header to the connection's local address (the original
-/// destination, restored by the original_dst listener filter) before the route table
-/// picks a virtual host by it; whatever the client sent in it is overwritten.
-fn stamp_destination() -> TypedExtensionConfig {
+/// Sets the destination header before the route table picks a virtual host by it: to
+/// the authority, or to the connection's local address (the original destination,
+/// restored by the original_dst listener filter); whatever the client sent is overwritten.
+fn stamp_destination(by: RoutedBy) -> TypedExtensionConfig {
+    let value = match by {
+        RoutedBy::Authority => "%REQ(:AUTHORITY)%",
+        RoutedBy::Destination => "%DOWNSTREAM_LOCAL_ADDRESS%",
+    };
     let mutation = EarlyHeaderMutation {
         mutations: vec![MutationRule {
             action: Some(header_mutation::Action::Append(HeaderValueOption {
                 header: Some(HeaderValue {
                     key: DESTINATION_HEADER.to_owned(),
-                    value: "%DOWNSTREAM_LOCAL_ADDRESS%".to_owned(),
+                    value: value.to_owned(),
                     ..Default::default()
                 }),
                 append_action: header_value_option::HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
@@ -202,8 +203,8 @@ fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>) -> Option<Listener>
 /// VIP:port (or ClusterIP:port) of a service this pod declared goes to that service
 /// port's cluster by original destination; HTTP sent to 127.0.0.1:18081 is routed by
 /// authority through the node's `outbound` table, and every other connection (captured:
-/// its original destination is a mesh address) by that destination through the
-/// captured table, falling back to the authority for destinations that are no declared
+/// its original destination is a mesh address) by that destination through the same
+/// table, falling back to the authority for destinations that are no declared
 /// service (on demand for undeclared mesh names). Anything that is neither is closed.
 fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], table: &str, mtls: Option<&Mtls>) -> Listener {
     let stat_prefix = format!("outbound.{}", pod.id().replace('/', "."));
@@ -217,7 +218,7 @@ fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], table: &str,
             prefix_ranges: vec![host_range("127.0.0.1")],
             ..Default::default()
         }),
-        routed(&stat_prefix, &source, RoutedBy::Authority(table)),
+        routed(&stat_prefix, &source, table, RoutedBy::Authority),
     ));
     Listener {
         name: outbound_name(pod),
@@ -238,7 +239,7 @@ fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], table: &str,
             pod,
             mtls,
             None,
-            routed(&stat_prefix, &source, RoutedBy::Destination(table)),
+            routed(&stat_prefix, &source, table, RoutedBy::Destination),
         )),
         ..Default::default()
     }

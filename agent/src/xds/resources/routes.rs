@@ -4,12 +4,13 @@
 //! namespace with consumer routes (see `attached`), and the per-pod inbound table that
 //! picks the app port from the port header.
 //!
-//! Each outbound table has a captured twin (`outbound-captured[~<ns>]`) with the same
-//! virtual hosts, chosen by a captured connection's original destination (`vip:port`,
-//! `clusterip:port`, the latter on the Kubernetes Service's ports, mapped to the endpoint
-//! ports they target) instead of the authority: a call to a service's address reaches that
-//! service whatever its Host header says (GAMMA). Both are shared per node (per consumer
-//! namespace), so the cost is twice the services' virtual hosts, never per pod.
+//! A table picks its virtual host by [`DESTINATION_HEADER`], which each outgoing chain
+//! stamps before the lookup: the request's authority on the explicit port, the
+//! connection's original destination (`vip:port`, `clusterip:port`, the latter on the
+//! Kubernetes Service's ports, mapped to the endpoint ports they target) on captured
+//! traffic, so a call to a service's address reaches that service whatever its Host
+//! header says (GAMMA). One table serves both paths, so each service port's compiled
+//! virtual host is held once per table, shared by the node (per consumer namespace).
 //!
 //! An HTTP port with routes attached serves their compiled rules (see `compile`); one
 //! without serves everything to its own cluster, with the mesh's default retries.
@@ -42,11 +43,9 @@ use crate::pod::LocalPod;
 pub use attached::Attached;
 
 pub const OUTBOUND_ROUTES: &str = "outbound";
-/// The tables of captured connections: virtual hosts chosen by the connection's
-/// original destination (see `listeners`), not by the request's authority.
-pub const CAPTURED_ROUTES: &str = "outbound-captured";
-/// The header the captured chain stamps with the original destination `ip:port`
-/// before virtual-host selection (overwriting any client value); never sent upstream.
+/// The header an outgoing chain stamps before virtual-host selection (overwriting any
+/// client value): the authority (explicit) or the original destination `ip:port`
+/// (captured); never sent upstream.
 pub const DESTINATION_HEADER: &str = "x-aether-destination";
 
 /// The outbound table of callers in `namespace`: their own when their namespace has
@@ -59,16 +58,8 @@ pub fn table_name(namespace: &str, consumers: &BTreeSet<String>) -> String {
     }
 }
 
-/// The captured table that goes with the authority table `table`.
-pub fn captured_table_name(table: &str) -> String {
-    match table.strip_prefix(OUTBOUND_ROUTES) {
-        Some(rest) => format!("{CAPTURED_ROUTES}{rest}"),
-        None => format!("{CAPTURED_ROUTES}~{table}"),
-    }
-}
-
-/// Per caller (the shared one, then one per namespace in `consumers`) the authority
-/// table and the captured table, which share every compiled virtual host.
+/// One table per caller (the shared one, then one per namespace in `consumers`): each
+/// service port's virtual host answers to its authorities and to its destinations.
 pub fn route_configs(
     names: &Names,
     services: &[MeshService],
@@ -78,21 +69,25 @@ pub fn route_configs(
     let callers = std::iter::once(None).chain(consumers.iter().map(|ns| Some(ns.as_str())));
     let mut out = Vec::new();
     for caller in callers {
-        let hosts = port_hosts(names, services, attached, caller);
-        let name = caller.map_or(OUTBOUND_ROUTES.to_owned(), |ns| format!("{OUTBOUND_ROUTES}~{ns}"));
-        let captured = captured_table(&name, &hosts, names.mesh_domain, !attached.is_empty());
-        let by_authority = RouteConfiguration {
-            name,
-            virtual_hosts: unique_domains(hosts.into_iter().map(|h| h.vhost))
-                .chain([catch_all(names.mesh_domain)])
-                .collect(),
+        let vhosts = port_hosts(names, services, attached, caller).into_iter().map(
+            |PortHost {
+                 mut vhost,
+                 destinations,
+             }| {
+                vhost.domains.extend(destinations);
+                vhost
+            },
+        );
+        let config = RouteConfiguration {
+            name: caller.map_or(OUTBOUND_ROUTES.to_owned(), |ns| format!("{OUTBOUND_ROUTES}~{ns}")),
+            virtual_hosts: unique_domains(vhosts).chain([catch_all(names.mesh_domain)]).collect(),
+            vhost_header: DESTINATION_HEADER.to_owned(),
+            request_headers_to_remove: vec![DESTINATION_HEADER.to_owned()],
             // A backend's own header edits win over its rule's (Gateway API applies them last).
             most_specific_header_mutations_wins: !attached.is_empty(),
             ..Default::default()
         };
-        for config in [by_authority, captured] {
-            out.push((config.name.clone(), any(&config)));
-        }
+        out.push((config.name.clone(), any(&config)));
     }
     out
 }
@@ -110,23 +105,6 @@ pub struct Names<'a> {
 struct PortHost {
     vhost: VirtualHost,
     destinations: Vec<String>,
-}
-
-/// The captured table: the same virtual hosts, selected by [`DESTINATION_HEADER`]; a
-/// destination that is no declared service falls to the catch-all, by authority.
-fn captured_table(authority_table: &str, hosts: &[PortHost], mesh_domain: &str, attached: bool) -> RouteConfiguration {
-    let vhosts = hosts.iter().map(|host| VirtualHost {
-        domains: host.destinations.clone(),
-        ..host.vhost.clone()
-    });
-    RouteConfiguration {
-        name: captured_table_name(authority_table),
-        virtual_hosts: unique_domains(vhosts).chain([catch_all(mesh_domain)]).collect(),
-        vhost_header: DESTINATION_HEADER.to_owned(),
-        request_headers_to_remove: vec![DESTINATION_HEADER.to_owned()],
-        most_specific_header_mutations_wins: attached,
-        ..Default::default()
-    }
 }
 
 /// Envoy refuses a table where two virtual hosts share a domain: the first (services

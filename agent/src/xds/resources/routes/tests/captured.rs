@@ -1,12 +1,13 @@
-//! Captured connections are routed by their original destination: the captured twin of
-//! each outbound table, the listener chains that choose between the two, and ClusterIPs
-//! (with their Kubernetes names) routed like the VIP.
+//! Captured connections are routed by their original destination and explicit calls by
+//! their authority, through one table: the stamps of the two listener chains, the
+//! domains each virtual host answers to, and ClusterIPs (with their Kubernetes names)
+//! routed like the VIP.
 
 use aether_proto::registry::v1::{KubernetesService, ServicePort};
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::extensions::http::early_header_mutation::header_mutation::v3::HeaderMutation as EarlyHeaderMutation;
 
-use super::super::{DESTINATION_HEADER, captured_table_name};
+use super::super::DESTINATION_HEADER;
 use super::*;
 
 /// The catalog with ClusterIPs on some services.
@@ -66,27 +67,30 @@ pub(super) fn tables_of(generated: &Generated) -> BTreeMap<String, RouteConfigur
 }
 
 #[test]
-fn the_captured_table_picks_virtual_hosts_by_destination_with_the_same_routes() {
+fn one_table_picks_virtual_hosts_by_the_stamped_destination_header() {
     let canary = http_route("canary", vec![rule(Vec::new(), &[("gamma/echo-v1", 1)])]);
     let tables = tables(vec![canary], &[]);
-    let (by_authority, captured) = (&tables["outbound"], &tables["outbound-captured"]);
-    assert_eq!(captured.vhost_header, DESTINATION_HEADER);
-    assert_eq!(captured.request_headers_to_remove, [DESTINATION_HEADER]);
-    assert!(by_authority.vhost_header.is_empty());
+    assert_eq!(tables.keys().collect::<Vec<_>>(), ["outbound"]);
+    let table = &tables["outbound"];
+    assert_eq!(table.vhost_header, DESTINATION_HEADER);
+    assert_eq!(table.request_headers_to_remove, [DESTINATION_HEADER]);
+    assert!(table.most_specific_header_mutations_wins);
+    // The authorities explicit calls use and the destinations captured ones have.
     assert_eq!(
-        captured.most_specific_header_mutations_wins,
-        by_authority.most_specific_header_mutations_wins
+        vhost(table, "echo.gamma.aether.internal:80").domains,
+        [
+            "echo.gamma.aether.internal:80",
+            "240.240.0.1:80",
+            "echo.gamma.aether.internal",
+            "240.240.0.1"
+        ]
     );
-    let name = "echo.gamma.aether.internal:80";
-    assert_eq!(vhost(captured, name).domains, ["240.240.0.1:80"]);
-    assert_eq!(vhost(captured, name).routes, vhost(by_authority, name).routes);
     assert_eq!(
-        vhost(captured, "echo.gamma.aether.internal:9000").domains,
-        ["240.240.0.1:9000"]
+        vhost(table, "echo.gamma.aether.internal:9000").domains,
+        ["echo.gamma.aether.internal:9000", "240.240.0.1:9000"]
     );
-    // Any other destination (an undeclared service's VIP) is routed by authority, on demand.
-    assert_eq!(vhost(captured, "mesh-on-demand"), vhost(by_authority, "mesh-on-demand"));
-    assert_eq!(captured_table_name("outbound~web"), "outbound-captured~web");
+    // Anything else falls to the catch-all, which routes by authority, on demand.
+    assert_eq!(vhost(table, "mesh-on-demand").domains, ["*"]);
 }
 
 #[test]
@@ -105,10 +109,6 @@ fn cluster_ips_route_like_the_vip_and_kubernetes_names_like_the_mesh_name() {
     let tables = tables_of(&generated);
     let name = "echo-v1.gamma.aether.internal:80";
     assert_eq!(
-        vhost(&tables["outbound-captured"], name).domains,
-        ["240.240.0.2:80", "10.96.0.11:80", "[fd00::11]:80"]
-    );
-    assert_eq!(
         vhost(&tables["outbound"], name).domains,
         [
             "echo-v1.gamma.aether.internal:80",
@@ -119,6 +119,8 @@ fn cluster_ips_route_like_the_vip_and_kubernetes_names_like_the_mesh_name() {
             "240.240.0.2",
             "echo-v1.gamma.svc.example.cluster",
             "echo-v1.gamma.svc",
+            "10.96.0.11:80",
+            "[fd00::11]:80",
         ]
     );
     // Without a Kubernetes Service, no Kubernetes names.
@@ -144,15 +146,16 @@ fn an_address_two_services_claim_stays_with_the_first_so_envoy_never_refuses_the
         domains.dedup();
         assert_eq!(domains.len(), all, "{}: a domain twice", table.name);
     }
-    let captured = &tables["outbound-captured"];
+    let table = &tables["outbound"];
     assert!(
-        vhost(captured, "echo-v1.gamma.aether.internal:80")
+        vhost(table, "echo-v1.gamma.aether.internal:80")
             .domains
             .contains(&"10.96.0.7:80".into())
     );
-    assert_eq!(
-        vhost(captured, "echo-v2.gamma.aether.internal:80").domains,
-        ["240.240.0.3:80"]
+    assert!(
+        !vhost(table, "echo-v2.gamma.aether.internal:80")
+            .domains
+            .contains(&"10.96.0.7:80".into())
     );
 }
 
@@ -189,11 +192,18 @@ fn explicit_calls_route_by_authority_and_captured_ones_by_their_stamped_destinat
         crate::xds::resources::OUTBOUND_PORT
     );
     assert_eq!(explicit_match.prefix_ranges[0].address_prefix, "127.0.0.1");
+    // Both chains use the one table; each stamps what picks the virtual host.
     assert_eq!(rds_of(explicit), "outbound");
-    assert!(hcm_of(explicit).early_header_mutation_extensions.is_empty());
+    assert_eq!(stamp_of(explicit), "%REQ(:AUTHORITY)%");
     let captured = listener.default_filter_chain.as_ref().unwrap();
-    assert_eq!(rds_of(captured), "outbound-captured");
-    let early = &hcm_of(captured).early_header_mutation_extensions;
+    assert_eq!(rds_of(captured), "outbound");
+    assert_eq!(stamp_of(captured), "%DOWNSTREAM_LOCAL_ADDRESS%");
+}
+
+/// The value a chain's early header mutation stamps in the destination header, which
+/// always overwrites: a client's own value never picks the virtual host.
+fn stamp_of(chain: &envoy_types::pb::envoy::config::listener::v3::FilterChain) -> String {
+    let early = &hcm_of(chain).early_header_mutation_extensions;
     assert_eq!(early.len(), 1);
     let mutation = EarlyHeaderMutation::decode(&*early[0].typed_config.as_ref().unwrap().value).unwrap();
     let Some(envoy_types::pb::envoy::config::common::mutation_rules::v3::header_mutation::Action::Append(stamp)) =
@@ -201,13 +211,10 @@ fn explicit_calls_route_by_authority_and_captured_ones_by_their_stamped_destinat
     else {
         panic!("{mutation:?}")
     };
-    let header = stamp.header.as_ref().unwrap();
-    assert_eq!(
-        (header.key.as_str(), header.value.as_str()),
-        (DESTINATION_HEADER, "%DOWNSTREAM_LOCAL_ADDRESS%")
-    );
-    // A client's own value never picks the virtual host.
     assert_eq!(stamp.append_action, HeaderAppendAction::OverwriteIfExistsOrAdd as i32);
+    let header = stamp.header.as_ref().unwrap();
+    assert_eq!(header.key, DESTINATION_HEADER);
+    header.value.clone()
 }
 
 #[test]
@@ -221,27 +228,26 @@ fn cluster_ips_and_kubernetes_names_answer_on_the_service_ports_mapped_to_their_
     ];
     with_service_ports(&mut catalog, "gamma/echo-v1", &ports);
     let tables = tables_of(&generated_with(&catalog, &[]));
-    let (captured, by_authority) = (&tables["outbound-captured"], &tables["outbound"]);
+    let table = &tables["outbound"];
     // ClusterIP:8080 and :8081 reach endpoint port 80; the VIP keeps the endpoint port.
-    assert_eq!(
-        vhost(captured, "echo-v1.gamma.aether.internal:80").domains,
+    let http = &vhost(table, "echo-v1.gamma.aether.internal:80").domains;
+    assert!(
         ["240.240.0.2:80", "10.96.0.11:8080", "10.96.0.11:8081"]
+            .iter()
+            .all(|d| http.contains(&(*d).to_owned())),
+        "{http:?}"
     );
     // A named targetPort resolves by the endpoints' port names; one no endpoint names reaches nothing.
     assert_eq!(
-        vhost(captured, "echo-v1.gamma.aether.internal:9000").domains,
-        ["240.240.0.2:9000", "10.96.0.11:7070"]
-    );
-    assert_eq!(
-        vhost(by_authority, "echo-v1.gamma.aether.internal:9000").domains,
+        vhost(table, "echo-v1.gamma.aether.internal:9000").domains,
         [
             "echo-v1.gamma.aether.internal:9000",
             "echo-v1.gamma.svc.cluster.local:7070",
             "echo-v1.gamma.svc:7070",
             "240.240.0.2:9000",
+            "10.96.0.11:7070",
         ]
     );
-    let http = &vhost(by_authority, "echo-v1.gamma.aether.internal:80").domains;
     assert!(
         http.contains(&"echo-v1.gamma.svc.cluster.local:8080".to_owned()),
         "{http:?}"
@@ -250,7 +256,7 @@ fn cluster_ips_and_kubernetes_names_answer_on_the_service_ports_mapped_to_their_
         !http.contains(&"echo-v1.gamma.svc.cluster.local:80".to_owned()),
         "{http:?}"
     );
-    let every: Vec<&String> = captured.virtual_hosts.iter().flat_map(|v| &v.domains).collect();
+    let every: Vec<&String> = table.virtual_hosts.iter().flat_map(|v| &v.domains).collect();
     assert!(
         !every.iter().any(|d| d.ends_with(":7071") || *d == "10.96.0.11:80"),
         "{every:?}"

@@ -12,7 +12,7 @@ fn names_of(routes: &[EnvoyRoute]) -> Vec<&str> {
 fn without_routes_the_tables_are_what_they_were() {
     let pods = [pod("web", "client")];
     let tables = tables(Vec::new(), &pods);
-    assert_eq!(tables.keys().collect::<Vec<_>>(), ["outbound", "outbound-captured"]);
+    assert_eq!(tables.keys().collect::<Vec<_>>(), ["outbound"]);
     let outbound = &tables["outbound"];
     assert!(!outbound.most_specific_header_mutations_wins);
     let echo = vhost(outbound, "echo.gamma.aether.internal:80");
@@ -46,8 +46,8 @@ fn rds_name(pod: &LocalPod) -> String {
     rds_names(&[], std::slice::from_ref(pod))[&pod.id()].clone()
 }
 
-/// The RDS name of each pod's explicit (18081) chain; its captured default chain names
-/// the captured twin.
+/// The RDS name of each pod's explicit (18081) chain, which its captured default chain
+/// shares.
 fn rds_names(routes: &[Route], pods: &[LocalPod]) -> BTreeMap<String, String> {
     let generated = generated(&catalog(routes.to_vec()), pods);
     generated[crate::xds::LISTENER]
@@ -58,7 +58,7 @@ fn rds_names(routes: &[Route], pods: &[LocalPod]) -> BTreeMap<String, String> {
             let explicit = listener.filter_chains.last().unwrap();
             let table = super::rds_of(explicit);
             let captured = super::rds_of(listener.default_filter_chain.as_ref().unwrap());
-            assert_eq!(captured, super::super::captured_table_name(&table));
+            assert_eq!(captured, table);
             (r.name.trim_start_matches("outbound|").to_owned(), table)
         })
         .collect()
@@ -611,10 +611,7 @@ fn consumer_routes_get_a_table_per_namespace_with_callers_here() {
     let pods = [pod("web", "a"), pod("web", "b"), pod("gamma", "c"), pod("other", "d")];
     let tables = tables(routes.clone(), &pods);
     // "batch" has no pods on this node: no table for it.
-    assert_eq!(
-        tables.keys().collect::<Vec<_>>(),
-        ["outbound", "outbound-captured", "outbound-captured~web", "outbound~web"]
-    );
+    assert_eq!(tables.keys().collect::<Vec<_>>(), ["outbound", "outbound~web"]);
     let target = |table: &str| forward(&vhost(&tables[table], "echo.gamma.aether.internal:80").routes[0]).clone();
     let cluster = |c: &str| route_action::ClusterSpecifier::Cluster(c.into());
     assert_eq!(target("outbound"), cluster("echo-v1.gamma.aether.internal:80"));

@@ -37,8 +37,8 @@ fn a_parent_port_attaches_to_the_endpoint_port_its_service_port_targets() {
     let mut pin = http_route("pin", vec![rule(Vec::new(), &[("gamma/echo-v1", 1)])]);
     on_port(&mut pin, 8000);
     let tables = tables_of(&generated_with(&catalog_with_service_ports(vec![pin]), &[]));
-    let captured = &tables["outbound-captured"];
-    let http = vhost(captured, "echo.gamma.aether.internal:80");
+    let table = &tables["outbound"];
+    let http = vhost(table, "echo.gamma.aether.internal:80");
     assert!(
         http.domains.contains(&"10.96.0.10:8000".to_owned()),
         "{:?}",
@@ -46,7 +46,7 @@ fn a_parent_port_attaches_to_the_endpoint_port_its_service_port_targets() {
     );
     assert_eq!(names(&http.routes)[0], "http/gamma/pin/0");
     // Port 9000 (Service port 7070) keeps its default route.
-    let grpc = vhost(captured, "echo.gamma.aether.internal:9000");
+    let grpc = vhost(table, "echo.gamma.aether.internal:9000");
     assert!(names(&grpc.routes).iter().all(|n| n.is_empty()), "{:?}", grpc.routes);
 }
 
