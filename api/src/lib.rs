@@ -1,6 +1,7 @@
 //! Aether's user-facing API objects, validated and projected in one place ("one projector
 //! per API"): Gateway API HTTPRoute and GRPCRoute with Service parents (GAMMA) become
-//! `aether.registry.v1.Route`. The registrar's sources (Kubernetes watch, YAML directory),
+//! `aether.registry.v1.Route`; AuthorizationPolicy becomes
+//! `aether.registry.v1.AuthorizationPolicy`. The registrar's sources (Kubernetes watch, YAML directory),
 //! the agent (re-validation before compiling to Envoy) and the admission webhooks call
 //! these same functions.
 //!
@@ -11,7 +12,11 @@
 //! - [`yaml`]: [`parse_documents`] for route files.
 //! - [`status`]: the `status.parents[]` entries the registrar writes.
 //! - [`duration`]: Gateway API durations (GEP-2257).
+//! - [`authorization`]: our `security.aether.io/v1alpha1` AuthorizationPolicy, its projector
+//!   into `aether.registry.v1.AuthorizationPolicy`, and [`authorization::decide`], what a
+//!   policy set decides for one request.
 
+pub mod authorization;
 pub mod duration;
 pub mod gateway;
 pub mod route;

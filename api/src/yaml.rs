@@ -38,6 +38,15 @@ impl std::error::Error for ParseError {}
 /// GRPCRoute; nothing for documents of other kinds. A YAML syntax error ends the text (the
 /// parser cannot find the next document reliably): it is the last item.
 pub fn parse_documents(text: &str) -> Vec<Result<RouteObject, ParseError>> {
+    read_documents(text, route_object)
+}
+
+/// Every document of `text` that `pick` takes (`None`: another kind, skipped), with its
+/// errors numbered by document. Shared by the route and the authorization readers.
+pub(crate) fn read_documents<T>(
+    text: &str,
+    pick: impl Fn(Value) -> Option<Result<T, (String, String)>>,
+) -> Vec<Result<T, ParseError>> {
     let mut input = text.as_bytes();
     (serde_saphyr::read::<_, Value>(&mut input).enumerate())
         .filter_map(|(i, document)| {
@@ -47,7 +56,7 @@ pub fn parse_documents(text: &str) -> Vec<Result<RouteObject, ParseError>> {
                 message,
             };
             match document {
-                Ok(value) => route_object(value).map(|r| r.map_err(|(field, message)| fail(&field, message))),
+                Ok(value) => pick(value).map(|r| r.map_err(|(field, message)| fail(&field, message))),
                 Err(e) => Some(Err(fail("", format!("not YAML: {}", clip(&e.to_string()))))),
             }
         })
@@ -78,7 +87,7 @@ fn route_object(value: Value) -> Option<Result<RouteObject, (String, String)>> {
     })
 }
 
-fn typed<T: DeserializeOwned>(value: Value) -> Result<T, (String, String)> {
+pub(crate) fn typed<T: DeserializeOwned>(value: Value) -> Result<T, (String, String)> {
     serde_path_to_error::deserialize(value)
         .map_err(|e| (e.path().to_string(), clip(&e.inner().to_string()).to_string()))
 }
