@@ -9,11 +9,15 @@
 //! - TCP to the mesh VIP CIDR is redirected to the capture listener (`127.0.0.1:18001`);
 //! - TCP to a mesh service's ClusterIP (the named set `mesh_cluster_ips`) is redirected
 //!   there too, so a call to `<svc>.<ns>.svc.cluster.local` is routed like one to the VIP;
-//! - DNS (UDP and TCP `:53`) is DNATed to mesh-dns, when an address is configured.
+//! - DNS (UDP and TCP `:53`) is DNATed to mesh-dns, when an address is configured;
+//! - in STRICT inbound mTLS, an input chain refuses TCP that does not come through the
+//!   mesh or from the node (see `inbound`).
 //!
 //! The rendered ruleset of every captured pod is kept in `<state>/capture/<container id>.nft`
 //! (the desired state); a fingerprint comment on the first rule lets a check tell whether
-//! the pod's netns still holds exactly that ruleset.
+//! the pod's netns still holds exactly that ruleset. Its first line, an nft comment,
+//! records the [`PodCapture`] it was rendered from, so a change of the pod's inbound mTLS
+//! mode re-renders the whole table from it.
 //!
 //! The ClusterIP set's elements are not part of the desired state: they are the node's
 //! current set of mesh ClusterIPs (see `cluster_ips`), added on every apply and repair and
@@ -46,9 +50,13 @@ const STATE_SUBDIR: &str = "capture";
 const FINGERPRINT: &str = "aether-capture";
 /// The named set of mesh ClusterIPs in [`TABLE`].
 pub const CLUSTER_IP_SET: &str = "mesh_cluster_ips";
+/// The comment prefix of the desired state's first line, the pod's [`PodCapture`].
+const SPEC: &str = "# aether-spec ";
 
 pub mod cluster_ips;
+pub mod inbound;
 pub use cluster_ips::ClusterIps;
+pub use inbound::InboundMtls;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
@@ -76,6 +84,8 @@ pub enum CaptureError {
     Timeout { command: String, netns: String },
     #[error("capture state {path}: {source}")]
     State { path: String, source: std::io::Error },
+    #[error("capture state {path}: no pod capture recorded (written before inbound mTLS modes); re-add the pod")]
+    NoSpec { path: String },
     #[error("reading the addresses of {netns}: {source}")]
     Netlink {
         netns: String,
@@ -96,6 +106,8 @@ pub struct CaptureConfig {
     pub nft: PathBuf,
     /// The node's mesh ClusterIPs, shared by every clone (what every captured pod's set holds).
     pub cluster_ips: ClusterIps,
+    /// The node's default inbound mTLS mode (a pod's annotation overrides it).
+    pub inbound_mtls: InboundMtls,
 }
 
 impl CaptureConfig {
@@ -107,7 +119,12 @@ impl CaptureConfig {
             state_dir: state_dir.join(STATE_SUBDIR),
             nft: PathBuf::from("nft"),
             cluster_ips: ClusterIps::default(),
+            inbound_mtls: InboundMtls::default(),
         }
+    }
+
+    pub fn with_inbound_mtls(self, inbound_mtls: InboundMtls) -> Self {
+        CaptureConfig { inbound_mtls, ..self }
     }
 }
 
@@ -119,6 +136,51 @@ pub struct PodCapture {
     pub proxy_mark: u32,
     pub excluded_ports: Vec<u16>,
     pub excluded_cidrs: Vec<IpNet>,
+    /// The pod's effective mode ([`inbound::effective`]); the node's default until the
+    /// pod is known.
+    pub inbound_mtls: InboundMtls,
+}
+
+/// A [`PodCapture`] as the desired state's first line records it (JSON).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Spec {
+    vip_cidr: String,
+    mesh_dns: Option<SocketAddr>,
+    proxy_mark: u32,
+    excluded_ports: Vec<u16>,
+    excluded_cidrs: Vec<String>,
+    inbound_mtls: InboundMtls,
+}
+
+impl PodCapture {
+    fn spec_line(&self) -> String {
+        let spec = Spec {
+            vip_cidr: self.vip_cidr.to_string(),
+            mesh_dns: self.mesh_dns,
+            proxy_mark: self.proxy_mark,
+            excluded_ports: self.excluded_ports.clone(),
+            excluded_cidrs: self.excluded_cidrs.iter().map(IpNet::to_string).collect(),
+            inbound_mtls: self.inbound_mtls,
+        };
+        format!("{SPEC}{}\n", serde_json::to_string(&spec).expect("a spec serialises"))
+    }
+
+    /// The capture a desired ruleset was rendered from (`None`: none recorded).
+    fn from_ruleset(ruleset: &str) -> Option<PodCapture> {
+        let spec: Spec = serde_json::from_str(ruleset.lines().next()?.strip_prefix(SPEC)?).ok()?;
+        Some(PodCapture {
+            vip_cidr: spec.vip_cidr.parse().ok()?,
+            mesh_dns: spec.mesh_dns,
+            proxy_mark: spec.proxy_mark,
+            excluded_ports: spec.excluded_ports,
+            excluded_cidrs: spec
+                .excluded_cidrs
+                .iter()
+                .map(|c| c.parse().ok())
+                .collect::<Option<_>>()?,
+            inbound_mtls: spec.inbound_mtls,
+        })
+    }
 }
 
 /// Validates a request's options against the node's settings. `None`: the pod is not captured.
@@ -171,6 +233,7 @@ pub fn pod_capture(
         proxy_mark: config.proxy_mark,
         excluded_ports,
         excluded_cidrs,
+        inbound_mtls: config.inbound_mtls,
     }))
 }
 
@@ -227,10 +290,18 @@ fn fingerprint(rules: &[String]) -> String {
 
 /// The whole `nft -f` transaction: create-then-delete makes it idempotent (the delete
 /// never fails), and the table is re-added with its complete contents, atomically.
-pub fn render(capture: &PodCapture) -> String {
+/// `node` are the node's addresses, which a STRICT pod's input chain admits.
+pub fn render(capture: &PodCapture, node: &[IpAddr]) -> String {
     let rules = rules(capture);
-    let fp = fingerprint(&rules);
-    let mut out = format!("table {TABLE} {{\n}}\ndelete table {TABLE}\ntable {TABLE} {{\n");
+    let inbound = (capture.inbound_mtls == InboundMtls::Strict).then(|| inbound::rules(node));
+    let fp = fingerprint(&[rules.as_slice(), inbound.as_deref().unwrap_or_default()].concat());
+    let mut out = capture.spec_line();
+    out.push_str(&format!(
+        "table {TABLE} {{\n}}\ndelete table {TABLE}\ntable {TABLE} {{\n"
+    ));
+    if let Some(inbound) = &inbound {
+        out.push_str(&inbound::render(inbound));
+    }
     // IPv4 only: the capture listener is on 127.0.0.1.
     out.push_str(&format!(
         "  set {CLUSTER_IP_SET} {{\n    type ipv4_addr\n  }}\n  chain output {{\n"
@@ -325,7 +396,11 @@ pub async fn apply(
     netns: &Path,
     capture: &PodCapture,
 ) -> Result<(), CaptureError> {
-    let ruleset = render(capture);
+    let node = match capture.inbound_mtls {
+        InboundMtls::Strict => inbound::node_addresses().await?,
+        InboundMtls::Permissive => Vec::new(),
+    };
+    let ruleset = render(capture, &node);
     let path = state_path(config, container_id);
     // The desired state is written (fsynced) while nft runs; a failure of either
     // fails the ADD, which removes both.
@@ -353,6 +428,51 @@ pub async fn apply(
         cluster_ips::replace(config, netns, &current).await?;
     }
     Ok(())
+}
+
+/// The capture the pod's desired state was rendered from; `None`: not captured.
+pub fn applied(config: &CaptureConfig, container_id: &str) -> Result<Option<PodCapture>, CaptureError> {
+    let Some(ruleset) = desired(config, container_id)? else {
+        return Ok(None);
+    };
+    PodCapture::from_ruleset(&ruleset)
+        .map(Some)
+        .ok_or_else(|| CaptureError::NoSpec {
+            path: state_path(config, container_id).display().to_string(),
+        })
+}
+
+/// Re-applies a captured pod's table, atomically, if its inbound mTLS mode is not
+/// `mode` any more (its annotation changed). Returns whether it did.
+pub async fn set_inbound_mtls(
+    config: &CaptureConfig,
+    container_id: &str,
+    netns: &Path,
+    mode: InboundMtls,
+) -> Result<bool, CaptureError> {
+    match applied(config, container_id)? {
+        Some(capture) if capture.inbound_mtls != mode => {
+            let capture = PodCapture {
+                inbound_mtls: mode,
+                ..capture
+            };
+            apply(config, container_id, netns, &capture).await?;
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
+}
+
+/// A known pod's metadata changed: its table follows its (maybe new) effective mode.
+pub async fn follow_inbound_mtls(config: &CaptureConfig, pod: &crate::pod::LocalPod) {
+    let mode = inbound::effective(config.inbound_mtls, &pod.info);
+    match set_inbound_mtls(config, &pod.container_id, &pod.netns, mode).await {
+        Ok(true) => {
+            tracing::info!(pod = %pod.id(), inbound_mtls = %mode, "inbound mTLS mode changed; rules re-applied")
+        }
+        Ok(false) => {}
+        Err(error) => tracing::warn!(pod = %pod.id(), %error, "applying the pod's inbound mTLS mode failed"),
+    }
 }
 
 /// Removes the pod's table (if its netns still exists) and its desired state. Idempotent.
@@ -536,8 +656,8 @@ mod tests {
     #[test]
     fn the_default_ruleset_captures_vips_and_dns_one_statement_per_line() {
         let capture = pod_capture(&config(), None).unwrap().unwrap();
-        let text = render(&capture);
-        assert!(text.starts_with("table inet aether {\n}\ndelete table inet aether\ntable inet aether {\n"));
+        let text = render(&capture, &[]);
+        assert!(text.contains("\ntable inet aether {\n}\ndelete table inet aether\ntable inet aether {\n"));
         assert!(text.contains("    type nat hook output priority -100\n    policy accept\n"));
         assert!(text.contains("    meta mark 0x4145 return comment \"aether-capture "));
         assert!(text.contains("    ip daddr 240.240.0.0/16 meta l4proto tcp redirect to :18001\n"));
@@ -563,7 +683,7 @@ mod tests {
         };
         let capture = pod_capture(&config(), Some(&options)).unwrap().unwrap();
         assert_eq!(capture.excluded_ports, vec![80, 15000]);
-        let text = render(&capture);
+        let text = render(&capture, &[]);
         assert!(text.contains("    ip daddr 10.0.0.0/8 return\n"));
         assert!(text.contains("    ip daddr 192.0.2.7/32 return\n"));
         assert!(text.contains("    tcp dport 15000 return\n"));
@@ -606,13 +726,52 @@ mod tests {
 
     #[test]
     fn the_fingerprint_follows_the_rules() {
-        let a = render(&pod_capture(&config(), None).unwrap().unwrap());
+        let a = render(&pod_capture(&config(), None).unwrap().unwrap(), &[]);
         let mut other = config();
         other.mesh_dns = None;
-        let b = render(&pod_capture(&other, None).unwrap().unwrap());
+        let b = render(&pod_capture(&other, None).unwrap().unwrap(), &[]);
         assert_ne!(fingerprint_of(&a), fingerprint_of(&b));
         assert_eq!(fingerprint_of(&a), fingerprint_of(&a.clone()));
         assert!(!b.contains("dport 53"));
+    }
+
+    #[test]
+    fn strict_adds_the_input_chain_permissive_does_not_and_the_fingerprint_tells_them_apart() {
+        let strict = pod_capture(&config(), None).unwrap().unwrap();
+        assert_eq!(strict.inbound_mtls, InboundMtls::Strict, "the node default is strict");
+        let node = ["10.200.1.1".parse().unwrap()];
+        let text = render(&strict, &node);
+        let table = text.find("table inet aether {\n  ").unwrap();
+        assert!(text[table..].contains("  chain inbound {\n    type filter hook input priority 0\n"));
+        assert!(text.contains("    ip saddr { 10.200.1.1 } accept\n"));
+        assert!(text.contains("    meta l4proto tcp counter name refused_plaintext reject with tcp reset\n"));
+        let permissive = PodCapture {
+            inbound_mtls: InboundMtls::Permissive,
+            ..strict.clone()
+        };
+        let open = render(&permissive, &node);
+        assert!(!open.contains("chain inbound") && !open.contains("counter"), "{open}");
+        assert_ne!(fingerprint_of(&text), fingerprint_of(&open));
+        let other_node = render(&strict, &["10.200.2.1".parse().unwrap()]);
+        assert_ne!(fingerprint_of(&text), fingerprint_of(&other_node));
+    }
+
+    #[test]
+    fn the_desired_state_records_the_capture_it_was_rendered_from() {
+        let options = CaptureOptions {
+            excluded_ports: vec![9000],
+            excluded_cidrs: vec!["10.1.0.0/16".into(), "fd00::/8".into()],
+            ..Default::default()
+        };
+        let capture = PodCapture {
+            inbound_mtls: InboundMtls::Permissive,
+            ..pod_capture(&config(), Some(&options)).unwrap().unwrap()
+        };
+        let text = render(&capture, &[]);
+        assert!(text.starts_with("# aether-spec {"), "{text}");
+        assert_eq!(text.lines().next().unwrap().matches('\n').count(), 0);
+        assert_eq!(PodCapture::from_ruleset(&text), Some(capture));
+        assert_eq!(PodCapture::from_ruleset("table inet aether {\n}\n"), None);
     }
 
     #[test]

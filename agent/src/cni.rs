@@ -279,13 +279,18 @@ impl CniService {
         for error in info.config_errors() {
             tracing::warn!(pod = %key, %error, "pod annotation entry skipped");
         }
+        let node_default = self.settings.capture.inbound_mtls;
+        let capture = sandbox.capture.map(|capture| PodCapture {
+            inbound_mtls: capture::inbound::effective(node_default, &info),
+            ..capture
+        });
         let pod = LocalPod {
             container_id: sandbox.container_id,
             netns: sandbox.netns,
             ips: sandbox.ips,
             info,
         };
-        Ok(Admission::Join(Box::new(pod), sandbox.capture))
+        Ok(Admission::Join(Box::new(pod), capture))
     }
 
     /// The pod is saved, registered, served by Envoy and captured, concurrently. If any

@@ -112,6 +112,12 @@ pub struct Config {
     #[arg(long, env = "AETHER_PROXY_MARK", default_value = "0x4145", value_parser = parse_mark)]
     pub proxy_mark: u32,
 
+    /// Inbound mTLS of this node's pods unless their `security.aether.io/inbound-mtls`
+    /// annotation says otherwise: strict (app ports reachable only through the mesh and
+    /// from the node, for probes) or permissive (plaintext too, for migration).
+    #[arg(long, env = "AETHER_INBOUND_MTLS", value_enum, default_value = "strict")]
+    pub inbound_mtls: crate::capture::InboundMtls,
+
     /// Workload identity: SVIDs for local pods, mTLS between pods.
     #[command(flatten)]
     pub identity: crate::identity::IdentityConfig,

@@ -9,10 +9,14 @@ use aether_common::pod_endpoint::{self, PortOutOfRange};
 use aether_common::pod_meta;
 use serde::{Deserialize, Serialize};
 
+use crate::capture::inbound::{InboundError, InboundMtls};
 use crate::upstreams::{self, BadName, Upstreams};
 
 // The conventions are shared with the registrar's Kubernetes store, so both read a pod the same way.
 pub use aether_common::pod_meta::{AppProtocol, MANAGED_LABEL, SERVICE_ANNOTATION};
+
+/// A workload's own inbound mTLS mode (`strict` or `permissive`), over the node's default.
+pub const INBOUND_MTLS_ANNOTATION: &str = "security.aether.io/inbound-mtls";
 
 /// A pod's metadata as the pod source reports it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -105,6 +109,14 @@ impl PodInfo {
         )
     }
 
+    /// The inbound mTLS mode the pod's annotation asks for, if it has one.
+    pub fn inbound_mtls(&self) -> Result<Option<InboundMtls>, InboundError> {
+        self.annotations
+            .get(INBOUND_MTLS_ANNOTATION)
+            .map(|value| InboundMtls::parse(value))
+            .transpose()
+    }
+
     /// Problems with the pod's own mesh configuration, each naming its field.
     pub fn config_errors(&self) -> Vec<String> {
         let mut errors = self.upstreams().errors;
@@ -112,6 +124,9 @@ impl PodInfo {
             && let Err(reason) = upstreams::check(name.trim())
         {
             errors.push(format!("{SERVICE_ANNOTATION}: {reason}"));
+        }
+        if let Err(error) = self.inbound_mtls() {
+            errors.push(error.to_string());
         }
         errors
     }

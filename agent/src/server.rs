@@ -145,7 +145,13 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     start_pod_source(&config, kube_client, &directory, &tasks, &shutdown);
     tasks.critical(
         "pod info sync",
-        sync_pod_info(directory.clone(), node.clone(), registrar.clone(), shutdown.clone()),
+        sync_pod_info(
+            directory.clone(),
+            node.clone(),
+            registrar.clone(),
+            capture.clone(),
+            shutdown.clone(),
+        ),
     );
     let watches = Watches {
         link,
@@ -250,6 +256,7 @@ fn capture_config(config: &Config) -> crate::capture::CaptureConfig {
         config.mesh_dns,
         config.proxy_mark,
     )
+    .with_inbound_mtls(config.inbound_mtls)
 }
 
 /// The state dir (0700) and the local pod store in it.
@@ -508,7 +515,13 @@ async fn log_failure<E: std::fmt::Display>(what: &'static str, server: impl Futu
 
 /// Keeps local pods' metadata current with the pod source: a pod that starts
 /// terminating drains; annotation changes re-scope the node.
-async fn sync_pod_info(directory: PodDirectory, node: Node, registrar: Registrar, shutdown: CancellationToken) {
+async fn sync_pod_info(
+    directory: PodDirectory,
+    node: Node,
+    registrar: Registrar,
+    capture: crate::capture::CaptureConfig,
+    shutdown: CancellationToken,
+) {
     let mut changes = directory.subscribe();
     loop {
         for pod in node.pods() {
@@ -528,6 +541,7 @@ async fn sync_pod_info(directory: PodDirectory, node: Node, registrar: Registrar
             if let Err(status) = registrar.register(&updated).await {
                 tracing::warn!(pod = %pod.id(), %status, "updating the pod's endpoint failed");
             }
+            crate::capture::follow_inbound_mtls(&capture, &updated).await;
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,

@@ -1,5 +1,6 @@
 //! `/debug/status`: the node at a glance — agent, Envoy, xDS, the registrar stream, the
-//! mesh-dns record file, and every local pod (captured, served by Envoy, SVID expiry).
+//! mesh-dns record file, and every local pod (captured, inbound mTLS mode, served by
+//! Envoy, SVID expiry).
 
 use std::time::SystemTime;
 
@@ -90,6 +91,7 @@ async fn pod_row(inspector: &Inspector, view: &NodeView, pod: &LocalPod) -> Valu
         Ok(verdict) => format!("{verdict:?}").to_lowercase(),
         Err(e) => format!("error: {e}"),
     };
+    let (inbound_mtls, refused) = inbound_mtls(inspector, pod).await;
     let listeners: Vec<String> = resources::pod_listener_names(pod).into_iter().collect();
     let svid = view.identities.as_ref().and_then(|i| i.svids.get(&pod.id()));
     let endpoints = view.watched.catalog.endpoints.get(&pod.info.service());
@@ -99,12 +101,30 @@ async fn pod_row(inspector: &Inspector, view: &NodeView, pod: &LocalPod) -> Valu
         "ips": pod.ips,
         "service": pod.info.service(),
         "capture": capture,
+        // As applied in the pod's netns (null: not captured), and what STRICT refused.
+        "inbound_mtls": inbound_mtls,
+        "refused_plaintext": refused,
         "served": super::facts::resource(view, xds::LISTENER, &listeners).acked,
         // Known only when the node watches the pod's own service.
         "registered": registered,
         "svid_expires_in_seconds": svid.map(|s| expires_in(s.not_after)),
         "config_errors": pod.info.config_errors().len(),
     })
+}
+
+/// The pod's applied inbound mTLS mode and its refused-connection count (STRICT only).
+async fn inbound_mtls(inspector: &Inspector, pod: &LocalPod) -> (Value, Value) {
+    let mode = match crate::capture::applied(&inspector.capture, &pod.container_id) {
+        Ok(applied) => applied.map(|capture| capture.inbound_mtls),
+        Err(e) => return (json!(format!("error: {e}")), Value::Null),
+    };
+    if mode != Some(crate::capture::InboundMtls::Strict) {
+        return (json!(mode), Value::Null);
+    }
+    match crate::capture::inbound::refused(&inspector.capture, &pod.netns).await {
+        Ok(refused) => (json!(mode), json!(refused)),
+        Err(e) => (json!(mode), json!(format!("error: {e}"))),
+    }
 }
 
 /// Seconds until `t` (negative once past).

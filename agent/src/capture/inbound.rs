@@ -1,0 +1,200 @@
+//! Strict inbound mTLS: in STRICT, the pod's table gets an input chain that lets TCP
+//! into the pod only through the mesh — Envoy's mTLS listener (`:18008`), Envoy's
+//! delivery over loopback, and the node's own addresses (kubelet's probes come from the
+//! host side) — and answers any other TCP with a reset, counted. PERMISSIVE adds no
+//! chain. UDP, ICMP and other protocols are not the mesh's business and pass untouched.
+//!
+//! The node's addresses are those of the agent's own netns (it runs with the host's
+//! network), read on every apply: a bridge's gateway appears with the node's first pod.
+
+use std::net::IpAddr;
+use std::path::Path;
+
+use aether_common::quote::quote;
+
+use super::{CaptureError, TABLE};
+use crate::pod::{INBOUND_MTLS_ANNOTATION, PodInfo};
+
+/// The input chain of [`TABLE`] in STRICT.
+pub const CHAIN: &str = "inbound";
+/// The named counter of refused plaintext connections (one packet per refused SYN).
+pub const REFUSED_COUNTER: &str = "refused_plaintext";
+/// Envoy's inbound (mTLS) listener on the pod's IP.
+const INBOUND_PORT: u32 = crate::xds::resources::INBOUND_PORT;
+
+/// How a pod's app ports may be reached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InboundMtls {
+    /// Only through the mesh (and from the node, for probes).
+    #[default]
+    Strict,
+    /// Also in plaintext, from anywhere that routes to the pod (migration).
+    Permissive,
+}
+
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum InboundError {
+    #[error("{INBOUND_MTLS_ANNOTATION}: {} is not strict or permissive", quote(.0))]
+    Mode(String),
+}
+
+impl InboundMtls {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InboundMtls::Strict => "strict",
+            InboundMtls::Permissive => "permissive",
+        }
+    }
+
+    /// An annotation's value; case does not matter (Istio spells the modes in capitals).
+    pub fn parse(text: &str) -> Result<Self, InboundError> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "strict" => Ok(InboundMtls::Strict),
+            "permissive" => Ok(InboundMtls::Permissive),
+            _ => Err(InboundError::Mode(text.to_owned())),
+        }
+    }
+}
+
+impl std::fmt::Display for InboundMtls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The pod's effective mode: its own annotation, else the node's default. This is the
+/// one place the mode is decided; namespace and mesh-wide settings (MeshConfig on the
+/// registrar stream, issue 20) slot in between the two. An invalid annotation counts
+/// as absent: it is one of the pod's config errors (logged, and in `pod_config_errors`).
+pub fn effective(node_default: InboundMtls, pod: &PodInfo) -> InboundMtls {
+    match pod.inbound_mtls() {
+        Ok(Some(mode)) => mode,
+        Ok(None) | Err(_) => node_default,
+    }
+}
+
+/// The input chain's rules, one statement per line; `node` are the node's addresses.
+pub fn rules(node: &[IpAddr]) -> Vec<String> {
+    let mut rules = vec![
+        "ct state established,related accept".to_owned(),
+        // Envoy delivers to 127.0.0.1:<port> inside the netns, and the pod calls itself.
+        "iif lo accept".to_owned(),
+        format!("tcp dport {INBOUND_PORT} accept"),
+    ];
+    let (v4, v6): (Vec<&IpAddr>, Vec<&IpAddr>) = node.iter().partition(|ip| ip.is_ipv4());
+    for (family, ips) in [("ip", v4), ("ip6", v6)] {
+        if !ips.is_empty() {
+            let list: Vec<String> = ips.iter().map(|ip| ip.to_string()).collect();
+            rules.push(format!("{family} saddr {{ {} }} accept", list.join(", ")));
+        }
+    }
+    // A reset, not a drop: a plaintext caller fails at once instead of timing out.
+    rules.push(format!(
+        "meta l4proto tcp counter name {REFUSED_COUNTER} reject with tcp reset"
+    ));
+    rules
+}
+
+/// The chain and its counter as they sit inside the table's block.
+pub fn render(rules: &[String]) -> String {
+    let mut out = format!("  counter {REFUSED_COUNTER} {{\n  }}\n  chain {CHAIN} {{\n");
+    out.push_str("    type filter hook input priority 0\n    policy accept\n");
+    for rule in rules {
+        out.push_str(&format!("    {rule}\n"));
+    }
+    out.push_str("  }\n");
+    out
+}
+
+/// The node's addresses: the agent's own netns is the host's.
+pub async fn node_addresses() -> Result<Vec<IpAddr>, CaptureError> {
+    super::pod_addresses(Path::new("/proc/self/ns/net")).await
+}
+
+/// How many connections the pod's STRICT chain refused since its table was last
+/// applied; `None` when the pod has no such chain (PERMISSIVE, or not captured).
+pub async fn refused(config: &super::CaptureConfig, netns: &Path) -> Result<Option<u64>, CaptureError> {
+    let (family, table) = TABLE.split_once(' ').expect("TABLE is `<family> <name>`");
+    let args = ["list", "counter", family, table, REFUSED_COUNTER];
+    match super::nft(config, netns, &args, None).await {
+        Ok(listing) => Ok(packets(&listing)),
+        Err(CaptureError::Nft { stderr, .. }) if stderr.contains("No such file or directory") => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The packet count of an `nft list counter` listing.
+fn packets(listing: &str) -> Option<u64> {
+    let rest = &listing[listing.find("packets ")? + "packets ".len()..];
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_chain_admits_the_mesh_loopback_and_the_node_and_resets_other_tcp() {
+        let node: Vec<IpAddr> = ["10.200.1.1", "fd00::1", "192.0.2.10"]
+            .iter()
+            .map(|ip| ip.parse().unwrap())
+            .collect();
+        assert_eq!(
+            rules(&node),
+            [
+                "ct state established,related accept",
+                "iif lo accept",
+                "tcp dport 18008 accept",
+                "ip saddr { 10.200.1.1, 192.0.2.10 } accept",
+                "ip6 saddr { fd00::1 } accept",
+                "meta l4proto tcp counter name refused_plaintext reject with tcp reset",
+            ]
+        );
+        let text = render(&rules(&[]));
+        assert!(text.starts_with("  counter refused_plaintext {\n  }\n  chain inbound {\n"));
+        assert!(text.contains("    type filter hook input priority 0\n    policy accept\n"));
+        assert!(!text.contains("saddr"), "no node addresses, no empty set: {text}");
+        assert!(text.ends_with("reject with tcp reset\n  }\n"));
+    }
+
+    #[test]
+    fn modes_parse_in_any_case_and_a_bad_one_names_the_annotation() {
+        assert_eq!(InboundMtls::parse("strict"), Ok(InboundMtls::Strict));
+        assert_eq!(InboundMtls::parse(" PERMISSIVE "), Ok(InboundMtls::Permissive));
+        assert_eq!(
+            InboundMtls::parse("off").unwrap_err().to_string(),
+            "security.aether.io/inbound-mtls: \"off\" is not strict or permissive"
+        );
+        let long = "x".repeat(10_000);
+        assert!(
+            InboundMtls::parse(&long).unwrap_err().to_string().len() < 400,
+            "quoted bounded"
+        );
+    }
+
+    #[test]
+    fn the_annotation_overrides_the_node_default_unless_it_is_invalid() {
+        let mut pod = PodInfo::default();
+        assert_eq!(effective(InboundMtls::Strict, &pod), InboundMtls::Strict);
+        assert_eq!(effective(InboundMtls::Permissive, &pod), InboundMtls::Permissive);
+        pod.annotations
+            .insert(INBOUND_MTLS_ANNOTATION.into(), "permissive".into());
+        assert_eq!(effective(InboundMtls::Strict, &pod), InboundMtls::Permissive);
+        pod.annotations.insert(INBOUND_MTLS_ANNOTATION.into(), "Strict".into());
+        assert_eq!(effective(InboundMtls::Permissive, &pod), InboundMtls::Strict);
+        pod.annotations.insert(INBOUND_MTLS_ANNOTATION.into(), "mtls".into());
+        assert_eq!(effective(InboundMtls::Permissive, &pod), InboundMtls::Permissive);
+        assert_eq!(
+            pod.config_errors(),
+            ["security.aether.io/inbound-mtls: \"mtls\" is not strict or permissive"]
+        );
+    }
+
+    #[test]
+    fn the_counter_listing_yields_its_packets() {
+        let listing = "table inet aether {\n\tcounter refused_plaintext {\n\t\tpackets 3 bytes 180\n\t}\n}\n";
+        assert_eq!(packets(listing), Some(3));
+        assert_eq!(packets("table inet aether {\n}\n"), None);
+    }
+}
