@@ -57,16 +57,12 @@ pub struct AuthorizationPolicySpec {
 
 string_enum! {
     /// `spec.action`; ALLOW when unset.
+    #[derive(Default)]
     Action {
+        #[default]
         Allow = "ALLOW",
         Deny = "DENY",
         Audit = "AUDIT",
-    }
-}
-
-impl Default for Action {
-    fn default() -> Self {
-        Self::Allow
     }
 }
 
