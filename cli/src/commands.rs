@@ -111,6 +111,7 @@ pub fn status(agent: &Agent, output: Output) -> Answer {
                 cells[1].clone(),
                 ips,
                 rest[0].clone(),
+                inbound_mtls(p),
                 rest[1].clone(),
                 rest[2].clone(),
                 svid,
@@ -124,6 +125,7 @@ pub fn status(agent: &Agent, output: Output) -> Answer {
             "SERVICE",
             "IPS",
             "CAPTURE",
+            "INBOUND MTLS",
             "SERVED",
             "REGISTERED",
             "SVID EXPIRES IN",
@@ -134,6 +136,14 @@ pub fn status(agent: &Agent, output: Output) -> Answer {
         out.push_str(&format!("\nproblems:\n  {}\n", problems.join("\n  ")));
     }
     Ok((code, out))
+}
+
+/// A pod's inbound mTLS mode, with what STRICT refused: `strict (2 refused)`.
+fn inbound_mtls(pod: &Value) -> String {
+    match pod["refused_plaintext"].as_u64() {
+        Some(refused) => format!("{} ({refused} refused)", text(&pod["inbound_mtls"])),
+        None => text(&pod["inbound_mtls"]),
+    }
 }
 
 /// The agent's `/ready`: `true`, or the reason it is not.
