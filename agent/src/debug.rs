@@ -46,11 +46,19 @@ pub struct Inspector {
     pub registrar_connected: Gauge,
     /// 1 while the DNS (services-only) watch is up.
     pub dns_connected: Gauge,
+    /// Each local pod's last failed calls, from Envoy's access logs.
+    pub failures: crate::access_log::RecentFailures,
 }
 
 impl Inspector {
     /// `registrar` and `dns` are the gauges the catalog watch and the DNS watch keep at 1 while up.
-    pub fn new(config: &crate::config::Config, node: Node, registrar: &Gauge, dns: &Gauge) -> Self {
+    pub fn new(
+        config: &crate::config::Config,
+        node: Node,
+        registrar: &Gauge,
+        dns: &Gauge,
+        failures: crate::access_log::RecentFailures,
+    ) -> Self {
         Self {
             node,
             node_name: config.node_name.clone(),
@@ -67,6 +75,7 @@ impl Inspector {
             netns_pin_dir: config.netns_pin_dir.clone(),
             registrar_connected: registrar.clone(),
             dns_connected: dns.clone(),
+            failures,
         }
     }
 }

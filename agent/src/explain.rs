@@ -16,6 +16,8 @@ use std::time::{Duration, SystemTime};
 use aether_api::route::request::Request;
 use serde::Serialize;
 
+pub use crate::access_log::Failure;
+
 mod route;
 
 pub use route::{Action, Backend, Matched, RouteFacts, RouteReport, Skipped};
@@ -66,6 +68,8 @@ pub struct Facts {
     pub route: Option<RouteFacts>,
     /// Authorization does not exist yet: `None` says so.
     pub authorization: Option<()>,
+    /// The pod's last failed calls to the target, newest first, as Envoy logged them.
+    pub recent_failures: Vec<Failure>,
     pub now: Option<SystemTime>,
 }
 
@@ -180,6 +184,9 @@ pub struct Explanation {
     pub hops: Vec<Hop>,
     /// The routes on the target's port and the rule the request takes, when routes apply.
     pub route: Option<RouteReport>,
+    /// The pod's last failed calls to the target (status ≥ 400 or an Envoy response
+    /// flag), newest first: what the hops cannot see, such as a timeout or a reset.
+    pub recent_failures: Vec<Failure>,
 }
 
 type Judge = fn(&Facts) -> Hop;
@@ -230,6 +237,7 @@ pub fn explain(facts: &Facts) -> Explanation {
         first,
         hops,
         route: route::report(facts),
+        recent_failures: facts.recent_failures.clone(),
     }
 }
 

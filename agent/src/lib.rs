@@ -1,5 +1,6 @@
 //! aether-agent: the node agent.
 
+pub mod access_log;
 pub mod capture;
 pub mod catalog_watch;
 pub mod cni;

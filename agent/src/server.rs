@@ -21,6 +21,7 @@ use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
+use crate::access_log::RecentFailures;
 use crate::catalog_watch::{self, Interest, WatchedCatalog};
 use crate::cni::{CniMetrics, CniService, CniSettings, Effects};
 use crate::config::{Config, PodSourceKind};
@@ -173,13 +174,14 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         capture,
     };
     let cni = CniService::new(node.clone(), directory, settings, effects, metrics.cni.clone());
-    serve_sockets(&config, cache, &node, cni, metrics.xds.clone(), &tasks, &shutdown)?;
+    let failures = serve_sockets(&config, cache, &node, cni, metrics.xds.clone(), &tasks, &shutdown)?;
     let admin_addr = serve_admin(
         &config,
         registry,
         metrics_push,
         &metrics,
         &node,
+        failures,
         &readiness,
         &tasks,
         &shutdown,
@@ -426,7 +428,8 @@ fn start_pod_source(
     }
 }
 
-/// The xDS socket (Envoy) and the CNI socket (the plugin), both 0600.
+/// The xDS socket (Envoy: xDS and its log of failed calls) and the CNI socket (the
+/// plugin), both 0600.
 fn serve_sockets(
     config: &Config,
     cache: Cache,
@@ -435,7 +438,7 @@ fn serve_sockets(
     xds_metrics: XdsMetrics,
     tasks: &Tasks,
     shutdown: &CancellationToken,
-) -> Result<(), StartError> {
+) -> Result<RecentFailures, StartError> {
     let hooks = Hooks {
         metrics: xds_metrics,
         on_demand: {
@@ -443,6 +446,7 @@ fn serve_sockets(
             Arc::new(move |type_url: &str, names: &[String]| node.on_demand(type_url, names))
         },
     };
+    let failures = RecentFailures::default();
     let xds_listener = bind_private(&config.xds_socket)?;
     let cni_listener = bind_private(&config.cni_socket)?;
     let xds_server = tonic::transport::Server::builder()
@@ -452,6 +456,8 @@ fn serve_sockets(
             AggregatedDiscoveryServiceServer::new(AdsServer::new(cache, hooks))
                 .max_decoding_message_size(4 * 1024 * 1024),
         )
+        // Envoy's log of failed calls (crate::access_log), on the same private socket.
+        .add_service(failures.service())
         .serve_with_incoming_shutdown(
             UnixListenerStream::new(xds_listener),
             shutdown.clone().cancelled_owned(),
@@ -464,7 +470,7 @@ fn serve_sockets(
         );
     tasks.critical("the xDS server", log_failure("xDS server", xds_server));
     tasks.critical("the CNI server", log_failure("CNI server", cni_server));
-    Ok(())
+    Ok(failures)
 }
 
 /// The admin server (health, readiness, metrics, debug pages) and the OTLP metrics push.
@@ -475,6 +481,7 @@ async fn serve_admin(
     metrics_push: MetricsPush,
     metrics: &AgentMetrics,
     node: &Node,
+    failures: RecentFailures,
     readiness: &Readiness,
     tasks: &Tasks,
     shutdown: &CancellationToken,
@@ -495,6 +502,7 @@ async fn serve_admin(
                 node.clone(),
                 &metrics.registrar_connected,
                 &metrics.dns_records.connected,
+                failures,
             ),
         ))
         .with_refresh(refresh);

@@ -78,7 +78,36 @@ pub fn explain(agent: &Agent, pod: &str, target: &str, call: &Call, output: Outp
             text(&first["fix"])
         ),
     });
+    out.push_str(&recent_failures(&answer["recent_failures"]));
     Ok((code, out))
+}
+
+/// The pod's last failed calls to the target, as Envoy logged them (newest first).
+fn recent_failures(failures: &Value) -> String {
+    let failures = failures.as_array().cloned().unwrap_or_default();
+    if failures.is_empty() {
+        return String::new();
+    }
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let rows: Vec<Vec<String>> = failures
+        .iter()
+        .map(|f| {
+            let ago = now_ms.saturating_sub(f["at_ms"].as_u64().unwrap_or(now_ms)) / 1000;
+            let request = format!("{} {}{}", text(&f["method"]), text(&f["authority"]), text(&f["path"]));
+            let why = [&f["details"], &f["upstream_failure"]]
+                .map(text)
+                .into_iter()
+                .filter(|s| !s.is_empty())
+                .collect::<Vec<_>>()
+                .join(": ");
+            let flags = Some(text(&f["flags"])).filter(|s| !s.is_empty()).unwrap_or("-".into());
+            vec![format!("{ago}s ago"), request, text(&f["status"]), flags, why]
+        })
+        .collect();
+    let table = table::render(&["WHEN", "REQUEST", "STATUS", "FLAGS", "WHY"], &rows);
+    format!("\nlast failed calls to the target (Envoy's access log):\n{table}")
 }
 
 pub fn status(agent: &Agent, output: Output) -> Answer {

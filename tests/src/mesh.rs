@@ -267,14 +267,14 @@ impl Mesh {
                 "ads_config": {
                     "api_type": self.ads_api,
                     "transport_api_version": "V3",
-                    "grpc_services": [{"envoy_grpc": {"cluster_name": "xds"}}],
+                    "grpc_services": [{"envoy_grpc": {"cluster_name": "aether_xds"}}],
                     "set_node_on_first_message_only": true
                 },
                 "cds_config": {"ads": {}, "resource_api_version": "V3"},
                 "lds_config": {"ads": {}, "resource_api_version": "V3"}
             },
             "static_resources": {"clusters": [{
-                "name": "xds",
+                "name": "aether_xds",
                 "type": "STATIC",
                 "connect_timeout": "1s",
                 "typed_extension_protocol_options": {
@@ -283,7 +283,7 @@ impl Mesh {
                         "explicit_http_config": {"http2_protocol_options": {}}
                     }
                 },
-                "load_assignment": {"cluster_name": "xds", "endpoints": [{"lb_endpoints": [{"endpoint": {
+                "load_assignment": {"cluster_name": "aether_xds", "endpoints": [{"lb_endpoints": [{"endpoint": {
                     "address": {"pipe": {"path": self.xds_socket().to_string_lossy()}}
                 }}]}]}
             }]}

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use aether_tests::mesh::{APP, Mesh, MeshIdentity};
 use aether_tests::{ChildGuard, Envoy, HttpReply, TestPod, binary, free_port, unique_base_id};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 /// A mesh whose agent knows where Envoy's admin is (the harness picks a free port).
 async fn mesh() -> Mesh {
@@ -452,6 +452,19 @@ async fn explain_route_until(mesh: &Mesh, args: &[&str], words: &str) -> (i32, V
     }
 }
 
+/// The newest failed call explain reports from `pod` to `target`, once Envoy logged one.
+async fn failure_until(mesh: &Mesh, pod: &str, target: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (_, e) = explain(mesh, pod, target).await;
+        if let Some(failure) = e["recent_failures"].get(0) {
+            return failure.clone();
+        }
+        assert!(Instant::now() < deadline, "no failed call reported: {e:#}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// GET `path` on backend from `pod`, once Envoy answers it with `status`.
 async fn call_until(mesh: &Mesh, pod: &TestPod, path: &str, status: u16) -> HttpReply {
     let url = format!("http://{}:8080{path}", mesh.vip("backend").await);
@@ -508,8 +521,39 @@ async fn explain_names_the_route_rule_a_url_takes() {
     assert_eq!((code, e["first"]["hop"].as_str()), (1, Some("route")), "{e:#}");
     assert_eq!(why(&e), "404: no rule of http/demo/backend-api matches GET /other");
     call_until(&mesh, frontend, "/other", 404).await;
+    // Envoy logged the failed call to the agent: explain shows it beside the hops (the
+    // compiled table's own 404, so no response flag).
+    let failure = failure_until(&mesh, "demo/frontend", &other).await;
+    assert_eq!(
+        (&failure["status"], &failure["flags"], &failure["details"]),
+        (&json!(404), &json!(""), &json!("direct_response")),
+        "{failure:#}"
+    );
+    assert_eq!(
+        (&failure["method"], &failure["authority"], &failure["path"]),
+        (
+            &json!("GET"),
+            &json!("backend.demo.aether.internal:8080"),
+            &json!("/other")
+        ),
+    );
     let (code, text) = aether(&mesh, &["explain", "frontend", "-n", "demo", &other, "-X", "post"]).await;
     assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("last failed calls to the target (Envoy's access log):"),
+        "{text}"
+    );
+    let logged = |l: &&str| {
+        [
+            "GET backend.demo.aether.internal:8080/other",
+            " 404 ",
+            " - ",
+            "direct_response",
+        ]
+        .iter()
+        .all(|w| l.contains(w))
+    };
+    assert!(text.lines().any(|l| logged(&l)), "{text}");
     assert!(
         text.contains("verdict: FAIL at route: 404: no rule of http/demo/backend-api matches POST /other"),
         "{text}"

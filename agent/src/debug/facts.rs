@@ -103,6 +103,10 @@ pub async fn gather(inspector: &Inspector, question: &Question) -> Facts {
         identity = identity_facts(&view, pod, t);
         route = route_facts(&view, pod, t);
     }
+    let recent_failures = target
+        .as_ref()
+        .map(|t| inspector.failures.of(pod_id, &names_of(t)))
+        .unwrap_or_default();
     Facts {
         pod_id: pod_id.to_owned(),
         pod: local.map(pod_facts),
@@ -119,8 +123,17 @@ pub async fn gather(inspector: &Inspector, question: &Question) -> Facts {
         request: request_of(text, question.method.as_deref(), &question.headers),
         route,
         authorization: None,
+        recent_failures,
         now: None,
     }
+}
+
+/// The names a call to `target` may carry in its authority or cluster.
+fn names_of(target: &Target) -> Vec<String> {
+    let (ns, name) = target.service.split_once('/').unwrap_or(("", &target.service));
+    let mut names = vec![target.fqdn.clone(), format!("{name}.{ns}.svc")];
+    names.extend(target.vip.map(|ip| ip.to_string()));
+    names
 }
 
 fn pod_facts(pod: &LocalPod) -> PodFacts {

@@ -79,6 +79,7 @@ fn healthy() -> Facts {
             ..Default::default()
         }),
         authorization: None,
+        recent_failures: Vec::new(),
         now: Some(now()),
     }
 }
@@ -401,4 +402,27 @@ fn a_vip_needs_no_lookup_and_plaintext_skips_identity() {
     assert_eq!(e.verdict, Status::Ok, "{e:#?}");
     assert_eq!(e.hops[3].why, "addressed by IP 240.240.0.1: no lookup");
     assert!(e.hops[10].why.contains("--identity none"));
+}
+
+#[test]
+fn recent_failures_are_reported_beside_the_hops_and_judge_nothing() {
+    let mut facts = healthy();
+    let failure = Failure {
+        at_ms: 1,
+        method: "GET".into(),
+        authority: "backend.demo.aether.internal".into(),
+        path: "/slow".into(),
+        status: 504,
+        flags: "UT".into(),
+        details: "upstream_response_timeout".into(),
+        route: String::new(),
+        upstream_cluster: "backend.demo.aether.internal:8080".into(),
+        upstream_host: "10.0.0.2:18008".into(),
+        upstream_failure: String::new(),
+        duration_ms: 15_000,
+    };
+    facts.recent_failures = vec![failure.clone()];
+    let explained = explain(&facts);
+    assert_eq!(explained.recent_failures, [failure]);
+    assert_eq!(explained.hops, explain(&healthy()).hops);
 }

@@ -90,10 +90,12 @@ enum RoutedBy {
     Destination,
 }
 
-/// HTTP routed through the outbound `table`, with on-demand CDS for mesh names outside
-/// the dependency set. Requests are stamped with the source pod's service `source` for
-/// request metrics (crate::request_metrics).
-fn routed(stat_prefix: &str, source: &str, table: &str, by: RoutedBy) -> Filter {
+/// The pod's HTTP routed through the outbound `table`, with on-demand CDS for mesh names
+/// outside the dependency set. Requests are stamped with the pod's service for request
+/// metrics (crate::request_metrics); failed ones are logged to the agent
+/// (crate::access_log).
+fn routed(pod: &LocalPod, table: &str, by: RoutedBy) -> Filter {
+    let source = pod.info.service();
     let on_demand = OnDemand {
         odcds: Some(OnDemandCds {
             source: ads(),
@@ -102,7 +104,7 @@ fn routed(stat_prefix: &str, source: &str, table: &str, by: RoutedBy) -> Filter 
         }),
     };
     let hcm = HttpConnectionManager {
-        stat_prefix: stat_prefix.to_owned(),
+        stat_prefix: format!("outbound.{}", pod.id().replace('/', ".")),
         route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
             config_source: ads(),
             route_config_name: table.to_owned(),
@@ -112,11 +114,14 @@ fn routed(stat_prefix: &str, source: &str, table: &str, by: RoutedBy) -> Filter 
             http_filter_of("envoy.filters.http.on_demand", &on_demand),
             http_filter_of(
                 "envoy.filters.http.header_mutation",
-                &crate::request_metrics::source_stamp(source),
+                &crate::request_metrics::source_stamp(&source),
             ),
             http_filter_of("envoy.filters.http.router", &Router::default()),
         ],
-        access_log: crate::request_metrics::access_log(source).into_iter().collect(),
+        access_log: crate::request_metrics::access_log(&source)
+            .into_iter()
+            .chain([crate::access_log::logger(&pod.id())])
+            .collect(),
         ..Default::default()
     };
     network_filter("envoy.filters.network.http_connection_manager", &hcm)
@@ -207,8 +212,6 @@ fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>) -> Option<Listener>
 /// table, falling back to the authority for destinations that are no declared
 /// service (on demand for undeclared mesh names). Anything that is neither is closed.
 fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], table: &str, mtls: Option<&Mtls>) -> Listener {
-    let stat_prefix = format!("outbound.{}", pod.id().replace('/', "."));
-    let source = pod.info.service();
     let mut filter_chains = tcp_chains(pod, declared, mtls);
     filter_chains.push(outgoing(
         pod,
@@ -218,7 +221,7 @@ fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], table: &str,
             prefix_ranges: vec![host_range("127.0.0.1")],
             ..Default::default()
         }),
-        routed(&stat_prefix, &source, table, RoutedBy::Authority),
+        routed(pod, table, RoutedBy::Authority),
     ));
     Listener {
         name: outbound_name(pod),
@@ -235,12 +238,7 @@ fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], table: &str,
             &OriginalDst::default(),
         )],
         filter_chains,
-        default_filter_chain: Some(outgoing(
-            pod,
-            mtls,
-            None,
-            routed(&stat_prefix, &source, table, RoutedBy::Destination),
-        )),
+        default_filter_chain: Some(outgoing(pod, mtls, None, routed(pod, table, RoutedBy::Destination))),
         ..Default::default()
     }
 }

@@ -202,7 +202,7 @@ fn bootstrap(generated: &Generated, edit: impl Fn(&mut RouteConfiguration)) -> B
         .map(|r| Cluster::decode(&*r.body.value).unwrap())
         .collect();
     clusters.push(Cluster {
-        name: "xds".into(),
+        name: crate::access_log::AGENT_CLUSTER.into(),
         connect_timeout: crate::xds::resources::util::millis(1000),
         load_assignment: None,
         ..Default::default()
@@ -224,7 +224,7 @@ fn bootstrap(generated: &Generated, edit: impl Fn(&mut RouteConfiguration)) -> B
                 transport_api_version: envoy_types::pb::envoy::config::core::v3::ApiVersion::V3 as i32,
                 grpc_services: vec![GrpcService {
                     target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(grpc_service::EnvoyGrpc {
-                        cluster_name: "xds".into(),
+                        cluster_name: crate::access_log::AGENT_CLUSTER.into(),
                         ..Default::default()
                     })),
                     ..Default::default()
