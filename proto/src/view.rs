@@ -6,20 +6,23 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::registrar::v1::{Version, WatchResponse, change, watch_response};
-use crate::registry::v1::{Endpoint, Route, RouteKind, Service};
+use crate::registry::v1::{AuthorizationPolicy, Endpoint, Route, RouteKind, Service};
 
 /// A service's endpoints by address. Shared: cloning a catalog is cheap, and a
 /// service whose endpoints did not change keeps the same `Arc` (consumers can skip it).
 pub type Endpoints = Arc<BTreeMap<String, Endpoint>>;
 
 /// What a watcher holds of the catalog (the registrar's `Catalog` is the original):
-/// services by key (`<ns>/<name>`), their endpoints by address, and the routes
-/// attached to them by route key (`<kind>/<ns>/<name>`, see [`route_key`]).
+/// services by key (`<ns>/<name>`), their endpoints by address, the routes
+/// attached to them by route key (`<kind>/<ns>/<name>`, see [`route_key`]), and the
+/// authorization policies of the watched namespaces by key (`<ns>/<name>`, see
+/// [`policy_key`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CatalogView {
     pub services: BTreeMap<String, Service>,
     pub endpoints: BTreeMap<String, Endpoints>,
     pub routes: BTreeMap<String, Arc<Route>>,
+    pub policies: BTreeMap<String, Arc<AuthorizationPolicy>>,
 }
 
 /// What a client believes after the messages it has applied.
@@ -72,6 +75,11 @@ pub fn route_key(route: &Route) -> String {
     format!("{}/{}/{}", route_kind_name(route.kind()), route.namespace, route.name)
 }
 
+/// An authorization policy's key, `<namespace>/<name>`.
+pub fn policy_key(policy: &AuthorizationPolicy) -> String {
+    format!("{}/{}", policy.namespace, policy.name)
+}
+
 /// The short kind name used in route keys.
 pub fn route_kind_name(kind: RouteKind) -> &'static str {
     match kind {
@@ -120,6 +128,8 @@ impl CatalogView {
                 .filter(|(_, route)| route.parents.iter().any(|p| keep(&p.service)))
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
+            // Policies are scoped by namespace, not by service: all are kept.
+            policies: self.policies.clone(),
         }
     }
 
@@ -156,6 +166,9 @@ impl WatchView {
                 for route in chunk.routes {
                     incoming.routes.insert(route_key(&route), Arc::new(route));
                 }
+                for policy in chunk.policies {
+                    incoming.policies.insert(policy_key(&policy), Arc::new(policy));
+                }
                 Ok(Applied::SnapshotChunk)
             }
             watch_response::Event::SnapshotComplete(complete) => {
@@ -190,6 +203,12 @@ impl WatchView {
                         }
                         change::Change::RouteRemoved(key) => {
                             self.catalog.routes.remove(&key);
+                        }
+                        change::Change::PolicyPut(policy) => {
+                            self.catalog.policies.insert(policy_key(&policy), Arc::new(policy));
+                        }
+                        change::Change::PolicyRemoved(key) => {
+                            self.catalog.policies.remove(&key);
                         }
                     }
                 }
@@ -285,6 +304,45 @@ mod tests {
         );
         assert_eq!(view.catalog, CatalogView::default());
         assert_eq!(view.version, version(4));
+    }
+
+    #[test]
+    fn policies_arrive_in_snapshots_and_are_put_and_removed_by_key() {
+        let policy = |name: &str| AuthorizationPolicy {
+            namespace: "demo".into(),
+            name: name.into(),
+            ..Default::default()
+        };
+        let mut view = WatchView::default();
+        let chunk = Snapshot {
+            reset: true,
+            policies: vec![policy("deny-legacy")],
+            ..Default::default()
+        };
+        view.apply(event(watch_response::Event::Snapshot(chunk))).unwrap();
+        let complete = SnapshotComplete {
+            version: version(1),
+            filter_id: 1,
+        };
+        view.apply(event(watch_response::Event::SnapshotComplete(complete)))
+            .unwrap();
+        assert_eq!(view.catalog.policies.keys().collect::<Vec<_>>(), ["demo/deny-legacy"]);
+        let put = |c| Change { change: Some(c) };
+        let delta = Delta {
+            filter_id: 1,
+            version: version(2),
+            changes: vec![
+                put(change::Change::PolicyPut(policy("allow-frontend"))),
+                put(change::Change::PolicyRemoved("demo/deny-legacy".into())),
+            ],
+        };
+        view.apply(event(watch_response::Event::Delta(delta))).unwrap();
+        assert_eq!(
+            view.catalog.policies.keys().collect::<Vec<_>>(),
+            ["demo/allow-frontend"]
+        );
+        // Scoped by namespace, not by service: restricting the view keeps them.
+        assert_eq!(view.catalog.restricted(|_| false).policies.len(), 1);
     }
 
     #[test]

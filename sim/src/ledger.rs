@@ -25,7 +25,9 @@ pub fn changed_addresses(delta: &Delta) -> impl Iterator<Item = &str> {
         change::Change::ServiceAdded(_)
         | change::Change::ServiceRemoved(_)
         | change::Change::RoutePut(_)
-        | change::Change::RouteRemoved(_) => None,
+        | change::Change::RouteRemoved(_)
+        | change::Change::PolicyPut(_)
+        | change::Change::PolicyRemoved(_) => None,
     })
 }
 

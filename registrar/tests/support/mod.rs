@@ -384,6 +384,16 @@ pub fn check_delta(view: &WatchView, message: &WatchResponse) {
             change::Change::RouteRemoved(key) => {
                 assert!(catalog.routes.remove(key).is_some(), "ghost RouteRemoved {key}");
             }
+            change::Change::PolicyPut(policy) => {
+                let key = aether_proto::view::policy_key(policy);
+                let old = catalog
+                    .policies
+                    .insert(key.clone(), std::sync::Arc::new(policy.clone()));
+                assert_ne!(old.as_deref(), Some(policy), "duplicate PolicyPut {key}");
+            }
+            change::Change::PolicyRemoved(key) => {
+                assert!(catalog.policies.remove(key).is_some(), "ghost PolicyRemoved {key}");
+            }
         }
     }
 }
