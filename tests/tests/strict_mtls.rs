@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use aether_tests::echo::{EchoIdentity, EchoServer, FailureCounters, serve_echo};
+use aether_tests::http::CLIENT_TIMEOUT;
 use aether_tests::mesh::{Mesh, NAMESPACE};
 use aether_tests::{HttpReply, TestPod, http_get};
 use http_body_util::{BodyExt, Full};
@@ -99,11 +100,12 @@ async fn status_of(mesh: &Mesh, pod: &str) -> Value {
         .unwrap_or_else(|| panic!("{id} not in {status}"))
 }
 
-/// A refused plaintext call fails at once (a reset, not a timeout).
+/// A refused plaintext call fails on the reset (`connection refused`), well before the
+/// client's timeout (what a dropped SYN would cost); the margin absorbs a loaded machine.
 fn assert_reset(reply: Result<HttpReply, String>, took: Duration) {
     let error = reply.expect_err("a plaintext call to an app port is refused in STRICT");
     assert!(error.contains("refused"), "{error}");
-    assert!(took < Duration::from_secs(1), "refused after {took:?}");
+    assert!(took < CLIENT_TIMEOUT / 2, "refused after {took:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

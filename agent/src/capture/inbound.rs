@@ -12,10 +12,10 @@ use std::path::Path;
 
 use aether_common::quote::quote;
 
-use super::{CaptureError, TABLE};
+use super::CaptureError;
 use crate::pod::{INBOUND_MTLS_ANNOTATION, PodInfo};
 
-/// The input chain of [`TABLE`] in STRICT.
+/// The input chain of [`super::TABLE`] in STRICT.
 pub const CHAIN: &str = "inbound";
 /// The named counter of refused plaintext connections (one packet per refused SYN).
 pub const REFUSED_COUNTER: &str = "refused_plaintext";
@@ -115,8 +115,7 @@ pub async fn node_addresses() -> Result<Vec<IpAddr>, CaptureError> {
 /// How many connections the pod's STRICT chain refused since its table was last
 /// applied; `None` when the pod has no such chain (PERMISSIVE, or not captured).
 pub async fn refused(config: &super::CaptureConfig, netns: &Path) -> Result<Option<u64>, CaptureError> {
-    let (family, table) = TABLE.split_once(' ').expect("TABLE is `<family> <name>`");
-    let args = ["list", "counter", family, table, REFUSED_COUNTER];
+    let args = ["list", "counter", "inet", "aether", REFUSED_COUNTER];
     match super::nft(config, netns, &args, None).await {
         Ok(listing) => Ok(packets(&listing)),
         Err(CaptureError::Nft { stderr, .. }) if stderr.contains("No such file or directory") => Ok(None),
