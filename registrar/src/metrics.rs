@@ -32,6 +32,8 @@ pub struct Metrics {
     pub store_conflicts: Counter,
     pub routes: Gauge,
     pub routes_refused: Family<Labels, Gauge>,
+    pub policies: Gauge,
+    pub policies_refused: Family<Labels, Gauge>,
 }
 
 impl Metrics {
@@ -58,6 +60,8 @@ impl Metrics {
             store_conflicts: Counter::default(),
             routes: Gauge::default(),
             routes_refused: Family::default(),
+            policies: Gauge::default(),
+            policies_refused: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("aether_registrar");
         metrics.register_catalog(r);
@@ -84,6 +88,16 @@ impl Metrics {
             "routes_refused",
             "Route objects a source holds that the projector refused (their last accepted version, if any, serves)",
             self.routes_refused.clone(),
+        );
+        r.register(
+            "policies",
+            "Authorization policies in the catalog",
+            self.policies.clone(),
+        );
+        r.register(
+            "policies_refused",
+            "AuthorizationPolicy objects a source holds that the projector refused (their last accepted version, if any, is enforced)",
+            self.policies_refused.clone(),
         );
     }
 

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use aether_common::names::dns_label;
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{Endpoint, Health, Port, Protocol, Route};
-use aether_proto::view::route_key;
+use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Health, Port, Protocol, Route};
+use aether_proto::view::{policy_key, route_key};
 
 /// Limits that keep one endpoint from bloating every watcher's stream.
 pub const MAX_PORTS: usize = 64;
@@ -44,6 +44,13 @@ impl ServiceKey {
         dns_label(namespace).map_err(|r| invalid(format!("namespace {r}")))?;
         dns_label(name).map_err(|r| invalid(format!("name {r}")))?;
         Ok(Self(key.into()))
+    }
+
+    /// The key a policy change is published under (see `catalog::KeyedChange`): the
+    /// policy's own `<namespace>/<name>`, whose name may hold dots. Never looked up as
+    /// a service: watchers select policy changes by namespace.
+    pub fn of_policy(policy_key: &str) -> Self {
+        Self(policy_key.into())
     }
 
     pub fn from_parts(field: &str, namespace: &str, name: &str) -> Result<Self, InvalidField> {
@@ -131,6 +138,18 @@ pub fn validate_route(route: Route) -> Result<(String, Route), (String, aether_a
     let key = route_key(&route);
     match aether_api::validate(&route) {
         Ok(()) => Ok((key, route)),
+        Err(e) => Err((key, e)),
+    }
+}
+
+/// Checks a stored or streamed authorization policy with the projector's own rules;
+/// returns it with its key, or the key and why it is unusable.
+pub fn validate_policy(
+    policy: AuthorizationPolicy,
+) -> Result<(String, AuthorizationPolicy), (String, aether_api::authorization::Refusal)> {
+    let key = policy_key(&policy);
+    match aether_api::authorization::validate(&policy) {
+        Ok(()) => Ok((key, policy)),
         Err(e) => Err((key, e)),
     }
 }

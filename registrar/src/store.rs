@@ -39,6 +39,8 @@
 //! - [`StoreOp::PutRoute`] / [`StoreOp::DeleteRoute`] write a projected route by its
 //!   key (`<kind>/<namespace>/<name>`), unconditionally: routes reference services
 //!   by name and may exist before or after them.
+//! - [`StoreOp::PutPolicy`] / [`StoreOp::DeletePolicy`] do the same for projected
+//!   authorization policies (key `<namespace>/<name>`): like routes, unconditional.
 //!
 //! **Feed** ([`Store::feed`]): every change committed after a revision, by any replica
 //! (echoes of this replica's own commits may be included; the catalog skips them by
@@ -66,7 +68,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_proto::registry::v1::{Endpoint, Route, Service};
+use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Route, Service};
 use async_trait::async_trait;
 use futures::Stream;
 
@@ -104,6 +106,11 @@ pub enum StoreOp {
     PutRoute(Arc<Route>),
     /// Deletes a route by key; deleting an absent one succeeds.
     DeleteRoute(String),
+    /// Creates or replaces a projected authorization policy (key:
+    /// `aether_proto::view::policy_key`).
+    PutPolicy(Arc<AuthorizationPolicy>),
+    /// Deletes a policy by key; deleting an absent one succeeds.
+    DeletePolicy(String),
 }
 
 /// A record with the revision it was last written at.
@@ -122,6 +129,7 @@ pub struct Contents {
     pub services: Vec<Stored<Service>>,
     pub endpoints: Vec<Stored<Endpoint>>,
     pub routes: Vec<Stored<Route>>,
+    pub policies: Vec<Stored<AuthorizationPolicy>>,
     pub unreadable: Vec<UnreadableRecord>,
 }
 
@@ -158,6 +166,11 @@ pub enum FeedChangeKind {
     RoutePut(Route),
     /// `key` is the route's key, `<kind>/<namespace>/<name>`.
     RouteDeleted {
+        key: String,
+    },
+    PolicyPut(AuthorizationPolicy),
+    /// `key` is the policy's key, `<namespace>/<name>`.
+    PolicyDeleted {
         key: String,
     },
     /// A record that could not be decoded (logged and counted, not applied).

@@ -6,7 +6,7 @@
 //! under the catalog's read lock, during which no batch can be published, so the
 //! watcher knows exactly which batches are already reflected and which are not.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,20 +14,22 @@ use aether_proto::registrar::v1::{
     Change, Delta, Snapshot, SnapshotComplete, SnapshotReason, Version, WatchRequest, WatchResponse, change,
     watch_response,
 };
-use aether_proto::registry::v1::{Endpoint, Route, Service};
+use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Route, Service};
 use futures::{Stream, StreamExt};
 use tokio::sync::broadcast::{self, error::RecvError, error::TryRecvError};
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc};
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
-use crate::catalog::{Batch, Catalog, Event, KeyedChange, State, route_change};
+use crate::catalog::{Batch, Catalog, Event, KeyedChange, State, policy_change, route_change};
 use crate::model::{InvalidField, ServiceKey};
 
 /// Endpoints per snapshot message, so no message nears gRPC's 4 MiB default limit.
 pub const SNAPSHOT_CHUNK_ENDPOINTS: usize = 100;
 /// Most services one filter may name.
 pub const MAX_FILTER_SERVICES: usize = 100_000;
+/// Most policy namespaces one filter may name (a node hosts pods of far fewer).
+pub const MAX_FILTER_POLICY_NAMESPACES: usize = 10_000;
 /// How often a watcher with nothing to send tells its client how far it has read,
 /// so a reconnect can resume from a recent version.
 pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
@@ -81,16 +83,27 @@ pub struct Filter {
     services: HashSet<ServiceKey>,
     /// Every service's record and no endpoints (what a node needs for DNS).
     services_only: bool,
+    /// Namespaces whose authorization policies the client gets (mesh-wide ones too).
+    policy_namespaces: BTreeSet<String>,
 }
 
 impl Filter {
     pub fn parse(request: &WatchRequest) -> Result<Self, InvalidField> {
-        if request.wildcard || request.services_only {
+        if request.services_only {
             return Ok(Self {
                 id: request.filter_id,
                 wildcard: true,
-                services: HashSet::new(),
-                services_only: request.services_only,
+                services_only: true,
+                ..Self::default()
+            });
+        }
+        let policy_namespaces = policy_namespaces(&request.policy_namespaces)?;
+        if request.wildcard {
+            return Ok(Self {
+                id: request.filter_id,
+                wildcard: true,
+                policy_namespaces,
+                ..Self::default()
             });
         }
         if request.services.len() > MAX_FILTER_SERVICES {
@@ -110,6 +123,7 @@ impl Filter {
             wildcard: false,
             services,
             services_only: false,
+            policy_namespaces,
         })
     }
 
@@ -118,8 +132,12 @@ impl Filter {
     }
 
     /// Whether this filter sends `change`: a services-only filter drops endpoint and
-    /// route changes.
+    /// route changes; a policy change passes when the client held or now wants it.
     fn passes(&self, change: &KeyedChange) -> bool {
+        if let Event::Policy { old, new } = &change.event {
+            let wants = |p: &Option<Arc<AuthorizationPolicy>>| p.as_deref().is_some_and(|p| self.wants_policy(p));
+            return wants(old) || wants(new);
+        }
         let is_service = matches!(change.event, Event::ServiceAdded(_) | Event::ServiceRemoved);
         self.matches(change.service.as_str()) && (is_service || !self.services_only)
     }
@@ -127,6 +145,12 @@ impl Filter {
     /// Whether the client holds `route`: one of its parents is in the filter.
     fn wants(&self, route: &Route) -> bool {
         !self.services_only && route.parents.iter().any(|p| self.matches(&p.service))
+    }
+
+    /// Whether the client holds `policy`: mesh-wide, or of one of its namespaces.
+    fn wants_policy(&self, policy: &AuthorizationPolicy) -> bool {
+        let mesh_wide = policy.target.as_ref().is_some_and(|t| t.mesh_wide);
+        !self.services_only && (mesh_wide || self.policy_namespaces.contains(&policy.namespace))
     }
 
     /// The catalog's services this filter selects.
@@ -137,6 +161,23 @@ impl Filter {
             Box::new(self.services.iter().filter(|key| state.service(key.as_str()).is_some()))
         }
     }
+}
+
+/// The `policy_namespaces` of a request, each a namespace name.
+fn policy_namespaces(namespaces: &[String]) -> Result<BTreeSet<String>, InvalidField> {
+    if namespaces.len() > MAX_FILTER_POLICY_NAMESPACES {
+        let count = namespaces.len();
+        let reason = format!("{count} namespaces (at most {MAX_FILTER_POLICY_NAMESPACES})");
+        return Err(InvalidField::new("policy_namespaces", reason));
+    }
+    let check = |(i, namespace): (usize, &String)| {
+        aether_common::names::dns_label(namespace).map_err(|reason| {
+            let field = format!("policy_namespaces[{i}]");
+            InvalidField::new(&field, format!("{}: {reason}", aether_common::quote::quote(namespace)))
+        })?;
+        Ok(namespace.clone())
+    };
+    namespaces.iter().enumerate().map(check).collect()
 }
 
 /// Serves one Watch stream until the client leaves, sends bad input, or `shutdown`.
@@ -331,6 +372,13 @@ impl Watcher {
                             });
                         }
                     }
+                    // A put if the client wants the new version, else its removal.
+                    Event::Policy { new, .. } => {
+                        let wanted = new.as_deref().filter(|p| self.filter.wants_policy(p));
+                        changes.push(Change {
+                            change: Some(policy_change(c.service.as_str(), wanted)),
+                        });
+                    }
                     _ => changes.push(c.to_proto()),
                 }
             }
@@ -349,7 +397,11 @@ impl Watcher {
         version: Version,
         reason: SnapshotReason,
     ) -> Result<(), Gone> {
-        let Selection { services, routes } = selection;
+        let Selection {
+            services,
+            routes,
+            policies,
+        } = selection;
         self.catalog
             .metrics()
             .watch_snapshots
@@ -385,7 +437,21 @@ impl Watcher {
                 self.send(watch_response::Event::Snapshot(full)).await?;
             }
         }
-        if chunk.reset || !chunk.services.is_empty() || !chunk.endpoints.is_empty() || !chunk.routes.is_empty() {
+        for policy in policies {
+            chunk.policies.push(AuthorizationPolicy::clone(&policy));
+            if chunk.policies.len() >= SNAPSHOT_CHUNK_ENDPOINTS {
+                let next = Snapshot {
+                    reason: reason as i32,
+                    ..Default::default()
+                };
+                let full = std::mem::replace(&mut chunk, next);
+                self.send(watch_response::Event::Snapshot(full)).await?;
+            }
+        }
+        let holds = |c: &Snapshot| {
+            !(c.services.is_empty() && c.endpoints.is_empty() && c.routes.is_empty() && c.policies.is_empty())
+        };
+        if chunk.reset || holds(&chunk) {
             self.send(watch_response::Event::Snapshot(chunk)).await?;
         }
         self.processed = version.seq;
@@ -465,6 +531,7 @@ impl Watcher {
                     });
                 }
             }
+            changes.extend(self.policies_changed_by(&filter, &state));
             (pending, delta(state.version(), changes, filter.id))
         };
         self.send_batches(&pending).await?;
@@ -476,12 +543,30 @@ impl Watcher {
     }
 }
 
-/// The services a filter selects, with their endpoints, and the routes it wants:
-/// shared, so reading it under the lock is cheap; wire messages are built after the
-/// lock is released.
+impl Watcher {
+    /// The policies the client gains or loses when its filter becomes `filter`.
+    fn policies_changed_by(&self, filter: &Filter, state: &State) -> Vec<Change> {
+        let mut changes = Vec::new();
+        for policy in state.policies() {
+            let (had, has) = (self.filter.wants_policy(policy), filter.wants_policy(policy));
+            if had != has {
+                let key = aether_proto::view::policy_key(policy);
+                changes.push(Change {
+                    change: Some(policy_change(&key, Some(&**policy).filter(|_| has))),
+                });
+            }
+        }
+        changes
+    }
+}
+
+/// The services a filter selects, with their endpoints, and the routes and policies it
+/// wants: shared, so reading it under the lock is cheap; wire messages are built after
+/// the lock is released.
 struct Selection {
     services: Vec<(Service, Vec<Arc<Endpoint>>)>,
     routes: Vec<Arc<Route>>,
+    policies: Vec<Arc<AuthorizationPolicy>>,
 }
 
 fn collect(state: &State, filter: &Filter) -> Selection {
@@ -499,7 +584,12 @@ fn collect(state: &State, filter: &Filter) -> Selection {
         .collect();
     services.sort_by(|a, b| (&a.0.namespace, &a.0.name).cmp(&(&b.0.namespace, &b.0.name)));
     let routes = state.routes().filter(|r| filter.wants(r)).cloned().collect();
-    Selection { services, routes }
+    let policies = state.policies().filter(|p| filter.wants_policy(p)).cloned().collect();
+    Selection {
+        services,
+        routes,
+        policies,
+    }
 }
 
 fn delta(version: Version, changes: Vec<Change>, filter_id: u64) -> watch_response::Event {

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_proto::registry::v1::{Endpoint, Route, RouteBackend, RouteKind, RouteParent, RouteRule, Service};
-use aether_proto::view::route_key;
+use aether_proto::view::{policy_key, route_key};
 use aether_registrar::model::ServiceKey;
 use aether_registrar::store::dynamodb::{DynamoConfig, DynamoStore};
 use aether_registrar::store::{Contents, Feed, FeedEvent, Store, StoreError, StoreOp, StoreSettings};
@@ -795,6 +795,86 @@ async fn routes_are_put_replaced_and_deleted_durably_and_each_sync_shows_them() 
         "the sync that lost the route is at {}",
         contents.revision
     );
+}
+
+// ------------------------------------------------------------- policies
+
+fn put_policy(name: &str, generation: i64) -> StoreOp {
+    StoreOp::PutPolicy(Arc::new(support::policy("ns", name, generation, false)))
+}
+
+/// Each stored policy as `key generation @revision`.
+fn policies_of(contents: &Contents) -> Vec<String> {
+    let mut policies: Vec<String> = (contents.policies.iter())
+        .map(|p| format!("{} {} @{}", policy_key(&p.value), p.value.generation, p.revision))
+        .collect();
+    policies.sort();
+    policies
+}
+
+/// Reads the feed until a sync shows exactly `expected` policies.
+async fn synced_policies(feed: &mut Feed, expected: &[String]) {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let event = tokio::time::timeout_at(deadline.into(), feed.next())
+            .await
+            .unwrap_or_else(|_| panic!("no sync showed the policies {expected:?} in time"))
+            .expect("feeds never end");
+        if let FeedEvent::Resync(contents) = event
+            && policies_of(&contents) == expected
+        {
+            return;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_are_put_replaced_and_deleted_durably_and_each_sync_shows_them() {
+    let moto = Moto::start().await;
+    let sync = Duration::from_millis(200);
+    let a = DynamoStore::connect(moto.config(sync)).await.unwrap();
+    let b = DynamoStore::connect(moto.config(sync)).await.unwrap();
+    let mut feed = b.feed(b.load().await.unwrap().revision);
+    let reopened = || async { DynamoStore::connect(moto.config(sync)).await.unwrap() };
+
+    let r1 = a
+        .commit(vec![put_policy("deny", 1), put_policy("allow", 1)])
+        .await
+        .unwrap();
+    synced_policies(&mut feed, &[format!("ns/allow 1 @{r1}"), format!("ns/deny 1 @{r1}")]).await;
+    let r2 = a
+        .commit(vec![put_policy("deny", 2), StoreOp::DeletePolicy("ns/allow".into())])
+        .await
+        .unwrap();
+    a.commit(vec![StoreOp::DeletePolicy("ns/never-stored".into())])
+        .await
+        .expect("deleting an absent policy succeeds");
+    let left = [format!("ns/deny 2 @{r2}")];
+    assert_eq!(policies_of(&reopened().await.load().await.unwrap()), left);
+    synced_policies(&mut feed, &left).await;
+
+    // Stored as its own item, policy#<ns>/<name> / policy; a policy under another
+    // policy's key is reported, not served (it could never be deleted by its key).
+    let raw = raw_client(&moto);
+    let get = raw.get_item().table_name(&moto.table);
+    let get = get.key("PK", AttributeValue::S("policy#ns/deny".into()));
+    let stored = get.key("SK", AttributeValue::S("policy".into())).send().await.unwrap();
+    let mut misplaced = stored.item.expect("policies are stored as policy#<key> / policy");
+    misplaced.insert("PK".into(), AttributeValue::S("policy#ns/elsewhere".into()));
+    raw.put_item()
+        .table_name(&moto.table)
+        .set_item(Some(misplaced))
+        .send()
+        .await
+        .unwrap();
+    let contents = a.load().await.unwrap();
+    assert_eq!(policies_of(&contents), left);
+    let unreadable: Vec<_> = contents
+        .unreadable
+        .iter()
+        .map(|u| (u.key.as_str(), u.reason.as_str()))
+        .collect();
+    assert_eq!(unreadable, [("policy#ns/elsewhere/policy", "holds policy \"ns/deny\"")]);
 }
 
 /// A client of moto's table that bypasses the store.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aether_proto::registry::v1::{Endpoint, Route, RouteBackend, RouteKind, RouteParent, RouteRule, Service};
-use aether_proto::view::route_key;
+use aether_proto::view::{policy_key, route_key};
 use aether_registrar::catalog::{Catalog, CatalogConfig, Event};
 use aether_registrar::config::{
     ETCD_CA_FILE_ENV, ETCD_CERT_FILE_ENV, ETCD_KEY_FILE_ENV, ETCD_PASSWORD_ENV, ETCD_USERNAME_ENV,
@@ -227,6 +227,8 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
             StoreOp::CreateService(svc("b", "240.240.0.11")),
             put_route("gone", "ns/a", 1),
             put_route("kept", "ns/a", 1),
+            put_policy("gone", 1),
+            put_policy("kept", 1),
         ])
         .await
         .unwrap();
@@ -249,9 +251,11 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
         [
             "+endpoint ns/a/10.0.0.3",
             "+endpoint ns/c/10.0.1.1",
+            "+policy ns/kept 2",
             "+route http/ns/kept via ns/a",
             "+service ns/c 240.240.0.12",
             "-endpoint ns/a/10.0.0.1",
+            "-policy ns/gone",
             "-route http/ns/gone via ns/a",
             "-service ns/b",
         ],
@@ -272,6 +276,8 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
         assert_eq!(state.service("ns/c").unwrap().service.vip, "240.240.0.12");
         let routes: Vec<(String, i64)> = state.routes().map(|r| (route_key(r), r.generation)).collect();
         assert_eq!(routes, [("http/ns/kept".to_owned(), 2)]);
+        let policies: Vec<(String, i64)> = state.policies().map(|p| (policy_key(p), p.generation)).collect();
+        assert_eq!(policies, [("ns/kept".to_owned(), 2)]);
     }
     // The watch continues after the resync.
     other
@@ -391,7 +397,7 @@ async fn catalog_with_a_gated_feed(
 }
 
 /// From `other`, in five commits: ns/a loses 10.0.0.1 and gains 10.0.0.3, ns/b goes, ns/c comes with
-/// 10.0.1.1, route gone goes and route kept gets generation 2.
+/// 10.0.1.1, route and policy gone go, route and policy kept get generation 2.
 async fn change_a_b_and_c(other: &EtcdStore) {
     let key = |k: &str| aether_registrar::model::ServiceKey::parse("s", k).unwrap();
     let commits = [
@@ -411,6 +417,8 @@ async fn change_a_b_and_c(other: &EtcdStore) {
         vec![
             StoreOp::DeleteRoute("http/ns/gone".into()),
             put_route("kept", "ns/a", 2),
+            StoreOp::DeletePolicy("ns/gone".into()),
+            put_policy("kept", 2),
         ],
     ];
     for ops in commits {
@@ -431,6 +439,8 @@ fn described(batch: &aether_registrar::catalog::Batch) -> Vec<String> {
             Event::EndpointRemoved(a) => format!("-endpoint {}/{a}", c.service),
             Event::Route { key, route: Some(_) } => format!("+route {key} via {}", c.service),
             Event::Route { key, route: None } => format!("-route {key} via {}", c.service),
+            Event::Policy { new: Some(p), .. } => format!("+policy {} {}", c.service, p.generation),
+            Event::Policy { new: None, .. } => format!("-policy {}", c.service),
         })
         .collect();
     seen.sort();
@@ -751,6 +761,10 @@ fn put_route(name: &str, parent: &str, generation: i64) -> StoreOp {
     StoreOp::PutRoute(Arc::new(route(name, parent, generation)))
 }
 
+fn put_policy(name: &str, generation: i64) -> StoreOp {
+    StoreOp::PutPolicy(Arc::new(support::policy("ns", name, generation, false)))
+}
+
 /// Each stored route as `key generation @revision`.
 fn routes_of(contents: &Contents) -> Vec<String> {
     let mut routes: Vec<String> = contents
@@ -834,6 +848,57 @@ async fn routes_are_put_replaced_and_deleted_durably_and_reach_another_replicas_
         .await
         .unwrap();
     assert_eq!(stored.kvs()[0].lease(), 0, "a route is attached to a lease");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_are_put_replaced_and_deleted_durably_and_reach_another_replicas_feed() {
+    let etcd = Etcd::start().await;
+    let a = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    let b = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    let mut feed = b.feed(b.load().await.unwrap().revision);
+    let r1 = a
+        .commit(vec![put_policy("deny", 1), put_policy("allow", 1)])
+        .await
+        .unwrap();
+    let r2 = a.commit(vec![put_policy("deny", 2)]).await.unwrap();
+    let r3 = a.commit(vec![StoreOp::DeletePolicy("ns/allow".into())]).await.unwrap();
+    a.commit(vec![StoreOp::DeletePolicy("ns/never-stored".into())])
+        .await
+        .expect("deleting an absent policy succeeds");
+    let reopened = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    let stored: Vec<String> = (reopened.load().await.unwrap().policies.iter())
+        .map(|p| format!("{} {} @{}", policy_key(&p.value), p.value.generation, p.revision))
+        .collect();
+    assert_eq!(stored, [format!("ns/deny 2 @{r2}")]);
+    let mut seen = Vec::new();
+    while seen.len() < 4 {
+        let event = tokio::time::timeout(support::TIMEOUT, feed.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let FeedEvent::Changes { changes, .. } = event else {
+            panic!("expected changes, got {event:?}");
+        };
+        for change in changes {
+            seen.push(match change.kind {
+                FeedChangeKind::PolicyPut(p) => format!("@{} +{} {}", change.revision, policy_key(&p), p.generation),
+                FeedChangeKind::PolicyDeleted { key } => format!("@{} -{key}", change.revision),
+                other => panic!("only policies were written, got {other:?}"),
+            });
+        }
+    }
+    seen.sort();
+    let mut expected = [
+        format!("@{r1} +ns/allow 1"),
+        format!("@{r1} +ns/deny 1"),
+        format!("@{r2} +ns/deny 2"),
+        format!("@{r3} -ns/allow"),
+    ];
+    expected.sort();
+    assert_eq!(seen, expected);
+    let key = format!("{}/policies/ns/deny", etcd.prefix);
+    let kv = etcd.client().await.get(key, None).await.unwrap();
+    assert_eq!(kv.kvs()[0].lease(), 0, "a policy is attached to a lease");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

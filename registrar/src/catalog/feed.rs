@@ -9,13 +9,13 @@ use std::time::Instant;
 use aether_common::quote::quote;
 use std::sync::Arc;
 
-use aether_proto::registry::v1::{Endpoint, Route, Service};
-use aether_proto::view::route_key;
+use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Route, Service};
+use aether_proto::view::{policy_key, route_key};
 
 use super::revisions::RecordKey;
 use super::state::{KeyedChange, State};
 use super::writer::Writer;
-use crate::model::{ServiceKey, parse_address, validate_endpoint, validate_route};
+use crate::model::{ServiceKey, parse_address, validate_endpoint, validate_policy, validate_route};
 use crate::store::{Conflict, Contents, FeedChangeKind, FeedEvent, Revision, UnreadableRecord};
 
 /// A change to apply, with the store revision it was made at (`None`: apply anyway).
@@ -67,6 +67,12 @@ impl Writer {
                 .into_iter()
                 .map(|r| (Some(r.revision), FeedChangeKind::RoutePut(r.value))),
         );
+        changes.extend(
+            contents
+                .policies
+                .into_iter()
+                .map(|p| (Some(p.revision), FeedChangeKind::PolicyPut(p.value))),
+        );
         for record in contents.unreadable {
             changes.push((None, FeedChangeKind::Unreadable(record)));
         }
@@ -109,6 +115,7 @@ impl Writer {
             }
         }
         changes.extend(self.vanished_routes(contents, &mut forgotten));
+        changes.extend(self.vanished_policies(contents, &mut forgotten));
         for key in forgotten {
             self.revisions.forget(&key);
         }
@@ -125,6 +132,21 @@ impl Writer {
             if !stored.contains(key) && self.revisions.gone_at(&record, contents.revision) {
                 forgotten.push(record);
                 changes.push((None, FeedChangeKind::RouteDeleted { key: key.clone() }));
+            }
+        }
+        changes
+    }
+
+    /// Deletions of the policies memory holds but the snapshot `contents` shows gone.
+    fn vanished_policies(&self, contents: &Contents, forgotten: &mut Vec<RecordKey>) -> Vec<RemoteChange> {
+        let stored: HashSet<String> = contents.policies.iter().map(|p| policy_key(&p.value)).collect();
+        let state = self.state.read();
+        let mut changes = Vec::new();
+        for key in state.policies.keys() {
+            let record = RecordKey::Policy(key.clone());
+            if !stored.contains(key) && self.revisions.gone_at(&record, contents.revision) {
+                forgotten.push(record);
+                changes.push((None, FeedChangeKind::PolicyDeleted { key: key.clone() }));
             }
         }
         changes
@@ -170,6 +192,10 @@ impl Writer {
                 }
                 FeedChangeKind::RoutePut(route) => self.remote_route_put(&mut state, route, revision, &mut out),
                 FeedChangeKind::RouteDeleted { key } => self.remote_route_deleted(&mut state, key, revision, &mut out),
+                FeedChangeKind::PolicyPut(policy) => self.remote_policy_put(&mut state, policy, revision, &mut out),
+                FeedChangeKind::PolicyDeleted { key } => {
+                    self.remote_policy_deleted(&mut state, key, revision, &mut out)
+                }
                 FeedChangeKind::Unreadable(record) => self.skip_unreadable(record),
             }
         }
@@ -319,6 +345,43 @@ impl Writer {
             self.revisions.add_tombstone(revision, record);
         }
         state.put_route(key, None, out);
+    }
+
+    fn remote_policy_put(
+        &mut self,
+        state: &mut State,
+        policy: AuthorizationPolicy,
+        revision: Option<Revision>,
+        out: &mut Vec<KeyedChange>,
+    ) {
+        match validate_policy(policy) {
+            Ok((key, policy)) => {
+                if self.revisions.newer(&RecordKey::Policy(key.clone()), revision) {
+                    state.put_policy(key, Some(Arc::new(policy)), out);
+                }
+            }
+            Err((key, error)) => {
+                self.metrics.feed_unusable.inc();
+                tracing::error!(policy = %quote(&key), %error, "skipping an unusable authorization policy from the store feed");
+            }
+        }
+    }
+
+    fn remote_policy_deleted(
+        &mut self,
+        state: &mut State,
+        key: String,
+        revision: Option<Revision>,
+        out: &mut Vec<KeyedChange>,
+    ) {
+        let record = RecordKey::Policy(key.clone());
+        if !self.revisions.newer(&record, revision) {
+            return;
+        }
+        if let Some(revision) = revision {
+            self.revisions.add_tombstone(revision, record);
+        }
+        state.put_policy(key, None, out);
     }
 
     fn skip_unreadable(&self, record: UnreadableRecord) {

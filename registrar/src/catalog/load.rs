@@ -8,12 +8,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{Endpoint, Route, Service};
+use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Route, Service};
 
 use super::revisions::RecordKey;
-use super::state::Entry;
+use super::state::{ConfigRecords, Entry};
 use crate::metrics::Metrics;
-use crate::model::{InvalidField, ServiceKey, parse_address, validate_endpoint, validate_route};
+use crate::model::{InvalidField, ServiceKey, parse_address, validate_endpoint, validate_policy, validate_route};
 use crate::store::{Contents, Revision, Stored, UnreadableRecord};
 use crate::vip::VipAllocator;
 
@@ -32,7 +32,7 @@ pub(super) struct Loaded {
     pub(super) services: BTreeMap<ServiceKey, Entry>,
     pub(super) vips: HashMap<IpAddr, ServiceKey>,
     pub(super) endpoint_count: usize,
-    pub(super) routes: BTreeMap<String, Arc<Route>>,
+    pub(super) records: ConfigRecords,
     pub(super) revs: HashMap<RecordKey, Revision>,
     pub(super) unreadable: Vec<UnreadableRecord>,
 }
@@ -53,6 +53,9 @@ impl Loaded {
         }
         for stored in contents.routes {
             loaded.add_route(stored);
+        }
+        for stored in contents.policies {
+            loaded.add_policy(stored);
         }
         loaded
     }
@@ -126,10 +129,23 @@ impl Loaded {
         match validate_route(stored.value) {
             Ok((key, route)) => {
                 self.revs.insert(RecordKey::Route(key.clone()), stored.revision);
-                self.routes.insert(key, Arc::new(route));
+                self.records.routes.insert(key, Arc::new(route));
             }
             Err((key, error)) => self.unreadable.push(UnreadableRecord {
                 key: format!("routes/{key}"),
+                reason: error.to_string(),
+            }),
+        }
+    }
+
+    fn add_policy(&mut self, stored: Stored<AuthorizationPolicy>) {
+        match validate_policy(stored.value) {
+            Ok((key, policy)) => {
+                self.revs.insert(RecordKey::Policy(key.clone()), stored.revision);
+                self.records.policies.insert(key, Arc::new(policy));
+            }
+            Err((key, error)) => self.unreadable.push(UnreadableRecord {
+                key: format!("policies/{key}"),
                 reason: error.to_string(),
             }),
         }

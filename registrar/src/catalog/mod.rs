@@ -34,12 +34,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aether_proto::registrar::v1::Version;
-use aether_proto::registry::v1::{KubernetesService, Route, Service};
+use aether_proto::registry::v1::{AuthorizationPolicy, KubernetesService, Route, Service};
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
 use self::load::Loaded;
-pub use self::state::{Batch, Entry, Event, KeyedChange, State, route_change};
+pub use self::state::{Batch, Entry, Event, KeyedChange, State, policy_change, route_change};
 use self::writer::Write;
 pub use self::writer::Writer;
 use crate::metrics::Metrics;
@@ -103,7 +103,7 @@ impl Catalog {
             loaded.services,
             loaded.vips,
             loaded.endpoint_count,
-            loaded.routes,
+            loaded.records,
             config.history_changes,
             config.watch_buffer,
         )));
@@ -195,6 +195,19 @@ impl Catalog {
         }
         let (reply, response) = oneshot::channel();
         self.submit(Write::Routes { desired, reply }).await?;
+        response.await.map_err(|_| shutting_down())?
+    }
+
+    /// Makes the catalog's authorization policies exactly `desired` (keyed by policy
+    /// key), as one versioned batch; what is unchanged is not written.
+    pub async fn set_policies(&self, desired: BTreeMap<String, AuthorizationPolicy>) -> Result<Version, Status> {
+        if self.read_only {
+            return Err(Status::failed_precondition(
+                "this registrar's store is read-only: its policies come from the store itself",
+            ));
+        }
+        let (reply, response) = oneshot::channel();
+        self.submit(Write::Policies { desired, reply }).await?;
         response.await.map_err(|_| shutting_down())?
     }
 

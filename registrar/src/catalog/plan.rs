@@ -7,10 +7,10 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 
-use aether_proto::registry::v1::{Endpoint, KubernetesService, Route, Service};
+use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, KubernetesService, Route, Service};
 use tonic::Status;
 
-use super::state::{Event, KeyedChange, State, route_changes};
+use super::state::{Event, KeyedChange, State, policy_changes, route_changes};
 use crate::model::{ServiceKey, ValidEndpoint};
 use crate::store::StoreOp;
 use crate::vip::VipAllocator;
@@ -26,6 +26,8 @@ pub(super) struct Plan {
     pub(super) updated_services: Vec<(ServiceKey, Service)>,
     /// Routes to put (`Some`) or delete, by key.
     pub(super) routes: Vec<(String, Option<Arc<Route>>)>,
+    /// Policies to put (`Some`) or delete, by key.
+    pub(super) policies: Vec<(String, Option<Arc<AuthorizationPolicy>>)>,
     pub(super) ops: Vec<StoreOp>,
     pub(super) changes: Vec<KeyedChange>,
 }
@@ -159,6 +161,30 @@ impl Plan {
             self.ops.push(StoreOp::UpdateService(service.clone()));
             self.change(key, Event::ServiceAdded(service.clone()));
             self.updated_services.push((key.clone(), service));
+        }
+    }
+}
+
+impl Plan {
+    /// Makes the stored policies exactly `desired` (a policy source's whole set).
+    pub(super) fn set_policies(&mut self, state: &State, desired: BTreeMap<String, AuthorizationPolicy>) {
+        for (key, old) in &state.policies {
+            if !desired.contains_key(key) {
+                self.ops.push(StoreOp::DeletePolicy(key.clone()));
+                self.changes.push(policy_changes(key, Some(old.clone()), None));
+                self.policies.push((key.clone(), None));
+            }
+        }
+        for (key, policy) in desired {
+            let old = state.policies.get(&key);
+            if old.is_some_and(|old| **old == policy) {
+                continue;
+            }
+            let policy = Arc::new(policy);
+            self.ops.push(StoreOp::PutPolicy(policy.clone()));
+            self.changes
+                .push(policy_changes(&key, old.cloned(), Some(policy.clone())));
+            self.policies.push((key, Some(policy)));
         }
     }
 }

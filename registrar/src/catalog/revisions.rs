@@ -26,6 +26,8 @@ pub(super) enum RecordKey {
     Endpoint(ServiceKey, IpAddr),
     /// A route, by its key `<kind>/<namespace>/<name>`.
     Route(String),
+    /// An authorization policy, by its key `<namespace>/<name>`.
+    Policy(String),
 }
 
 impl RecordKey {
@@ -48,6 +50,8 @@ impl RecordKey {
             StoreOp::ForgetNode(_) => None,
             StoreOp::PutRoute(route) => Some(RecordKey::Route(aether_proto::view::route_key(route))),
             StoreOp::DeleteRoute(key) => Some(RecordKey::Route(key.clone())),
+            StoreOp::PutPolicy(policy) => Some(RecordKey::Policy(aether_proto::view::policy_key(policy))),
+            StoreOp::DeletePolicy(key) => Some(RecordKey::Policy(key.clone())),
         }
     }
 }
@@ -55,7 +59,10 @@ impl RecordKey {
 pub(super) fn is_delete(op: &StoreOp) -> bool {
     matches!(
         op,
-        StoreOp::DeleteService { .. } | StoreOp::DeleteEndpoint { .. } | StoreOp::DeleteRoute(_)
+        StoreOp::DeleteService { .. }
+            | StoreOp::DeleteEndpoint { .. }
+            | StoreOp::DeleteRoute(_)
+            | StoreOp::DeletePolicy(_)
     )
 }
 

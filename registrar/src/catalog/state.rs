@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use aether_proto::registrar::v1::{Change, EndpointRef, Version, change};
-use aether_proto::registry::v1::{Endpoint, KubernetesService, Route, Service};
+use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, KubernetesService, Route, Service};
 use tokio::sync::broadcast;
 
 use super::plan::Plan;
@@ -25,7 +25,9 @@ pub struct Batch {
 /// A committed change to one service. Endpoint data is shared with the catalog and
 /// the history (not copied), and turned into its wire form only when sent. A route
 /// change is published once per parent it had or has, so filtering by service finds
-/// every watcher that holds or now wants it (watchers send it once per batch).
+/// every watcher that holds or now wants it (watchers send it once per batch). A
+/// policy change is published once, under the policy's own key (`<ns>/<name>`, the
+/// same shape): watchers select it by namespace, not by service.
 #[derive(Clone, Debug)]
 pub struct KeyedChange {
     pub service: ServiceKey,
@@ -44,6 +46,12 @@ pub enum Event {
         key: Arc<str>,
         route: Option<Arc<Route>>,
     },
+    /// A policy went from `old` to `new` (`None`: absent). Both are carried so a
+    /// watcher that held the old version learns it is gone for it.
+    Policy {
+        old: Option<Arc<AuthorizationPolicy>>,
+        new: Option<Arc<AuthorizationPolicy>>,
+    },
 }
 
 impl KeyedChange {
@@ -58,6 +66,7 @@ impl KeyedChange {
                 address: address.to_string(),
             }),
             Event::Route { key, route } => route_change(key, route.as_deref()),
+            Event::Policy { new, .. } => policy_change(self.service.as_str(), new.as_deref()),
         };
         Change { change: Some(change) }
     }
@@ -68,6 +77,14 @@ pub fn route_change(key: &str, route: Option<&Route>) -> change::Change {
     match route {
         Some(route) => change::Change::RoutePut(route.clone()),
         None => change::Change::RouteRemoved(key.to_owned()),
+    }
+}
+
+/// A policy put, or its removal when `policy` is `None`.
+pub fn policy_change(key: &str, policy: Option<&AuthorizationPolicy>) -> change::Change {
+    match policy {
+        Some(policy) => change::Change::PolicyPut(policy.clone()),
+        None => change::Change::PolicyRemoved(key.to_owned()),
     }
 }
 
@@ -87,6 +104,8 @@ pub struct State {
     pub(super) endpoint_count: usize,
     /// Projected routes by key (`<kind>/<namespace>/<name>`).
     pub(super) routes: BTreeMap<String, Arc<Route>>,
+    /// Projected authorization policies by key (`<namespace>/<name>`).
+    pub(super) policies: BTreeMap<String, Arc<AuthorizationPolicy>>,
     /// The Kubernetes Services' attributes as the cluster last gave them (see
     /// `Catalog::set_service_attributes`): not published, but a service created from
     /// now on starts with its own.
@@ -103,7 +122,7 @@ impl State {
         services: BTreeMap<ServiceKey, Entry>,
         vips: HashMap<IpAddr, ServiceKey>,
         endpoint_count: usize,
-        routes: BTreeMap<String, Arc<Route>>,
+        records: ConfigRecords,
         history_limit: usize,
         watch_buffer: usize,
     ) -> State {
@@ -114,7 +133,8 @@ impl State {
             services,
             vips,
             endpoint_count,
-            routes,
+            routes: records.routes,
+            policies: records.policies,
             kubernetes: BTreeMap::new(),
             history: VecDeque::new(),
             history_changes: 0,
@@ -170,6 +190,10 @@ impl State {
         self.routes.values()
     }
 
+    pub fn policies(&self) -> impl Iterator<Item = &Arc<AuthorizationPolicy>> {
+        self.policies.values()
+    }
+
     pub(super) fn apply(&mut self, plan: Plan) -> u64 {
         let now = Instant::now();
         for (key, service) in plan.new_services {
@@ -216,6 +240,12 @@ impl State {
             match route {
                 Some(route) => self.routes.insert(key, route),
                 None => self.routes.remove(&key),
+            };
+        }
+        for (key, policy) in plan.policies {
+            match policy {
+                Some(policy) => self.policies.insert(key, policy),
+                None => self.policies.remove(&key),
             };
         }
         self.publish(plan.changes)
@@ -334,12 +364,31 @@ impl State {
         };
     }
 
+    /// Puts (`Some`) or deletes a policy as another replica stored it.
+    pub(super) fn put_policy(
+        &mut self,
+        key: String,
+        policy: Option<Arc<AuthorizationPolicy>>,
+        out: &mut Vec<KeyedChange>,
+    ) {
+        let old = self.policies.get(&key).cloned();
+        if old == policy {
+            return;
+        }
+        out.push(policy_changes(&key, old, policy.clone()));
+        match policy {
+            Some(policy) => self.policies.insert(key, policy),
+            None => self.policies.remove(&key),
+        };
+    }
+
     /// Exports the catalog's version and size.
     pub(super) fn report(&self, metrics: &Metrics) {
         metrics.catalog_version.set(self.seq as i64);
         metrics.services.set(self.services.len() as i64);
         metrics.endpoints.set(self.endpoint_count as i64);
         metrics.routes.set(self.routes.len() as i64);
+        metrics.policies.set(self.policies.len() as i64);
     }
 
     pub(super) fn publish(&mut self, changes: Vec<KeyedChange>) -> u64 {
@@ -379,4 +428,23 @@ pub(super) fn route_changes(key: &str, old: Option<&Route>, new: Option<Arc<Rout
             },
         })
         .collect()
+}
+
+/// The change that publishes a policy going from `old` to `new`.
+pub(super) fn policy_changes(
+    key: &str,
+    old: Option<Arc<AuthorizationPolicy>>,
+    new: Option<Arc<AuthorizationPolicy>>,
+) -> KeyedChange {
+    KeyedChange {
+        service: ServiceKey::of_policy(key),
+        event: Event::Policy { old, new },
+    }
+}
+
+/// The configuration records a catalog starts with (routes and policies, by key).
+#[derive(Debug, Default)]
+pub(super) struct ConfigRecords {
+    pub(super) routes: BTreeMap<String, Arc<Route>>,
+    pub(super) policies: BTreeMap<String, Arc<AuthorizationPolicy>>,
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use aether_common::readiness::Gate;
 use aether_proto::registrar::v1::Version;
-use aether_proto::registry::v1::{KubernetesService, Route, Service};
+use aether_proto::registry::v1::{AuthorizationPolicy, KubernetesService, Route, Service};
 use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -50,6 +50,12 @@ pub(super) enum Write {
     /// Make the stored routes exactly these (a route source's whole set); planned alone.
     Routes {
         desired: BTreeMap<String, Route>,
+        reply: oneshot::Sender<Result<Version, Status>>,
+    },
+    /// Make the stored policies exactly these (a policy source's whole set); planned
+    /// alone.
+    Policies {
+        desired: BTreeMap<String, AuthorizationPolicy>,
         reply: oneshot::Sender<Result<Version, Status>>,
     },
     /// Give services their Kubernetes Services' attributes (the cluster's whole set);
@@ -94,6 +100,7 @@ struct Alone {
     reap: bool,
     expire: bool,
     routes: Vec<(BTreeMap<String, Route>, VersionReply)>,
+    policies: Vec<(BTreeMap<String, AuthorizationPolicy>, VersionReply)>,
     /// The last set of Service attributes (it replaces the earlier ones), and every
     /// caller to answer once it is applied.
     attributes: Option<BTreeMap<ServiceKey, KubernetesService>>,
@@ -117,6 +124,10 @@ impl Alone {
             }
             Write::Routes { desired, reply } => {
                 (alone.routes).push((std::mem::take(desired), std::mem::replace(reply, closed())));
+                false
+            }
+            Write::Policies { desired, reply } => {
+                (alone.policies).push((std::mem::take(desired), std::mem::replace(reply, closed())));
                 false
             }
             Write::ServiceAttributes { desired, reply } => {
@@ -155,7 +166,11 @@ impl Request {
                 owner,
                 reply,
             } => Some(Request::Unregister(service, address, owner, reply)),
-            Write::Routes { .. } | Write::ServiceAttributes { .. } | Write::Reap | Write::Expire => None,
+            Write::Routes { .. }
+            | Write::Policies { .. }
+            | Write::ServiceAttributes { .. }
+            | Write::Reap
+            | Write::Expire => None,
         }
     }
 
@@ -289,6 +304,7 @@ impl Writer {
             reap,
             expire,
             routes,
+            policies,
             attributes,
             attribute_replies,
         } = Alone::take(&mut group);
@@ -301,6 +317,9 @@ impl Writer {
         }
         for (desired, reply) in routes {
             let _ = reply.send(self.set_routes(desired).await);
+        }
+        for (desired, reply) in policies {
+            let _ = reply.send(self.set_policies(desired).await);
         }
         if !attribute_replies.is_empty() {
             let applied = self.set_service_attributes().await;
@@ -393,6 +412,17 @@ impl Writer {
             }
         }
         Err(Status::aborted("services kept changing under their attribute updates"))
+    }
+
+    /// Commits a policy source's whole set (policies never conflict either).
+    async fn set_policies(&mut self, desired: BTreeMap<String, AuthorizationPolicy>) -> Result<Version, Status> {
+        let mut plan = Plan::default();
+        plan.set_policies(&self.state.read(), desired);
+        match self.commit(plan).await {
+            Outcome::Done(version) => Ok(version),
+            Outcome::Refused(status) => Err(status),
+            Outcome::Conflict(conflict) => Err(Status::aborted(conflict.detail)),
+        }
     }
 
     async fn on_tick(&mut self) {

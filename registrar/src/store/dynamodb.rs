@@ -8,6 +8,7 @@
 //! | service | `svc#<ns>/<name>` | `svc` | `D` (Service), `REV`, `VIP` |
 //! | endpoint | `svc#<ns>/<name>` | `ep#<address>` | `D` (Endpoint), `REV`, `NODE` |
 //! | route | `route#<kind>/<ns>/<name>` | `route` | `D` (Route), `REV` |
+//! | policy | `policy#<ns>/<name>` | `policy` | `D` (AuthorizationPolicy), `REV` |
 //! | VIP index | `vip#<ip>` | `vip` | `SVC` (owner key) |
 //! | revision counter | `meta` | `revision` | `REV` |
 //! | schema | `meta` | `schema` | `V` |
@@ -16,17 +17,18 @@
 //! Access patterns: a service and its endpoints share a partition, so deleting a
 //! service is one Query; VIP uniqueness is a conditional put on its `vip#` item; the
 //! whole catalog is a consistent paginated Scan; node liveness is one Query on `nodes`.
-//! A route is its own partition: it names services but belongs to none of them.
+//! A route is its own partition: it names services but belongs to none of them; so is
+//! an authorization policy.
 //!
 //! # Revisions
 //! `commit` reserves a revision from the counter (`ADD REV 1`), then writes every item
-//! of the batch with `REV = r` in `TransactWriteItems`, each endpoint and route write
+//! of the batch with `REV = r` in `TransactWriteItems`, each endpoint, route and policy write
 //! conditioned on `REV < r` so a write that reserved earlier but landed later never
 //! overwrites a newer one (it is retried with a fresh revision). Service creation is
 //! conditioned on `attribute_not_exists(PK)` for the service and its VIP; endpoint puts
 //! on their service existing. A service update is conditioned on the service existing
-//! with the same `VIP` and an older revision. Routes have no condition beyond the
-//! revision's.
+//! with the same `VIP` and an older revision. Routes and policies have no condition
+//! beyond the revision's.
 //!
 //! # Sync
 //! DynamoDB has no watch, so the feed is a periodic full scan (`--dynamodb-sync-interval`)
@@ -45,8 +47,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{Endpoint, Route, Service};
-use aether_proto::view::route_key;
+use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Route, Service};
+use aether_proto::view::{policy_key, route_key};
 use async_trait::async_trait;
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::config::http::HttpResponse;
@@ -235,6 +237,10 @@ fn route_pk(key: &str) -> String {
     format!("route#{key}")
 }
 
+fn policy_pk(key: &str) -> String {
+    format!("policy#{key}")
+}
+
 fn vip_pk(vip: &str) -> String {
     format!("vip#{vip}")
 }
@@ -248,6 +254,7 @@ const COUNTER_SK: &str = "revision";
 const SCHEMA_SK: &str = "schema";
 const NODES_PK: &str = "nodes";
 const ROUTE_SK: &str = "route";
+const POLICY_SK: &str = "policy";
 
 fn text<'a>(item: &'a HashMap<String, AttributeValue>, name: &str) -> Option<&'a str> {
     item.get(name).and_then(|v| v.as_s().ok()).map(String::as_str)
@@ -258,13 +265,17 @@ fn number(item: &HashMap<String, AttributeValue>, name: &str) -> Option<i64> {
 }
 
 /// Adds a scanned item to `contents` when it is a catalog record (a service, endpoint
-/// or route); one that cannot be read is returned, for `Contents::unreadable`.
+/// route or policy); one that cannot be read is returned, for `Contents::unreadable`.
 fn read_item(item: &HashMap<String, AttributeValue>, contents: &mut Contents) -> Result<(), UnreadableRecord> {
     let (Some(pk), Some(sk)) = (text(item, PK), text(item, SK)) else {
         return Ok(());
     };
-    let (service_key, route) = (pk.strip_prefix("svc#"), pk.strip_prefix("route#"));
-    if service_key.is_none() && route.is_none() {
+    let (service_key, route, policy) = (
+        pk.strip_prefix("svc#"),
+        pk.strip_prefix("route#"),
+        pk.strip_prefix("policy#"),
+    );
+    if service_key.is_none() && route.is_none() && policy.is_none() {
         return Ok(());
     }
     let unreadable = |reason: String| UnreadableRecord {
@@ -276,7 +287,14 @@ fn read_item(item: &HashMap<String, AttributeValue>, contents: &mut Contents) ->
         Some(blob) => blob.as_ref(),
         None => return Err(unreadable(format!("no binary {DATA} attribute"))),
     };
-    if let Some(key) = route.filter(|_| sk == ROUTE_SK) {
+    if let Some(key) = policy.filter(|_| sk == POLICY_SK) {
+        let value = AuthorizationPolicy::decode(bytes)
+            .map_err(|e| unreadable(format!("not an AuthorizationPolicy protobuf: {e}")))?;
+        if policy_key(&value) != key {
+            return Err(unreadable(format!("holds policy {}", quote(&policy_key(&value)))));
+        }
+        contents.policies.push(Stored { value, revision });
+    } else if let Some(key) = route.filter(|_| sk == ROUTE_SK) {
         let value = Route::decode(bytes).map_err(|e| unreadable(format!("not a Route protobuf: {e}")))?;
         // A route under another route's key could never be deleted by its own key.
         if route_key(&value) != key {
@@ -794,11 +812,14 @@ impl Inner {
             let item = self.write_revisioned(key(service_pk(service), endpoint_sk(address)), attributes, &rev)?;
             actions.push((Action::Revisioned, item));
         }
-        for (route, value) in &batch.routes {
-            let attributes = value
-                .as_deref()
-                .map(|r| HashMap::from([(DATA.to_owned(), AttributeValue::B(Blob::new(r.encode_to_vec())))]));
-            let item = self.write_revisioned(key(route_pk(route), ROUTE_SK), attributes, &rev)?;
+        // Configuration records: their protobuf, or `None` to delete them.
+        let routes =
+            (batch.routes.iter()).map(|(k, r)| (route_pk(k), ROUTE_SK, r.as_deref().map(Message::encode_to_vec)));
+        let policies =
+            (batch.policies.iter()).map(|(k, p)| (policy_pk(k), POLICY_SK, p.as_deref().map(Message::encode_to_vec)));
+        for (pk, sk, data) in routes.chain(policies) {
+            let attributes = data.map(|d| HashMap::from([(DATA.to_owned(), AttributeValue::B(Blob::new(d)))]));
+            let item = self.write_revisioned(key(pk, sk), attributes, &rev)?;
             actions.push((Action::Revisioned, item));
         }
         for (service, vip) in &batch.deleted_services {
@@ -1185,6 +1206,8 @@ struct Batch {
     endpoints: BTreeMap<(String, String), Option<Arc<Endpoint>>>,
     /// route key → the route, or `None` to delete it.
     routes: BTreeMap<String, Option<Arc<Route>>>,
+    /// policy key → the policy, or `None` to delete it.
+    policies: BTreeMap<String, Option<Arc<AuthorizationPolicy>>>,
     /// Services written into but not created by this batch: they must exist.
     must_exist: BTreeSet<String>,
     live_nodes: BTreeSet<String>,
@@ -1224,6 +1247,12 @@ impl Batch {
                 StoreOp::DeleteRoute(key) => {
                     batch.routes.insert(key, None);
                 }
+                StoreOp::PutPolicy(policy) => {
+                    batch.policies.insert(policy_key(&policy), Some(policy));
+                }
+                StoreOp::DeletePolicy(key) => {
+                    batch.policies.insert(key, None);
+                }
             }
         }
         let created: BTreeSet<String> = batch
@@ -1262,6 +1291,7 @@ impl Batch {
             && self.deleted_services.is_empty()
             && self.endpoints.is_empty()
             && self.routes.is_empty()
+            && self.policies.is_empty()
             && self.forgotten_nodes.is_empty()
     }
 }

@@ -5,6 +5,8 @@
 //! - `services`: `<ns>/<name>` → `aether.registry.v1.Service`
 //! - `vips`: VIP text → service key (the uniqueness index for VIPs)
 //! - `endpoints`: `<ns>/<name>/<address>` → `aether.registry.v1.Endpoint`
+//! - `routes`: `<kind>/<ns>/<name>` → `aether.registry.v1.Route`
+//! - `policies`: `<ns>/<name>` → `aether.registry.v1.AuthorizationPolicy`
 //! - `meta`: `schema` → format version, `revision` → revision of the last commit
 //!
 //! No other replica writes here, so the feed is empty; node liveness (for the
@@ -17,8 +19,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use aether_proto::registry::v1::{Endpoint, Route, Service};
-use aether_proto::view::route_key;
+use aether_proto::registry::v1::{Endpoint, Service};
+use aether_proto::view::{policy_key, route_key};
 use async_trait::async_trait;
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
@@ -33,6 +35,7 @@ const SERVICES: TableDefinition<&str, &[u8]> = TableDefinition::new("services");
 const VIPS: TableDefinition<&str, &str> = TableDefinition::new("vips");
 const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
 const ROUTES: TableDefinition<&str, &[u8]> = TableDefinition::new("routes");
+const POLICIES: TableDefinition<&str, &[u8]> = TableDefinition::new("policies");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const SCHEMA_VERSION: u64 = 1;
 
@@ -94,6 +97,7 @@ impl EmbeddedStore {
             txn.open_table(VIPS).map_err(|e| self.unavailable(e))?;
             txn.open_table(ENDPOINTS).map_err(|e| self.unavailable(e))?;
             txn.open_table(ROUTES).map_err(|e| self.unavailable(e))?;
+            txn.open_table(POLICIES).map_err(|e| self.unavailable(e))?;
         }
         txn.commit().map_err(|e| self.unavailable(e))
     }
@@ -133,6 +137,7 @@ struct Tables<'txn> {
     vips: redb::Table<'txn, &'static str, &'static str>,
     endpoints: redb::Table<'txn, &'static str, &'static [u8]>,
     routes: redb::Table<'txn, &'static str, &'static [u8]>,
+    policies: redb::Table<'txn, &'static str, &'static [u8]>,
     meta: redb::Table<'txn, &'static str, u64>,
 }
 
@@ -143,6 +148,7 @@ impl<'txn> Tables<'txn> {
             vips: txn.open_table(VIPS).map_err(|e| fail(&e))?,
             endpoints: txn.open_table(ENDPOINTS).map_err(|e| fail(&e))?,
             routes: txn.open_table(ROUTES).map_err(|e| fail(&e))?,
+            policies: txn.open_table(POLICIES).map_err(|e| fail(&e))?,
             meta: txn.open_table(META).map_err(|e| fail(&e))?,
         })
     }
@@ -168,6 +174,17 @@ impl<'txn> Tables<'txn> {
             }
             StoreOp::DeleteRoute(key) => {
                 self.routes.remove(key.as_str()).map_err(|e| fail(&e))?;
+                Ok(())
+            }
+            StoreOp::PutPolicy(policy) => {
+                let key = policy_key(policy);
+                self.policies
+                    .insert(key.as_str(), policy.encode_to_vec().as_slice())
+                    .map_err(|e| fail(&e))?;
+                Ok(())
+            }
+            StoreOp::DeletePolicy(key) => {
+                self.policies.remove(key.as_str()).map_err(|e| fail(&e))?;
                 Ok(())
             }
         }
@@ -284,6 +301,35 @@ impl<'txn> Tables<'txn> {
     }
 }
 
+/// Every record of `table` decoded as a `T`; those that do not decode are reported
+/// under `<what>/<key>`.
+fn read_records<T: Message + Default>(
+    txn: &redb::ReadTransaction,
+    table: TableDefinition<&str, &[u8]>,
+    what: &str,
+    revision: Revision,
+    unreadable: &mut Vec<UnreadableRecord>,
+) -> Result<Vec<Stored<T>>, redb::Error> {
+    let mut records = Vec::new();
+    for row in txn.open_table(table)?.iter()? {
+        let (key, value) = row?;
+        match T::decode(value.value()) {
+            Ok(value) => records.push(Stored { value, revision }),
+            Err(e) => unreadable.push(UnreadableRecord {
+                key: format!("{what}/{}", key.value()),
+                reason: format!("does not decode as protobuf {}: {e}", short_type_name::<T>()),
+            }),
+        }
+    }
+    Ok(records)
+}
+
+/// `Service` for `aether_proto::registry::v1::Service`.
+fn short_type_name<T>() -> &'static str {
+    let name = std::any::type_name::<T>();
+    name.rsplit("::").next().unwrap_or(name)
+}
+
 fn touch_nodes<'a>(nodes: &Mutex<HashMap<String, Instant>>, names: impl Iterator<Item = &'a str>) {
     let now = Instant::now();
     let mut nodes = nodes.lock();
@@ -307,36 +353,10 @@ impl Store for EmbeddedStore {
             // One writer: every record is as new as the last commit.
             let revision = txn.open_table(META)?.get("revision")?.map(|v| v.value()).unwrap_or(0);
             contents.revision = revision;
-            for row in txn.open_table(SERVICES)?.iter()? {
-                let (key, value) = row?;
-                match Service::decode(value.value()) {
-                    Ok(value) => contents.services.push(Stored { value, revision }),
-                    Err(e) => contents.unreadable.push(UnreadableRecord {
-                        key: format!("services/{}", key.value()),
-                        reason: format!("not a Service protobuf: {e}"),
-                    }),
-                }
-            }
-            for row in txn.open_table(ENDPOINTS)?.iter()? {
-                let (key, value) = row?;
-                match Endpoint::decode(value.value()) {
-                    Ok(value) => contents.endpoints.push(Stored { value, revision }),
-                    Err(e) => contents.unreadable.push(UnreadableRecord {
-                        key: format!("endpoints/{}", key.value()),
-                        reason: format!("not an Endpoint protobuf: {e}"),
-                    }),
-                }
-            }
-            for row in txn.open_table(ROUTES)?.iter()? {
-                let (key, value) = row?;
-                match Route::decode(value.value()) {
-                    Ok(value) => contents.routes.push(Stored { value, revision }),
-                    Err(e) => contents.unreadable.push(UnreadableRecord {
-                        key: format!("routes/{}", key.value()),
-                        reason: format!("not a Route protobuf: {e}"),
-                    }),
-                }
-            }
+            contents.services = read_records(&txn, SERVICES, "services", revision, &mut contents.unreadable)?;
+            contents.endpoints = read_records(&txn, ENDPOINTS, "endpoints", revision, &mut contents.unreadable)?;
+            contents.routes = read_records(&txn, ROUTES, "routes", revision, &mut contents.unreadable)?;
+            contents.policies = read_records(&txn, POLICIES, "policies", revision, &mut contents.unreadable)?;
             Ok(contents)
         };
         let contents = tokio::task::spawn_blocking(read)

@@ -9,6 +9,8 @@
 //! - `P/nodes/<node>` → lease id (decimal text), attached to that same lease
 //! - `P/routes/<kind>/<ns>/<name>` → `aether.registry.v1.Route`, without a lease:
 //!   routes come from configuration, not from agents, and never expire
+//! - `P/policies/<ns>/<name>` → `aether.registry.v1.AuthorizationPolicy`, without a
+//!   lease, like routes
 //!
 //! Revisions are etcd's: a record's revision is its `mod_revision`, a commit's is
 //! the transaction's header revision. Service creation is one transaction comparing
@@ -16,7 +18,7 @@
 //! creating the same service one wins and the other reads the winner's record back.
 //! A service update compares `create_revision > 0` on the service key and the VIP
 //! key's value with the service's key: it lands only on the service it read, VIP
-//! unchanged. Route writes are plain puts and deletes
+//! unchanged. Route and policy writes are plain puts and deletes
 //! in the same transaction as the rest of the batch, with no conditions.
 //! Endpoint TTL uses leases: one per node, granted on its first endpoint and kept
 //! alive by every re-registration; when it lapses etcd deletes the node's endpoints
@@ -34,8 +36,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{Endpoint, Route, Service};
-use aether_proto::view::route_key;
+use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Route, Service};
+use aether_proto::view::{policy_key, route_key};
 use async_trait::async_trait;
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity, KeyValue, PutOptions,
@@ -133,6 +135,8 @@ enum Record<'a> {
     },
     /// The route's key, `<kind>/<ns>/<name>`.
     Route(&'a str),
+    /// The policy's key, `<ns>/<name>`.
+    Policy(&'a str),
     Other,
 }
 
@@ -158,6 +162,9 @@ impl Keys {
     fn route(&self, key: &str) -> String {
         format!("{}/routes/{key}", self.prefix)
     }
+    fn policy(&self, key: &str) -> String {
+        format!("{}/policies/{key}", self.prefix)
+    }
 
     fn classify<'a>(&self, key: &'a str) -> Record<'a> {
         let Some(rest) = key.strip_prefix(self.prefix.as_str()).and_then(|k| k.strip_prefix('/')) else {
@@ -174,6 +181,9 @@ impl Keys {
         }
         if let Some(route) = rest.strip_prefix("routes/") {
             return Record::Route(route);
+        }
+        if let Some(policy) = rest.strip_prefix("policies/") {
+            return Record::Policy(policy);
         }
         Record::Other
     }
@@ -577,6 +587,14 @@ impl EtcdStore {
                 let key = self.keys.route(key);
                 txn.put(key.clone(), TxnOp::delete(key, None));
             }
+            StoreOp::PutPolicy(policy) => {
+                let key = self.keys.policy(&policy_key(policy));
+                txn.put(key.clone(), TxnOp::put(key, policy.encode_to_vec(), None));
+            }
+            StoreOp::DeletePolicy(key) => {
+                let key = self.keys.policy(key);
+                txn.put(key.clone(), TxnOp::delete(key, None));
+            }
         }
         Ok(())
     }
@@ -732,6 +750,10 @@ async fn load(client: &Client, keys: &Keys, timeout: Duration) -> Result<Content
                     value,
                     revision: kv.mod_revision() as Revision,
                 }),
+                Some(FeedChangeKind::PolicyPut(value)) => contents.policies.push(Stored {
+                    value,
+                    revision: kv.mod_revision() as Revision,
+                }),
                 Some(FeedChangeKind::Unreadable(record)) => contents.unreadable.push(record),
                 _ => {}
             }
@@ -769,6 +791,10 @@ fn decode(keys: &Keys, kv: &KeyValue) -> Option<FeedChangeKind> {
         Record::Route(_) => match Route::decode(kv.value()) {
             Ok(r) => Some(FeedChangeKind::RoutePut(r)),
             Err(e) => unreadable(format!("not a Route protobuf: {e}")),
+        },
+        Record::Policy(_) => match AuthorizationPolicy::decode(kv.value()) {
+            Ok(p) => Some(FeedChangeKind::PolicyPut(p)),
+            Err(e) => unreadable(format!("not an AuthorizationPolicy protobuf: {e}")),
         },
         Record::Other => None,
     }
@@ -827,6 +853,7 @@ async fn watch(client: &Client, keys: &Keys, next: &mut i64, tx: &mpsc::Sender<F
                         address: address.to_owned(),
                     }),
                     Record::Route(key) => Some(FeedChangeKind::RouteDeleted { key: key.to_owned() }),
+                    Record::Policy(key) => Some(FeedChangeKind::PolicyDeleted { key: key.to_owned() }),
                     Record::Other => None,
                 },
             };
@@ -1013,6 +1040,10 @@ mod tests {
                     Record::Route(r) => prop_assert_eq!(r, route.as_str()),
                     _ => prop_assert!(false, "a route key was not classified as one"),
                 }
+            }
+            match keys.classify(&keys.policy(&service)) {
+                Record::Policy(p) => prop_assert_eq!(p, service.as_str()),
+                _ => prop_assert!(false, "a policy key was not classified as one"),
             }
             prop_assert!(matches!(keys.classify(&keys.vip(&address)), Record::Other));
             prop_assert!(matches!(keys.classify(&keys.node(&name)), Record::Other));

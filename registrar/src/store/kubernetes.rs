@@ -115,6 +115,8 @@ impl Derived {
             services: self.services.values().cloned().collect(),
             endpoints: self.endpoints.values().cloned().collect(),
             routes: self.routes.values().cloned().collect(),
+            // Not derived yet: the cluster's AuthorizationPolicy watch is still to come.
+            policies: Vec::new(),
             unreadable: Vec::new(),
         }
     }

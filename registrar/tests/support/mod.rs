@@ -15,7 +15,9 @@ use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registrar::v1::{
     ListEndpointsRequest, ListServicesRequest, RegisterEndpointRequest, Version, WatchRequest, WatchResponse,
 };
-use aether_proto::registry::v1::{Endpoint, Port, Protocol};
+use aether_proto::registry::v1::{
+    AuthorizationAction, AuthorizationPolicy, AuthorizationTarget, Endpoint, Port, Protocol,
+};
 use aether_proto::view::{CatalogView, WatchView};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -162,6 +164,22 @@ pub fn endpoint(service: &str, address: &str, port: u32) -> Endpoint {
             protocol: Protocol::Http as i32,
         }],
         node: "node-1".into(),
+        ..Default::default()
+    }
+}
+
+/// A valid projected policy `<namespace>/<name>` (an ALLOW without rules: deny-all),
+/// mesh-wide when `mesh_wide`; `generation` tells its versions apart.
+pub fn policy(namespace: &str, name: &str, generation: i64, mesh_wide: bool) -> AuthorizationPolicy {
+    AuthorizationPolicy {
+        namespace: namespace.into(),
+        name: name.into(),
+        generation,
+        target: Some(AuthorizationTarget {
+            mesh_wide,
+            ..Default::default()
+        }),
+        action: AuthorizationAction::Allow as i32,
         ..Default::default()
     }
 }
