@@ -82,10 +82,16 @@ pub struct Config {
     #[arg(long, env = "AETHER_REGISTRAR_STORE", value_enum, default_value = "embedded")]
     pub store: StoreKind,
 
-    /// Directory of HTTPRoute/GRPCRoute YAML files (`*.yaml`, `*.yml`) to serve as the
-    /// mesh's routes, re-read when it changes (clusters without Kubernetes, demos).
-    #[arg(long, env = "AETHER_REGISTRAR_ROUTES_DIR")]
+    /// Directory of YAML files (`*.yaml`, `*.yml`) holding the mesh's configuration:
+    /// HTTPRoute/GRPCRoute objects served as its routes and AuthorizationPolicy objects
+    /// as its policies, re-read when it changes (clusters without Kubernetes, demos).
+    /// `--routes-dir` is its former name.
+    #[arg(long = "config-dir", alias = "routes-dir", env = "AETHER_REGISTRAR_CONFIG_DIR")]
     pub routes_dir: Option<PathBuf>,
+
+    /// The mesh root namespace: an AuthorizationPolicy there applies to every namespace.
+    #[arg(long, env = "AETHER_MESH_ROOT_NAMESPACE", default_value = aether_api::authorization::DEFAULT_ROOT_NAMESPACE)]
+    pub mesh_root_namespace: String,
 
     /// Read the mesh's configuration from the cluster into a writable store (the
     /// kubernetes store always does): the Gateway API HTTPRoutes and GRPCRoutes with

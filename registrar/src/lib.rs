@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod config;
 pub mod metrics;
 pub mod model;
+pub mod policies;
 pub mod routes;
 pub mod server;
 pub mod store;

@@ -6,7 +6,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use aether_api::authorization::ProjectOptions;
 use aether_common::admin::{AdminError, AdminServer};
+use aether_common::quote::quote;
 use aether_common::readiness::{Gate, Readiness};
 use aether_common::tasks::Tasks;
 use aether_common::telemetry::{Component, MetricsPush};
@@ -47,6 +49,8 @@ pub enum StartError {
     VipRange(#[from] VipError),
     #[error("--routes-dir: the kubernetes store is read-only and serves the cluster's own routes; drop --routes-dir")]
     RoutesOnReadOnlyStore,
+    #[error("--mesh-root-namespace: {0}")]
+    RootNamespace(String),
     #[error("opening the store: {0}")]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -270,6 +274,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     if config.routes_dir.is_some() && config.store == StoreKind::Kubernetes {
         return Err(StartError::RoutesOnReadOnlyStore);
     }
+    let root = &config.mesh_root_namespace;
+    aether_common::names::dns_label(root).map_err(|r| StartError::RootNamespace(format!("{}: {r}", quote(root))))?;
     let vips = VipAllocator::new(config.vip_cidr)?;
     let cluster = crate::cluster::connect(&config).await?;
     let store = open_store(&config, cluster.as_ref()).await?;
@@ -342,7 +348,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     })
 }
 
-/// The configuration sources: `--routes-dir`, or the cluster's routes and Service
+/// The configuration sources: `--config-dir` (routes and policies), or the cluster's routes and Service
 /// attributes into the catalog (a writable store; the Kubernetes store derives them
 /// itself) with the routes' status written back to the cluster (both stores).
 fn run_sources(
@@ -353,13 +359,19 @@ fn run_sources(
     shutdown: &CancellationToken,
 ) {
     if let Some(dir) = &config.routes_dir {
+        let settings = crate::routes::directory::Settings {
+            policy_options: ProjectOptions {
+                root_namespace: config.mesh_root_namespace.clone(),
+            },
+        };
         let source = crate::routes::directory::run(
             dir.clone(),
+            settings,
             catalog.clone(),
             catalog.metrics().clone(),
             shutdown.clone(),
         );
-        tasks.critical("the routes directory source", source);
+        tasks.critical("the configuration directory source", source);
     }
     let Some(cluster) = cluster else { return };
     use crate::routes::kubernetes::{run as route_source, status};

@@ -1,7 +1,9 @@
-//! The directory source (`--routes-dir`): every `*.yaml` / `*.yml` file in one
-//! directory, read as multi-document YAML of HTTPRoute and GRPCRoute objects (other
-//! kinds are skipped, so the directory can hold a whole manifest). For clusters
-//! without Kubernetes, the demo and tests.
+//! The directory source (`--config-dir`, formerly `--routes-dir`): every `*.yaml` /
+//! `*.yml` file in one directory, read as multi-document YAML of HTTPRoute, GRPCRoute
+//! and AuthorizationPolicy objects (other kinds are skipped, so the directory can hold
+//! a whole manifest). For clusters without Kubernetes, the demo and tests. Routes and
+//! policies are projected and stored each on their own: a refused policy never holds
+//! routes back, nor the other way round.
 //!
 //! An inotify watch on the directory wakes the source at once; a poll every
 //! [`POLL_INTERVAL`] is the safety net (and the only signal while the directory is
@@ -13,7 +15,8 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use aether_api::{RouteObject, parse_documents};
+use aether_api::authorization::{self, ProjectOptions};
+use aether_api::{ParseError, RouteObject, parse_documents};
 use notify::{RecursiveMode, Watcher};
 use std::sync::Arc;
 use tokio::sync::Notify;
@@ -22,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Projector, Refusal, apply};
 use crate::catalog::Catalog;
 use crate::metrics::Metrics;
+use crate::policies;
 
 /// How often the directory's listing is checked without an inotify event.
 pub const POLL_INTERVAL: Duration = Duration::from_secs(2);
@@ -33,13 +37,18 @@ pub const MAX_FILE_BYTES: u64 = 4 << 20;
 /// What a listing shows of each file: a change in any of it means read again.
 type Fingerprint = Vec<(PathBuf, u64, Option<SystemTime>)>;
 
-/// Keeps the catalog's routes equal to the directory's until `shutdown`.
-pub async fn run(dir: PathBuf, catalog: Catalog, metrics: Metrics, shutdown: CancellationToken) {
+/// What the directory source needs besides the directory.
+pub struct Settings {
+    /// How policies are projected (the mesh root namespace).
+    pub policy_options: ProjectOptions,
+}
+
+/// Keeps the catalog's routes and policies equal to the directory's until `shutdown`.
+pub async fn run(dir: PathBuf, settings: Settings, catalog: Catalog, metrics: Metrics, shutdown: CancellationToken) {
     let mut source = Directory {
         dir,
-        projector: Projector::resuming(&catalog),
-        keys_by_file: HashMap::new(),
-        reported: Vec::new(),
+        routes: Kind::new(Projector::resuming(&catalog)),
+        policies: Kind::new(policies::Projector::resuming(&catalog, settings.policy_options)),
         listed: None,
     };
     let wake = Arc::new(Notify::new());
@@ -71,13 +80,30 @@ fn watch_dir(dir: &Path, wake: Arc<Notify>) -> Option<notify::RecommendedWatcher
 
 struct Directory {
     dir: PathBuf,
-    projector: Projector,
-    /// The route keys each file held when it last parsed: a file that stops parsing
-    /// keeps serving them.
-    keys_by_file: HashMap<PathBuf, Vec<String>>,
-    reported: Vec<Refusal>,
+    routes: Kind<Projector>,
+    policies: Kind<policies::Projector>,
     /// The listing last applied; `None` forces a read.
     listed: Option<Fingerprint>,
+}
+
+/// One kind of object the directory holds (routes, policies), projected on its own.
+struct Kind<P> {
+    projector: P,
+    /// The keys each file held when it last parsed: a file that stops parsing keeps
+    /// serving them.
+    keys_by_file: HashMap<PathBuf, Vec<String>>,
+    reported: Vec<Refusal>,
+}
+
+/// A file of the listing: its path, its name for origins, and its text or why not.
+type File = (PathBuf, String, Result<String, String>);
+
+/// A kind's objects read from the files: each with its origin, the keys to hold
+/// (those of files that did not parse whole), and the documents refused.
+struct Read<T> {
+    objects: Vec<(String, T)>,
+    held: HashSet<String>,
+    refused: Vec<Refusal>,
 }
 
 impl Directory {
@@ -85,9 +111,9 @@ impl Directory {
         let listing = match fingerprint(&self.dir) {
             Ok(listing) => listing,
             Err(error) => {
-                // Never read "no directory" as "no routes": keep what is stored.
+                // Never read "no directory" as "nothing": keep what is stored.
                 if self.listed.is_some() {
-                    tracing::error!(dir = %self.dir.display(), %error, "cannot list the routes directory; keeping the current routes");
+                    tracing::error!(dir = %self.dir.display(), %error, "cannot list the routes directory; keeping the current routes and policies");
                 }
                 self.listed = None;
                 return;
@@ -96,46 +122,75 @@ impl Directory {
         if self.listed.as_ref() == Some(&listing) {
             return;
         }
-        let (objects, unreadable, mut refused) = self.read(&listing);
-        let held: HashSet<String> = unreadable
-            .iter()
-            .flat_map(|file| self.keys_by_file.get(file).into_iter().flatten().cloned())
+        let files: Vec<File> = (listing.iter())
+            .map(|(path, size, _)| {
+                let name = path
+                    .file_name()
+                    .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+                (path.clone(), name, read_file(path, *size))
+            })
             .collect();
-        let mut projection = self
-            .projector
-            .project_holding(objects.iter().map(|(o, obj)| (o.clone(), obj)), &held);
-        projection.refused.append(&mut refused);
-        let stored = apply(catalog, metrics, "directory", projection, &mut self.reported).await;
+        let routes = self.routes.read(&files, parse_documents, RouteObject::key);
+        let mut projection = (self.routes.projector).project_holding(routes.origins(), &routes.held);
+        projection.refused.extend(routes.refused);
+        // A file that cannot be read is refused once, with the routes.
+        let unreadable = files
+            .iter()
+            .filter_map(|(_, name, text)| text.as_ref().err().map(|e| (name, e)));
+        let unreadable = unreadable.map(|(name, reason)| Refusal {
+            origin: name.clone(),
+            reason: reason.clone(),
+        });
+        projection.refused.extend(unreadable);
+        let routes_stored = apply(catalog, metrics, "directory", projection, &mut self.routes.reported).await;
+        let policies = self
+            .policies
+            .read(&files, authorization::parse_documents, policies::object_key);
+        let mut projection = (self.policies.projector).project_holding(policies.origins(), &policies.held);
+        projection.refused.extend(policies.refused);
+        let reported = &mut self.policies.reported;
+        let policies_stored = policies::apply(catalog, metrics, "directory", projection, reported).await;
         // A failed write is retried at the next poll.
-        self.listed = stored.then_some(listing);
+        self.listed = (routes_stored && policies_stored).then_some(listing);
+    }
+}
+
+impl<T> Read<T> {
+    fn origins(&self) -> impl Iterator<Item = (String, &T)> {
+        self.objects.iter().map(|(origin, object)| (origin.clone(), object))
+    }
+}
+
+impl<P> Kind<P> {
+    fn new(projector: P) -> Self {
+        Kind {
+            projector,
+            keys_by_file: HashMap::new(),
+            reported: Vec::new(),
+        }
     }
 
-    /// Reads every file of `listing`: the objects with their origins, the files
-    /// that could not be read whole, and the documents refused while parsing.
-    fn read(&mut self, listing: &Fingerprint) -> (Vec<(String, RouteObject)>, Vec<PathBuf>, Vec<Refusal>) {
-        let mut objects = Vec::new();
-        let mut unreadable = Vec::new();
-        let mut refused = Vec::new();
+    /// Parses this kind's objects out of every file (one that cannot be read is
+    /// refused once, by the caller).
+    fn read<T>(
+        &mut self,
+        files: &[File],
+        parse: impl Fn(&str) -> Vec<Result<T, ParseError>>,
+        key: impl Fn(&T) -> String,
+    ) -> Read<T> {
+        let (mut objects, mut refused, mut unreadable) = (Vec::new(), Vec::new(), Vec::new());
         let mut keys_by_file = HashMap::new();
-        for (path, size, _) in listing {
-            let name = path
-                .file_name()
-                .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
-            let text = match read_file(path, *size) {
-                Ok(text) => text,
-                Err(reason) => {
-                    refused.push(Refusal { origin: name, reason });
-                    unreadable.push(path.clone());
-                    continue;
-                }
+        for (path, name, text) in files {
+            let Ok(text) = text else {
+                unreadable.push(path.clone());
+                continue;
             };
-            let mut keys = Vec::new();
-            let mut whole = true;
-            for (i, document) in parse_documents(&text).into_iter().enumerate() {
+            let (mut keys, mut whole) = (Vec::new(), true);
+            for (i, document) in parse(text).into_iter().enumerate() {
                 let origin = format!("{name}#{i}");
                 match document {
                     Ok(object) => {
-                        keys.push(object.key());
+                        keys.push(key(&object));
                         objects.push((origin, object));
                     }
                     Err(error) => {
@@ -158,8 +213,12 @@ impl Directory {
                 keys_by_file.entry(path.clone()).or_insert_with(Vec::new).extend(old);
             }
         }
+        let held = unreadable
+            .iter()
+            .flat_map(|file| keys_by_file.get(file).into_iter().flatten().cloned());
+        let held = held.collect();
         self.keys_by_file = keys_by_file;
-        (objects, unreadable, refused)
+        Read { objects, held, refused }
     }
 }
 
