@@ -2,8 +2,8 @@
 //! reconnects with backoff, resumes from its version (no snapshot when the registrar
 //! still holds the history), moves to a new connection when the node certificate
 //! rotates, and publishes each consistent view. The node follows its dependency set
-//! with it (the filter changes in-stream); the DNS record writer follows every
-//! service's record (`services_only`).
+//! and the authorization policies of its pods' namespaces with it (the filter changes
+//! in-stream); the DNS record writer follows every service's record (`services_only`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -24,10 +24,36 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// What to follow.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Interest {
-    /// These services with their endpoints; a change is sent on the live stream.
-    Services(BTreeSet<String>),
-    /// Every service's record and no endpoints.
+    /// These services with their endpoints, and the authorization policies of these
+    /// namespaces (the mesh-wide ones come with any); a change is sent on the live
+    /// stream.
+    Services {
+        services: BTreeSet<String>,
+        policy_namespaces: BTreeSet<String>,
+    },
+    /// Every service's record and no endpoints (nor policies).
     ServicesOnly,
+}
+
+impl Interest {
+    /// What a node follows: the services it depends on, and the policies of the
+    /// namespaces its pods are in (`namespaces` may repeat).
+    pub fn node<'a>(services: BTreeSet<String>, namespaces: impl IntoIterator<Item = &'a str>) -> Interest {
+        Interest::Services {
+            services,
+            policy_namespaces: namespaces.into_iter().map(str::to_owned).collect(),
+        }
+    }
+}
+
+impl Default for Interest {
+    /// Nothing yet: no service, no namespace.
+    fn default() -> Self {
+        Interest::Services {
+            services: BTreeSet::new(),
+            policy_namespaces: BTreeSet::new(),
+        }
+    }
 }
 
 /// A consistent view of the catalog, and the service filter it reflects (empty for
@@ -136,11 +162,12 @@ impl Follower {
                         self.interest_open = false;
                         continue;
                     }
-                    let Interest::Services(services) = self.interest.borrow_and_update().clone() else {
+                    let interest = self.interest.borrow_and_update().clone();
+                    if interest == Interest::ServicesOnly {
                         // Switching to services-only needs a new stream.
                         return End::Rotated;
-                    };
-                    if requests.send(self.stream.filter_change(services)).await.is_err() {
+                    }
+                    if requests.send(self.stream.filter_change(interest)).await.is_err() {
                         return End::Failed;
                     }
                 }
@@ -198,45 +225,51 @@ impl Stream {
         let filter_id = if resume { self.view.filter_id } else { self.next_id() };
         self.sent.insert(filter_id, interest.clone());
         let resume_from = if resume { self.view.resume_from(filter_id) } else { None };
-        match interest {
-            Interest::Services(services) => WatchRequest {
-                services: services.into_iter().collect(),
-                resume_from,
-                filter_id,
-                ..Default::default()
-            },
-            Interest::ServicesOnly => WatchRequest {
-                services_only: true,
-                resume_from,
-                filter_id,
-                ..Default::default()
-            },
+        WatchRequest {
+            resume_from,
+            ..request(interest, filter_id)
         }
     }
 
     /// The in-stream request changing the filter.
-    fn filter_change(&mut self, services: BTreeSet<String>) -> WatchRequest {
+    fn filter_change(&mut self, interest: Interest) -> WatchRequest {
         let filter_id = self.next_id();
-        self.sent.insert(filter_id, Interest::Services(services.clone()));
+        self.sent.insert(filter_id, interest.clone());
         // Only ids the view may still reflect are worth keeping.
         let current = self.view.filter_id;
         self.sent.retain(|id, _| *id >= current);
-        WatchRequest {
-            services: services.into_iter().collect(),
-            filter_id,
-            ..Default::default()
-        }
+        request(interest, filter_id)
     }
 
     fn published(&self) -> WatchedCatalog {
         let filter = match self.sent.get(&self.view.filter_id) {
-            Some(Interest::Services(services)) => services.clone(),
+            Some(Interest::Services { services, .. }) => services.clone(),
             _ => BTreeSet::new(),
         };
         WatchedCatalog {
             catalog: self.view.catalog.clone(),
             filter,
         }
+    }
+}
+
+/// The request asking for `interest` under `filter_id`.
+fn request(interest: Interest, filter_id: u64) -> WatchRequest {
+    match interest {
+        Interest::Services {
+            services,
+            policy_namespaces,
+        } => WatchRequest {
+            services: services.into_iter().collect(),
+            policy_namespaces: policy_namespaces.into_iter().collect(),
+            filter_id,
+            ..Default::default()
+        },
+        Interest::ServicesOnly => WatchRequest {
+            services_only: true,
+            filter_id,
+            ..Default::default()
+        },
     }
 }
 
@@ -351,6 +384,13 @@ mod tests {
         ]
     }
 
+    fn services(services: &BTreeSet<String>, namespaces: &[&str]) -> Interest {
+        Interest::Services {
+            services: services.clone(),
+            policy_namespaces: namespaces.iter().map(|n| n.to_string()).collect(),
+        }
+    }
+
     async fn next_view(views: &mut watch::Receiver<Arc<WatchedCatalog>>) -> Arc<WatchedCatalog> {
         tokio::time::timeout(Duration::from_secs(10), views.changed())
             .await
@@ -363,7 +403,7 @@ mod tests {
     async fn a_view_follows_the_filter_and_a_broken_stream_resumes_from_its_version() {
         let (link, mut streams) = fake_registrar().await;
         let deps: BTreeSet<String> = ["shop/cart".to_owned()].into();
-        let (interest_tx, interest) = watch::channel(Interest::Services(deps.clone()));
+        let (interest_tx, interest) = watch::channel(services(&deps, &["shop"]));
         let (views_tx, mut views) = watch::channel(Arc::new(WatchedCatalog::default()));
         let connected = Gauge::default();
         let shutdown = CancellationToken::new();
@@ -373,6 +413,7 @@ mod tests {
         let (mut requests, out) = streams.recv().await.unwrap();
         let first = requests.message().await.unwrap().unwrap();
         assert_eq!(first.services, ["shop/cart"]);
+        assert_eq!(first.policy_namespaces, ["shop"]);
         assert_eq!(first.resume_from, None, "nothing to resume yet");
         for m in snapshot(&["shop/cart"], 7, first.filter_id) {
             out.send(Ok(m)).await.unwrap();
@@ -384,9 +425,10 @@ mod tests {
 
         // The filter grows: sent on the live stream with a new id, published once answered.
         let more: BTreeSet<String> = ["shop/cart".to_owned(), "shop/pay".to_owned()].into();
-        interest_tx.send(Interest::Services(more.clone())).unwrap();
+        interest_tx.send(services(&more, &["shop", "pay"])).unwrap();
         let change = requests.message().await.unwrap().unwrap();
         assert_eq!(change.services, ["shop/cart", "shop/pay"]);
+        assert_eq!(change.policy_namespaces, ["pay", "shop"]);
         assert_ne!(change.filter_id, first.filter_id);
         out.send(Ok(WatchResponse {
             event: Some(watch_response::Event::Delta(Delta {
@@ -407,6 +449,7 @@ mod tests {
         let (mut requests, _out) = streams.recv().await.unwrap();
         let resumed = requests.message().await.unwrap().unwrap();
         assert_eq!(resumed.services, ["shop/cart", "shop/pay"]);
+        assert_eq!(resumed.policy_namespaces, ["pay", "shop"]);
         assert_eq!(resumed.filter_id, change.filter_id);
         assert_eq!(resumed.resume_from, version(8));
         shutdown.cancel();
@@ -422,7 +465,7 @@ mod tests {
 
         let (mut requests, out) = streams.recv().await.unwrap();
         let first = requests.message().await.unwrap().unwrap();
-        assert!(first.services_only && first.services.is_empty());
+        assert!(first.services_only && first.services.is_empty() && first.policy_namespaces.is_empty());
         for m in snapshot(&["a/x", "b/y"], 3, first.filter_id) {
             out.send(Ok(m)).await.unwrap();
         }
@@ -435,6 +478,38 @@ mod tests {
         let resumed = requests.message().await.unwrap().unwrap();
         assert!(resumed.services_only);
         assert_eq!(resumed.resume_from, version(3));
+        shutdown.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_change_of_policy_namespaces_alone_is_a_filter_change_on_the_live_stream() {
+        let (link, mut streams) = fake_registrar().await;
+        let deps: BTreeSet<String> = ["shop/cart".to_owned()].into();
+        let (interest_tx, interest) = watch::channel(services(&deps, &["shop"]));
+        let (views_tx, mut views) = watch::channel(Arc::new(WatchedCatalog::default()));
+        let shutdown = CancellationToken::new();
+        tokio::spawn(follow(link, interest, views_tx, Gauge::default(), shutdown.clone()));
+        let (mut requests, out) = streams.recv().await.unwrap();
+        let first = requests.message().await.unwrap().unwrap();
+        for m in snapshot(&["shop/cart"], 4, first.filter_id) {
+            out.send(Ok(m)).await.unwrap();
+        }
+        next_view(&mut views).await;
+
+        // The last pod of `shop` left, one of `pay` came: same services, new namespaces.
+        interest_tx.send(services(&deps, &["pay"])).unwrap();
+        let change = requests.message().await.unwrap().unwrap();
+        assert_eq!(change.services, ["shop/cart"]);
+        assert_eq!(change.policy_namespaces, ["pay"]);
+        assert_ne!(
+            change.filter_id, first.filter_id,
+            "a new filter, so the view says which it reflects"
+        );
+        // No pod left: no namespace, so only mesh-wide policies are sent.
+        interest_tx.send(services(&deps, &[])).unwrap();
+        let last = requests.message().await.unwrap().unwrap();
+        assert!(last.policy_namespaces.is_empty());
+        assert_ne!(last.filter_id, change.filter_id);
         shutdown.cancel();
     }
 }

@@ -303,7 +303,8 @@ impl Node {
             generator.set_identities(identity.current());
         }
         let deps = self.dependencies(&pods);
-        let wanted = Interest::Services(deps.clone());
+        // Policies select destination pods of their own namespace: those of ours.
+        let wanted = Interest::node(deps.clone(), pods.iter().map(|p| p.info.namespace.as_str()));
         self.dependencies.send_if_modified(|current| {
             let changed = *current != wanted;
             *current = wanted;
@@ -503,7 +504,7 @@ mod tests {
     fn node(state: &std::path::Path) -> (Node, watch::Sender<Arc<WatchedCatalog>>, Cache) {
         let cache = Cache::default();
         let (catalog_tx, catalog) = watch::channel(Arc::new(WatchedCatalog::default()));
-        let (dependencies, _) = watch::channel(Interest::Services(BTreeSet::new()));
+        let (dependencies, _) = watch::channel(Interest::default());
         let pods = PodStore::open(state).unwrap();
         let node = Node::new(
             "aether.internal",
@@ -615,6 +616,35 @@ mod tests {
         let pod = LocalPod {
             container_id: "c-p".into(),
             netns: "/run/netns/p".into(),
+    #[tokio::test]
+    async fn the_watch_asks_for_the_policies_of_the_local_pods_namespaces_as_pods_come_and_go() {
+        let state = tempfile::tempdir().unwrap();
+        let (node, _catalog, _) = node(state.path());
+        let pod = |namespace: &str, name: &str, ip: &str| LocalPod {
+            container_id: format!("c-{name}"),
+            netns: format!("/run/netns/{name}").into(),
+            ips: vec![ip.parse().unwrap()],
+            info: PodInfo {
+                namespace: namespace.into(),
+                name: name.into(),
+                ..PodInfo::default()
+            },
+        };
+        let namespaces = |node: &Node| match &*node.dependencies.borrow() {
+            Interest::Services { policy_namespaces, .. } => policy_namespaces.iter().cloned().collect::<Vec<_>>(),
+            Interest::ServicesOnly => panic!("the node never watches services only"),
+        };
+        node.add_pod(pod("demo", "a", "10.0.0.1"));
+        node.add_pod(pod("demo", "b", "10.0.0.2"));
+        let shop = pod("shop", "c", "10.0.0.3");
+        node.add_pod(shop.clone());
+        node.rebuild();
+        assert_eq!(namespaces(&node), ["demo", "shop"]);
+        node.remove_pod(&shop).await.unwrap();
+        node.rebuild();
+        assert_eq!(namespaces(&node), ["demo"], "the last pod of shop left");
+    }
+
             ips: vec!["10.0.0.1".parse().unwrap()],
             info,
         };

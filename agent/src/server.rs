@@ -1,6 +1,5 @@
 //! `aether-agent run`: wiring and start-up reconciliation.
 
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -231,7 +230,7 @@ fn node(
     metrics: &AgentMetrics,
 ) -> (Node, watch::Sender<Arc<WatchedCatalog>>, watch::Receiver<Interest>) {
     let (catalog_tx, catalog_rx) = watch::channel(Arc::new(WatchedCatalog::default()));
-    let (deps_tx, deps_rx) = watch::channel(Interest::Services(BTreeSet::new()));
+    let (deps_tx, deps_rx) = watch::channel(Interest::default());
     let node = Node::new(
         &config.mesh_domain,
         locality,

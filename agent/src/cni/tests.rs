@@ -174,7 +174,7 @@ impl Harness {
     fn new() -> Self {
         let (state, pins) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let (_, catalog) = watch::channel(Arc::new(WatchedCatalog::default()));
-        let (dependencies, _) = watch::channel(Interest::Services(BTreeSet::new()));
+        let (dependencies, _) = watch::channel(Interest::default());
         let pods = PodStore::open(state.path()).unwrap();
         let node = Node::new(
             "aether.internal",
