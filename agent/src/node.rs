@@ -43,6 +43,8 @@ pub struct NodeMetrics {
     pub rebuilds: prometheus_client::metrics::counter::Counter,
     /// Routes in the node's catalog skipped as invalid (Envoy must never see them).
     pub invalid_routes: Gauge,
+    /// Authorization policies refused, by policy and field (their last good version stays).
+    pub refused_policies: prometheus_client::metrics::family::Family<Vec<(String, String)>, Gauge>,
 }
 
 impl NodeMetrics {
@@ -64,6 +66,11 @@ impl NodeMetrics {
             "invalid_routes",
             "Routes in the node's catalog skipped as invalid, never sent to Envoy (see the agent's log)",
             self.invalid_routes.clone(),
+        );
+        metrics.register(
+            "refused_authorization_policies",
+            "Authorization policies not enforced as written, by policy and field (invalid, or HTTP fields on a TCP port of a local pod; see the agent's log)",
+            self.refused_policies.clone(),
         );
         metrics.register(
             "rebuilds",
@@ -333,6 +340,14 @@ impl Node {
         });
         self.metrics.dependencies.set(deps.len() as i64);
         self.metrics.invalid_routes.set(generator.invalid_routes() as i64);
+        self.metrics.refused_policies.clear();
+        for refused in generator.refused_policies() {
+            let labels = vec![
+                ("policy".into(), refused.policy().into()),
+                ("field".into(), refused.field().into()),
+            ];
+            self.metrics.refused_policies.get_or_create(&labels).inc();
+        }
         self.metrics.pods.set(pods.len() as i64);
         self.metrics
             .pod_config_errors

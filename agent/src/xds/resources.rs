@@ -14,6 +14,7 @@
 //! assignments. Adding a pod adds its own resources and changes its own service's
 //! endpoints, never a shared cluster.
 
+pub mod authorization;
 mod clusters;
 mod listeners;
 mod origination;
@@ -26,7 +27,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use aether_proto::registry::v1::{Locality, Protocol, Route, Service, ServicePort};
+use aether_proto::registry::v1::{AuthorizationPolicy, Locality, Protocol, Route, Service, ServicePort};
 use aether_proto::view::{CatalogView, Endpoints};
 use envoy_types::pb::google::protobuf::Any;
 
@@ -220,6 +221,10 @@ pub struct Generator {
     /// The catalog's routes last seen, and the valid ones among them.
     checked: Checked,
     routes: Option<(RoutesInput, Vec<Arc<Resource>>)>,
+    /// The catalog's authorization policies, validated.
+    policies: authorization::Checked,
+    /// Policies refused for some local pod (HTTP fields on a TCP port), as last generated.
+    refused_for_pods: Vec<authorization::Refused>,
     /// mTLS between pods; `None`: plaintext (`--identity none`, not for production).
     mtls: Option<Mtls>,
     /// The pods' SVIDs and trust bundles (with mTLS).
@@ -251,6 +256,8 @@ struct ServiceMemo {
 
 struct PodMemo {
     pod: LocalPod,
+    /// The authorization policies its inbound listener enforces.
+    policies: Vec<Arc<AuthorizationPolicy>>,
     declared: Vec<RouteKey>,
     /// The outbound route table its listener names.
     table: String,
@@ -297,6 +304,11 @@ pub fn check_route(route: &Route) -> Result<(), String> {
     aether_api::route::validate(route)
         .map_err(|e| e.to_string())
         .and_then(|()| routes::regex_budget::check(route).map_err(|e| e.to_string()))
+}
+
+/// Equal by identity: the catalog view shares an unchanged policy.
+fn same_policies(a: &[Arc<AuthorizationPolicy>], b: &[Arc<AuthorizationPolicy>]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(a, b)| Arc::ptr_eq(a, b))
 }
 
 /// Equal by identity: the catalog view shares an unchanged route.
@@ -407,6 +419,7 @@ impl Generator {
             service.bare = inputs.on_demand.contains_key(&service.fqdn);
         }
         self.checked.refresh(&inputs.catalog.routes);
+        self.policies.refresh(&inputs.catalog.policies);
         let valid = self.checked.valid.clone();
         let attached = routes::Attached::new(valid.iter().map(|r| &**r));
         // A table of its own only for a namespace whose callers live here.
@@ -489,6 +502,7 @@ impl Generator {
     ) {
         let by_key: HashMap<&str, &MeshService> = services.iter().map(|s| (s.key, s)).collect();
         let mut fresh = HashMap::new();
+        let mut refused = Vec::new();
         for pod in pods {
             if mtls.is_some() && !self.identities.svids.contains_key(&pod.id()) {
                 tracing::debug!(pod = %pod.id(), "no SVID yet: the pod's listeners wait for it");
@@ -503,15 +517,29 @@ impl Generator {
                 .collect();
             let declared_keys: Vec<RouteKey> = declared.iter().map(|s| RouteKey::of(s)).collect();
             let table = routes::table_name(&pod.info.namespace, consumers);
+            let last = self.pods.get(&pod.id()).map_or(&[][..], |m| &m.policies[..]);
+            let (policies, refused_here) = self.policies.for_pod(pod, last);
+            refused.extend(refused_here);
             let memo = match self.pods.remove(&pod.id()) {
-                Some(memo) if memo.pod == *pod && memo.declared == declared_keys && memo.table == table => memo,
-                _ => PodMemo::build(pod, &declared, declared_keys, table, mtls),
+                Some(memo)
+                    if memo.pod == *pod
+                        && memo.declared == declared_keys
+                        && memo.table == table
+                        && same_policies(&memo.policies, &policies) =>
+                {
+                    memo
+                }
+                _ => PodMemo::build(pod, &declared, declared_keys, table, mtls, policies),
             };
             out.listeners.extend(memo.listeners.iter().cloned());
             out.clusters.extend(memo.clusters.iter().cloned());
             fresh.insert(pod.id(), memo);
         }
         self.pods = fresh;
+        for error in refused.iter().filter(|r| !self.refused_for_pods.contains(r)) {
+            tracing::warn!(%error, "authorization policy refused for the pod; its last good version stays enforced");
+        }
+        self.refused_for_pods = refused;
     }
 
     /// The route tables, rebuilt only when some service's name, VIP or ports changed, a
@@ -540,6 +568,12 @@ impl Generator {
     /// Routes in the catalog that fail `aether_api::route::validate`, skipped.
     pub fn invalid_routes(&self) -> usize {
         self.checked.invalid
+    }
+
+    /// Authorization policies not enforced as they are: invalid ones, and ones refused
+    /// for a local pod (each names the field at fault; the last good version stays).
+    pub fn refused_policies(&self) -> impl Iterator<Item = &authorization::Refused> {
+        self.policies.invalid().iter().chain(&self.refused_for_pods)
     }
 
     /// The SVIDs and bundles of the pods still local: a deleted pod's secret is withdrawn with it.
@@ -592,15 +626,18 @@ impl PodMemo {
         declared_keys: Vec<RouteKey>,
         table: String,
         mtls: Option<&Mtls>,
+        policies: Vec<Arc<AuthorizationPolicy>>,
     ) -> Self {
+        let authz = authorization::filters(pod, &policies);
         let clusters = clusters::pod_clusters(pod)
             .into_iter()
             .chain(mtls.map(|m| origination::pod_cluster(m, &pod.id())))
             .collect();
         PodMemo {
             pod: pod.clone(),
+            policies,
             declared: declared_keys,
-            listeners: resources(listeners::pod_listeners(pod, declared, &table, mtls)),
+            listeners: resources(listeners::pod_listeners(pod, declared, &table, mtls, &authz)),
             table,
             clusters: resources(clusters),
         }

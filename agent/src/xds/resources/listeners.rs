@@ -34,6 +34,7 @@ use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpPro
 use envoy_types::pb::envoy::extensions::http::early_header_mutation::header_mutation::v3::HeaderMutation as EarlyHeaderMutation;
 use envoy_types::pb::google::protobuf::{Any, UInt32Value};
 
+use super::authorization::Filters;
 use super::clusters::local_name;
 use super::routes::{DESTINATION_HEADER, inbound_routes};
 use super::transport::{self, Mtls};
@@ -50,16 +51,18 @@ pub fn inbound_name(pod: &LocalPod) -> String {
 }
 
 /// A local pod's listeners; `services` are the dependency services it declared, `table`
-/// the outbound route table its HTTP goes through.
+/// the outbound route table its HTTP goes through, `authz` the RBAC filters of its
+/// inbound chains.
 pub fn pod_listeners(
     pod: &LocalPod,
     services: &[&MeshService],
     table: &str,
     mtls: Option<&Mtls>,
+    authz: &Filters,
 ) -> Vec<(String, Any)> {
     let netns = pod.netns.to_string_lossy();
     let mut out = vec![(outbound_name(pod), any(&outbound(pod, &netns, services, table, mtls)))];
-    if let Some(inbound) = inbound(pod, &netns, mtls) {
+    if let Some(inbound) = inbound(pod, &netns, mtls, authz) {
         out.push((inbound_name(pod), any(&inbound)));
     }
     out
@@ -154,7 +157,9 @@ fn stamp_destination(by: RoutedBy) -> TypedExtensionConfig {
     }
 }
 
-fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>) -> Option<Listener> {
+/// Authorization runs first in each chain (`authz`: RBAC, see `authorization`), so
+/// nothing reaches the app before its policies allowed it.
+fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>, authz: &Filters) -> Option<Listener> {
     let ports = pod.info.mesh_ports();
     let (primary, _) = *ports.first()?;
     let http_ports: Vec<u16> = ports.iter().filter(|(_, p)| p.is_http()).map(|(p, _)| *p).collect();
@@ -163,6 +168,7 @@ fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>) -> Option<Listener>
         let hcm = hcm_inline(
             &format!("inbound.{}", pod.id().replace('/', ".")),
             inbound_routes(pod, &http_ports),
+            &authz.http,
         );
         let mut matched = chain(
             None,
@@ -185,6 +191,7 @@ fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>) -> Option<Listener>
         &local_name(pod, primary),
     );
     let mut default_chain = chain(None, tcp);
+    default_chain.filters.splice(0..0, authz.tcp.iter().cloned());
     default_chain.transport_socket = transport::downstream(mtls, &pod.id(), false);
     let inspector = if mtls.is_some() {
         listener_filter("envoy.filters.listener.tls_inspector", &TlsInspector::default())
@@ -295,11 +302,13 @@ fn stat_name(listener: &str) -> String {
     listener.replace(['|', '/'], ".")
 }
 
-fn hcm_inline(stat_prefix: &str, routes: RouteConfiguration) -> HttpConnectionManager {
+/// The inbound HTTP: `first` (authorization) then the router, with the inline table.
+fn hcm_inline(stat_prefix: &str, routes: RouteConfiguration, first: &[HttpFilter]) -> HttpConnectionManager {
+    let router = http_filter_of("envoy.filters.http.router", &Router::default());
     HttpConnectionManager {
         stat_prefix: stat_prefix.to_owned(),
         route_specifier: Some(http_connection_manager::RouteSpecifier::RouteConfig(routes)),
-        http_filters: vec![http_filter_of("envoy.filters.http.router", &Router::default())],
+        http_filters: first.iter().cloned().chain([router]).collect(),
         // The app learns its peer's SPIFFE ID from XFCC, and nothing a client sent in it.
         forward_client_cert_details: http_connection_manager::ForwardClientCertDetails::SanitizeSet as i32,
         set_current_client_cert_details: Some(http_connection_manager::SetCurrentClientCertDetails {

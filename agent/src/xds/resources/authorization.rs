@@ -1,0 +1,281 @@
+//! Authorization enforcement (proposals/013, Enforcement): the policies that select a
+//! local pod become Envoy RBAC filters on that pod's inbound listener, so a request is
+//! judged at its destination in the same hop that delivers it.
+//!
+//! - The TCP chain (everything not HTTP, delivered to the primary port) gets
+//!   `envoy.filters.network.rbac`: a denied connection is closed.
+//! - The HTTP chain gets `envoy.filters.http.rbac` before the router: a denied request
+//!   gets 403 naming the policy and rule (`rbac_access_denied_matched_policy[<ns>/<name>#<rule>]`).
+//!   Every field (identity, peer address, port, method, path, host) is judged per request
+//!   there; a network filter on that chain would turn the 403 into a reset the caller's
+//!   Envoy reports as 503.
+//!
+//! Per layer, in order: one shadow-only filter per AUDIT policy (first, so it sees the
+//! requests denied too), the DENY filter, then the ALLOW filter (only when an enforced
+//! ALLOW policy selects the pod). Dry-run
+//! policies join the shadow rules of their action's filter, next to the enforced ones, so
+//! the shadow verdict is `decide`'s `dry_run`. The result must equal
+//! `aether_api::authorization::decide`; the tests hold the two side by side.
+
+mod compile;
+mod mirror;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use aether_api::authorization::{Refusal, Workload, l7_on_non_http, selects, validate};
+use aether_common::quote::quote;
+use aether_proto::registry::v1::{AuthorizationAction, AuthorizationPolicy};
+use aether_proto::view::policy_key;
+use envoy_types::pb::envoy::config::listener::v3::{Filter, filter};
+use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::Rbac as HttpRbac;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{HttpFilter, http_filter};
+use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::Rbac as NetworkRbac;
+use envoy_types::pb::google::protobuf::Any;
+use prost::{Message, Name};
+
+use crate::pod::LocalPod;
+use compile::Layer;
+use mirror::{HttpRbacConfig, NetworkRbacConfig, Rules};
+
+/// Why a policy is not enforced (on one pod, or at all). Logged and counted.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// It fails `aether_api::authorization::validate` (it came from a store or a stream).
+    #[error("policy {}: {refusal}", quote(policy))]
+    Invalid { policy: String, refusal: Refusal },
+    /// It has HTTP fields for a port of this pod that is not HTTP.
+    #[error("policy {} on pod {}: {refusal}", quote(policy), quote(pod))]
+    L7OnNonHttp {
+        policy: String,
+        pod: String,
+        refusal: Refusal,
+    },
+}
+
+impl Refused {
+    /// The policy's key, `<ns>/<name>`.
+    pub fn policy(&self) -> &str {
+        match self {
+            Refused::Invalid { policy, .. } | Refused::L7OnNonHttp { policy, .. } => policy,
+        }
+    }
+
+    /// The proto field at fault (`rules[1].to[0].paths`).
+    pub fn field(&self) -> &str {
+        match self {
+            Refused::Invalid { refusal, .. } | Refused::L7OnNonHttp { refusal, .. } => &refusal.field,
+        }
+    }
+}
+
+/// The catalog's policies, each validated once per version. A policy that fails keeps
+/// its last valid version enforced: a bad edit never opens or closes a workload.
+#[derive(Default)]
+pub struct Checked {
+    seen: Vec<Arc<AuthorizationPolicy>>,
+    /// By key: the current version if valid, else the last valid one.
+    valid: BTreeMap<String, Arc<AuthorizationPolicy>>,
+    invalid: Vec<Refused>,
+}
+
+impl Checked {
+    pub fn refresh(&mut self, policies: &BTreeMap<String, Arc<AuthorizationPolicy>>) {
+        let current: Vec<_> = policies.values().cloned().collect();
+        let same = current.len() == self.seen.len() && current.iter().zip(&self.seen).all(|(a, b)| Arc::ptr_eq(a, b));
+        if same {
+            return;
+        }
+        let mut valid = BTreeMap::new();
+        self.invalid.clear();
+        for (key, policy) in policies {
+            match validate(policy) {
+                Ok(()) => {
+                    valid.insert(key.clone(), policy.clone());
+                }
+                Err(refusal) => {
+                    let error = Refused::Invalid {
+                        policy: key.clone(),
+                        refusal,
+                    };
+                    tracing::warn!(%error, "authorization policy refused; its last valid version stays enforced");
+                    self.invalid.push(error);
+                    if let Some(last) = self.valid.get(key) {
+                        valid.insert(key.clone(), last.clone());
+                    }
+                }
+            }
+        }
+        self.valid = valid;
+        self.seen = current;
+    }
+
+    /// Policies in the catalog that fail validation.
+    pub fn invalid(&self) -> &[Refused] {
+        &self.invalid
+    }
+
+    /// The policies enforced on `pod` (by key order) and the ones refused for it (the
+    /// caller logs them). A policy refused here that was enforced before (`last`) stays
+    /// at that version.
+    pub fn for_pod(
+        &self,
+        pod: &LocalPod,
+        last: &[Arc<AuthorizationPolicy>],
+    ) -> (Vec<Arc<AuthorizationPolicy>>, Vec<Refused>) {
+        let workload = workload(pod);
+        let ports = pod.info.mesh_ports();
+        let served: Vec<u32> = ports.iter().map(|(p, _)| u32::from(*p)).collect();
+        // A port the pod does not serve is never called here, so HTTP fields on it are moot.
+        let is_http = |port: u32| {
+            ports
+                .iter()
+                .find(|(p, _)| u32::from(*p) == port)
+                .is_none_or(|(_, p)| p.is_http())
+        };
+        let mut enforced = Vec::new();
+        let mut refused = Vec::new();
+        for (key, policy) in &self.valid {
+            if !selects(policy, &workload) {
+                continue;
+            }
+            match l7_on_non_http(policy, &served, is_http) {
+                None => enforced.push(policy.clone()),
+                Some(refusal) => {
+                    refused.push(Refused::L7OnNonHttp {
+                        policy: key.clone(),
+                        pod: pod.id(),
+                        refusal,
+                    });
+                    let previous = last.iter().find(|p| policy_key(p) == *key);
+                    enforced.extend(previous.cloned());
+                }
+            }
+        }
+        (enforced, refused)
+    }
+}
+
+/// The pod as a policy target.
+pub fn workload(pod: &LocalPod) -> Workload {
+    Workload {
+        namespace: pod.info.namespace.clone(),
+        labels: pod.info.labels.clone(),
+        services: vec![pod.info.service()],
+    }
+}
+
+/// The RBAC filters of a pod's inbound chains.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Filters {
+    /// Network filters for the TCP chain, before the TCP proxy.
+    pub tcp: Vec<Filter>,
+    /// HTTP filters for the HTTP chain, before the router.
+    pub http: Vec<HttpFilter>,
+}
+
+/// Compiles `policies` (all selecting the pod, valid and checked against its ports).
+pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>]) -> Filters {
+    let ports = pod.info.mesh_ports();
+    let Some((primary, _)) = ports.first() else {
+        return Filters::default();
+    };
+    let http_ports: Vec<u16> = ports.iter().filter(|(_, p)| p.is_http()).map(|(p, _)| *p).collect();
+    let prefix = format!("authz.{}.{}.", pod.info.namespace, pod.info.name);
+    let tcp = stages(policies, &Layer::Tcp { port: *primary });
+    let http = stages(policies, &Layer::Http { ports: &http_ports });
+    Filters {
+        tcp: tcp.into_iter().map(|s| s.network(&prefix)).collect(),
+        http: if http_ports.is_empty() {
+            Vec::new()
+        } else {
+            http.into_iter().map(|s| s.http()).collect()
+        },
+    }
+}
+
+/// One RBAC filter: enforced rules and/or shadow rules, each with its stat prefix.
+struct Stage {
+    rules: Option<Rules>,
+    rules_stat_prefix: String,
+    shadow: Option<Rules>,
+    shadow_stat_prefix: String,
+}
+
+/// The filters of one layer, in order: one per AUDIT policy, DENY, ALLOW.
+fn stages(policies: &[Arc<AuthorizationPolicy>], layer: &Layer) -> Vec<Stage> {
+    let of = |action: AuthorizationAction, dry_run: bool| -> Vec<&AuthorizationPolicy> {
+        let matching = policies.iter().filter(|p| p.action() == action);
+        matching.filter(|p| p.dry_run == dry_run).map(|p| &**p).collect()
+    };
+    // AUDIT first: shadow-only filters never deny, and so they see every request.
+    let audits = of(AuthorizationAction::Audit, false).into_iter().map(|audit| Stage {
+        rules: None,
+        rules_stat_prefix: String::new(),
+        // A match of the audit engine counts as its `shadow_denied` and names the rule.
+        shadow: Some(Rules::of(mirror::DENY, &[audit], layer)),
+        shadow_stat_prefix: format!("audit.{}.{}.", audit.namespace, audit.name),
+    });
+    let mut stages: Vec<Stage> = audits.collect();
+    for (action, rbac_action, name) in [
+        (AuthorizationAction::Deny, mirror::DENY, "deny."),
+        (AuthorizationAction::Allow, mirror::ALLOW, "allow."),
+    ] {
+        let enforced = of(action, false);
+        let dry = of(action, true);
+        // Without an enforced ALLOW policy nothing is allow-listed (decide's step 3).
+        let enforce = !enforced.is_empty();
+        let shadow = !dry.is_empty();
+        if !enforce && !shadow {
+            continue;
+        }
+        stages.push(Stage {
+            rules: enforce.then(|| Rules::of(rbac_action, &enforced, layer)),
+            rules_stat_prefix: name.to_owned(),
+            shadow: shadow.then(|| Rules::of(rbac_action, &[enforced, dry].concat(), layer)),
+            shadow_stat_prefix: format!("dry_run.{name}"),
+        });
+    }
+    stages
+}
+
+impl Stage {
+    fn network(self, pod_prefix: &str) -> Filter {
+        let config = NetworkRbacConfig {
+            stat_prefix: format!("{pod_prefix}{}", self.rules_stat_prefix),
+            rules: self.rules,
+            shadow_rules: self.shadow,
+            shadow_rules_stat_prefix: self.shadow_stat_prefix,
+            // Judged once per connection, on its first bytes (identity and port are known by then).
+            enforcement_type: 0,
+        };
+        Filter {
+            name: "envoy.filters.network.rbac".to_owned(),
+            config_type: Some(filter::ConfigType::TypedConfig(typed::<NetworkRbac>(&config))),
+        }
+    }
+
+    fn http(self) -> HttpFilter {
+        let config = HttpRbacConfig {
+            rules: self.rules,
+            rules_stat_prefix: self.rules_stat_prefix,
+            shadow_rules: self.shadow,
+            shadow_rules_stat_prefix: self.shadow_stat_prefix,
+        };
+        HttpFilter {
+            name: "envoy.filters.http.rbac".to_owned(),
+            config_type: Some(http_filter::ConfigType::TypedConfig(typed::<HttpRbac>(&config))),
+            ..Default::default()
+        }
+    }
+}
+
+/// `mirror` encoded under the type URL of the Envoy message it mirrors.
+fn typed<T: Name>(mirror: &impl Message) -> Any {
+    Any {
+        type_url: T::type_url(),
+        value: mirror.encode_to_vec(),
+    }
+}

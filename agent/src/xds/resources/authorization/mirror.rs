@@ -1,0 +1,84 @@
+//! Wire-compatible mirrors of Envoy's RBAC filter configs, with the policy map as a list
+//! sorted by name. Envoy's generated `config.rbac.v3.RBAC.policies` is a `HashMap`, which
+//! prost encodes in a random order: equal policies would give different bytes, so a new
+//! listener version and a needless drain of the pod's connections. A map entry on the
+//! wire is a message `{1: key, 2: value}`, so a repeated entry is the same encoding.
+
+use aether_proto::registry::v1::AuthorizationPolicy;
+use envoy_types::pb::envoy::config::rbac::v3::Policy;
+
+use super::compile::{self, Layer};
+
+/// `config.rbac.v3.RBAC.Action`.
+pub const ALLOW: i32 = 0;
+pub const DENY: i32 = 1;
+
+/// `envoy.config.rbac.v3.RBAC` (action and policies).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Rules {
+    #[prost(int32, tag = "1")]
+    pub action: i32,
+    #[prost(message, repeated, tag = "2")]
+    pub policies: Vec<Entry>,
+}
+
+/// One entry of `RBAC.policies`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Entry {
+    #[prost(string, tag = "1")]
+    pub name: String,
+    #[prost(message, optional, tag = "2")]
+    pub policy: Option<Policy>,
+}
+
+impl Rules {
+    /// One Envoy policy per rule that can match on `layer`, named `<ns>/<name>#<rule>`.
+    pub fn of(action: i32, policies: &[&AuthorizationPolicy], layer: &Layer) -> Self {
+        let mut entries: Vec<Entry> = policies
+            .iter()
+            .flat_map(|policy| {
+                let key = format!("{}/{}", policy.namespace, policy.name);
+                let rules = policy.rules.iter().enumerate();
+                rules.filter_map(move |(i, rule)| {
+                    Some(Entry {
+                        name: format!("{key}#{i}"),
+                        policy: Some(compile::rule(rule, layer)?),
+                    })
+                })
+            })
+            .collect();
+        entries.sort_by(|a, b| a.name.cmp(&b.name));
+        Rules {
+            action,
+            policies: entries,
+        }
+    }
+}
+
+/// `envoy.extensions.filters.network.rbac.v3.RBAC`, the fields we set.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct NetworkRbacConfig {
+    #[prost(message, optional, tag = "1")]
+    pub rules: Option<Rules>,
+    #[prost(message, optional, tag = "2")]
+    pub shadow_rules: Option<Rules>,
+    #[prost(string, tag = "3")]
+    pub stat_prefix: String,
+    #[prost(int32, tag = "4")]
+    pub enforcement_type: i32,
+    #[prost(string, tag = "5")]
+    pub shadow_rules_stat_prefix: String,
+}
+
+/// `envoy.extensions.filters.http.rbac.v3.RBAC`, the fields we set.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct HttpRbacConfig {
+    #[prost(message, optional, tag = "1")]
+    pub rules: Option<Rules>,
+    #[prost(message, optional, tag = "2")]
+    pub shadow_rules: Option<Rules>,
+    #[prost(string, tag = "3")]
+    pub shadow_rules_stat_prefix: String,
+    #[prost(string, tag = "6")]
+    pub rules_stat_prefix: String,
+}

@@ -1,0 +1,77 @@
+//! The compiled RBAC against `decide`: an evaluator of the Envoy RBAC subset we emit
+//! (`eval`), a request matrix over policy sets judged by both (`table`), the filters'
+//! shape, refusals and re-generation (`compiled`), and Envoy's own validation (`envoy`).
+
+mod compiled;
+mod envoy;
+mod eval;
+mod table;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use aether_api::authorization::{ProjectOptions, parse_documents, project};
+use aether_proto::registry::v1::{AuthorizationPolicy, Locality};
+use aether_proto::view::{CatalogView, policy_key};
+use envoy_types::pb::envoy::config::listener::v3::Listener;
+use prost::Message;
+
+use crate::pod::{ContainerPort, LocalPod, PodInfo};
+use crate::xds::resources::{Generated, Generator, Inputs};
+
+/// `shop/cart-1` (labels app=cart, service shop/cart): TCP 5432 (primary, so the TCP
+/// chain's port), HTTP 8080 and HTTP/2 9090.
+pub fn cart() -> LocalPod {
+    let port = |name: &str, port: u16| ContainerPort {
+        name: name.into(),
+        port,
+        protocol: "TCP".into(),
+    };
+    LocalPod {
+        container_id: "c-cart".into(),
+        netns: "/run/aether/netns/cart".into(),
+        ips: vec!["10.2.0.1".parse().unwrap()],
+        info: PodInfo {
+            namespace: "shop".into(),
+            name: "cart-1".into(),
+            service_account: "cart".into(),
+            labels: BTreeMap::from([("app".into(), "cart".into())]),
+            ports: vec![port("tcp-db", 5432), port("http", 8080), port("http2-admin", 9090)],
+            ..Default::default()
+        },
+    }
+}
+
+/// Policies from YAML, projected as the registrar does.
+pub fn policies(yaml: &str) -> Vec<Arc<AuthorizationPolicy>> {
+    let objects = parse_documents(yaml).into_iter().map(|o| o.unwrap());
+    let projected = objects.map(|o| project(&o, &ProjectOptions::default()).unwrap());
+    projected.map(Arc::new).collect()
+}
+
+pub fn catalog(policies: &[Arc<AuthorizationPolicy>]) -> CatalogView {
+    CatalogView {
+        policies: policies.iter().map(|p| (policy_key(p), p.clone())).collect(),
+        ..Default::default()
+    }
+}
+
+pub fn generate(generator: &mut Generator, catalog: &CatalogView, pods: &[LocalPod]) -> Generated {
+    let locality = Locality::default();
+    let on_demand = BTreeMap::new();
+    generator.generate(&Inputs {
+        pods,
+        catalog,
+        mesh_domain: "aether.internal",
+        locality: &locality,
+        on_demand: &on_demand,
+    })
+}
+
+/// The pod's inbound listener as generated.
+pub fn inbound(generated: &Generated, pod: &LocalPod) -> Listener {
+    let name = format!("inbound|{}", pod.id());
+    let listeners = &generated[crate::xds::LISTENER];
+    let resource = listeners.iter().find(|r| r.name == name).unwrap();
+    Listener::decode(&*resource.body.value).unwrap()
+}
