@@ -1,6 +1,7 @@
 //! The registrar's one connection to the Kubernetes API, when `--store kubernetes` or
 //! `--from-kubernetes` asks for it: one client, one watch of the Gateway API routes
-//! (`crate::routes::kubernetes`) and one of the core/v1 Services ([`services`]),
+//! (`crate::routes::kubernetes`), one of the AuthorizationPolicies
+//! (`crate::policies::kubernetes`) and one of the core/v1 Services ([`services`]),
 //! shared by the Kubernetes store and the sources that feed a writable store.
 
 pub mod services;
@@ -9,6 +10,7 @@ use kube::Client;
 
 use self::services::ClusterServices;
 use crate::config::{Config, StoreKind};
+use crate::policies::kubernetes::ClusterPolicies;
 use crate::routes::kubernetes::ClusterRoutes;
 use crate::store::StoreError;
 
@@ -17,6 +19,7 @@ use crate::store::StoreError;
 pub struct ClusterAccess {
     pub client: Client,
     pub routes: ClusterRoutes,
+    pub policies: ClusterPolicies,
     pub services: ClusterServices,
 }
 
@@ -36,6 +39,7 @@ pub async fn connect(config: &Config) -> Result<Option<ClusterAccess>, StoreErro
     })?;
     Ok(Some(ClusterAccess {
         routes: ClusterRoutes::start(client.clone()),
+        policies: ClusterPolicies::start(client.clone()),
         services: ClusterServices::start(client.clone()),
         client,
     }))

@@ -8,6 +8,8 @@
 //! naming the field, metric) and never half-applied; an earlier accepted version of it
 //! keeps being served, hence enforced, until the object is fixed or deleted.
 
+pub mod kubernetes;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use aether_api::authorization::{self as projector, AuthorizationPolicy as PolicyObject, ProjectOptions};
@@ -41,6 +43,14 @@ pub struct Projection {
 }
 
 impl Projector {
+    /// A projector that has accepted nothing yet.
+    pub fn new(options: ProjectOptions) -> Projector {
+        Projector {
+            options,
+            last_good: HashMap::new(),
+        }
+    }
+
     /// A projector whose last accepted versions are the policies the catalog stores:
     /// after a restart, an object refused now keeps what was accepted before.
     pub fn resuming(catalog: &Catalog, options: ProjectOptions) -> Projector {

@@ -263,6 +263,8 @@ pub async fn open_store(config: &Config, cluster: Option<&ClusterAccess>) -> Res
                     vips,
                     routes: cluster.routes.clone(),
                     services: cluster.services.clone(),
+                    policies: cluster.policies.clone(),
+                    policy_options: policy_options(config),
                 },
             )?)
         }
@@ -360,9 +362,7 @@ fn run_sources(
 ) {
     if let Some(dir) = &config.routes_dir {
         let settings = crate::routes::directory::Settings {
-            policy_options: ProjectOptions {
-                root_namespace: config.mesh_root_namespace.clone(),
-            },
+            policy_options: policy_options(config),
         };
         let source = crate::routes::directory::run(
             dir.clone(),
@@ -374,15 +374,37 @@ fn run_sources(
         tasks.critical("the configuration directory source", source);
     }
     let Some(cluster) = cluster else { return };
+    use crate::policies::kubernetes::{run as policy_source, status as policy_status};
     use crate::routes::kubernetes::{run as route_source, status};
     if config.store != StoreKind::Kubernetes {
         let source = route_source(cluster.routes.clone(), catalog.clone(), shutdown.clone());
         tasks.critical("the Kubernetes route source", source);
         let source = crate::cluster::services::run(cluster.services.clone(), catalog.clone(), shutdown.clone());
         tasks.critical("the Kubernetes Service attribute source", source);
+        let source = policy_source(
+            cluster.policies.clone(),
+            policy_options(config),
+            catalog.clone(),
+            shutdown.clone(),
+        );
+        tasks.critical("the Kubernetes AuthorizationPolicy source", source);
     }
+    let writer = policy_status::run(
+        cluster.policies,
+        policy_options(config),
+        cluster.client.clone(),
+        shutdown.clone(),
+    );
+    tasks.critical("the AuthorizationPolicy status writer", writer);
     let writer = status::run(cluster.routes, catalog.clone(), cluster.client, shutdown.clone());
     tasks.critical("the route status writer", writer);
+}
+
+/// How policies are projected: `--mesh-root-namespace`.
+fn policy_options(config: &Config) -> ProjectOptions {
+    ProjectOptions {
+        root_namespace: config.mesh_root_namespace.clone(),
+    }
 }
 
 /// Loads the catalog from the store.

@@ -59,6 +59,8 @@ fn store(cluster: &ApiServer) -> KubeStore {
             vips: VipAllocator::new("240.240.0.0/16".parse().unwrap()).unwrap(),
             routes: ClusterRoutes::start(cluster.client()),
             services: ClusterServices::start(cluster.client()),
+            policies: aether_registrar::policies::kubernetes::ClusterPolicies::start(cluster.client()),
+            policy_options: Default::default(),
         },
     )
     .unwrap()

@@ -29,8 +29,9 @@ pub(super) struct Kind {
 /// locality, the registrar's Kubernetes store), Services (their clusterIPs and
 /// trafficDistribution, which the registrar carries in the catalog), the registrar's VIP ConfigMap, the
 /// CNI installer's owner DaemonSet, and the Gateway API routes the registrar watches and
-/// writes the status of (CRDs with the status subresource, as gateway-api installs them).
-const SERVED: [Kind; 7] = [
+/// writes the status of (CRDs with the status subresource, as gateway-api installs them),
+/// and the mesh's AuthorizationPolicies (ours, with the status subresource too).
+const SERVED: [Kind; 8] = [
     Kind::of::<Pod>().with_status(),
     Kind::of::<Node>().with_status(),
     Kind::of::<Service>().with_status(),
@@ -38,6 +39,12 @@ const SERVED: [Kind; 7] = [
     Kind::of::<DaemonSet>().with_status(),
     Kind::route("HTTPRoute", "httproutes"),
     Kind::route("GRPCRoute", "grpcroutes"),
+    Kind {
+        api_version: "security.aether.io/v1alpha1",
+        kind: "AuthorizationPolicy",
+        plural: "authorizationpolicies",
+        status: true,
+    },
 ];
 
 impl Kind {

@@ -24,6 +24,9 @@
 //!   projected by the one projector from the route watch ([`ClusterRoutes`]); a refused
 //!   object keeps its last accepted version while this process runs. They do not hold
 //!   `load` back longer than [`ROUTES_GRACE`] (a cluster without the CRDs has none).
+//! - **Policies** are the cluster's AuthorizationPolicies, projected the same way from
+//!   the policy watch ([`ClusterPolicies`]) with the mesh root namespace, under the
+//!   same grace.
 //! - Agents' Register/Unregister are accepted and ignored (`accepts_writes` is false).
 //!
 //! The watches (pods, nodes, the ConfigMap, routes, Services) feed one task that recomputes the
@@ -41,7 +44,7 @@ use std::time::Duration;
 use aether_common::pod_endpoint::{self, PodEndpoints};
 use aether_common::pod_meta::{self, AppProtocol};
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{Endpoint, Locality, PodInfo as PodRef, Route, Service};
+use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Locality, PodInfo as PodRef, Route, Service};
 use async_trait::async_trait;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, PodSpec, PodStatus};
@@ -55,6 +58,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Contents, Feed, FeedChange, FeedChangeKind, FeedEvent, Revision, Store, StoreError, StoreOp, Stored};
 use crate::cluster::services::{ClusterServices, ServiceSet};
 use crate::model::{ServiceKey, validate_endpoint};
+use crate::policies::kubernetes::{ClusterPolicies, PolicySet};
 use crate::routes::kubernetes::{ClusterRoutes, RouteSet};
 use crate::routes::{Projector, Refusal};
 use crate::vip::VipAllocator;
@@ -80,6 +84,10 @@ pub struct KubeConfig {
     pub routes: ClusterRoutes,
     /// The cluster's Services (the registrar's one Service watch).
     pub services: ClusterServices,
+    /// The cluster's AuthorizationPolicies (the registrar's one policy watch), and how
+    /// they are projected.
+    pub policies: ClusterPolicies,
+    pub policy_options: aether_api::authorization::ProjectOptions,
 }
 
 pub struct KubeStore {
@@ -105,6 +113,7 @@ struct Derived {
     services: BTreeMap<String, Stored<Service>>,
     endpoints: BTreeMap<(String, String), Stored<Endpoint>>,
     routes: BTreeMap<String, Stored<Route>>,
+    policies: BTreeMap<String, Stored<AuthorizationPolicy>>,
     log: VecDeque<FeedChange>,
 }
 
@@ -115,8 +124,7 @@ impl Derived {
             services: self.services.values().cloned().collect(),
             endpoints: self.endpoints.values().cloned().collect(),
             routes: self.routes.values().cloned().collect(),
-            // Not derived yet: the cluster's AuthorizationPolicy watch is still to come.
-            policies: Vec::new(),
+            policies: self.policies.values().cloned().collect(),
             unreadable: Vec::new(),
         }
     }
@@ -214,6 +222,33 @@ impl Derived {
     }
 }
 
+impl Derived {
+    /// Replaces the policies with `policies` (by key), logging each difference.
+    fn update_policies(&mut self, policies: &BTreeMap<String, AuthorizationPolicy>) -> bool {
+        let before = self.revision;
+        let gone: Vec<String> = (self.policies.keys())
+            .filter(|k| !policies.contains_key(*k))
+            .cloned()
+            .collect();
+        for key in gone {
+            self.policies.remove(&key);
+            self.record(FeedChangeKind::PolicyDeleted { key });
+        }
+        for (key, policy) in policies {
+            if self.policies.get(key).is_some_and(|p| p.value == *policy) {
+                continue;
+            }
+            let revision = self.record(FeedChangeKind::PolicyPut(policy.clone()));
+            let stored = Stored {
+                value: policy.clone(),
+                revision,
+            };
+            self.policies.insert(key.clone(), stored);
+        }
+        self.revision != before
+    }
+}
+
 /// `<namespace>/<name>` of the VIP ConfigMap, checked.
 fn parse_configmap(value: &str) -> Result<(String, String), StoreError> {
     let bad = |why: &str| StoreError::Config(format!("--kube-vip-configmap: {value:?}: {why}"));
@@ -255,10 +290,11 @@ impl KubeStore {
             vip_map: BTreeMap::new(),
             skipped: HashMap::new(),
             routes: DerivedRoutes::default(),
+            policies: DerivedPolicies::new(config.policy_options),
             attributes: Arc::default(),
-            synced: [false; 5],
+            synced: [false; 6],
         };
-        let watches = (config.routes, config.services);
+        let watches = (config.routes, config.services, config.policies);
         tokio::spawn(deriver.run(client.clone(), watches, stop.clone()));
         Ok(Self {
             shared,
@@ -360,6 +396,8 @@ enum Input {
     Routes(Option<Arc<RouteSet>>),
     /// The cluster's Services; `None`: not listed within [`ROUTES_GRACE`].
     Services(Option<Arc<ServiceSet>>),
+    /// The cluster's policy objects; `None`: not listed within [`ROUTES_GRACE`].
+    Policies(Option<Arc<PolicySet>>),
     Failed(&'static str, String),
 }
 
@@ -383,10 +421,48 @@ struct Deriver {
     /// Pods skipped for bad data, with the reason last logged (each logged once).
     skipped: HashMap<String, String>,
     routes: DerivedRoutes,
+    policies: DerivedPolicies,
     /// Each Service's attributes, by service key.
     attributes: Arc<ServiceSet>,
-    /// pods, nodes, ConfigMap listed once; routes and Services listed (or late).
-    synced: [bool; 5],
+    /// pods, nodes, ConfigMap listed once; routes, Services and policies listed (or late).
+    synced: [bool; 6],
+}
+
+/// The policies projected from the cluster's policy objects.
+struct DerivedPolicies {
+    projector: crate::policies::Projector,
+    /// The `spec_version` of the set last projected.
+    projected: Option<u64>,
+    policies: BTreeMap<String, AuthorizationPolicy>,
+    /// Refusals last logged.
+    reported: Vec<Refusal>,
+}
+
+impl DerivedPolicies {
+    fn new(options: aether_api::authorization::ProjectOptions) -> Self {
+        DerivedPolicies {
+            projector: crate::policies::Projector::new(options),
+            projected: None,
+            policies: BTreeMap::new(),
+            reported: Vec::new(),
+        }
+    }
+
+    /// Projects `set` unless it was already (only statuses changed since).
+    fn project(&mut self, set: &PolicySet) {
+        if self.projected.replace(set.spec_version) == Some(set.spec_version) {
+            return;
+        }
+        let projection = self.projector.project_holding(set.origins(), &HashSet::new());
+        if projection.refused != self.reported {
+            for refusal in &projection.refused {
+                tracing::warn!(origin = %quote(&refusal.origin), reason = %refusal.reason,
+                    "authorization policy refused; its last accepted version (if any) stays enforced");
+            }
+            self.reported = projection.refused;
+        }
+        self.policies = projection.policies;
+    }
 }
 
 /// The routes projected from the cluster's route objects.
@@ -436,6 +512,30 @@ async fn forward_routes(mut routes: ClusterRoutes, tx: mpsc::Sender<Input>) {
     while let Some(set) = routes.next().await {
         if tx.send(Input::Routes(Some(set))).await.is_err() {
             return;
+        }
+    }
+}
+
+/// Forwards each set of policy objects; the first within [`ROUTES_GRACE`], or `None`
+/// then.
+async fn forward_policies(mut policies: ClusterPolicies, tx: mpsc::Sender<Input>) {
+    let mut next = match tokio::time::timeout(ROUTES_GRACE, policies.next()).await {
+        Ok(Some(set)) => Some(set),
+        Ok(None) => return,
+        Err(_) => {
+            tracing::warn!(
+                "the AuthorizationPolicies are not listed yet; serving the catalog without them until they are"
+            );
+            None
+        }
+    };
+    loop {
+        if tx.send(Input::Policies(next)).await.is_err() {
+            return;
+        }
+        match policies.next().await {
+            Some(set) => next = Some(set),
+            None => return,
         }
     }
 }
@@ -502,7 +602,7 @@ impl Deriver {
     async fn run(
         mut self,
         client: Client,
-        (routes, services): (ClusterRoutes, ClusterServices),
+        (routes, services, policies): (ClusterRoutes, ClusterServices, ClusterPolicies),
         stop: CancellationToken,
     ) {
         let (tx, mut rx) = mpsc::channel(1024);
@@ -525,7 +625,8 @@ impl Deriver {
                 Input::ConfigMap(Box::new(e))
             })),
             tokio::spawn(forward_routes(routes, tx.clone())),
-            tokio::spawn(forward_services(services, tx)),
+            tokio::spawn(forward_services(services, tx.clone())),
+            tokio::spawn(forward_policies(policies, tx)),
         ];
         tracing::info!(configmap = %self.configmap, "deriving the catalog from managed Pods and Nodes");
         let mut relists = Relists::default();
@@ -617,6 +718,17 @@ impl Deriver {
                     "the VIP ConfigMap was deleted; keeping the VIPs already known"
                 ),
             },
+            input @ (Input::Routes(_) | Input::Services(_) | Input::Policies(_)) => self.take_config(input),
+            Input::Failed(what, error) => {
+                tracing::warn!(watch = what, %error, "Kubernetes watch failed; retrying with backoff (serving the last state)");
+            }
+        }
+    }
+
+    /// Takes in a set from one of the configuration watches (`None`: not listed in time,
+    /// serve without it for now).
+    fn take_config(&mut self, input: Input) {
+        match input {
             Input::Routes(set) => {
                 if let Some(set) = set {
                     self.routes.project(&set);
@@ -629,9 +741,13 @@ impl Deriver {
                 }
                 self.synced[4] = true;
             }
-            Input::Failed(what, error) => {
-                tracing::warn!(watch = what, %error, "Kubernetes watch failed; retrying with backoff (serving the last state)");
+            Input::Policies(set) => {
+                if let Some(set) = set {
+                    self.policies.project(&set);
+                }
+                self.synced[5] = true;
             }
+            _ => {}
         }
     }
 
@@ -772,7 +888,8 @@ impl Deriver {
         }
         let mut state = self.shared.state.lock();
         let routes_changed = state.update_routes(&self.routes.routes);
-        if state.update(services, endpoints) | routes_changed {
+        let policies_changed = state.update_policies(&self.policies.policies);
+        if state.update(services, endpoints) | routes_changed | policies_changed {
             let revision = state.revision;
             drop(state);
             self.shared.revision.send_replace(revision);
