@@ -3,6 +3,8 @@
 //! shape, refusals and re-generation (`compiled`), and Envoy's own validation (`envoy`).
 
 mod compiled;
+mod data_path;
+mod drain;
 mod envoy;
 mod eval;
 mod table;
