@@ -616,21 +616,6 @@ mod tests {
         assert_eq!(deps, expected);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_pod_is_served_once_built_with_its_upstreams_answered_and_acked() {
-        let state = tempfile::tempdir().unwrap();
-        let (node, catalog, cache) = node(state.path());
-        let mut info = PodInfo {
-            namespace: "demo".into(),
-            name: "p".into(),
-            ..PodInfo::default()
-        };
-        info.labels.insert(MANAGED_LABEL.into(), "true".into());
-        info.annotations
-            .insert(crate::upstreams::ANNOTATION.into(), "cart".into());
-        let pod = LocalPod {
-            container_id: "c-p".into(),
-            netns: "/run/netns/p".into(),
     #[tokio::test]
     async fn the_watch_asks_for_the_policies_of_the_local_pods_namespaces_as_pods_come_and_go() {
         let state = tempfile::tempdir().unwrap();
@@ -660,6 +645,21 @@ mod tests {
         assert_eq!(namespaces(&node), ["demo"], "the last pod of shop left");
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_pod_is_served_once_built_with_its_upstreams_answered_and_acked() {
+        let state = tempfile::tempdir().unwrap();
+        let (node, catalog, cache) = node(state.path());
+        let mut info = PodInfo {
+            namespace: "demo".into(),
+            name: "p".into(),
+            ..PodInfo::default()
+        };
+        info.labels.insert(MANAGED_LABEL.into(), "true".into());
+        info.annotations
+            .insert(crate::upstreams::ANNOTATION.into(), "cart".into());
+        let pod = LocalPod {
+            container_id: "c-p".into(),
+            netns: "/run/netns/p".into(),
             ips: vec!["10.0.0.1".parse().unwrap()],
             info,
         };
