@@ -132,7 +132,6 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let identity = crate::identity::Identity::start(&config.identity, metrics.identity.clone(), shutdown.clone())?;
     let cache = Cache::default();
     let (node, catalog_tx, deps_rx) = node(&config, locality, pods, &cache, identity, &metrics);
-
     let readiness = Readiness::new();
     let serving = readiness.gate("agent");
     let tasks = Tasks::new(shutdown.clone(), &readiness);
@@ -166,13 +165,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     );
     tasks.critical("the node controller", node.clone().run(shutdown.clone()));
 
-    let effects = Effects::production(registrar, capture.clone(), config.netns_pin_dir.clone(), node.clone());
-    let settings = CniSettings {
-        excluded_namespaces: config.excluded(),
-        pod_lookup_timeout: config.pod_lookup_timeout,
-        capture,
-    };
-    let cni = CniService::new(node.clone(), directory, settings, effects, metrics.cni.clone());
+    let cni = cni_service(&config, registrar, capture, directory, &node, &metrics);
     let failures = serve_sockets(&config, cache, &node, cni, metrics.xds.clone(), &tasks, &shutdown)?;
     let admin_addr = serve_admin(
         &config,
@@ -197,6 +190,24 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         shutdown,
         serving,
     })
+}
+
+/// The CNI plugin's service: admits pods into the node, capturing and registering them.
+fn cni_service(
+    config: &Config,
+    registrar: Registrar,
+    capture: crate::capture::CaptureConfig,
+    directory: PodDirectory,
+    node: &Node,
+    metrics: &AgentMetrics,
+) -> CniService {
+    let effects = Effects::production(registrar, capture.clone(), config.netns_pin_dir.clone(), node.clone());
+    let settings = CniSettings {
+        excluded_namespaces: config.excluded(),
+        pod_lookup_timeout: config.pod_lookup_timeout,
+        capture,
+    };
+    CniService::new(node.clone(), directory, settings, effects, metrics.cni.clone())
 }
 
 /// Opens `catalog` once the first consistent catalog arrived from the registrar. A later

@@ -164,12 +164,10 @@ fn targets_select_by_namespace_labels_services_and_mesh_wide() {
 
 /// (source or operation of one ALLOW rule, request, allowed)
 fn field_cases() -> Vec<(&'static str, AuthzRequest, bool)> {
-    let mut tcp = get(WEB, "/");
-    tcp.http = None;
-    let mut other_port = get(WEB, "/");
-    other_port.port = 9090;
-    let mut post = get(WEB, "/");
-    post.http.as_mut().unwrap().method = "POST".into();
+    source_cases().into_iter().chain(operation_cases()).collect()
+}
+
+fn source_cases() -> Vec<(&'static str, AuthzRequest, bool)> {
     vec![
         (
             "from: [{source: {principals: ['spiffe://cluster.local/ns/shop/*']}}]",
@@ -221,6 +219,17 @@ fn field_cases() -> Vec<(&'static str, AuthzRequest, bool)> {
             get(WEB, "/"),
             true,
         ),
+    ]
+}
+
+fn operation_cases() -> Vec<(&'static str, AuthzRequest, bool)> {
+    let mut tcp = get(WEB, "/");
+    tcp.http = None;
+    let mut other_port = get(WEB, "/");
+    other_port.port = 9090;
+    let mut post = get(WEB, "/");
+    post.http.as_mut().unwrap().method = "POST".into();
+    vec![
         ("to: [{operation: {ports: [8080]}}]", tcp.clone(), true),
         ("to: [{operation: {ports: [8080]}}]", other_port.clone(), false),
         ("to: [{operation: {notPorts: [9090]}}]", other_port, false),
