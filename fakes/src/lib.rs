@@ -4,3 +4,4 @@
 //! for it, speaking the real JSON over HTTP.
 
 pub mod kube;
+pub mod ports;

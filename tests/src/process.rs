@@ -1,7 +1,6 @@
 //! Child processes that never outlive their test.
 
 use std::fs::File;
-use std::net::TcpListener;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -217,10 +216,5 @@ pub fn processes() -> Vec<Process> {
     out
 }
 
-/// A TCP port that was free on 127.0.0.1 a moment ago (bind to port 0, read, release).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or_else(|e| panic!("free_port: {e}"))
-}
+/// A free TCP port on 127.0.0.1 no other test process was given (see `aether_fakes::ports`).
+pub use aether_fakes::ports::free_port;

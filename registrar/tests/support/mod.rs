@@ -6,7 +6,7 @@ pub mod etcd;
 pub mod replicas;
 pub mod updates;
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -30,9 +30,7 @@ use tonic::transport::Channel;
 pub const TIMEOUT: Duration = Duration::from_secs(20);
 
 /// A port nobody listens on right now.
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+pub use aether_fakes::ports::free_port;
 
 /// The registrar binary, killed when dropped.
 pub struct Registrar {
