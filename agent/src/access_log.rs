@@ -218,18 +218,24 @@ fn failure_of(entry: HttpAccessLogEntry) -> Option<(String, Failure)> {
     let failure = Failure {
         at_ms: at.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64,
         method,
-        authority: request.authority,
-        path: request.path,
+        authority: bounded(&request.authority),
+        path: bounded(&request.path),
         status: response.response_code.map_or(0, |c| c.value),
         flags: short_flags(&common.response_flags.unwrap_or_default()),
-        details: response.response_code_details,
-        route: common.route_name,
+        details: bounded(&response.response_code_details),
+        route: bounded(&common.route_name),
         upstream_cluster: common.upstream_cluster,
         upstream_host: common.upstream_remote_address.map(|a| ip_port(&a)).unwrap_or_default(),
-        upstream_failure: common.upstream_transport_failure_reason,
+        upstream_failure: bounded(&common.upstream_transport_failure_reason),
         duration_ms: duration.as_millis() as u64,
     };
     Some((pod, failure))
+}
+
+/// What a client sent (or Envoy said of it), kept and shown bounded: a ring of long URLs
+/// would hold their whole size per pod.
+fn bounded(text: &str) -> String {
+    aether_common::quote::clip(text).to_string()
 }
 
 fn ip_port(address: &Address) -> String {

@@ -129,9 +129,14 @@ fn an_envoy_entry_becomes_a_failure_of_the_tagged_pod() {
     let mut untagged = entry.clone();
     untagged.common_properties.as_mut().unwrap().custom_tags.clear();
     assert!(failure_of(untagged).is_none());
-    let mut reset = entry;
+    let mut reset = entry.clone();
     reset.response = None;
     assert_eq!(failure_of(reset).unwrap().1.status, 0);
+    // A client's long path is kept bounded, with its size.
+    let mut long = entry;
+    long.request.as_mut().unwrap().path = format!("/{}", "a".repeat(100_000));
+    let path = failure_of(long).unwrap().1.path;
+    assert!(path.len() < 1024 && path.ends_with("(100001 bytes)"), "{path}");
 }
 
 #[test]
