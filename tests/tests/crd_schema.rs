@@ -1,0 +1,549 @@
+//! The AuthorizationPolicy CRD (`charts/aether/crds/`) against the one projector (`aether_api::authorization`):
+//! what a `kubectl apply` would be refused for (the API server's served versions and name rule, the CRD's
+//! openAPIV3Schema as JSON Schema, its `x-kubernetes-validations` CEL rules) and what the registrar refuses must agree,
+//! on the same field, on every fixture of `tests/fixtures/authorization/` the schema can judge; the fixtures only
+//! the projector can judge are named with the reason. The schema must never refuse what the projector accepts, must
+//! name exactly the typed object's fields, and must keep unknown fields for the projector to refuse by name.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use aether_api::authorization::{
+    self, Action, AuthorizationPolicy, AuthorizationPolicySpec, Operation, ProjectOptions, Rule, RuleFrom, RuleTo,
+    Source, TargetRef, Unsupported, WorkloadSelector,
+};
+use aether_common::names::dns_label;
+use jsonschema::paths::LocationSegment;
+use serde_json::{Value, json};
+
+/// A refusal: the field (the projector's notation, `spec.rules[0].to[0].operation.paths[1]`) and why.
+type Refusal = (String, String);
+
+/// Invalid fixtures only the projector refuses, and why no schema can.
+const PROJECTOR_ONLY: [(&str, &str); 7] = [
+    ("bad-cidr", "an address's octets are beyond a character pattern"),
+    (
+        "cidr-host-bits",
+        "host bits need the prefix length applied to the address",
+    ),
+    ("label-key", "a structural schema cannot constrain the keys of a map"),
+    (
+        "match-expressions",
+        "an unknown field, kept for the projector to refuse by name",
+    ),
+    (
+        "mesh-wide-targets",
+        "the mesh root namespace is the registrar's --mesh-root-namespace",
+    ),
+    (
+        "target-namespace",
+        "an unknown field, kept for the projector to refuse by name",
+    ),
+    (
+        "when-condition",
+        "an unknown field, kept for the projector to refuse by name",
+    ),
+];
+
+const CRD: &str = "charts/aether/crds/authorizationpolicies.security.aether.io.yaml";
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn documents(text: &str) -> Vec<Value> {
+    let mut input = text.as_bytes();
+    let documents = serde_saphyr::read::<_, Value>(&mut input);
+    documents.map(|d| d.expect("YAML")).collect()
+}
+
+/// The API server's judge of AuthorizationPolicy documents, from the CRD.
+struct ApplyTime {
+    served: Vec<String>,
+    /// The openAPIV3Schema as written, with its `x-kubernetes-*` keys.
+    open_api: Value,
+    validator: jsonschema::Validator,
+}
+
+impl ApplyTime {
+    fn new() -> Self {
+        let text = std::fs::read_to_string(root().join(CRD)).expect("the CRD");
+        let [crd] = &documents(&text)[..] else {
+            panic!("{CRD}: one document")
+        };
+        let versions = crd["spec"]["versions"].as_array().expect("versions");
+        let served = versions.iter().filter(|v| v["served"] == json!(true));
+        let open_api = versions[0]["schema"]["openAPIV3Schema"].clone();
+        let validator = jsonschema::draft4::new(&without_kubernetes_keys(&open_api)).expect("a JSON Schema");
+        ApplyTime {
+            served: served.map(|v| v["name"].as_str().unwrap().to_owned()).collect(),
+            open_api,
+            validator,
+        }
+    }
+
+    /// The first reason the API server would refuse `document`, in the order it checks.
+    fn refusal(&self, document: &Value) -> Option<Refusal> {
+        let api_version = document["apiVersion"].as_str().unwrap_or_default();
+        let version = api_version.rsplit_once('/').map_or("", |(_, v)| v);
+        if !self.served.iter().any(|v| v == version) {
+            return Some(("apiVersion".to_owned(), format!("{api_version} is not served")));
+        }
+        let name = document["metadata"]["name"].as_str().unwrap_or_default();
+        if !(name.len() <= 253 && name.split('.').all(|l| dns_label(l).is_ok())) {
+            return Some(("metadata.name".to_owned(), "is not a DNS-1123 subdomain".to_owned()));
+        }
+        if let Some(error) = self.validator.iter_errors(document).next() {
+            return Some((field(error.instance_path().iter()), error.to_string()));
+        }
+        cel_refusal(&self.open_api, document, "")
+    }
+}
+
+/// JSON Schema from OpenAPI: the `x-kubernetes-*` extensions dropped (CEL rules are run by [`cel_refusal`]).
+fn without_kubernetes_keys(schema: &Value) -> Value {
+    match schema {
+        Value::Object(map) => (map.iter())
+            .filter(|(key, _)| !key.starts_with("x-kubernetes-"))
+            .map(|(key, value)| (key.clone(), without_kubernetes_keys(value)))
+            .collect(),
+        Value::Array(items) => items.iter().map(without_kubernetes_keys).collect(),
+        other => other.clone(),
+    }
+}
+
+/// A JSON pointer's segments as the projector names a field.
+fn field<'a>(segments: impl Iterator<Item = LocationSegment<'a>>) -> String {
+    let mut out = String::new();
+    for segment in segments {
+        match segment {
+            LocationSegment::Index(i) => out.push_str(&format!("[{i}]")),
+            LocationSegment::Property(name) if out.is_empty() => out.push_str(&name),
+            LocationSegment::Property(name) => out.push_str(&format!(".{name}")),
+        }
+    }
+    out
+}
+
+/// The first `x-kubernetes-validations` rule that `instance` breaks, at its `fieldPath`, walking `schema` as the API
+/// server does: each rule with `self` bound to the value of the node that declares it.
+fn cel_refusal(schema: &Value, instance: &Value, at: &str) -> Option<Refusal> {
+    for rule in schema["x-kubernetes-validations"].as_array().into_iter().flatten() {
+        let text = rule["rule"].as_str().expect("a rule");
+        let program = cel::Program::compile(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+        let mut context = cel::Context::default();
+        context.add_variable("self", instance.clone()).expect("self");
+        match program.execute(&context) {
+            Ok(cel::Value::Bool(true)) => {}
+            Ok(cel::Value::Bool(false)) => {
+                let path = format!("{at}{}", rule["fieldPath"].as_str().unwrap_or_default());
+                return Some((path, rule["message"].as_str().unwrap_or_default().to_owned()));
+            }
+            other => panic!("{text} on {instance}: {other:?}"),
+        }
+    }
+    let join = |key: &str| {
+        if at.is_empty() {
+            key.to_owned()
+        } else {
+            format!("{at}.{key}")
+        }
+    };
+    match instance {
+        Value::Object(map) => map.iter().find_map(|(key, value)| {
+            let property = schema["properties"].get(key)?;
+            cel_refusal(property, value, &join(key))
+        }),
+        Value::Array(items) => {
+            (items.iter().enumerate()).find_map(|(i, item)| cel_refusal(&schema["items"], item, &format!("{at}[{i}]")))
+        }
+        _ => None,
+    }
+}
+
+/// The projector's verdict on each AuthorizationPolicy of `text` (a decoding error counts as a refusal).
+fn projector(text: &str) -> Vec<Option<Refusal>> {
+    let options = ProjectOptions::default();
+    let verdict = |document: Result<AuthorizationPolicy, _>| match document {
+        Err(aether_api::yaml::ParseError { field, message, .. }) => Some((field, message)),
+        Ok(object) => (authorization::project(&object, &options).err()).map(|r| (r.field, r.message)),
+    };
+    authorization::parse_documents(text).into_iter().map(verdict).collect()
+}
+
+/// The documents `parse_documents` reads: our group and kind, any version.
+fn is_ours(document: &Value) -> bool {
+    let group = document["apiVersion"]
+        .as_str()
+        .and_then(|v| v.split_once('/'))
+        .map(|(g, _)| g);
+    group == Some(authorization::GROUP) && document["kind"] == authorization::KIND
+}
+
+fn fixtures(kind: &str) -> Vec<(String, String)> {
+    let dir = root().join("tests/fixtures/authorization").join(kind);
+    let mut files: Vec<PathBuf> = (std::fs::read_dir(&dir).expect("fixtures"))
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    let name = |path: &Path| path.file_stem().unwrap().to_string_lossy().into_owned();
+    files
+        .iter()
+        .map(|path| (name(path), std::fs::read_to_string(path).unwrap()))
+        .collect()
+}
+
+/// Both verdicts on every policy of `text`.
+fn verdicts(apply: &ApplyTime, text: &str) -> Vec<(Option<Refusal>, Option<Refusal>)> {
+    let ours: Vec<Value> = documents(text).into_iter().filter(is_ours).collect();
+    let projected = projector(text);
+    assert_eq!(ours.len(), projected.len(), "the same documents");
+    ours.iter().map(|d| apply.refusal(d)).zip(projected).collect()
+}
+
+#[test]
+fn valid_fixtures_pass_the_schema_and_the_projector() {
+    let apply = ApplyTime::new();
+    let files = fixtures("valid");
+    assert!(files.len() >= 5);
+    for (name, text) in files {
+        for (at_apply, at_projection) in verdicts(&apply, &text) {
+            assert_eq!((at_apply, at_projection), (None, None), "{name}");
+        }
+    }
+}
+
+/// An invalid fixture the schema refuses is refused on the projector's field; the others are exactly
+/// [`PROJECTOR_ONLY`].
+#[test]
+fn the_schema_and_the_projector_refuse_invalid_fixtures_on_the_same_field() {
+    let apply = ApplyTime::new();
+    let files = fixtures("invalid");
+    assert!(files.len() >= 25);
+    let mut projector_only = BTreeSet::new();
+    for (name, text) in files {
+        let [(at_apply, at_projection)] = &verdicts(&apply, &text)[..] else {
+            panic!("{name}: one policy")
+        };
+        let (field, message) = at_projection
+            .clone()
+            .unwrap_or_else(|| panic!("{name}: the projector accepts it"));
+        match at_apply {
+            Some((apply_field, apply_message)) => {
+                assert_eq!(
+                    *apply_field, field,
+                    "{name}: at apply {apply_message}; projected {message}"
+                )
+            }
+            None => {
+                let why = PROJECTOR_ONLY
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map_or("not listed", |(_, why)| why);
+                println!("only the projector judges {name}: {field}: {message} ({why})");
+                projector_only.insert(name);
+            }
+        }
+    }
+    let listed: BTreeSet<String> = PROJECTOR_ONLY.iter().map(|(n, _)| (*n).to_owned()).collect();
+    assert_eq!(projector_only, listed, "the fixtures only the projector refuses");
+}
+
+/// One policy with `value` at `field`: a source or operation list, a label value or a targetRef name.
+fn policy_with(field: &str, value: &Value) -> Value {
+    let spec = match field {
+        "matchLabels" => json!({"selector": {"matchLabels": {"app": value}}}),
+        "targetRefs.name" => json!({"targetRefs": [{"kind": "Service", "name": value}]}),
+        "ports" | "notPorts" | "methods" | "notMethods" | "paths" | "notPaths" | "hosts" | "notHosts" => {
+            json!({"rules": [{"to": [{"operation": {field: [value]}}]}]})
+        }
+        _ => json!({"rules": [{"from": [{"source": {field: [value]}}]}]}),
+    };
+    json!({"apiVersion": "security.aether.io/v1alpha1", "kind": "AuthorizationPolicy",
+           "metadata": {"name": "p", "namespace": "shop"}, "spec": spec})
+}
+
+fn projector_refuses(document: &Value) -> bool {
+    match serde_json::from_value::<AuthorizationPolicy>(document.clone()) {
+        Ok(object) => authorization::project(&object, &ProjectOptions::default()).is_err(),
+        Err(_) => true,
+    }
+}
+
+/// Values at the edges of each field's rule, and whether the schema's rule is the projector's exactly.
+type Edges = Vec<(&'static str, bool, Value)>;
+
+fn long(c: &str, n: usize) -> Value {
+    json!(c.repeat(n))
+}
+
+fn source_edges() -> Edges {
+    let principals = json!([
+        "*",
+        "spiffe://td",
+        "spiffe://td/ns/a/sa/b",
+        "spiffe://cluster.local/ns/a/*",
+        "*/sa/b",
+        "spiffe://TD/x",
+        "spiffe://td/a//b",
+        "spiffe://td/a/../b",
+        "spiffe://td/",
+        "spiffe://",
+        "spiffe://td/a?b",
+        "http://td/*",
+        "*/sa/b c",
+        "**",
+        "spiffe://td/*/x",
+        "cluster.local/ns/a"
+    ]);
+    let accounts = json!([
+        "shop/cart-sa",
+        "shop/a.b",
+        "0/9",
+        "shop",
+        "shop/*",
+        "Shop/a",
+        "shop/a/b",
+        "-a/b",
+        "a/"
+    ]);
+    let namespaces = json!([
+        "shop",
+        "9",
+        "team-*",
+        "Shop",
+        "-a",
+        "a-",
+        "",
+        long("a", 63),
+        long("a", 64)
+    ]);
+    let blocks = json!([
+        "10.0.0.0/8",
+        "10.1.2.3",
+        "fd00::/8",
+        "::ffff:1.2.3.4",
+        "10.0.0.1/8",
+        "10.0.0.0/33",
+        "ten"
+    ]);
+    vec![
+        ("principals", false, principals),
+        ("notServiceAccounts", false, accounts),
+        ("namespaces", true, namespaces),
+        ("ipBlocks", false, blocks),
+    ]
+}
+
+fn operation_edges() -> Edges {
+    let methods = json!(["GET", "PURGE_X-Y", "get", "G ET", "", long("A", 32), long("A", 33)]);
+    let paths = json!([
+        "/",
+        "/a/b",
+        "/a*",
+        "/*",
+        "*.json",
+        "*",
+        "a",
+        "a*",
+        "/a?x=1",
+        "/a#f",
+        "/a b",
+        "**",
+        "*/x*",
+        "/a*b",
+        "",
+        "/é",
+        long("/", 1025),
+        long("/", 1026)
+    ]);
+    let hosts = json!([
+        "*.example.com",
+        "api.local:8080",
+        "Api.Local",
+        "[::1]:80",
+        "prefix.*",
+        "*",
+        "a b",
+        "",
+        "**",
+        "a*b",
+        "*a*",
+        "é.local",
+        long("a", 259),
+        long("a", 260)
+    ]);
+    vec![
+        ("notPorts", true, json!([1, 8080, 65535, 0, 65536, -1, "http"])),
+        ("methods", true, methods),
+        ("paths", false, paths),
+        ("notHosts", true, hosts),
+    ]
+}
+
+fn target_edges() -> Edges {
+    let labels = json!([
+        "web",
+        "",
+        "A.b_c-9",
+        "a b",
+        "-a",
+        "a-",
+        "_a",
+        long("a", 63),
+        long("a", 64)
+    ]);
+    let names = json!(["cart", "Cart", "a.b", "-a", long("a", 63), long("a", 64)]);
+    vec![("matchLabels", true, labels), ("targetRefs.name", true, names)]
+}
+
+/// The schema's patterns and bounds never refuse a value the projector accepts (a looser rule is fine: the projector
+/// still refuses); where the schema states the projector's rule exactly, both refuse the same values.
+#[test]
+fn the_schema_never_refuses_what_the_projector_accepts() {
+    let apply = ApplyTime::new();
+    let mut refused_by_both = 0;
+    let edges = [source_edges(), operation_edges(), target_edges()].concat();
+    for (field, exact, values) in edges {
+        for value in values.as_array().unwrap() {
+            let document = policy_with(field, value);
+            let (at_apply, at_projection) = (apply.refusal(&document), projector_refuses(&document));
+            assert!(
+                at_apply.is_none() || at_projection,
+                "{field} {value}: the schema refuses what the projector accepts: {at_apply:?}"
+            );
+            if exact {
+                assert_eq!(at_apply.is_some(), at_projection, "{field} {value}: {at_apply:?}");
+            }
+            refused_by_both += usize::from(at_apply.is_some());
+        }
+    }
+    assert!(
+        refused_by_both >= 40,
+        "the edge values exercise the schema: {refused_by_both}"
+    );
+}
+
+/// A spec with every field of the typed object set (selector and targetRefs together: only names matter here).
+fn every_field() -> AuthorizationPolicySpec {
+    let some = |v: &str| vec![v.to_owned()];
+    let source = Source {
+        principals: some("*"),
+        not_principals: some("*"),
+        service_accounts: some("a/b"),
+        not_service_accounts: some("a/b"),
+        namespaces: some("a"),
+        not_namespaces: some("a"),
+        ip_blocks: some("10.0.0.0/8"),
+        not_ip_blocks: some("10.0.0.0/8"),
+        unsupported: Unsupported::new(),
+    };
+    let operation = Operation {
+        ports: vec![80],
+        not_ports: vec![80],
+        methods: some("GET"),
+        not_methods: some("GET"),
+        paths: some("/"),
+        not_paths: some("/"),
+        hosts: some("a"),
+        not_hosts: some("a"),
+        unsupported: Unsupported::new(),
+    };
+    let rule = Rule {
+        from: vec![RuleFrom {
+            source,
+            unsupported: Unsupported::new(),
+        }],
+        to: vec![RuleTo {
+            operation,
+            unsupported: Unsupported::new(),
+        }],
+        unsupported: Unsupported::new(),
+    };
+    let target = TargetRef {
+        group: String::new(),
+        kind: "Service".to_owned(),
+        name: "a".to_owned(),
+        unsupported: Unsupported::new(),
+    };
+    AuthorizationPolicySpec {
+        selector: Some(WorkloadSelector {
+            match_labels: [("app".to_owned(), "a".to_owned())].into(),
+            unsupported: Unsupported::new(),
+        }),
+        target_refs: vec![target],
+        action: Action::Deny,
+        dry_run: true,
+        rules: vec![rule],
+        unsupported: Unsupported::new(),
+    }
+}
+
+/// Walks the typed object's JSON beside its schema: each mapping names the schema's properties exactly and keeps
+/// unknown fields (so the projector sees them), each scalar has the schema's type.
+fn same_fields(schema: &Value, typed: &Value, at: &str) {
+    match typed {
+        Value::Object(map) if schema.get("properties").is_some() => {
+            let declared: BTreeSet<&String> = schema["properties"].as_object().unwrap().keys().collect();
+            assert_eq!(
+                declared,
+                map.keys().collect(),
+                "{at}: the schema's fields are the typed object's"
+            );
+            let preserved = &schema["x-kubernetes-preserve-unknown-fields"];
+            assert_eq!(preserved, &json!(true), "{at}: unknown fields must reach the projector");
+            for (key, value) in map {
+                same_fields(&schema["properties"][key], value, &format!("{at}.{key}"));
+            }
+        }
+        Value::Object(map) => {
+            assert_eq!(schema["type"], "object", "{at}");
+            map.values()
+                .for_each(|v| same_fields(&schema["additionalProperties"], v, &format!("{at}[]")));
+        }
+        Value::Array(items) => {
+            assert_eq!(schema["type"], "array", "{at}");
+            items
+                .iter()
+                .for_each(|item| same_fields(&schema["items"], item, &format!("{at}[]")));
+        }
+        Value::String(_) => assert_eq!(schema["type"], "string", "{at}"),
+        Value::Number(_) => assert_eq!(schema["type"], "integer", "{at}"),
+        Value::Bool(_) => assert_eq!(schema["type"], "boolean", "{at}"),
+        Value::Null => panic!("{at}: null"),
+    }
+}
+
+#[test]
+fn the_schema_names_exactly_the_fields_of_the_typed_object() {
+    let apply = ApplyTime::new();
+    let spec = serde_json::to_value(every_field()).unwrap();
+    same_fields(&apply.open_api["properties"]["spec"], &spec, "spec");
+}
+
+/// The status the registrar writes (policies/kubernetes/status.rs) fits the status schema, accepted or refused.
+#[test]
+fn the_status_the_registrar_writes_fits_the_schema() {
+    let apply = ApplyTime::new();
+    for (status, reason, message) in [
+        ("True", "Accepted", "accepted: enforced as written"),
+        (
+            "False",
+            "Invalid",
+            "spec.action: \"PERMIT\" is not ALLOW, DENY or AUDIT; the last accepted version stays",
+        ),
+    ] {
+        let mut policy = policy_with("namespaces", &json!("shop"));
+        policy["status"] = json!({"observedGeneration": 3, "conditions": [{
+            "type": "Accepted", "status": status, "reason": reason, "message": message,
+            "observedGeneration": 3, "lastTransitionTime": "2026-05-01T10:00:00Z"}]});
+        assert_eq!(apply.refusal(&policy), None, "{status}");
+    }
+    let mut unknown = policy_with("namespaces", &json!("shop"));
+    unknown["status"] = json!({"conditions": [{"type": "Accepted", "status": "Maybe"}]});
+    assert!(
+        apply.refusal(&unknown).is_some(),
+        "a condition's status is True, False or Unknown"
+    );
+}
