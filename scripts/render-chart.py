@@ -2,7 +2,8 @@
 """Lint and render a Helm chart with Helm's own Go code (helm-python-sdk embeds Helm v4).
 
 Usage: render-chart.py CHART_DIR [VALUES_JSON]
-Prints one JSON document: {"lint": <helm lint report>, "objects": [<rendered objects>], "error": <str or null>}.
+Prints one JSON document: {"lint": <helm lint report>, "objects": [<rendered objects>], "crds": [<objects of the
+chart's crds/, as Helm loads them: installed, never templated>], "error": <str or null>}.
 A template `fail` or a schema violation is reported in "error" (exit 0), so callers can assert on it.
 """
 import json
@@ -18,10 +19,12 @@ def main() -> int:
         return 2
     chart_dir = sys.argv[1]
     values = json.loads(sys.argv[2]) if len(sys.argv) == 3 else None
-    out = {"lint": helm.lint(chart_dir, values, strict=True, kube_version="v1.33.0"), "objects": [], "error": None}
+    lint = helm.lint(chart_dir, values, strict=True, kube_version="v1.33.0")
+    out = {"lint": lint, "objects": [], "crds": [], "error": None}
     try:
         with helm.Chart.load(chart_dir) as chart:
             chart.validate_schema(values)
+            out["crds"] = [doc for crd in chart.crds for doc in yaml.safe_load_all(crd["data"]) if doc]
             manifests = chart.render(values, name="aether", namespace="aether-system", is_install=True)
     except helm.HelmError as e:
         out["error"] = str(e)

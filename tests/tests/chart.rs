@@ -1,7 +1,7 @@
 //! The Helm chart (`charts/aether`), linted and rendered by Helm's own code (helm-python-sdk, which embeds Helm v4:
 //! no `helm` binary is installable here) for the default values and every store × identity combination. Every
-//! rendered object must deserialize into its k8s-openapi type without losing a field (so a misspelt key fails), and
-//! the invariants the product relies on are asserted on the typed objects. The control plane's mTLS material the
+//! rendered object, and every CRD of its `crds/`, must deserialize into its k8s-openapi type without losing a field
+//! (so a misspelt key fails), and the invariants the product relies on are asserted on the typed objects. The control plane's mTLS material the
 //! chart generates is checked with the real registrar: an agent-like client bootstraps a node certificate with a
 //! token shaped as the rendered projected volume, and calls the registrar with it.
 
@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use aether_api::authorization;
 use aether_common::tls::{self, CertSlot, Connector, PeerIdentity, ServerIdentity};
 use aether_fakes::kube::{ApiServer, TokenInfo};
 use aether_proto::registrar::v1::node_bootstrap_client::NodeBootstrapClient;
@@ -24,6 +25,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::{Value, json};
@@ -48,6 +50,8 @@ struct Rendered {
     secrets: Vec<Secret>,
     config_maps: Vec<ConfigMap>,
     network_policies: Vec<NetworkPolicy>,
+    /// The chart's `crds/`, which Helm applies as they are (never templated) before the templates.
+    crds: Vec<CustomResourceDefinition>,
     /// Every object as rendered, for checks on any string in them.
     raw: Vec<Value>,
 }
@@ -65,9 +69,9 @@ fn python() -> PathBuf {
     python
 }
 
-/// Runs scripts/render-chart.py: `Ok(objects)` or `Err(helm's error)` for a values set the chart refuses.
+/// Runs scripts/render-chart.py: `Ok((objects, crds))` or `Err(helm's error)` for a values set the chart refuses.
 /// With `lint_clean`, `helm lint --strict` must report nothing above info level.
-fn render_raw(values: &Value, lint_clean: bool) -> Result<Vec<Value>, String> {
+fn render_raw(values: &Value, lint_clean: bool) -> Result<(Vec<Value>, Vec<Value>), String> {
     let root = workspace_root();
     let out = Command::new(python())
         .arg(root.join("scripts/render-chart.py"))
@@ -87,12 +91,15 @@ fn render_raw(values: &Value, lint_clean: bool) -> Result<Vec<Value>, String> {
     }
     match report["error"].as_str() {
         Some(error) => Err(error.to_owned()),
-        None => Ok(report["objects"]
-            .as_array()
-            .expect("objects")
-            .iter()
-            .map(|o| o["object"].clone())
-            .collect()),
+        None => Ok((
+            report["objects"]
+                .as_array()
+                .expect("objects")
+                .iter()
+                .map(|o| o["object"].clone())
+                .collect(),
+            report["crds"].as_array().expect("crds").clone(),
+        )),
     }
 }
 
@@ -121,6 +128,8 @@ fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(object: &Value) -> T
     value
 }
 
+/// Nulls dropped and numbers compared as floats: k8s-openapi holds a schema's `minimum` as an f64, so `1` reads back
+/// as `1.0`.
 fn strip_nulls(value: Value) -> Value {
     match value {
         Value::Object(map) => Value::Object(
@@ -130,13 +139,17 @@ fn strip_nulls(value: Value) -> Value {
                 .collect(),
         ),
         Value::Array(items) => Value::Array(items.into_iter().map(strip_nulls).collect()),
+        Value::Number(n) => json!(n.as_f64()),
         other => other,
     }
 }
 
 fn render(values: Value) -> Rendered {
-    let objects = render_raw(&values, true).unwrap_or_else(|e| panic!("the chart refused {values}: {e}"));
-    let mut r = Rendered::default();
+    let (objects, crds) = render_raw(&values, true).unwrap_or_else(|e| panic!("the chart refused {values}: {e}"));
+    let mut r = Rendered {
+        crds: crds.iter().map(typed).collect(),
+        ..Rendered::default()
+    };
     for object in &objects {
         match object["kind"].as_str().expect("kind") {
             "DaemonSet" => r.daemon_sets.push(typed(object)),
@@ -486,11 +499,12 @@ fn assert_etcd_tls_is_a_group_readable_secret_volume(rspec: &PodSpec, rc: &Conta
 
 /// RBAC: read-only, only what each component reads, never Secrets. The exceptions are the registrar's
 /// TokenReview `create` (it reads and changes nothing), checked in assert_control_plane_tls, and its writes of
-/// route status (never of routes), checked in assert_the_registrar_writes_only_route_status.
+/// route and policy status (never of routes or policies), checked in assert_the_registrar_writes_only_route_status
+/// and assert_the_registrar_watches_policies_and_writes_only_their_status.
 fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, identity: &str, ctx: &str) {
     for role in &r.cluster_roles {
         for rule in role.rules.iter().flatten() {
-            if is_token_review_rule(rule) || is_route_status_rule(rule) {
+            if is_token_review_rule(rule) || is_route_status_rule(rule) || is_policy_status_rule(rule) {
                 continue;
             }
             let verbs: BTreeSet<&str> = rule.verbs.iter().map(String::as_str).collect();
@@ -518,11 +532,64 @@ fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, ide
     if store == "kubernetes" {
         want.insert("aether-registrar");
     }
-    // Routes and Services are read with every store (registrar.fromKubernetes is on by default).
+    // Routes, Services and AuthorizationPolicies are read with every store (registrar.fromKubernetes is on by
+    // default).
     want.insert("aether-registrar-routing");
+    want.insert("aether-registrar-authorization");
     assert_eq!(role_names, want, "{ctx}: ClusterRoles");
     assert_eq!(r.cluster_role_bindings.len(), want.len(), "{ctx}");
     assert_the_registrar_writes_only_route_status(r, store, ctx);
+    assert_the_registrar_watches_policies_and_writes_only_their_status(r, ctx);
+}
+
+/// The registrar's AuthorizationPolicy source lists and watches policies in every namespace and merge-patches their
+/// `/status` (the Accepted condition): no `get`, no `update`, no write of a policy itself.
+fn assert_the_registrar_watches_policies_and_writes_only_their_status(r: &Rendered, ctx: &str) {
+    let name = "aether-registrar-authorization";
+    let role = r
+        .cluster_roles
+        .iter()
+        .find(|c| c.metadata.name.as_deref() == Some(name))
+        .unwrap_or_else(|| panic!("{ctx}: no {name} ClusterRole"));
+    let rules: Vec<(Vec<String>, Vec<String>, Vec<String>)> = role
+        .rules
+        .iter()
+        .flatten()
+        .map(|rule| {
+            assert_eq!((&rule.resource_names, &rule.non_resource_urls), (&None, &None), "{ctx}");
+            (
+                rule.api_groups.clone().unwrap_or_default(),
+                rule.resources.clone().unwrap_or_default(),
+                rule.verbs.clone(),
+            )
+        })
+        .collect();
+    let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let group = strings(&[authorization::GROUP]);
+    assert_eq!(
+        rules,
+        [
+            (
+                group.clone(),
+                strings(&["authorizationpolicies"]),
+                strings(&["list", "watch"])
+            ),
+            (group, strings(&["authorizationpolicies/status"]), strings(&["patch"])),
+        ],
+        "{ctx}"
+    );
+    let binding = r
+        .cluster_role_bindings
+        .iter()
+        .find(|b| b.role_ref.name == name)
+        .unwrap_or_else(|| panic!("{ctx}: {name} is not bound"));
+    let subjects: Vec<_> = binding
+        .subjects
+        .iter()
+        .flatten()
+        .map(|s| (s.kind.as_str(), s.name.as_str()))
+        .collect();
+    assert_eq!(subjects, [("ServiceAccount", "aether-registrar")], "{ctx}");
 }
 
 /// The registrar watches HTTPRoutes and GRPCRoutes and may write only their `/status`, and reads Services; with a
@@ -811,6 +878,13 @@ fn is_route_status_rule(rule: &PolicyRule) -> bool {
         && rule.verbs.iter().all(|v| v == "patch" || v == "update")
 }
 
+/// `patch` of AuthorizationPolicy status only: the registrar's Accepted condition.
+fn is_policy_status_rule(rule: &PolicyRule) -> bool {
+    rule.api_groups.as_deref() == Some(&[authorization::GROUP.to_owned()][..])
+        && rule.resources.as_deref() == Some(&["authorizationpolicies/status".to_owned()][..])
+        && rule.verbs == ["patch"]
+}
+
 fn is_token_review_rule(rule: &PolicyRule) -> bool {
     rule.api_groups.as_deref() == Some(&["authentication.k8s.io".to_owned()][..])
         && rule.resources.as_deref() == Some(&["tokenreviews".to_owned()][..])
@@ -1096,6 +1170,7 @@ fn assert_registrar_cluster_roles_read_or_review<'a>(ends: &Ends<'a>) -> Vec<&'a
             assert!(
                 is_token_review_rule(rule)
                     || is_route_status_rule(rule)
+                    || is_policy_status_rule(rule)
                     || rule
                         .verbs
                         .iter()
@@ -1290,6 +1365,8 @@ fn the_chart_refuses_values_that_cannot_work() {
         (json!({"registrar": {"store": {"type": "consul"}}}), "type"),
         (json!({"otel": {"enabled": true}}), "otel.endpoint"),
         (json!({"meshDomain": "Not A Domain"}), "meshDomain"),
+        (json!({"inboundMtls": "off"}), "inboundMtls"),
+        (json!({"meshRootNamespace": "Mesh_Root"}), "meshRootNamespace"),
         // etcd is TLS by default: a plaintext endpoint needs tlsSecretName "" said out loud, and https:// a CA.
         (
             json!({"registrar": {"store": {"type": "etcd", "etcd": {"endpoints": ["http://etcd:2379"]}}}}),
@@ -1320,6 +1397,81 @@ fn the_chart_refuses_values_that_cannot_work() {
             Ok(_) => panic!("the chart accepted {values}"),
             Err(e) => assert!(e.contains(needle), "refusing {values} should name {needle}: {e}"),
         }
+    }
+}
+
+/// The AuthorizationPolicy CRD ships in the chart's `crds/` whatever the values: namespaced, one served and stored
+/// version, the status subresource the registrar writes through, and columns that show a policy's verdict.
+/// Without the cluster as a source (`registrar.fromKubernetes=false`, a writable store) no policy RBAC is rendered.
+#[test]
+fn the_authorization_policy_crd_ships_in_crds_with_its_status_and_columns() {
+    let r = render(json!({}));
+    let [crd] = &r.crds[..] else {
+        panic!("one CRD in crds/, got {}", r.crds.len())
+    };
+    let spec = &crd.spec;
+    assert_eq!(
+        crd.metadata.name.as_deref(),
+        Some("authorizationpolicies.security.aether.io")
+    );
+    assert_eq!(
+        (spec.group.as_str(), spec.names.kind.as_str(), spec.scope.as_str()),
+        (authorization::GROUP, authorization::KIND, "Namespaced")
+    );
+    assert_eq!(spec.names.plural, "authorizationpolicies");
+    assert_eq!(spec.names.short_names.as_deref(), Some(&["azp".to_owned()][..]));
+    let [version] = &spec.versions[..] else {
+        panic!("one version")
+    };
+    assert_eq!(
+        (version.name.as_str(), version.served, version.storage),
+        (authorization::VERSION, true, true)
+    );
+    let subresources = version.subresources.as_ref().expect("subresources");
+    assert!(subresources.status.is_some() && subresources.scale.is_none());
+    let columns: Vec<(&str, &str, i32)> = (version.additional_printer_columns.iter().flatten())
+        .map(|c| (c.name.as_str(), c.json_path.as_str(), c.priority.unwrap_or(0)))
+        .collect();
+    let accepted = r#".status.conditions[?(@.type=="Accepted")]"#;
+    assert_eq!(
+        columns,
+        [
+            ("Action", ".spec.action", 0),
+            ("Dry-Run", ".spec.dryRun", 0),
+            ("Accepted", &*format!("{accepted}.status"), 0),
+            ("Age", ".metadata.creationTimestamp", 0),
+            ("Message", &*format!("{accepted}.message"), 1),
+        ]
+    );
+    let schema = version.schema.as_ref().and_then(|s| s.open_api_v3_schema.as_ref());
+    let properties = schema.and_then(|s| s.properties.as_ref()).expect("a schema");
+    assert!(properties.contains_key("spec") && properties.contains_key("status"));
+
+    let without = render(json!({"registrar": {"fromKubernetes": false, "replicas": 1, "store": {"type": "embedded"}}}));
+    assert_eq!(without.crds.len(), 1, "crds/ does not depend on values");
+    assert!(
+        (without.cluster_roles.iter()).all(|c| c.metadata.name.as_deref() != Some("aether-registrar-authorization")),
+        "no policy source, no policy RBAC"
+    );
+}
+
+/// Authorization's mesh-wide settings reach the binaries: the agent's default inbound mTLS mode and the registrar's
+/// mesh root namespace (the release namespace unless set).
+#[test]
+fn inbound_mtls_and_the_mesh_root_namespace_reach_the_binaries() {
+    for (values, mtls, root) in [
+        (json!({}), "strict", "aether-system"),
+        (
+            json!({"inboundMtls": "permissive", "meshRootNamespace": "mesh-policy"}),
+            "permissive",
+            "mesh-policy",
+        ),
+    ] {
+        let r = render(values.clone());
+        let agent = container(pod_spec(&r, "aether-agent"), "agent");
+        let registrar = container(pod_spec(&r, "aether-registrar"), "registrar");
+        assert_eq!(flag(agent, "--inbound-mtls"), mtls, "{values}");
+        assert_eq!(flag(registrar, "--mesh-root-namespace"), root, "{values}");
     }
 }
 
