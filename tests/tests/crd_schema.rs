@@ -250,11 +250,12 @@ fn the_schema_and_the_projector_refuse_invalid_fixtures_on_the_same_field() {
     assert_eq!(projector_only, listed, "the fixtures only the projector refuses");
 }
 
-/// One policy with `value` at `field`: a source or operation list, a label value or a targetRef name.
+/// One policy with `value` at `field`: a source or operation list, a label value, a targetRef's name or group.
 fn policy_with(field: &str, value: &Value) -> Value {
     let spec = match field {
         "matchLabels" => json!({"selector": {"matchLabels": {"app": value}}}),
         "targetRefs.name" => json!({"targetRefs": [{"kind": "Service", "name": value}]}),
+        "targetRefs.group" => json!({"targetRefs": [{"group": value, "kind": "Service", "name": "cart"}]}),
         "ports" | "notPorts" | "methods" | "notMethods" | "paths" | "notPaths" | "hosts" | "notHosts" => {
             json!({"rules": [{"to": [{"operation": {field: [value]}}]}]})
         }
@@ -395,7 +396,12 @@ fn target_edges() -> Edges {
         long("a", 64)
     ]);
     let names = json!(["cart", "Cart", "a.b", "-a", long("a", 63), long("a", 64)]);
-    vec![("matchLabels", true, labels), ("targetRefs.name", true, names)]
+    let groups = json!(["", "core", "Core", "gateway.networking.k8s.io"]);
+    vec![
+        ("matchLabels", true, labels),
+        ("targetRefs.name", true, names),
+        ("targetRefs.group", true, groups),
+    ]
 }
 
 /// The schema's patterns and bounds never refuse a value the projector accepts (a looser rule is fine: the projector
