@@ -33,6 +33,9 @@ use tonic::{Request, Response, Status, Streaming};
 use envoy_types::pb::envoy::config::core::v3::{Address, address};
 use envoy_types::pb::google::protobuf::{Any, Duration as ProtoDuration};
 
+pub mod decisions;
+pub use decisions::Decisions;
+
 /// The bootstrap's cluster of the agent's xDS socket (`proxy/bootstrap.yaml`).
 pub const AGENT_CLUSTER: &str = "aether_xds";
 /// The custom tag naming the calling pod (`<ns>/<name>`).
@@ -110,11 +113,6 @@ impl RecentFailures {
         let ring = rings.by_pod.get(pod).into_iter().flatten();
         ring.rev().filter(|f| f.is_to(names)).cloned().collect()
     }
-
-    /// The gRPC service Envoy's access loggers stream to.
-    pub fn service(&self) -> AccessLogServiceServer<Sink> {
-        AccessLogServiceServer::new(Sink(self.clone()))
-    }
 }
 
 /// The logger of a pod's outbound HTTP chains: failures only, tagged with the pod.
@@ -143,28 +141,7 @@ pub fn logger(pod_id: &str) -> AccessLog {
         })),
     };
     let config = HttpGrpcAccessLogConfig {
-        common_config: Some(CommonGrpcAccessLogConfig {
-            log_name: "aether_failures".into(),
-            grpc_service: Some(GrpcService {
-                target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(grpc_service::EnvoyGrpc {
-                    cluster_name: AGENT_CLUSTER.into(),
-                    ..Default::default()
-                })),
-                ..Default::default()
-            }),
-            transport_api_version: ApiVersion::V3 as i32,
-            buffer_flush_interval: Some(ProtoDuration {
-                seconds: 0,
-                nanos: 100_000_000,
-            }),
-            custom_tags: vec![CustomTag {
-                tag: SOURCE_TAG.into(),
-                r#type: Some(custom_tag::Type::Literal(custom_tag::Literal {
-                    value: pod_id.to_owned(),
-                })),
-            }],
-            ..Default::default()
-        }),
+        common_config: Some(common_config("aether_failures", SOURCE_TAG, pod_id)),
         ..Default::default()
     };
     AccessLog {
@@ -177,8 +154,44 @@ pub fn logger(pod_id: &str) -> AccessLog {
     }
 }
 
-/// Receives Envoy's access-log streams into the rings.
-pub struct Sink(RecentFailures);
+/// Envoy's gRPC logger config: to the agent over the xDS socket's cluster, batched
+/// every 100 ms, each entry tagged `tag: pod_id`.
+fn common_config(log_name: &str, tag: &str, pod_id: &str) -> CommonGrpcAccessLogConfig {
+    CommonGrpcAccessLogConfig {
+        log_name: log_name.into(),
+        grpc_service: Some(GrpcService {
+            target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(grpc_service::EnvoyGrpc {
+                cluster_name: AGENT_CLUSTER.into(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }),
+        transport_api_version: ApiVersion::V3 as i32,
+        buffer_flush_interval: Some(ProtoDuration {
+            seconds: 0,
+            nanos: 100_000_000,
+        }),
+        custom_tags: vec![CustomTag {
+            tag: tag.into(),
+            r#type: Some(custom_tag::Type::Literal(custom_tag::Literal {
+                value: pod_id.to_owned(),
+            })),
+        }],
+        ..Default::default()
+    }
+}
+
+/// Receives Envoy's access-log streams: failed calls into the rings, authorization
+/// decisions into their log and counters.
+pub struct Sink {
+    failures: RecentFailures,
+    decisions: Decisions,
+}
+
+/// The gRPC service Envoy's access loggers stream to.
+pub fn service(failures: RecentFailures, decisions: Decisions) -> AccessLogServiceServer<Sink> {
+    AccessLogServiceServer::new(Sink { failures, decisions })
+}
 
 #[tonic::async_trait]
 impl AccessLogService for Sink {
@@ -192,8 +205,10 @@ impl AccessLogService for Sink {
                 continue;
             };
             for entry in logs.log_entry {
-                if let Some((pod, failure)) = failure_of(entry) {
-                    self.0.record(&pod, failure);
+                if let Some(decisions) = decisions::decisions_of(&entry) {
+                    decisions.into_iter().for_each(|d| self.decisions.record(d));
+                } else if let Some((pod, failure)) = failure_of(entry) {
+                    self.failures.record(&pod, failure);
                 }
             }
         }

@@ -166,7 +166,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     tasks.critical("the node controller", node.clone().run(shutdown.clone()));
 
     let cni = cni_service(&config, registrar, capture, directory, &node, &metrics);
-    let failures = serve_sockets(&config, cache, &node, cni, metrics.xds.clone(), &tasks, &shutdown)?;
+    let failures = serve_sockets(&config, cache, &node, cni, &metrics, &tasks, &shutdown)?;
     let admin_addr = serve_admin(
         &config,
         registry,
@@ -308,6 +308,7 @@ struct AgentMetrics {
     envoy_requests: EnvoyRequestMetrics,
     identity: crate::identity::IdentityMetrics,
     dns_records: crate::dns_records::DnsRecordsMetrics,
+    decisions: crate::access_log::Decisions,
 }
 
 impl AgentMetrics {
@@ -323,6 +324,7 @@ impl AgentMetrics {
             envoy_requests: EnvoyRequestMetrics::new(config.envoy_admin, ENVOY_STATS_TIMEOUT),
             identity: crate::identity::IdentityMetrics::default(),
             dns_records: crate::dns_records::DnsRecordsMetrics::default(),
+            decisions: crate::access_log::Decisions::default(),
         };
         registry.register_collector(Box::new(this.envoy_requests.clone()));
         let metrics = registry.sub_registry_with_prefix("aether_agent");
@@ -341,6 +343,7 @@ impl AgentMetrics {
         );
         this.identity.register(metrics);
         this.dns_records.register(metrics);
+        this.decisions.register(metrics);
         this
     }
 }
@@ -445,12 +448,12 @@ fn serve_sockets(
     cache: Cache,
     node: &Node,
     cni: CniService,
-    xds_metrics: XdsMetrics,
+    metrics: &AgentMetrics,
     tasks: &Tasks,
     shutdown: &CancellationToken,
 ) -> Result<RecentFailures, StartError> {
     let hooks = Hooks {
-        metrics: xds_metrics,
+        metrics: metrics.xds.clone(),
         on_demand: {
             let node = node.clone();
             Arc::new(move |type_url: &str, names: &[String]| node.on_demand(type_url, names))
@@ -466,8 +469,9 @@ fn serve_sockets(
             AggregatedDiscoveryServiceServer::new(AdsServer::new(cache, hooks))
                 .max_decoding_message_size(4 * 1024 * 1024),
         )
-        // Envoy's log of failed calls (crate::access_log), on the same private socket.
-        .add_service(failures.service())
+        // Envoy's log of failed calls and authorization decisions (crate::access_log),
+        // on the same private socket.
+        .add_service(crate::access_log::service(failures.clone(), metrics.decisions.clone()))
         .serve_with_incoming_shutdown(
             UnixListenerStream::new(xds_listener),
             shutdown.clone().cancelled_owned(),

@@ -262,6 +262,8 @@ struct PodMemo {
     /// The outbound route table its listener names.
     table: String,
     listeners: Vec<Arc<Resource>>,
+    /// Its inbound route table (with its authorization rules), if it serves HTTP.
+    inbound_routes: Vec<Arc<Resource>>,
     clusters: Vec<Arc<Resource>>,
 }
 
@@ -443,18 +445,20 @@ impl Generator {
             routes: valid.clone(),
             consumers,
         };
-        let routes = self.routes(inputs.mesh_domain, &services, &attached, input);
+        let mut routes = self.routes(inputs.mesh_domain, &services, &attached, input);
 
         let Collected {
             mut clusters,
             mut assignments,
             mut listeners,
+            inbound_routes,
         } = out;
+        routes.extend(inbound_routes);
         if mtls.is_some() {
             // The per-node originate listeners the pods' mTLS clusters go through.
             listeners.extend(resources(origination::listeners()));
         }
-        for resources in [&mut clusters, &mut assignments, &mut listeners] {
+        for resources in [&mut clusters, &mut assignments, &mut listeners, &mut routes] {
             resources.sort_by(|a, b| a.name.cmp(&b.name));
         }
         let mut generated = BTreeMap::from([
@@ -532,6 +536,7 @@ impl Generator {
                 _ => PodMemo::build(pod, &declared, declared_keys, table, mtls, policies),
             };
             out.listeners.extend(memo.listeners.iter().cloned());
+            out.inbound_routes.extend(memo.inbound_routes.iter().cloned());
             out.clusters.extend(memo.clusters.iter().cloned());
             fresh.insert(pod.id(), memo);
         }
@@ -591,6 +596,7 @@ struct Collected {
     clusters: Vec<Arc<Resource>>,
     assignments: Vec<Arc<Resource>>,
     listeners: Vec<Arc<Resource>>,
+    inbound_routes: Vec<Arc<Resource>>,
 }
 
 impl ServiceMemo {
@@ -638,6 +644,7 @@ impl PodMemo {
             policies,
             declared: declared_keys,
             listeners: resources(listeners::pod_listeners(pod, declared, &table, mtls, &authz)),
+            inbound_routes: resources(listeners::pod_inbound_routes(pod, &authz).into_iter().collect()),
             table,
             clusters: resources(clusters),
         }

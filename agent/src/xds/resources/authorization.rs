@@ -3,19 +3,22 @@
 //! judged at its destination in the same hop that delivers it.
 //!
 //! - The TCP chain (everything not HTTP, delivered to the primary port) gets
-//!   `envoy.filters.network.rbac`: a denied connection is closed.
-//! - The HTTP chain gets `envoy.filters.http.rbac` before the router: a denied request
-//!   gets 403 naming the policy and rule (`rbac_access_denied_matched_policy[<ns>/<name>#<rule>]`).
+//!   `envoy.filters.network.rbac`: a denied connection is closed. A change replaces the
+//!   chain: new connections get it at once, open ones are closed when Envoy's drain ends.
+//! - The HTTP chain gets HTTP RBAC filters before the router: a denied request gets 403
+//!   naming the policy and rule (`rbac_access_denied_matched_policy[<ns>/<name>#<rule>]`).
 //!   Every field (identity, peer address, port, method, path, host) is judged per request
 //!   there; a network filter on that chain would turn the 403 into a reset the caller's
-//!   Envoy reports as 503.
+//!   Envoy reports as 503. The filters pass everything by themselves; their rules come
+//!   with the pod's inbound route table (RDS, `RBACPerRoute`), which Envoy applies to the
+//!   next request, open connections included.
 //!
 //! Per layer, in order: one shadow-only filter per AUDIT policy (first, so it sees the
-//! requests denied too), the DENY filter, then the ALLOW filter (only when an enforced
-//! ALLOW policy selects the pod). Dry-run
-//! policies join the shadow rules of their action's filter, next to the enforced ones, so
-//! the shadow verdict is `decide`'s `dry_run`. The result must equal
-//! `aether_api::authorization::decide`; the tests hold the two side by side.
+//! requests denied too), the DENY filter, then the ALLOW filter (enforcing only when an
+//! enforced ALLOW policy selects the pod). Dry-run policies join the shadow rules of
+//! their action's filter, next to the enforced ones, so the shadow verdict is `decide`'s
+//! `dry_run`. The result must equal `aether_api::authorization::decide`; the tests hold
+//! the two side by side.
 
 mod compile;
 mod mirror;
@@ -30,7 +33,8 @@ use aether_common::quote::quote;
 use aether_proto::registry::v1::{AuthorizationAction, AuthorizationPolicy};
 use aether_proto::view::policy_key;
 use envoy_types::pb::envoy::config::listener::v3::{Filter, filter};
-use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::Rbac as HttpRbac;
+use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::{Rbac as HttpRbac, RbacPerRoute as HttpRbacPerRoute};
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{HttpFilter, http_filter};
 use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::Rbac as NetworkRbac;
 use envoy_types::pb::google::protobuf::Any;
@@ -167,14 +171,33 @@ pub fn workload(pod: &LocalPod) -> Workload {
     }
 }
 
-/// The RBAC filters of a pod's inbound chains.
+/// A pod's inbound authorization: the TCP chain's filters, and for the HTTP chain its
+/// filters (in the listener) with their rules (in the pod's inbound route table).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Filters {
     /// Network filters for the TCP chain, before the TCP proxy.
     pub tcp: Vec<Filter>,
-    /// HTTP filters for the HTTP chain, before the router.
+    /// The HTTP chain's RBAC filters, before the router, each passing everything unless
+    /// the route table configures it: one per AUDIT policy selecting the pod, then
+    /// [`DENY_FILTER`] and [`ALLOW_FILTER`], always there so that a policy edit never
+    /// changes the listener (which would leave open connections on the old rules until
+    /// the drain ends) but only the route table, which Envoy applies to the next request.
     pub http: Vec<HttpFilter>,
+    /// Per HTTP filter name, its rules (`RBACPerRoute`), for the route table.
+    pub per_route: Vec<(String, Any)>,
+    /// The dynamic-metadata keys (under `envoy.filters.http.rbac`) whose value `denied`
+    /// marks a request worth a log line: a denial, an AUDIT match, a dry-run denial.
+    pub logged: Vec<String>,
 }
+
+/// The HTTP filter of the enforced and dry-run DENY policies.
+pub const DENY_FILTER: &str = "aether.authz.deny";
+/// The HTTP filter of the enforced and dry-run ALLOW policies.
+pub const ALLOW_FILTER: &str = "aether.authz.allow";
+/// The name prefix of an AUDIT policy's HTTP filter (`aether.authz.audit.<ns>/<name>`).
+pub const AUDIT_FILTER: &str = "aether.authz.audit.";
+/// Where Envoy's HTTP RBAC filter writes its verdicts (dynamic metadata namespace).
+pub const HTTP_METADATA: &str = "envoy.filters.http.rbac";
 
 /// Compiles `policies` (all selecting the pod, valid and checked against its ports).
 pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>]) -> Filters {
@@ -184,34 +207,45 @@ pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>]) -> Filters
     };
     let http_ports: Vec<u16> = ports.iter().filter(|(_, p)| p.is_http()).map(|(p, _)| *p).collect();
     let prefix = format!("authz.{}.{}.", pod.info.namespace, pod.info.name);
-    let tcp = stages(policies, &Layer::Tcp { port: *primary });
-    let http = stages(policies, &Layer::Http { ports: &http_ports });
-    Filters {
+    let tcp = stages(policies, &Layer::Tcp { port: *primary }, false);
+    let mut filters = Filters {
         tcp: tcp.into_iter().map(|s| s.network(&prefix)).collect(),
-        http: if http_ports.is_empty() {
-            Vec::new()
-        } else {
-            http.into_iter().map(|s| s.http()).collect()
-        },
+        ..Default::default()
+    };
+    if http_ports.is_empty() {
+        return filters;
     }
+    for stage in stages(policies, &Layer::Http { ports: &http_ports }, true) {
+        filters.http.push(pass_through(&stage.filter));
+        filters.logged.extend(stage.logged_keys());
+        if stage.rules.is_some() || stage.shadow.is_some() {
+            filters.per_route.push((stage.filter.clone(), stage.per_route()));
+        }
+    }
+    filters
 }
 
 /// One RBAC filter: enforced rules and/or shadow rules, each with its stat prefix.
 struct Stage {
+    /// The HTTP filter's name.
+    filter: String,
     rules: Option<Rules>,
     rules_stat_prefix: String,
     shadow: Option<Rules>,
     shadow_stat_prefix: String,
 }
 
-/// The filters of one layer, in order: one per AUDIT policy, DENY, ALLOW.
-fn stages(policies: &[Arc<AuthorizationPolicy>], layer: &Layer) -> Vec<Stage> {
+/// The filters of one layer, in order: one per AUDIT policy, DENY, ALLOW. With
+/// `always`, the DENY and ALLOW stages are there even without rules (HTTP: their rules
+/// come with the route table).
+fn stages(policies: &[Arc<AuthorizationPolicy>], layer: &Layer, always: bool) -> Vec<Stage> {
     let of = |action: AuthorizationAction, dry_run: bool| -> Vec<&AuthorizationPolicy> {
         let matching = policies.iter().filter(|p| p.action() == action);
         matching.filter(|p| p.dry_run == dry_run).map(|p| &**p).collect()
     };
     // AUDIT first: shadow-only filters never deny, and so they see every request.
     let audits = of(AuthorizationAction::Audit, false).into_iter().map(|audit| Stage {
+        filter: format!("{AUDIT_FILTER}{}/{}", audit.namespace, audit.name),
         rules: None,
         rules_stat_prefix: String::new(),
         // A match of the audit engine counts as its `shadow_denied` and names the rule.
@@ -219,19 +253,20 @@ fn stages(policies: &[Arc<AuthorizationPolicy>], layer: &Layer) -> Vec<Stage> {
         shadow_stat_prefix: format!("audit.{}.{}.", audit.namespace, audit.name),
     });
     let mut stages: Vec<Stage> = audits.collect();
-    for (action, rbac_action, name) in [
-        (AuthorizationAction::Deny, mirror::DENY, "deny."),
-        (AuthorizationAction::Allow, mirror::ALLOW, "allow."),
+    for (action, rbac_action, filter, name) in [
+        (AuthorizationAction::Deny, mirror::DENY, DENY_FILTER, "deny."),
+        (AuthorizationAction::Allow, mirror::ALLOW, ALLOW_FILTER, "allow."),
     ] {
         let enforced = of(action, false);
         let dry = of(action, true);
         // Without an enforced ALLOW policy nothing is allow-listed (decide's step 3).
         let enforce = !enforced.is_empty();
         let shadow = !dry.is_empty();
-        if !enforce && !shadow {
+        if !enforce && !shadow && !always {
             continue;
         }
         stages.push(Stage {
+            filter: filter.to_owned(),
             rules: enforce.then(|| Rules::of(rbac_action, &enforced, layer)),
             rules_stat_prefix: name.to_owned(),
             shadow: shadow.then(|| Rules::of(rbac_action, &[enforced, dry].concat(), layer)),
@@ -239,6 +274,17 @@ fn stages(policies: &[Arc<AuthorizationPolicy>], layer: &Layer) -> Vec<Stage> {
         });
     }
     stages
+}
+
+/// An HTTP RBAC filter that passes everything until the route table configures it.
+fn pass_through(name: &str) -> HttpFilter {
+    HttpFilter {
+        name: name.to_owned(),
+        config_type: Some(http_filter::ConfigType::TypedConfig(typed::<HttpRbac>(
+            &HttpRbacConfig::default(),
+        ))),
+        ..Default::default()
+    }
 }
 
 impl Stage {
@@ -257,18 +303,46 @@ impl Stage {
         }
     }
 
-    fn http(self) -> HttpFilter {
-        let config = HttpRbacConfig {
+    /// The filter's rules for the route table. Per-rule counters on: Envoy counts each
+    /// `<ns>/<name>#<rule>` allowed and denied.
+    fn per_route(self) -> Any {
+        let rbac = HttpRbacConfig {
             rules: self.rules,
             rules_stat_prefix: self.rules_stat_prefix,
             shadow_rules: self.shadow,
             shadow_rules_stat_prefix: self.shadow_stat_prefix,
+            track_per_rule_stats: true,
         };
-        HttpFilter {
-            name: "envoy.filters.http.rbac".to_owned(),
-            config_type: Some(http_filter::ConfigType::TypedConfig(typed::<HttpRbac>(&config))),
-            ..Default::default()
-        }
+        typed::<HttpRbacPerRoute>(&mirror::HttpRbacPerRouteConfig { rbac: Some(rbac) })
+    }
+
+    /// The metadata results that are worth a log line: an enforced denial, and the
+    /// shadow engine's "denied" (an AUDIT match, or a denial were dry-run policies enforced).
+    fn logged_keys(&self) -> Vec<String> {
+        let enforced =
+            (!self.rules_stat_prefix.is_empty()).then(|| format!("{}enforced_engine_result", self.rules_stat_prefix));
+        let shadow = format!("{}shadow_engine_result", self.shadow_stat_prefix);
+        enforced.into_iter().chain([shadow]).collect()
+    }
+}
+
+/// The pod's inbound route table with each HTTP RBAC filter's rules set on it (so they
+/// apply to every route of the table).
+pub fn route_table(routes: &RouteConfiguration, filters: &Filters) -> Any {
+    let mut entries: Vec<mirror::AnyEntry> = filters
+        .per_route
+        .iter()
+        .map(|(name, config)| mirror::AnyEntry {
+            name: name.clone(),
+            config: Some(config.clone()),
+        })
+        .collect();
+    entries.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut value = routes.encode_to_vec();
+    value.extend(mirror::PerFilterConfig { entries }.encode_to_vec());
+    Any {
+        type_url: RouteConfiguration::type_url(),
+        value,
     }
 }
 

@@ -21,7 +21,6 @@ use envoy_types::pb::envoy::config::core::v3::{
 use envoy_types::pb::envoy::config::listener::v3::{
     AdditionalAddress, Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter, listener_filter,
 };
-use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::filters::http::on_demand::v3::{OnDemand, OnDemandCds};
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::listener::http_inspector::v3::HttpInspector;
@@ -36,7 +35,7 @@ use envoy_types::pb::google::protobuf::{Any, UInt32Value};
 
 use super::authorization::Filters;
 use super::clusters::local_name;
-use super::routes::{DESTINATION_HEADER, inbound_routes};
+use super::routes::{DESTINATION_HEADER, inbound_routes, inbound_routes_name};
 use super::transport::{self, Mtls};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
 use super::{MeshService, is_http};
@@ -66,6 +65,22 @@ pub fn pod_listeners(
         out.push((inbound_name(pod), any(&inbound)));
     }
     out
+}
+
+/// The pod's inbound route table (RDS), with its authorization rules; `None` when the
+/// pod serves no HTTP.
+pub fn pod_inbound_routes(pod: &LocalPod, authz: &Filters) -> Option<(String, Any)> {
+    let http_ports = http_ports(pod);
+    if http_ports.is_empty() {
+        return None;
+    }
+    let routes = inbound_routes(pod, &http_ports);
+    Some((routes.name.clone(), super::authorization::route_table(&routes, authz)))
+}
+
+fn http_ports(pod: &LocalPod) -> Vec<u16> {
+    let ports = pod.info.mesh_ports();
+    ports.iter().filter(|(_, p)| p.is_http()).map(|(p, _)| *p).collect()
 }
 
 /// A chain of a pod's outgoing listeners: the source marker (mTLS: which SVID the
@@ -162,14 +177,9 @@ fn stamp_destination(by: RoutedBy) -> TypedExtensionConfig {
 fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>, authz: &Filters) -> Option<Listener> {
     let ports = pod.info.mesh_ports();
     let (primary, _) = *ports.first()?;
-    let http_ports: Vec<u16> = ports.iter().filter(|(_, p)| p.is_http()).map(|(p, _)| *p).collect();
     let mut filter_chains = Vec::new();
-    if !http_ports.is_empty() {
-        let hcm = hcm_inline(
-            &format!("inbound.{}", pod.id().replace('/', ".")),
-            inbound_routes(pod, &http_ports),
-            &authz.http,
-        );
+    if !http_ports(pod).is_empty() {
+        let hcm = inbound_hcm(pod, authz);
         let mut matched = chain(
             None,
             network_filter("envoy.filters.network.http_connection_manager", &hcm),
@@ -302,13 +312,19 @@ fn stat_name(listener: &str) -> String {
     listener.replace(['|', '/'], ".")
 }
 
-/// The inbound HTTP: `first` (authorization) then the router, with the inline table.
-fn hcm_inline(stat_prefix: &str, routes: RouteConfiguration, first: &[HttpFilter]) -> HttpConnectionManager {
+/// The inbound HTTP: authorization then the router, with the pod's table from RDS
+/// (`inbound|<ns>/<pod>`, carrying the authorization rules); requests the rules deny or
+/// audit are logged to the agent (crate::access_log::decisions).
+fn inbound_hcm(pod: &LocalPod, authz: &Filters) -> HttpConnectionManager {
     let router = http_filter_of("envoy.filters.http.router", &Router::default());
     HttpConnectionManager {
-        stat_prefix: stat_prefix.to_owned(),
-        route_specifier: Some(http_connection_manager::RouteSpecifier::RouteConfig(routes)),
-        http_filters: first.iter().cloned().chain([router]).collect(),
+        stat_prefix: format!("inbound.{}", pod.id().replace('/', ".")),
+        route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
+            config_source: ads(),
+            route_config_name: inbound_routes_name(pod),
+        })),
+        http_filters: authz.http.iter().cloned().chain([router]).collect(),
+        access_log: vec![crate::access_log::decisions::logger(&pod.id(), &authz.logged)],
         // The app learns its peer's SPIFFE ID from XFCC, and nothing a client sent in it.
         forward_client_cert_details: http_connection_manager::ForwardClientCertDetails::SanitizeSet as i32,
         set_current_client_cert_details: Some(http_connection_manager::SetCurrentClientCertDetails {

@@ -257,12 +257,23 @@ fn catch_all(mesh_domain: &str) -> VirtualHost {
     }
 }
 
+/// The name of a pod's inbound route table.
+pub fn inbound_routes_name(pod: &LocalPod) -> String {
+    format!("inbound|{}", pod.id())
+}
+
+/// The name of the inbound route to an app port (access logs name the port by it).
+pub fn inbound_route_name(port: u16) -> String {
+    format!("port-{port}")
+}
+
 /// The pod's inbound table: the port header picks the app port; no header means the
 /// pod's first HTTP port. The header never reaches the app.
 pub fn inbound_routes(pod: &LocalPod, http_ports: &[u16]) -> RouteConfiguration {
     let mut routes: Vec<Route> = http_ports
         .iter()
         .map(|port| Route {
+            name: inbound_route_name(*port),
             r#match: Some(RouteMatch {
                 headers: vec![HeaderMatcher {
                     name: PORT_HEADER.to_owned(),
@@ -279,12 +290,13 @@ pub fn inbound_routes(pod: &LocalPod, http_ports: &[u16]) -> RouteConfiguration 
         })
         .collect();
     routes.push(Route {
+        name: inbound_route_name(http_ports[0]),
         r#match: Some(prefix_match("/")),
         action: Some(route::Action::Route(to_cluster(local_name(pod, http_ports[0])))),
         ..Default::default()
     });
     RouteConfiguration {
-        name: format!("inbound|{}", pod.id()),
+        name: inbound_routes_name(pod),
         virtual_hosts: vec![VirtualHost {
             name: "app".to_owned(),
             domains: vec!["*".to_owned()],

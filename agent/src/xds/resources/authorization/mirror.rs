@@ -8,6 +8,7 @@ use aether_proto::registry::v1::AuthorizationPolicy;
 use envoy_types::pb::envoy::config::rbac::v3::Policy;
 
 use super::compile::{self, Layer};
+use envoy_types::pb::google::protobuf::Any;
 
 /// `config.rbac.v3.RBAC.Action`.
 pub const ALLOW: i32 = 0;
@@ -81,4 +82,32 @@ pub struct HttpRbacConfig {
     pub shadow_rules_stat_prefix: String,
     #[prost(string, tag = "6")]
     pub rules_stat_prefix: String,
+    #[prost(bool, tag = "7")]
+    pub track_per_rule_stats: bool,
+}
+
+/// `envoy.extensions.filters.http.rbac.v3.RBACPerRoute`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct HttpRbacPerRouteConfig {
+    #[prost(message, optional, tag = "2")]
+    pub rbac: Option<HttpRbacConfig>,
+}
+
+/// `typed_per_filter_config` entries of a `RouteConfiguration` (field 16), sorted by
+/// filter name. Envoy's generated map is a `HashMap` (random order, so random bytes for
+/// equal tables); these bytes appended to an encoded `RouteConfiguration` are the same
+/// message with the map set.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct PerFilterConfig {
+    #[prost(message, repeated, tag = "16")]
+    pub entries: Vec<AnyEntry>,
+}
+
+/// One entry of a `map<string, google.protobuf.Any>`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct AnyEntry {
+    #[prost(string, tag = "1")]
+    pub name: String,
+    #[prost(message, optional, tag = "2")]
+    pub config: Option<Any>,
 }

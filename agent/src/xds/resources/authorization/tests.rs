@@ -15,7 +15,8 @@ use std::sync::Arc;
 use aether_api::authorization::{ProjectOptions, parse_documents, project};
 use aether_proto::registry::v1::{AuthorizationPolicy, Locality};
 use aether_proto::view::{CatalogView, policy_key};
-use envoy_types::pb::envoy::config::listener::v3::Listener;
+use envoy_types::pb::envoy::config::listener::v3::{Listener, filter};
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager;
 use prost::Message;
 
 use crate::pod::{ContainerPort, LocalPod, PodInfo};
@@ -70,10 +71,39 @@ pub fn generate(generator: &mut Generator, catalog: &CatalogView, pods: &[LocalP
     })
 }
 
-/// The pod's inbound listener as generated.
+/// The pod's inbound listener as generated, with its route table (RDS) inlined, as
+/// Envoy holds the two together.
 pub fn inbound(generated: &Generated, pod: &LocalPod) -> Listener {
     let name = format!("inbound|{}", pod.id());
-    let listeners = &generated[crate::xds::LISTENER];
-    let resource = listeners.iter().find(|r| r.name == name).unwrap();
-    Listener::decode(&*resource.body.value).unwrap()
+    let find = |type_url: &str| {
+        let resources = &generated[type_url];
+        resources.iter().find(|r| r.name == name).map(|r| r.body.value.clone())
+    };
+    let mut listener = Listener::decode(&*find(crate::xds::LISTENER).unwrap()).unwrap();
+    let Some(routes) = find(crate::xds::ROUTE) else {
+        return listener;
+    };
+    let hcm_filter = &mut listener.filter_chains[0].filters[0];
+    let Some(filter::ConfigType::TypedConfig(any)) = &mut hcm_filter.config_type else {
+        panic!("untyped HCM");
+    };
+    let mut hcm = HttpConnectionManager::decode(&*any.value).unwrap();
+    hcm.route_specifier = None;
+    // The table's own bytes as `route_config` (field 4): re-encoding it would shuffle its
+    // per-filter map, and equal listeners must compare equal.
+    any.value = hcm.encode_to_vec();
+    any.value.extend(
+        InlineRoutes {
+            route_config: routes.to_vec(),
+        }
+        .encode_to_vec(),
+    );
+    listener
+}
+
+/// `HttpConnectionManager.route_config`, as raw bytes.
+#[derive(Clone, PartialEq, prost::Message)]
+struct InlineRoutes {
+    #[prost(bytes = "vec", tag = "4")]
+    route_config: Vec<u8>,
 }

@@ -6,9 +6,9 @@ use aether_api::authorization::{AuthzRequest, Verdict};
 use envoy_types::pb::envoy::config::listener::v3::{Listener, filter};
 use envoy_types::pb::envoy::config::rbac::v3::{Permission, Policy, Principal, Rbac, permission, principal};
 use envoy_types::pb::envoy::config::route::v3::{HeaderMatcher, header_matcher};
-use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::Rbac as HttpRbac;
+use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::{Rbac as HttpRbac, RbacPerRoute as HttpRbacPerRoute};
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
-    HttpConnectionManager, http_filter,
+    HttpConnectionManager, http_connection_manager, http_filter,
 };
 use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::Rbac as NetworkRbac;
 use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, path_matcher, string_matcher};
@@ -57,11 +57,18 @@ pub fn stages(listener: &Listener, http: bool) -> Vec<Stage> {
             });
         } else if name == "envoy.filters.network.http_connection_manager" {
             let hcm = HttpConnectionManager::decode(&*any.value).unwrap();
-            for f in hcm.http_filters.iter().filter(|f| f.name == "envoy.filters.http.rbac") {
-                let Some(http_filter::ConfigType::TypedConfig(any)) = &f.config_type else {
+            let Some(http_connection_manager::RouteSpecifier::RouteConfig(routes)) = &hcm.route_specifier else {
+                panic!("the route table is inlined by `inbound`");
+            };
+            for f in hcm.http_filters.iter().filter(|f| f.name.starts_with("aether.authz.")) {
+                let Some(http_filter::ConfigType::TypedConfig(base)) = &f.config_type else {
                     panic!("untyped http filter");
                 };
-                let rbac = HttpRbac::decode(&*any.value).unwrap();
+                // The table's config for the filter, else its own (which passes everything).
+                let rbac = match routes.typed_per_filter_config.get(&f.name) {
+                    Some(any) => HttpRbacPerRoute::decode(&*any.value).unwrap().rbac.unwrap(),
+                    None => HttpRbac::decode(&*base.value).unwrap(),
+                };
                 stages.push(Stage {
                     rules: rbac.rules,
                     shadow: rbac.shadow_rules,

@@ -1,0 +1,308 @@
+//! Authorization decisions worth a line (proposals/013, Observability): each pod's
+//! inbound HTTP chain ships the requests its RBAC filters denied, and the ones an AUDIT
+//! policy or a dry-run policy matched, to the agent with Envoy's gRPC access logger. The
+//! agent logs one line per decision (policy `ns/name`, rule, source SPIFFE ID,
+//! destination pod and port) and counts them per policy and rule. Allowed requests are
+//! never shipped; Envoy counts them per rule itself (`track_per_rule_stats`).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::UNIX_EPOCH;
+
+use envoy_types::pb::envoy::config::accesslog::v3::{
+    AccessLog, AccessLogFilter, MetadataFilter, OrFilter, access_log, access_log_filter,
+};
+use envoy_types::pb::envoy::data::accesslog::v3::HttpAccessLogEntry;
+use envoy_types::pb::envoy::data::accesslog::v3::tls_properties::certificate_properties::subject_alt_name;
+use envoy_types::pb::envoy::extensions::access_loggers::grpc::v3::HttpGrpcAccessLogConfig;
+use envoy_types::pb::envoy::r#type::matcher::v3::{
+    MetadataMatcher, StringMatcher, ValueMatcher, metadata_matcher, string_matcher, value_matcher,
+};
+use envoy_types::pb::google::protobuf::{Any, BoolValue, Struct, value};
+use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use serde::Serialize;
+
+use super::{bounded, common_config, ip_port};
+use crate::xds::resources::authorization::HTTP_METADATA;
+
+/// The custom tag naming the destination pod (`<ns>/<name>`).
+pub const DESTINATION_TAG: &str = "destination_pod";
+/// Decisions kept for the debug pages, newest last.
+const RECENT: usize = 256;
+
+/// What a decision was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Refused (403).
+    Deny,
+    /// Allowed, and an AUDIT policy matched.
+    Audit,
+    /// Allowed, but it would be denied were the dry-run policies enforced.
+    DryRunDeny,
+}
+
+impl Verdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Deny => "deny",
+            Verdict::Audit => "audit",
+            Verdict::DryRunDeny => "dry_run_deny",
+        }
+    }
+}
+
+/// One decision as Envoy logged it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Decision {
+    pub at_ms: u64,
+    pub verdict: Verdict,
+    /// `<ns>/<name>` of the policy that decided; empty when no ALLOW policy matched.
+    pub policy: String,
+    /// The rule's index in the policy, when one matched.
+    pub rule: Option<u32>,
+    /// The caller's SPIFFE ID, or its address without mTLS.
+    pub source: String,
+    /// The destination pod, `<ns>/<name>`.
+    pub pod: String,
+    /// The app port the request was for (0: unknown).
+    pub port: u16,
+    pub method: String,
+    pub path: String,
+}
+
+impl Decision {
+    /// `policy ns/name rule 2`, or what stood in for a policy.
+    pub fn decided_by(&self) -> String {
+        match (self.policy.is_empty(), self.rule) {
+            (true, _) => "no ALLOW policy selecting the pod matched".to_owned(),
+            (false, Some(rule)) => format!("policy {} rule {rule}", self.policy),
+            (false, None) => format!("policy {}", self.policy),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Labels {
+    pod: String,
+    policy: String,
+    rule: String,
+    decision: String,
+}
+
+/// Decisions counted and the last ones kept, shared by the access-log sink, the metrics
+/// and the debug pages.
+#[derive(Clone, Default)]
+pub struct Decisions {
+    counts: Family<Labels, Counter>,
+    recent: Arc<Mutex<VecDeque<Decision>>>,
+}
+
+impl Decisions {
+    pub fn register(&self, metrics: &mut prometheus_client::registry::Registry) {
+        metrics.register(
+            "authorization_decisions",
+            "Requests denied, audited, or denied were dry-run policies enforced, by destination pod, policy and rule (allowed ones are Envoy's per-rule RBAC counters)",
+            self.counts.clone(),
+        );
+    }
+
+    pub fn record(&self, decision: Decision) {
+        tracing::info!(
+            verdict = decision.verdict.as_str(),
+            policy = %decision.policy,
+            rule = ?decision.rule,
+            source = %decision.source,
+            pod = %decision.pod,
+            port = decision.port,
+            method = %decision.method,
+            path = %decision.path,
+            "authorization: {}",
+            decision.decided_by()
+        );
+        let labels = Labels {
+            pod: decision.pod.clone(),
+            policy: decision.policy.clone(),
+            rule: decision.rule.map(|r| r.to_string()).unwrap_or_default(),
+            decision: decision.verdict.as_str().to_owned(),
+        };
+        self.counts.get_or_create(&labels).inc();
+        let mut recent = self.recent.lock();
+        if recent.len() == RECENT {
+            recent.pop_front();
+        }
+        recent.push_back(decision);
+    }
+
+    /// The decisions on requests to `pod`, newest first.
+    pub fn of(&self, pod: &str) -> Vec<Decision> {
+        let recent = self.recent.lock();
+        recent.iter().rev().filter(|d| d.pod == pod).cloned().collect()
+    }
+}
+
+/// The logger of a pod's inbound HTTP chain: a request is shipped when one of the RBAC
+/// results under `logged` (metadata keys, see `authorization::Filters::logged`) is `denied`.
+pub fn logger(pod_id: &str, logged: &[String]) -> AccessLog {
+    let mut filters: Vec<AccessLogFilter> = logged.iter().map(|key| denied(key)).collect();
+    let filter = match filters.len() {
+        0 | 1 => filters.pop(),
+        _ => Some(AccessLogFilter {
+            filter_specifier: Some(access_log_filter::FilterSpecifier::OrFilter(OrFilter { filters })),
+        }),
+    };
+    let config = HttpGrpcAccessLogConfig {
+        common_config: Some(common_config("aether_authorization", DESTINATION_TAG, pod_id)),
+        ..Default::default()
+    };
+    AccessLog {
+        name: "envoy.access_loggers.http_grpc".into(),
+        filter,
+        config_type: Some(access_log::ConfigType::TypedConfig(Any {
+            type_url: <HttpGrpcAccessLogConfig as prost::Name>::type_url(),
+            value: prost::Message::encode_to_vec(&config),
+        })),
+    }
+}
+
+/// Whether the RBAC result `key` is `denied`.
+fn denied(key: &str) -> AccessLogFilter {
+    let matcher = MetadataMatcher {
+        filter: HTTP_METADATA.into(),
+        path: vec![metadata_matcher::PathSegment {
+            segment: Some(metadata_matcher::path_segment::Segment::Key(key.into())),
+        }],
+        value: Some(ValueMatcher {
+            match_pattern: Some(value_matcher::MatchPattern::StringMatch(StringMatcher {
+                match_pattern: Some(string_matcher::MatchPattern::Exact("denied".into())),
+                ..Default::default()
+            })),
+        }),
+        invert: false,
+    };
+    AccessLogFilter {
+        filter_specifier: Some(access_log_filter::FilterSpecifier::MetadataFilter(MetadataFilter {
+            matcher: Some(matcher),
+            match_if_key_not_found: Some(BoolValue { value: false }),
+        })),
+    }
+}
+
+/// The decisions one entry carries: the enforced denial, else AUDIT matches and the
+/// dry-run denial. `None` for an entry without our tag.
+pub fn decisions_of(entry: &HttpAccessLogEntry) -> Option<Vec<Decision>> {
+    let common = entry.common_properties.as_ref()?;
+    let pod = common.custom_tags.get(DESTINATION_TAG)?.clone();
+    let empty = Struct::default();
+    let metadata = common
+        .metadata
+        .as_ref()
+        .and_then(|m| m.filter_metadata.get(HTTP_METADATA));
+    let results = Results(metadata.unwrap_or(&empty));
+    let request = entry.request.clone().unwrap_or_default();
+    let peer = common
+        .downstream_remote_address
+        .as_ref()
+        .map(ip_port)
+        .unwrap_or_default();
+    let base = Decision {
+        at_ms: common.start_time.map_or(0, |t| {
+            let at = UNIX_EPOCH + std::time::Duration::new(t.seconds.max(0) as u64, t.nanos.max(0) as u32);
+            at.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
+        }),
+        verdict: Verdict::Deny,
+        policy: String::new(),
+        rule: None,
+        source: spiffe_id(entry).unwrap_or(peer),
+        pod,
+        port: common
+            .route_name
+            .strip_prefix("port-")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0),
+        method: envoy_types::pb::envoy::config::core::v3::RequestMethod::try_from(request.request_method)
+            .map_or_else(|_| "?".into(), |m| m.as_str_name().to_owned()),
+        path: bounded(&request.path),
+    };
+    let of = |verdict, id: Option<&str>| {
+        let (policy, rule) = split_policy_id(id.unwrap_or_default());
+        Decision {
+            verdict,
+            policy,
+            rule,
+            ..base.clone()
+        }
+    };
+    let denial = ["deny.", "allow."].into_iter().find(|p| results.denied(p, "enforced"));
+    let mut out: Vec<Decision> = denial
+        .map(|p| of(Verdict::Deny, results.policy(p, "enforced")))
+        .into_iter()
+        .collect();
+    for prefix in results.audits() {
+        out.push(of(Verdict::Audit, results.policy(&prefix, "shadow")));
+    }
+    // Dry-run policies matter where they would change the verdict.
+    let dry_run = ["dry_run.deny.", "dry_run.allow."]
+        .into_iter()
+        .find(|p| results.denied(p, "shadow"));
+    if let (None, Some(prefix)) = (denial, dry_run) {
+        out.push(of(Verdict::DryRunDeny, results.policy(prefix, "shadow")));
+    }
+    Some(out)
+}
+
+/// The RBAC filters' results in one request's metadata.
+struct Results<'a>(&'a Struct);
+
+impl Results<'_> {
+    fn string(&self, key: &str) -> Option<&str> {
+        match self.0.fields.get(key)?.kind.as_ref()? {
+            value::Kind::StringValue(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn denied(&self, prefix: &str, engine: &str) -> bool {
+        self.string(&format!("{prefix}{engine}_engine_result")) == Some("denied")
+    }
+
+    fn policy(&self, prefix: &str, engine: &str) -> Option<&str> {
+        self.string(&format!("{prefix}{engine}_effective_policy_id"))
+    }
+
+    /// The prefixes of the AUDIT filters that matched.
+    fn audits(&self) -> Vec<String> {
+        let suffix = "shadow_engine_result";
+        let prefixes = self
+            .0
+            .fields
+            .keys()
+            .filter_map(|k| k.strip_prefix("audit.")?.strip_suffix(suffix));
+        let audits: Vec<String> = prefixes.map(|p| format!("audit.{p}")).collect();
+        audits.into_iter().filter(|p| self.denied(p, "shadow")).collect()
+    }
+}
+
+/// `<ns>/<name>#<rule>` → (`<ns>/<name>`, rule).
+fn split_policy_id(id: &str) -> (String, Option<u32>) {
+    match id.rsplit_once('#') {
+        Some((policy, rule)) => (policy.to_owned(), rule.parse().ok()),
+        None => (id.to_owned(), None),
+    }
+}
+
+/// The caller's SPIFFE ID: the URI SAN of its client certificate.
+fn spiffe_id(entry: &HttpAccessLogEntry) -> Option<String> {
+    let tls = entry.common_properties.as_ref()?.tls_properties.as_ref()?;
+    let peer = tls.peer_certificate_properties.as_ref()?;
+    peer.subject_alt_name.iter().find_map(|san| match &san.san {
+        Some(subject_alt_name::San::Uri(uri)) => Some(bounded(uri)),
+        _ => None,
+    })
+}
+
+#[cfg(test)]
+mod tests;

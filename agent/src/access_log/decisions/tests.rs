@@ -1,0 +1,165 @@
+use std::collections::HashMap;
+
+use envoy_types::pb::envoy::config::core::v3::{Metadata, RequestMethod};
+use envoy_types::pb::envoy::data::accesslog::v3::tls_properties::CertificateProperties;
+use envoy_types::pb::envoy::data::accesslog::v3::tls_properties::certificate_properties::SubjectAltName;
+use envoy_types::pb::envoy::data::accesslog::v3::{AccessLogCommon, HttpRequestProperties, TlsProperties};
+use envoy_types::pb::google::protobuf::Value;
+
+use super::*;
+
+/// An inbound entry to shop/cart-1 port 8080 from frontend, with these RBAC results.
+fn entry(results: &[(&str, &str)]) -> HttpAccessLogEntry {
+    let fields = results.iter().map(|(k, v)| {
+        let value = Value {
+            kind: Some(value::Kind::StringValue((*v).into())),
+        };
+        ((*k).to_owned(), value)
+    });
+    let metadata = Struct {
+        fields: fields.collect(),
+    };
+    HttpAccessLogEntry {
+        common_properties: Some(AccessLogCommon {
+            custom_tags: HashMap::from([(DESTINATION_TAG.into(), "shop/cart-1".into())]),
+            metadata: Some(Metadata {
+                filter_metadata: HashMap::from([(HTTP_METADATA.into(), metadata)]),
+                ..Default::default()
+            }),
+            route_name: "port-8080".into(),
+            tls_properties: Some(TlsProperties {
+                peer_certificate_properties: Some(CertificateProperties {
+                    subject_alt_name: vec![SubjectAltName {
+                        san: Some(subject_alt_name::San::Uri(
+                            "spiffe://cluster.local/ns/shop/sa/frontend".into(),
+                        )),
+                    }],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        request: Some(HttpRequestProperties {
+            request_method: RequestMethod::Post as i32,
+            path: "/admin".into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn summary(decisions: &[Decision]) -> Vec<String> {
+    let line = |d: &Decision| format!("{} {} {:?}", d.verdict.as_str(), d.policy, d.rule);
+    decisions.iter().map(line).collect()
+}
+
+#[test]
+fn a_deny_policy_names_its_policy_rule_source_pod_and_port() {
+    let decisions = decisions_of(&entry(&[
+        ("deny.enforced_engine_result", "denied"),
+        ("deny.enforced_effective_policy_id", "shop/no-admin#2"),
+    ]))
+    .unwrap();
+    assert_eq!(summary(&decisions), ["deny shop/no-admin Some(2)"]);
+    let d = &decisions[0];
+    assert_eq!(d.source, "spiffe://cluster.local/ns/shop/sa/frontend");
+    assert_eq!((d.pod.as_str(), d.port), ("shop/cart-1", 8080));
+    assert_eq!((d.method.as_str(), d.path.as_str()), ("POST", "/admin"));
+    assert_eq!(d.decided_by(), "policy shop/no-admin rule 2");
+}
+
+#[test]
+fn a_request_no_allow_policy_matched_names_no_policy() {
+    let decisions = decisions_of(&entry(&[
+        ("deny.enforced_engine_result", "allowed"),
+        ("allow.enforced_engine_result", "denied"),
+    ]))
+    .unwrap();
+    assert_eq!(summary(&decisions), ["deny  None"]);
+    assert_eq!(decisions[0].decided_by(), "no ALLOW policy selecting the pod matched");
+}
+
+#[test]
+fn audit_matches_are_kept_next_to_a_denial_and_dry_run_only_without_one() {
+    let audit = [
+        ("audit.shop.watch.shadow_engine_result", "denied"),
+        ("audit.shop.watch.shadow_effective_policy_id", "shop/watch#0"),
+        ("audit.shop.quiet.shadow_engine_result", "allowed"),
+        ("dry_run.deny.shadow_engine_result", "denied"),
+        ("dry_run.deny.shadow_effective_policy_id", "shop/next#1"),
+    ];
+    let allowed = decisions_of(&entry(&audit)).unwrap();
+    assert_eq!(
+        summary(&allowed),
+        ["audit shop/watch Some(0)", "dry_run_deny shop/next Some(1)"]
+    );
+    let mut denied = audit.to_vec();
+    denied.extend([
+        ("deny.enforced_engine_result", "denied"),
+        ("deny.enforced_effective_policy_id", "shop/no-admin#0"),
+    ]);
+    let denied = decisions_of(&entry(&denied)).unwrap();
+    assert_eq!(
+        summary(&denied),
+        ["deny shop/no-admin Some(0)", "audit shop/watch Some(0)"]
+    );
+}
+
+#[test]
+fn an_entry_of_another_logger_is_not_a_decision() {
+    let mut other = entry(&[]);
+    other.common_properties.as_mut().unwrap().custom_tags.clear();
+    assert!(decisions_of(&other).is_none());
+}
+
+#[test]
+fn decisions_are_counted_by_pod_policy_rule_and_kept_newest_first() {
+    let decisions = Decisions::default();
+    let denied = decisions_of(&entry(&[
+        ("deny.enforced_engine_result", "denied"),
+        ("deny.enforced_effective_policy_id", "shop/no-admin#2"),
+    ]))
+    .unwrap();
+    for _ in 0..3 {
+        decisions.record(denied[0].clone());
+    }
+    let mut registry = prometheus_client::registry::Registry::default();
+    decisions.register(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains(
+            r#"authorization_decisions_total{pod="shop/cart-1",policy="shop/no-admin",rule="2",decision="deny"} 3"#
+        ),
+        "{text}"
+    );
+    assert_eq!(decisions.of("shop/cart-1").len(), 3);
+    assert!(decisions.of("shop/other").is_empty());
+}
+
+#[test]
+fn the_logger_ships_a_request_when_any_listed_result_is_denied() {
+    let keys = [
+        "deny.enforced_engine_result".to_owned(),
+        "allow.enforced_engine_result".to_owned(),
+    ];
+    let log = logger("shop/cart-1", &keys);
+    let Some(access_log_filter::FilterSpecifier::OrFilter(or)) = log.filter.unwrap().filter_specifier else {
+        panic!("an OR of the results");
+    };
+    let keys: Vec<String> = or
+        .filters
+        .iter()
+        .map(|f| match &f.filter_specifier {
+            Some(access_log_filter::FilterSpecifier::MetadataFilter(m)) => {
+                let matcher = m.matcher.as_ref().unwrap();
+                assert_eq!(matcher.filter, HTTP_METADATA);
+                format!("{:?}", matcher.path[0].segment)
+            }
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(keys.len(), 2);
+    assert!(keys[0].contains("deny.enforced_engine_result"), "{keys:?}");
+}
