@@ -6,8 +6,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use aether_tests::TestPod;
 use aether_tests::mesh::{APP, Mesh};
-use aether_tests::{Envoy, TestPod, free_port, unique_base_id};
 
 /// frontend and other both call backend; only frontend's identity is allowed by the policy.
 const ALLOW_FRONTEND: &str = "\
@@ -32,6 +32,32 @@ spec:
   action: DENY
   rules:
     - to: [{operation: {paths: [/api/secret]}}]
+";
+
+/// Logs requests for items, changing nothing.
+const AUDIT_ITEMS: &str = "\
+apiVersion: security.aether.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {name: watch-items, namespace: demo}
+spec:
+  targetRefs: [{kind: Service, name: backend}]
+  action: AUDIT
+  rules:
+    - to: [{operation: {paths: [/api/items]}}]
+";
+
+/// A DENY being tried out: logged as what it would deny, enforced never.
+const DRY_RUN_DENY_ITEMS: &str = "\
+apiVersion: security.aether.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {name: next-deny, namespace: demo}
+spec:
+  targetRefs: [{kind: Service, name: backend}]
+  action: DENY
+  dryRun: true
+  rules:
+    - from: [{source: {serviceAccounts: [demo/frontend]}}]
+      to: [{operation: {paths: [/api/items]}}]
 ";
 
 struct Callers {
@@ -93,6 +119,28 @@ async fn until(mesh: &Mesh, pod: &TestPod, method: &str, path: &str, status: u16
     }
 }
 
+/// Waits (up to 5 s: Envoy ships its log every 100 ms) for an agent log line with all of `parts`.
+async fn logged(mesh: &Mesh, parts: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if has_line(mesh, parts) {
+            return;
+        }
+        let logs = mesh.agent.as_ref().unwrap().logs();
+        let decisions: Vec<&str> = logs.lines().filter(|l| l.contains("authorization:")).collect();
+        assert!(
+            Instant::now() < deadline,
+            "no agent log line with {parts:?}; decisions logged: {decisions:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn has_line(mesh: &Mesh, parts: &[&str]) -> bool {
+    let logs = mesh.agent.as_ref().unwrap().logs();
+    logs.lines().any(|line| parts.iter().all(|p| line.contains(p)))
+}
+
 /// Answered `status` now (after `until` has seen the policy in force).
 async fn now(mesh: &Mesh, pod: &TestPod, method: &str, path: &str) -> u16 {
     let url = format!("http://{}:8080{path}", mesh.vip("backend").await);
@@ -106,17 +154,7 @@ async fn now(mesh: &Mesh, pod: &TestPod, method: &str, path: &str) -> u16 {
 async fn allow_and_deny_policies_are_enforced_at_the_destination_by_identity_method_and_path() {
     let config = tempfile::tempdir().unwrap();
     let dir = config.path().display().to_string();
-    let mut mesh = Mesh::start_with_registrar(&[], &["--config-dir", &dir]).await;
-    // A policy change rebuilds the pod's inbound chains; connections opened before it keep
-    // the old rules until Envoy's drain time ends (10 s in production, 2 s here; proposal
-    // 013 names the gap). The checks below therefore wait for the new rules.
-    mesh.envoy = None;
-    let bootstrap = mesh.envoy_bootstrap(free_port());
-    mesh.envoy = Some(Envoy::start_with_args(
-        &bootstrap,
-        unique_base_id(),
-        &["--drain-time-s", "2"],
-    ));
+    let mesh = Mesh::start_with_registrar(&[], &["--config-dir", &dir]).await;
     let c = callers(&mesh).await;
     // No policy selects backend: everyone is allowed.
     until(&mesh, &c.frontend, "GET", "/api/items", 200).await;
@@ -129,11 +167,53 @@ async fn allow_and_deny_policies_are_enforced_at_the_destination_by_identity_met
     assert_eq!(now(&mesh, &c.frontend, "GET", "/api/items").await, 200);
     assert_eq!(now(&mesh, &c.frontend, "GET", "/admin").await, 403);
     assert_eq!(now(&mesh, &c.other, "POST", "/anything").await, 403);
+    // The agent logs the denial with the caller's identity, the pod and the port.
+    logged(
+        &mesh,
+        &[
+            "authorization: no ALLOW policy selecting the pod matched",
+            "verdict=\"deny\"",
+            "source=spiffe://aether.test/ns/demo/sa/other",
+            "pod=demo/backend",
+            "port=8080",
+            "method=POST path=/anything",
+        ],
+    )
+    .await;
 
-    // DENY wins over a matching ALLOW.
+    // DENY wins over a matching ALLOW; the line and the counter name the policy and rule.
     put(config.path(), "deny.yaml", Some(DENY_SECRET));
     until(&mesh, &c.frontend, "GET", "/api/secret", 403).await;
     assert_eq!(now(&mesh, &c.frontend, "GET", "/api/items").await, 200);
+    logged(
+        &mesh,
+        &[
+            "authorization: policy demo/no-secrets rule 0",
+            "source=spiffe://aether.test/ns/demo/sa/frontend",
+        ],
+    )
+    .await;
+    let metrics = mesh.agent_get("/metrics").await;
+    let denied = r#"aether_agent_authorization_decisions_total{pod="demo/backend",policy="demo/no-secrets",rule="0",decision="deny"}"#;
+    assert!(metrics.contains(denied), "{metrics}");
+
+    // AUDIT and dry-run never change the answer; both are logged.
+    put(config.path(), "audit.yaml", Some(AUDIT_ITEMS));
+    put(config.path(), "dry-run.yaml", Some(DRY_RUN_DENY_ITEMS));
+    let seen = [
+        ["verdict=\"audit\"", "policy=demo/watch-items rule=0"],
+        ["verdict=\"dry_run_deny\"", "policy=demo/next-deny rule=0"],
+    ];
+    for parts in seen {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !has_line(&mesh, &parts) {
+            assert_eq!(now(&mesh, &c.frontend, "GET", "/api/items").await, 200);
+            assert!(Instant::now() < deadline, "never logged: {parts:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    put(config.path(), "audit.yaml", None);
+    put(config.path(), "dry-run.yaml", None);
 
     // Policies removed: allowed again.
     put(config.path(), "allow.yaml", None);

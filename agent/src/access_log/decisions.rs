@@ -111,10 +111,11 @@ impl Decisions {
     }
 
     pub fn record(&self, decision: Decision) {
+        let rule = decision.rule.map(|r| r.to_string()).unwrap_or_default();
         tracing::info!(
             verdict = decision.verdict.as_str(),
             policy = %decision.policy,
-            rule = ?decision.rule,
+            rule = %rule,
             source = %decision.source,
             pod = %decision.pod,
             port = decision.port,
@@ -126,7 +127,7 @@ impl Decisions {
         let labels = Labels {
             pod: decision.pod.clone(),
             policy: decision.policy.clone(),
-            rule: decision.rule.map(|r| r.to_string()).unwrap_or_default(),
+            rule,
             decision: decision.verdict.as_str().to_owned(),
         };
         self.counts.get_or_create(&labels).inc();
