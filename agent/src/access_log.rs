@@ -141,7 +141,7 @@ pub fn logger(pod_id: &str) -> AccessLog {
         })),
     };
     let config = HttpGrpcAccessLogConfig {
-        common_config: Some(common_config("aether_failures", SOURCE_TAG, pod_id)),
+        common_config: Some(common_config("aether_failures", &[(SOURCE_TAG, pod_id)])),
         ..Default::default()
     };
     AccessLog {
@@ -155,8 +155,8 @@ pub fn logger(pod_id: &str) -> AccessLog {
 }
 
 /// Envoy's gRPC logger config: to the agent over the xDS socket's cluster, batched
-/// every 100 ms, each entry tagged `tag: pod_id`.
-fn common_config(log_name: &str, tag: &str, pod_id: &str) -> CommonGrpcAccessLogConfig {
+/// every 100 ms, each entry with the custom `tags` (name, value).
+fn common_config(log_name: &str, tags: &[(&str, &str)]) -> CommonGrpcAccessLogConfig {
     CommonGrpcAccessLogConfig {
         log_name: log_name.into(),
         grpc_service: Some(GrpcService {
@@ -171,12 +171,15 @@ fn common_config(log_name: &str, tag: &str, pod_id: &str) -> CommonGrpcAccessLog
             seconds: 0,
             nanos: 100_000_000,
         }),
-        custom_tags: vec![CustomTag {
-            tag: tag.into(),
-            r#type: Some(custom_tag::Type::Literal(custom_tag::Literal {
-                value: pod_id.to_owned(),
-            })),
-        }],
+        custom_tags: tags
+            .iter()
+            .map(|(tag, value)| CustomTag {
+                tag: (*tag).into(),
+                r#type: Some(custom_tag::Type::Literal(custom_tag::Literal {
+                    value: (*value).into(),
+                })),
+            })
+            .collect(),
         ..Default::default()
     }
 }
@@ -201,15 +204,21 @@ impl AccessLogService for Sink {
     ) -> Result<Response<StreamAccessLogsResponse>, Status> {
         let mut stream = request.into_inner();
         while let Some(message) = stream.next().await {
-            let Some(stream_access_logs_message::LogEntries::HttpLogs(logs)) = message?.log_entries else {
-                continue;
-            };
-            for entry in logs.log_entry {
-                if let Some(decisions) = decisions::decisions_of(&entry) {
-                    decisions.into_iter().for_each(|d| self.decisions.record(d));
-                } else if let Some((pod, failure)) = failure_of(entry) {
-                    self.failures.record(&pod, failure);
+            match message?.log_entries {
+                Some(stream_access_logs_message::LogEntries::HttpLogs(logs)) => {
+                    for entry in logs.log_entry {
+                        if let Some(decisions) = decisions::decisions_of(&entry) {
+                            decisions.into_iter().for_each(|d| self.decisions.record(d));
+                        } else if let Some((pod, failure)) = failure_of(entry) {
+                            self.failures.record(&pod, failure);
+                        }
+                    }
                 }
+                Some(stream_access_logs_message::LogEntries::TcpLogs(logs)) => {
+                    let decisions = logs.log_entry.iter().filter_map(decisions::tcp_decisions_of);
+                    decisions.flatten().for_each(|d| self.decisions.record(d));
+                }
+                None => {}
             }
         }
         Ok(Response::new(StreamAccessLogsResponse {}))

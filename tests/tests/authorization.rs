@@ -221,3 +221,73 @@ async fn allow_and_deny_policies_are_enforced_at_the_destination_by_identity_met
     until(&mesh, &c.other, "GET", "/api/items", 200).await;
     until(&mesh, &c.frontend, "GET", "/api/secret", 200).await;
 }
+
+/// Only the client's identity may open connections to cache's TCP port.
+const CACHE_CLIENT_ONLY: &str = "\
+apiVersion: security.aether.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {name: cache-clients, namespace: demo}
+spec:
+  targetRefs: [{kind: Service, name: cache}]
+  rules:
+    - from: [{source: {serviceAccounts: [demo/client]}}]
+";
+
+/// A greeting and one echo over plain TCP to `target` from `pod`, or the error.
+fn tcp_round_trip(pod: &TestPod, target: std::net::SocketAddr) -> std::io::Result<String> {
+    pod.run(move || {
+        use std::io::{BufRead, BufReader, Write};
+        let stream = std::net::TcpStream::connect_timeout(&target, Duration::from_secs(5))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let mut reader = BufReader::new(stream.try_clone()?);
+        (&stream).write_all(b"ping\n")?;
+        let mut greeting = String::new();
+        reader.read_line(&mut greeting)?;
+        let mut echo = String::new();
+        reader.read_line(&mut echo)?;
+        match echo.as_str() {
+            "" => Err(std::io::ErrorKind::ConnectionAborted.into()),
+            _ => Ok(format!("{greeting}{echo}")),
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tcp_policy_closes_denied_connections_and_the_agent_names_the_policy() {
+    let config = tempfile::tempdir().unwrap();
+    let dir = config.path().display().to_string();
+    let mesh = Mesh::start_with_registrar(&[], &["--config-dir", &dir]).await;
+    let cache = mesh.node.add_pod("cache");
+    let _app = cache.serve_tcp_echo("127.0.0.1:6379".parse().unwrap());
+    mesh.describe_pod(&cache, "cache", "cache", "", &[("redis", 6379)]);
+    mesh.add_pod_ok(&cache, "cache").await;
+    let mut callers = Vec::new();
+    for name in ["client", "intruder"] {
+        let pod = mesh.node.add_pod(name);
+        mesh.describe_pod(&pod, name, name, "cache", &[]);
+        mesh.add_pod_ok(&pod, name).await;
+        callers.push(pod);
+    }
+    let target: std::net::SocketAddr = format!("{}:6379", mesh.vip("cache").await).parse().unwrap();
+    let (client, intruder) = (&callers[0], &callers[1]);
+    assert_eq!(tcp_round_trip(intruder, target).unwrap(), "cache\nping\n");
+
+    put(config.path(), "cache.yaml", Some(CACHE_CLIENT_ONLY));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while tcp_round_trip(intruder, target).is_ok() {
+        assert!(Instant::now() < deadline, "the intruder's connections are never closed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(tcp_round_trip(client, target).unwrap(), "cache\nping\n");
+    logged(
+        &mesh,
+        &[
+            "authorization: no ALLOW policy selecting the pod matched",
+            "source=spiffe://aether.test/ns/demo/sa/intruder",
+            "pod=demo/cache",
+            "port=6379",
+            "method=TCP",
+        ],
+    )
+    .await;
+}

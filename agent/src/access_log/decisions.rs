@@ -10,11 +10,13 @@ use std::sync::Arc;
 use std::time::UNIX_EPOCH;
 
 use envoy_types::pb::envoy::config::accesslog::v3::{
-    AccessLog, AccessLogFilter, MetadataFilter, OrFilter, access_log, access_log_filter,
+    AccessLog, AccessLogFilter, ExtensionFilter, MetadataFilter, OrFilter, access_log, access_log_filter,
+    extension_filter,
 };
-use envoy_types::pb::envoy::data::accesslog::v3::HttpAccessLogEntry;
 use envoy_types::pb::envoy::data::accesslog::v3::tls_properties::certificate_properties::subject_alt_name;
-use envoy_types::pb::envoy::extensions::access_loggers::grpc::v3::HttpGrpcAccessLogConfig;
+use envoy_types::pb::envoy::data::accesslog::v3::{AccessLogCommon, HttpAccessLogEntry, TcpAccessLogEntry};
+use envoy_types::pb::envoy::extensions::access_loggers::filters::cel::v3::ExpressionFilter;
+use envoy_types::pb::envoy::extensions::access_loggers::grpc::v3::{HttpGrpcAccessLogConfig, TcpGrpcAccessLogConfig};
 use envoy_types::pb::envoy::r#type::matcher::v3::{
     MetadataMatcher, StringMatcher, ValueMatcher, metadata_matcher, string_matcher, value_matcher,
 };
@@ -30,6 +32,12 @@ use crate::xds::resources::authorization::HTTP_METADATA;
 
 /// The custom tag naming the destination pod (`<ns>/<name>`).
 pub const DESTINATION_TAG: &str = "destination_pod";
+/// The custom tag naming the app port a TCP chain delivers to.
+const PORT_TAG: &str = "destination_port";
+/// Where Envoy's network RBAC filter writes its shadow verdicts.
+const NETWORK_METADATA: &str = "envoy.filters.network.rbac";
+/// How Envoy's RBAC filters begin the details of a denial.
+const RBAC_DENIED: &str = "rbac_access_denied";
 /// Decisions kept for the debug pages, newest last.
 const RECENT: usize = 256;
 
@@ -148,31 +156,68 @@ impl Decisions {
 /// The logger of a pod's inbound HTTP chain: a request is shipped when one of the RBAC
 /// results under `logged` (metadata keys, see `authorization::Filters::logged`) is `denied`.
 pub fn logger(pod_id: &str, logged: &[String]) -> AccessLog {
-    let mut filters: Vec<AccessLogFilter> = logged.iter().map(|key| denied(key)).collect();
-    let filter = match filters.len() {
+    let filters = logged.iter().map(|key| denied(HTTP_METADATA, key)).collect();
+    let config = HttpGrpcAccessLogConfig {
+        common_config: Some(common_config("aether_authorization", &[(DESTINATION_TAG, pod_id)])),
+        ..Default::default()
+    };
+    grpc_logger("envoy.access_loggers.http_grpc", any_of(filters), any(&config))
+}
+
+/// The logger of a pod's inbound listener for its TCP chain, which delivers to `port`: a
+/// connection is shipped when the network RBAC closed it (Envoy names the policy in the
+/// connection's termination details), or one of the shadow results under `logged` is
+/// `denied` (an AUDIT match, a dry-run denial).
+pub fn tcp_logger(pod_id: &str, port: u16, logged: &[String]) -> AccessLog {
+    let closed = ExpressionFilter {
+        expression: format!("connection.termination_details.startsWith('{RBAC_DENIED}')"),
+        ..Default::default()
+    };
+    let closed = AccessLogFilter {
+        filter_specifier: Some(access_log_filter::FilterSpecifier::ExtensionFilter(ExtensionFilter {
+            name: "envoy.access_loggers.extension_filters.cel".into(),
+            config_type: Some(extension_filter::ConfigType::TypedConfig(any(&closed))),
+        })),
+    };
+    let shadow = logged.iter().filter(|k| k.ends_with("shadow_engine_result"));
+    let filters = std::iter::once(closed).chain(shadow.map(|key| denied(NETWORK_METADATA, key)));
+    let port = port.to_string();
+    let tags = [(DESTINATION_TAG, pod_id), (PORT_TAG, port.as_str())];
+    let config = TcpGrpcAccessLogConfig {
+        common_config: Some(common_config("aether_authorization", &tags)),
+    };
+    grpc_logger("envoy.access_loggers.tcp_grpc", any_of(filters.collect()), any(&config))
+}
+
+fn grpc_logger(name: &str, filter: Option<AccessLogFilter>, config: Any) -> AccessLog {
+    AccessLog {
+        name: name.into(),
+        filter,
+        config_type: Some(access_log::ConfigType::TypedConfig(config)),
+    }
+}
+
+/// One filter, or an OR of several (Envoy's OR takes two or more).
+fn any_of(mut filters: Vec<AccessLogFilter>) -> Option<AccessLogFilter> {
+    match filters.len() {
         0 | 1 => filters.pop(),
         _ => Some(AccessLogFilter {
             filter_specifier: Some(access_log_filter::FilterSpecifier::OrFilter(OrFilter { filters })),
         }),
-    };
-    let config = HttpGrpcAccessLogConfig {
-        common_config: Some(common_config("aether_authorization", DESTINATION_TAG, pod_id)),
-        ..Default::default()
-    };
-    AccessLog {
-        name: "envoy.access_loggers.http_grpc".into(),
-        filter,
-        config_type: Some(access_log::ConfigType::TypedConfig(Any {
-            type_url: <HttpGrpcAccessLogConfig as prost::Name>::type_url(),
-            value: prost::Message::encode_to_vec(&config),
-        })),
     }
 }
 
-/// Whether the RBAC result `key` is `denied`.
-fn denied(key: &str) -> AccessLogFilter {
+fn any<T: prost::Name>(message: &T) -> Any {
+    Any {
+        type_url: T::type_url(),
+        value: prost::Message::encode_to_vec(message),
+    }
+}
+
+/// Whether the RBAC result `key` (under the metadata namespace `filter`) is `denied`.
+fn denied(filter: &str, key: &str) -> AccessLogFilter {
     let matcher = MetadataMatcher {
-        filter: HTTP_METADATA.into(),
+        filter: filter.into(),
         path: vec![metadata_matcher::PathSegment {
             segment: Some(metadata_matcher::path_segment::Segment::Key(key.into())),
         }],
@@ -192,33 +237,12 @@ fn denied(key: &str) -> AccessLogFilter {
     }
 }
 
-/// The decisions one entry carries: the enforced denial, else AUDIT matches and the
-/// dry-run denial. `None` for an entry without our tag.
+/// The decisions one HTTP entry carries: the enforced denial, AUDIT matches, and the
+/// dry-run denial where there was no real one. `None` for an entry without our tag.
 pub fn decisions_of(entry: &HttpAccessLogEntry) -> Option<Vec<Decision>> {
     let common = entry.common_properties.as_ref()?;
-    let pod = common.custom_tags.get(DESTINATION_TAG)?.clone();
-    let empty = Struct::default();
-    let metadata = common
-        .metadata
-        .as_ref()
-        .and_then(|m| m.filter_metadata.get(HTTP_METADATA));
-    let results = Results(metadata.unwrap_or(&empty));
     let request = entry.request.clone().unwrap_or_default();
-    let peer = common
-        .downstream_remote_address
-        .as_ref()
-        .map(ip_port)
-        .unwrap_or_default();
     let base = Decision {
-        at_ms: common.start_time.map_or(0, |t| {
-            let at = UNIX_EPOCH + std::time::Duration::new(t.seconds.max(0) as u64, t.nanos.max(0) as u32);
-            at.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
-        }),
-        verdict: Verdict::Deny,
-        policy: String::new(),
-        rule: None,
-        source: spiffe_id(entry).unwrap_or(peer),
-        pod,
         port: common
             .route_name
             .strip_prefix("port-")
@@ -227,9 +251,65 @@ pub fn decisions_of(entry: &HttpAccessLogEntry) -> Option<Vec<Decision>> {
         method: envoy_types::pb::envoy::config::core::v3::RequestMethod::try_from(request.request_method)
             .map_or_else(|_| "?".into(), |m| m.as_str_name().to_owned()),
         path: bounded(&request.path),
+        ..base(common)?
     };
-    let of = |verdict, id: Option<&str>| {
-        let (policy, rule) = split_policy_id(id.unwrap_or_default());
+    let results = Results::of(common, HTTP_METADATA);
+    let denial = ["deny.", "allow."].into_iter().find(|p| results.denied(p, "enforced"));
+    let denial = denial.map(|p| results.policy(p, "enforced").unwrap_or_default().to_owned());
+    Some(judged(&base, &results, denial))
+}
+
+/// The decisions one TCP entry (a connection) carries, as for HTTP; the enforced denial
+/// comes from the connection's termination details. `None` for an entry without our tag.
+pub fn tcp_decisions_of(entry: &TcpAccessLogEntry) -> Option<Vec<Decision>> {
+    let common = entry.common_properties.as_ref()?;
+    let base = Decision {
+        port: common
+            .custom_tags
+            .get(PORT_TAG)
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0),
+        method: "TCP".into(),
+        ..base(common)?
+    };
+    let results = Results::of(common, NETWORK_METADATA);
+    let details = &common.connection_termination_details;
+    let denial = details.strip_prefix(RBAC_DENIED).map(|rest| {
+        let id = rest.strip_prefix("_matched_policy[").and_then(|r| r.strip_suffix(']'));
+        id.filter(|id| *id != "none").unwrap_or_default().to_owned()
+    });
+    Some(judged(&base, &results, denial))
+}
+
+/// The decision fields every entry of ours has: when, who called whom.
+fn base(common: &AccessLogCommon) -> Option<Decision> {
+    let pod = common.custom_tags.get(DESTINATION_TAG)?.clone();
+    let peer = common
+        .downstream_remote_address
+        .as_ref()
+        .map(ip_port)
+        .unwrap_or_default();
+    Some(Decision {
+        at_ms: common.start_time.map_or(0, |t| {
+            let at = UNIX_EPOCH + std::time::Duration::new(t.seconds.max(0) as u64, t.nanos.max(0) as u32);
+            at.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
+        }),
+        verdict: Verdict::Deny,
+        policy: String::new(),
+        rule: None,
+        source: spiffe_id(common).unwrap_or(peer),
+        pod,
+        port: 0,
+        method: String::new(),
+        path: String::new(),
+    })
+}
+
+/// The denial (`Some(policy id)`, empty when no ALLOW matched), then each AUDIT match,
+/// then the dry-run denial if there was no real one.
+fn judged(base: &Decision, results: &Results, denial: Option<String>) -> Vec<Decision> {
+    let of = |verdict, id: &str| {
+        let (policy, rule) = split_policy_id(id);
         Decision {
             verdict,
             policy,
@@ -237,30 +317,36 @@ pub fn decisions_of(entry: &HttpAccessLogEntry) -> Option<Vec<Decision>> {
             ..base.clone()
         }
     };
-    let denial = ["deny.", "allow."].into_iter().find(|p| results.denied(p, "enforced"));
-    let mut out: Vec<Decision> = denial
-        .map(|p| of(Verdict::Deny, results.policy(p, "enforced")))
-        .into_iter()
-        .collect();
+    let mut out: Vec<Decision> = denial.iter().map(|id| of(Verdict::Deny, id)).collect();
     for prefix in results.audits() {
-        out.push(of(Verdict::Audit, results.policy(&prefix, "shadow")));
+        out.push(of(
+            Verdict::Audit,
+            results.policy(&prefix, "shadow").unwrap_or_default(),
+        ));
     }
     // Dry-run policies matter where they would change the verdict.
     let dry_run = ["dry_run.deny.", "dry_run.allow."]
         .into_iter()
         .find(|p| results.denied(p, "shadow"));
-    if let (None, Some(prefix)) = (denial, dry_run) {
-        out.push(of(Verdict::DryRunDeny, results.policy(prefix, "shadow")));
+    if let (None, Some(prefix)) = (&denial, dry_run) {
+        out.push(of(
+            Verdict::DryRunDeny,
+            results.policy(prefix, "shadow").unwrap_or_default(),
+        ));
     }
-    Some(out)
+    out
 }
 
-/// The RBAC filters' results in one request's metadata.
-struct Results<'a>(&'a Struct);
+/// The RBAC filters' results in one request's (or connection's) metadata.
+struct Results<'a>(Option<&'a Struct>);
 
-impl Results<'_> {
+impl<'a> Results<'a> {
+    fn of(common: &'a AccessLogCommon, namespace: &str) -> Self {
+        Results(common.metadata.as_ref().and_then(|m| m.filter_metadata.get(namespace)))
+    }
+
     fn string(&self, key: &str) -> Option<&str> {
-        match self.0.fields.get(key)?.kind.as_ref()? {
+        match self.0?.fields.get(key)?.kind.as_ref()? {
             value::Kind::StringValue(s) => Some(s),
             _ => None,
         }
@@ -277,11 +363,8 @@ impl Results<'_> {
     /// The prefixes of the AUDIT filters that matched.
     fn audits(&self) -> Vec<String> {
         let suffix = "shadow_engine_result";
-        let prefixes = self
-            .0
-            .fields
-            .keys()
-            .filter_map(|k| k.strip_prefix("audit.")?.strip_suffix(suffix));
+        let keys = self.0.into_iter().flat_map(|s| s.fields.keys());
+        let prefixes = keys.filter_map(|k| k.strip_prefix("audit.")?.strip_suffix(suffix));
         let audits: Vec<String> = prefixes.map(|p| format!("audit.{p}")).collect();
         audits.into_iter().filter(|p| self.denied(p, "shadow")).collect()
     }
@@ -296,8 +379,8 @@ fn split_policy_id(id: &str) -> (String, Option<u32>) {
 }
 
 /// The caller's SPIFFE ID: the URI SAN of its client certificate.
-fn spiffe_id(entry: &HttpAccessLogEntry) -> Option<String> {
-    let tls = entry.common_properties.as_ref()?.tls_properties.as_ref()?;
+fn spiffe_id(common: &AccessLogCommon) -> Option<String> {
+    let tls = common.tls_properties.as_ref()?;
     let peer = tls.peer_certificate_properties.as_ref()?;
     peer.subject_alt_name.iter().find_map(|san| match &san.san {
         Some(subject_alt_name::San::Uri(uri)) => Some(bounded(uri)),

@@ -163,3 +163,59 @@ fn the_logger_ships_a_request_when_any_listed_result_is_denied() {
     assert_eq!(keys.len(), 2);
     assert!(keys[0].contains("deny.enforced_engine_result"), "{keys:?}");
 }
+
+/// An inbound connection to shop/cart-1's TCP chain (port 5432), closed as Envoy says.
+fn connection(termination: &str, results: &[(&str, &str)]) -> TcpAccessLogEntry {
+    let mut common = entry(results).common_properties.unwrap();
+    let metadata = common.metadata.as_mut().unwrap();
+    let shadow = metadata.filter_metadata.remove(HTTP_METADATA).unwrap();
+    metadata.filter_metadata.insert(NETWORK_METADATA.into(), shadow);
+    common.custom_tags.insert(PORT_TAG.into(), "5432".into());
+    common.connection_termination_details = termination.into();
+    TcpAccessLogEntry {
+        common_properties: Some(common),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_closed_connection_names_the_policy_from_its_termination_details() {
+    let denied = tcp_decisions_of(&connection("rbac_access_denied_matched_policy[shop/no-db#1]", &[])).unwrap();
+    assert_eq!(summary(&denied), ["deny shop/no-db Some(1)"]);
+    assert_eq!((denied[0].port, denied[0].method.as_str()), (5432, "TCP"));
+    assert_eq!(denied[0].source, "spiffe://cluster.local/ns/shop/sa/frontend");
+    let unlisted = tcp_decisions_of(&connection("rbac_access_denied_matched_policy[none]", &[])).unwrap();
+    assert_eq!(summary(&unlisted), ["deny  None"]);
+    let audited = [
+        ("audit.shop.watch.shadow_engine_result", "denied"),
+        ("audit.shop.watch.shadow_effective_policy_id", "shop/watch#0"),
+    ];
+    let open = tcp_decisions_of(&connection("", &audited)).unwrap();
+    assert_eq!(summary(&open), ["audit shop/watch Some(0)"]);
+}
+
+#[test]
+fn the_tcp_logger_ships_rbac_closes_and_shadow_denials_tagged_with_pod_and_port() {
+    let keys = [
+        "deny.enforced_engine_result".to_owned(),
+        "dry_run.deny.shadow_engine_result".to_owned(),
+    ];
+    let log = tcp_logger("shop/cart-1", 5432, &keys);
+    let Some(access_log_filter::FilterSpecifier::OrFilter(or)) = log.filter.unwrap().filter_specifier else {
+        panic!("an OR");
+    };
+    // The CEL close filter, and the one shadow key (enforced results are never metadata on TCP).
+    assert_eq!(or.filters.len(), 2);
+    let Some(access_log::ConfigType::TypedConfig(any)) = log.config_type else {
+        panic!("typed");
+    };
+    let config = <TcpGrpcAccessLogConfig as prost::Message>::decode(&*any.value).unwrap();
+    let tags: Vec<String> = config
+        .common_config
+        .unwrap()
+        .custom_tags
+        .into_iter()
+        .map(|t| t.tag)
+        .collect();
+    assert_eq!(tags, [DESTINATION_TAG, PORT_TAG]);
+}

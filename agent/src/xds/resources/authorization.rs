@@ -188,6 +188,8 @@ pub struct Filters {
     /// The dynamic-metadata keys (under `envoy.filters.http.rbac`) whose value `denied`
     /// marks a request worth a log line: a denial, an AUDIT match, a dry-run denial.
     pub logged: Vec<String>,
+    /// The same for the TCP chain (under `envoy.filters.network.rbac`).
+    pub tcp_logged: Vec<String>,
 }
 
 /// The HTTP filter of the enforced and dry-run DENY policies.
@@ -209,6 +211,7 @@ pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>]) -> Filters
     let prefix = format!("authz.{}.{}.", pod.info.namespace, pod.info.name);
     let tcp = stages(policies, &Layer::Tcp { port: *primary }, false);
     let mut filters = Filters {
+        tcp_logged: tcp.iter().flat_map(Stage::logged_keys).collect(),
         tcp: tcp.into_iter().map(|s| s.network(&prefix)).collect(),
         ..Default::default()
     };

@@ -217,6 +217,12 @@ fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>, authz: &Filters) ->
         continue_on_listener_filters_timeout: true,
         filter_chains,
         default_filter_chain: Some(default_chain),
+        // Connections the TCP chain's policies closed, audited or would close (dry-run).
+        access_log: vec![crate::access_log::decisions::tcp_logger(
+            &pod.id(),
+            primary,
+            &authz.tcp_logged,
+        )],
         ..Default::default()
     })
 }
