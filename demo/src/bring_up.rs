@@ -45,8 +45,10 @@ impl Demo {
         let r = self.start_mesh_dns().await;
         self.progress.end(r)?;
 
-        self.progress
-            .begin("creating 4 pods through CNI (bridge + host-local, aether-cni chained)");
+        self.progress.begin(format!(
+            "creating {} pods through CNI (bridge + host-local, aether-cni chained)",
+            PODS.len()
+        ));
         let r = self.create_pods().await;
         self.progress.end(r)?;
 
@@ -116,7 +118,7 @@ impl Demo {
             vec![PathBuf::from(DEBIAN_CNI_DIR), self.bins.clone()],
         ));
         self.node = Some(node);
-        for dir in ["run", "pods", "cni", "ca", "agent", "proxy", "routes"] {
+        for dir in ["run", "pods", "cni", "ca", "agent", "proxy", "config"] {
             std::fs::create_dir_all(self.path(dir)).map_err(|e| fail(format!("creating {dir}: {e}")))?;
         }
         Ok(vec![line])
@@ -134,15 +136,18 @@ impl Demo {
             .arg(self.path("registrar"))
             // The other teams' endpoints below are registered once; keep them for the whole run.
             .args(["--endpoint-ttl", "1h"])
-            // Gateway API routes, as a cluster without Kubernetes (or this demo) gives them.
-            .arg("--routes-dir")
-            .arg(self.path("routes"));
+            // Routes and policies as YAML files, as a cluster without Kubernetes (or this demo) gives them.
+            .arg("--config-dir")
+            .arg(self.path("config"));
         let child = spawn("registrar", cmd);
         let child = self.registrar.insert(child);
         wait_ready(self.ports.registrar_admin, child).await?;
         Ok(vec![
             format!("catalog on a redb file under {}", self.path("registrar").display()),
-            format!("routes (HTTPRoute YAML) from {}", self.path("routes").display()),
+            format!(
+                "routes (HTTPRoute) and policies (AuthorizationPolicy) as YAML files from {}",
+                self.path("config").display()
+            ),
             "gRPC over mTLS only: agents get node certificates by showing a ServiceAccount token (reviewed by a \
              stand-in Kubernetes API), and each may write only its own node's endpoints"
                 .into(),
@@ -355,16 +360,8 @@ impl Demo {
 
     pub(crate) async fn create_pods(&mut self) -> Result<Vec<String>, DemoError> {
         let pid = std::process::id();
-        // Servers before their client, as a rollout usually goes.
-        let specs = [
-            ("backend-1", "backend", "", true),
-            ("backend-2", "backend", "", true),
-            ("backend-v2", "backend-v2", "", true),
-            ("frontend", "frontend", "backend", true),
-            ("legacy", "legacy", "", false),
-        ];
         let mut lines = Vec::new();
-        for (name, sa, upstreams, managed) in specs {
+        for (name, sa, upstreams, managed) in PODS {
             let netns = BareNetns::new();
             write_pod_resolv_conf(netns.name())?;
             let sandbox = Sandbox::new(&format!("{WORK_PREFIX}{pid}-{name}"), &netns.path(), NAMESPACE, name);
@@ -484,6 +481,17 @@ impl Demo {
             .map_err(|_| fail(format!("demo/backend has no IPv4 VIP: {:?}", service.vip)))
     }
 }
+
+/// The pods: name, service account (also the `app` label, hence the service), upstreams, managed. Servers before
+/// their clients, as a rollout usually goes; `batch` calls backend too, but is not the caller a policy admits.
+const PODS: [(&str, &str, &str, bool); 6] = [
+    ("backend-1", "backend", "", true),
+    ("backend-2", "backend", "", true),
+    ("backend-v2", "backend-v2", "", true),
+    ("frontend", "frontend", "backend", true),
+    ("batch", "batch", "backend", true),
+    ("legacy", "legacy", "", false),
+];
 
 /// What `make setup` installs from Debian: the primary CNI plugins and the tools the steps use.
 fn installed_tools() -> Result<(), DemoError> {

@@ -3,7 +3,7 @@
 
 use super::*;
 
-/// The route, as a user would `kubectl apply` it (here: a file in the registrar's `--routes-dir`).
+/// The route, as a user would `kubectl apply` it (here: a file in the registrar's `--config-dir`).
 fn canary_route() -> String {
     format!(
         r#"apiVersion: gateway.networking.k8s.io/v1
@@ -33,7 +33,7 @@ const SPLIT_REQUESTS: usize = 500;
 
 impl Demo {
     pub(crate) async fn canary(&mut self) -> Result<Vec<String>, DemoError> {
-        let route = self.path("routes/backend-canary.yaml");
+        let route = self.path("config/backend-canary.yaml");
         write_atomically(&route, &canary_route())?;
         let started = Instant::now();
         // Served once a pinned request lands on the canary.
@@ -130,7 +130,7 @@ impl Demo {
 }
 
 /// Writes `text` to `path` through a temporary file and a rename, as `kubectl apply` of a ConfigMap would swap it.
-fn write_atomically(path: &Path, text: &str) -> Result<(), DemoError> {
+pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<(), DemoError> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, text).map_err(|e| fail(format!("writing {}: {e}", tmp.display())))?;
     std::fs::rename(&tmp, path).map_err(|e| fail(format!("renaming {} into place: {e}", tmp.display())))

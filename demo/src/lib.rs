@@ -46,6 +46,7 @@ use aether_tests::process::processes;
 use aether_tests::supervisor::metric_sum;
 use aether_tests::{ChildGuard, TestNode, free_port, http_get};
 
+mod authorization;
 mod bring_up;
 mod canary;
 mod pod_net;
@@ -70,7 +71,7 @@ pub const APP_PORT: u16 = 8080;
 pub const WORK_BASE: &str = "/tmp";
 pub const WORK_PREFIX: &str = "aether-demo-";
 /// The numbered steps of a run (teardown included).
-pub const STEPS: usize = 17;
+pub const STEPS: usize = 18;
 /// Prefix of the pod netns [`BareNetns`] creates: `aen-<pid as 6 hex><seq as 4 hex>`.
 const NETNS_PREFIX: &str = "aen-";
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -212,6 +213,7 @@ pub struct Facts {
     pub envoy_clusters: usize,
     pub catalog_services: usize,
     pub canary: String,
+    pub authorization: String,
 }
 
 pub struct Demo {
@@ -315,7 +317,8 @@ impl Demo {
              \x20 canary route:   {} (HTTPRoute 90/10; x-version: v2 pinned to the canary)\n\
              \x20 demand scoping: {} clusters in this node's Envoy for {} services in the catalog\n\
              \x20 hot restart:    {} requests during the restart, {} failed\n\
-             \x20 unmanaged pod:  left alone (no capture rules, not registered, not in Envoy)",
+             \x20 unmanaged pod:  left alone (no capture rules, not registered, not in Envoy)\n\
+             \x20 authorization:  {}",
             Self::fqdn("backend"),
             f.vip,
             f.spiffe_id,
@@ -326,6 +329,7 @@ impl Demo {
             f.catalog_services,
             f.restart_ok,
             f.restart_failed,
+            f.authorization,
         )
     }
 }

@@ -3,7 +3,7 @@
 use super::*;
 
 impl Demo {
-    /// Steps 9–16: the mesh at work, each step checked.
+    /// Steps 9–17: the mesh at work, each step checked.
     pub(crate) async fn show(&mut self) -> Result<(), DemoError> {
         self.progress
             .begin(format!("frontend resolves {} through DNS", Self::fqdn("backend")));
@@ -39,6 +39,11 @@ impl Demo {
 
         self.progress.begin("the unmanaged pod is left alone");
         let r = self.unmanaged_left_alone().await;
+        self.progress.end(r)?;
+
+        self.progress
+            .begin("authorization: strict mTLS refuses plaintext, a policy admits only frontend's identity");
+        let r = self.authorization().await;
         self.progress.end(r)?;
 
         self.progress.begin("where to look next");
@@ -271,7 +276,7 @@ impl Demo {
                 clusters.len()
             ),
             format!("clusters: {}", clusters.join(", ")),
-            "only what this node's pods call (frontend's upstreams) and serve; the other teams' services stay out \
+            "only what this node's pods call (their upstreams) and serve; the other teams' services stay out \
              (still reachable on demand over HTTP)"
                 .into(),
         ])

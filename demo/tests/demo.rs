@@ -174,6 +174,21 @@ fn the_demo_runs_green_shows_the_mesh_and_leaves_nothing_behind() {
         .find_map(|w| w.parse().ok())
         .expect("a request count");
     assert!(ok > 0, "{restart}");
+    // Strict mTLS and the policy: the denial was logged by the agent, naming the caller.
+    assert!(
+        stdout.contains(
+            "authorization:  legacy's plaintext refused (strict mTLS); ALLOW for demo/frontend: batch 403, frontend 200"
+        ),
+        "{stdout}"
+    );
+    let denial = stdout
+        .lines()
+        .find(|l| l.contains("authorization: no ALLOW policy selecting the pod matched"))
+        .unwrap_or_else(|| panic!("no denial log line:\n{stdout}"));
+    assert!(
+        denial.contains("verdict=\"deny\"") && denial.contains("source=spiffe://cluster.local/ns/demo/sa/batch"),
+        "{denial}"
+    );
     assert!(stdout.contains("cleanup:        nothing left behind"), "{stdout}");
     assert_nothing_left(pid, &work, &stdout);
 }
@@ -181,10 +196,10 @@ fn the_demo_runs_green_shows_the_mesh_and_leaves_nothing_behind() {
 #[test]
 fn an_interrupted_or_killed_demo_leaves_nothing_behind_and_the_next_run_works() {
     // SIGINT in the middle (the hot restart step, with load running): cancel, clean up, exit non-zero. A step's
-    // line ends when the step is done, so step 12's whole line means step 13, the hot restart, has begun.
+    // line ends when the step is done, so step 13's whole line means step 14, the hot restart, has begun.
     let mut run = DemoRun::spawn();
     let (pid, work) = (run.pid(), run.work());
-    run.wait_line("[12/");
+    run.wait_line("[13/");
     kill(Pid::from_raw(pid as i32), Signal::SIGINT).expect("SIGINT");
     let (status, stdout, stderr) = run.finish();
     assert!(!status.success(), "an interrupted demo must not exit 0:\n{stdout}");
