@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aether_tests::TestPod;
-use aether_tests::mesh::{APP, Mesh};
+use aether_tests::mesh::{APP, Mesh, MeshIdentity, NodeIdentity};
 
 /// frontend and other both call backend; only frontend's identity is allowed by the policy.
 const ALLOW_FRONTEND: &str = "\
@@ -290,4 +290,98 @@ async fn a_tcp_policy_closes_denied_connections_and_the_agent_names_the_policy()
         ],
     )
     .await;
+}
+
+/// Mesh-wide (in the mesh root namespace): nobody may call anything with DELETE.
+const MESH_NO_DELETE: &str = "\
+apiVersion: security.aether.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {name: no-delete, namespace: aether-system}
+spec:
+  action: DENY
+  rules: [{to: [{operation: {methods: [DELETE]}}]}]
+";
+
+/// Namespace-wide (no target): every workload of demo refuses other's identity.
+const DEMO_NOT_FROM_OTHER: &str = "\
+apiVersion: security.aether.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {name: not-from-other, namespace: demo}
+spec:
+  action: DENY
+  rules: [{from: [{source: {serviceAccounts: [demo/other]}}]}]
+";
+
+/// The same, in another namespace: it selects no workload of demo.
+const SHOP_NOT_FROM_OTHER: &str = "\
+apiVersion: security.aether.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {name: not-from-other, namespace: shop}
+spec:
+  action: DENY
+  rules: [{from: [{source: {serviceAccounts: [demo/other]}}]}]
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mesh_wide_and_namespace_wide_policies_select_by_namespace() {
+    let config = tempfile::tempdir().unwrap();
+    let dir = config.path().display().to_string();
+    let mesh = Mesh::start_with_registrar(&[], &["--config-dir", &dir]).await;
+    let c = callers(&mesh).await;
+    until(&mesh, &c.other, "GET", "/x", 200).await;
+
+    // Another namespace's policy never selects demo's workloads.
+    put(config.path(), "shop.yaml", Some(SHOP_NOT_FROM_OTHER));
+    put(config.path(), "mesh.yaml", Some(MESH_NO_DELETE));
+    until(&mesh, &c.frontend, "DELETE", "/x", 403).await;
+    assert_eq!(now(&mesh, &c.other, "GET", "/x").await, 200);
+    logged(
+        &mesh,
+        &["authorization: policy aether-system/no-delete rule 0", "method=DELETE"],
+    )
+    .await;
+
+    put(config.path(), "demo.yaml", Some(DEMO_NOT_FROM_OTHER));
+    until(&mesh, &c.other, "GET", "/x", 403).await;
+    assert_eq!(now(&mesh, &c.frontend, "GET", "/x").await, 200);
+    logged(&mesh, &["authorization: policy demo/not-from-other rule 0", "sa/other"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_flips_under_load_answer_only_200_or_403_with_spire_identities() {
+    let config = tempfile::tempdir().unwrap();
+    let dir = config.path().display().to_string();
+    let spire = MeshIdentity::Spire {
+        ttl: Duration::from_secs(3600),
+    };
+    let mesh = Mesh::start_node_identity(spire, NodeIdentity::Bootstrap, &[], &["--config-dir", &dir]).await;
+    let c = callers(&mesh).await;
+    until(&mesh, &c.other, "GET", "/api/items", 200).await;
+    let url = format!("http://{}:8080/api/items", mesh.vip("backend").await);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let flips = async {
+        for _ in 0..4 {
+            put(config.path(), "demo.yaml", Some(DEMO_NOT_FROM_OTHER));
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            put(config.path(), "demo.yaml", None);
+            tokio::time::sleep(Duration::from_millis(400)).await;
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    };
+    let (frontend, other, ()) = tokio::join!(load(&c.frontend, &url, &stop), load(&c.other, &url, &stop), flips);
+    eprintln!("under 8 policy changes: frontend {frontend:?}, other {other:?}");
+    // The policy never selects frontend's calls: every one succeeds while it flips.
+    assert_eq!(frontend.keys().collect::<Vec<_>>(), [&200], "{frontend:?}");
+    // other's calls are allowed or refused by the policy, never failed by its changes.
+    assert_eq!(other.keys().collect::<Vec<_>>(), [&200, &403], "{other:?}");
+}
+
+/// GETs `url` from `pod` one after another until `stop`; how many got each status (0: no answer).
+async fn load(pod: &TestPod, url: &str, stop: &std::sync::atomic::AtomicBool) -> std::collections::BTreeMap<u16, u32> {
+    let mut statuses = std::collections::BTreeMap::new();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let reply = pod.http_request("GET", url, None, &[], "").await;
+        *statuses.entry(reply.map_or(0, |r| r.status)).or_default() += 1;
+    }
+    statuses
 }
