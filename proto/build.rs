@@ -4,6 +4,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protos = [
         "proto/aether/cni/v1/cni.proto",
         "proto/aether/registry/v1/authorization.proto",
+        "proto/aether/registry/v1/http_filter.proto",
         "proto/aether/registry/v1/registry.proto",
         "proto/aether/registry/v1/route.proto",
         "proto/aether/registrar/v1/registrar.proto",

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::registrar::v1::{Version, WatchResponse, change, watch_response};
-use crate::registry::v1::{AuthorizationPolicy, Endpoint, Route, RouteKind, Service};
+use crate::registry::v1::{AuthorizationPolicy, Endpoint, HttpFilter, Route, RouteKind, Service};
 
 /// A service's endpoints by address. Shared: cloning a catalog is cheap, and a
 /// service whose endpoints did not change keeps the same `Arc` (consumers can skip it).
@@ -16,13 +16,15 @@ pub type Endpoints = Arc<BTreeMap<String, Endpoint>>;
 /// services by key (`<ns>/<name>`), their endpoints by address, the routes
 /// attached to them by route key (`<kind>/<ns>/<name>`, see [`route_key`]), and the
 /// authorization policies of the watched namespaces by key (`<ns>/<name>`, see
-/// [`policy_key`]).
+/// [`policy_key`]), and the HTTP filters of those namespaces or of watched services by
+/// key (`<ns>/<name>`, see [`http_filter_key`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CatalogView {
     pub services: BTreeMap<String, Service>,
     pub endpoints: BTreeMap<String, Endpoints>,
     pub routes: BTreeMap<String, Arc<Route>>,
     pub policies: BTreeMap<String, Arc<AuthorizationPolicy>>,
+    pub http_filters: BTreeMap<String, Arc<HttpFilter>>,
 }
 
 /// What a client believes after the messages it has applied.
@@ -73,6 +75,11 @@ pub fn service_key(service: &Service) -> String {
 /// A route's key, `<kind>/<namespace>/<name>` with kind `http` or `grpc`.
 pub fn route_key(route: &Route) -> String {
     format!("{}/{}/{}", route_kind_name(route.kind()), route.namespace, route.name)
+}
+
+/// An HTTP filter's key, `<namespace>/<name>`.
+pub fn http_filter_key(filter: &HttpFilter) -> String {
+    format!("{}/{}", filter.namespace, filter.name)
 }
 
 /// An authorization policy's key, `<namespace>/<name>`.
@@ -130,6 +137,8 @@ impl CatalogView {
                 .collect(),
             // Policies are scoped by namespace, not by service: all are kept.
             policies: self.policies.clone(),
+            // Filters of a dropped service may still be needed on the destination side.
+            http_filters: self.http_filters.clone(),
         }
     }
 
@@ -168,6 +177,9 @@ impl WatchView {
                 }
                 for policy in chunk.policies {
                     incoming.policies.insert(policy_key(&policy), Arc::new(policy));
+                }
+                for filter in chunk.http_filters {
+                    incoming.http_filters.insert(http_filter_key(&filter), Arc::new(filter));
                 }
                 Ok(Applied::SnapshotChunk)
             }
@@ -209,6 +221,14 @@ impl WatchView {
                         }
                         change::Change::PolicyRemoved(key) => {
                             self.catalog.policies.remove(&key);
+                        }
+                        change::Change::HttpFilterPut(filter) => {
+                            self.catalog
+                                .http_filters
+                                .insert(http_filter_key(&filter), Arc::new(filter));
+                        }
+                        change::Change::HttpFilterRemoved(key) => {
+                            self.catalog.http_filters.remove(&key);
                         }
                     }
                 }

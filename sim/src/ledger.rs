@@ -27,7 +27,9 @@ pub fn changed_addresses(delta: &Delta) -> impl Iterator<Item = &str> {
         | change::Change::RoutePut(_)
         | change::Change::RouteRemoved(_)
         | change::Change::PolicyPut(_)
-        | change::Change::PolicyRemoved(_) => None,
+        | change::Change::PolicyRemoved(_)
+        | change::Change::HttpFilterPut(_)
+        | change::Change::HttpFilterRemoved(_) => None,
     })
 }
 

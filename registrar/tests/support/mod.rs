@@ -410,6 +410,19 @@ pub fn check_delta(view: &WatchView, message: &WatchResponse) {
             change::Change::PolicyRemoved(key) => {
                 assert!(catalog.policies.remove(key).is_some(), "ghost PolicyRemoved {key}");
             }
+            change::Change::HttpFilterPut(filter) => {
+                let key = aether_proto::view::http_filter_key(filter);
+                let old = catalog
+                    .http_filters
+                    .insert(key.clone(), std::sync::Arc::new(filter.clone()));
+                assert_ne!(old.as_deref(), Some(filter), "duplicate HttpFilterPut {key}");
+            }
+            change::Change::HttpFilterRemoved(key) => {
+                assert!(
+                    catalog.http_filters.remove(key).is_some(),
+                    "ghost HttpFilterRemoved {key}"
+                );
+            }
         }
     }
 }
