@@ -28,6 +28,7 @@ pub use decide::{
     AuthzRequest, Cause, Decision, HttpRequest, PolicyRule, Verdict, Workload, decide, namespace_and_account, selects,
 };
 pub use object::*;
+pub(crate) use validate::rules as validate_rules;
 pub use validate::{l7_on_non_http, validate};
 pub use yaml::parse_documents;
 
@@ -197,7 +198,8 @@ fn target_ref(target: &TargetRef, namespace: &str, field: &str) -> Result<String
     Ok(format!("{namespace}/{}", target.name))
 }
 
-fn rule(rule: &Rule, field: &str) -> Result<AuthorizationRule, Refusal> {
+/// One rule, projected; `field` is where it is (HTTPFilter's `spec.rbac.rules[i]` too).
+pub(crate) fn rule(rule: &Rule, field: &str) -> Result<AuthorizationRule, Refusal> {
     unsupported(field, &rule.unsupported)?;
     bounded(&format!("{field}.from"), rule.from.len(), limits::FROM_PER_RULE)?;
     bounded(&format!("{field}.to"), rule.to.len(), limits::TO_PER_RULE)?;

@@ -15,10 +15,13 @@
 //! - [`authorization`]: our `security.aether.io/v1alpha1` AuthorizationPolicy, its projector
 //!   into `aether.registry.v1.AuthorizationPolicy`, and [`authorization::decide`], what a
 //!   policy set decides for one request.
+//! - [`http_filter`]: our `networking.aether.io/v1alpha1` HTTPFilter (a few stock Envoy HTTP
+//!   filters, typed) and its projector into `aether.registry.v1.HttpFilter`.
 
 pub mod authorization;
 pub mod duration;
 pub mod gateway;
+pub mod http_filter;
 pub mod route;
 pub mod status;
 pub mod yaml;

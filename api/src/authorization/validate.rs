@@ -4,8 +4,8 @@
 //! [`l7_on_non_http`].
 
 use aether_proto::registry::v1::{
-    AuthorizationAction, AuthorizationOperation, AuthorizationPattern, AuthorizationPolicy, AuthorizationSource,
-    PatternKind,
+    AuthorizationAction, AuthorizationOperation, AuthorizationPattern, AuthorizationPolicy, AuthorizationRule,
+    AuthorizationSource, PatternKind,
 };
 
 use super::check::{self, PatternText, limits};
@@ -58,9 +58,14 @@ pub fn validate(policy: &AuthorizationPolicy) -> Result<(), Refusal> {
         let own = service.split_once('/').is_some_and(|(ns, _)| ns == policy.namespace);
         ensure(own, field, "is not in the policy's namespace")?;
     }
-    ensure(policy.rules.len() <= limits::RULES, "rules", "holds more than 64")?;
-    for (i, rule) in policy.rules.iter().enumerate() {
-        let field = format!("rules[{i}]");
+    rules(&policy.rules, "rules")
+}
+
+/// A projected rule list at `field` (HTTPFilter's `rbac.rules` too).
+pub(crate) fn rules(rules: &[AuthorizationRule], field: &str) -> Result<(), Refusal> {
+    ensure(rules.len() <= limits::RULES, field, "holds more than 64")?;
+    for (i, rule) in rules.iter().enumerate() {
+        let field = format!("{field}[{i}]");
         ensure(
             rule.from.len() <= limits::FROM_PER_RULE,
             format!("{field}.from"),
