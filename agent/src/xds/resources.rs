@@ -16,6 +16,7 @@
 
 pub mod authorization;
 mod clusters;
+pub mod http_filters;
 mod listeners;
 mod origination;
 mod routes;
@@ -223,6 +224,8 @@ pub struct Generator {
     routes: Option<(RoutesInput, Vec<Arc<Resource>>)>,
     /// The catalog's authorization policies, validated.
     policies: authorization::Checked,
+    /// The catalog's HTTP filters, validated.
+    http_filters: http_filters::Checked,
     /// Policies refused for some local pod (HTTP fields on a TCP port), as last generated.
     refused_for_pods: Vec<authorization::Refused>,
     /// mTLS between pods; `None`: plaintext (`--identity none`, not for production).
@@ -258,6 +261,8 @@ struct PodMemo {
     pod: LocalPod,
     /// The authorization policies its inbound listener enforces.
     policies: Vec<Arc<AuthorizationPolicy>>,
+    /// The HTTP filters of its listeners.
+    filters: PodFilters,
     declared: Vec<RouteKey>,
     /// The outbound route table its listener names.
     table: String,
@@ -323,11 +328,16 @@ struct RoutesInput {
     services: Vec<RouteKey>,
     routes: Vec<Arc<Route>>,
     consumers: BTreeSet<String>,
+    /// Callers-side HTTP filters, enabled per service and route.
+    callers: http_filters::Callers,
 }
 
 impl RoutesInput {
     fn same(&self, other: &RoutesInput) -> bool {
-        self.services == other.services && same_routes(&self.routes, &other.routes) && self.consumers == other.consumers
+        self.services == other.services
+            && same_routes(&self.routes, &other.routes)
+            && self.consumers == other.consumers
+            && self.callers == other.callers
     }
 }
 
@@ -422,6 +432,7 @@ impl Generator {
         }
         self.checked.refresh(&inputs.catalog.routes);
         self.policies.refresh(&inputs.catalog.policies);
+        self.http_filters.refresh(&inputs.catalog.http_filters);
         let valid = self.checked.valid.clone();
         let attached = routes::Attached::new(valid.iter().map(|r| &**r));
         // A table of its own only for a namespace whose callers live here.
@@ -437,13 +448,18 @@ impl Generator {
             locality: inputs.locality,
             node: &node_name,
         };
+        let dependencies: BTreeSet<&str> = services.iter().map(|s| s.key).collect();
+        let callers = self.http_filters.callers(&dependencies);
         self.add_services(&services, here, mtls, &mut out);
-        self.add_pods(inputs.pods, &services, &consumers, mtls, &mut out);
+        self.add_pods(inputs.pods, &services, &consumers, &callers, mtls, &mut out);
         add_empty_on_demand(inputs, mtls, &mut out);
+        out.clusters
+            .extend(resources(self.http_filters.ext_authz_clusters(inputs.pods, &callers)));
         let input = RoutesInput {
             services: services.iter().map(RouteKey::of).collect(),
             routes: valid.clone(),
             consumers,
+            callers,
         };
         let mut routes = self.routes(inputs.mesh_domain, &services, &attached, input);
 
@@ -501,6 +517,7 @@ impl Generator {
         pods: &[LocalPod],
         services: &[MeshService],
         consumers: &BTreeSet<String>,
+        callers: &http_filters::Callers,
         mtls: Option<&Mtls>,
         out: &mut Collected,
     ) {
@@ -524,16 +541,21 @@ impl Generator {
             let last = self.pods.get(&pod.id()).map_or(&[][..], |m| &m.policies[..]);
             let (policies, refused_here) = self.policies.for_pod(pod, last);
             refused.extend(refused_here);
+            let filters = PodFilters {
+                inbound: self.http_filters.inbound(pod),
+                callers: callers.filters.clone(),
+            };
             let memo = match self.pods.remove(&pod.id()) {
                 Some(memo)
                     if memo.pod == *pod
                         && memo.declared == declared_keys
                         && memo.table == table
-                        && same_policies(&memo.policies, &policies) =>
+                        && same_policies(&memo.policies, &policies)
+                        && memo.filters == filters =>
                 {
                     memo
                 }
-                _ => PodMemo::build(pod, &declared, declared_keys, table, mtls, policies),
+                _ => PodMemo::build(pod, &declared, declared_keys, table, mtls, policies, filters),
             };
             out.listeners.extend(memo.listeners.iter().cloned());
             out.inbound_routes.extend(memo.inbound_routes.iter().cloned());
@@ -563,7 +585,13 @@ impl Generator {
                     mesh_domain,
                     cluster_domain: &self.cluster_domain.0,
                 };
-                resources(routes::route_configs(&names, services, attached, &input.consumers))
+                resources(routes::route_configs(
+                    &names,
+                    services,
+                    attached,
+                    &input.consumers,
+                    &input.callers,
+                ))
             }
         };
         self.routes = Some((input, routes.clone()));
@@ -588,6 +616,14 @@ impl Generator {
         identities.svids.retain(|id, _| local.contains(id));
         resources(transport::secrets(&identities))
     }
+}
+
+/// A pod's HTTP filters (proposals/014): its inbound ones, and the node's callers-side
+/// ones (disabled) for its outbound HCMs.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PodFilters {
+    pub inbound: Vec<envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpFilter>,
+    pub callers: Vec<envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpFilter>,
 }
 
 /// The resources of one generation, before they are sorted by name.
@@ -633,17 +669,20 @@ impl PodMemo {
         table: String,
         mtls: Option<&Mtls>,
         policies: Vec<Arc<AuthorizationPolicy>>,
+        filters: PodFilters,
     ) -> Self {
         let authz = authorization::filters(pod, &policies);
         let clusters = clusters::pod_clusters(pod)
             .into_iter()
             .chain(mtls.map(|m| origination::pod_cluster(m, &pod.id())))
             .collect();
+        let listeners = listeners::pod_listeners(pod, declared, &table, mtls, &authz, &filters);
         PodMemo {
             pod: pod.clone(),
             policies,
+            filters,
             declared: declared_keys,
-            listeners: resources(listeners::pod_listeners(pod, declared, &table, mtls, &authz)),
+            listeners: resources(listeners),
             inbound_routes: resources(listeners::pod_inbound_routes(pod, &authz).into_iter().collect()),
             table,
             clusters: resources(clusters),

@@ -23,7 +23,7 @@
 mod compile;
 mod mirror;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -327,6 +327,22 @@ impl Stage {
         let shadow = format!("{}shadow_engine_result", self.shadow_stat_prefix);
         enforced.into_iter().chain([shadow]).collect()
     }
+}
+
+/// An HTTP RBAC filter config enforcing `policy`'s rules with its action (ALLOW or DENY),
+/// for an HTTPFilter's rbac (proposals/014): no port conditions (the caller checks).
+pub fn compiled_rules(policy: &AuthorizationPolicy, stat_prefix: &str) -> Any {
+    let action = match policy.action() {
+        AuthorizationAction::Deny => mirror::DENY,
+        _ => mirror::ALLOW,
+    };
+    let config = HttpRbacConfig {
+        rules: Some(Rules::of(action, &[policy], &Layer::Http { ports: &[] })),
+        rules_stat_prefix: stat_prefix.to_owned(),
+        track_per_rule_stats: true,
+        ..Default::default()
+    };
+    typed::<HttpRbac>(&config)
 }
 
 /// The pod's inbound route table with each HTTP RBAC filter's rules set on it (so they

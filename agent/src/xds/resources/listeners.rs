@@ -38,7 +38,7 @@ use super::clusters::local_name;
 use super::routes::{DESTINATION_HEADER, inbound_routes, inbound_routes_name};
 use super::transport::{self, Mtls};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
-use super::{MeshService, is_http};
+use super::{MeshService, PodFilters, is_http};
 use crate::pod::LocalPod;
 
 pub fn outbound_name(pod: &LocalPod) -> String {
@@ -58,10 +58,12 @@ pub fn pod_listeners(
     table: &str,
     mtls: Option<&Mtls>,
     authz: &Filters,
+    filters: &PodFilters,
 ) -> Vec<(String, Any)> {
     let netns = pod.netns.to_string_lossy();
-    let mut out = vec![(outbound_name(pod), any(&outbound(pod, &netns, services, table, mtls)))];
-    if let Some(inbound) = inbound(pod, &netns, mtls, authz) {
+    let outbound = outbound(pod, &netns, services, table, mtls, &filters.callers);
+    let mut out = vec![(outbound_name(pod), any(&outbound))];
+    if let Some(inbound) = inbound(pod, &netns, mtls, authz, &filters.inbound) {
         out.push((inbound_name(pod), any(&inbound)));
     }
     out
@@ -112,7 +114,7 @@ enum RoutedBy {
 /// outside the dependency set. Requests are stamped with the pod's service for request
 /// metrics (crate::request_metrics); failed ones are logged to the agent
 /// (crate::access_log).
-fn routed(pod: &LocalPod, table: &str, by: RoutedBy) -> Filter {
+fn routed(pod: &LocalPod, table: &str, by: RoutedBy, callers: &[HttpFilter]) -> Filter {
     let source = pod.info.service();
     let on_demand = OnDemand {
         odcds: Some(OnDemandCds {
@@ -134,8 +136,12 @@ fn routed(pod: &LocalPod, table: &str, by: RoutedBy) -> Filter {
                 "envoy.filters.http.header_mutation",
                 &crate::request_metrics::source_stamp(&source),
             ),
-            http_filter_of("envoy.filters.http.router", &Router::default()),
-        ],
+        ]
+        .into_iter()
+        // Callers-side HTTP filters, disabled until the route table enables them.
+        .chain(callers.iter().cloned())
+        .chain([http_filter_of("envoy.filters.http.router", &Router::default())])
+        .collect(),
         access_log: crate::request_metrics::access_log(&source)
             .into_iter()
             .chain([crate::access_log::logger(&pod.id())])
@@ -174,12 +180,18 @@ fn stamp_destination(by: RoutedBy) -> TypedExtensionConfig {
 
 /// Authorization runs first in each chain (`authz`: RBAC, see `authorization`), so
 /// nothing reaches the app before its policies allowed it.
-fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>, authz: &Filters) -> Option<Listener> {
+fn inbound(
+    pod: &LocalPod,
+    netns: &str,
+    mtls: Option<&Mtls>,
+    authz: &Filters,
+    filters: &[HttpFilter],
+) -> Option<Listener> {
     let ports = pod.info.mesh_ports();
     let (primary, _) = *ports.first()?;
     let mut filter_chains = Vec::new();
     if !http_ports(pod).is_empty() {
-        let hcm = inbound_hcm(pod, authz);
+        let hcm = inbound_hcm(pod, authz, filters);
         let mut matched = chain(
             None,
             network_filter("envoy.filters.network.http_connection_manager", &hcm),
@@ -234,7 +246,14 @@ fn inbound(pod: &LocalPod, netns: &str, mtls: Option<&Mtls>, authz: &Filters) ->
 /// its original destination is a mesh address) by that destination through the same
 /// table, falling back to the authority for destinations that are no declared
 /// service (on demand for undeclared mesh names). Anything that is neither is closed.
-fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], table: &str, mtls: Option<&Mtls>) -> Listener {
+fn outbound(
+    pod: &LocalPod,
+    netns: &str,
+    declared: &[&MeshService],
+    table: &str,
+    mtls: Option<&Mtls>,
+    callers: &[HttpFilter],
+) -> Listener {
     let mut filter_chains = tcp_chains(pod, declared, mtls);
     filter_chains.push(outgoing(
         pod,
@@ -244,7 +263,7 @@ fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], table: &str,
             prefix_ranges: vec![host_range("127.0.0.1")],
             ..Default::default()
         }),
-        routed(pod, table, RoutedBy::Authority),
+        routed(pod, table, RoutedBy::Authority, callers),
     ));
     Listener {
         name: outbound_name(pod),
@@ -261,7 +280,12 @@ fn outbound(pod: &LocalPod, netns: &str, declared: &[&MeshService], table: &str,
             &OriginalDst::default(),
         )],
         filter_chains,
-        default_filter_chain: Some(outgoing(pod, mtls, None, routed(pod, table, RoutedBy::Destination))),
+        default_filter_chain: Some(outgoing(
+            pod,
+            mtls,
+            None,
+            routed(pod, table, RoutedBy::Destination, callers),
+        )),
         ..Default::default()
     }
 }
@@ -321,7 +345,7 @@ fn stat_name(listener: &str) -> String {
 /// The inbound HTTP: authorization then the router, with the pod's table from RDS
 /// (`inbound|<ns>/<pod>`, carrying the authorization rules); requests the rules deny or
 /// audit are logged to the agent (crate::access_log::decisions).
-fn inbound_hcm(pod: &LocalPod, authz: &Filters) -> HttpConnectionManager {
+fn inbound_hcm(pod: &LocalPod, authz: &Filters, filters: &[HttpFilter]) -> HttpConnectionManager {
     let router = http_filter_of("envoy.filters.http.router", &Router::default());
     HttpConnectionManager {
         stat_prefix: format!("inbound.{}", pod.id().replace('/', ".")),
@@ -329,7 +353,8 @@ fn inbound_hcm(pod: &LocalPod, authz: &Filters) -> HttpConnectionManager {
             config_source: ads(),
             route_config_name: inbound_routes_name(pod),
         })),
-        http_filters: authz.http.iter().cloned().chain([router]).collect(),
+        // Authorization first, then the pod's HTTP filters (proposals/014), in order.
+        http_filters: authz.http.iter().chain(filters).cloned().chain([router]).collect(),
         access_log: vec![crate::access_log::decisions::logger(&pod.id(), &authz.logged)],
         // The app learns its peer's SPIFFE ID from XFCC, and nothing a client sent in it.
         forward_client_cert_details: http_connection_manager::ForwardClientCertDetails::SanitizeSet as i32,

@@ -22,7 +22,7 @@ mod matching;
 pub mod regex_budget;
 mod rewrite;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -37,6 +37,7 @@ use envoy_types::pb::envoy::extensions::retry::priority::previous_priorities::v3
 use envoy_types::pb::envoy::r#type::matcher::v3::{RegexMatcher, StringMatcher, string_matcher};
 
 use super::clusters::local_name;
+use super::http_filters::{self, Callers};
 use super::util::{PORT_HEADER, any, millis, u32v};
 use super::{MeshService, Named, is_http};
 use crate::pod::LocalPod;
@@ -65,11 +66,12 @@ pub fn route_configs(
     services: &[MeshService],
     attached: &Attached,
     consumers: &BTreeSet<String>,
+    filters: &Callers,
 ) -> Named {
     let callers = std::iter::once(None).chain(consumers.iter().map(|ns| Some(ns.as_str())));
     let mut out = Vec::new();
     for caller in callers {
-        let vhosts = port_hosts(names, services, attached, caller).into_iter().map(
+        let vhosts = port_hosts(names, services, attached, caller, filters).into_iter().map(
             |PortHost {
                  mut vhost,
                  destinations,
@@ -119,7 +121,13 @@ fn unique_domains(vhosts: impl Iterator<Item = VirtualHost>) -> impl Iterator<It
 
 /// Every dependency service port's virtual host as callers in `caller` (`None`: any
 /// namespace without consumer routes) see it.
-fn port_hosts(names: &Names, services: &[MeshService], attached: &Attached, caller: Option<&str>) -> Vec<PortHost> {
+fn port_hosts(
+    names: &Names,
+    services: &[MeshService],
+    attached: &Attached,
+    caller: Option<&str>,
+    filters: &Callers,
+) -> Vec<PortHost> {
     let known: HashMap<&str, &MeshService> = services.iter().map(|s| (s.key, s)).collect();
     let mut hosts = Vec::new();
     for service in services {
@@ -131,17 +139,7 @@ fn port_hosts(names: &Names, services: &[MeshService], attached: &Attached, call
             .chain(service.kubernetes_names(names.cluster_domain))
             .collect();
         if service.ports.is_empty() {
-            // Known, but nothing serves it right now: a retryable 503, not a 404.
-            let any_port = |h: &String| [h.clone(), format!("{h}:*")];
-            hosts.push(PortHost {
-                vhost: VirtualHost {
-                    name: service.fqdn.clone(),
-                    domains: hostnames.iter().chain(&addresses[..1]).flat_map(any_port).collect(),
-                    routes: vec![direct(503, "no endpoints for this mesh service\n")],
-                    ..Default::default()
-                },
-                destinations: addresses.iter().map(|a| format!("{a}:*")).collect(),
-            });
+            hosts.push(unserved(service, &hostnames, &addresses));
             continue;
         }
         let (default, kubernetes_default) = (service.default_port(), service.kubernetes_default_port());
@@ -167,18 +165,23 @@ fn port_hosts(names: &Names, services: &[MeshService], attached: &Attached, call
             } else {
                 Vec::new()
             };
+            let route_filters = filters.by_route_of(service.key);
             let target = actions::Target {
                 mesh_domain: names.mesh_domain,
                 port: *port,
                 domains: &domains,
                 services: &known,
+                route_filters: &route_filters,
             };
             let routes = service_routes(service, *port, &routes, &target);
+            let on_service = filters.by_service.get(service.key).map_or(&[][..], |n| &n[..]);
             hosts.push(PortHost {
                 vhost: VirtualHost {
                     name: service.cluster(*port),
                     domains,
                     routes,
+                    // Callers-side HTTP filters for this service (disabled in the HCM).
+                    typed_per_filter_config: http_filters::enabling(on_service).collect(),
                     ..Default::default()
                 },
                 destinations: std::iter::once(format!("{vip}:{port}"))
@@ -188,6 +191,20 @@ fn port_hosts(names: &Names, services: &[MeshService], attached: &Attached, call
         }
     }
     hosts
+}
+
+/// A service known but served by nothing right now: a retryable 503, not a 404.
+fn unserved(service: &MeshService, hostnames: &[String], addresses: &[String]) -> PortHost {
+    let any_port = |h: &String| [h.clone(), format!("{h}:*")];
+    PortHost {
+        vhost: VirtualHost {
+            name: service.fqdn.clone(),
+            domains: hostnames.iter().chain(&addresses[..1]).flat_map(any_port).collect(),
+            routes: vec![direct(503, "no endpoints for this mesh service\n")],
+            ..Default::default()
+        },
+        destinations: addresses.iter().map(|a| format!("{a}:*")).collect(),
+    }
 }
 
 /// Every `host:port` of `hosts` and `ports`.

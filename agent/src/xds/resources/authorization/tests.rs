@@ -3,7 +3,7 @@
 //! shape, refusals and re-generation (`compiled`), and Envoy's own validation (`envoy`).
 
 mod compiled;
-mod data_path;
+pub mod data_path;
 mod drain;
 mod envoy;
 mod eval;

@@ -38,6 +38,8 @@ pub struct Target<'a> {
     /// The node's dependency services by key: a backend's port is a Service port, and
     /// its cluster is named by the endpoint port that one targets.
     pub services: &'a HashMap<&'a str, &'a MeshService<'a>>,
+    /// Route key → the callers-side HTTP filters enabled on its rules (proposals/014).
+    pub route_filters: &'a std::collections::BTreeMap<&'a str, &'a [String]>,
 }
 
 impl Target<'_> {

@@ -10,6 +10,7 @@ use envoy_types::pb::envoy::config::route::v3::{Route as EnvoyRoute, route};
 use super::actions::{self, Target, header_edits};
 use super::direct;
 use super::matching;
+use crate::xds::resources::http_filters;
 
 /// The Envoy routes of one service port, from the routes attached to it.
 pub fn compile(routes: &[&Route], target: &Target) -> Vec<EnvoyRoute> {
@@ -49,9 +50,13 @@ fn per_authority(route: &EnvoyRoute, domains: &[String]) -> Vec<EnvoyRoute> {
 fn envoy_route(entry: &MatchRef, target: &Target) -> EnvoyRoute {
     let (route, rule) = (entry.route, entry.rule());
     let (request, response) = header_edits(&rule.filters);
+    let key = aether_proto::view::route_key(route);
+    let enabled = target.route_filters.get(key.as_str()).copied().unwrap_or_default();
     EnvoyRoute {
+        // Callers-side HTTP filters attached to this route (disabled in the HCM).
+        typed_per_filter_config: http_filters::enabling(enabled).collect(),
         // The route key and rule: what access logs and config dumps show.
-        name: format!("{}/{}", aether_proto::view::route_key(route), entry.rule_label()),
+        name: format!("{key}/{}", entry.rule_label()),
         r#match: Some(matching::route_match(&entry.path, entry.matched())),
         action: Some(actions::action(rule, &entry.path, target)),
         request_headers_to_add: request.add,
