@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use aether_api::authorization;
+use aether_api::{authorization, http_filter};
 use aether_common::tls::{self, CertSlot, Connector, PeerIdentity, ServerIdentity};
 use aether_fakes::kube::{ApiServer, TokenInfo};
 use aether_proto::registrar::v1::node_bootstrap_client::NodeBootstrapClient;
@@ -499,12 +499,12 @@ fn assert_etcd_tls_is_a_group_readable_secret_volume(rspec: &PodSpec, rc: &Conta
 
 /// RBAC: read-only, only what each component reads, never Secrets. The exceptions are the registrar's
 /// TokenReview `create` (it reads and changes nothing), checked in assert_control_plane_tls, and its writes of
-/// route and policy status (never of routes or policies), checked in assert_the_registrar_writes_only_route_status
-/// and assert_the_registrar_watches_policies_and_writes_only_their_status.
+/// route, policy and HTTP filter status (never of the objects), checked in assert_the_registrar_writes_only_route_status
+/// and assert_the_registrar_watches_and_writes_only_status.
 fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, identity: &str, ctx: &str) {
     for role in &r.cluster_roles {
         for rule in role.rules.iter().flatten() {
-            if is_token_review_rule(rule) || is_route_status_rule(rule) || is_policy_status_rule(rule) {
+            if is_token_review_rule(rule) || is_route_status_rule(rule) || is_status_rule(rule) {
                 continue;
             }
             let verbs: BTreeSet<&str> = rule.verbs.iter().map(String::as_str).collect();
@@ -532,20 +532,38 @@ fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, ide
     if store == "kubernetes" {
         want.insert("aether-registrar");
     }
-    // Routes, Services and AuthorizationPolicies are read with every store (registrar.fromKubernetes is on by
-    // default).
+    // Routes, Services, AuthorizationPolicies and HTTPFilters are read with every store (registrar.fromKubernetes is
+    // on by default).
     want.insert("aether-registrar-routing");
     want.insert("aether-registrar-authorization");
+    want.insert("aether-registrar-http-filters");
     assert_eq!(role_names, want, "{ctx}: ClusterRoles");
     assert_eq!(r.cluster_role_bindings.len(), want.len(), "{ctx}");
     assert_the_registrar_writes_only_route_status(r, store, ctx);
-    assert_the_registrar_watches_policies_and_writes_only_their_status(r, ctx);
+    for (name, group, resource) in OBJECTS_WITH_STATUS {
+        assert_the_registrar_watches_and_writes_only_status(r, name, group, resource, ctx);
+    }
 }
 
-/// The registrar's AuthorizationPolicy source lists and watches policies in every namespace and merge-patches their
-/// `/status` (the Accepted condition): no `get`, no `update`, no write of a policy itself.
-fn assert_the_registrar_watches_policies_and_writes_only_their_status(r: &Rendered, ctx: &str) {
-    let name = "aether-registrar-authorization";
+/// The registrar's sources of our own objects: its ClusterRole, the API group and the resource.
+const OBJECTS_WITH_STATUS: [(&str, &str, &str); 2] = [
+    (
+        "aether-registrar-authorization",
+        authorization::GROUP,
+        "authorizationpolicies",
+    ),
+    ("aether-registrar-http-filters", http_filter::GROUP, "httpfilters"),
+];
+
+/// The registrar's AuthorizationPolicy and HTTPFilter sources list and watch their objects in every namespace and
+/// merge-patch their `/status` (the Accepted condition): no `get`, no `update`, no write of an object itself.
+fn assert_the_registrar_watches_and_writes_only_status(
+    r: &Rendered,
+    name: &str,
+    group: &str,
+    resource: &str,
+    ctx: &str,
+) {
     let role = r
         .cluster_roles
         .iter()
@@ -565,16 +583,13 @@ fn assert_the_registrar_watches_policies_and_writes_only_their_status(r: &Render
         })
         .collect();
     let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
-    let group = strings(&[authorization::GROUP]);
+    let group = strings(&[group]);
+    let status = format!("{resource}/status");
     assert_eq!(
         rules,
         [
-            (
-                group.clone(),
-                strings(&["authorizationpolicies"]),
-                strings(&["list", "watch"])
-            ),
-            (group, strings(&["authorizationpolicies/status"]), strings(&["patch"])),
+            (group.clone(), strings(&[resource]), strings(&["list", "watch"])),
+            (group, strings(&[&status]), strings(&["patch"])),
         ],
         "{ctx}"
     );
@@ -878,11 +893,13 @@ fn is_route_status_rule(rule: &PolicyRule) -> bool {
         && rule.verbs.iter().all(|v| v == "patch" || v == "update")
 }
 
-/// `patch` of AuthorizationPolicy status only: the registrar's Accepted condition.
-fn is_policy_status_rule(rule: &PolicyRule) -> bool {
-    rule.api_groups.as_deref() == Some(&[authorization::GROUP.to_owned()][..])
-        && rule.resources.as_deref() == Some(&["authorizationpolicies/status".to_owned()][..])
-        && rule.verbs == ["patch"]
+/// `patch` of AuthorizationPolicy or HTTPFilter status only: the registrar's Accepted condition.
+fn is_status_rule(rule: &PolicyRule) -> bool {
+    OBJECTS_WITH_STATUS.iter().any(|(_, group, resource)| {
+        rule.api_groups.as_deref() == Some(&[(*group).to_owned()][..])
+            && rule.resources.as_deref() == Some(&[format!("{resource}/status")][..])
+            && rule.verbs == ["patch"]
+    })
 }
 
 fn is_token_review_rule(rule: &PolicyRule) -> bool {
@@ -1170,7 +1187,7 @@ fn assert_registrar_cluster_roles_read_or_review<'a>(ends: &Ends<'a>) -> Vec<&'a
             assert!(
                 is_token_review_rule(rule)
                     || is_route_status_rule(rule)
-                    || is_policy_status_rule(rule)
+                    || is_status_rule(rule)
                     || rule
                         .verbs
                         .iter()
@@ -1400,59 +1417,91 @@ fn the_chart_refuses_values_that_cannot_work() {
     }
 }
 
-/// The AuthorizationPolicy CRD ships in the chart's `crds/` whatever the values: namespaced, one served and stored
-/// version, the status subresource the registrar writes through, and columns that show a policy's verdict.
-/// Without the cluster as a source (`registrar.fromKubernetes=false`, a writable store) no policy RBAC is rendered.
-#[test]
-fn the_authorization_policy_crd_ships_in_crds_with_its_status_and_columns() {
-    let r = render(json!({}));
-    let [crd] = &r.crds[..] else {
-        panic!("one CRD in crds/, got {}", r.crds.len())
-    };
+/// Our CRDs in the chart's `crds/`, by name: one namespaced kind of `group` served and stored in one version, with
+/// the status subresource the registrar writes the Accepted condition through; their printer columns as
+/// `(name, jsonPath, priority)`.
+fn our_crd<'a>(
+    r: &'a Rendered,
+    name: &str,
+    (group, kind, version): (&str, &str, &str),
+) -> Vec<(&'a str, &'a str, i32)> {
+    let crd = (r.crds.iter())
+        .find(|c| c.metadata.name.as_deref() == Some(name))
+        .unwrap_or_else(|| panic!("no {name} in crds/"));
     let spec = &crd.spec;
     assert_eq!(
-        crd.metadata.name.as_deref(),
-        Some("authorizationpolicies.security.aether.io")
-    );
-    assert_eq!(
         (spec.group.as_str(), spec.names.kind.as_str(), spec.scope.as_str()),
-        (authorization::GROUP, authorization::KIND, "Namespaced")
+        (group, kind, "Namespaced")
     );
-    assert_eq!(spec.names.plural, "authorizationpolicies");
-    assert_eq!(spec.names.short_names.as_deref(), Some(&["azp".to_owned()][..]));
-    let [version] = &spec.versions[..] else {
-        panic!("one version")
+    assert_eq!(format!("{}.{group}", spec.names.plural), name);
+    let [served] = &spec.versions[..] else {
+        panic!("{name}: one version")
     };
     assert_eq!(
-        (version.name.as_str(), version.served, version.storage),
-        (authorization::VERSION, true, true)
+        (served.name.as_str(), served.served, served.storage),
+        (version, true, true)
     );
-    let subresources = version.subresources.as_ref().expect("subresources");
+    let subresources = served.subresources.as_ref().expect("subresources");
     assert!(subresources.status.is_some() && subresources.scale.is_none());
-    let columns: Vec<(&str, &str, i32)> = (version.additional_printer_columns.iter().flatten())
+    let schema = served.schema.as_ref().and_then(|s| s.open_api_v3_schema.as_ref());
+    let properties = schema.and_then(|s| s.properties.as_ref()).expect("a schema");
+    assert!(properties.contains_key("spec") && properties.contains_key("status"));
+    (served.additional_printer_columns.iter().flatten())
         .map(|c| (c.name.as_str(), c.json_path.as_str(), c.priority.unwrap_or(0)))
-        .collect();
-    let accepted = r#".status.conditions[?(@.type=="Accepted")]"#;
+        .collect()
+}
+
+const ACCEPTED: &str = r#".status.conditions[?(@.type=="Accepted")]"#;
+
+/// The AuthorizationPolicy and HTTPFilter CRDs ship in the chart's `crds/` whatever the values, with columns that
+/// show each object's verdict. Without the cluster as a source (`registrar.fromKubernetes=false`, a writable store)
+/// no RBAC for them is rendered.
+#[test]
+fn our_crds_ship_in_crds_with_their_status_and_columns() {
+    let r = render(json!({}));
+    assert_eq!(r.crds.len(), 2, "crds/: AuthorizationPolicy and HTTPFilter");
+    let policy = (authorization::GROUP, authorization::KIND, authorization::VERSION);
+    let columns = our_crd(&r, "authorizationpolicies.security.aether.io", policy);
+    let (status, message) = (format!("{ACCEPTED}.status"), format!("{ACCEPTED}.message"));
     assert_eq!(
         columns,
         [
             ("Action", ".spec.action", 0),
             ("Dry-Run", ".spec.dryRun", 0),
-            ("Accepted", &*format!("{accepted}.status"), 0),
+            ("Accepted", status.as_str(), 0),
             ("Age", ".metadata.creationTimestamp", 0),
-            ("Message", &*format!("{accepted}.message"), 1),
+            ("Message", message.as_str(), 1),
         ]
     );
-    let schema = version.schema.as_ref().and_then(|s| s.open_api_v3_schema.as_ref());
-    let properties = schema.and_then(|s| s.properties.as_ref()).expect("a schema");
-    assert!(properties.contains_key("spec") && properties.contains_key("status"));
+    let filter = (http_filter::GROUP, http_filter::KIND, http_filter::VERSION);
+    let columns = our_crd(&r, "httpfilters.networking.aether.io", filter);
+    assert_eq!(
+        columns,
+        [
+            ("Attach", ".spec.attach", 0),
+            ("Order", ".spec.order", 0),
+            ("Accepted", status.as_str(), 0),
+            ("Age", ".metadata.creationTimestamp", 0),
+            ("Message", message.as_str(), 1),
+        ]
+    );
+    let short_names = |name: &str| {
+        let crd = r.crds.iter().find(|c| c.metadata.name.as_deref() == Some(name));
+        crd.and_then(|c| c.spec.names.short_names.clone())
+    };
+    assert_eq!(
+        short_names("authorizationpolicies.security.aether.io"),
+        Some(vec!["azp".to_owned()])
+    );
 
     let without = render(json!({"registrar": {"fromKubernetes": false, "replicas": 1, "store": {"type": "embedded"}}}));
-    assert_eq!(without.crds.len(), 1, "crds/ does not depend on values");
-    assert!(
-        (without.cluster_roles.iter()).all(|c| c.metadata.name.as_deref() != Some("aether-registrar-authorization")),
-        "no policy source, no policy RBAC"
-    );
+    assert_eq!(without.crds.len(), 2, "crds/ does not depend on values");
+    for (role, _, _) in OBJECTS_WITH_STATUS {
+        assert!(
+            (without.cluster_roles.iter()).all(|c| c.metadata.name.as_deref() != Some(role)),
+            "no source of them, no {role}"
+        );
+    }
 }
 
 /// Authorization's mesh-wide settings reach the binaries: the agent's default inbound mTLS mode and the registrar's

@@ -1,9 +1,10 @@
-//! The AuthorizationPolicy CRD (`charts/aether/crds/`) against the one projector (`aether_api::authorization`):
-//! what a `kubectl apply` would be refused for (the API server's served versions and name rule, the CRD's
-//! openAPIV3Schema as JSON Schema, its `x-kubernetes-validations` CEL rules) and what the registrar refuses must agree,
-//! on the same field, on every fixture of `tests/fixtures/authorization/` the schema can judge; the fixtures only
-//! the projector can judge are named with the reason. The schema must never refuse what the projector accepts, must
-//! name exactly the typed object's fields, and must keep unknown fields for the projector to refuse by name.
+//! Our CRDs (`charts/aether/crds/`: AuthorizationPolicy, HTTPFilter) against their one projector each
+//! (`aether_api::authorization`, `aether_api::http_filter`): what a `kubectl apply` would be refused for (the API
+//! server's served versions and name rule, the CRD's openAPIV3Schema as JSON Schema, its `x-kubernetes-validations`
+//! CEL rules) and what the registrar refuses must agree, on the same field, on every fixture of
+//! `tests/fixtures/<api>/` the schema can judge; the fixtures only the projector can judge are named with the reason.
+//! The schema must never refuse what the projector accepts, must name exactly the typed object's fields, and must keep
+//! unknown fields for the projector to refuse by name.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -12,15 +13,47 @@ use aether_api::authorization::{
     self, Action, AuthorizationPolicy, AuthorizationPolicySpec, Operation, ProjectOptions, Rule, RuleFrom, RuleTo,
     Source, TargetRef, Unsupported, WorkloadSelector,
 };
+use aether_api::http_filter::{self, HttpFilter};
 use aether_common::names::dns_label;
+use jsonschema::error::ValidationErrorKind;
 use jsonschema::paths::LocationSegment;
 use serde_json::{Value, json};
 
 /// A refusal: the field (the projector's notation, `spec.rules[0].to[0].operation.paths[1]`) and why.
 type Refusal = (String, String);
 
-/// Invalid fixtures only the projector refuses, and why no schema can.
-const PROJECTOR_ONLY: [(&str, &str); 7] = [
+/// One of our APIs: its CRD, its fixtures and its projector.
+struct Api {
+    crd: &'static str,
+    /// Under `tests/fixtures/`.
+    fixtures: &'static str,
+    group: &'static str,
+    kind: &'static str,
+    /// The projector's verdict on each object of this kind in a text (a decoding error counts as a refusal).
+    projector: fn(&str) -> Vec<Option<Refusal>>,
+    /// Invalid fixtures only the projector refuses, and why no schema can.
+    projector_only: &'static [(&'static str, &'static str)],
+}
+
+const AUTHORIZATION: Api = Api {
+    crd: "charts/aether/crds/authorizationpolicies.security.aether.io.yaml",
+    fixtures: "authorization",
+    group: authorization::GROUP,
+    kind: authorization::KIND,
+    projector: authorization_verdicts,
+    projector_only: &AUTHORIZATION_ONLY,
+};
+
+const HTTP_FILTER: Api = Api {
+    crd: "charts/aether/crds/httpfilters.networking.aether.io.yaml",
+    fixtures: "http_filter",
+    group: http_filter::GROUP,
+    kind: http_filter::KIND,
+    projector: http_filter_verdicts,
+    projector_only: &HTTP_FILTER_ONLY,
+};
+
+const AUTHORIZATION_ONLY: [(&str, &str); 7] = [
     ("bad-cidr", "an address's octets are beyond a character pattern"),
     (
         "cidr-host-bits",
@@ -45,7 +78,20 @@ const PROJECTOR_ONLY: [(&str, &str); 7] = [
     ),
 ];
 
-const CRD: &str = "charts/aether/crds/authorizationpolicies.security.aether.io.yaml";
+const UNKNOWN_FIELD: &str = "an unknown field, kept for the projector to refuse by name";
+const DURATION_BOUNDS: &str = "a duration's bounds: the schema states its syntax only";
+
+const HTTP_FILTER_ONLY: [(&str, &str); 9] = [
+    ("fill-interval-short", DURATION_BOUNDS),
+    ("grpc-path-prefix", UNKNOWN_FIELD),
+    ("rbac-selector", UNKNOWN_FIELD),
+    ("rbac-when", UNKNOWN_FIELD),
+    ("route-ref-namespace", UNKNOWN_FIELD),
+    ("target-namespace", UNKNOWN_FIELD),
+    ("timeout-long", DURATION_BOUNDS),
+    ("timeout-zero", DURATION_BOUNDS),
+    ("unknown-field", UNKNOWN_FIELD),
+];
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -57,7 +103,7 @@ fn documents(text: &str) -> Vec<Value> {
     documents.map(|d| d.expect("YAML")).collect()
 }
 
-/// The API server's judge of AuthorizationPolicy documents, from the CRD.
+/// The API server's judge of one kind's documents, from its CRD.
 struct ApplyTime {
     served: Vec<String>,
     /// The openAPIV3Schema as written, with its `x-kubernetes-*` keys.
@@ -66,10 +112,10 @@ struct ApplyTime {
 }
 
 impl ApplyTime {
-    fn new() -> Self {
-        let text = std::fs::read_to_string(root().join(CRD)).expect("the CRD");
+    fn new(api: &Api) -> Self {
+        let text = std::fs::read_to_string(root().join(api.crd)).expect("the CRD");
         let [crd] = &documents(&text)[..] else {
-            panic!("{CRD}: one document")
+            panic!("{}: one document", api.crd)
         };
         let versions = crd["spec"]["versions"].as_array().expect("versions");
         let served = versions.iter().filter(|v| v["served"] == json!(true));
@@ -94,7 +140,17 @@ impl ApplyTime {
             return Some(("metadata.name".to_owned(), "is not a DNS-1123 subdomain".to_owned()));
         }
         if let Some(error) = self.validator.iter_errors(document).next() {
-            return Some((field(error.instance_path().iter()), error.to_string()));
+            let mut at = field(error.instance_path().iter());
+            // The API server names a missing field itself (`spec.targetRefs: Required value`), as the projector does.
+            if let ValidationErrorKind::Required { property } = error.kind() {
+                let name = property.as_str().expect("a property name");
+                at = if at.is_empty() {
+                    name.to_owned()
+                } else {
+                    format!("{at}.{name}")
+                };
+            }
+            return Some((at, error.to_string()));
         }
         cel_refusal(&self.open_api, document, "")
     }
@@ -161,8 +217,8 @@ fn cel_refusal(schema: &Value, instance: &Value, at: &str) -> Option<Refusal> {
     }
 }
 
-/// The projector's verdict on each AuthorizationPolicy of `text` (a decoding error counts as a refusal).
-fn projector(text: &str) -> Vec<Option<Refusal>> {
+/// The AuthorizationPolicy projector's verdict on each policy of `text`.
+fn authorization_verdicts(text: &str) -> Vec<Option<Refusal>> {
     let options = ProjectOptions::default();
     let verdict = |document: Result<AuthorizationPolicy, _>| match document {
         Err(aether_api::yaml::ParseError { field, message, .. }) => Some((field, message)),
@@ -171,17 +227,26 @@ fn projector(text: &str) -> Vec<Option<Refusal>> {
     authorization::parse_documents(text).into_iter().map(verdict).collect()
 }
 
+/// The HTTPFilter projector's verdict on each filter of `text`.
+fn http_filter_verdicts(text: &str) -> Vec<Option<Refusal>> {
+    let verdict = |document: Result<HttpFilter, _>| match document {
+        Err(aether_api::yaml::ParseError { field, message, .. }) => Some((field, message)),
+        Ok(object) => (http_filter::project(&object).err()).map(|r| (r.field, r.message)),
+    };
+    http_filter::parse_documents(text).into_iter().map(verdict).collect()
+}
+
 /// The documents `parse_documents` reads: our group and kind, any version.
-fn is_ours(document: &Value) -> bool {
+fn is_ours(api: &Api, document: &Value) -> bool {
     let group = document["apiVersion"]
         .as_str()
         .and_then(|v| v.split_once('/'))
         .map(|(g, _)| g);
-    group == Some(authorization::GROUP) && document["kind"] == authorization::KIND
+    group == Some(api.group) && document["kind"] == api.kind
 }
 
-fn fixtures(kind: &str) -> Vec<(String, String)> {
-    let dir = root().join("tests/fixtures/authorization").join(kind);
+fn fixtures(api: &Api, kind: &str) -> Vec<(String, String)> {
+    let dir = root().join("tests/fixtures").join(api.fixtures).join(kind);
     let mut files: Vec<PathBuf> = (std::fs::read_dir(&dir).expect("fixtures"))
         .map(|entry| entry.unwrap().path())
         .filter(|path| path.extension().is_some_and(|e| e == "yaml"))
@@ -194,37 +259,41 @@ fn fixtures(kind: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Both verdicts on every policy of `text`.
-fn verdicts(apply: &ApplyTime, text: &str) -> Vec<(Option<Refusal>, Option<Refusal>)> {
-    let ours: Vec<Value> = documents(text).into_iter().filter(is_ours).collect();
-    let projected = projector(text);
+/// Both verdicts on every object of `text`.
+fn verdicts(api: &Api, apply: &ApplyTime, text: &str) -> Vec<(Option<Refusal>, Option<Refusal>)> {
+    let ours: Vec<Value> = documents(text).into_iter().filter(|d| is_ours(api, d)).collect();
+    let projected = (api.projector)(text);
     assert_eq!(ours.len(), projected.len(), "the same documents");
     ours.iter().map(|d| apply.refusal(d)).zip(projected).collect()
 }
 
-#[test]
-fn valid_fixtures_pass_the_schema_and_the_projector() {
-    let apply = ApplyTime::new();
-    let files = fixtures("valid");
+fn assert_valid_fixtures_pass_the_schema_and_the_projector(api: &Api) {
+    let apply = ApplyTime::new(api);
+    let files = fixtures(api, "valid");
     assert!(files.len() >= 5);
     for (name, text) in files {
-        for (at_apply, at_projection) in verdicts(&apply, &text) {
+        for (at_apply, at_projection) in verdicts(api, &apply, &text) {
             assert_eq!((at_apply, at_projection), (None, None), "{name}");
         }
     }
 }
 
-/// An invalid fixture the schema refuses is refused on the projector's field; the others are exactly
-/// [`PROJECTOR_ONLY`].
 #[test]
-fn the_schema_and_the_projector_refuse_invalid_fixtures_on_the_same_field() {
-    let apply = ApplyTime::new();
-    let files = fixtures("invalid");
+fn valid_fixtures_pass_the_schema_and_the_projector() {
+    assert_valid_fixtures_pass_the_schema_and_the_projector(&AUTHORIZATION);
+    assert_valid_fixtures_pass_the_schema_and_the_projector(&HTTP_FILTER);
+}
+
+/// An invalid fixture the schema refuses is refused on the projector's field; the others are exactly the API's
+/// `projector_only`.
+fn assert_invalid_fixtures_are_refused_on_the_same_field(api: &Api) {
+    let apply = ApplyTime::new(api);
+    let files = fixtures(api, "invalid");
     assert!(files.len() >= 25);
     let mut projector_only = BTreeSet::new();
     for (name, text) in files {
-        let [(at_apply, at_projection)] = &verdicts(&apply, &text)[..] else {
-            panic!("{name}: one policy")
+        let [(at_apply, at_projection)] = &verdicts(api, &apply, &text)[..] else {
+            panic!("{name}: one object")
         };
         let (field, message) = at_projection
             .clone()
@@ -237,8 +306,7 @@ fn the_schema_and_the_projector_refuse_invalid_fixtures_on_the_same_field() {
                 )
             }
             None => {
-                let why = PROJECTOR_ONLY
-                    .iter()
+                let why = (api.projector_only.iter())
                     .find(|(n, _)| *n == name)
                     .map_or("not listed", |(_, why)| why);
                 println!("only the projector judges {name}: {field}: {message} ({why})");
@@ -246,8 +314,18 @@ fn the_schema_and_the_projector_refuse_invalid_fixtures_on_the_same_field() {
             }
         }
     }
-    let listed: BTreeSet<String> = PROJECTOR_ONLY.iter().map(|(n, _)| (*n).to_owned()).collect();
-    assert_eq!(projector_only, listed, "the fixtures only the projector refuses");
+    let listed: BTreeSet<String> = api.projector_only.iter().map(|(n, _)| (*n).to_owned()).collect();
+    assert_eq!(
+        projector_only, listed,
+        "the {} fixtures only the projector refuses",
+        api.kind
+    );
+}
+
+#[test]
+fn the_schema_and_the_projector_refuse_invalid_fixtures_on_the_same_field() {
+    assert_invalid_fixtures_are_refused_on_the_same_field(&AUTHORIZATION);
+    assert_invalid_fixtures_are_refused_on_the_same_field(&HTTP_FILTER);
 }
 
 /// One policy with `value` at `field`: a source or operation list, a label value, a targetRef's name or group.
@@ -408,7 +486,7 @@ fn target_edges() -> Edges {
 /// still refuses); where the schema states the projector's rule exactly, both refuse the same values.
 #[test]
 fn the_schema_never_refuses_what_the_projector_accepts() {
-    let apply = ApplyTime::new();
+    let apply = ApplyTime::new(&AUTHORIZATION);
     let mut refused_by_both = 0;
     let edges = [source_edges(), operation_edges(), target_edges()].concat();
     for (field, exact, values) in edges {
@@ -523,33 +601,320 @@ fn same_fields(schema: &Value, typed: &Value, at: &str) {
 
 #[test]
 fn the_schema_names_exactly_the_fields_of_the_typed_object() {
-    let apply = ApplyTime::new();
+    let apply = ApplyTime::new(&AUTHORIZATION);
     let spec = serde_json::to_value(every_field()).unwrap();
     same_fields(&apply.open_api["properties"]["spec"], &spec, "spec");
 }
 
-/// The status the registrar writes (policies/kubernetes/status.rs) fits the status schema, accepted or refused.
+/// The status the registrar writes (policies/kubernetes/status.rs) fits each status schema, accepted or refused.
 #[test]
 fn the_status_the_registrar_writes_fits_the_schema() {
-    let apply = ApplyTime::new();
-    for (status, reason, message) in [
-        ("True", "Accepted", "accepted: enforced as written"),
-        (
-            "False",
-            "Invalid",
-            "spec.action: \"PERMIT\" is not ALLOW, DENY or AUDIT; the last accepted version stays",
-        ),
-    ] {
-        let mut policy = policy_with("namespaces", &json!("shop"));
-        policy["status"] = json!({"observedGeneration": 3, "conditions": [{
-            "type": "Accepted", "status": status, "reason": reason, "message": message,
-            "observedGeneration": 3, "lastTransitionTime": "2026-05-01T10:00:00Z"}]});
-        assert_eq!(apply.refusal(&policy), None, "{status}");
+    let objects = [
+        (&AUTHORIZATION, policy_with("namespaces", &json!("shop"))),
+        (&HTTP_FILTER, filter_with("order", &json!(0))),
+    ];
+    for (api, object) in objects {
+        let apply = ApplyTime::new(api);
+        for (status, reason, message) in [
+            ("True", "Accepted", "accepted: enforced as written"),
+            (
+                "False",
+                "Invalid",
+                "spec.action: \"PERMIT\" is not ALLOW, DENY or AUDIT; the last accepted version stays",
+            ),
+        ] {
+            let mut object = object.clone();
+            object["status"] = json!({"observedGeneration": 3, "conditions": [{
+                "type": "Accepted", "status": status, "reason": reason, "message": message,
+                "observedGeneration": 3, "lastTransitionTime": "2026-05-01T10:00:00Z"}]});
+            assert_eq!(apply.refusal(&object), None, "{} {status}", api.kind);
+        }
+        let mut unknown = object.clone();
+        unknown["status"] = json!({"conditions": [{"type": "Accepted", "status": "Maybe"}]});
+        assert!(
+            apply.refusal(&unknown).is_some(),
+            "{}: a condition's status is True, False or Unknown",
+            api.kind
+        );
     }
-    let mut unknown = policy_with("namespaces", &json!("shop"));
-    unknown["status"] = json!({"conditions": [{"type": "Accepted", "status": "Maybe"}]});
+}
+
+/// One HTTPFilter with `value` at `field`, in a filter that is valid otherwise.
+fn filter_with(field: &str, value: &Value) -> Value {
+    let grpc = json!({"host": "authz", "port": 9000});
+    let rate = json!({"maxTokens": 10, "fillInterval": "1s"});
+    let mut spec = match field {
+        "host" | "port" => json!({"extAuthz": {"grpc": {"host": "authz", "port": 9000, field: value}}}),
+        "pathPrefix" => json!({"extAuthz": {"http": {"host": "authz", "port": 80, "pathPrefix": value}}}),
+        "allowedHeaders" => json!({"extAuthz": {"http": {"host": "authz", "port": 80, "allowedHeaders": [value]}}}),
+        "timeout" | "statusOnError" | "maxRequestBytes" => json!({"extAuthz": {"grpc": grpc, field: value}}),
+        "maxTokens" | "fillInterval" | "status" => {
+            let mut rate = rate.clone();
+            rate[field] = value.clone();
+            json!({"localRateLimit": rate})
+        }
+        "header" | "key" | "metadataNamespace" => {
+            let mut rule = json!({"header": "x-a", "key": "a"});
+            rule[field] = value.clone();
+            json!({"headerToMetadata": {"rules": [rule]}})
+        }
+        "routeRef.name" => json!({"attach": "Route", "routeRef": {"kind": "HTTPRoute", "name": value}}),
+        "routeRef.kind" => json!({"attach": "Route", "routeRef": {"kind": value, "name": "r"}}),
+        "attach" | "order" => json!({field: value}),
+        _ => panic!("no edge for {field}"),
+    };
+    if ["routeRef.name", "routeRef.kind", "attach", "order"].contains(&field) {
+        spec["localRateLimit"] = rate;
+    }
+    spec["targetRefs"] = json!([{"kind": "Service", "name": "orders"}]);
+    json!({"apiVersion": "networking.aether.io/v1alpha1", "kind": "HTTPFilter",
+           "metadata": {"name": "f", "namespace": "shop"}, "spec": spec})
+}
+
+fn ext_authz_edges() -> Edges {
+    let hosts = json!([
+        "authz.shop.svc.cluster.local",
+        "authz",
+        "10.0.0.1",
+        "fd00::1",
+        "FD00::1",
+        "::ffff:1.2.3.4",
+        "1.2.3.4.5",
+        "Authz",
+        "authz_svc",
+        "http://authz",
+        "authz:9000",
+        "[fd00::1]",
+        "a..b",
+        "-a",
+        "",
+        "fd00::1::2",
+        "gg::1",
+        long("a", 63),
+        long("a", 64)
+    ]);
+    let prefixes = json!([
+        "/check",
+        "/a/b",
+        "/a.b",
+        "",
+        "/",
+        "/check/",
+        "check",
+        "//a",
+        "/a//b",
+        "/a b",
+        "/a#b",
+        "/a?b",
+        "/.",
+        "/a/..",
+        "/%2f",
+        "/%zz",
+        long("/a", 512),
+        long("/a", 513)
+    ]);
+    let statuses = json!([400, 403, 429, 503, 511, 0, 200, 302, 418, 509, 600, -1, "403"]);
+    let timeouts = json!([
+        "1ms", "200ms", "10s", "1m", "0s", "11s", "10001ms", "1.5s", "1d", "", "200 ms"
+    ]);
+    vec![
+        ("host", false, hosts),
+        ("port", true, json!([1, 9000, 65535, 0, 65536, -1, "grpc"])),
+        ("pathPrefix", false, prefixes),
+        ("allowedHeaders", true, headers()),
+        ("statusOnError", true, statuses),
+        ("maxRequestBytes", true, json!([0, 1, 1_048_576, 1_048_577, -1])),
+        ("timeout", false, timeouts),
+    ]
+}
+
+fn headers() -> Value {
+    json!([
+        "x-user",
+        "authorization",
+        "a!#$%&'*+.^_`|~-9",
+        "X-User",
+        ":path",
+        "",
+        "a b",
+        "é",
+        long("a", 256),
+        long("a", 257)
+    ])
+}
+
+fn filter_edges() -> Edges {
+    let names = json!([
+        "tenant",
+        "a.b_c-9",
+        "A",
+        "a b",
+        "a/b",
+        "",
+        long("a", 256),
+        long("a", 257)
+    ]);
+    let routes = json!([
+        "r",
+        "orders-split",
+        "a.b",
+        "Orders",
+        "-a",
+        "a_b",
+        "",
+        long("a", 63),
+        long("a", 64)
+    ]);
+    vec![
+        (
+            "maxTokens",
+            true,
+            json!([1, 100, 4_294_967_295_u64, 0, 4_294_967_296_u64, -1]),
+        ),
+        (
+            "fillInterval",
+            false,
+            json!(["50ms", "1s", "1h", "1m30s", "49ms", "61m", "1d", ""]),
+        ),
+        ("status", true, json!([429, 503, 0, 200, 418])),
+        ("header", true, headers()),
+        ("key", true, names.clone()),
+        ("metadataNamespace", true, names),
+        ("order", true, json!([-1000, 0, 1000, -1001, 1001, "1"])),
+        ("routeRef.name", false, routes),
+        (
+            "routeRef.kind",
+            true,
+            json!(["HTTPRoute", "GRPCRoute", "TCPRoute", "httproute", ""]),
+        ),
+        (
+            "attach",
+            true,
+            json!(["Inbound", "Callers", "Route", "inbound", "Outbound", ""]),
+        ),
+    ]
+}
+
+/// As for AuthorizationPolicy: the HTTPFilter schema never refuses a value the projector accepts, and refuses the
+/// same values where it states the projector's rule exactly.
+#[test]
+fn the_http_filter_schema_never_refuses_what_the_projector_accepts() {
+    let apply = ApplyTime::new(&HTTP_FILTER);
+    let mut refused_by_both = 0;
+    for (field, exact, values) in [ext_authz_edges(), filter_edges()].concat() {
+        for value in values.as_array().unwrap() {
+            let document = filter_with(field, value);
+            let at_apply = apply.refusal(&document);
+            let [at_projection] = &http_filter_verdicts(&document.to_string())[..] else {
+                panic!("one filter")
+            };
+            assert!(
+                at_apply.is_none() || at_projection.is_some(),
+                "{field} {value}: the schema refuses what the projector accepts: {at_apply:?}"
+            );
+            if exact {
+                assert_eq!(
+                    at_apply.is_some(),
+                    at_projection.is_some(),
+                    "{field} {value}: {at_apply:?}"
+                );
+            }
+            refused_by_both += usize::from(at_apply.is_some());
+        }
+    }
     assert!(
-        apply.refusal(&unknown).is_some(),
-        "a condition's status is True, False or Unknown"
+        refused_by_both >= 60,
+        "the edge values exercise the schema: {refused_by_both}"
+    );
+}
+
+/// An HTTPFilter spec with every field of the typed object set (every filter kind at once: only names matter here).
+fn every_filter_field() -> http_filter::HttpFilterSpec {
+    use http_filter::{Attach, ExtAuthz, GrpcService, HeaderRule, HeaderToMetadata, HttpService, LocalRateLimit, Rbac};
+    let rule = HeaderRule {
+        header: "x-a".to_owned(),
+        key: "a".to_owned(),
+        metadata_namespace: Some("a".to_owned()),
+        remove: true,
+        unsupported: Unsupported::new(),
+    };
+    let policy = every_field();
+    http_filter::HttpFilterSpec {
+        target_refs: policy.target_refs,
+        attach: Attach::Route,
+        route_ref: Some(http_filter::RouteRef {
+            group: "gateway.networking.k8s.io".to_owned(),
+            kind: "HTTPRoute".to_owned(),
+            name: "r".to_owned(),
+            unsupported: Unsupported::new(),
+        }),
+        order: 1,
+        ext_authz: Some(ExtAuthz {
+            grpc: Some(GrpcService {
+                host: "a".to_owned(),
+                port: 1,
+                unsupported: Unsupported::new(),
+            }),
+            http: Some(HttpService {
+                host: "a".to_owned(),
+                port: 1,
+                path_prefix: "/a".to_owned(),
+                allowed_headers: vec!["a".to_owned()],
+                unsupported: Unsupported::new(),
+            }),
+            timeout: Some("1s".to_owned()),
+            fail_open: true,
+            status_on_error: Some(403),
+            max_request_bytes: 1,
+            unsupported: Unsupported::new(),
+        }),
+        local_rate_limit: Some(LocalRateLimit {
+            max_tokens: 1,
+            tokens_per_fill: Some(1),
+            fill_interval: "1s".to_owned(),
+            status: Some(429),
+            unsupported: Unsupported::new(),
+        }),
+        header_to_metadata: Some(HeaderToMetadata {
+            rules: vec![rule],
+            unsupported: Unsupported::new(),
+        }),
+        rbac: Some(Rbac {
+            action: Action::Deny,
+            rules: policy.rules,
+            unsupported: Unsupported::new(),
+        }),
+        unsupported: Unsupported::new(),
+    }
+}
+
+#[test]
+fn the_http_filter_schema_names_exactly_the_fields_of_the_typed_object() {
+    let apply = ApplyTime::new(&HTTP_FILTER);
+    let spec = serde_json::to_value(every_filter_field()).unwrap();
+    same_fields(&apply.open_api["properties"]["spec"], &spec, "spec");
+}
+
+/// A schema without its descriptions.
+fn without_descriptions(schema: &Value) -> Value {
+    match schema {
+        Value::Object(map) => (map.iter())
+            .filter(|(key, _)| *key != "description")
+            .map(|(key, value)| (key.clone(), without_descriptions(value)))
+            .collect(),
+        Value::Array(items) => items.iter().map(without_descriptions).collect(),
+        other => other.clone(),
+    }
+}
+
+/// `spec.rbac.rules` is AuthorizationPolicy's `spec.rules`: one rule language, refused alike at apply time.
+#[test]
+fn the_http_filter_rbac_rules_are_the_authorization_policy_rules() {
+    let policy = ApplyTime::new(&AUTHORIZATION).open_api;
+    let filter = ApplyTime::new(&HTTP_FILTER).open_api;
+    let rules = |schema: &Value, pointer: &str| without_descriptions(schema.pointer(pointer).expect(pointer));
+    assert_eq!(
+        rules(&filter, "/properties/spec/properties/rbac/properties/rules"),
+        rules(&policy, "/properties/spec/properties/rules")
     );
 }
