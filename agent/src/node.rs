@@ -43,6 +43,8 @@ pub struct NodeMetrics {
     pub rebuilds: prometheus_client::metrics::counter::Counter,
     /// Routes in the node's catalog skipped as invalid (Envoy must never see them).
     pub invalid_routes: Gauge,
+    /// HTTP filters in the node's catalog skipped as invalid.
+    pub invalid_http_filters: Gauge,
     /// Authorization policies refused, by policy and field (their last good version stays).
     pub refused_policies: prometheus_client::metrics::family::Family<Vec<(String, String)>, Gauge>,
 }
@@ -66,6 +68,11 @@ impl NodeMetrics {
             "invalid_routes",
             "Routes in the node's catalog skipped as invalid, never sent to Envoy (see the agent's log)",
             self.invalid_routes.clone(),
+        );
+        metrics.register(
+            "invalid_http_filters",
+            "HTTP filters in the node's catalog skipped as invalid, never sent to Envoy (see the agent's log)",
+            self.invalid_http_filters.clone(),
         );
         metrics.register(
             "refused_authorization_policies",
@@ -340,6 +347,7 @@ impl Node {
         });
         self.metrics.dependencies.set(deps.len() as i64);
         self.metrics.invalid_routes.set(generator.invalid_routes() as i64);
+        self.metrics.invalid_http_filters.set(generator.invalid_http_filters() as i64);
         self.metrics.refused_policies.clear();
         for refused in generator.refused_policies() {
             let labels = vec![

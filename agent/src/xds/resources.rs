@@ -598,6 +598,11 @@ impl Generator {
         routes
     }
 
+    /// HTTP filters in the catalog that fail `aether_api::http_filter::validate`, skipped.
+    pub fn invalid_http_filters(&self) -> usize {
+        self.http_filters.invalid()
+    }
+
     /// Routes in the catalog that fail `aether_api::route::validate`, skipped.
     pub fn invalid_routes(&self) -> usize {
         self.checked.invalid
