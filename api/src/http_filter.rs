@@ -353,8 +353,14 @@ fn rbac(r: &Rbac) -> Result<RbacFilter, Refusal> {
     bounded(&rules_field, r.rules.len(), authorization::check::limits::RULES)?;
     let rules = r.rules.iter().enumerate();
     let rules = rules.map(|(i, rule)| authorization::rule(rule, &format!("{rules_field}[{i}]")));
+    let rules = rules.collect::<Result<Vec<_>, _>>()?;
+    if let Some((i, j, not)) = check::ports_in_rules(&rules) {
+        let name = if not { "notPorts" } else { "ports" };
+        let at = format!("{rules_field}[{i}].to[{j}].operation.{name}");
+        return Err(Refusal::new(at, check::PORTS_IN_RULES));
+    }
     Ok(RbacFilter {
         action: action.into(),
-        rules: rules.collect::<Result<_, _>>()?,
+        rules,
     })
 }

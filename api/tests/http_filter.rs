@@ -252,7 +252,7 @@ fn validate_checks_every_filter_kind() {
     let [limit, _] = <[Projected; 2]>::try_from(projected("local-rate-limit.yaml")).unwrap();
     let [headers] = <[Projected; 1]>::try_from(projected("header-to-metadata-route.yaml")).unwrap();
     let [deny, _] = <[Projected; 2]>::try_from(projected("rbac.yaml")).unwrap();
-    let cases: [(&Projected, &str, Breakage); 8] = [
+    let cases: [(&Projected, &str, Breakage); 9] = [
         (&limit, "local_rate_limit.max_tokens", |f| rate_limit(f).max_tokens = 0),
         (&limit, "local_rate_limit.tokens_per_fill", |f| {
             rate_limit(f).tokens_per_fill = 101
@@ -267,6 +267,9 @@ fn validate_checks_every_filter_kind() {
         (&headers, "header_to_metadata.rules", |f| header_rules(f).clear()),
         (&deny, "rbac.action", |f| {
             rbac(f).action = AuthorizationAction::Audit.into()
+        }),
+        (&deny, "rbac.rules[0].to[0].ports", |f| {
+            rbac(f).rules[0].to[0].ports = vec![8080]
         }),
         (&deny, "rbac.rules[0].to[0].methods[0]", |f| {
             rbac(f).rules[0].to[0].methods[0] = "delete".into()

@@ -70,11 +70,12 @@ const RBAC_ACTION: [Part; 4] = [
     ("action: AUDIT, ", false),
     ("action: CUSTOM, ", false),
 ];
-const RBAC_RULES: [Part; 4] = [
+const RBAC_RULES: [Part; 5] = [
     ("{to: [{operation: {methods: [DELETE]}}]}", true),
     ("{from: [{source: {principals: ['spiffe://td/ns/a/*']}}]}", true),
     ("{to: [{operation: {paths: [admin]}}]}", false),
     ("{from: [{source: {ipBlocks: [10.0.0.1/8]}}]}", false),
+    ("{to: [{operation: {ports: [8080]}}]}", false),
 ];
 
 fn all_good(parts: &[Part]) -> bool {

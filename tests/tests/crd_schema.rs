@@ -81,9 +81,13 @@ const AUTHORIZATION_ONLY: [(&str, &str); 7] = [
 const UNKNOWN_FIELD: &str = "an unknown field, kept for the projector to refuse by name";
 const DURATION_BOUNDS: &str = "a duration's bounds: the schema states its syntax only";
 
-const HTTP_FILTER_ONLY: [(&str, &str); 9] = [
+const HTTP_FILTER_ONLY: [(&str, &str); 10] = [
     ("fill-interval-short", DURATION_BOUNDS),
     ("grpc-path-prefix", UNKNOWN_FIELD),
+    (
+        "rbac-ports",
+        "rbac.rules is AuthorizationPolicy's schema, where ports are allowed",
+    ),
     ("rbac-selector", UNKNOWN_FIELD),
     ("rbac-when", UNKNOWN_FIELD),
     ("route-ref-namespace", UNKNOWN_FIELD),

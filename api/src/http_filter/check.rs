@@ -6,6 +6,7 @@ use std::net::IpAddr;
 use std::ops::RangeInclusive;
 
 use aether_common::quote::quote;
+use aether_proto::registry::v1::AuthorizationRule;
 
 /// The bounds of one filter: what Envoy accepts, narrowed to what a mesh needs, so one
 /// object cannot bloat every node's Envoy.
@@ -167,6 +168,21 @@ pub fn max_request_bytes(value: i64) -> Result<u32, String> {
         Ok(n) if n <= limits::MAX_REQUEST_BYTES => Ok(n),
         _ => Err(format!("{value} is outside 0 to 1048576 (1 MiB)")),
     }
+}
+
+/// Why an rbac filter's rule may not name ports.
+pub const PORTS_IN_RULES: &str = "names ports, which an HTTPFilter cannot match (it does not know the app port a \
+     request is for, and on the callers' side there is none): ports are an AuthorizationPolicy's";
+
+/// The first operation of `rules` that names ports: its rule, its index in `to`, and
+/// whether it is `not_ports`.
+pub fn ports_in_rules(rules: &[AuthorizationRule]) -> Option<(usize, usize, bool)> {
+    rules.iter().enumerate().find_map(|(i, rule)| {
+        (rule.to.iter().enumerate()).find_map(|(j, to)| match (to.ports.is_empty(), to.not_ports.is_empty()) {
+            (true, true) => None,
+            (ports_empty, _) => Some((i, j, ports_empty)),
+        })
+    })
 }
 
 #[cfg(test)]

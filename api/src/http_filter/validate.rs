@@ -141,5 +141,15 @@ fn rbac(r: &RbacFilter) -> Result<(), Refusal> {
         "rbac.action",
         "is not ALLOW or DENY",
     )?;
-    Ok(crate::authorization::validate_rules(&r.rules, "rbac.rules")?)
+    crate::authorization::validate_rules(&r.rules, "rbac.rules")?;
+    match check::ports_in_rules(&r.rules) {
+        None => Ok(()),
+        Some((i, j, not)) => {
+            let name = if not { "not_ports" } else { "ports" };
+            Err(Refusal::new(
+                format!("rbac.rules[{i}].to[{j}].{name}"),
+                check::PORTS_IN_RULES,
+            ))
+        }
+    }
 }
