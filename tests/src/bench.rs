@@ -162,3 +162,31 @@ pub fn tail(logs: &str, lines: usize) -> String {
     let all: Vec<&str> = logs.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
 }
+
+/// A comma-separated list of counts from the environment (`AETHER_BENCH_X=0,10,100`), `default` when unset; panics
+/// on anything else.
+pub fn knob_list(name: &str, default: &str) -> Vec<usize> {
+    let raw = std::env::var(name).unwrap_or_else(|_| default.to_owned());
+    raw.split(',')
+        .map(|v| {
+            v.trim()
+                .parse()
+                .unwrap_or_else(|e| panic!("{name}={raw:?}: {v:?} is not a count ({e})"))
+        })
+        .collect()
+}
+
+/// Envoy's heap: `/memory`'s `allocated` (bytes in use by the application) from the admin at `admin`; panics if
+/// Envoy does not say.
+pub async fn envoy_allocated(admin: std::net::SocketAddr) -> u64 {
+    let reply = crate::http_get(&format!("http://{admin}/memory"), None)
+        .await
+        .unwrap_or_else(|e| panic!("Envoy admin {admin}/memory: {e}"));
+    let memory: serde_json::Value =
+        serde_json::from_str(&reply.body).unwrap_or_else(|e| panic!("Envoy /memory is not JSON ({e}): {}", reply.body));
+    memory["allocated"]
+        .as_str()
+        .and_then(|s| s.parse().ok())
+        .or_else(|| memory["allocated"].as_u64())
+        .unwrap_or_else(|| panic!("Envoy /memory has no numeric \"allocated\": {memory}"))
+}
