@@ -30,8 +30,8 @@ pub(super) struct Kind {
 /// trafficDistribution, which the registrar carries in the catalog), the registrar's VIP ConfigMap, the
 /// CNI installer's owner DaemonSet, and the Gateway API routes the registrar watches and
 /// writes the status of (CRDs with the status subresource, as gateway-api installs them),
-/// and the mesh's AuthorizationPolicies (ours, with the status subresource too).
-const SERVED: [Kind; 8] = [
+/// and the mesh's AuthorizationPolicies and HTTPFilters (ours, with the status subresource too).
+const SERVED: [Kind; 9] = [
     Kind::of::<Pod>().with_status(),
     Kind::of::<Node>().with_status(),
     Kind::of::<Service>().with_status(),
@@ -43,6 +43,12 @@ const SERVED: [Kind; 8] = [
         api_version: "security.aether.io/v1alpha1",
         kind: "AuthorizationPolicy",
         plural: "authorizationpolicies",
+        status: true,
+    },
+    Kind {
+        api_version: "networking.aether.io/v1alpha1",
+        kind: "HTTPFilter",
+        plural: "httpfilters",
         status: true,
     },
 ];
