@@ -1,16 +1,21 @@
 //! The registrar's one connection to the Kubernetes API, when `--store kubernetes` or
 //! `--from-kubernetes` asks for it: one client, one watch of the Gateway API routes
-//! (`crate::routes::kubernetes`), one of the AuthorizationPolicies
-//! (`crate::policies::kubernetes`) and one of the core/v1 Services ([`services`]),
-//! shared by the Kubernetes store and the sources that feed a writable store.
+//! (`crate::routes::kubernetes`), one of the AuthorizationPolicies and one of the
+//! HTTPFilters (`crate::sources::crd`), and one of the core/v1 Services ([`services`]), shared by
+//! the Kubernetes store and the sources that feed a writable store. Each watch publishes
+//! the whole current set of its objects after each burst of changes, through [`Sets`].
 
 pub mod services;
 
+use std::sync::Arc;
+
 use kube::Client;
+use tokio::sync::watch;
 
 use self::services::ClusterServices;
 use crate::config::{Config, StoreKind};
-use crate::policies::kubernetes::ClusterPolicies;
+use crate::http_filters::{ClusterHttpFilters, HttpFilters};
+use crate::policies::{ClusterPolicies, Policies};
 use crate::routes::kubernetes::ClusterRoutes;
 use crate::store::StoreError;
 
@@ -20,7 +25,42 @@ pub struct ClusterAccess {
     pub client: Client,
     pub routes: ClusterRoutes,
     pub policies: ClusterPolicies,
+    pub http_filters: ClusterHttpFilters,
     pub services: ClusterServices,
+}
+
+/// A handle on one of the registrar's watches, which publishes the whole current set of
+/// its objects; the watch runs while any handle lives.
+pub struct Sets<S> {
+    sets: watch::Receiver<Option<Arc<S>>>,
+}
+
+impl<S> Clone for Sets<S> {
+    /// A clone starts with the current set unseen, so its first `next` returns it.
+    fn clone(&self) -> Self {
+        let mut sets = self.sets.clone();
+        sets.mark_changed();
+        Sets { sets }
+    }
+}
+
+impl<S> Sets<S> {
+    /// A handle on what the watch publishes through `sets` (`None` until it has a set).
+    pub fn new(sets: watch::Receiver<Option<Arc<S>>>) -> Self {
+        Sets { sets }
+    }
+
+    /// The current set if this handle has not seen it, else the next one. The first
+    /// comes once the objects were listed (or found not installed). `None`: the watch
+    /// is gone.
+    pub async fn next(&mut self) -> Option<Arc<S>> {
+        loop {
+            self.sets.changed().await.ok()?;
+            if let Some(set) = self.sets.borrow_and_update().clone() {
+                return Some(set);
+            }
+        }
+    }
 }
 
 /// Connects to the cluster if `--store kubernetes` or `--from-kubernetes` asks to, and
@@ -39,7 +79,8 @@ pub async fn connect(config: &Config) -> Result<Option<ClusterAccess>, StoreErro
     })?;
     Ok(Some(ClusterAccess {
         routes: ClusterRoutes::start(client.clone()),
-        policies: ClusterPolicies::start(client.clone()),
+        policies: crate::sources::crd::start::<Policies>(client.clone()),
+        http_filters: crate::sources::crd::start::<HttpFilters>(client.clone()),
         services: ClusterServices::start(client.clone()),
         client,
     }))

@@ -7,6 +7,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
+use crate::records::ConfigKind;
+
 type Labels = [(&'static str, &'static str); 1];
 
 #[derive(Clone)]
@@ -30,10 +32,9 @@ pub struct Metrics {
     pub feed_unusable: Counter,
     pub expired_endpoints: Counter,
     pub store_conflicts: Counter,
-    pub routes: Gauge,
-    pub routes_refused: Family<Labels, Gauge>,
-    pub policies: Gauge,
-    pub policies_refused: Family<Labels, Gauge>,
+    /// Per configuration record kind (see [`Metrics::records`]).
+    records: [Gauge; ConfigKind::ALL.len()],
+    refused: [Family<Labels, Gauge>; ConfigKind::ALL.len()],
 }
 
 impl Metrics {
@@ -58,10 +59,8 @@ impl Metrics {
             feed_unusable: Counter::default(),
             expired_endpoints: Counter::default(),
             store_conflicts: Counter::default(),
-            routes: Gauge::default(),
-            routes_refused: Family::default(),
-            policies: Gauge::default(),
-            policies_refused: Family::default(),
+            records: Default::default(),
+            refused: Default::default(),
         };
         let r = registry.sub_registry_with_prefix("aether_registrar");
         metrics.register_catalog(r);
@@ -83,22 +82,26 @@ impl Metrics {
             self.catalog_version.clone(),
         );
         r.register("changes", "Catalog changes committed", self.changes.clone());
-        r.register("routes", "Routes in the catalog", self.routes.clone());
-        r.register(
-            "routes_refused",
-            "Route objects a source holds that the projector refused (their last accepted version, if any, serves)",
-            self.routes_refused.clone(),
-        );
-        r.register(
-            "policies",
-            "Authorization policies in the catalog",
-            self.policies.clone(),
-        );
-        r.register(
-            "policies_refused",
-            "AuthorizationPolicy objects a source holds that the projector refused (their last accepted version, if any, is enforced)",
-            self.policies_refused.clone(),
-        );
+        for kind in ConfigKind::ALL {
+            let (plural, objects) = (kind.plural(), kind.objects());
+            let help = format!("Projected {objects} objects in the catalog");
+            r.register(plural, help, self.records(kind).clone());
+            let help = format!(
+                "{objects} objects a source holds that the projector refused (their last accepted version, if any, stays in force)"
+            );
+            r.register(format!("{plural}_refused"), help, self.refused(kind).clone());
+        }
+    }
+
+    /// How many records of `kind` the catalog holds: `aether_registrar_<plural>`.
+    pub fn records(&self, kind: ConfigKind) -> &Gauge {
+        &self.records[kind.index()]
+    }
+
+    /// How many objects of `kind` a source holds that were refused, by source:
+    /// `aether_registrar_<plural>_refused`.
+    pub fn refused(&self, kind: ConfigKind) -> &Family<Labels, Gauge> {
+        &self.refused[kind.index()]
     }
 
     /// Commits to the store and what it held at start-up.

@@ -8,8 +8,7 @@ use std::sync::Arc;
 
 use aether_common::names::dns_label;
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Health, Port, Protocol, Route};
-use aether_proto::view::{policy_key, route_key};
+use aether_proto::registry::v1::{Endpoint, Health, Port, Protocol};
 
 /// Limits that keep one endpoint from bloating every watcher's stream.
 pub const MAX_PORTS: usize = 64;
@@ -46,11 +45,11 @@ impl ServiceKey {
         Ok(Self(key.into()))
     }
 
-    /// The key a policy change is published under (see `catalog::KeyedChange`): the
-    /// policy's own `<namespace>/<name>`, whose name may hold dots. Never looked up as
-    /// a service: watchers select policy changes by namespace.
-    pub fn of_policy(policy_key: &str) -> Self {
-        Self(policy_key.into())
+    /// The key a configuration record's change is published under (see
+    /// `catalog::KeyedChange`): the record's own key, which may not be a service key's
+    /// shape. Never looked up as a service: watchers select records by what they hold.
+    pub fn of_config(key: &str) -> Self {
+        Self(key.into())
     }
 
     pub fn from_parts(field: &str, namespace: &str, name: &str) -> Result<Self, InvalidField> {
@@ -130,28 +129,6 @@ pub struct ValidEndpoint {
     pub service: ServiceKey,
     pub address: IpAddr,
     pub endpoint: Endpoint,
-}
-
-/// Checks a stored or streamed route (a store can hold anything) with the
-/// projector's own rules; returns it with its key, or the key and why it is unusable.
-pub fn validate_route(route: Route) -> Result<(String, Route), (String, aether_api::InvalidRoute)> {
-    let key = route_key(&route);
-    match aether_api::validate(&route) {
-        Ok(()) => Ok((key, route)),
-        Err(e) => Err((key, e)),
-    }
-}
-
-/// Checks a stored or streamed authorization policy with the projector's own rules;
-/// returns it with its key, or the key and why it is unusable.
-pub fn validate_policy(
-    policy: AuthorizationPolicy,
-) -> Result<(String, AuthorizationPolicy), (String, aether_api::authorization::Refusal)> {
-    let key = policy_key(&policy);
-    match aether_api::authorization::validate(&policy) {
-        Ok(()) => Ok((key, policy)),
-        Err(e) => Err((key, e)),
-    }
 }
 
 /// Validates an endpoint; `field` is the path of the endpoint in the request

@@ -26,8 +26,13 @@ use crate::bootstrap::{Bootstrap, BootstrapConfig, BootstrapError};
 use crate::catalog::{Catalog, CatalogConfig, OpenError};
 use crate::cluster::ClusterAccess;
 use crate::config::{Config, SecurityConfig, StoreKind};
+use crate::http_filters::HttpFilters;
 use crate::metrics::Metrics;
 use crate::model::MAX_SERVICE_KEY_BYTES;
+use crate::policies::Policies;
+use crate::routes::Routes;
+use crate::routes::kubernetes::status;
+use crate::sources;
 use crate::store::dynamodb::{DynamoConfig, DynamoStore};
 use crate::store::embedded::EmbeddedStore;
 use crate::store::etcd::{DEFAULT_MAX_TXN_OPS, EtcdConfig, EtcdStore, EtcdTlsFiles};
@@ -265,6 +270,7 @@ pub async fn open_store(config: &Config, cluster: Option<&ClusterAccess>) -> Res
                     services: cluster.services.clone(),
                     policies: cluster.policies.clone(),
                     policy_options: policy_options(config),
+                    http_filters: cluster.http_filters.clone(),
                 },
             )?)
         }
@@ -350,9 +356,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     })
 }
 
-/// The configuration sources: `--config-dir` (routes and policies), or the cluster's routes and Service
-/// attributes into the catalog (a writable store; the Kubernetes store derives them
-/// itself) with the routes' status written back to the cluster (both stores).
+/// The configuration sources: `--config-dir` (routes, policies, HTTP filters), or the cluster's
+/// objects of each kind and Service attributes into the catalog (a writable store; the
+/// Kubernetes store derives them itself) with their status written back to the cluster
+/// (both stores).
 fn run_sources(
     config: &Config,
     cluster: Option<ClusterAccess>,
@@ -361,10 +368,10 @@ fn run_sources(
     shutdown: &CancellationToken,
 ) {
     if let Some(dir) = &config.routes_dir {
-        let settings = crate::routes::directory::Settings {
+        let settings = crate::sources::directory::Settings {
             policy_options: policy_options(config),
         };
-        let source = crate::routes::directory::run(
+        let source = crate::sources::directory::run(
             dir.clone(),
             settings,
             catalog.clone(),
@@ -374,29 +381,30 @@ fn run_sources(
         tasks.critical("the configuration directory source", source);
     }
     let Some(cluster) = cluster else { return };
-    use crate::policies::kubernetes::{run as policy_source, status as policy_status};
-    use crate::routes::kubernetes::{run as route_source, status};
+    let policies = Policies {
+        options: policy_options(config),
+    };
+    let (client, stop) = (cluster.client.clone(), shutdown.clone());
     if config.store != StoreKind::Kubernetes {
-        let source = route_source(cluster.routes.clone(), catalog.clone(), shutdown.clone());
+        let source = sources::run(cluster.routes.clone(), Routes, catalog.clone(), stop.clone());
         tasks.critical("the Kubernetes route source", source);
-        let source = crate::cluster::services::run(cluster.services.clone(), catalog.clone(), shutdown.clone());
+        let source = crate::cluster::services::run(cluster.services.clone(), catalog.clone(), stop.clone());
         tasks.critical("the Kubernetes Service attribute source", source);
-        let source = policy_source(
+        let source = sources::run(
             cluster.policies.clone(),
-            policy_options(config),
+            policies.clone(),
             catalog.clone(),
-            shutdown.clone(),
+            stop.clone(),
         );
         tasks.critical("the Kubernetes AuthorizationPolicy source", source);
+        let source = sources::run(cluster.http_filters.clone(), HttpFilters, catalog.clone(), stop.clone());
+        tasks.critical("the Kubernetes HTTPFilter source", source);
     }
-    let writer = policy_status::run(
-        cluster.policies,
-        policy_options(config),
-        cluster.client.clone(),
-        shutdown.clone(),
-    );
+    let writer = sources::accepted::run(cluster.policies, policies, client.clone(), stop.clone());
     tasks.critical("the AuthorizationPolicy status writer", writer);
-    let writer = status::run(cluster.routes, catalog.clone(), cluster.client, shutdown.clone());
+    let writer = sources::accepted::run(cluster.http_filters, HttpFilters, client.clone(), stop.clone());
+    tasks.critical("the HTTPFilter status writer", writer);
+    let writer = status::run(cluster.routes, catalog.clone(), client, stop);
     tasks.critical("the route status writer", writer);
 }
 

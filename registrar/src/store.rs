@@ -36,11 +36,10 @@
 //!   [`Conflict::missing`]); it never creates one. A VIP other than the stored one is
 //!   a programming error: [`StoreError::Corrupt`]. The record gets the batch's
 //!   revision and shows up on the feed as a `ServicePut`.
-//! - [`StoreOp::PutRoute`] / [`StoreOp::DeleteRoute`] write a projected route by its
-//!   key (`<kind>/<namespace>/<name>`), unconditionally: routes reference services
-//!   by name and may exist before or after them.
-//! - [`StoreOp::PutPolicy`] / [`StoreOp::DeletePolicy`] do the same for projected
-//!   authorization policies (key `<namespace>/<name>`): like routes, unconditional.
+//! - [`StoreOp::PutConfig`] / [`StoreOp::DeleteConfig`] write a configuration record
+//!   (a projected route or authorization policy, see `crate::records`) by its kind and
+//!   key, unconditionally: records reference services by name and may exist before or
+//!   after them.
 //!
 //! **Feed** ([`Store::feed`]): every change committed after a revision, by any replica
 //! (echoes of this replica's own commits may be included; the catalog skips them by
@@ -68,11 +67,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Route, Service};
+use aether_proto::registry::v1::{Endpoint, Service};
 use async_trait::async_trait;
 use futures::Stream;
 
 use crate::model::ServiceKey;
+use crate::records::{ConfigKind, ConfigRecord};
 
 /// A record's position in the store's history (see the module docs).
 pub type Revision = u64;
@@ -102,15 +102,10 @@ pub enum StoreOp {
     /// Drops the liveness record of a node whose endpoints were just expired (only
     /// issued for nodes that [`Store::expired_nodes`] returned).
     ForgetNode(String),
-    /// Creates or replaces a projected route (key: `aether_proto::view::route_key`).
-    PutRoute(Arc<Route>),
-    /// Deletes a route by key; deleting an absent one succeeds.
-    DeleteRoute(String),
-    /// Creates or replaces a projected authorization policy (key:
-    /// `aether_proto::view::policy_key`).
-    PutPolicy(Arc<AuthorizationPolicy>),
-    /// Deletes a policy by key; deleting an absent one succeeds.
-    DeletePolicy(String),
+    /// Creates or replaces a configuration record (by its kind and key).
+    PutConfig(ConfigRecord),
+    /// Deletes a configuration record by kind and key; deleting an absent one succeeds.
+    DeleteConfig(ConfigKind, String),
 }
 
 /// A record with the revision it was last written at.
@@ -128,8 +123,8 @@ pub struct Contents {
     pub revision: Revision,
     pub services: Vec<Stored<Service>>,
     pub endpoints: Vec<Stored<Endpoint>>,
-    pub routes: Vec<Stored<Route>>,
-    pub policies: Vec<Stored<AuthorizationPolicy>>,
+    /// Configuration records of every kind.
+    pub configs: Vec<Stored<ConfigRecord>>,
     pub unreadable: Vec<UnreadableRecord>,
 }
 
@@ -163,14 +158,9 @@ pub enum FeedChangeKind {
         service: String,
         address: String,
     },
-    RoutePut(Route),
-    /// `key` is the route's key, `<kind>/<namespace>/<name>`.
-    RouteDeleted {
-        key: String,
-    },
-    PolicyPut(AuthorizationPolicy),
-    /// `key` is the policy's key, `<namespace>/<name>`.
-    PolicyDeleted {
+    ConfigPut(ConfigRecord),
+    ConfigDeleted {
+        kind: ConfigKind,
         key: String,
     },
     /// A record that could not be decoded (logged and counted, not applied).

@@ -14,15 +14,16 @@ use aether_proto::registrar::v1::{
     Change, Delta, Snapshot, SnapshotComplete, SnapshotReason, Version, WatchRequest, WatchResponse, change,
     watch_response,
 };
-use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Route, Service};
+use aether_proto::registry::v1::{Endpoint, Service};
 use futures::{Stream, StreamExt};
 use tokio::sync::broadcast::{self, error::RecvError, error::TryRecvError};
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc};
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
-use crate::catalog::{Batch, Catalog, Event, KeyedChange, State, policy_change, route_change};
+use crate::catalog::{Batch, Catalog, Event, KeyedChange, State};
 use crate::model::{InvalidField, ServiceKey};
+use crate::records::{ConfigRecord, config_change};
 
 /// Endpoints per snapshot message, so no message nears gRPC's 4 MiB default limit.
 pub const SNAPSHOT_CHUNK_ENDPOINTS: usize = 100;
@@ -131,26 +132,35 @@ impl Filter {
         self.wildcard || self.services.contains(key)
     }
 
-    /// Whether this filter sends `change`: a services-only filter drops endpoint and
-    /// route changes; a policy change passes when the client held or now wants it.
+    /// Whether this filter sends `change`: a services-only filter drops endpoint
+    /// changes; a configuration record's change passes when the client held or now
+    /// wants the record.
     fn passes(&self, change: &KeyedChange) -> bool {
-        if let Event::Policy { old, new } = &change.event {
-            let wants = |p: &Option<Arc<AuthorizationPolicy>>| p.as_deref().is_some_and(|p| self.wants_policy(p));
-            return wants(old) || wants(new);
+        if let Event::Config(c) = &change.event {
+            let wants = |r: &Option<ConfigRecord>| r.as_ref().is_some_and(|r| self.wants(r));
+            return wants(&c.old) || wants(&c.new);
         }
         let is_service = matches!(change.event, Event::ServiceAdded(_) | Event::ServiceRemoved);
         self.matches(change.service.as_str()) && (is_service || !self.services_only)
     }
 
-    /// Whether the client holds `route`: one of its parents is in the filter.
-    fn wants(&self, route: &Route) -> bool {
-        !self.services_only && route.parents.iter().any(|p| self.matches(&p.service))
-    }
-
-    /// Whether the client holds `policy`: mesh-wide, or of one of its namespaces.
-    fn wants_policy(&self, policy: &AuthorizationPolicy) -> bool {
-        let mesh_wide = policy.target.as_ref().is_some_and(|t| t.mesh_wide);
-        !self.services_only && (mesh_wide || self.policy_namespaces.contains(&policy.namespace))
+    /// Whether the client holds `record` (never a services-only client): a route when
+    /// one of its parents is in the filter; a policy when it is mesh-wide or of one of
+    /// the client's policy namespaces (the destination side); an HTTP filter when it is
+    /// of one of those namespaces, or names a service in the filter (the callers' side).
+    fn wants(&self, record: &ConfigRecord) -> bool {
+        !self.services_only
+            && match record {
+                ConfigRecord::Route(route) => route.parents.iter().any(|p| self.matches(&p.service)),
+                ConfigRecord::Policy(policy) => {
+                    let mesh_wide = policy.target.as_ref().is_some_and(|t| t.mesh_wide);
+                    mesh_wide || self.policy_namespaces.contains(&policy.namespace)
+                }
+                ConfigRecord::HttpFilter(filter) => {
+                    self.policy_namespaces.contains(&filter.namespace)
+                        || filter.services.iter().any(|s| self.matches(s))
+                }
+            }
     }
 
     /// The catalog's services this filter selects.
@@ -358,25 +368,14 @@ impl Watcher {
 
     async fn send_batches(&mut self, batches: &[Arc<Batch>]) -> Result<(), Gone> {
         for batch in batches {
-            let mut routes_sent = HashSet::new();
             let mut changes = Vec::new();
             for c in batch.changes.iter().filter(|c| self.filter.passes(c)) {
                 match &c.event {
-                    // Once per batch, although published once per parent: a put if
-                    // the client wants the route now, else its removal.
-                    Event::Route { key, route } => {
-                        if routes_sent.insert(key.clone()) {
-                            let wanted = route.as_deref().filter(|r| self.filter.wants(r));
-                            changes.push(Change {
-                                change: Some(route_change(key, wanted)),
-                            });
-                        }
-                    }
                     // A put if the client wants the new version, else its removal.
-                    Event::Policy { new, .. } => {
-                        let wanted = new.as_deref().filter(|p| self.filter.wants_policy(p));
+                    Event::Config(config) => {
+                        let wanted = config.new.as_ref().filter(|r| self.filter.wants(r));
                         changes.push(Change {
-                            change: Some(policy_change(c.service.as_str(), wanted)),
+                            change: Some(config_change(config.kind, c.service.as_str(), wanted)),
                         });
                     }
                     _ => changes.push(c.to_proto()),
@@ -397,11 +396,7 @@ impl Watcher {
         version: Version,
         reason: SnapshotReason,
     ) -> Result<(), Gone> {
-        let Selection {
-            services,
-            routes,
-            policies,
-        } = selection;
+        let Selection { services, configs } = selection;
         self.catalog
             .metrics()
             .watch_snapshots
@@ -426,9 +421,12 @@ impl Watcher {
                 }
             }
         }
-        for route in routes {
-            chunk.routes.push(Route::clone(&route));
-            if chunk.routes.len() >= SNAPSHOT_CHUNK_ENDPOINTS {
+        // Configuration records after the services, so many per chunk as endpoints.
+        let mut records = 0;
+        for record in configs {
+            record.add_to(&mut chunk);
+            records += 1;
+            if records % SNAPSHOT_CHUNK_ENDPOINTS == 0 {
                 let next = Snapshot {
                     reason: reason as i32,
                     ..Default::default()
@@ -437,21 +435,12 @@ impl Watcher {
                 self.send(watch_response::Event::Snapshot(full)).await?;
             }
         }
-        for policy in policies {
-            chunk.policies.push(AuthorizationPolicy::clone(&policy));
-            if chunk.policies.len() >= SNAPSHOT_CHUNK_ENDPOINTS {
-                let next = Snapshot {
-                    reason: reason as i32,
-                    ..Default::default()
-                };
-                let full = std::mem::replace(&mut chunk, next);
-                self.send(watch_response::Event::Snapshot(full)).await?;
-            }
-        }
-        let holds = |c: &Snapshot| {
-            !(c.services.is_empty() && c.endpoints.is_empty() && c.routes.is_empty() && c.policies.is_empty())
+        let empty = Snapshot {
+            reset: chunk.reset,
+            reason: chunk.reason,
+            ..Default::default()
         };
-        if chunk.reset || holds(&chunk) {
+        if chunk.reset || chunk != empty {
             self.send(watch_response::Event::Snapshot(chunk)).await?;
         }
         self.processed = version.seq;
@@ -522,16 +511,7 @@ impl Watcher {
                     change: Some(change::Change::EndpointAdded(Endpoint::clone(e))),
                 }));
             }
-            for route in state.routes() {
-                let (had, has) = (self.filter.wants(route), filter.wants(route));
-                if had != has {
-                    let key = aether_proto::view::route_key(route);
-                    changes.push(Change {
-                        change: Some(route_change(&key, Some(&**route).filter(|_| has))),
-                    });
-                }
-            }
-            changes.extend(self.policies_changed_by(&filter, &state));
+            changes.extend(self.configs_changed_by(&filter, &state));
             (pending, delta(state.version(), changes, filter.id))
         };
         self.send_batches(&pending).await?;
@@ -544,29 +524,27 @@ impl Watcher {
 }
 
 impl Watcher {
-    /// The policies the client gains or loses when its filter becomes `filter`.
-    fn policies_changed_by(&self, filter: &Filter, state: &State) -> Vec<Change> {
+    /// The configuration records the client gains or loses when its filter becomes
+    /// `filter`.
+    fn configs_changed_by(&self, filter: &Filter, state: &State) -> Vec<Change> {
         let mut changes = Vec::new();
-        for policy in state.policies() {
-            let (had, has) = (self.filter.wants_policy(policy), filter.wants_policy(policy));
+        for record in state.configs().all() {
+            let (had, has) = (self.filter.wants(record), filter.wants(record));
             if had != has {
-                let key = aether_proto::view::policy_key(policy);
-                changes.push(Change {
-                    change: Some(policy_change(&key, Some(&**policy).filter(|_| has))),
-                });
+                let change = config_change(record.kind(), &record.key(), Some(record).filter(|_| has));
+                changes.push(Change { change: Some(change) });
             }
         }
         changes
     }
 }
 
-/// The services a filter selects, with their endpoints, and the routes and policies it
+/// The services a filter selects, with their endpoints, and the configuration records it
 /// wants: shared, so reading it under the lock is cheap; wire messages are built after
 /// the lock is released.
 struct Selection {
     services: Vec<(Service, Vec<Arc<Endpoint>>)>,
-    routes: Vec<Arc<Route>>,
-    policies: Vec<Arc<AuthorizationPolicy>>,
+    configs: Vec<ConfigRecord>,
 }
 
 fn collect(state: &State, filter: &Filter) -> Selection {
@@ -583,13 +561,8 @@ fn collect(state: &State, filter: &Filter) -> Selection {
         })
         .collect();
     services.sort_by(|a, b| (&a.0.namespace, &a.0.name).cmp(&(&b.0.namespace, &b.0.name)));
-    let routes = state.routes().filter(|r| filter.wants(r)).cloned().collect();
-    let policies = state.policies().filter(|p| filter.wants_policy(p)).cloned().collect();
-    Selection {
-        services,
-        routes,
-        policies,
-    }
+    let configs = state.configs().all().filter(|r| filter.wants(r)).cloned().collect();
+    Selection { services, configs }
 }
 
 fn delta(version: Version, changes: Vec<Change>, filter_id: u64) -> watch_response::Event {
@@ -645,6 +618,66 @@ mod tests {
                 &huge[..64]
             )
         );
+    }
+
+    fn http_filter(services: &[&str]) -> ConfigRecord {
+        let filter = aether_proto::registry::v1::HttpFilter {
+            namespace: "shop".into(),
+            name: "check".into(),
+            services: services.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        };
+        ConfigRecord::from(Arc::new(filter))
+    }
+
+    fn watching(services: &[&str], policy_namespaces: &[&str]) -> Filter {
+        let strings = |list: &[&str]| list.iter().map(|s| s.to_string()).collect();
+        let request = WatchRequest {
+            services: strings(services),
+            policy_namespaces: strings(policy_namespaces),
+            ..Default::default()
+        };
+        Filter::parse(&request).unwrap()
+    }
+
+    #[test]
+    fn an_http_filter_reaches_the_watchers_of_its_namespace_or_of_a_service_it_names() {
+        let filter = http_filter(&["shop/orders"]);
+        assert!(watching(&["pay/ledger"], &["shop"]).wants(&filter), "destination side");
+        assert!(watching(&["shop/orders"], &[]).wants(&filter), "callers' side");
+        assert!(!watching(&["shop/cart"], &["pay"]).wants(&filter), "neither");
+        let everything = Filter::parse(&WatchRequest {
+            wildcard: true,
+            ..Default::default()
+        });
+        assert!(everything.unwrap().wants(&filter));
+        let dns = Filter::parse(&WatchRequest {
+            services_only: true,
+            policy_namespaces: vec!["shop".into()],
+            ..Default::default()
+        });
+        assert!(!dns.unwrap().wants(&filter), "services-only watchers get no filters");
+    }
+
+    #[test]
+    fn a_filter_moving_to_another_service_leaves_its_old_callers_and_reaches_the_new() {
+        let (old, new) = (http_filter(&["shop/orders"]), http_filter(&["shop/cart"]));
+        let change = KeyedChange {
+            service: ServiceKey::of_config("shop/check"),
+            event: Event::Config(crate::catalog::ConfigChange {
+                kind: crate::records::ConfigKind::HttpFilter,
+                old: Some(old),
+                new: Some(new.clone()),
+            }),
+        };
+        let (was, now, other) = (
+            watching(&["shop/orders"], &[]),
+            watching(&["shop/cart"], &[]),
+            watching(&["pay/ledger"], &[]),
+        );
+        assert!(was.passes(&change) && !was.wants(&new), "sent as a removal");
+        assert!(now.passes(&change) && now.wants(&new), "sent as a put");
+        assert!(!other.passes(&change), "not sent");
     }
 
     proptest::proptest! {

@@ -29,8 +29,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_proto::registry::v1::{Endpoint, Route, RouteBackend, RouteKind, RouteParent, RouteRule, Service};
-use aether_proto::view::{policy_key, route_key};
 use aether_registrar::model::ServiceKey;
+use aether_registrar::records::{ConfigKind, ConfigRecord};
 use aether_registrar::store::dynamodb::{DynamoConfig, DynamoStore};
 use aether_registrar::store::{Contents, Feed, FeedEvent, Store, StoreError, StoreOp, StoreSettings};
 use aws_sdk_dynamodb::primitives::Blob;
@@ -710,7 +710,7 @@ async fn a_route_read_by_one_replica_is_streamed_by_the_other() {
 }
 
 fn put_route(name: &str, parent: &str, generation: i64) -> StoreOp {
-    StoreOp::PutRoute(Arc::new(Route {
+    StoreOp::PutConfig(ConfigRecord::from(Arc::new(Route {
         kind: RouteKind::Http as i32,
         namespace: "ns".into(),
         name: name.into(),
@@ -729,18 +729,16 @@ fn put_route(name: &str, parent: &str, generation: i64) -> StoreOp {
         }],
         generation,
         ..Default::default()
-    }))
+    })))
 }
 
 /// Each stored route as `key generation @revision`.
 fn routes_of(contents: &Contents) -> Vec<String> {
-    let mut routes: Vec<String> = contents
-        .routes
-        .iter()
-        .map(|r| format!("{} {} @{}", route_key(&r.value), r.value.generation, r.revision))
-        .collect();
-    routes.sort();
-    routes
+    support::records_of(contents, ConfigKind::Route)
+}
+
+fn delete(kind: ConfigKind, key: &str) -> StoreOp {
+    StoreOp::DeleteConfig(kind, key.into())
 }
 
 /// Reads the feed until a sync shows exactly `expected` routes; returns that snapshot.
@@ -780,10 +778,10 @@ async fn routes_are_put_replaced_and_deleted_durably_and_each_sync_shows_them() 
     synced(&mut feed, &replaced).await;
 
     let r3 = a
-        .commit(vec![StoreOp::DeleteRoute("http/ns/canary".into())])
+        .commit(vec![delete(ConfigKind::Route, "http/ns/canary")])
         .await
         .unwrap();
-    a.commit(vec![StoreOp::DeleteRoute("http/ns/never-stored".into())])
+    a.commit(vec![delete(ConfigKind::Route, "http/ns/never-stored")])
         .await
         .expect("deleting an absent route succeeds");
     assert!(r1 < r2 && r2 < r3, "{r1} {r2} {r3}");
@@ -800,16 +798,12 @@ async fn routes_are_put_replaced_and_deleted_durably_and_each_sync_shows_them() 
 // ------------------------------------------------------------- policies
 
 fn put_policy(name: &str, generation: i64) -> StoreOp {
-    StoreOp::PutPolicy(Arc::new(support::policy("ns", name, generation, false)))
+    StoreOp::PutConfig(Arc::new(support::policy("ns", name, generation, false)).into())
 }
 
 /// Each stored policy as `key generation @revision`.
 fn policies_of(contents: &Contents) -> Vec<String> {
-    let mut policies: Vec<String> = (contents.policies.iter())
-        .map(|p| format!("{} {} @{}", policy_key(&p.value), p.value.generation, p.revision))
-        .collect();
-    policies.sort();
-    policies
+    support::records_of(contents, ConfigKind::Policy)
 }
 
 /// Reads the feed until a sync shows exactly `expected` policies.
@@ -843,10 +837,10 @@ async fn policies_are_put_replaced_and_deleted_durably_and_each_sync_shows_them(
         .unwrap();
     synced_policies(&mut feed, &[format!("ns/allow 1 @{r1}"), format!("ns/deny 1 @{r1}")]).await;
     let r2 = a
-        .commit(vec![put_policy("deny", 2), StoreOp::DeletePolicy("ns/allow".into())])
+        .commit(vec![put_policy("deny", 2), delete(ConfigKind::Policy, "ns/allow")])
         .await
         .unwrap();
-    a.commit(vec![StoreOp::DeletePolicy("ns/never-stored".into())])
+    a.commit(vec![delete(ConfigKind::Policy, "ns/never-stored")])
         .await
         .expect("deleting an absent policy succeeds");
     let left = [format!("ns/deny 2 @{r2}")];
@@ -969,7 +963,7 @@ async fn endpoints_and_routes_of_one_batch_land_together_or_not_at_all() {
             StoreOp::CreateService(service("web", "240.240.6.1")),
             StoreOp::PutEndpoint(endpoint("ns/web", "10.6.0.1", "n1")),
             put_route("canary", "ns/web", 1),
-            StoreOp::DeleteRoute("http/ns/absent".into()),
+            delete(ConfigKind::Route, "http/ns/absent"),
         ])
         .await
         .unwrap();

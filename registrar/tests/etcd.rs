@@ -8,13 +8,15 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
+use aether_proto::registry::v1::AuthorizationPolicy;
 use aether_proto::registry::v1::{Endpoint, Route, RouteBackend, RouteKind, RouteParent, RouteRule, Service};
 use aether_proto::view::{policy_key, route_key};
-use aether_registrar::catalog::{Catalog, CatalogConfig, Event};
+use aether_registrar::catalog::{Catalog, CatalogConfig, ConfigChange, Event};
 use aether_registrar::config::{
     ETCD_CA_FILE_ENV, ETCD_CERT_FILE_ENV, ETCD_KEY_FILE_ENV, ETCD_PASSWORD_ENV, ETCD_USERNAME_ENV,
 };
 use aether_registrar::metrics::Metrics;
+use aether_registrar::records::ConfigKind;
 use aether_registrar::store::etcd::{EtcdConfig, EtcdStore};
 use aether_registrar::store::{
     Contents, Feed, FeedChange, FeedChangeKind, FeedEvent, Revision, Store, StoreError, StoreOp, StoreSettings,
@@ -252,11 +254,11 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
             "+endpoint ns/a/10.0.0.3",
             "+endpoint ns/c/10.0.1.1",
             "+policy ns/kept 2",
-            "+route http/ns/kept via ns/a",
+            "+route http/ns/kept 2",
             "+service ns/c 240.240.0.12",
             "-endpoint ns/a/10.0.0.1",
             "-policy ns/gone",
-            "-route http/ns/gone via ns/a",
+            "-route http/ns/gone",
             "-service ns/b",
         ],
         "one resync batch with exactly the differences"
@@ -274,9 +276,12 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
         assert_eq!(a, ["10.0.0.2", "10.0.0.3"]);
         assert!(state.service("ns/b").is_none());
         assert_eq!(state.service("ns/c").unwrap().service.vip, "240.240.0.12");
-        let routes: Vec<(String, i64)> = state.routes().map(|r| (route_key(r), r.generation)).collect();
+        let routes: Vec<(String, i64)> = state.records::<Route>().map(|r| (route_key(r), r.generation)).collect();
         assert_eq!(routes, [("http/ns/kept".to_owned(), 2)]);
-        let policies: Vec<(String, i64)> = state.policies().map(|p| (policy_key(p), p.generation)).collect();
+        let policies = state
+            .records::<AuthorizationPolicy>()
+            .map(|p| (policy_key(p), p.generation));
+        let policies: Vec<(String, i64)> = policies.collect();
         assert_eq!(policies, [("ns/kept".to_owned(), 2)]);
     }
     // The watch continues after the resync.
@@ -415,9 +420,9 @@ async fn change_a_b_and_c(other: &EtcdStore) {
             StoreOp::PutEndpoint(ep("ns/c", "10.0.1.1")),
         ],
         vec![
-            StoreOp::DeleteRoute("http/ns/gone".into()),
+            delete(ConfigKind::Route, "http/ns/gone"),
             put_route("kept", "ns/a", 2),
-            StoreOp::DeletePolicy("ns/gone".into()),
+            delete(ConfigKind::Policy, "ns/gone"),
             put_policy("kept", 2),
         ],
     ];
@@ -437,10 +442,10 @@ fn described(batch: &aether_registrar::catalog::Batch) -> Vec<String> {
             Event::EndpointAdded(e) => format!("+endpoint {}/{}", e.service, e.address),
             Event::EndpointUpdated(e) => format!("~endpoint {}/{}", e.service, e.address),
             Event::EndpointRemoved(a) => format!("-endpoint {}/{a}", c.service),
-            Event::Route { key, route: Some(_) } => format!("+route {key} via {}", c.service),
-            Event::Route { key, route: None } => format!("-route {key} via {}", c.service),
-            Event::Policy { new: Some(p), .. } => format!("+policy {} {}", c.service, p.generation),
-            Event::Policy { new: None, .. } => format!("-policy {}", c.service),
+            Event::Config(ConfigChange { kind, new: Some(r), .. }) => {
+                format!("+{} {} {}", kind.tag(), r.key(), support::generation(r))
+            }
+            Event::Config(ConfigChange { kind, new: None, .. }) => format!("-{} {}", kind.tag(), c.service),
         })
         .collect();
     seen.sort();
@@ -758,22 +763,31 @@ fn route(name: &str, parent: &str, generation: i64) -> Route {
 }
 
 fn put_route(name: &str, parent: &str, generation: i64) -> StoreOp {
-    StoreOp::PutRoute(Arc::new(route(name, parent, generation)))
+    StoreOp::PutConfig(Arc::new(route(name, parent, generation)).into())
 }
 
 fn put_policy(name: &str, generation: i64) -> StoreOp {
-    StoreOp::PutPolicy(Arc::new(support::policy("ns", name, generation, false)))
+    StoreOp::PutConfig(Arc::new(support::policy("ns", name, generation, false)).into())
+}
+
+fn delete(kind: ConfigKind, key: &str) -> StoreOp {
+    StoreOp::DeleteConfig(kind, key.into())
 }
 
 /// Each stored route as `key generation @revision`.
 fn routes_of(contents: &Contents) -> Vec<String> {
-    let mut routes: Vec<String> = contents
-        .routes
-        .iter()
-        .map(|r| format!("{} {} @{}", route_key(&r.value), r.value.generation, r.revision))
-        .collect();
-    routes.sort();
-    routes
+    support::records_of(contents, ConfigKind::Route)
+}
+
+/// A feed's change of a record as `@revision +key generation` / `@revision -key`.
+fn described_record(change: FeedChange) -> String {
+    match change.kind {
+        FeedChangeKind::ConfigPut(r) => {
+            format!("@{} +{} {}", change.revision, r.key(), support::generation(&r))
+        }
+        FeedChangeKind::ConfigDeleted { key, .. } => format!("@{} -{key}", change.revision),
+        other => panic!("only configuration records were written, got {other:?}"),
+    }
 }
 
 /// The route changes a feed delivers up to `until`, as `@revision +key generation` / `@revision -key`.
@@ -787,15 +801,7 @@ async fn route_changes(feed: &mut Feed, until: Revision) -> Vec<String> {
         let FeedEvent::Changes { revision, changes } = event else {
             panic!("expected changes, got {event:?}");
         };
-        for change in changes {
-            match change.kind {
-                FeedChangeKind::RoutePut(r) => {
-                    seen.push(format!("@{} +{} {}", change.revision, route_key(&r), r.generation))
-                }
-                FeedChangeKind::RouteDeleted { key } => seen.push(format!("@{} -{key}", change.revision)),
-                other => panic!("only routes were written, got {other:?}"),
-            }
-        }
+        seen.extend(changes.into_iter().map(described_record));
         if revision >= until {
             return seen;
         }
@@ -820,10 +826,10 @@ async fn routes_are_put_replaced_and_deleted_durably_and_reach_another_replicas_
         [format!("http/ns/canary 2 @{r2}"), format!("http/ns/stable 1 @{r1}")]
     );
     let r3 = a
-        .commit(vec![StoreOp::DeleteRoute("http/ns/canary".into())])
+        .commit(vec![delete(ConfigKind::Route, "http/ns/canary")])
         .await
         .unwrap();
-    a.commit(vec![StoreOp::DeleteRoute("http/ns/never-stored".into())])
+    a.commit(vec![delete(ConfigKind::Route, "http/ns/never-stored")])
         .await
         .expect("deleting an absent route succeeds");
     assert_eq!(
@@ -861,14 +867,12 @@ async fn policies_are_put_replaced_and_deleted_durably_and_reach_another_replica
         .await
         .unwrap();
     let r2 = a.commit(vec![put_policy("deny", 2)]).await.unwrap();
-    let r3 = a.commit(vec![StoreOp::DeletePolicy("ns/allow".into())]).await.unwrap();
-    a.commit(vec![StoreOp::DeletePolicy("ns/never-stored".into())])
+    let r3 = a.commit(vec![delete(ConfigKind::Policy, "ns/allow")]).await.unwrap();
+    a.commit(vec![delete(ConfigKind::Policy, "ns/never-stored")])
         .await
         .expect("deleting an absent policy succeeds");
     let reopened = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
-    let stored: Vec<String> = (reopened.load().await.unwrap().policies.iter())
-        .map(|p| format!("{} {} @{}", policy_key(&p.value), p.value.generation, p.revision))
-        .collect();
+    let stored = support::records_of(&reopened.load().await.unwrap(), ConfigKind::Policy);
     assert_eq!(stored, [format!("ns/deny 2 @{r2}")]);
     let mut seen = Vec::new();
     while seen.len() < 4 {
@@ -879,13 +883,7 @@ async fn policies_are_put_replaced_and_deleted_durably_and_reach_another_replica
         let FeedEvent::Changes { changes, .. } = event else {
             panic!("expected changes, got {event:?}");
         };
-        for change in changes {
-            seen.push(match change.kind {
-                FeedChangeKind::PolicyPut(p) => format!("@{} +{} {}", change.revision, policy_key(&p), p.generation),
-                FeedChangeKind::PolicyDeleted { key } => format!("@{} -{key}", change.revision),
-                other => panic!("only policies were written, got {other:?}"),
-            });
-        }
+        seen.extend(changes.into_iter().map(described_record));
     }
     seen.sort();
     let mut expected = [
@@ -945,7 +943,7 @@ async fn endpoints_and_routes_of_one_batch_land_together_or_not_at_all() {
             StoreOp::CreateService(svc("web", "240.240.0.20")),
             StoreOp::PutEndpoint(ep("ns/web", "10.0.2.1")),
             put_route("canary", "ns/web", 1),
-            StoreOp::DeleteRoute("http/ns/absent".into()),
+            delete(ConfigKind::Route, "http/ns/absent"),
         ])
         .await
         .unwrap();

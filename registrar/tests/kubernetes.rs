@@ -14,6 +14,8 @@ use aether_proto::registrar::v1::RegisterEndpointRequest;
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registry::v1::Health;
 use aether_registrar::cluster::services::ClusterServices;
+use aether_registrar::http_filters::HttpFilters;
+use aether_registrar::policies::Policies;
 use aether_registrar::routes::kubernetes::ClusterRoutes;
 use aether_registrar::store::kubernetes::{DEFAULT_VIP_CONFIGMAP, KubeConfig, KubeStore, vip_data_key};
 use aether_registrar::store::{FeedEvent, Store};
@@ -59,8 +61,9 @@ fn store(cluster: &ApiServer) -> KubeStore {
             vips: VipAllocator::new("240.240.0.0/16".parse().unwrap()).unwrap(),
             routes: ClusterRoutes::start(cluster.client()),
             services: ClusterServices::start(cluster.client()),
-            policies: aether_registrar::policies::kubernetes::ClusterPolicies::start(cluster.client()),
+            policies: aether_registrar::sources::crd::start::<Policies>(cluster.client()),
             policy_options: Default::default(),
+            http_filters: aether_registrar::sources::crd::start::<HttpFilters>(cluster.client()),
         },
     )
     .unwrap()

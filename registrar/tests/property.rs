@@ -253,7 +253,7 @@ impl Case {
             .map(|(i, parents)| route(*i, parents))
             .map(|r| (route_key(&r), r))
             .collect();
-        let version = self.catalog.set_routes(desired.clone()).await.expect("set routes");
+        let version = self.catalog.set_records(desired.clone()).await.expect("set routes");
         let wanted: BTreeMap<String, Arc<Route>> = desired.into_iter().map(|(k, r)| (k, Arc::new(r))).collect();
         let changed = self.model.routes != wanted;
         self.model.routes = wanted;
@@ -339,7 +339,7 @@ impl Case {
         let routes = self
             .catalog
             .read()
-            .routes()
+            .records::<Route>()
             .map(|r| (route_key(r), r.clone()))
             .collect();
         actual.routes = routes;

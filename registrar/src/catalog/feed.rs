@@ -7,15 +7,13 @@ use std::net::IpAddr;
 use std::time::Instant;
 
 use aether_common::quote::quote;
-use std::sync::Arc;
-
-use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Route, Service};
-use aether_proto::view::{policy_key, route_key};
+use aether_proto::registry::v1::{Endpoint, Service};
 
 use super::revisions::RecordKey;
 use super::state::{KeyedChange, State};
 use super::writer::Writer;
-use crate::model::{ServiceKey, parse_address, validate_endpoint, validate_policy, validate_route};
+use crate::model::{ServiceKey, parse_address, validate_endpoint};
+use crate::records::{ConfigKind, ConfigRecord};
 use crate::store::{Conflict, Contents, FeedChangeKind, FeedEvent, Revision, UnreadableRecord};
 
 /// A change to apply, with the store revision it was made at (`None`: apply anyway).
@@ -63,15 +61,9 @@ impl Writer {
         );
         changes.extend(
             contents
-                .routes
+                .configs
                 .into_iter()
-                .map(|r| (Some(r.revision), FeedChangeKind::RoutePut(r.value))),
-        );
-        changes.extend(
-            contents
-                .policies
-                .into_iter()
-                .map(|p| (Some(p.revision), FeedChangeKind::PolicyPut(p.value))),
+                .map(|r| (Some(r.revision), FeedChangeKind::ConfigPut(r.value))),
         );
         for record in contents.unreadable {
             changes.push((None, FeedChangeKind::Unreadable(record)));
@@ -114,39 +106,28 @@ impl Writer {
                 }
             }
         }
-        changes.extend(self.vanished_routes(contents, &mut forgotten));
-        changes.extend(self.vanished_policies(contents, &mut forgotten));
+        changes.extend(self.vanished_configs(contents, &mut forgotten));
         for key in forgotten {
             self.revisions.forget(&key);
         }
         changes
     }
 
-    /// Deletions of the routes memory holds but the snapshot `contents` shows gone.
-    fn vanished_routes(&self, contents: &Contents, forgotten: &mut Vec<RecordKey>) -> Vec<RemoteChange> {
-        let stored: HashSet<String> = contents.routes.iter().map(|r| route_key(&r.value)).collect();
+    /// Deletions of the configuration records memory holds but the snapshot `contents`
+    /// shows gone.
+    fn vanished_configs(&self, contents: &Contents, forgotten: &mut Vec<RecordKey>) -> Vec<RemoteChange> {
+        let stored: HashSet<(ConfigKind, String)> = (contents.configs.iter())
+            .map(|r| (r.value.kind(), r.value.key()))
+            .collect();
         let state = self.state.read();
         let mut changes = Vec::new();
-        for key in state.routes.keys() {
-            let record = RecordKey::Route(key.clone());
-            if !stored.contains(key) && self.revisions.gone_at(&record, contents.revision) {
-                forgotten.push(record);
-                changes.push((None, FeedChangeKind::RouteDeleted { key: key.clone() }));
-            }
-        }
-        changes
-    }
-
-    /// Deletions of the policies memory holds but the snapshot `contents` shows gone.
-    fn vanished_policies(&self, contents: &Contents, forgotten: &mut Vec<RecordKey>) -> Vec<RemoteChange> {
-        let stored: HashSet<String> = contents.policies.iter().map(|p| policy_key(&p.value)).collect();
-        let state = self.state.read();
-        let mut changes = Vec::new();
-        for key in state.policies.keys() {
-            let record = RecordKey::Policy(key.clone());
-            if !stored.contains(key) && self.revisions.gone_at(&record, contents.revision) {
-                forgotten.push(record);
-                changes.push((None, FeedChangeKind::PolicyDeleted { key: key.clone() }));
+        for kind in ConfigKind::ALL {
+            for key in state.configs.of(kind).keys() {
+                let record = RecordKey::Config(kind, key.clone());
+                if !stored.contains(&(kind, key.clone())) && self.revisions.gone_at(&record, contents.revision) {
+                    forgotten.push(record);
+                    changes.push((None, FeedChangeKind::ConfigDeleted { kind, key: key.clone() }));
+                }
             }
         }
         changes
@@ -190,11 +171,9 @@ impl Writer {
                 FeedChangeKind::EndpointDeleted { service, address } => {
                     self.remote_endpoint_deleted(&mut state, &service, &address, revision, now, &mut out)
                 }
-                FeedChangeKind::RoutePut(route) => self.remote_route_put(&mut state, route, revision, &mut out),
-                FeedChangeKind::RouteDeleted { key } => self.remote_route_deleted(&mut state, key, revision, &mut out),
-                FeedChangeKind::PolicyPut(policy) => self.remote_policy_put(&mut state, policy, revision, &mut out),
-                FeedChangeKind::PolicyDeleted { key } => {
-                    self.remote_policy_deleted(&mut state, key, revision, &mut out)
+                FeedChangeKind::ConfigPut(record) => self.remote_config_put(&mut state, record, revision, &mut out),
+                FeedChangeKind::ConfigDeleted { kind, key } => {
+                    self.remote_config_deleted(&mut state, kind, key, revision, &mut out)
                 }
                 FeedChangeKind::Unreadable(record) => self.skip_unreadable(record),
             }
@@ -310,78 +289,41 @@ impl Writer {
         state.remove_endpoint(&key, address, now, out);
     }
 
-    fn remote_route_put(
+    fn remote_config_put(
         &mut self,
         state: &mut State,
-        route: Route,
+        record: ConfigRecord,
         revision: Option<Revision>,
         out: &mut Vec<KeyedChange>,
     ) {
-        match validate_route(route) {
-            Ok((key, route)) => {
-                if self.revisions.newer(&RecordKey::Route(key.clone()), revision) {
-                    state.put_route(key, Some(Arc::new(route)), out);
-                }
-            }
-            Err((key, error)) => {
-                self.metrics.feed_unusable.inc();
-                tracing::error!(route = %quote(&key), %error, "skipping an unusable route from the store feed");
-            }
+        let (kind, key) = (record.kind(), record.key());
+        if let Err(error) = record.validate() {
+            self.metrics.feed_unusable.inc();
+            tracing::error!(kind = kind.noun(), key = %quote(&key), %error,
+                "skipping an unusable configuration record from the store feed");
+            return;
+        }
+        if self.revisions.newer(&RecordKey::Config(kind, key.clone()), revision) {
+            state.put_config(kind, key, Some(record), out);
         }
     }
 
-    fn remote_route_deleted(
+    fn remote_config_deleted(
         &mut self,
         state: &mut State,
+        kind: ConfigKind,
         key: String,
         revision: Option<Revision>,
         out: &mut Vec<KeyedChange>,
     ) {
-        let record = RecordKey::Route(key.clone());
+        let record = RecordKey::Config(kind, key.clone());
         if !self.revisions.newer(&record, revision) {
             return;
         }
         if let Some(revision) = revision {
             self.revisions.add_tombstone(revision, record);
         }
-        state.put_route(key, None, out);
-    }
-
-    fn remote_policy_put(
-        &mut self,
-        state: &mut State,
-        policy: AuthorizationPolicy,
-        revision: Option<Revision>,
-        out: &mut Vec<KeyedChange>,
-    ) {
-        match validate_policy(policy) {
-            Ok((key, policy)) => {
-                if self.revisions.newer(&RecordKey::Policy(key.clone()), revision) {
-                    state.put_policy(key, Some(Arc::new(policy)), out);
-                }
-            }
-            Err((key, error)) => {
-                self.metrics.feed_unusable.inc();
-                tracing::error!(policy = %quote(&key), %error, "skipping an unusable authorization policy from the store feed");
-            }
-        }
-    }
-
-    fn remote_policy_deleted(
-        &mut self,
-        state: &mut State,
-        key: String,
-        revision: Option<Revision>,
-        out: &mut Vec<KeyedChange>,
-    ) {
-        let record = RecordKey::Policy(key.clone());
-        if !self.revisions.newer(&record, revision) {
-            return;
-        }
-        if let Some(revision) = revision {
-            self.revisions.add_tombstone(revision, record);
-        }
-        state.put_policy(key, None, out);
+        state.put_config(kind, key, None, out);
     }
 
     fn skip_unreadable(&self, record: UnreadableRecord) {

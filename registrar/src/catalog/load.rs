@@ -8,12 +8,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Route, Service};
+use aether_proto::registry::v1::{Endpoint, Service};
 
 use super::revisions::RecordKey;
-use super::state::{ConfigRecords, Entry};
+use super::state::Entry;
 use crate::metrics::Metrics;
-use crate::model::{InvalidField, ServiceKey, parse_address, validate_endpoint, validate_policy, validate_route};
+use crate::model::{InvalidField, ServiceKey, parse_address, validate_endpoint};
+use crate::records::{ConfigRecord, ConfigRecords};
 use crate::store::{Contents, Revision, Stored, UnreadableRecord};
 use crate::vip::VipAllocator;
 
@@ -32,7 +33,7 @@ pub(super) struct Loaded {
     pub(super) services: BTreeMap<ServiceKey, Entry>,
     pub(super) vips: HashMap<IpAddr, ServiceKey>,
     pub(super) endpoint_count: usize,
-    pub(super) records: ConfigRecords,
+    pub(super) configs: ConfigRecords,
     pub(super) revs: HashMap<RecordKey, Revision>,
     pub(super) unreadable: Vec<UnreadableRecord>,
 }
@@ -51,11 +52,8 @@ impl Loaded {
         for stored in contents.endpoints {
             loaded.add_endpoint(stored);
         }
-        for stored in contents.routes {
-            loaded.add_route(stored);
-        }
-        for stored in contents.policies {
-            loaded.add_policy(stored);
+        for stored in contents.configs {
+            loaded.add_config(stored);
         }
         loaded
     }
@@ -125,28 +123,17 @@ impl Loaded {
         self.endpoint_count += 1;
     }
 
-    fn add_route(&mut self, stored: Stored<Route>) {
-        match validate_route(stored.value) {
-            Ok((key, route)) => {
-                self.revs.insert(RecordKey::Route(key.clone()), stored.revision);
-                self.records.routes.insert(key, Arc::new(route));
+    fn add_config(&mut self, stored: Stored<ConfigRecord>) {
+        let record = stored.value;
+        let (kind, key) = (record.kind(), record.key());
+        match record.validate() {
+            Ok(()) => {
+                self.revs.insert(RecordKey::Config(kind, key.clone()), stored.revision);
+                self.configs.set(kind, key, Some(record));
             }
-            Err((key, error)) => self.unreadable.push(UnreadableRecord {
-                key: format!("routes/{key}"),
-                reason: error.to_string(),
-            }),
-        }
-    }
-
-    fn add_policy(&mut self, stored: Stored<AuthorizationPolicy>) {
-        match validate_policy(stored.value) {
-            Ok((key, policy)) => {
-                self.revs.insert(RecordKey::Policy(key.clone()), stored.revision);
-                self.records.policies.insert(key, Arc::new(policy));
-            }
-            Err((key, error)) => self.unreadable.push(UnreadableRecord {
-                key: format!("policies/{key}"),
-                reason: error.to_string(),
+            Err(reason) => self.unreadable.push(UnreadableRecord {
+                key: format!("{}/{key}", kind.plural()),
+                reason,
             }),
         }
     }

@@ -34,16 +34,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aether_proto::registrar::v1::Version;
-use aether_proto::registry::v1::{AuthorizationPolicy, KubernetesService, Route, Service};
+use aether_proto::registry::v1::{KubernetesService, Service};
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
 use self::load::Loaded;
-pub use self::state::{Batch, Entry, Event, KeyedChange, State, policy_change, route_change};
+pub use self::state::{Batch, ConfigChange, Entry, Event, KeyedChange, State};
 use self::writer::Write;
 pub use self::writer::Writer;
 use crate::metrics::Metrics;
 use crate::model::{ServiceKey, ValidEndpoint};
+use crate::records::{ConfigRecord, Record};
 use crate::store::{Store, StoreError};
 use crate::vip::VipAllocator;
 
@@ -103,7 +104,7 @@ impl Catalog {
             loaded.services,
             loaded.vips,
             loaded.endpoint_count,
-            loaded.records,
+            loaded.configs,
             config.history_changes,
             config.watch_buffer,
         )));
@@ -185,29 +186,21 @@ impl Catalog {
         response.await.map_err(|_| shutting_down())?
     }
 
-    /// Makes the catalog's routes exactly `desired` (keyed by route key), as one
-    /// versioned batch; what is unchanged is not written.
-    pub async fn set_routes(&self, desired: BTreeMap<String, Route>) -> Result<Version, Status> {
+    /// Makes the catalog's records of `T`'s kind (routes, policies) exactly `desired`
+    /// (by key), as one versioned batch; what is unchanged is not written.
+    pub async fn set_records<T: Record>(&self, desired: BTreeMap<String, T>) -> Result<Version, Status> {
+        let kind = T::KIND;
         if self.read_only {
-            return Err(Status::failed_precondition(
-                "this registrar's store is read-only: its routes come from the store itself",
-            ));
+            return Err(Status::failed_precondition(format!(
+                "this registrar's store is read-only: its {} come from the store itself",
+                kind.plural()
+            )));
         }
+        let desired: BTreeMap<String, ConfigRecord> = (desired.into_iter())
+            .map(|(key, record)| (key, ConfigRecord::from(Arc::new(record))))
+            .collect();
         let (reply, response) = oneshot::channel();
-        self.submit(Write::Routes { desired, reply }).await?;
-        response.await.map_err(|_| shutting_down())?
-    }
-
-    /// Makes the catalog's authorization policies exactly `desired` (keyed by policy
-    /// key), as one versioned batch; what is unchanged is not written.
-    pub async fn set_policies(&self, desired: BTreeMap<String, AuthorizationPolicy>) -> Result<Version, Status> {
-        if self.read_only {
-            return Err(Status::failed_precondition(
-                "this registrar's store is read-only: its policies come from the store itself",
-            ));
-        }
-        let (reply, response) = oneshot::channel();
-        self.submit(Write::Policies { desired, reply }).await?;
+        self.submit(Write::Configs { kind, desired, reply }).await?;
         response.await.map_err(|_| shutting_down())?
     }
 

@@ -7,11 +7,12 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 
-use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, KubernetesService, Route, Service};
+use aether_proto::registry::v1::{Endpoint, KubernetesService, Service};
 use tonic::Status;
 
-use super::state::{Event, KeyedChange, State, policy_changes, route_changes};
+use super::state::{Event, KeyedChange, State, config_changed};
 use crate::model::{ServiceKey, ValidEndpoint};
+use crate::records::{ConfigKind, ConfigRecord};
 use crate::store::StoreOp;
 use crate::vip::VipAllocator;
 
@@ -24,10 +25,8 @@ pub(super) struct Plan {
     pub(super) removed_services: Vec<(ServiceKey, IpAddr)>,
     /// Existing services whose record is replaced (same key and VIP).
     pub(super) updated_services: Vec<(ServiceKey, Service)>,
-    /// Routes to put (`Some`) or delete, by key.
-    pub(super) routes: Vec<(String, Option<Arc<Route>>)>,
-    /// Policies to put (`Some`) or delete, by key.
-    pub(super) policies: Vec<(String, Option<Arc<AuthorizationPolicy>>)>,
+    /// Configuration records to put (`Some`) or delete, by kind and key.
+    pub(super) configs: Vec<(ConfigKind, String, Option<ConfigRecord>)>,
     pub(super) ops: Vec<StoreOp>,
     pub(super) changes: Vec<KeyedChange>,
 }
@@ -122,25 +121,26 @@ impl Plan {
 }
 
 impl Plan {
-    /// Makes the stored routes exactly `desired` (a route source's whole set): puts
-    /// what is new or changed, deletes what the source no longer has.
-    pub(super) fn set_routes(&mut self, state: &State, desired: BTreeMap<String, Route>) {
-        for (key, old) in &state.routes {
+    /// Makes the stored records of `kind` exactly `desired` (a source's whole set of
+    /// them): puts what is new or changed, deletes what the source no longer has.
+    pub(super) fn set_configs(&mut self, state: &State, kind: ConfigKind, desired: BTreeMap<String, ConfigRecord>) {
+        let held = state.configs.of(kind);
+        for (key, old) in held {
             if !desired.contains_key(key) {
-                self.ops.push(StoreOp::DeleteRoute(key.clone()));
-                self.changes.extend(route_changes(key, Some(&**old), None));
-                self.routes.push((key.clone(), None));
+                self.ops.push(StoreOp::DeleteConfig(kind, key.clone()));
+                self.changes.push(config_changed(kind, key, Some(old.clone()), None));
+                self.configs.push((kind, key.clone(), None));
             }
         }
-        for (key, route) in desired {
-            if state.routes.get(&key).is_some_and(|old| **old == route) {
+        for (key, record) in desired {
+            let old = held.get(&key);
+            if old == Some(&record) {
                 continue;
             }
-            let route = Arc::new(route);
-            self.ops.push(StoreOp::PutRoute(route.clone()));
-            let old = state.routes.get(&key).map(|old| &**old);
-            self.changes.extend(route_changes(&key, old, Some(route.clone())));
-            self.routes.push((key, Some(route)));
+            self.ops.push(StoreOp::PutConfig(record.clone()));
+            self.changes
+                .push(config_changed(kind, &key, old.cloned(), Some(record.clone())));
+            self.configs.push((kind, key, Some(record)));
         }
     }
 }
@@ -161,30 +161,6 @@ impl Plan {
             self.ops.push(StoreOp::UpdateService(service.clone()));
             self.change(key, Event::ServiceAdded(service.clone()));
             self.updated_services.push((key.clone(), service));
-        }
-    }
-}
-
-impl Plan {
-    /// Makes the stored policies exactly `desired` (a policy source's whole set).
-    pub(super) fn set_policies(&mut self, state: &State, desired: BTreeMap<String, AuthorizationPolicy>) {
-        for (key, old) in &state.policies {
-            if !desired.contains_key(key) {
-                self.ops.push(StoreOp::DeletePolicy(key.clone()));
-                self.changes.push(policy_changes(key, Some(old.clone()), None));
-                self.policies.push((key.clone(), None));
-            }
-        }
-        for (key, policy) in desired {
-            let old = state.policies.get(&key);
-            if old.is_some_and(|old| **old == policy) {
-                continue;
-            }
-            let policy = Arc::new(policy);
-            self.ops.push(StoreOp::PutPolicy(policy.clone()));
-            self.changes
-                .push(policy_changes(&key, old.cloned(), Some(policy.clone())));
-            self.policies.push((key, Some(policy)));
         }
     }
 }

@@ -8,6 +8,7 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use crate::model::ServiceKey;
+use crate::records::ConfigKind;
 use crate::store::{Revision, StoreOp};
 
 /// How long a deletion's revision is remembered at most (see `Revisions::age`).
@@ -24,10 +25,8 @@ pub(super) const PENDING: Revision = Revision::MAX;
 pub(super) enum RecordKey {
     Service(ServiceKey),
     Endpoint(ServiceKey, IpAddr),
-    /// A route, by its key `<kind>/<namespace>/<name>`.
-    Route(String),
-    /// An authorization policy, by its key `<namespace>/<name>`.
-    Policy(String),
+    /// A configuration record, by its kind and key.
+    Config(ConfigKind, String),
 }
 
 impl RecordKey {
@@ -48,10 +47,8 @@ impl RecordKey {
                 Some(RecordKey::Endpoint(service.clone(), address.parse().ok()?))
             }
             StoreOp::ForgetNode(_) => None,
-            StoreOp::PutRoute(route) => Some(RecordKey::Route(aether_proto::view::route_key(route))),
-            StoreOp::DeleteRoute(key) => Some(RecordKey::Route(key.clone())),
-            StoreOp::PutPolicy(policy) => Some(RecordKey::Policy(aether_proto::view::policy_key(policy))),
-            StoreOp::DeletePolicy(key) => Some(RecordKey::Policy(key.clone())),
+            StoreOp::PutConfig(record) => Some(RecordKey::Config(record.kind(), record.key())),
+            StoreOp::DeleteConfig(kind, key) => Some(RecordKey::Config(*kind, key.clone())),
         }
     }
 }
@@ -59,10 +56,7 @@ impl RecordKey {
 pub(super) fn is_delete(op: &StoreOp) -> bool {
     matches!(
         op,
-        StoreOp::DeleteService { .. }
-            | StoreOp::DeleteEndpoint { .. }
-            | StoreOp::DeleteRoute(_)
-            | StoreOp::DeletePolicy(_)
+        StoreOp::DeleteService { .. } | StoreOp::DeleteEndpoint { .. } | StoreOp::DeleteConfig(..)
     )
 }
 

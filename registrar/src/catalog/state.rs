@@ -8,12 +8,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use aether_proto::registrar::v1::{Change, EndpointRef, Version, change};
-use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, KubernetesService, Route, Service};
+use aether_proto::registry::v1::{Endpoint, KubernetesService, Service};
 use tokio::sync::broadcast;
 
 use super::plan::Plan;
 use crate::metrics::Metrics;
 use crate::model::{ServiceKey, ValidEndpoint};
+use crate::records::{ConfigKind, ConfigRecord, ConfigRecords, Record, config_change};
 
 /// A committed group of changes, as published to watchers.
 #[derive(Debug)]
@@ -23,11 +24,9 @@ pub struct Batch {
 }
 
 /// A committed change to one service. Endpoint data is shared with the catalog and
-/// the history (not copied), and turned into its wire form only when sent. A route
-/// change is published once per parent it had or has, so filtering by service finds
-/// every watcher that holds or now wants it (watchers send it once per batch). A
-/// policy change is published once, under the policy's own key (`<ns>/<name>`, the
-/// same shape): watchers select it by namespace, not by service.
+/// the history (not copied), and turned into its wire form only when sent. A
+/// configuration record's change is published once, under the record's own key:
+/// watchers select it by what it holds (see `watch::Filter::wants`), not by service.
 #[derive(Clone, Debug)]
 pub struct KeyedChange {
     pub service: ServiceKey,
@@ -41,17 +40,17 @@ pub enum Event {
     EndpointAdded(Arc<Endpoint>),
     EndpointUpdated(Arc<Endpoint>),
     EndpointRemoved(IpAddr),
-    /// A route was put (`Some`) or deleted (`None`).
-    Route {
-        key: Arc<str>,
-        route: Option<Arc<Route>>,
-    },
-    /// A policy went from `old` to `new` (`None`: absent). Both are carried so a
-    /// watcher that held the old version learns it is gone for it.
-    Policy {
-        old: Option<Arc<AuthorizationPolicy>>,
-        new: Option<Arc<AuthorizationPolicy>>,
-    },
+    /// A configuration record changed.
+    Config(ConfigChange),
+}
+
+/// A configuration record of `kind` going from `old` to `new` (`None`: absent). Both
+/// are carried so a watcher that held the old version learns it is gone for it.
+#[derive(Clone, Debug)]
+pub struct ConfigChange {
+    pub kind: ConfigKind,
+    pub old: Option<ConfigRecord>,
+    pub new: Option<ConfigRecord>,
 }
 
 impl KeyedChange {
@@ -65,26 +64,9 @@ impl KeyedChange {
                 service: self.service.to_string(),
                 address: address.to_string(),
             }),
-            Event::Route { key, route } => route_change(key, route.as_deref()),
-            Event::Policy { new, .. } => policy_change(self.service.as_str(), new.as_deref()),
+            Event::Config(c) => config_change(c.kind, self.service.as_str(), c.new.as_ref()),
         };
         Change { change: Some(change) }
-    }
-}
-
-/// A route put, or its removal when `route` is `None`.
-pub fn route_change(key: &str, route: Option<&Route>) -> change::Change {
-    match route {
-        Some(route) => change::Change::RoutePut(route.clone()),
-        None => change::Change::RouteRemoved(key.to_owned()),
-    }
-}
-
-/// A policy put, or its removal when `policy` is `None`.
-pub fn policy_change(key: &str, policy: Option<&AuthorizationPolicy>) -> change::Change {
-    match policy {
-        Some(policy) => change::Change::PolicyPut(policy.clone()),
-        None => change::Change::PolicyRemoved(key.to_owned()),
     }
 }
 
@@ -102,10 +84,8 @@ pub struct State {
     /// Which service holds each VIP.
     pub(super) vips: HashMap<IpAddr, ServiceKey>,
     pub(super) endpoint_count: usize,
-    /// Projected routes by key (`<kind>/<namespace>/<name>`).
-    pub(super) routes: BTreeMap<String, Arc<Route>>,
-    /// Projected authorization policies by key (`<namespace>/<name>`).
-    pub(super) policies: BTreeMap<String, Arc<AuthorizationPolicy>>,
+    /// Projected configuration records by kind and key.
+    pub(super) configs: ConfigRecords,
     /// The Kubernetes Services' attributes as the cluster last gave them (see
     /// `Catalog::set_service_attributes`): not published, but a service created from
     /// now on starts with its own.
@@ -122,7 +102,7 @@ impl State {
         services: BTreeMap<ServiceKey, Entry>,
         vips: HashMap<IpAddr, ServiceKey>,
         endpoint_count: usize,
-        records: ConfigRecords,
+        configs: ConfigRecords,
         history_limit: usize,
         watch_buffer: usize,
     ) -> State {
@@ -133,8 +113,7 @@ impl State {
             services,
             vips,
             endpoint_count,
-            routes: records.routes,
-            policies: records.policies,
+            configs,
             kubernetes: BTreeMap::new(),
             history: VecDeque::new(),
             history_changes: 0,
@@ -186,12 +165,14 @@ impl State {
         self.services.get(key)
     }
 
-    pub fn routes(&self) -> impl Iterator<Item = &Arc<Route>> {
-        self.routes.values()
+    /// The configuration records of every kind.
+    pub fn configs(&self) -> &ConfigRecords {
+        &self.configs
     }
 
-    pub fn policies(&self) -> impl Iterator<Item = &Arc<AuthorizationPolicy>> {
-        self.policies.values()
+    /// The configuration records of `T`'s kind.
+    pub fn records<T: Record>(&self) -> impl Iterator<Item = &Arc<T>> {
+        self.configs.typed()
     }
 
     pub(super) fn apply(&mut self, plan: Plan) -> u64 {
@@ -236,17 +217,8 @@ impl State {
             self.services.remove(&key);
             self.vips.remove(&vip);
         }
-        for (key, route) in plan.routes {
-            match route {
-                Some(route) => self.routes.insert(key, route),
-                None => self.routes.remove(&key),
-            };
-        }
-        for (key, policy) in plan.policies {
-            match policy {
-                Some(policy) => self.policies.insert(key, policy),
-                None => self.policies.remove(&key),
-            };
+        for (kind, key, record) in plan.configs {
+            self.configs.set(kind, key, record);
         }
         self.publish(plan.changes)
     }
@@ -351,35 +323,20 @@ impl State {
         });
     }
 
-    /// Puts (`Some`) or deletes a route as another replica stored it.
-    pub(super) fn put_route(&mut self, key: String, route: Option<Arc<Route>>, out: &mut Vec<KeyedChange>) {
-        let old = self.routes.get(&key).cloned();
-        if old == route {
-            return;
-        }
-        out.extend(route_changes(&key, old.as_deref(), route.clone()));
-        match route {
-            Some(route) => self.routes.insert(key, route),
-            None => self.routes.remove(&key),
-        };
-    }
-
-    /// Puts (`Some`) or deletes a policy as another replica stored it.
-    pub(super) fn put_policy(
+    /// Puts (`Some`) or deletes a configuration record as another replica stored it.
+    pub(super) fn put_config(
         &mut self,
+        kind: ConfigKind,
         key: String,
-        policy: Option<Arc<AuthorizationPolicy>>,
+        record: Option<ConfigRecord>,
         out: &mut Vec<KeyedChange>,
     ) {
-        let old = self.policies.get(&key).cloned();
-        if old == policy {
+        let old = self.configs.of(kind).get(&key).cloned();
+        if old == record {
             return;
         }
-        out.push(policy_changes(&key, old, policy.clone()));
-        match policy {
-            Some(policy) => self.policies.insert(key, policy),
-            None => self.policies.remove(&key),
-        };
+        out.push(config_changed(kind, &key, old, record.clone()));
+        self.configs.set(kind, key, record);
     }
 
     /// Exports the catalog's version and size.
@@ -387,8 +344,9 @@ impl State {
         metrics.catalog_version.set(self.seq as i64);
         metrics.services.set(self.services.len() as i64);
         metrics.endpoints.set(self.endpoint_count as i64);
-        metrics.routes.set(self.routes.len() as i64);
-        metrics.policies.set(self.policies.len() as i64);
+        for kind in ConfigKind::ALL {
+            metrics.records(kind).set(self.configs.of(kind).len() as i64);
+        }
     }
 
     pub(super) fn publish(&mut self, changes: Vec<KeyedChange>) -> u64 {
@@ -406,45 +364,15 @@ impl State {
     }
 }
 
-/// The changes that publish a route going from `old` to `new`: one per parent of
-/// either (see [`KeyedChange`]).
-pub(super) fn route_changes(key: &str, old: Option<&Route>, new: Option<Arc<Route>>) -> Vec<KeyedChange> {
-    let key: Arc<str> = key.into();
-    let mut parents: Vec<ServiceKey> = old
-        .into_iter()
-        .chain(new.as_deref())
-        .flat_map(|route| &route.parents)
-        .filter_map(|parent| ServiceKey::parse("parent", &parent.service).ok())
-        .collect();
-    parents.sort();
-    parents.dedup();
-    parents
-        .into_iter()
-        .map(|service| KeyedChange {
-            service,
-            event: Event::Route {
-                key: key.clone(),
-                route: new.clone(),
-            },
-        })
-        .collect()
-}
-
-/// The change that publishes a policy going from `old` to `new`.
-pub(super) fn policy_changes(
+/// The change that publishes the record `key` of `kind` going from `old` to `new`.
+pub(super) fn config_changed(
+    kind: ConfigKind,
     key: &str,
-    old: Option<Arc<AuthorizationPolicy>>,
-    new: Option<Arc<AuthorizationPolicy>>,
+    old: Option<ConfigRecord>,
+    new: Option<ConfigRecord>,
 ) -> KeyedChange {
     KeyedChange {
-        service: ServiceKey::of_policy(key),
-        event: Event::Policy { old, new },
+        service: ServiceKey::of_config(key),
+        event: Event::Config(ConfigChange { kind, old, new }),
     }
-}
-
-/// The configuration records a catalog starts with (routes and policies, by key).
-#[derive(Debug, Default)]
-pub(super) struct ConfigRecords {
-    pub(super) routes: BTreeMap<String, Arc<Route>>,
-    pub(super) policies: BTreeMap<String, Arc<AuthorizationPolicy>>,
 }

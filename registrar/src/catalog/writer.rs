@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use aether_common::readiness::Gate;
 use aether_proto::registrar::v1::Version;
-use aether_proto::registry::v1::{AuthorizationPolicy, KubernetesService, Route, Service};
+use aether_proto::registry::v1::{KubernetesService, Service};
 use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -25,6 +25,7 @@ use super::state::State;
 use super::write_behind::WriteBehind;
 use crate::metrics::Metrics;
 use crate::model::{ServiceKey, ValidEndpoint};
+use crate::records::{ConfigKind, ConfigRecord};
 use crate::store::{Revision, Store, StoreError};
 use crate::vip::VipAllocator;
 
@@ -47,15 +48,11 @@ pub(super) enum Write {
         owner: Option<String>,
         reply: oneshot::Sender<Result<(bool, Version), Status>>,
     },
-    /// Make the stored routes exactly these (a route source's whole set); planned alone.
-    Routes {
-        desired: BTreeMap<String, Route>,
-        reply: oneshot::Sender<Result<Version, Status>>,
-    },
-    /// Make the stored policies exactly these (a policy source's whole set); planned
-    /// alone.
-    Policies {
-        desired: BTreeMap<String, AuthorizationPolicy>,
+    /// Make the stored records of `kind` exactly these (a source's whole set of them);
+    /// planned alone.
+    Configs {
+        kind: ConfigKind,
+        desired: BTreeMap<String, ConfigRecord>,
         reply: oneshot::Sender<Result<Version, Status>>,
     },
     /// Give services their Kubernetes Services' attributes (the cluster's whole set);
@@ -99,8 +96,7 @@ pub(super) enum Outcome {
 struct Alone {
     reap: bool,
     expire: bool,
-    routes: Vec<(BTreeMap<String, Route>, VersionReply)>,
-    policies: Vec<(BTreeMap<String, AuthorizationPolicy>, VersionReply)>,
+    configs: Vec<(ConfigKind, BTreeMap<String, ConfigRecord>, VersionReply)>,
     /// The last set of Service attributes (it replaces the earlier ones), and every
     /// caller to answer once it is applied.
     attributes: Option<BTreeMap<ServiceKey, KubernetesService>>,
@@ -122,12 +118,9 @@ impl Alone {
                 alone.expire = true;
                 false
             }
-            Write::Routes { desired, reply } => {
-                (alone.routes).push((std::mem::take(desired), std::mem::replace(reply, closed())));
-                false
-            }
-            Write::Policies { desired, reply } => {
-                (alone.policies).push((std::mem::take(desired), std::mem::replace(reply, closed())));
+            Write::Configs { kind, desired, reply } => {
+                let taken = (*kind, std::mem::take(desired), std::mem::replace(reply, closed()));
+                alone.configs.push(taken);
                 false
             }
             Write::ServiceAttributes { desired, reply } => {
@@ -166,11 +159,7 @@ impl Request {
                 owner,
                 reply,
             } => Some(Request::Unregister(service, address, owner, reply)),
-            Write::Routes { .. }
-            | Write::Policies { .. }
-            | Write::ServiceAttributes { .. }
-            | Write::Reap
-            | Write::Expire => None,
+            Write::Configs { .. } | Write::ServiceAttributes { .. } | Write::Reap | Write::Expire => None,
         }
     }
 
@@ -303,8 +292,7 @@ impl Writer {
         let Alone {
             reap,
             expire,
-            routes,
-            policies,
+            configs,
             attributes,
             attribute_replies,
         } = Alone::take(&mut group);
@@ -315,11 +303,8 @@ impl Writer {
         if !group.is_empty() {
             self.commit_group(group).await;
         }
-        for (desired, reply) in routes {
-            let _ = reply.send(self.set_routes(desired).await);
-        }
-        for (desired, reply) in policies {
-            let _ = reply.send(self.set_policies(desired).await);
+        for (kind, desired, reply) in configs {
+            let _ = reply.send(self.set_configs(kind, desired).await);
         }
         if !attribute_replies.is_empty() {
             let applied = self.set_service_attributes().await;
@@ -385,10 +370,15 @@ impl Writer {
         }
     }
 
-    /// Commits a route source's whole set (routes never conflict: no retries needed).
-    async fn set_routes(&mut self, desired: BTreeMap<String, Route>) -> Result<Version, Status> {
+    /// Commits a source's whole set of records of `kind` (records never conflict: no
+    /// retries needed).
+    async fn set_configs(
+        &mut self,
+        kind: ConfigKind,
+        desired: BTreeMap<String, ConfigRecord>,
+    ) -> Result<Version, Status> {
         let mut plan = Plan::default();
-        plan.set_routes(&self.state.read(), desired);
+        plan.set_configs(&self.state.read(), kind, desired);
         match self.commit(plan).await {
             Outcome::Done(version) => Ok(version),
             Outcome::Refused(status) => Err(status),
@@ -412,17 +402,6 @@ impl Writer {
             }
         }
         Err(Status::aborted("services kept changing under their attribute updates"))
-    }
-
-    /// Commits a policy source's whole set (policies never conflict either).
-    async fn set_policies(&mut self, desired: BTreeMap<String, AuthorizationPolicy>) -> Result<Version, Status> {
-        let mut plan = Plan::default();
-        plan.set_policies(&self.state.read(), desired);
-        match self.commit(plan).await {
-            Outcome::Done(version) => Ok(version),
-            Outcome::Refused(status) => Err(status),
-            Outcome::Conflict(conflict) => Err(Status::aborted(conflict.detail)),
-        }
     }
 
     async fn on_tick(&mut self) {

@@ -25,6 +25,7 @@ use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::Sets;
 use crate::catalog::Catalog;
 use crate::model::ServiceKey;
 
@@ -86,37 +87,15 @@ fn service_port(port: &k8s_openapi::api::core::v1::ServicePort) -> Option<Servic
     })
 }
 
-/// A handle on the Service watch; the watch runs while any handle lives.
-pub struct ClusterServices {
-    sets: watch::Receiver<Option<Arc<ServiceSet>>>,
-}
-
-impl Clone for ClusterServices {
-    /// A clone starts with the current set unseen, so its first `next` returns it.
-    fn clone(&self) -> Self {
-        let mut sets = self.sets.clone();
-        sets.mark_changed();
-        ClusterServices { sets }
-    }
-}
+/// A handle on the Service watch.
+pub type ClusterServices = Sets<ServiceSet>;
 
 impl ClusterServices {
     /// Starts watching the cluster's Services through `client`.
     pub fn start(client: Client) -> ClusterServices {
         let (tx, sets) = watch::channel(None);
         tokio::spawn(collect(Api::all(client), tx));
-        ClusterServices { sets }
-    }
-
-    /// The current set if this handle has not seen it, else the next one. The first
-    /// comes once the Services were listed. `None`: the watch is gone.
-    pub async fn next(&mut self) -> Option<Arc<ServiceSet>> {
-        loop {
-            self.sets.changed().await.ok()?;
-            if let Some(set) = self.sets.borrow_and_update().clone() {
-                return Some(set);
-            }
-        }
+        Sets::new(sets)
     }
 }
 

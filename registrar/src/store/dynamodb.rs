@@ -7,8 +7,7 @@
 //! |---|---|---|---|
 //! | service | `svc#<ns>/<name>` | `svc` | `D` (Service), `REV`, `VIP` |
 //! | endpoint | `svc#<ns>/<name>` | `ep#<address>` | `D` (Endpoint), `REV`, `NODE` |
-//! | route | `route#<kind>/<ns>/<name>` | `route` | `D` (Route), `REV` |
-//! | policy | `policy#<ns>/<name>` | `policy` | `D` (AuthorizationPolicy), `REV` |
+//! | configuration record | `<tag>#<key>` | `<tag>` | `D` (its protobuf), `REV` |
 //! | VIP index | `vip#<ip>` | `vip` | `SVC` (owner key) |
 //! | revision counter | `meta` | `revision` | `REV` |
 //! | schema | `meta` | `schema` | `V` |
@@ -17,17 +16,17 @@
 //! Access patterns: a service and its endpoints share a partition, so deleting a
 //! service is one Query; VIP uniqueness is a conditional put on its `vip#` item; the
 //! whole catalog is a consistent paginated Scan; node liveness is one Query on `nodes`.
-//! A route is its own partition: it names services but belongs to none of them; so is
-//! an authorization policy.
+//! A configuration record is its own partition, tagged by its kind (`route#http/ns/name`,
+//! `policy#ns/name`): it names services but belongs to none of them.
 //!
 //! # Revisions
 //! `commit` reserves a revision from the counter (`ADD REV 1`), then writes every item
-//! of the batch with `REV = r` in `TransactWriteItems`, each endpoint, route and policy write
+//! of the batch with `REV = r` in `TransactWriteItems`, each endpoint and configuration record write
 //! conditioned on `REV < r` so a write that reserved earlier but landed later never
 //! overwrites a newer one (it is retried with a fresh revision). Service creation is
 //! conditioned on `attribute_not_exists(PK)` for the service and its VIP; endpoint puts
 //! on their service existing. A service update is conditioned on the service existing
-//! with the same `VIP` and an older revision. Routes and policies have no condition
+//! with the same `VIP` and an older revision. Configuration records have no condition
 //! beyond the revision's.
 //!
 //! # Sync
@@ -47,8 +46,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Route, Service};
-use aether_proto::view::{policy_key, route_key};
+use aether_proto::registry::v1::{Endpoint, Service};
 use async_trait::async_trait;
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::config::http::HttpResponse;
@@ -70,6 +68,7 @@ use super::{
     Conflict, Contents, Feed, FeedEvent, Revision, Store, StoreError, StoreOp, StoreSettings, Stored, vip_change,
 };
 use crate::model::ServiceKey;
+use crate::records::{ConfigKind, ConfigRecord};
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "aether-registrar";
@@ -233,12 +232,8 @@ fn endpoint_sk(address: &str) -> String {
     format!("ep#{address}")
 }
 
-fn route_pk(key: &str) -> String {
-    format!("route#{key}")
-}
-
-fn policy_pk(key: &str) -> String {
-    format!("policy#{key}")
+fn config_pk(kind: ConfigKind, key: &str) -> String {
+    format!("{}#{key}", kind.tag())
 }
 
 fn vip_pk(vip: &str) -> String {
@@ -253,8 +248,6 @@ const META_PK: &str = "meta";
 const COUNTER_SK: &str = "revision";
 const SCHEMA_SK: &str = "schema";
 const NODES_PK: &str = "nodes";
-const ROUTE_SK: &str = "route";
-const POLICY_SK: &str = "policy";
 
 fn text<'a>(item: &'a HashMap<String, AttributeValue>, name: &str) -> Option<&'a str> {
     item.get(name).and_then(|v| v.as_s().ok()).map(String::as_str)
@@ -264,18 +257,21 @@ fn number(item: &HashMap<String, AttributeValue>, name: &str) -> Option<i64> {
     item.get(name).and_then(|v| v.as_n().ok()).and_then(|v| v.parse().ok())
 }
 
+/// The kind and key of a configuration record's item (`<tag>#<key>`, sort key `<tag>`).
+fn config_item<'a>(pk: &'a str, sk: &str) -> Option<(ConfigKind, &'a str)> {
+    let kind = ConfigKind::ALL.into_iter().find(|kind| kind.tag() == sk)?;
+    Some((kind, pk.strip_prefix(sk)?.strip_prefix('#')?))
+}
+
 /// Adds a scanned item to `contents` when it is a catalog record (a service, endpoint
-/// route or policy); one that cannot be read is returned, for `Contents::unreadable`.
+/// or configuration record); one that cannot be read is returned, for
+/// `Contents::unreadable`.
 fn read_item(item: &HashMap<String, AttributeValue>, contents: &mut Contents) -> Result<(), UnreadableRecord> {
     let (Some(pk), Some(sk)) = (text(item, PK), text(item, SK)) else {
         return Ok(());
     };
-    let (service_key, route, policy) = (
-        pk.strip_prefix("svc#"),
-        pk.strip_prefix("route#"),
-        pk.strip_prefix("policy#"),
-    );
-    if service_key.is_none() && route.is_none() && policy.is_none() {
+    let (service_key, config) = (pk.strip_prefix("svc#"), config_item(pk, sk));
+    if service_key.is_none() && config.is_none() {
         return Ok(());
     }
     let unreadable = |reason: String| UnreadableRecord {
@@ -287,20 +283,13 @@ fn read_item(item: &HashMap<String, AttributeValue>, contents: &mut Contents) ->
         Some(blob) => blob.as_ref(),
         None => return Err(unreadable(format!("no binary {DATA} attribute"))),
     };
-    if let Some(key) = policy.filter(|_| sk == POLICY_SK) {
-        let value = AuthorizationPolicy::decode(bytes)
-            .map_err(|e| unreadable(format!("not an AuthorizationPolicy protobuf: {e}")))?;
-        if policy_key(&value) != key {
-            return Err(unreadable(format!("holds policy {}", quote(&policy_key(&value)))));
+    if let Some((kind, key)) = config {
+        let value = kind.decode(bytes).map_err(unreadable)?;
+        // A record under another record's key could never be deleted by its own key.
+        if value.key() != key {
+            return Err(unreadable(format!("holds {} {}", kind.tag(), quote(&value.key()))));
         }
-        contents.policies.push(Stored { value, revision });
-    } else if let Some(key) = route.filter(|_| sk == ROUTE_SK) {
-        let value = Route::decode(bytes).map_err(|e| unreadable(format!("not a Route protobuf: {e}")))?;
-        // A route under another route's key could never be deleted by its own key.
-        if route_key(&value) != key {
-            return Err(unreadable(format!("holds route {}", quote(&route_key(&value)))));
-        }
-        contents.routes.push(Stored { value, revision });
+        contents.configs.push(Stored { value, revision });
     } else if let Some(key) = service_key.filter(|_| sk == "svc") {
         let value = Service::decode(bytes).map_err(|e| unreadable(format!("not a Service protobuf: {e}")))?;
         let held = format!("{}/{}", value.namespace, value.name);
@@ -813,13 +802,10 @@ impl Inner {
             actions.push((Action::Revisioned, item));
         }
         // Configuration records: their protobuf, or `None` to delete them.
-        let routes =
-            (batch.routes.iter()).map(|(k, r)| (route_pk(k), ROUTE_SK, r.as_deref().map(Message::encode_to_vec)));
-        let policies =
-            (batch.policies.iter()).map(|(k, p)| (policy_pk(k), POLICY_SK, p.as_deref().map(Message::encode_to_vec)));
-        for (pk, sk, data) in routes.chain(policies) {
+        for ((kind, record_key), record) in &batch.configs {
+            let data = record.as_ref().map(ConfigRecord::encode);
             let attributes = data.map(|d| HashMap::from([(DATA.to_owned(), AttributeValue::B(Blob::new(d)))]));
-            let item = self.write_revisioned(key(pk, sk), attributes, &rev)?;
+            let item = self.write_revisioned(key(config_pk(*kind, record_key), kind.tag()), attributes, &rev)?;
             actions.push((Action::Revisioned, item));
         }
         for (service, vip) in &batch.deleted_services {
@@ -1165,7 +1151,7 @@ enum Action {
     /// A service update (key, VIP): the service must exist with that VIP, at an older
     /// revision.
     UpdateService(String, String),
-    /// An endpoint or route write, conditioned on the item's older revision.
+    /// An endpoint or configuration record write, conditioned on the item's older revision.
     Revisioned,
     DeleteVip(String),
     Plain,
@@ -1173,7 +1159,7 @@ enum Action {
 
 enum WriteError {
     Store(StoreError),
-    /// An endpoint or route already carries a revision ≥ ours: reserve a new one and retry.
+    /// An endpoint or configuration record already carries a revision ≥ ours: reserve a new one and retry.
     RevisionRace,
     /// The VIP of a deleted service already belongs to another service: keep it.
     VipReassigned(String),
@@ -1204,10 +1190,8 @@ struct Batch {
     deleted_services: Vec<(String, String)>,
     /// (service, address) → the endpoint, or `None` to delete it.
     endpoints: BTreeMap<(String, String), Option<Arc<Endpoint>>>,
-    /// route key → the route, or `None` to delete it.
-    routes: BTreeMap<String, Option<Arc<Route>>>,
-    /// policy key → the policy, or `None` to delete it.
-    policies: BTreeMap<String, Option<Arc<AuthorizationPolicy>>>,
+    /// (kind, key) → the configuration record, or `None` to delete it.
+    configs: BTreeMap<(ConfigKind, String), Option<ConfigRecord>>,
     /// Services written into but not created by this batch: they must exist.
     must_exist: BTreeSet<String>,
     live_nodes: BTreeSet<String>,
@@ -1241,17 +1225,11 @@ impl Batch {
                     batch.live_nodes.remove(&node);
                     batch.forgotten_nodes.insert(node);
                 }
-                StoreOp::PutRoute(route) => {
-                    batch.routes.insert(route_key(&route), Some(route));
+                StoreOp::PutConfig(record) => {
+                    batch.configs.insert((record.kind(), record.key()), Some(record));
                 }
-                StoreOp::DeleteRoute(key) => {
-                    batch.routes.insert(key, None);
-                }
-                StoreOp::PutPolicy(policy) => {
-                    batch.policies.insert(policy_key(&policy), Some(policy));
-                }
-                StoreOp::DeletePolicy(key) => {
-                    batch.policies.insert(key, None);
+                StoreOp::DeleteConfig(kind, key) => {
+                    batch.configs.insert((kind, key), None);
                 }
             }
         }
@@ -1290,8 +1268,7 @@ impl Batch {
             && self.updated.is_empty()
             && self.deleted_services.is_empty()
             && self.endpoints.is_empty()
-            && self.routes.is_empty()
-            && self.policies.is_empty()
+            && self.configs.is_empty()
             && self.forgotten_nodes.is_empty()
     }
 }
@@ -1515,25 +1492,27 @@ mod tests {
     #[test]
     fn a_batch_keeps_the_last_op_per_route_and_routes_alone_are_a_batch() {
         let route = |name: &str, generation: i64| {
-            Arc::new(Route {
+            ConfigRecord::from(Arc::new(aether_proto::registry::v1::Route {
                 kind: aether_proto::registry::v1::RouteKind::Http as i32,
                 namespace: "ns".into(),
                 name: name.into(),
                 generation,
                 ..Default::default()
-            })
+            }))
         };
+        let delete = |key: &str| StoreOp::DeleteConfig(ConfigKind::Route, key.into());
         let batch = Batch::from_ops(vec![
-            StoreOp::PutRoute(route("canary", 1)),
-            StoreOp::DeleteRoute("http/ns/canary".into()),
-            StoreOp::PutRoute(route("canary", 2)),
-            StoreOp::PutRoute(route("stable", 1)),
-            StoreOp::DeleteRoute("http/ns/stable".into()),
+            StoreOp::PutConfig(route("canary", 1)),
+            delete("http/ns/canary"),
+            StoreOp::PutConfig(route("canary", 2)),
+            StoreOp::PutConfig(route("stable", 1)),
+            delete("http/ns/stable"),
         ]);
         assert!(!batch.is_empty());
-        assert_eq!(batch.routes.len(), 2);
-        assert_eq!(batch.routes["http/ns/canary"].as_ref().map(|r| r.generation), Some(2));
-        assert!(batch.routes["http/ns/stable"].is_none());
+        assert_eq!(batch.configs.len(), 2);
+        let at = |key: &str| batch.configs[&(ConfigKind::Route, key.to_owned())].clone();
+        assert_eq!(at("http/ns/canary"), Some(route("canary", 2)));
+        assert!(at("http/ns/stable").is_none());
         assert!(batch.must_exist.is_empty(), "routes need no service to exist");
     }
 }

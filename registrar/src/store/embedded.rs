@@ -5,8 +5,8 @@
 //! - `services`: `<ns>/<name>` → `aether.registry.v1.Service`
 //! - `vips`: VIP text → service key (the uniqueness index for VIPs)
 //! - `endpoints`: `<ns>/<name>/<address>` → `aether.registry.v1.Endpoint`
-//! - `routes`: `<kind>/<ns>/<name>` → `aether.registry.v1.Route`
-//! - `policies`: `<ns>/<name>` → `aether.registry.v1.AuthorizationPolicy`
+//! - one table per configuration record kind, named by its plural (`routes`,
+//!   `policies`): its key → the record (`aether.registry.v1.Route`, …)
 //! - `meta`: `schema` → format version, `revision` → revision of the last commit
 //!
 //! No other replica writes here, so the feed is empty; node liveness (for the
@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use aether_proto::registry::v1::{Endpoint, Service};
-use aether_proto::view::{policy_key, route_key};
 use async_trait::async_trait;
 use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
@@ -30,12 +29,11 @@ use super::{
     vip_change,
 };
 use crate::model::ServiceKey;
+use crate::records::ConfigKind;
 
 const SERVICES: TableDefinition<&str, &[u8]> = TableDefinition::new("services");
 const VIPS: TableDefinition<&str, &str> = TableDefinition::new("vips");
 const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
-const ROUTES: TableDefinition<&str, &[u8]> = TableDefinition::new("routes");
-const POLICIES: TableDefinition<&str, &[u8]> = TableDefinition::new("policies");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const SCHEMA_VERSION: u64 = 1;
 
@@ -96,8 +94,9 @@ impl EmbeddedStore {
             txn.open_table(SERVICES).map_err(|e| self.unavailable(e))?;
             txn.open_table(VIPS).map_err(|e| self.unavailable(e))?;
             txn.open_table(ENDPOINTS).map_err(|e| self.unavailable(e))?;
-            txn.open_table(ROUTES).map_err(|e| self.unavailable(e))?;
-            txn.open_table(POLICIES).map_err(|e| self.unavailable(e))?;
+            for kind in ConfigKind::ALL {
+                txn.open_table(config_table(kind)).map_err(|e| self.unavailable(e))?;
+            }
         }
         txn.commit().map_err(|e| self.unavailable(e))
     }
@@ -105,6 +104,11 @@ impl EmbeddedStore {
     fn unavailable(&self, e: impl std::fmt::Display) -> StoreError {
         StoreError::Unavailable(format!("{}: {e}", self.path.display()))
     }
+}
+
+/// The table of the configuration records of `kind`.
+fn config_table(kind: ConfigKind) -> TableDefinition<'static, &'static str, &'static [u8]> {
+    TableDefinition::new(kind.plural())
 }
 
 fn endpoint_key(service: &str, address: &str) -> String {
@@ -136,8 +140,8 @@ struct Tables<'txn> {
     services: redb::Table<'txn, &'static str, &'static [u8]>,
     vips: redb::Table<'txn, &'static str, &'static str>,
     endpoints: redb::Table<'txn, &'static str, &'static [u8]>,
-    routes: redb::Table<'txn, &'static str, &'static [u8]>,
-    policies: redb::Table<'txn, &'static str, &'static [u8]>,
+    /// One per configuration record kind, at its index.
+    configs: Vec<redb::Table<'txn, &'static str, &'static [u8]>>,
     meta: redb::Table<'txn, &'static str, u64>,
 }
 
@@ -147,8 +151,9 @@ impl<'txn> Tables<'txn> {
             services: txn.open_table(SERVICES).map_err(|e| fail(&e))?,
             vips: txn.open_table(VIPS).map_err(|e| fail(&e))?,
             endpoints: txn.open_table(ENDPOINTS).map_err(|e| fail(&e))?,
-            routes: txn.open_table(ROUTES).map_err(|e| fail(&e))?,
-            policies: txn.open_table(POLICIES).map_err(|e| fail(&e))?,
+            configs: (ConfigKind::ALL.iter())
+                .map(|kind| txn.open_table(config_table(*kind)).map_err(|e| fail(&e)))
+                .collect::<Result<_, _>>()?,
             meta: txn.open_table(META).map_err(|e| fail(&e))?,
         })
     }
@@ -165,26 +170,16 @@ impl<'txn> Tables<'txn> {
                 Ok(())
             }
             StoreOp::ForgetNode(_) => Ok(()),
-            StoreOp::PutRoute(route) => {
-                let key = route_key(route);
-                self.routes
-                    .insert(key.as_str(), route.encode_to_vec().as_slice())
+            StoreOp::PutConfig(record) => {
+                let table = &mut self.configs[record.kind().index()];
+                let key = record.key();
+                table
+                    .insert(key.as_str(), record.encode().as_slice())
                     .map_err(|e| fail(&e))?;
                 Ok(())
             }
-            StoreOp::DeleteRoute(key) => {
-                self.routes.remove(key.as_str()).map_err(|e| fail(&e))?;
-                Ok(())
-            }
-            StoreOp::PutPolicy(policy) => {
-                let key = policy_key(policy);
-                self.policies
-                    .insert(key.as_str(), policy.encode_to_vec().as_slice())
-                    .map_err(|e| fail(&e))?;
-                Ok(())
-            }
-            StoreOp::DeletePolicy(key) => {
-                self.policies.remove(key.as_str()).map_err(|e| fail(&e))?;
+            StoreOp::DeleteConfig(kind, key) => {
+                self.configs[kind.index()].remove(key.as_str()).map_err(|e| fail(&e))?;
                 Ok(())
             }
         }
@@ -324,6 +319,27 @@ fn read_records<T: Message + Default>(
     Ok(records)
 }
 
+/// Every configuration record of `kind`; those that do not decode are reported under
+/// `<plural>/<key>`.
+fn read_configs(
+    txn: &redb::ReadTransaction,
+    kind: ConfigKind,
+    revision: Revision,
+    contents: &mut Contents,
+) -> Result<(), redb::Error> {
+    for row in txn.open_table(config_table(kind))?.iter()? {
+        let (key, value) = row?;
+        match kind.decode(value.value()) {
+            Ok(value) => contents.configs.push(Stored { value, revision }),
+            Err(reason) => contents.unreadable.push(UnreadableRecord {
+                key: format!("{}/{}", kind.plural(), key.value()),
+                reason,
+            }),
+        }
+    }
+    Ok(())
+}
+
 /// `Service` for `aether_proto::registry::v1::Service`.
 fn short_type_name<T>() -> &'static str {
     let name = std::any::type_name::<T>();
@@ -355,8 +371,9 @@ impl Store for EmbeddedStore {
             contents.revision = revision;
             contents.services = read_records(&txn, SERVICES, "services", revision, &mut contents.unreadable)?;
             contents.endpoints = read_records(&txn, ENDPOINTS, "endpoints", revision, &mut contents.unreadable)?;
-            contents.routes = read_records(&txn, ROUTES, "routes", revision, &mut contents.unreadable)?;
-            contents.policies = read_records(&txn, POLICIES, "policies", revision, &mut contents.unreadable)?;
+            for kind in ConfigKind::ALL {
+                read_configs(&txn, kind, revision, &mut contents)?;
+            }
             Ok(contents)
         };
         let contents = tokio::task::spawn_blocking(read)

@@ -7,10 +7,10 @@
 //! - `P/endpoints/<ns>/<name>/<address>` → `aether.registry.v1.Endpoint`, attached to
 //!   the lease of the endpoint's node (no lease when `node` is empty)
 //! - `P/nodes/<node>` → lease id (decimal text), attached to that same lease
-//! - `P/routes/<kind>/<ns>/<name>` → `aether.registry.v1.Route`, without a lease:
-//!   routes come from configuration, not from agents, and never expire
-//! - `P/policies/<ns>/<name>` → `aether.registry.v1.AuthorizationPolicy`, without a
-//!   lease, like routes
+//! - `P/<plural>/<key>` → a configuration record of the kind of that plural
+//!   (`P/routes/<kind>/<ns>/<name>` → `aether.registry.v1.Route`, `P/policies/<ns>/<name>`
+//!   → `aether.registry.v1.AuthorizationPolicy`), without a lease: records come from
+//!   configuration, not from agents, and never expire
 //!
 //! Revisions are etcd's: a record's revision is its `mod_revision`, a commit's is
 //! the transaction's header revision. Service creation is one transaction comparing
@@ -18,7 +18,7 @@
 //! creating the same service one wins and the other reads the winner's record back.
 //! A service update compares `create_revision > 0` on the service key and the VIP
 //! key's value with the service's key: it lands only on the service it read, VIP
-//! unchanged. Route and policy writes are plain puts and deletes
+//! unchanged. Configuration record writes are plain puts and deletes
 //! in the same transaction as the rest of the batch, with no conditions.
 //! Endpoint TTL uses leases: one per node, granted on its first endpoint and kept
 //! alive by every re-registration; when it lapses etcd deletes the node's endpoints
@@ -36,8 +36,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use aether_common::quote::quote;
-use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Route, Service};
-use aether_proto::view::{policy_key, route_key};
+use aether_proto::registry::v1::{Endpoint, Service};
 use async_trait::async_trait;
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity, KeyValue, PutOptions,
@@ -55,6 +54,7 @@ use super::{
 };
 use crate::config::Secret;
 use crate::model::ServiceKey;
+use crate::records::ConfigKind;
 
 /// Keys read per page while loading.
 const PAGE: i64 = 2_000;
@@ -133,10 +133,8 @@ enum Record<'a> {
         service: &'a str,
         address: &'a str,
     },
-    /// The route's key, `<kind>/<ns>/<name>`.
-    Route(&'a str),
-    /// The policy's key, `<ns>/<name>`.
-    Policy(&'a str),
+    /// A configuration record's kind and key.
+    Config(ConfigKind, &'a str),
     Other,
 }
 
@@ -159,11 +157,8 @@ impl Keys {
     fn node(&self, node: &str) -> String {
         format!("{}/nodes/{node}", self.prefix)
     }
-    fn route(&self, key: &str) -> String {
-        format!("{}/routes/{key}", self.prefix)
-    }
-    fn policy(&self, key: &str) -> String {
-        format!("{}/policies/{key}", self.prefix)
+    fn config(&self, kind: ConfigKind, key: &str) -> String {
+        format!("{}/{}/{key}", self.prefix, kind.plural())
     }
 
     fn classify<'a>(&self, key: &'a str) -> Record<'a> {
@@ -179,11 +174,10 @@ impl Keys {
                 return Record::Endpoint { service, address };
             }
         }
-        if let Some(route) = rest.strip_prefix("routes/") {
-            return Record::Route(route);
-        }
-        if let Some(policy) = rest.strip_prefix("policies/") {
-            return Record::Policy(policy);
+        for kind in ConfigKind::ALL {
+            if let Some(key) = rest.strip_prefix(kind.plural()).and_then(|r| r.strip_prefix('/')) {
+                return Record::Config(kind, key);
+            }
         }
         Record::Other
     }
@@ -579,20 +573,12 @@ impl EtcdStore {
                 txn.put(key.clone(), TxnOp::delete(key, None));
                 self.forget_leases(std::iter::once(node.as_str()));
             }
-            StoreOp::PutRoute(route) => {
-                let key = self.keys.route(&route_key(route));
-                txn.put(key.clone(), TxnOp::put(key, route.encode_to_vec(), None));
+            StoreOp::PutConfig(record) => {
+                let key = self.keys.config(record.kind(), &record.key());
+                txn.put(key.clone(), TxnOp::put(key, record.encode(), None));
             }
-            StoreOp::DeleteRoute(key) => {
-                let key = self.keys.route(key);
-                txn.put(key.clone(), TxnOp::delete(key, None));
-            }
-            StoreOp::PutPolicy(policy) => {
-                let key = self.keys.policy(&policy_key(policy));
-                txn.put(key.clone(), TxnOp::put(key, policy.encode_to_vec(), None));
-            }
-            StoreOp::DeletePolicy(key) => {
-                let key = self.keys.policy(key);
+            StoreOp::DeleteConfig(kind, key) => {
+                let key = self.keys.config(*kind, key);
                 txn.put(key.clone(), TxnOp::delete(key, None));
             }
         }
@@ -746,11 +732,7 @@ async fn load(client: &Client, keys: &Keys, timeout: Duration) -> Result<Content
                     value,
                     revision: kv.mod_revision() as Revision,
                 }),
-                Some(FeedChangeKind::RoutePut(value)) => contents.routes.push(Stored {
-                    value,
-                    revision: kv.mod_revision() as Revision,
-                }),
-                Some(FeedChangeKind::PolicyPut(value)) => contents.policies.push(Stored {
+                Some(FeedChangeKind::ConfigPut(value)) => contents.configs.push(Stored {
                     value,
                     revision: kv.mod_revision() as Revision,
                 }),
@@ -788,13 +770,9 @@ fn decode(keys: &Keys, kv: &KeyValue) -> Option<FeedChangeKind> {
             Ok(e) => Some(FeedChangeKind::EndpointPut(e)),
             Err(e) => unreadable(format!("not an Endpoint protobuf: {e}")),
         },
-        Record::Route(_) => match Route::decode(kv.value()) {
-            Ok(r) => Some(FeedChangeKind::RoutePut(r)),
-            Err(e) => unreadable(format!("not a Route protobuf: {e}")),
-        },
-        Record::Policy(_) => match AuthorizationPolicy::decode(kv.value()) {
-            Ok(p) => Some(FeedChangeKind::PolicyPut(p)),
-            Err(e) => unreadable(format!("not an AuthorizationPolicy protobuf: {e}")),
+        Record::Config(kind, _) => match kind.decode(kv.value()) {
+            Ok(record) => Some(FeedChangeKind::ConfigPut(record)),
+            Err(reason) => unreadable(reason),
         },
         Record::Other => None,
     }
@@ -852,8 +830,10 @@ async fn watch(client: &Client, keys: &Keys, next: &mut i64, tx: &mpsc::Sender<F
                         service: service.to_owned(),
                         address: address.to_owned(),
                     }),
-                    Record::Route(key) => Some(FeedChangeKind::RouteDeleted { key: key.to_owned() }),
-                    Record::Policy(key) => Some(FeedChangeKind::PolicyDeleted { key: key.to_owned() }),
+                    Record::Config(kind, key) => Some(FeedChangeKind::ConfigDeleted {
+                        kind,
+                        key: key.to_owned(),
+                    }),
                     Record::Other => None,
                 },
             };
@@ -1034,16 +1014,18 @@ mod tests {
                 Record::Service(s) => prop_assert_eq!(s, service.as_str()),
                 _ => prop_assert!(false, "a service key was not classified as one"),
             }
-            for kind in ["http", "grpc"] {
-                let route = format!("{kind}/{ns}/{name}");
-                match keys.classify(&keys.route(&route)) {
-                    Record::Route(r) => prop_assert_eq!(r, route.as_str()),
+            for route_kind in ["http", "grpc"] {
+                let route = format!("{route_kind}/{ns}/{name}");
+                match keys.classify(&keys.config(ConfigKind::Route, &route)) {
+                    Record::Config(ConfigKind::Route, r) => prop_assert_eq!(r, route.as_str()),
                     _ => prop_assert!(false, "a route key was not classified as one"),
                 }
             }
-            match keys.classify(&keys.policy(&service)) {
-                Record::Policy(p) => prop_assert_eq!(p, service.as_str()),
-                _ => prop_assert!(false, "a policy key was not classified as one"),
+            for kind in ConfigKind::ALL {
+                match keys.classify(&keys.config(kind, &service)) {
+                    Record::Config(k, key) => prop_assert_eq!((k, key), (kind, service.as_str())),
+                    _ => prop_assert!(false, "a {:?} key was not classified as one", kind),
+                }
             }
             prop_assert!(matches!(keys.classify(&keys.vip(&address)), Record::Other));
             prop_assert!(matches!(keys.classify(&keys.node(&name)), Record::Other));

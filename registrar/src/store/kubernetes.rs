@@ -20,16 +20,15 @@
 //!   (`kubernetes`: clusterIPs, trafficDistribution) from the Service watch
 //!   ([`ClusterServices`]), which does not hold `load` back longer than [`ROUTES_GRACE`]
 //!   either.
-//! - **Routes** are the cluster's HTTPRoutes and GRPCRoutes with Service parents,
-//!   projected by the one projector from the route watch ([`ClusterRoutes`]); a refused
-//!   object keeps its last accepted version while this process runs. They do not hold
-//!   `load` back longer than [`ROUTES_GRACE`] (a cluster without the CRDs has none).
-//! - **Policies** are the cluster's AuthorizationPolicies, projected the same way from
-//!   the policy watch ([`ClusterPolicies`]) with the mesh root namespace, under the
-//!   same grace.
+//! - **Configuration records** are the cluster's objects of each kind, projected by the
+//!   one projector from the registrar's watch of the kind (HTTPRoutes and GRPCRoutes with
+//!   Service parents from [`ClusterRoutes`], AuthorizationPolicies with the mesh root
+//!   namespace from [`ClusterPolicies`], HTTPFilters from [`ClusterHttpFilters`]); a
+//!   refused object keeps its last accepted version while this process runs. A kind does not hold `load` back longer than
+//!   [`ROUTES_GRACE`] (a cluster without its CRD has none).
 //! - Agents' Register/Unregister are accepted and ignored (`accepts_writes` is false).
 //!
-//! The watches (pods, nodes, the ConfigMap, routes, Services) feed one task that recomputes the
+//! The watches (pods, nodes, the ConfigMap, Services, each record kind) feed one task that recomputes the
 //! derived catalog after each burst of events and diffs it against the last one; every
 //! changed record gets the next revision of a per-process counter. Revisions are local:
 //! each replica derives the same catalog from the same cluster on its own.
@@ -43,8 +42,7 @@ use std::time::Duration;
 
 use aether_common::pod_endpoint::{self, PodEndpoints};
 use aether_common::pod_meta::{self, AppProtocol};
-use aether_common::quote::quote;
-use aether_proto::registry::v1::{AuthorizationPolicy, Endpoint, Locality, PodInfo as PodRef, Route, Service};
+use aether_proto::registry::v1::{Endpoint, Locality, PodInfo as PodRef, Service};
 use async_trait::async_trait;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, PodSpec, PodStatus};
@@ -56,11 +54,15 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{Contents, Feed, FeedChange, FeedChangeKind, FeedEvent, Revision, Store, StoreError, StoreOp, Stored};
+use crate::cluster::Sets;
 use crate::cluster::services::{ClusterServices, ServiceSet};
+use crate::http_filters::{ClusterHttpFilters, HttpFilters};
 use crate::model::{ServiceKey, validate_endpoint};
-use crate::policies::kubernetes::{ClusterPolicies, PolicySet};
-use crate::routes::kubernetes::{ClusterRoutes, RouteSet};
-use crate::routes::{Projector, Refusal};
+use crate::policies::{ClusterPolicies, Policies};
+use crate::records::{ConfigKind, ConfigRecord, ConfigRecords, Record};
+use crate::routes::Routes;
+use crate::routes::kubernetes::ClusterRoutes;
+use crate::sources::{KUBERNETES, ObjectKind, ObjectSet, Projector, report};
 use crate::vip::VipAllocator;
 
 /// Where VIPs are kept unless `--kube-vip-configmap` says otherwise.
@@ -72,7 +74,7 @@ const LOG_LIMIT: usize = 100_000;
 const DEBOUNCE: Duration = Duration::from_millis(20);
 /// Pause before retrying a failed VIP write.
 const VIP_RETRY: Duration = Duration::from_millis(500);
-/// The longest `load` waits for the first set of routes, and of Services.
+/// The longest `load` waits for the first set of each record kind, and of Services.
 pub const ROUTES_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Clone)]
@@ -88,6 +90,8 @@ pub struct KubeConfig {
     /// they are projected.
     pub policies: ClusterPolicies,
     pub policy_options: aether_api::authorization::ProjectOptions,
+    /// The cluster's HTTPFilters (the registrar's one HTTPFilter watch).
+    pub http_filters: ClusterHttpFilters,
 }
 
 pub struct KubeStore {
@@ -112,8 +116,8 @@ struct Derived {
     revision: Revision,
     services: BTreeMap<String, Stored<Service>>,
     endpoints: BTreeMap<(String, String), Stored<Endpoint>>,
-    routes: BTreeMap<String, Stored<Route>>,
-    policies: BTreeMap<String, Stored<AuthorizationPolicy>>,
+    /// Configuration records by kind (at its index) and key.
+    configs: [BTreeMap<String, Stored<ConfigRecord>>; ConfigKind::ALL.len()],
     log: VecDeque<FeedChange>,
 }
 
@@ -123,8 +127,7 @@ impl Derived {
             revision: self.revision,
             services: self.services.values().cloned().collect(),
             endpoints: self.endpoints.values().cloned().collect(),
-            routes: self.routes.values().cloned().collect(),
-            policies: self.policies.values().cloned().collect(),
+            configs: self.configs.iter().flat_map(BTreeMap::values).cloned().collect(),
             unreadable: Vec::new(),
         }
     }
@@ -194,56 +197,25 @@ impl Derived {
         self.revision != before
     }
 
-    /// Replaces the routes with `routes` (by route key), logging each difference.
-    fn update_routes(&mut self, routes: &BTreeMap<String, Route>) -> bool {
+    /// Replaces the records of `kind` with `records` (by key), logging each difference.
+    fn update_configs(&mut self, kind: ConfigKind, records: &BTreeMap<String, ConfigRecord>) -> bool {
         let before = self.revision;
-        let gone: Vec<String> = self
-            .routes
-            .keys()
-            .filter(|k| !routes.contains_key(*k))
-            .cloned()
-            .collect();
+        let held = &self.configs[kind.index()];
+        let gone: Vec<String> = held.keys().filter(|k| !records.contains_key(*k)).cloned().collect();
         for key in gone {
-            self.routes.remove(&key);
-            self.record(FeedChangeKind::RouteDeleted { key });
+            self.configs[kind.index()].remove(&key);
+            self.record(FeedChangeKind::ConfigDeleted { kind, key });
         }
-        for (key, route) in routes {
-            if self.routes.get(key).is_some_and(|r| r.value == *route) {
+        for (key, record) in records {
+            if self.configs[kind.index()].get(key).is_some_and(|r| r.value == *record) {
                 continue;
             }
-            let revision = self.record(FeedChangeKind::RoutePut(route.clone()));
+            let revision = self.record(FeedChangeKind::ConfigPut(record.clone()));
             let stored = Stored {
-                value: route.clone(),
+                value: record.clone(),
                 revision,
             };
-            self.routes.insert(key.clone(), stored);
-        }
-        self.revision != before
-    }
-}
-
-impl Derived {
-    /// Replaces the policies with `policies` (by key), logging each difference.
-    fn update_policies(&mut self, policies: &BTreeMap<String, AuthorizationPolicy>) -> bool {
-        let before = self.revision;
-        let gone: Vec<String> = (self.policies.keys())
-            .filter(|k| !policies.contains_key(*k))
-            .cloned()
-            .collect();
-        for key in gone {
-            self.policies.remove(&key);
-            self.record(FeedChangeKind::PolicyDeleted { key });
-        }
-        for (key, policy) in policies {
-            if self.policies.get(key).is_some_and(|p| p.value == *policy) {
-                continue;
-            }
-            let revision = self.record(FeedChangeKind::PolicyPut(policy.clone()));
-            let stored = Stored {
-                value: policy.clone(),
-                revision,
-            };
-            self.policies.insert(key.clone(), stored);
+            self.configs[kind.index()].insert(key.clone(), stored);
         }
         self.revision != before
     }
@@ -289,13 +261,21 @@ impl KubeStore {
             nodes: HashMap::new(),
             vip_map: BTreeMap::new(),
             skipped: HashMap::new(),
-            routes: DerivedRoutes::default(),
-            policies: DerivedPolicies::new(config.policy_options),
+            configs: ConfigRecords::default(),
             attributes: Arc::default(),
-            synced: [false; 6],
+            synced: [false; SYNCED],
         };
-        let watches = (config.routes, config.services, config.policies);
-        tokio::spawn(deriver.run(client.clone(), watches, stop.clone()));
+        let (tx, rx) = mpsc::channel(1024);
+        let policies = Policies {
+            options: config.policy_options,
+        };
+        let watches = vec![
+            tokio::spawn(derive(config.routes, Routes, tx.clone())),
+            tokio::spawn(derive(config.policies, policies, tx.clone())),
+            tokio::spawn(derive(config.http_filters, HttpFilters, tx.clone())),
+            tokio::spawn(forward_services(config.services, tx.clone())),
+        ];
+        tokio::spawn(deriver.run(client.clone(), (tx, rx), watches, stop.clone()));
         Ok(Self {
             shared,
             _stop: stop.drop_guard(),
@@ -392,12 +372,11 @@ enum Input {
     Pod(Box<Event<Pod>>),
     Node(Box<Event<Node>>),
     ConfigMap(Box<Event<ConfigMap>>),
-    /// The cluster's route objects; `None`: not listed within [`ROUTES_GRACE`].
-    Routes(Option<Arc<RouteSet>>),
     /// The cluster's Services; `None`: not listed within [`ROUTES_GRACE`].
     Services(Option<Arc<ServiceSet>>),
-    /// The cluster's policy objects; `None`: not listed within [`ROUTES_GRACE`].
-    Policies(Option<Arc<PolicySet>>),
+    /// The records projected from the cluster's objects of a kind, by key; `None`: not
+    /// listed within [`ROUTES_GRACE`].
+    Records(ConfigKind, Option<BTreeMap<String, ConfigRecord>>),
     Failed(&'static str, String),
 }
 
@@ -420,120 +399,58 @@ struct Deriver {
     vip_map: BTreeMap<String, String>,
     /// Pods skipped for bad data, with the reason last logged (each logged once).
     skipped: HashMap<String, String>,
-    routes: DerivedRoutes,
-    policies: DerivedPolicies,
+    /// The records of each kind as last projected from the cluster.
+    configs: ConfigRecords,
     /// Each Service's attributes, by service key.
     attributes: Arc<ServiceSet>,
-    /// pods, nodes, ConfigMap listed once; routes, Services and policies listed (or late).
-    synced: [bool; 6],
+    /// Pods, nodes, ConfigMap listed once; Services and each record kind listed (or
+    /// late): see [`SYNCED`].
+    synced: [bool; SYNCED],
 }
 
-/// The policies projected from the cluster's policy objects.
-struct DerivedPolicies {
-    projector: crate::policies::Projector,
-    /// The `spec_version` of the set last projected.
-    projected: Option<u64>,
-    policies: BTreeMap<String, AuthorizationPolicy>,
-    /// Refusals last logged.
-    reported: Vec<Refusal>,
+/// What must be listed before the catalog is served: pods, nodes, the VIP ConfigMap,
+/// Services (at [`SERVICES_SYNCED`]), then each record kind (at [`records_synced`]).
+const SYNCED: usize = 4 + ConfigKind::ALL.len();
+const SERVICES_SYNCED: usize = 3;
+
+fn records_synced(kind: ConfigKind) -> usize {
+    SERVICES_SYNCED + 1 + kind.index()
 }
 
-impl DerivedPolicies {
-    fn new(options: aether_api::authorization::ProjectOptions) -> Self {
-        DerivedPolicies {
-            projector: crate::policies::Projector::new(options),
-            projected: None,
-            policies: BTreeMap::new(),
-            reported: Vec::new(),
-        }
-    }
-
-    /// Projects `set` unless it was already (only statuses changed since).
-    fn project(&mut self, set: &PolicySet) {
-        if self.projected.replace(set.spec_version) == Some(set.spec_version) {
-            return;
-        }
-        let projection = self.projector.project_holding(set.origins(), &HashSet::new());
-        if projection.refused != self.reported {
-            for refusal in &projection.refused {
-                tracing::warn!(origin = %quote(&refusal.origin), reason = %refusal.reason,
-                    "authorization policy refused; its last accepted version (if any) stays enforced");
-            }
-            self.reported = projection.refused;
-        }
-        self.policies = projection.policies;
-    }
-}
-
-/// The routes projected from the cluster's route objects.
-#[derive(Default)]
-struct DerivedRoutes {
-    projector: Projector,
-    /// The `spec_version` of the set last projected.
-    projected: Option<u64>,
-    routes: BTreeMap<String, Route>,
-    /// Refusals last logged.
-    reported: Vec<Refusal>,
-}
-
-impl DerivedRoutes {
-    /// Projects `set` unless it was already (only statuses changed since).
-    fn project(&mut self, set: &RouteSet) {
-        if self.projected == Some(set.spec_version) {
-            return;
-        }
-        self.projected = Some(set.spec_version);
-        let projection = self.projector.project_holding(set.origins(), &HashSet::new());
-        if projection.refused != self.reported {
-            for refusal in &projection.refused {
-                tracing::warn!(origin = %quote(&refusal.origin), reason = %refusal.reason,
-                    "route refused; its last accepted version (if any) keeps serving");
-            }
-            self.reported = projection.refused;
-        }
-        self.routes = projection.routes;
-    }
-}
-
-/// Forwards each set of route objects; the first within [`ROUTES_GRACE`], or `None`
-/// then, so routes never hold the catalog back for long.
-async fn forward_routes(mut routes: ClusterRoutes, tx: mpsc::Sender<Input>) {
-    let first = match tokio::time::timeout(ROUTES_GRACE, routes.next()).await {
+/// Projects each set of one kind's objects as the cluster watch publishes it, and hands
+/// the records to the deriver; the first within [`ROUTES_GRACE`], or `None` then, so a
+/// kind never holds the catalog back for long. Sets whose specs did not change (only
+/// statuses did) are not projected again.
+async fn derive<K, S>(mut sets: Sets<S>, kind: K, tx: mpsc::Sender<Input>)
+where
+    K: ObjectKind,
+    S: ObjectSet<Object = K::Object>,
+{
+    let config = K::Record::KIND;
+    let mut next = match tokio::time::timeout(ROUTES_GRACE, sets.next()).await {
         Ok(Some(set)) => Some(set),
         Ok(None) => return,
         Err(_) => {
-            tracing::warn!("the route objects are not listed yet; serving the catalog without routes until they are");
+            let objects = config.objects();
+            tracing::warn!("the {objects} objects are not listed yet; serving the catalog without them until they are");
             None
         }
     };
-    if tx.send(Input::Routes(first)).await.is_err() {
-        return;
-    }
-    while let Some(set) = routes.next().await {
-        if tx.send(Input::Routes(Some(set))).await.is_err() {
-            return;
-        }
-    }
-}
-
-/// Forwards each set of policy objects; the first within [`ROUTES_GRACE`], or `None`
-/// then.
-async fn forward_policies(mut policies: ClusterPolicies, tx: mpsc::Sender<Input>) {
-    let mut next = match tokio::time::timeout(ROUTES_GRACE, policies.next()).await {
-        Ok(Some(set)) => Some(set),
-        Ok(None) => return,
-        Err(_) => {
-            tracing::warn!(
-                "the AuthorizationPolicies are not listed yet; serving the catalog without them until they are"
-            );
-            None
-        }
-    };
+    let (mut projector, mut reported, mut projected) = (Projector::new(kind), Vec::new(), None);
     loop {
-        if tx.send(Input::Policies(next)).await.is_err() {
+        let records = next.filter(|set| projected != Some(set.spec_version())).map(|set| {
+            projected = Some(set.spec_version());
+            let projection = projector.project_holding(set.origins(), &HashSet::new());
+            report::<K::Record>(KUBERNETES, &projection.refused, &mut reported);
+            let records = projection.records.into_iter();
+            records
+                .map(|(key, record)| (key, ConfigRecord::from(Arc::new(record))))
+                .collect()
+        });
+        if (records.is_some() || projected.is_none()) && tx.send(Input::Records(config, records)).await.is_err() {
             return;
         }
-        match policies.next().await {
+        match sets.next().await {
             Some(set) => next = Some(set),
             None => return,
         }
@@ -599,13 +516,15 @@ async fn forward<K, F>(
 }
 
 impl Deriver {
+    /// Derives the catalog from the inputs of `channel` (the record and Service
+    /// watches already forward into it, in `watches`) until `stop`.
     async fn run(
         mut self,
         client: Client,
-        (routes, services, policies): (ClusterRoutes, ClusterServices, ClusterPolicies),
+        (tx, mut rx): (mpsc::Sender<Input>, mpsc::Receiver<Input>),
+        mut watches: Vec<tokio::task::JoinHandle<()>>,
         stop: CancellationToken,
     ) {
-        let (tx, mut rx) = mpsc::channel(1024);
         let labels = format!("{}=true", pod_meta::MANAGED_LABEL);
         let pods = watcher::watcher(
             Api::<Pod>::all(client.clone()),
@@ -618,16 +537,13 @@ impl Deriver {
             watcher::Config::default().fields(&format!("metadata.name={}", self.configmap)),
         )
         .default_backoff();
-        let tasks = [
+        watches.extend([
             tokio::spawn(forward(pods, "pods", tx.clone(), |e| Input::Pod(Box::new(e)))),
             tokio::spawn(forward(nodes, "nodes", tx.clone(), |e| Input::Node(Box::new(e)))),
-            tokio::spawn(forward(configmap, "vip configmap", tx.clone(), |e| {
+            tokio::spawn(forward(configmap, "vip configmap", tx, |e| {
                 Input::ConfigMap(Box::new(e))
             })),
-            tokio::spawn(forward_routes(routes, tx.clone())),
-            tokio::spawn(forward_services(services, tx.clone())),
-            tokio::spawn(forward_policies(policies, tx)),
-        ];
+        ]);
         tracing::info!(configmap = %self.configmap, "deriving the catalog from managed Pods and Nodes");
         let mut relists = Relists::default();
         loop {
@@ -654,7 +570,7 @@ impl Deriver {
                 self.shared.synced.send_replace(true);
             }
         }
-        for task in tasks {
+        for task in watches {
             task.abort();
         }
     }
@@ -718,36 +634,21 @@ impl Deriver {
                     "the VIP ConfigMap was deleted; keeping the VIPs already known"
                 ),
             },
-            input @ (Input::Routes(_) | Input::Services(_) | Input::Policies(_)) => self.take_config(input),
-            Input::Failed(what, error) => {
-                tracing::warn!(watch = what, %error, "Kubernetes watch failed; retrying with backoff (serving the last state)");
-            }
-        }
-    }
-
-    /// Takes in a set from one of the configuration watches (`None`: not listed in time,
-    /// serve without it for now).
-    fn take_config(&mut self, input: Input) {
-        match input {
-            Input::Routes(set) => {
-                if let Some(set) = set {
-                    self.routes.project(&set);
-                }
-                self.synced[3] = true;
-            }
             Input::Services(set) => {
                 if let Some(set) = set {
                     self.attributes = set;
                 }
-                self.synced[4] = true;
+                self.synced[SERVICES_SYNCED] = true;
             }
-            Input::Policies(set) => {
-                if let Some(set) = set {
-                    self.policies.project(&set);
+            Input::Records(kind, records) => {
+                if let Some(records) = records {
+                    self.configs.replace(kind, records);
                 }
-                self.synced[5] = true;
+                self.synced[records_synced(kind)] = true;
             }
-            _ => {}
+            Input::Failed(what, error) => {
+                tracing::warn!(watch = what, %error, "Kubernetes watch failed; retrying with backoff (serving the last state)");
+            }
         }
     }
 
@@ -887,9 +788,11 @@ impl Deriver {
             }
         }
         let mut state = self.shared.state.lock();
-        let routes_changed = state.update_routes(&self.routes.routes);
-        let policies_changed = state.update_policies(&self.policies.policies);
-        if state.update(services, endpoints) | routes_changed | policies_changed {
+        let mut changed = state.update(services, endpoints);
+        for kind in ConfigKind::ALL {
+            changed |= state.update_configs(kind, self.configs.of(kind));
+        }
+        if changed {
             let revision = state.revision;
             drop(state);
             self.shared.revision.send_replace(revision);

@@ -19,6 +19,8 @@ use aether_proto::registry::v1::{
     AuthorizationAction, AuthorizationPolicy, AuthorizationTarget, Endpoint, Port, Protocol,
 };
 use aether_proto::view::{CatalogView, WatchView};
+use aether_registrar::records::{ConfigKind, ConfigRecord};
+use aether_registrar::store::Contents;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -182,6 +184,25 @@ pub fn policy(namespace: &str, name: &str, generation: i64, mesh_wide: bool) -> 
     }
 }
 
+/// A record's generation, whatever its kind.
+pub fn generation(record: &ConfigRecord) -> i64 {
+    match record {
+        ConfigRecord::Route(route) => route.generation,
+        ConfigRecord::Policy(policy) => policy.generation,
+        ConfigRecord::HttpFilter(filter) => filter.generation,
+    }
+}
+
+/// Each stored configuration record of `kind` as `key generation @revision`, sorted.
+pub fn records_of(contents: &Contents, kind: ConfigKind) -> Vec<String> {
+    let mut records: Vec<String> = (contents.configs.iter())
+        .filter(|r| r.value.kind() == kind)
+        .map(|r| format!("{} {} @{}", r.value.key(), generation(&r.value), r.revision))
+        .collect();
+    records.sort();
+    records
+}
+
 pub async fn register(client: &mut RegistrarClient<Channel>, endpoint: Endpoint) -> Version {
     client
         .register_endpoint(RegisterEndpointRequest {
@@ -333,96 +354,88 @@ impl Watcher {
     }
 }
 
-/// A delta must not add an endpoint the view already has, nor update or remove one
-/// it lacks: either would mean a duplicate or a ghost somewhere.
+/// A delta must not add an endpoint (or record) the view already has, nor update or
+/// remove one it lacks: either would mean a duplicate or a ghost somewhere.
 pub fn check_delta(view: &WatchView, message: &WatchResponse) {
     use aether_proto::registrar::v1::{change, watch_response};
+    use aether_proto::view::{http_filter_key, policy_key, route_key};
     let Some(watch_response::Event::Delta(delta)) = &message.event else {
         return;
     };
     let mut catalog = view.catalog.clone();
     for c in &delta.changes {
         match c.change.as_ref().expect("change has content") {
-            change::Change::ServiceAdded(s) => {
-                let key = format!("{}/{}", s.namespace, s.name);
-                assert_ne!(catalog.services.get(&key), Some(s), "duplicate ServiceAdded {key}");
-                catalog.endpoints.entry(key.clone()).or_default();
-                catalog.services.insert(key, s.clone());
-            }
-            change::Change::ServiceRemoved(key) => {
-                assert!(catalog.services.remove(key).is_some(), "ghost ServiceRemoved {key}");
-                catalog.endpoints.remove(key);
-            }
-            change::Change::EndpointAdded(e) => {
-                let eps = catalog
-                    .endpoints
-                    .get_mut(&e.service)
-                    .expect("endpoint of a known service");
-                let eps = std::sync::Arc::make_mut(eps);
-                assert!(
-                    eps.insert(e.address.clone(), e.clone()).is_none(),
-                    "duplicate EndpointAdded {}/{}",
-                    e.service,
-                    e.address
-                );
-            }
-            change::Change::EndpointUpdated(e) => {
-                let eps = catalog
-                    .endpoints
-                    .get_mut(&e.service)
-                    .expect("endpoint of a known service");
-                let eps = std::sync::Arc::make_mut(eps);
-                assert!(
-                    eps.insert(e.address.clone(), e.clone()).is_some(),
-                    "EndpointUpdated of absent {}/{}",
-                    e.service,
-                    e.address
-                );
-            }
-            change::Change::EndpointRemoved(r) => {
-                let eps = catalog
-                    .endpoints
-                    .get_mut(&r.service)
-                    .expect("endpoint of a known service");
-                let eps = std::sync::Arc::make_mut(eps);
-                assert!(
-                    eps.remove(&r.address).is_some(),
-                    "ghost EndpointRemoved {}/{}",
-                    r.service,
-                    r.address
-                );
-            }
-            change::Change::RoutePut(route) => {
-                let key = aether_proto::view::route_key(route);
-                let old = catalog.routes.insert(key.clone(), std::sync::Arc::new(route.clone()));
-                assert_ne!(old.as_deref(), Some(route), "duplicate RoutePut {key}");
-            }
-            change::Change::RouteRemoved(key) => {
-                assert!(catalog.routes.remove(key).is_some(), "ghost RouteRemoved {key}");
-            }
+            change::Change::RoutePut(route) => check_put(&mut catalog.routes, route_key(route), route, "RoutePut"),
+            change::Change::RouteRemoved(key) => check_removed(&mut catalog.routes, key, "RouteRemoved"),
             change::Change::PolicyPut(policy) => {
-                let key = aether_proto::view::policy_key(policy);
-                let old = catalog
-                    .policies
-                    .insert(key.clone(), std::sync::Arc::new(policy.clone()));
-                assert_ne!(old.as_deref(), Some(policy), "duplicate PolicyPut {key}");
+                check_put(&mut catalog.policies, policy_key(policy), policy, "PolicyPut")
             }
-            change::Change::PolicyRemoved(key) => {
-                assert!(catalog.policies.remove(key).is_some(), "ghost PolicyRemoved {key}");
-            }
-            change::Change::HttpFilterPut(filter) => {
-                let key = aether_proto::view::http_filter_key(filter);
-                let old = catalog
-                    .http_filters
-                    .insert(key.clone(), std::sync::Arc::new(filter.clone()));
-                assert_ne!(old.as_deref(), Some(filter), "duplicate HttpFilterPut {key}");
-            }
+            change::Change::PolicyRemoved(key) => check_removed(&mut catalog.policies, key, "PolicyRemoved"),
+            change::Change::HttpFilterPut(filter) => check_put(
+                &mut catalog.http_filters,
+                http_filter_key(filter),
+                filter,
+                "HttpFilterPut",
+            ),
             change::Change::HttpFilterRemoved(key) => {
-                assert!(
-                    catalog.http_filters.remove(key).is_some(),
-                    "ghost HttpFilterRemoved {key}"
-                );
+                check_removed(&mut catalog.http_filters, key, "HttpFilterRemoved")
             }
+            other => check_service_change(&mut catalog, other),
         }
+    }
+}
+
+fn check_put<T: Clone + PartialEq + std::fmt::Debug>(
+    records: &mut std::collections::BTreeMap<String, std::sync::Arc<T>>,
+    key: String,
+    record: &T,
+    what: &str,
+) {
+    let old = records.insert(key.clone(), std::sync::Arc::new(record.clone()));
+    assert_ne!(old.as_deref(), Some(record), "duplicate {what} {key}");
+}
+
+fn check_removed<T>(records: &mut std::collections::BTreeMap<String, std::sync::Arc<T>>, key: &str, what: &str) {
+    assert!(records.remove(key).is_some(), "ghost {what} {key}");
+}
+
+/// [`check_delta`] for a change of a service or an endpoint.
+fn check_service_change(catalog: &mut CatalogView, change: &aether_proto::registrar::v1::change::Change) {
+    use aether_proto::registrar::v1::change;
+    fn endpoints_of<'a>(
+        catalog: &'a mut CatalogView,
+        service: &str,
+    ) -> &'a mut std::collections::BTreeMap<String, Endpoint> {
+        let eps = catalog.endpoints.get_mut(service).expect("endpoint of a known service");
+        std::sync::Arc::make_mut(eps)
+    }
+    match change {
+        change::Change::ServiceAdded(s) => {
+            let key = format!("{}/{}", s.namespace, s.name);
+            assert_ne!(catalog.services.get(&key), Some(s), "duplicate ServiceAdded {key}");
+            catalog.endpoints.entry(key.clone()).or_default();
+            catalog.services.insert(key, s.clone());
+        }
+        change::Change::ServiceRemoved(key) => {
+            assert!(catalog.services.remove(key).is_some(), "ghost ServiceRemoved {key}");
+            catalog.endpoints.remove(key);
+        }
+        change::Change::EndpointAdded(e) => {
+            let fresh = endpoints_of(catalog, &e.service)
+                .insert(e.address.clone(), e.clone())
+                .is_none();
+            assert!(fresh, "duplicate EndpointAdded {}/{}", e.service, e.address);
+        }
+        change::Change::EndpointUpdated(e) => {
+            let known = endpoints_of(catalog, &e.service)
+                .insert(e.address.clone(), e.clone())
+                .is_some();
+            assert!(known, "EndpointUpdated of absent {}/{}", e.service, e.address);
+        }
+        change::Change::EndpointRemoved(r) => {
+            let known = endpoints_of(catalog, &r.service).remove(&r.address).is_some();
+            assert!(known, "ghost EndpointRemoved {}/{}", r.service, r.address);
+        }
+        other => panic!("not a service change: {other:?}"),
     }
 }

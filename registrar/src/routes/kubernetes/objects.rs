@@ -18,6 +18,9 @@ use kube::{Api, Client};
 use serde::de::DeserializeOwned;
 use tokio::sync::{mpsc, watch};
 
+use crate::cluster::Sets;
+use crate::sources::ObjectSet;
+
 /// Events arriving within this window are published as one set.
 pub const DEBOUNCE: Duration = Duration::from_millis(100);
 /// How often a kind whose CRD is missing is looked for again.
@@ -46,44 +49,26 @@ pub struct RouteSet {
     pub objects: BTreeMap<String, Watched>,
 }
 
-impl RouteSet {
+impl ObjectSet for RouteSet {
+    type Object = RouteObject;
+    fn spec_version(&self) -> u64 {
+        self.spec_version
+    }
     /// The objects with the origin refusals name them by (their key).
-    pub fn origins(&self) -> impl Iterator<Item = (String, &RouteObject)> {
+    fn origins(&self) -> impl Iterator<Item = (String, &RouteObject)> {
         self.objects.iter().map(|(key, w)| (key.clone(), &w.object))
     }
 }
 
-/// A handle on the route watch; the watch runs while any handle lives.
-pub struct ClusterRoutes {
-    sets: watch::Receiver<Option<Arc<RouteSet>>>,
-}
-
-impl Clone for ClusterRoutes {
-    /// A clone starts with the current set unseen, so its first `next` returns it.
-    fn clone(&self) -> Self {
-        let mut sets = self.sets.clone();
-        sets.mark_changed();
-        ClusterRoutes { sets }
-    }
-}
+/// A handle on the route watch.
+pub type ClusterRoutes = Sets<RouteSet>;
 
 impl ClusterRoutes {
     /// Starts watching both kinds through `client`.
     pub fn start(client: Client) -> ClusterRoutes {
         let (tx, sets) = watch::channel(None);
         tokio::spawn(collect(client, tx));
-        ClusterRoutes { sets }
-    }
-
-    /// The current set if this handle has not seen it, else the next one. The first comes
-    /// once each kind was listed or found not installed. `None`: the watch is gone.
-    pub async fn next(&mut self) -> Option<Arc<RouteSet>> {
-        loop {
-            self.sets.changed().await.ok()?;
-            if let Some(set) = self.sets.borrow_and_update().clone() {
-                return Some(set);
-            }
-        }
+        Sets::new(sets)
     }
 }
 

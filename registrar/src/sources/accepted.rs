@@ -1,7 +1,7 @@
-//! Policy status on Kubernetes: each AuthorizationPolicy gets one condition, `Accepted`,
+//! The status of our CRDs' objects on Kubernetes: each gets one condition, `Accepted`,
 //! at the generation it was projected from: `True` (reason `Accepted`), or `False`
 //! (reason `Invalid`) with the refusal naming the field. A refused edit of an accepted
-//! policy says so while its last accepted version stays enforced.
+//! object says so while its last accepted version stays in force.
 //!
 //! Written through the status subresource, once per object generation and outcome (this
 //! process remembers what it wrote; a restart writes each once more). Failures are
@@ -11,15 +11,16 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_api::authorization::{self as projector, AuthorizationPolicy as PolicyObject, ProjectOptions};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
-use kube::{Api, Client};
+use kube::{Api, Client, Resource};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::{ClusterPolicies, PolicySet};
+use super::ObjectKind;
+use super::crd::{CrdObject, CrdSet};
+use crate::cluster::Sets;
 
 /// How often failed status writes are tried again.
 pub const RETRY: Duration = Duration::from_secs(2);
@@ -34,25 +35,34 @@ pub struct Accepted {
     pub refusal: Option<String>,
 }
 
-/// The condition `object` should carry under `options`.
-pub fn accepted(object: &PolicyObject, options: &ProjectOptions) -> Accepted {
+/// The condition `object` should carry.
+pub fn accepted<K>(kind: &K, object: &K::Object) -> Accepted
+where
+    K: ObjectKind,
+    K::Object: CrdObject,
+{
     Accepted {
-        generation: object.metadata.generation.unwrap_or(0),
-        refusal: projector::project(object, options).err().map(|r| r.to_string()),
+        generation: object.meta().generation.unwrap_or(0),
+        refusal: kind.project(object).err(),
     }
 }
 
-/// Keeps the `Accepted` condition of the cluster's policies current until `shutdown`.
-pub async fn run(mut policies: ClusterPolicies, options: ProjectOptions, client: Client, shutdown: CancellationToken) {
+/// Keeps the `Accepted` condition of the cluster's objects of `K` current until
+/// `shutdown`.
+pub async fn run<K>(mut sets: Sets<CrdSet<K::Object>>, kind: K, client: Client, shutdown: CancellationToken)
+where
+    K: ObjectKind,
+    K::Object: CrdObject,
+{
     // What was written, by key and uid (a re-created object is written again).
     let mut written: HashMap<(String, Option<String>), Accepted> = HashMap::new();
-    let mut current: Option<Arc<PolicySet>> = None;
+    let mut current: Option<Arc<CrdSet<K::Object>>> = None;
     loop {
         if let Some(set) = &current {
             written.retain(|(key, _), _| set.objects.contains_key(key));
             for (key, object) in &set.objects {
-                let id = (key.clone(), object.metadata.uid.clone());
-                let desired = accepted(object, &options);
+                let id = (key.clone(), object.meta().uid.clone());
+                let desired = accepted(&kind, object);
                 if written.get(&id) != Some(&desired) && write(&client, object, &desired).await {
                     written.insert(id, desired);
                 }
@@ -60,7 +70,7 @@ pub async fn run(mut policies: ClusterPolicies, options: ProjectOptions, client:
         }
         tokio::select! {
             () = shutdown.cancelled() => return,
-            next = policies.next() => match next {
+            next = sets.next() => match next {
                 Some(set) => current = Some(set),
                 None => return,
             },
@@ -70,8 +80,8 @@ pub async fn run(mut policies: ClusterPolicies, options: ProjectOptions, client:
 }
 
 /// Writes `accepted` into `object`'s status; false (logged) if that failed.
-async fn write(client: &Client, object: &PolicyObject, accepted: &Accepted) -> bool {
-    let (namespace, name) = (object.metadata.namespace.as_deref(), object.metadata.name.as_deref());
+async fn write<O: CrdObject>(client: &Client, object: &O, accepted: &Accepted) -> bool {
+    let (namespace, name) = (object.meta().namespace.as_deref(), object.meta().name.as_deref());
     let (Some(namespace), Some(name)) = (namespace, name) else {
         return true;
     };
@@ -88,7 +98,7 @@ async fn write(client: &Client, object: &PolicyObject, accepted: &Accepted) -> b
         "observedGeneration": accepted.generation, "lastTransitionTime": Time(Timestamp::now()),
     });
     let patch = json!({"status": {"observedGeneration": accepted.generation, "conditions": [condition]}});
-    let api = Api::<PolicyObject>::namespaced(client.clone(), namespace);
+    let api = Api::<O>::namespaced(client.clone(), namespace);
     let params = PatchParams {
         field_manager: Some(FIELD_MANAGER.to_owned()),
         ..PatchParams::default()
@@ -96,7 +106,9 @@ async fn write(client: &Client, object: &PolicyObject, accepted: &Accepted) -> b
     match api.patch_status(name, &params, &Patch::Merge(&patch)).await {
         Ok(_) => true,
         Err(error) => {
-            tracing::warn!(policy = %format!("{namespace}/{name}"), %error, "writing an AuthorizationPolicy status failed; retrying");
+            let kind = O::kind(&());
+            tracing::warn!(%kind, object = %format!("{namespace}/{name}"), %error,
+                "writing a {kind} status failed; retrying");
             false
         }
     }

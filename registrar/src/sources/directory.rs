@@ -1,9 +1,9 @@
 //! The directory source (`--config-dir`, formerly `--routes-dir`): every `*.yaml` /
-//! `*.yml` file in one directory, read as multi-document YAML of HTTPRoute, GRPCRoute
-//! and AuthorizationPolicy objects (other kinds are skipped, so the directory can hold
-//! a whole manifest). For clusters without Kubernetes, the demo and tests. Routes and
-//! policies are projected and stored each on their own: a refused policy never holds
-//! routes back, nor the other way round.
+//! `*.yml` file in one directory, read as multi-document YAML of HTTPRoute, GRPCRoute,
+//! AuthorizationPolicy and HTTPFilter objects (other kinds are skipped, so the directory
+//! can hold a whole manifest). For clusters without Kubernetes, the demo and tests. Each kind is
+//! projected and stored on its own: a refused policy never holds routes back, nor the
+//! other way round.
 //!
 //! An inotify watch on the directory wakes the source at once; a poll every
 //! [`POLL_INTERVAL`] is the safety net (and the only signal while the directory is
@@ -15,17 +15,18 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use aether_api::authorization::{self, ProjectOptions};
-use aether_api::{ParseError, RouteObject, parse_documents};
+use aether_api::authorization::ProjectOptions;
 use notify::{RecursiveMode, Watcher};
 use std::sync::Arc;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::{Projector, Refusal, apply};
+use super::{ObjectKind, Projector, Refusal, apply};
 use crate::catalog::Catalog;
+use crate::http_filters::HttpFilters;
 use crate::metrics::Metrics;
-use crate::policies;
+use crate::policies::Policies;
+use crate::routes::Routes;
 
 /// How often the directory's listing is checked without an inotify event.
 pub const POLL_INTERVAL: Duration = Duration::from_secs(2);
@@ -43,12 +44,17 @@ pub struct Settings {
     pub policy_options: ProjectOptions,
 }
 
-/// Keeps the catalog's routes and policies equal to the directory's until `shutdown`.
+/// Keeps the catalog's routes, policies and HTTP filters equal to the directory's until
+/// `shutdown`.
 pub async fn run(dir: PathBuf, settings: Settings, catalog: Catalog, metrics: Metrics, shutdown: CancellationToken) {
+    let policies = Policies {
+        options: settings.policy_options,
+    };
     let mut source = Directory {
         dir,
-        routes: Kind::new(Projector::resuming(&catalog)),
-        policies: Kind::new(policies::Projector::resuming(&catalog, settings.policy_options)),
+        routes: Kind::new(Projector::resuming(&catalog, Routes)),
+        policies: Kind::new(Projector::resuming(&catalog, policies)),
+        http_filters: Kind::new(Projector::resuming(&catalog, HttpFilters)),
         listed: None,
     };
     let wake = Arc::new(Notify::new());
@@ -80,15 +86,17 @@ fn watch_dir(dir: &Path, wake: Arc<Notify>) -> Option<notify::RecommendedWatcher
 
 struct Directory {
     dir: PathBuf,
-    routes: Kind<Projector>,
-    policies: Kind<policies::Projector>,
+    routes: Kind<Routes>,
+    policies: Kind<Policies>,
+    http_filters: Kind<HttpFilters>,
     /// The listing last applied; `None` forces a read.
     listed: Option<Fingerprint>,
 }
 
-/// One kind of object the directory holds (routes, policies), projected on its own.
-struct Kind<P> {
-    projector: P,
+/// One kind of object the directory holds (routes, policies, HTTP filters), projected on
+/// its own.
+struct Kind<K: ObjectKind> {
+    projector: Projector<K>,
     /// The keys each file held when it last parsed: a file that stops parsing keeps
     /// serving them.
     keys_by_file: HashMap<PathBuf, Vec<String>>,
@@ -113,7 +121,7 @@ impl Directory {
             Err(error) => {
                 // Never read "no directory" as "nothing": keep what is stored.
                 if self.listed.is_some() {
-                    tracing::error!(dir = %self.dir.display(), %error, "cannot list the routes directory; keeping the current routes and policies");
+                    tracing::error!(dir = %self.dir.display(), %error, "cannot list the routes directory; keeping what is stored");
                 }
                 self.listed = None;
                 return;
@@ -130,28 +138,20 @@ impl Directory {
                 (path.clone(), name, read_file(path, *size))
             })
             .collect();
-        let routes = self.routes.read(&files, parse_documents, RouteObject::key);
-        let mut projection = (self.routes.projector).project_holding(routes.origins(), &routes.held);
-        projection.refused.extend(routes.refused);
         // A file that cannot be read is refused once, with the routes.
-        let unreadable = files
-            .iter()
-            .filter_map(|(_, name, text)| text.as_ref().err().map(|e| (name, e)));
-        let unreadable = unreadable.map(|(name, reason)| Refusal {
-            origin: name.clone(),
-            reason: reason.clone(),
+        let unreadable = files.iter().filter_map(|(_, name, text)| {
+            let reason = text.as_ref().err()?;
+            Some(Refusal {
+                origin: name.clone(),
+                reason: reason.clone(),
+            })
         });
-        projection.refused.extend(unreadable);
-        let routes_stored = apply(catalog, metrics, "directory", projection, &mut self.routes.reported).await;
-        let policies = self
-            .policies
-            .read(&files, authorization::parse_documents, policies::object_key);
-        let mut projection = (self.policies.projector).project_holding(policies.origins(), &policies.held);
-        projection.refused.extend(policies.refused);
-        let reported = &mut self.policies.reported;
-        let policies_stored = policies::apply(catalog, metrics, "directory", projection, reported).await;
+        let unreadable = unreadable.collect();
+        let routes_stored = self.routes.sync(&files, unreadable, catalog, metrics).await;
+        let policies_stored = self.policies.sync(&files, Vec::new(), catalog, metrics).await;
+        let filters_stored = self.http_filters.sync(&files, Vec::new(), catalog, metrics).await;
         // A failed write is retried at the next poll.
-        self.listed = (routes_stored && policies_stored).then_some(listing);
+        self.listed = (routes_stored && policies_stored && filters_stored).then_some(listing);
     }
 }
 
@@ -161,8 +161,8 @@ impl<T> Read<T> {
     }
 }
 
-impl<P> Kind<P> {
-    fn new(projector: P) -> Self {
+impl<K: ObjectKind> Kind<K> {
+    fn new(projector: Projector<K>) -> Self {
         Kind {
             projector,
             keys_by_file: HashMap::new(),
@@ -170,14 +170,19 @@ impl<P> Kind<P> {
         }
     }
 
+    /// Projects this kind's objects of `files` and stores them, with `refused` (other
+    /// refusals to report with them); false if the catalog could not store them.
+    async fn sync(&mut self, files: &[File], refused: Vec<Refusal>, catalog: &Catalog, metrics: &Metrics) -> bool {
+        let read = self.read(files);
+        let mut projection = self.projector.project_holding(read.origins(), &read.held);
+        projection.refused.extend(read.refused);
+        projection.refused.extend(refused);
+        apply(catalog, metrics, "directory", projection, &mut self.reported).await
+    }
+
     /// Parses this kind's objects out of every file (one that cannot be read is
     /// refused once, by the caller).
-    fn read<T>(
-        &mut self,
-        files: &[File],
-        parse: impl Fn(&str) -> Vec<Result<T, ParseError>>,
-        key: impl Fn(&T) -> String,
-    ) -> Read<T> {
+    fn read(&mut self, files: &[File]) -> Read<K::Object> {
         let (mut objects, mut refused, mut unreadable) = (Vec::new(), Vec::new(), Vec::new());
         let mut keys_by_file = HashMap::new();
         for (path, name, text) in files {
@@ -186,11 +191,11 @@ impl<P> Kind<P> {
                 continue;
             };
             let (mut keys, mut whole) = (Vec::new(), true);
-            for (i, document) in parse(text).into_iter().enumerate() {
+            for (i, document) in K::parse(text).into_iter().enumerate() {
                 let origin = format!("{name}#{i}");
                 match document {
                     Ok(object) => {
-                        keys.push(key(&object));
+                        keys.push(K::key(&object));
                         objects.push((origin, object));
                     }
                     Err(error) => {

@@ -1,0 +1,361 @@
+//! The catalog's configuration records: what users' objects are projected into (routes,
+//! authorization policies, HTTP filters), as opposed to what agents register (services, endpoints).
+//!
+//! Every kind travels the same way, so one mechanism carries them all: stored by key in
+//! each backend (a [`ConfigKind`] names its embedded table, etcd segment and DynamoDB
+//! tag), validated again whenever read back from a store or a feed (a store can hold
+//! anything), held in memory by kind and key ([`ConfigRecords`]), and streamed as
+//! `Change`s to the watchers that want them. What differs per kind is only its key, its
+//! projector's check and its place in the wire messages: the [`Record`] trait.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use aether_proto::registrar::v1::{Snapshot, change};
+use aether_proto::registry::v1::{AuthorizationPolicy, HttpFilter, Route};
+use aether_proto::view::{http_filter_key, policy_key, route_key};
+use prost::Message;
+
+/// A kind of configuration record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ConfigKind {
+    Route,
+    Policy,
+    HttpFilter,
+}
+
+impl ConfigKind {
+    pub const ALL: [ConfigKind; 3] = [ConfigKind::Route, ConfigKind::Policy, ConfigKind::HttpFilter];
+
+    /// How logs and refusals name one: `route`, `authorization policy`, `HTTP filter`.
+    pub fn noun(self) -> &'static str {
+        match self {
+            ConfigKind::Route => "route",
+            ConfigKind::Policy => "authorization policy",
+            ConfigKind::HttpFilter => "HTTP filter",
+        }
+    }
+
+    /// How stores and metrics name them all: the embedded table, the etcd key segment
+    /// (`P/<plural>/<key>`), the gauges `aether_registrar_<plural>[_refused]`.
+    pub fn plural(self) -> &'static str {
+        match self {
+            ConfigKind::Route => "routes",
+            ConfigKind::Policy => "policies",
+            ConfigKind::HttpFilter => "http_filters",
+        }
+    }
+
+    /// The users' objects they are projected from, for help texts and messages.
+    pub fn objects(self) -> &'static str {
+        match self {
+            ConfigKind::Route => "HTTPRoute and GRPCRoute",
+            ConfigKind::Policy => "AuthorizationPolicy",
+            ConfigKind::HttpFilter => "HTTPFilter",
+        }
+    }
+
+    /// The DynamoDB item tag: partition `<tag>#<key>`, sort key `<tag>`.
+    pub fn tag(self) -> &'static str {
+        match self {
+            ConfigKind::Route => "route",
+            ConfigKind::Policy => "policy",
+            ConfigKind::HttpFilter => "http_filter",
+        }
+    }
+
+    /// The position of this kind in [`ConfigKind::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Decodes a stored record of this kind; why not, naming the message expected.
+    pub fn decode(self, bytes: &[u8]) -> Result<ConfigRecord, String> {
+        fn decode<T: Record>(bytes: &[u8]) -> Result<ConfigRecord, String> {
+            let message = T::MESSAGE;
+            T::decode(bytes)
+                .map(|r| T::wrap(Arc::new(r)))
+                .map_err(|e| format!("not {message} protobuf: {e}"))
+        }
+        match self {
+            ConfigKind::Route => decode::<Route>(bytes),
+            ConfigKind::Policy => decode::<AuthorizationPolicy>(bytes),
+            ConfigKind::HttpFilter => decode::<HttpFilter>(bytes),
+        }
+    }
+
+    /// The change that takes the record `key` of this kind away from a watcher.
+    pub fn removed(self, key: &str) -> change::Change {
+        let key = key.to_owned();
+        match self {
+            ConfigKind::Route => change::Change::RouteRemoved(key),
+            ConfigKind::Policy => change::Change::PolicyRemoved(key),
+            ConfigKind::HttpFilter => change::Change::HttpFilterRemoved(key),
+        }
+    }
+}
+
+/// What each kind of record brings to the shared mechanism.
+pub trait Record: Message + Default + Clone + PartialEq + Send + Sync + 'static {
+    const KIND: ConfigKind;
+    /// The protobuf message's name with its article, for refusals of undecodable records.
+    const MESSAGE: &'static str;
+    /// The key it is stored and streamed under.
+    fn key(&self) -> String;
+    /// Checks it with its projector's own rules; why it is unusable, naming the field.
+    fn validate(&self) -> Result<(), String>;
+    /// The change that hands it to a watcher.
+    fn put(&self) -> change::Change;
+    /// Where snapshots carry this kind.
+    fn listed(snapshot: &mut Snapshot) -> &mut Vec<Self>;
+    /// This kind's record, if `record` is one.
+    fn of(record: &ConfigRecord) -> Option<&Arc<Self>>;
+    /// It as a record of any kind.
+    fn wrap(record: Arc<Self>) -> ConfigRecord;
+}
+
+impl Record for Route {
+    const KIND: ConfigKind = ConfigKind::Route;
+    const MESSAGE: &'static str = "a Route";
+    fn key(&self) -> String {
+        route_key(self)
+    }
+    fn validate(&self) -> Result<(), String> {
+        aether_api::validate(self).map_err(|e| e.to_string())
+    }
+    fn put(&self) -> change::Change {
+        change::Change::RoutePut(self.clone())
+    }
+    fn listed(snapshot: &mut Snapshot) -> &mut Vec<Self> {
+        &mut snapshot.routes
+    }
+    fn of(record: &ConfigRecord) -> Option<&Arc<Self>> {
+        match record {
+            ConfigRecord::Route(route) => Some(route),
+            _ => None,
+        }
+    }
+    fn wrap(route: Arc<Self>) -> ConfigRecord {
+        ConfigRecord::Route(route)
+    }
+}
+
+impl Record for AuthorizationPolicy {
+    const KIND: ConfigKind = ConfigKind::Policy;
+    const MESSAGE: &'static str = "an AuthorizationPolicy";
+    fn key(&self) -> String {
+        policy_key(self)
+    }
+    fn validate(&self) -> Result<(), String> {
+        aether_api::authorization::validate(self).map_err(|e| e.to_string())
+    }
+    fn put(&self) -> change::Change {
+        change::Change::PolicyPut(self.clone())
+    }
+    fn listed(snapshot: &mut Snapshot) -> &mut Vec<Self> {
+        &mut snapshot.policies
+    }
+    fn of(record: &ConfigRecord) -> Option<&Arc<Self>> {
+        match record {
+            ConfigRecord::Policy(policy) => Some(policy),
+            _ => None,
+        }
+    }
+    fn wrap(policy: Arc<Self>) -> ConfigRecord {
+        ConfigRecord::Policy(policy)
+    }
+}
+
+impl Record for HttpFilter {
+    const KIND: ConfigKind = ConfigKind::HttpFilter;
+    const MESSAGE: &'static str = "an HttpFilter";
+    fn key(&self) -> String {
+        http_filter_key(self)
+    }
+    fn validate(&self) -> Result<(), String> {
+        aether_api::http_filter::validate(self).map_err(|e| e.to_string())
+    }
+    fn put(&self) -> change::Change {
+        change::Change::HttpFilterPut(self.clone())
+    }
+    fn listed(snapshot: &mut Snapshot) -> &mut Vec<Self> {
+        &mut snapshot.http_filters
+    }
+    fn of(record: &ConfigRecord) -> Option<&Arc<Self>> {
+        match record {
+            ConfigRecord::HttpFilter(filter) => Some(filter),
+            _ => None,
+        }
+    }
+    fn wrap(filter: Arc<Self>) -> ConfigRecord {
+        ConfigRecord::HttpFilter(filter)
+    }
+}
+
+/// One record of any kind, shared (the catalog, its history and every watcher hold the
+/// same one).
+#[derive(Clone, Debug, PartialEq)]
+pub enum ConfigRecord {
+    Route(Arc<Route>),
+    Policy(Arc<AuthorizationPolicy>),
+    HttpFilter(Arc<HttpFilter>),
+}
+
+/// Runs `$body` with `$r` bound to the record inside, whatever its kind.
+macro_rules! each_kind {
+    ($record:expr, $r:ident => $body:expr) => {
+        match $record {
+            ConfigRecord::Route($r) => $body,
+            ConfigRecord::Policy($r) => $body,
+            ConfigRecord::HttpFilter($r) => $body,
+        }
+    };
+}
+
+impl<T: Record> From<Arc<T>> for ConfigRecord {
+    fn from(record: Arc<T>) -> Self {
+        T::wrap(record)
+    }
+}
+
+impl ConfigRecord {
+    pub fn kind(&self) -> ConfigKind {
+        fn kind<T: Record>(_: &T) -> ConfigKind {
+            T::KIND
+        }
+        each_kind!(self, r => kind(&**r))
+    }
+
+    pub fn key(&self) -> String {
+        each_kind!(self, r => r.key())
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        each_kind!(self, r => r.encode_to_vec())
+    }
+
+    /// Checks a record read from a store or a feed with its projector's own rules.
+    pub fn validate(&self) -> Result<(), String> {
+        each_kind!(self, r => r.validate())
+    }
+
+    /// The change that hands it to a watcher.
+    pub fn put(&self) -> change::Change {
+        each_kind!(self, r => r.put())
+    }
+
+    /// Adds it to a snapshot chunk.
+    pub fn add_to(&self, snapshot: &mut Snapshot) {
+        fn add<T: Record>(record: &T, snapshot: &mut Snapshot) {
+            T::listed(snapshot).push(record.clone());
+        }
+        each_kind!(self, r => add(&**r, snapshot))
+    }
+}
+
+/// A record put (`Some`) or the removal of `key` of `kind`.
+pub fn config_change(kind: ConfigKind, key: &str, record: Option<&ConfigRecord>) -> change::Change {
+    match record {
+        Some(record) => record.put(),
+        None => kind.removed(key),
+    }
+}
+
+/// Records by kind and key.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ConfigRecords {
+    by_kind: [BTreeMap<String, ConfigRecord>; ConfigKind::ALL.len()],
+}
+
+impl ConfigRecords {
+    /// The records of `kind`, by key.
+    pub fn of(&self, kind: ConfigKind) -> &BTreeMap<String, ConfigRecord> {
+        &self.by_kind[kind.index()]
+    }
+
+    /// Every record, kind by kind.
+    pub fn all(&self) -> impl Iterator<Item = &ConfigRecord> {
+        self.by_kind.iter().flat_map(BTreeMap::values)
+    }
+
+    /// The records of `T`'s kind, typed.
+    pub fn typed<T: Record>(&self) -> impl Iterator<Item = &Arc<T>> {
+        self.of(T::KIND).values().filter_map(T::of)
+    }
+
+    /// Makes the records of `kind` exactly `records`.
+    pub fn replace(&mut self, kind: ConfigKind, records: BTreeMap<String, ConfigRecord>) {
+        self.by_kind[kind.index()] = records;
+    }
+
+    /// Puts (`Some`) or deletes the record `key` of `kind`.
+    pub fn set(&mut self, kind: ConfigKind, key: String, record: Option<ConfigRecord>) {
+        let records = &mut self.by_kind[kind.index()];
+        match record {
+            Some(record) => records.insert(key, record),
+            None => records.remove(&key),
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aether_proto::registry::v1::RouteKind;
+
+    fn route() -> Route {
+        Route {
+            kind: RouteKind::Http as i32,
+            namespace: "shop".into(),
+            name: "split".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn every_kind_is_at_its_index_and_named_apart() {
+        for (i, kind) in ConfigKind::ALL.into_iter().enumerate() {
+            assert_eq!(kind.index(), i);
+        }
+        let names = |f: fn(ConfigKind) -> &'static str| ConfigKind::ALL.map(f);
+        for names in [
+            names(ConfigKind::plural),
+            names(ConfigKind::tag),
+            names(ConfigKind::noun),
+        ] {
+            let mut unique = names.to_vec();
+            unique.sort();
+            unique.dedup();
+            assert_eq!(unique.len(), names.len(), "{names:?}");
+        }
+    }
+
+    #[test]
+    fn a_record_round_trips_through_its_kind_and_lands_in_its_own_place() {
+        let record = ConfigRecord::from(Arc::new(route()));
+        assert_eq!(record.kind(), ConfigKind::Route);
+        assert_eq!(record.key(), "http/shop/split");
+        assert_eq!(ConfigKind::Route.decode(&record.encode()), Ok(record.clone()));
+        let mut snapshot = Snapshot::default();
+        record.add_to(&mut snapshot);
+        assert_eq!(snapshot.routes, [route()]);
+        assert!(snapshot.policies.is_empty());
+        assert_eq!(
+            config_change(ConfigKind::Route, "http/shop/split", None),
+            change::Change::RouteRemoved("http/shop/split".into())
+        );
+
+        let mut records = ConfigRecords::default();
+        records.set(ConfigKind::Route, record.key(), Some(record.clone()));
+        assert_eq!(records.typed::<Route>().count(), 1);
+        assert_eq!(records.typed::<AuthorizationPolicy>().count(), 0);
+        records.set(ConfigKind::Route, record.key(), None);
+        assert_eq!(records.all().count(), 0);
+    }
+
+    #[test]
+    fn bytes_of_another_message_are_refused_naming_the_one_expected() {
+        let error = ConfigKind::Policy.decode(b"\xff\xff").unwrap_err();
+        assert!(error.starts_with("not an AuthorizationPolicy protobuf: "), "{error}");
+    }
+}
