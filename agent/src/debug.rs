@@ -48,6 +48,8 @@ pub struct Inspector {
     pub dns_connected: Gauge,
     /// Each local pod's last failed calls, from Envoy's access logs.
     pub failures: crate::access_log::RecentFailures,
+    /// The last authorization decisions on calls to local pods.
+    pub decisions: crate::access_log::Decisions,
 }
 
 impl Inspector {
@@ -58,6 +60,7 @@ impl Inspector {
         registrar: &Gauge,
         dns: &Gauge,
         failures: crate::access_log::RecentFailures,
+        decisions: crate::access_log::Decisions,
     ) -> Self {
         Self {
             node,
@@ -76,6 +79,7 @@ impl Inspector {
             registrar_connected: registrar.clone(),
             dns_connected: dns.clone(),
             failures,
+            decisions,
         }
     }
 }

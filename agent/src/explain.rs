@@ -6,9 +6,10 @@
 //! The route hop (see [`route`]) names the rule of the routes attached to the target's
 //! port that takes the request, in the precedence order the agent compiles; the cluster
 //! and endpoints hops stay about the service's own cluster (skipped when the rule
-//! redirects), the route hop saying whether the catalog holds its backends. Authorization
-//! does not exist in the mesh yet: its hop says so. When it lands, it fills
-//! [`Facts::authorization`] and judges it in [`authorization`]; nothing else changes.
+//! redirects), the route hop saying whether the catalog holds its backends. The
+//! authorization hop (see [`authorization`]) names the policy and rule that deny the call:
+//! from the decisions this node's destination pods logged for the caller, else from
+//! `decide` over the policies the node holds for the target's namespace.
 
 use std::net::IpAddr;
 use std::time::{Duration, SystemTime};
@@ -66,11 +67,25 @@ pub struct Facts {
     /// The routes on the target's port for the pod; `None`: not judged (the service is
     /// not loaded, has no endpoints, or does not serve the port).
     pub route: Option<RouteFacts>,
-    /// Authorization does not exist yet: `None` says so.
-    pub authorization: Option<()>,
+    /// What the node knows of authorization at the target; `None`: not gathered (no
+    /// source pod or target).
+    pub authorization: Option<AuthzFacts>,
     /// The pod's last failed calls to the target, newest first, as Envoy logged them.
     pub recent_failures: Vec<Failure>,
     pub now: Option<SystemTime>,
+}
+
+/// Authorization at the target for the call judged.
+#[derive(Clone, Debug, Default)]
+pub struct AuthzFacts {
+    /// The newest denial of the pod's calls that the target's pods on this node logged.
+    pub recent_denial: Option<crate::access_log::decisions::Decision>,
+    /// What the node's policies for the target's namespace decide for the request
+    /// (`aether_api::authorization::decide`); `None`: the node does not hold them (no
+    /// local pod in that namespace).
+    pub decided: Option<aether_api::authorization::Decision>,
+    /// Policies selecting pods by label that may apply: not judged here.
+    pub unjudged: Vec<String>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -694,14 +709,57 @@ fn svid_problem(pod: &str, id: &IdentityFacts, now: SystemTime) -> Option<String
 }
 
 fn authorization(f: &Facts) -> Hop {
-    match f.authorization {
+    use aether_api::authorization::{Cause, Verdict};
+    let Some(a) = &f.authorization else {
+        return skipped("authorization");
+    };
+    let fix =
+        "change the policy (or the caller's identity); `aether_agent_authorization_decisions_total` counts its denials";
+    if let Some(d) = &a.recent_denial {
+        let why = format!(
+            "{} denied {} {} from {}: {}",
+            d.pod,
+            d.method,
+            d.path,
+            d.source,
+            d.decided_by()
+        );
+        return hop("authorization", Status::Fail, &why, fix);
+    }
+    let name = |p: &aether_api::authorization::PolicyRule| format!("policy {} rule {}", p.policy, p.rule);
+    let unjudged = match a.unjudged.is_empty() {
+        true => String::new(),
+        false => format!("; not judged here (label selectors): {}", list(&a.unjudged)),
+    };
+    let forbidden = f.recent_failures.iter().any(|r| r.status == 403);
+    match &a.decided {
+        Some(d) if d.verdict == Verdict::Deny => {
+            let why = match &d.cause {
+                Cause::Denied(p) => format!("denied by {}", name(p)),
+                _ => "no ALLOW policy selecting the target matches the call".to_owned(),
+            };
+            hop("authorization", Status::Fail, format!("{why}{unjudged}"), fix)
+        }
+        _ if forbidden => hop(
+            "authorization",
+            Status::Warn,
+            "the destination answered 403 recently: its authorization may deny the call",
+            "the destination node's agent logs the policy and rule (`authorization:` lines)",
+        ),
+        Some(d) => {
+            let why = match &d.cause {
+                Cause::Allowed(p) => format!("allowed by {}", name(p)),
+                _ => "no ALLOW policy selects the target".to_owned(),
+            };
+            let status = if unjudged.is_empty() { Status::Ok } else { Status::Warn };
+            hop("authorization", status, format!("{why}{unjudged}"), "")
+        }
         None => hop(
             "authorization",
             Status::Skip,
-            "not applicable (no authorization policies in this mesh yet)",
+            "not judged: this node holds no policies of the target's namespace",
             "",
         ),
-        Some(()) => ok("authorization", "allowed"),
     }
 }
 

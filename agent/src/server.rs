@@ -517,6 +517,7 @@ async fn serve_admin(
                 &metrics.registrar_connected,
                 &metrics.dns_records.connected,
                 failures,
+                metrics.decisions.clone(),
             ),
         ))
         .with_refresh(refresh);

@@ -9,6 +9,8 @@ use aether_mesh_dns::records::RecordFile;
 use aether_proto::registry::v1::Endpoint;
 
 use super::Inspector;
+
+mod authorization;
 use crate::explain::{
     Capture, DnsFacts, EnvoyFacts, Facts, IdentityFacts, PodFacts, Resource, RouteFacts, Svid, Target,
 };
@@ -97,11 +99,17 @@ pub async fn gather(inspector: &Inspector, question: &Question) -> Facts {
         connected: view.streams.newest().is_some(),
         ..Default::default()
     };
-    let (mut identity, mut route) = (None, None);
+    let (mut identity, mut route, mut authorization) = (None, None, None);
+    let request = request_of(text, question.method.as_deref(), &question.headers);
     if let (Some(pod), Some(t)) = (local, &target) {
         envoy = envoy_facts(inspector, &view, pod, t).await;
         identity = identity_facts(&view, pod, t);
         route = route_facts(&view, pod, t);
+        let caller = identity
+            .as_ref()
+            .and_then(|i| i.svid.as_ref())
+            .map(|s| s.spiffe_id.as_str());
+        authorization = Some(authorization::facts(inspector, &view, pod, caller, t, request.as_ref()));
     }
     let recent_failures = target
         .as_ref()
@@ -120,9 +128,9 @@ pub async fn gather(inspector: &Inspector, question: &Question) -> Facts {
         capture,
         envoy,
         identity,
-        request: request_of(text, question.method.as_deref(), &question.headers),
+        request,
         route,
-        authorization: None,
+        authorization,
         recent_failures,
         now: None,
     }

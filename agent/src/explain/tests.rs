@@ -78,10 +78,46 @@ fn healthy() -> Facts {
             http: true,
             ..Default::default()
         }),
-        authorization: None,
+        // The node holds the target's namespace's policies, and none selects it.
+        authorization: Some(AuthzFacts {
+            decided: Some(aether_api::authorization::decide(&[], &call())),
+            ..Default::default()
+        }),
         recent_failures: Vec::new(),
         now: Some(now()),
     }
+}
+
+/// frontend's GET / to backend:8080, as `decide` takes it.
+fn call() -> aether_api::authorization::AuthzRequest {
+    aether_api::authorization::AuthzRequest {
+        workload: aether_api::authorization::Workload {
+            namespace: "demo".into(),
+            services: vec!["demo/backend".into()],
+            ..Default::default()
+        },
+        principal: Some("spiffe://cluster.local/ns/demo/sa/frontend".into()),
+        peer_ip: [10, 0, 0, 1].into(),
+        port: 8080,
+        http: None,
+    }
+}
+
+fn authz(f: &mut Facts) -> &mut AuthzFacts {
+    f.authorization.as_mut().unwrap()
+}
+
+/// A DENY policy in demo naming frontend's service account.
+fn deny_frontend() -> aether_proto::registry::v1::AuthorizationPolicy {
+    let yaml = "apiVersion: security.aether.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {name: no-frontend, namespace: demo}
+spec:
+  action: DENY
+  rules: [{from: [{source: {serviceAccounts: [demo/frontend]}}]}]
+";
+    let object = aether_api::authorization::parse_documents(yaml).remove(0).unwrap();
+    aether_api::authorization::project(&object, &Default::default()).unwrap()
 }
 
 fn target(f: &mut Facts) -> &mut Target {
@@ -92,6 +128,66 @@ type Fault = fn(&mut Facts);
 
 /// (fault, the hop named, its status, words the why must contain).
 const CASES: &[(&str, Fault, &str, Status, &str)] = &[
+    (
+        "a denial logged by the destination on this node",
+        |f| {
+            authz(f).recent_denial = Some(crate::access_log::decisions::Decision {
+                at_ms: 1,
+                verdict: crate::access_log::decisions::Verdict::Deny,
+                policy: "demo/backend-api".into(),
+                rule: Some(1),
+                source: "spiffe://cluster.local/ns/demo/sa/frontend".into(),
+                pod: "demo/backend-1".into(),
+                port: 8080,
+                method: "POST".into(),
+                path: "/admin".into(),
+            })
+        },
+        "authorization",
+        Status::Fail,
+        "demo/backend-1 denied POST /admin from spiffe://cluster.local/ns/demo/sa/frontend: policy demo/backend-api rule 1",
+    ),
+    (
+        "a DENY policy the node holds",
+        |f| {
+            let policy = deny_frontend();
+            authz(f).decided = Some(aether_api::authorization::decide(&[&policy], &call()));
+        },
+        "authorization",
+        Status::Fail,
+        "denied by policy demo/no-frontend rule 0",
+    ),
+    (
+        "403s from a destination on another node",
+        |f| {
+            let mut failure = crate::access_log::Failure {
+                at_ms: 1,
+                method: "GET".into(),
+                authority: "backend.demo.aether.internal:8080".into(),
+                path: "/".into(),
+                status: 403,
+                flags: String::new(),
+                details: "via_upstream".into(),
+                route: String::new(),
+                upstream_cluster: String::new(),
+                upstream_host: String::new(),
+                upstream_failure: String::new(),
+                duration_ms: 1,
+            };
+            failure.status = 403;
+            f.recent_failures = vec![failure];
+        },
+        "authorization",
+        Status::Warn,
+        "answered 403 recently",
+    ),
+    (
+        "a label-selected policy the node cannot judge",
+        |f| authz(f).unjudged = vec!["demo/by-label".into()],
+        "authorization",
+        Status::Warn,
+        "not judged here (label selectors): demo/by-label",
+    ),
     (
         "pod unknown",
         |f| f.pod = None,
@@ -335,7 +431,7 @@ const CASES: &[(&str, Fault, &str, Status, &str)] = &[
 ];
 
 #[test]
-fn a_healthy_call_is_ok_at_every_hop_but_authorization() {
+fn a_healthy_call_is_ok_at_every_hop() {
     let e = explain(&healthy());
     assert_eq!(e.verdict, Status::Ok, "{e:#?}");
     assert!(e.first.is_none());
@@ -358,13 +454,9 @@ fn a_healthy_call_is_ok_at_every_hop_but_authorization() {
         ]
     );
     for h in &e.hops {
-        let expected = if h.hop == "authorization" {
-            Status::Skip
-        } else {
-            Status::Ok
-        };
-        assert_eq!(h.status, expected, "{h:?}");
+        assert_eq!(h.status, Status::Ok, "{h:?}");
     }
+    assert_eq!(e.hops[11].why, "no ALLOW policy selects the target");
     assert_eq!(
         e.hops[7].why,
         "no route attached: default routing (retries, outlier ejection)"
