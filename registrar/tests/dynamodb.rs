@@ -795,27 +795,26 @@ async fn routes_are_put_replaced_and_deleted_durably_and_each_sync_shows_them() 
     );
 }
 
-// ------------------------------------------------------------- policies
+// ------------------------------------------------- policies and HTTP filters
 
 fn put_policy(name: &str, generation: i64) -> StoreOp {
     StoreOp::PutConfig(Arc::new(support::policy("ns", name, generation, false)).into())
 }
 
-/// Each stored policy as `key generation @revision`.
-fn policies_of(contents: &Contents) -> Vec<String> {
-    support::records_of(contents, ConfigKind::Policy)
+fn put_http_filter(name: &str, generation: i64) -> StoreOp {
+    StoreOp::PutConfig(Arc::new(support::http_filter("ns", name, generation, &["ns/web"])).into())
 }
 
-/// Reads the feed until a sync shows exactly `expected` policies.
-async fn synced_policies(feed: &mut Feed, expected: &[String]) {
+/// Reads the feed until a sync shows exactly `expected` records of `kind`.
+async fn synced_records(feed: &mut Feed, kind: ConfigKind, expected: &[String]) {
     let deadline = Instant::now() + TIMEOUT;
     loop {
         let event = tokio::time::timeout_at(deadline.into(), feed.next())
             .await
-            .unwrap_or_else(|_| panic!("no sync showed the policies {expected:?} in time"))
+            .unwrap_or_else(|_| panic!("no sync showed the {kind:?} records {expected:?} in time"))
             .expect("feeds never end");
         if let FeedEvent::Resync(contents) = event
-            && policies_of(&contents) == expected
+            && support::records_of(&contents, kind) == expected
         {
             return;
         }
@@ -824,6 +823,17 @@ async fn synced_policies(feed: &mut Feed, expected: &[String]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policies_are_put_replaced_and_deleted_durably_and_each_sync_shows_them() {
+    records_are_put_replaced_and_deleted(ConfigKind::Policy, put_policy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_filters_are_put_replaced_and_deleted_durably_and_each_sync_shows_them() {
+    records_are_put_replaced_and_deleted(ConfigKind::HttpFilter, put_http_filter).await;
+}
+
+/// Records of `kind` keyed `ns/<name>` (made by `put`) are put, replaced and deleted
+/// durably, each sync shows them, and each is its own item `<tag>#<key>` / `<tag>`.
+async fn records_are_put_replaced_and_deleted(kind: ConfigKind, put: fn(&str, i64) -> StoreOp) {
     let moto = Moto::start().await;
     let sync = Duration::from_millis(200);
     let a = DynamoStore::connect(moto.config(sync)).await.unwrap();
@@ -831,44 +841,48 @@ async fn policies_are_put_replaced_and_deleted_durably_and_each_sync_shows_them(
     let mut feed = b.feed(b.load().await.unwrap().revision);
     let reopened = || async { DynamoStore::connect(moto.config(sync)).await.unwrap() };
 
-    let r1 = a
-        .commit(vec![put_policy("deny", 1), put_policy("allow", 1)])
+    let r1 = a.commit(vec![put("deny", 1), put("allow", 1)]).await.unwrap();
+    synced_records(
+        &mut feed,
+        kind,
+        &[format!("ns/allow 1 @{r1}"), format!("ns/deny 1 @{r1}")],
+    )
+    .await;
+    let r2 = a.commit(vec![put("deny", 2), delete(kind, "ns/allow")]).await.unwrap();
+    a.commit(vec![delete(kind, "ns/never-stored")])
         .await
-        .unwrap();
-    synced_policies(&mut feed, &[format!("ns/allow 1 @{r1}"), format!("ns/deny 1 @{r1}")]).await;
-    let r2 = a
-        .commit(vec![put_policy("deny", 2), delete(ConfigKind::Policy, "ns/allow")])
-        .await
-        .unwrap();
-    a.commit(vec![delete(ConfigKind::Policy, "ns/never-stored")])
-        .await
-        .expect("deleting an absent policy succeeds");
+        .expect("deleting an absent record succeeds");
     let left = [format!("ns/deny 2 @{r2}")];
-    assert_eq!(policies_of(&reopened().await.load().await.unwrap()), left);
-    synced_policies(&mut feed, &left).await;
+    assert_eq!(support::records_of(&reopened().await.load().await.unwrap(), kind), left);
+    synced_records(&mut feed, kind, &left).await;
+    a_misplaced_record_is_reported(&moto, &a, kind, &left).await;
+}
 
-    // Stored as its own item, policy#<ns>/<name> / policy; a policy under another
-    // policy's key is reported, not served (it could never be deleted by its key).
-    let raw = raw_client(&moto);
+/// A record under another record's key is reported, not served (it could never be
+/// deleted by its key); `left` is what the store holds.
+async fn a_misplaced_record_is_reported(moto: &Moto, store: &DynamoStore, kind: ConfigKind, left: &[String]) {
+    let tag = kind.tag();
+    let raw = raw_client(moto);
     let get = raw.get_item().table_name(&moto.table);
-    let get = get.key("PK", AttributeValue::S("policy#ns/deny".into()));
-    let stored = get.key("SK", AttributeValue::S("policy".into())).send().await.unwrap();
-    let mut misplaced = stored.item.expect("policies are stored as policy#<key> / policy");
-    misplaced.insert("PK".into(), AttributeValue::S("policy#ns/elsewhere".into()));
+    let get = get.key("PK", AttributeValue::S(format!("{tag}#ns/deny")));
+    let stored = get.key("SK", AttributeValue::S(tag.into())).send().await.unwrap();
+    let mut misplaced = stored.item.expect("records are stored as <tag>#<key> / <tag>");
+    misplaced.insert("PK".into(), AttributeValue::S(format!("{tag}#ns/elsewhere")));
     raw.put_item()
         .table_name(&moto.table)
         .set_item(Some(misplaced))
         .send()
         .await
         .unwrap();
-    let contents = a.load().await.unwrap();
-    assert_eq!(policies_of(&contents), left);
+    let contents = store.load().await.unwrap();
+    assert_eq!(support::records_of(&contents, kind), left);
     let unreadable: Vec<_> = contents
         .unreadable
         .iter()
-        .map(|u| (u.key.as_str(), u.reason.as_str()))
+        .map(|u| (u.key.clone(), u.reason.clone()))
         .collect();
-    assert_eq!(unreadable, [("policy#ns/elsewhere/policy", "holds policy \"ns/deny\"")]);
+    let expected = (format!("{tag}#ns/elsewhere/{tag}"), format!("holds {tag} \"ns/deny\""));
+    assert_eq!(unreadable, [expected]);
 }
 
 /// A client of moto's table that bypasses the store.

@@ -8,9 +8,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_proto::registry::v1::AuthorizationPolicy;
 use aether_proto::registry::v1::{Endpoint, Route, RouteBackend, RouteKind, RouteParent, RouteRule, Service};
-use aether_proto::view::{policy_key, route_key};
 use aether_registrar::catalog::{Catalog, CatalogConfig, ConfigChange, Event};
 use aether_registrar::config::{
     ETCD_CA_FILE_ENV, ETCD_CERT_FILE_ENV, ETCD_KEY_FILE_ENV, ETCD_PASSWORD_ENV, ETCD_USERNAME_ENV,
@@ -231,6 +229,8 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
             put_route("kept", "ns/a", 1),
             put_policy("gone", 1),
             put_policy("kept", 1),
+            put_http_filter("gone", 1),
+            put_http_filter("kept", 1),
         ])
         .await
         .unwrap();
@@ -253,10 +253,12 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
         [
             "+endpoint ns/a/10.0.0.3",
             "+endpoint ns/c/10.0.1.1",
+            "+http_filter ns/kept 2",
             "+policy ns/kept 2",
             "+route http/ns/kept 2",
             "+service ns/c 240.240.0.12",
             "-endpoint ns/a/10.0.0.1",
+            "-http_filter ns/gone",
             "-policy ns/gone",
             "-route http/ns/gone",
             "-service ns/b",
@@ -264,26 +266,7 @@ async fn a_feed_behind_compacted_history_resyncs_without_duplicates_or_ghosts() 
         "one resync batch with exactly the differences"
     );
     assert_eq!(catalog.metrics().feed_resyncs.get(), 1);
-    {
-        let state = catalog.read();
-        let a: Vec<String> = state
-            .service("ns/a")
-            .unwrap()
-            .endpoints
-            .keys()
-            .map(|a| a.to_string())
-            .collect();
-        assert_eq!(a, ["10.0.0.2", "10.0.0.3"]);
-        assert!(state.service("ns/b").is_none());
-        assert_eq!(state.service("ns/c").unwrap().service.vip, "240.240.0.12");
-        let routes: Vec<(String, i64)> = state.records::<Route>().map(|r| (route_key(r), r.generation)).collect();
-        assert_eq!(routes, [("http/ns/kept".to_owned(), 2)]);
-        let policies = state
-            .records::<AuthorizationPolicy>()
-            .map(|p| (policy_key(p), p.generation));
-        let policies: Vec<(String, i64)> = policies.collect();
-        assert_eq!(policies, [("ns/kept".to_owned(), 2)]);
-    }
+    assert_holds_the_changes_of_a_b_and_c(&catalog);
     // The watch continues after the resync.
     other
         .commit(vec![StoreOp::PutEndpoint(ep("ns/c", "10.0.1.2"))])
@@ -401,8 +384,31 @@ async fn catalog_with_a_gated_feed(
     (catalog, writer, open)
 }
 
+/// The catalog holds what [`change_a_b_and_c`] left.
+fn assert_holds_the_changes_of_a_b_and_c(catalog: &Catalog) {
+    let state = catalog.read();
+    let a: Vec<String> = state
+        .service("ns/a")
+        .unwrap()
+        .endpoints
+        .keys()
+        .map(|a| a.to_string())
+        .collect();
+    assert_eq!(a, ["10.0.0.2", "10.0.0.3"]);
+    assert!(state.service("ns/b").is_none());
+    assert_eq!(state.service("ns/c").unwrap().service.vip, "240.240.0.12");
+    let records = state
+        .configs()
+        .all()
+        .map(|r| format!("{} {}", r.key(), support::generation(r)));
+    assert_eq!(
+        records.collect::<Vec<_>>(),
+        ["http/ns/kept 2", "ns/kept 2", "ns/kept 2"]
+    );
+}
+
 /// From `other`, in five commits: ns/a loses 10.0.0.1 and gains 10.0.0.3, ns/b goes, ns/c comes with
-/// 10.0.1.1, route and policy gone go, route and policy kept get generation 2.
+/// 10.0.1.1, the route, policy and HTTP filter "gone" go, those "kept" get generation 2.
 async fn change_a_b_and_c(other: &EtcdStore) {
     let key = |k: &str| aether_registrar::model::ServiceKey::parse("s", k).unwrap();
     let commits = [
@@ -424,6 +430,8 @@ async fn change_a_b_and_c(other: &EtcdStore) {
             put_route("kept", "ns/a", 2),
             delete(ConfigKind::Policy, "ns/gone"),
             put_policy("kept", 2),
+            delete(ConfigKind::HttpFilter, "ns/gone"),
+            put_http_filter("kept", 2),
         ],
     ];
     for ops in commits {
@@ -770,6 +778,10 @@ fn put_policy(name: &str, generation: i64) -> StoreOp {
     StoreOp::PutConfig(Arc::new(support::policy("ns", name, generation, false)).into())
 }
 
+fn put_http_filter(name: &str, generation: i64) -> StoreOp {
+    StoreOp::PutConfig(Arc::new(support::http_filter("ns", name, generation, &["ns/web"])).into())
+}
+
 fn delete(kind: ConfigKind, key: &str) -> StoreOp {
     StoreOp::DeleteConfig(kind, key.into())
 }
@@ -858,21 +870,29 @@ async fn routes_are_put_replaced_and_deleted_durably_and_reach_another_replicas_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policies_are_put_replaced_and_deleted_durably_and_reach_another_replicas_feed() {
+    records_are_put_replaced_and_deleted(ConfigKind::Policy, put_policy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_filters_are_put_replaced_and_deleted_durably_and_reach_another_replicas_feed() {
+    records_are_put_replaced_and_deleted(ConfigKind::HttpFilter, put_http_filter).await;
+}
+
+/// Records of `kind` keyed `ns/<name>` (made by `put`) are put, replaced and deleted
+/// durably under `P/<plural>/`, without a lease, and reach another replica's feed.
+async fn records_are_put_replaced_and_deleted(kind: ConfigKind, put: fn(&str, i64) -> StoreOp) {
     let etcd = Etcd::start().await;
     let a = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
     let b = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
     let mut feed = b.feed(b.load().await.unwrap().revision);
-    let r1 = a
-        .commit(vec![put_policy("deny", 1), put_policy("allow", 1)])
+    let r1 = a.commit(vec![put("deny", 1), put("allow", 1)]).await.unwrap();
+    let r2 = a.commit(vec![put("deny", 2)]).await.unwrap();
+    let r3 = a.commit(vec![delete(kind, "ns/allow")]).await.unwrap();
+    a.commit(vec![delete(kind, "ns/never-stored")])
         .await
-        .unwrap();
-    let r2 = a.commit(vec![put_policy("deny", 2)]).await.unwrap();
-    let r3 = a.commit(vec![delete(ConfigKind::Policy, "ns/allow")]).await.unwrap();
-    a.commit(vec![delete(ConfigKind::Policy, "ns/never-stored")])
-        .await
-        .expect("deleting an absent policy succeeds");
+        .expect("deleting an absent record succeeds");
     let reopened = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
-    let stored = support::records_of(&reopened.load().await.unwrap(), ConfigKind::Policy);
+    let stored = support::records_of(&reopened.load().await.unwrap(), kind);
     assert_eq!(stored, [format!("ns/deny 2 @{r2}")]);
     let mut seen = Vec::new();
     while seen.len() < 4 {
@@ -894,9 +914,9 @@ async fn policies_are_put_replaced_and_deleted_durably_and_reach_another_replica
     ];
     expected.sort();
     assert_eq!(seen, expected);
-    let key = format!("{}/policies/ns/deny", etcd.prefix);
+    let key = format!("{}/{}/ns/deny", etcd.prefix, kind.plural());
     let kv = etcd.client().await.get(key, None).await.unwrap();
-    assert_eq!(kv.kvs()[0].lease(), 0, "a policy is attached to a lease");
+    assert_eq!(kv.kvs()[0].lease(), 0, "a {kind:?} is attached to a lease");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,7 +16,7 @@ use aether_proto::registrar::v1::{
     ListEndpointsRequest, ListServicesRequest, RegisterEndpointRequest, Version, WatchRequest, WatchResponse,
 };
 use aether_proto::registry::v1::{
-    AuthorizationAction, AuthorizationPolicy, AuthorizationTarget, Endpoint, Port, Protocol,
+    AuthorizationAction, AuthorizationPolicy, AuthorizationTarget, Endpoint, HttpFilter, Port, Protocol,
 };
 use aether_proto::view::{CatalogView, WatchView};
 use aether_registrar::records::{ConfigKind, ConfigRecord};
@@ -180,6 +180,24 @@ pub fn policy(namespace: &str, name: &str, generation: i64, mesh_wide: bool) -> 
             ..Default::default()
         }),
         action: AuthorizationAction::Allow as i32,
+        ..Default::default()
+    }
+}
+
+/// A valid projected HTTP filter: an inbound local rate limit on `services`.
+pub fn http_filter(namespace: &str, name: &str, generation: i64, services: &[&str]) -> HttpFilter {
+    use aether_proto::registry::v1::{HttpFilterAttachment, LocalRateLimit, http_filter::Filter};
+    HttpFilter {
+        namespace: namespace.into(),
+        name: name.into(),
+        generation,
+        services: services.iter().map(|s| s.to_string()).collect(),
+        attach: HttpFilterAttachment::Inbound as i32,
+        filter: Some(Filter::LocalRateLimit(LocalRateLimit {
+            max_tokens: 100,
+            fill_interval_ms: 1000,
+            ..Default::default()
+        })),
         ..Default::default()
     }
 }
