@@ -119,6 +119,26 @@ async fn until(mesh: &Mesh, pod: &TestPod, method: &str, path: &str, status: u16
     }
 }
 
+/// AUDIT and dry-run never change the answer; both are logged.
+async fn audit_and_dry_run_change_nothing_and_are_logged(mesh: &Mesh, config: &Path, frontend: &TestPod) {
+    put(config, "audit.yaml", Some(AUDIT_ITEMS));
+    put(config, "dry-run.yaml", Some(DRY_RUN_DENY_ITEMS));
+    let seen = [
+        ["verdict=\"audit\"", "policy=demo/watch-items rule=0"],
+        ["verdict=\"dry_run_deny\"", "policy=demo/next-deny rule=0"],
+    ];
+    for parts in seen {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !has_line(mesh, &parts) {
+            assert_eq!(now(mesh, frontend, "GET", "/api/items").await, 200);
+            assert!(Instant::now() < deadline, "never logged: {parts:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    put(config, "audit.yaml", None);
+    put(config, "dry-run.yaml", None);
+}
+
 /// Waits (up to 5 s: Envoy ships its log every 100 ms) for an agent log line with all of `parts`.
 async fn logged(mesh: &Mesh, parts: &[&str]) {
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -227,23 +247,7 @@ async fn allow_and_deny_policies_are_enforced_at_the_destination_by_identity_met
     let why = explained["first"]["why"].as_str().unwrap();
     assert!(why.contains("policy demo/no-secrets rule 0"), "{why}");
 
-    // AUDIT and dry-run never change the answer; both are logged.
-    put(config.path(), "audit.yaml", Some(AUDIT_ITEMS));
-    put(config.path(), "dry-run.yaml", Some(DRY_RUN_DENY_ITEMS));
-    let seen = [
-        ["verdict=\"audit\"", "policy=demo/watch-items rule=0"],
-        ["verdict=\"dry_run_deny\"", "policy=demo/next-deny rule=0"],
-    ];
-    for parts in seen {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while !has_line(&mesh, &parts) {
-            assert_eq!(now(&mesh, &c.frontend, "GET", "/api/items").await, 200);
-            assert!(Instant::now() < deadline, "never logged: {parts:?}");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-    put(config.path(), "audit.yaml", None);
-    put(config.path(), "dry-run.yaml", None);
+    audit_and_dry_run_change_nothing_and_are_logged(&mesh, config.path(), &c.frontend).await;
 
     // Policies removed: allowed again.
     put(config.path(), "allow.yaml", None);

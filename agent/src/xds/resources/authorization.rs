@@ -332,17 +332,26 @@ impl Stage {
 /// An HTTP RBAC filter config enforcing `policy`'s rules with its action (ALLOW or DENY),
 /// for an HTTPFilter's rbac (proposals/014): no port conditions (the caller checks).
 pub fn compiled_rules(policy: &AuthorizationPolicy, stat_prefix: &str) -> Any {
+    typed::<HttpRbac>(&rules_config(policy, stat_prefix))
+}
+
+/// The same, as a per-route config (`RBACPerRoute`).
+pub fn compiled_rules_per_route(policy: &AuthorizationPolicy, stat_prefix: &str) -> Any {
+    let rbac = Some(rules_config(policy, stat_prefix));
+    typed::<HttpRbacPerRoute>(&mirror::HttpRbacPerRouteConfig { rbac })
+}
+
+fn rules_config(policy: &AuthorizationPolicy, stat_prefix: &str) -> HttpRbacConfig {
     let action = match policy.action() {
         AuthorizationAction::Deny => mirror::DENY,
         _ => mirror::ALLOW,
     };
-    let config = HttpRbacConfig {
+    HttpRbacConfig {
         rules: Some(Rules::of(action, &[policy], &Layer::Http { ports: &[] })),
         rules_stat_prefix: stat_prefix.to_owned(),
         track_per_rule_stats: true,
         ..Default::default()
-    };
-    typed::<HttpRbac>(&config)
+    }
 }
 
 /// The pod's inbound route table with each HTTP RBAC filter's rules set on it (so they

@@ -31,7 +31,8 @@ use envoy_types::pb::envoy::config::endpoint::v3::{
 };
 use envoy_types::pb::envoy::config::route::v3::FilterConfig;
 use envoy_types::pb::envoy::extensions::filters::http::ext_authz::v3::{
-    BufferSettings, ExtAuthz as EnvoyExtAuthz, HttpService, ext_authz,
+    BufferSettings, CheckSettings, ExtAuthz as EnvoyExtAuthz, ExtAuthzPerRoute, HttpService, ext_authz,
+    ext_authz_per_route,
 };
 use envoy_types::pb::envoy::extensions::filters::http::header_to_metadata::v3::{
     Config as HeaderToMetadataConfig, config,
@@ -45,7 +46,7 @@ use envoy_types::pb::envoy::r#type::matcher::v3::{ListStringMatcher, StringMatch
 use envoy_types::pb::envoy::r#type::v3::{FractionalPercent, HttpStatus, TokenBucket, fractional_percent};
 use envoy_types::pb::google::protobuf::{Any, UInt32Value};
 
-use super::authorization::compiled_rules;
+use super::authorization::{compiled_rules, compiled_rules_per_route};
 use super::util::{address, any, millis};
 use crate::pod::LocalPod;
 
@@ -112,23 +113,20 @@ impl Checked {
         };
         let mut callers = Callers::default();
         for filter in self.valid.iter().filter(on_node) {
-            let Some(envoy) = envoy_filter(filter, true) else {
+            let (Some(envoy), Some(per_route)) = (envoy_filter(filter, true), per_route(filter)) else {
                 continue;
             };
-            let name = envoy.name.clone();
+            let enabled = (envoy.name.clone(), per_route);
             callers.filters.push(envoy);
             for service in &filter.services {
-                match filter.attach() {
-                    HttpFilterAttachment::Route => {
-                        let key = (filter.route.clone(), service.clone());
-                        callers.by_route.entry(key).or_default().push(name.clone());
-                    }
-                    _ => callers
-                        .by_service
-                        .entry(service.clone())
-                        .or_default()
-                        .push(name.clone()),
-                }
+                let entry = match filter.attach() {
+                    HttpFilterAttachment::Route => callers
+                        .by_route
+                        .entry((filter.route.clone(), service.clone()))
+                        .or_default(),
+                    _ => callers.by_service.entry(service.clone()).or_default(),
+                };
+                entry.push(enabled.clone());
             }
         }
         callers
@@ -164,15 +162,19 @@ impl Checked {
 pub struct Callers {
     /// In order, disabled.
     pub filters: Vec<EnvoyHttpFilter>,
-    /// Service key → the filters enabled on its virtual hosts.
-    pub by_service: BTreeMap<String, Vec<String>>,
+    /// Service key → the filters enabled on its virtual hosts, with their configs there.
+    pub by_service: BTreeMap<String, Vec<Enabled>>,
     /// (route key, service key) → the filters enabled on that route's rules for that service.
-    pub by_route: BTreeMap<(String, String), Vec<String>>,
+    pub by_route: BTreeMap<(String, String), Vec<Enabled>>,
 }
+
+/// A filter enabled in the route table: its name, and its per-route config (Envoy
+/// refuses an entry without one).
+pub type Enabled = (String, Any);
 
 impl Callers {
     /// Route key → the filters enabled on its rules, for calls to `service`.
-    pub fn by_route_of(&self, service: &str) -> BTreeMap<&str, &[String]> {
+    pub fn by_route_of(&self, service: &str) -> BTreeMap<&str, &[Enabled]> {
         let of_service = self.by_route.iter().filter(|((_, s), _)| s == service);
         of_service
             .map(|((route, _), names)| (route.as_str(), &names[..]))
@@ -180,13 +182,16 @@ impl Callers {
     }
 }
 
-/// `typed_per_filter_config` entries enabling `names` (disabled in the HCM).
-pub fn enabling(names: &[String]) -> impl Iterator<Item = (String, Any)> + '_ {
-    let enabled = FilterConfig {
-        disabled: false,
-        ..Default::default()
-    };
-    names.iter().map(move |name| (name.clone(), any(&enabled)))
+/// `typed_per_filter_config` entries enabling `filters` (disabled in the HCM).
+pub fn enabling(filters: &[Enabled]) -> impl Iterator<Item = (String, Any)> + '_ {
+    filters.iter().map(|(name, config)| {
+        let enabled = FilterConfig {
+            config: Some(config.clone()),
+            disabled: false,
+            ..Default::default()
+        };
+        (name.clone(), any(&enabled))
+    })
 }
 
 /// The filter as Envoy's; `callers_side`: disabled (the route table enables it).
@@ -330,7 +335,16 @@ fn rbac(filter: &HttpFilter, r: &RbacFilter) -> Option<Any> {
         tracing::warn!(filter = %key, "rbac rules of an HTTP filter cannot name ports; filter skipped");
         return None;
     }
-    let policy = AuthorizationPolicy {
+    let policy = rbac_policy(filter, r);
+    Some(compiled_rules(
+        &policy,
+        &format!("filter.{}.{}.", filter.namespace, filter.name),
+    ))
+}
+
+/// The rbac filter's rules as an AuthorizationPolicy of its action, for the compiler.
+fn rbac_policy(filter: &HttpFilter, r: &RbacFilter) -> AuthorizationPolicy {
+    AuthorizationPolicy {
         namespace: filter.namespace.clone(),
         name: filter.name.clone(),
         action: match r.action() {
@@ -339,11 +353,23 @@ fn rbac(filter: &HttpFilter, r: &RbacFilter) -> Option<Any> {
         } as i32,
         rules: r.rules.clone(),
         ..Default::default()
-    };
-    Some(compiled_rules(
-        &policy,
-        &format!("filter.{}.{}.", filter.namespace, filter.name),
-    ))
+    }
+}
+
+/// What enables the filter in the route table: its per-route config. ext_authz: check
+/// with the HCM's settings. local_ratelimit: the same bucket settings, so the bucket is
+/// the route table's (one per service port, shared by the node's callers).
+/// header_to_metadata and rbac: the same rules.
+fn per_route(filter: &HttpFilter) -> Option<Any> {
+    let prefix = format!("{}.{}.", filter.namespace, filter.name);
+    Some(match filter.filter.as_ref()? {
+        Kind::ExtAuthz(_) => any(&ExtAuthzPerRoute {
+            r#override: Some(ext_authz_per_route::Override::CheckSettings(CheckSettings::default())),
+        }),
+        Kind::LocalRateLimit(l) => any(&local_rate_limit(l, &prefix)),
+        Kind::HeaderToMetadata(h) => any(&header_to_metadata(h)),
+        Kind::Rbac(r) => compiled_rules_per_route(&rbac_policy(filter, r), &format!("filter.{prefix}")),
+    })
 }
 
 /// The cluster of an ext_authz service: `STATIC` for an IP, `STRICT_DNS` for a name

@@ -5,9 +5,9 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use aether_fakes::ext_authz::{DENIED_BODY, ExtAuthzServer};
 use aether_proto::registry::v1::{ExtAuthz, ExtAuthzProtocol, HeaderToMetadataRule};
 use aether_proto::view::CatalogView;
 use envoy_types::pb::envoy::config::bootstrap::v3::{Bootstrap, bootstrap};
@@ -15,11 +15,6 @@ use envoy_types::pb::envoy::config::cluster::v3::Cluster;
 use envoy_types::pb::envoy::config::listener::v3::{Listener, filter};
 use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager;
-use envoy_types::pb::envoy::service::auth::v3::authorization_server::{Authorization, AuthorizationServer};
-use envoy_types::pb::envoy::service::auth::v3::{
-    CheckRequest, CheckResponse, DeniedHttpResponse, OkHttpResponse, check_response,
-};
-use envoy_types::pb::google::rpc::Status as RpcStatus;
 use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -200,55 +195,6 @@ fn an_rbac_filter_naming_ports_is_skipped_not_compiled_into_a_rule_that_cannot_m
     );
 }
 
-/// Allows a request carrying `x-allow: yes`, denies the rest with 403 and a body.
-#[derive(Default)]
-struct TestAuthz {
-    checks: Arc<AtomicU32>,
-}
-
-#[tonic::async_trait]
-impl Authorization for TestAuthz {
-    async fn check(
-        &self,
-        request: tonic::Request<CheckRequest>,
-    ) -> Result<tonic::Response<CheckResponse>, tonic::Status> {
-        self.checks.fetch_add(1, Ordering::SeqCst);
-        let attributes = request.into_inner().attributes.unwrap_or_default();
-        let http = attributes.request.unwrap_or_default().http.unwrap_or_default();
-        let allowed = http.headers.get("x-allow").is_some_and(|v| v == "yes");
-        let (code, response) = match allowed {
-            true => (0, check_response::HttpResponse::OkResponse(OkHttpResponse::default())),
-            false => (
-                7,
-                check_response::HttpResponse::DeniedResponse(DeniedHttpResponse {
-                    status: Some(envoy_types::pb::envoy::r#type::v3::HttpStatus { code: 403 }),
-                    body: "denied by test authz".into(),
-                    ..Default::default()
-                }),
-            ),
-        };
-        Ok(tonic::Response::new(CheckResponse {
-            status: Some(RpcStatus {
-                code,
-                ..Default::default()
-            }),
-            http_response: Some(response),
-            ..Default::default()
-        }))
-    }
-}
-
-/// The authorization server on a free loopback port, until the handle is aborted.
-async fn authz_server(checks: Arc<AtomicU32>) -> (u16, tokio::task::JoinHandle<()>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    let server = tonic::transport::Server::builder()
-        .add_service(AuthorizationServer::new(TestAuthz { checks }))
-        .serve_with_incoming(incoming);
-    (port, tokio::spawn(async move { server.await.unwrap() }))
-}
-
 /// cart-1 with `filters` behind a real Envoy on 127.0.0.1:`listen`, the ext_authz cluster included.
 async fn cart_envoy(filters: &[Arc<HttpFilter>], dir: &std::path::Path) -> (SocketAddr, tokio::process::Child) {
     let pod = cart();
@@ -297,8 +243,8 @@ async fn get(listen: SocketAddr, headers: &str) -> (u16, String) {
 
 #[tokio::test]
 async fn ext_authz_allows_denies_and_applies_its_failure_mode_when_the_server_is_down() {
-    let checks = Arc::new(AtomicU32::new(0));
-    let (port, server) = authz_server(checks.clone()).await;
+    let server = ExtAuthzServer::start().await;
+    let port = server.addr.port();
     let dir = tempfile::tempdir().unwrap();
     let closed = [filter(
         "check",
@@ -309,12 +255,12 @@ async fn ext_authz_allows_denies_and_applies_its_failure_mode_when_the_server_is
     )];
     let (listen, _envoy) = cart_envoy(&closed, dir.path()).await;
     let allowed = get(listen, "x-allow: yes\r\n").await;
-    assert_eq!(allowed.0, 200, "{allowed:?}, {} checks", checks.load(Ordering::SeqCst));
+    assert_eq!(allowed.0, 200, "{allowed:?}, {} checks", server.checks());
     let (status, body) = get(listen, "").await;
-    assert_eq!((status, body.as_str()), (403, "denied by test authz"));
-    assert_eq!(checks.load(Ordering::SeqCst), 2, "each request checked once");
+    assert_eq!((status, body.as_str()), (403, DENIED_BODY));
+    assert_eq!(server.checks(), 2, "each request checked once");
 
-    server.abort();
+    drop(server);
 
     // Down (nothing listens on its port): fail closed refuses with 403, fail open lets
     // the request through.

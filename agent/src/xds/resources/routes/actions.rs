@@ -39,7 +39,7 @@ pub struct Target<'a> {
     /// its cluster is named by the endpoint port that one targets.
     pub services: &'a HashMap<&'a str, &'a MeshService<'a>>,
     /// Route key → the callers-side HTTP filters enabled on its rules (proposals/014).
-    pub route_filters: &'a std::collections::BTreeMap<&'a str, &'a [String]>,
+    pub route_filters: &'a std::collections::BTreeMap<&'a str, &'a [crate::xds::resources::http_filters::Enabled]>,
 }
 
 impl Target<'_> {

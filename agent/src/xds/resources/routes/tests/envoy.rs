@@ -172,6 +172,77 @@ fn consumer_route() -> Route {
     route
 }
 
+/// One callers-side HTTP filter of every kind on echo, and one on the `features` route:
+/// Envoy must take each disabled in the HCMs and enabled in the tables.
+fn callers_side_filters() -> BTreeMap<String, Arc<aether_proto::registry::v1::HttpFilter>> {
+    use aether_proto::registry::v1::http_filter::Filter as Kind;
+    use aether_proto::registry::v1::{
+        AuthorizationAction, AuthorizationOperation, AuthorizationRule, ExtAuthz, ExtAuthzProtocol, HeaderToMetadata,
+        HeaderToMetadataRule, HttpFilter, HttpFilterAttachment, LocalRateLimit, RbacFilter,
+    };
+    let kinds = [
+        Kind::ExtAuthz(ExtAuthz {
+            host: "authz.gamma.svc.cluster.local".into(),
+            port: 9000,
+            protocol: ExtAuthzProtocol::Grpc as i32,
+            ..Default::default()
+        }),
+        Kind::ExtAuthz(ExtAuthz {
+            host: "10.0.0.9".into(),
+            port: 8000,
+            protocol: ExtAuthzProtocol::Http as i32,
+            path_prefix: "/check".into(),
+            allowed_headers: vec!["x-user".into()],
+            ..Default::default()
+        }),
+        Kind::LocalRateLimit(LocalRateLimit {
+            max_tokens: 10,
+            fill_interval_ms: 1000,
+            ..Default::default()
+        }),
+        Kind::Rbac(RbacFilter {
+            action: AuthorizationAction::Deny as i32,
+            rules: vec![AuthorizationRule {
+                to: vec![AuthorizationOperation {
+                    methods: vec!["DELETE".into()],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+        }),
+        Kind::HeaderToMetadata(HeaderToMetadata {
+            rules: vec![HeaderToMetadataRule {
+                header: "x-tenant".into(),
+                key: "tenant".into(),
+                ..Default::default()
+            }],
+        }),
+    ];
+    let filters = kinds.into_iter().enumerate().map(|(i, kind)| {
+        let on_route = matches!(kind, Kind::HeaderToMetadata(_));
+        HttpFilter {
+            namespace: "gamma".into(),
+            name: format!("f{i}"),
+            services: vec!["gamma/echo".into()],
+            attach: if on_route {
+                HttpFilterAttachment::Route
+            } else {
+                HttpFilterAttachment::Callers
+            } as i32,
+            route: if on_route {
+                "http/gamma/features".into()
+            } else {
+                String::new()
+            },
+            filter: Some(kind),
+            ..Default::default()
+        }
+    });
+    filters
+        .map(|f| (aether_proto::view::http_filter_key(&f), Arc::new(f)))
+        .collect()
+}
+
 /// A static bootstrap holding the node's resources, RDS tables inlined (each changed by
 /// `edit` first).
 fn bootstrap(generated: &Generated, edit: impl Fn(&mut RouteConfiguration)) -> Bootstrap {
@@ -271,6 +342,7 @@ async fn envoy_accepts_the_compiled_routes_of_every_feature() {
             ports: Vec::new(),
         });
     }
+    catalog.http_filters = callers_side_filters();
     let generated = generated(&catalog, &pods);
     let tables: Vec<&str> = generated[crate::xds::ROUTE].iter().map(|r| r.name.as_str()).collect();
     assert_eq!(tables, ["outbound", "outbound~web"]);
