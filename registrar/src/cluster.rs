@@ -8,9 +8,10 @@
 pub mod services;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kube::Client;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 use self::services::ClusterServices;
 use crate::config::{Config, StoreKind};
@@ -59,6 +60,42 @@ impl<S> Sets<S> {
             if let Some(set) = self.sets.borrow_and_update().clone() {
                 return Some(set);
             }
+        }
+    }
+}
+
+/// What a watch makes of its inputs: the set it publishes.
+pub trait Collect {
+    type Input;
+    type Set: Clone;
+    /// Applies one input; true if the set (or what is known of it) changed.
+    fn apply(&mut self, input: Self::Input) -> bool;
+    /// The set, once it is known (every kind listed, or found not installed).
+    fn known(&self) -> Option<&Self::Set>;
+}
+
+/// Publishes what `collected` makes of `inputs` until no handle is left: the inputs of a
+/// burst (those within `window` of the first) are applied together, and the set is
+/// published once after them if they changed it.
+pub async fn publish<C: Collect>(
+    mut collected: C,
+    mut inputs: mpsc::Receiver<C::Input>,
+    window: Duration,
+    tx: watch::Sender<Option<Arc<C::Set>>>,
+) {
+    loop {
+        let first = tokio::select! {
+            input = inputs.recv() => input,
+            () = tx.closed() => None,
+        };
+        let Some(first) = first else { return };
+        let deadline = tokio::time::Instant::now() + window;
+        let mut changed = collected.apply(first);
+        while let Ok(Some(input)) = tokio::time::timeout_at(deadline, inputs.recv()).await {
+            changed |= collected.apply(input);
+        }
+        if let Some(set) = collected.known().filter(|_| changed) {
+            tx.send_replace(Some(Arc::new(set.clone())));
         }
     }
 }

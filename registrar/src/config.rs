@@ -83,9 +83,9 @@ pub struct Config {
     pub store: StoreKind,
 
     /// Directory of YAML files (`*.yaml`, `*.yml`) holding the mesh's configuration:
-    /// HTTPRoute/GRPCRoute objects served as its routes and AuthorizationPolicy objects
-    /// as its policies, re-read when it changes (clusters without Kubernetes, demos).
-    /// `--routes-dir` is its former name.
+    /// HTTPRoute/GRPCRoute objects served as its routes, AuthorizationPolicy objects as
+    /// its policies and HTTPFilter objects as its HTTP filters, re-read when it changes
+    /// (clusters without Kubernetes, demos). `--routes-dir` is its former name.
     #[arg(long = "config-dir", alias = "routes-dir", env = "AETHER_REGISTRAR_CONFIG_DIR")]
     pub routes_dir: Option<PathBuf>,
 
@@ -95,9 +95,9 @@ pub struct Config {
 
     /// Read the mesh's configuration from the cluster into a writable store (the
     /// kubernetes store always does): the Gateway API HTTPRoutes and GRPCRoutes with
-    /// Service parents as the mesh's routes (their status written back), and each
-    /// Service's clusterIPs and trafficDistribution into the mesh service of the same
-    /// name. Uses the in-cluster or KUBECONFIG client. `--routes-from-kubernetes` is its
+    /// Service parents as the mesh's routes, the AuthorizationPolicies and HTTPFilters
+    /// (their status written back), and each Service's clusterIPs and
+    /// trafficDistribution into the mesh service of the same name. Uses the in-cluster or KUBECONFIG client. `--routes-from-kubernetes` is its
     /// former name.
     #[arg(
         long,

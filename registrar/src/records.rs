@@ -114,83 +114,65 @@ pub trait Record: Message + Default + Clone + PartialEq + Send + Sync + 'static 
     fn wrap(record: Arc<Self>) -> ConfigRecord;
 }
 
-impl Record for Route {
-    const KIND: ConfigKind = ConfigKind::Route;
-    const MESSAGE: &'static str = "a Route";
-    fn key(&self) -> String {
-        route_key(self)
-    }
-    fn validate(&self) -> Result<(), String> {
-        aether_api::validate(self).map_err(|e| e.to_string())
-    }
-    fn put(&self) -> change::Change {
-        change::Change::RoutePut(self.clone())
-    }
-    fn listed(snapshot: &mut Snapshot) -> &mut Vec<Self> {
-        &mut snapshot.routes
-    }
-    fn of(record: &ConfigRecord) -> Option<&Arc<Self>> {
-        match record {
-            ConfigRecord::Route(route) => Some(route),
-            _ => None,
+/// A kind's [`Record`]: its [`ConfigKind`] and [`ConfigRecord`] variant, message name,
+/// key function, projector check, put change and snapshot list.
+macro_rules! record {
+    ($type:ident, $variant:ident, $message:literal, $key:path, $validate:path, $put:ident, $listed:ident) => {
+        impl Record for $type {
+            const KIND: ConfigKind = ConfigKind::$variant;
+            const MESSAGE: &'static str = $message;
+            fn key(&self) -> String {
+                $key(self)
+            }
+            fn validate(&self) -> Result<(), String> {
+                $validate(self).map_err(|e| e.to_string())
+            }
+            fn put(&self) -> change::Change {
+                change::Change::$put(self.clone())
+            }
+            fn listed(snapshot: &mut Snapshot) -> &mut Vec<Self> {
+                &mut snapshot.$listed
+            }
+            fn of(record: &ConfigRecord) -> Option<&Arc<Self>> {
+                match record {
+                    ConfigRecord::$variant(record) => Some(record),
+                    _ => None,
+                }
+            }
+            fn wrap(record: Arc<Self>) -> ConfigRecord {
+                ConfigRecord::$variant(record)
+            }
         }
-    }
-    fn wrap(route: Arc<Self>) -> ConfigRecord {
-        ConfigRecord::Route(route)
-    }
+    };
 }
 
-impl Record for AuthorizationPolicy {
-    const KIND: ConfigKind = ConfigKind::Policy;
-    const MESSAGE: &'static str = "an AuthorizationPolicy";
-    fn key(&self) -> String {
-        policy_key(self)
-    }
-    fn validate(&self) -> Result<(), String> {
-        aether_api::authorization::validate(self).map_err(|e| e.to_string())
-    }
-    fn put(&self) -> change::Change {
-        change::Change::PolicyPut(self.clone())
-    }
-    fn listed(snapshot: &mut Snapshot) -> &mut Vec<Self> {
-        &mut snapshot.policies
-    }
-    fn of(record: &ConfigRecord) -> Option<&Arc<Self>> {
-        match record {
-            ConfigRecord::Policy(policy) => Some(policy),
-            _ => None,
-        }
-    }
-    fn wrap(policy: Arc<Self>) -> ConfigRecord {
-        ConfigRecord::Policy(policy)
-    }
-}
-
-impl Record for HttpFilter {
-    const KIND: ConfigKind = ConfigKind::HttpFilter;
-    const MESSAGE: &'static str = "an HttpFilter";
-    fn key(&self) -> String {
-        http_filter_key(self)
-    }
-    fn validate(&self) -> Result<(), String> {
-        aether_api::http_filter::validate(self).map_err(|e| e.to_string())
-    }
-    fn put(&self) -> change::Change {
-        change::Change::HttpFilterPut(self.clone())
-    }
-    fn listed(snapshot: &mut Snapshot) -> &mut Vec<Self> {
-        &mut snapshot.http_filters
-    }
-    fn of(record: &ConfigRecord) -> Option<&Arc<Self>> {
-        match record {
-            ConfigRecord::HttpFilter(filter) => Some(filter),
-            _ => None,
-        }
-    }
-    fn wrap(filter: Arc<Self>) -> ConfigRecord {
-        ConfigRecord::HttpFilter(filter)
-    }
-}
+record!(
+    Route,
+    Route,
+    "a Route",
+    route_key,
+    aether_api::validate,
+    RoutePut,
+    routes
+);
+record!(
+    AuthorizationPolicy,
+    Policy,
+    "an AuthorizationPolicy",
+    policy_key,
+    aether_api::authorization::validate,
+    PolicyPut,
+    policies
+);
+record!(
+    HttpFilter,
+    HttpFilter,
+    "an HttpFilter",
+    http_filter_key,
+    aether_api::http_filter::validate,
+    HttpFilterPut,
+    http_filters
+);
 
 /// One record of any kind, shared (the catalog, its history and every watcher hold the
 /// same one).
@@ -330,27 +312,83 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_record_round_trips_through_its_kind_and_lands_in_its_own_place() {
-        let record = ConfigRecord::from(Arc::new(route()));
-        assert_eq!(record.kind(), ConfigKind::Route);
-        assert_eq!(record.key(), "http/shop/split");
-        assert_eq!(ConfigKind::Route.decode(&record.encode()), Ok(record.clone()));
-        let mut snapshot = Snapshot::default();
-        record.add_to(&mut snapshot);
-        assert_eq!(snapshot.routes, [route()]);
-        assert!(snapshot.policies.is_empty());
-        assert_eq!(
-            config_change(ConfigKind::Route, "http/shop/split", None),
-            change::Change::RouteRemoved("http/shop/split".into())
-        );
+    /// One record of each kind, in the order of [`ConfigKind::ALL`].
+    fn one_of_each() -> [ConfigRecord; 3] {
+        let policy = AuthorizationPolicy {
+            namespace: "shop".into(),
+            name: "deny".into(),
+            ..Default::default()
+        };
+        let filter = HttpFilter {
+            namespace: "shop".into(),
+            name: "limit".into(),
+            ..Default::default()
+        };
+        [
+            Arc::new(route()).into(),
+            Arc::new(policy).into(),
+            Arc::new(filter).into(),
+        ]
+    }
 
+    #[test]
+    fn each_record_round_trips_through_its_kind_and_lands_in_its_own_places() {
+        for (record, kind) in one_of_each().into_iter().zip(ConfigKind::ALL) {
+            assert_eq!(record.kind(), kind);
+            assert_eq!(kind.decode(&record.encode()), Ok(record.clone()));
+            let mut snapshot = Snapshot::default();
+            record.add_to(&mut snapshot);
+            let placed = [
+                snapshot.routes.len(),
+                snapshot.policies.len(),
+                snapshot.http_filters.len(),
+            ];
+            assert_eq!(placed.iter().sum::<usize>(), 1, "{kind:?}");
+            assert_eq!(placed[kind.index()], 1, "{kind:?}");
+            let key = record.key();
+            let changes = (record.put(), config_change(kind, &key, None));
+            let paired = matches!(
+                (kind, changes),
+                (
+                    ConfigKind::Route,
+                    (change::Change::RoutePut(_), change::Change::RouteRemoved(_))
+                ) | (
+                    ConfigKind::Policy,
+                    (change::Change::PolicyPut(_), change::Change::PolicyRemoved(_))
+                ) | (
+                    ConfigKind::HttpFilter,
+                    (change::Change::HttpFilterPut(_), change::Change::HttpFilterRemoved(_))
+                )
+            );
+            assert!(paired, "{kind:?}: its put and removal are changes of its own kind");
+        }
+        assert_eq!(
+            one_of_each().map(|r| r.key()),
+            ["http/shop/split", "shop/deny", "shop/limit"]
+        );
+    }
+
+    #[test]
+    fn records_are_held_by_kind_and_key() {
         let mut records = ConfigRecords::default();
-        records.set(ConfigKind::Route, record.key(), Some(record.clone()));
+        for record in one_of_each() {
+            records.set(record.kind(), record.key(), Some(record.clone()));
+        }
         assert_eq!(records.typed::<Route>().count(), 1);
-        assert_eq!(records.typed::<AuthorizationPolicy>().count(), 0);
-        records.set(ConfigKind::Route, record.key(), None);
-        assert_eq!(records.all().count(), 0);
+        assert_eq!(
+            records
+                .typed::<HttpFilter>()
+                .map(|f| f.name.as_str())
+                .collect::<Vec<_>>(),
+            ["limit"]
+        );
+        assert_eq!(
+            records.all().map(ConfigRecord::kind).collect::<Vec<_>>(),
+            ConfigKind::ALL
+        );
+        records.set(ConfigKind::Route, "http/shop/split".into(), None);
+        records.replace(ConfigKind::Policy, BTreeMap::new());
+        assert_eq!(records.all().count(), 1);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::{mpsc, watch};
 
 use super::{ObjectKind, ObjectSet};
-use crate::cluster::Sets;
+use crate::cluster::{Collect, Sets, publish};
 
 /// Events arriving within this window are published as one set.
 pub const DEBOUNCE: Duration = Duration::from_millis(100);
@@ -104,24 +104,9 @@ where
     K: ObjectKind,
     K::Object: CrdObject,
 {
-    let (inputs_tx, mut inputs) = mpsc::channel(1024);
+    let (inputs_tx, inputs) = mpsc::channel(1024);
     let task = tokio::spawn(follow(api, inputs_tx));
-    let mut collected = Collected::<K>::default();
-    loop {
-        let first = tokio::select! {
-            input = inputs.recv() => input,
-            () = tx.closed() => None,
-        };
-        let Some(first) = first else { break };
-        let deadline = tokio::time::Instant::now() + DEBOUNCE;
-        let mut changed = collected.apply(first);
-        while let Ok(Some(input)) = tokio::time::timeout_at(deadline, inputs.recv()).await {
-            changed |= collected.apply(input);
-        }
-        if changed && collected.settled {
-            tx.send_replace(Some(Arc::new(collected.set.clone())));
-        }
-    }
+    publish(Collected::<K>::default(), inputs, DEBOUNCE, tx).await;
     task.abort();
 }
 
@@ -197,12 +182,18 @@ impl<K: ObjectKind> Default for Collected<K> {
     }
 }
 
-impl<K> Collected<K>
+impl<K> Collect for Collected<K>
 where
     K: ObjectKind,
     K::Object: CrdObject,
 {
-    /// Applies one input; true if the set (or what is known of it) changed.
+    type Input = Input<K::Object>;
+    type Set = CrdSet<K::Object>;
+
+    fn known(&self) -> Option<&CrdSet<K::Object>> {
+        self.settled.then_some(&self.set)
+    }
+
     fn apply(&mut self, input: Input<K::Object>) -> bool {
         match input {
             Input::Relist => {

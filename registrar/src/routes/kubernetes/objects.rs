@@ -18,7 +18,7 @@ use kube::{Api, Client};
 use serde::de::DeserializeOwned;
 use tokio::sync::{mpsc, watch};
 
-use crate::cluster::Sets;
+use crate::cluster::{Collect, Sets, publish};
 use crate::sources::ObjectSet;
 
 /// Events arriving within this window are published as one set.
@@ -84,29 +84,14 @@ enum Input {
 }
 
 async fn collect(client: Client, tx: watch::Sender<Option<Arc<RouteSet>>>) {
-    let (inputs_tx, mut inputs) = mpsc::channel(1024);
+    let (inputs_tx, inputs) = mpsc::channel(1024);
     let http = Api::<HttpRoute>::all(client.clone());
     let grpc = Api::<GrpcRoute>::all(client);
     let tasks = [
         tokio::spawn(follow(http, RouteKind::Http, RouteObject::Http, inputs_tx.clone())),
         tokio::spawn(follow(grpc, RouteKind::Grpc, RouteObject::Grpc, inputs_tx)),
     ];
-    let mut collected = Collected::default();
-    loop {
-        let first = tokio::select! {
-            input = inputs.recv() => input,
-            () = tx.closed() => None,
-        };
-        let Some(first) = first else { break };
-        let deadline = tokio::time::Instant::now() + DEBOUNCE;
-        let mut changed = collected.apply(first);
-        while let Ok(Some(input)) = tokio::time::timeout_at(deadline, inputs.recv()).await {
-            changed |= collected.apply(input);
-        }
-        if changed && collected.settled.len() == 2 {
-            tx.send_replace(Some(Arc::new(collected.set.clone())));
-        }
-    }
+    publish(Collected::default(), inputs, DEBOUNCE, tx).await;
     for task in tasks {
         task.abort();
     }
@@ -193,8 +178,14 @@ struct Collected {
     settled: HashSet<RouteKind>,
 }
 
-impl Collected {
-    /// Applies one input; true if the set (or what is known of it) changed.
+impl Collect for Collected {
+    type Input = Input;
+    type Set = RouteSet;
+
+    fn known(&self) -> Option<&RouteSet> {
+        (self.settled.len() == 2).then_some(&self.set)
+    }
+
     fn apply(&mut self, input: Input) -> bool {
         match input {
             Input::Relist(kind) => {
@@ -228,7 +219,9 @@ impl Collected {
         self.set.spec_version += 1;
         true
     }
+}
 
+impl Collected {
     fn replace_kind(&mut self, kind: RouteKind, objects: BTreeMap<String, Watched>) {
         self.set.objects.retain(|_, w| w.object.kind() != kind);
         self.set.objects.extend(objects);
