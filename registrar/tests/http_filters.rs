@@ -10,8 +10,9 @@ mod support;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use aether_proto::registrar::v1::{WatchRequest, WatchResponse, change, watch_response};
+use aether_proto::registrar::v1::{WatchRequest, change, watch_response};
 use aether_proto::registry::v1::http_filter::Filter;
+use support::sources::*;
 use support::*;
 
 /// A rate limit on `shop/orders` filling every `interval`, and one on `pay/ledger`.
@@ -38,23 +39,6 @@ kind: Service
 metadata: {{name: ignored, namespace: shop}}
 "#
     )
-}
-
-fn write(dir: &Path, name: &str, text: &str) {
-    let tmp = dir.join(format!(".{name}.tmp"));
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, dir.join(name)).unwrap();
-}
-
-/// Reads the stream until `done` holds for the view.
-async fn until(watcher: &mut Watcher, what: &str, done: impl Fn(&Watcher) -> bool) {
-    let deadline = Instant::now() + TIMEOUT;
-    while !done(watcher) {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        if watcher.try_next().is_none() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
 }
 
 fn keys(watcher: &Watcher) -> Vec<&str> {
@@ -129,11 +113,6 @@ async fn filters_reach_the_watchers_of_their_namespace_or_of_a_service_they_name
 
     drop(registrar);
     filters_are_stored_resumed_and_follow_the_file(data.path(), config.path()).await;
-}
-
-fn snapshot_count(watcher: &Watcher) -> usize {
-    let snapshot = |m: &&WatchResponse| matches!(m.event, Some(watch_response::Event::SnapshotComplete(_)));
-    watcher.received.iter().filter(snapshot).count()
 }
 
 /// A new filter on a live stream: one Delta takes the filters of the services it drops
@@ -231,10 +210,4 @@ async fn filters_are_stored_resumed_and_follow_the_file(data: &Path, config: &Pa
         w.view.catalog.http_filters.is_empty()
     })
     .await;
-}
-
-/// Whether the registrar's /metrics has `line`.
-async fn metric(registrar: &Registrar, line: &str) -> bool {
-    let (_, body) = http_get(registrar.admin, "/metrics").await.unwrap();
-    body.lines().any(|l| l == line)
 }

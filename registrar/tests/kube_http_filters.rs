@@ -7,7 +7,6 @@
 
 mod support;
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aether_api::http_filter::HttpFilter;
@@ -15,6 +14,7 @@ use aether_fakes::kube::ApiServer;
 use aether_proto::registrar::v1::WatchRequest;
 use aether_proto::registry::v1::http_filter::Filter;
 use serde_json::{Value, json};
+use support::sources::*;
 use support::*;
 
 const KEY: &str = "shop/limit-orders";
@@ -27,63 +27,16 @@ fn limit_orders(max_tokens: i64) -> Value {
     })
 }
 
-/// The registrar binary with KUBECONFIG pointing at the fake.
-async fn registrar(cluster: &ApiServer, dir: &Path, flags: &[&str]) -> Registrar {
-    let kubeconfig = cluster.write_kubeconfig(dir);
-    let env = [("KUBECONFIG".to_owned(), kubeconfig.display().to_string())];
-    Registrar::start_with_env(&dir.join("data"), flags, &env).await
-}
-
 /// A watcher of the callers' side: it calls `shop/orders`, hosts nothing of `shop`.
 async fn caller(registrar: &Registrar) -> Watcher {
     let mut client = registrar.client().await;
     Watcher::open(&mut client, filter(&["shop/orders"])).await.strict()
 }
 
-/// Reads the stream until `done` holds for the view.
-async fn until(watcher: &mut Watcher, what: &str, done: impl Fn(&Watcher) -> bool) {
-    let deadline = Instant::now() + TIMEOUT;
-    while !done(watcher) {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        if watcher.try_next().is_none() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
 fn tokens_of(watcher: &Watcher) -> Option<u32> {
     match &watcher.view.catalog.http_filters.get(KEY)?.filter {
         Some(Filter::LocalRateLimit(limit)) => Some(limit.max_tokens),
         _ => None,
-    }
-}
-
-/// The `(status, reason, message, observedGeneration)` of the `Accepted` condition.
-fn accepted(cluster: &ApiServer) -> Option<(String, String, String, i64)> {
-    let filter = cluster.get::<HttpFilter>("shop", "limit-orders")?;
-    let conditions = filter["status"]["conditions"].as_array()?.clone();
-    let condition = conditions.iter().find(|c| c["type"] == "Accepted")?;
-    let text = |f: &str| condition[f].as_str().unwrap_or_default().to_owned();
-    let generation = condition["observedGeneration"].as_i64().unwrap_or(0);
-    Some((text("status"), text("reason"), text("message"), generation))
-}
-
-async fn until_accepted(cluster: &ApiServer, registrar: &Registrar, status: &str, generation: i64) -> String {
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        if let Some((s, _, message, g)) = accepted(cluster)
-            && s == status
-            && g == generation
-        {
-            return message;
-        }
-        let now = accepted(cluster);
-        assert!(
-            Instant::now() < deadline,
-            "status is {now:?}, not {status}:\n{}",
-            registrar.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -101,13 +54,13 @@ async fn cluster_filters_reach_the_callers_of_their_services_and_say_why_in_thei
     let mut caller = caller(&registrar).await;
     until(&mut caller, "the filter is served", |w| tokens_of(w) == Some(10)).await;
     let generation = generation(&cluster);
-    until_accepted(&cluster, &registrar, "True", generation).await;
+    until_accepted::<HttpFilter>(&cluster, &registrar, KEY, ("True", generation)).await;
 
     // An invalid edit: False with the field; the last accepted version stays served.
     cluster.apply::<HttpFilter>(limit_orders(0));
-    let message = until_accepted(&cluster, &registrar, "False", generation + 1).await;
+    let message = until_accepted::<HttpFilter>(&cluster, &registrar, KEY, ("False", generation + 1)).await;
     assert!(message.contains("spec.localRateLimit.maxTokens"), "{message}");
-    assert_eq!(accepted(&cluster).unwrap().1, "Invalid");
+    assert_eq!(accepted::<HttpFilter>(&cluster, KEY).unwrap().1, "Invalid");
     tokio::time::sleep(Duration::from_millis(300)).await;
     while caller.try_next().is_some() {}
     assert_eq!(tokens_of(&caller), Some(10), "the last accepted version must stay");
@@ -115,7 +68,7 @@ async fn cluster_filters_reach_the_callers_of_their_services_and_say_why_in_thei
     // A fix is served; deletion removes it.
     cluster.apply::<HttpFilter>(limit_orders(20));
     until(&mut caller, "the fix is served", |w| tokens_of(w) == Some(20)).await;
-    until_accepted(&cluster, &registrar, "True", generation + 2).await;
+    until_accepted::<HttpFilter>(&cluster, &registrar, KEY, ("True", generation + 2)).await;
     cluster.delete::<HttpFilter>("shop", "limit-orders");
     until(&mut caller, "the deleted filter is gone", |w| {
         w.view.catalog.http_filters.is_empty()
@@ -141,7 +94,7 @@ async fn the_kubernetes_store_serves_the_cluster_filters() {
         tokens_of(w) == Some(10)
     })
     .await;
-    until_accepted(&cluster, &registrar, "True", 1).await;
+    until_accepted::<HttpFilter>(&cluster, &registrar, KEY, ("True", 1)).await;
     cluster.delete::<HttpFilter>("shop", "limit-orders");
     until(&mut shop, "the deleted filter is gone", |w| {
         !w.view.catalog.http_filters.contains_key(KEY)

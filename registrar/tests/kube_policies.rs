@@ -7,13 +7,13 @@
 
 mod support;
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aether_api::authorization::AuthorizationPolicy;
 use aether_fakes::kube::ApiServer;
 use aether_proto::registrar::v1::WatchRequest;
 use serde_json::{Value, json};
+use support::sources::*;
 use support::*;
 
 const KEY: &str = "shop/cart-api";
@@ -26,13 +26,6 @@ fn cart_api(path: &str) -> Value {
     })
 }
 
-/// The registrar binary with KUBECONFIG pointing at the fake.
-async fn registrar(cluster: &ApiServer, dir: &Path, flags: &[&str]) -> Registrar {
-    let kubeconfig = cluster.write_kubeconfig(dir);
-    let env = [("KUBECONFIG".to_owned(), kubeconfig.display().to_string())];
-    Registrar::start_with_env(&dir.join("data"), flags, &env).await
-}
-
 async fn shop_watcher(registrar: &Registrar) -> Watcher {
     let mut client = registrar.client().await;
     let request = WatchRequest {
@@ -42,49 +35,9 @@ async fn shop_watcher(registrar: &Registrar) -> Watcher {
     Watcher::open(&mut client, request).await.strict()
 }
 
-/// Reads the stream until `done` holds for the view.
-async fn until(watcher: &mut Watcher, what: &str, done: impl Fn(&Watcher) -> bool) {
-    let deadline = Instant::now() + TIMEOUT;
-    while !done(watcher) {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        if watcher.try_next().is_none() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
 fn path_of(watcher: &Watcher) -> Option<String> {
     let policy = watcher.view.catalog.policies.get(KEY)?;
     Some(policy.rules[0].to[0].paths[0].value.clone())
-}
-
-/// The `(status, reason, message, observedGeneration)` of the `Accepted` condition.
-fn accepted(cluster: &ApiServer) -> Option<(String, String, String, i64)> {
-    let policy = cluster.get::<AuthorizationPolicy>("shop", "cart-api")?;
-    let conditions = policy["status"]["conditions"].as_array()?.clone();
-    let condition = conditions.iter().find(|c| c["type"] == "Accepted")?;
-    let text = |f: &str| condition[f].as_str().unwrap_or_default().to_owned();
-    let generation = condition["observedGeneration"].as_i64().unwrap_or(0);
-    Some((text("status"), text("reason"), text("message"), generation))
-}
-
-async fn until_accepted(cluster: &ApiServer, registrar: &Registrar, status: &str, generation: i64) -> String {
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        if let Some((s, _, message, g)) = accepted(cluster)
-            && s == status
-            && g == generation
-        {
-            return message;
-        }
-        let now = accepted(cluster);
-        assert!(
-            Instant::now() < deadline,
-            "status is {now:?}, not {status}:\n{}",
-            registrar.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -101,13 +54,13 @@ async fn cluster_policies_reach_the_watchers_of_their_namespace_and_say_why_in_t
     let generation = cluster.get::<AuthorizationPolicy>("shop", "cart-api").unwrap()["metadata"]["generation"]
         .as_i64()
         .unwrap();
-    until_accepted(&cluster, &registrar, "True", generation).await;
+    until_accepted::<AuthorizationPolicy>(&cluster, &registrar, KEY, ("True", generation)).await;
 
     // An invalid edit: False with the field; the last accepted version stays served.
     cluster.apply::<AuthorizationPolicy>(cart_api("admin"));
-    let message = until_accepted(&cluster, &registrar, "False", generation + 1).await;
+    let message = until_accepted::<AuthorizationPolicy>(&cluster, &registrar, KEY, ("False", generation + 1)).await;
     assert!(message.contains("spec.rules[0].to[0].operation.paths[0]"), "{message}");
-    assert_eq!(accepted(&cluster).unwrap().1, "Invalid");
+    assert_eq!(accepted::<AuthorizationPolicy>(&cluster, KEY).unwrap().1, "Invalid");
     tokio::time::sleep(Duration::from_millis(300)).await;
     while shop.try_next().is_some() {}
     assert_eq!(
@@ -122,7 +75,7 @@ async fn cluster_policies_reach_the_watchers_of_their_namespace_and_say_why_in_t
         path_of(w).as_deref() == Some("/v2/")
     })
     .await;
-    until_accepted(&cluster, &registrar, "True", generation + 2).await;
+    until_accepted::<AuthorizationPolicy>(&cluster, &registrar, KEY, ("True", generation + 2)).await;
     cluster.delete::<AuthorizationPolicy>("shop", "cart-api");
     until(&mut shop, "the deleted policy is gone", |w| {
         w.view.catalog.policies.is_empty()
@@ -154,7 +107,7 @@ async fn the_kubernetes_store_serves_the_cluster_policies() {
             .unwrap()
             .mesh_wide
     );
-    until_accepted(&cluster, &registrar, "True", 1).await;
+    until_accepted::<AuthorizationPolicy>(&cluster, &registrar, KEY, ("True", 1)).await;
     cluster.delete::<AuthorizationPolicy>("shop", "cart-api");
     until(&mut shop, "the deleted policy is gone", |w| {
         !w.view.catalog.policies.contains_key(KEY)

@@ -7,13 +7,13 @@
 
 mod support;
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aether_api::gateway::{GrpcRoute, HttpRoute};
 use aether_fakes::kube::ApiServer;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};
+use support::sources::*;
 use support::*;
 
 const CANARY: &str = "http/shop/canary";
@@ -35,24 +35,6 @@ fn grpc_route(name: &str, parent: &str) -> Value {
                  "rules": [{"matches": [{"method": {"service": "shop.Cart"}}],
                             "backendRefs": [{"name": parent, "port": 9090}]}]},
     })
-}
-
-/// The registrar binary with KUBECONFIG pointing at the fake.
-async fn registrar(cluster: &ApiServer, dir: &Path, flags: &[&str]) -> Registrar {
-    let kubeconfig = cluster.write_kubeconfig(dir);
-    let env = [("KUBECONFIG".to_owned(), kubeconfig.display().to_string())];
-    Registrar::start_with_env(&dir.join("data"), flags, &env).await
-}
-
-/// Reads the stream until `done` holds for the view.
-async fn until(watcher: &mut Watcher, what: &str, done: impl Fn(&Watcher) -> bool) {
-    let deadline = Instant::now() + TIMEOUT;
-    while !done(watcher) {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        if watcher.try_next().is_none() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
 }
 
 fn regex_of(watcher: &Watcher) -> Option<String> {

@@ -6,13 +6,12 @@
 
 mod support;
 
-use std::path::Path;
-
 use aether_fakes::kube::ApiServer;
 use aether_proto::registry::v1::{KubernetesService, ServicePort, TrafficDistribution};
 use k8s_openapi::api::core::v1::{Pod, Service};
 use serde_json::{Value, json};
 use support::replicas::wait_view;
+use support::sources::*;
 use support::*;
 
 fn service(name: &str, cluster_ips: &[&str], traffic: Option<&str>) -> Value {
@@ -44,13 +43,6 @@ fn attributes(cluster_ips: &[&str], traffic: TrafficDistribution) -> Option<Kube
             ..Default::default()
         }],
     })
-}
-
-/// The registrar binary with KUBECONFIG pointing at the fake.
-async fn registrar(cluster: &ApiServer, dir: &Path, flags: &[&str]) -> Registrar {
-    let kubeconfig = cluster.write_kubeconfig(dir);
-    let env = [("KUBECONFIG".to_owned(), kubeconfig.display().to_string())];
-    Registrar::start_with_env(&dir.join("data"), flags, &env).await
 }
 
 /// Waits until the watcher's view of `key` carries `want`.

@@ -11,6 +11,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aether_proto::registrar::v1::{WatchRequest, change, watch_response};
+use support::sources::*;
 use support::*;
 
 /// Policies of namespaces `shop` and `pay`, and a mesh-wide one; `paths` is the
@@ -45,23 +46,6 @@ kind: Service
 metadata: {{name: ignored, namespace: shop}}
 "#
     )
-}
-
-fn write(dir: &Path, name: &str, text: &str) {
-    let tmp = dir.join(format!(".{name}.tmp"));
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, dir.join(name)).unwrap();
-}
-
-/// Reads the stream until `done` holds for the view.
-async fn until(watcher: &mut Watcher, what: &str, done: impl Fn(&Watcher) -> bool) {
-    let deadline = Instant::now() + TIMEOUT;
-    while !done(watcher) {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        if watcher.try_next().is_none() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
 }
 
 /// Whether the watcher's `shop/cart-api` has `path` as its first pattern.
@@ -143,13 +127,6 @@ async fn policies_reach_the_watchers_of_their_namespaces_and_mesh_wide_ones_reac
 
     drop(registrar);
     policies_are_stored_resumed_and_follow_the_file(data.path(), config.path()).await;
-}
-
-fn snapshot_count(watcher: &Watcher) -> usize {
-    let snapshot = |m: &&aether_proto::registrar::v1::WatchResponse| {
-        matches!(m.event, Some(watch_response::Event::SnapshotComplete(_)))
-    };
-    watcher.received.iter().filter(snapshot).count()
 }
 
 /// A refused edit keeps the last accepted version, logs the field and counts it; the
@@ -239,10 +216,4 @@ async fn a_root_namespace_that_is_not_a_namespace_name_is_refused_at_start() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("--mesh-root-namespace: \"Not_A_Label\""), "{stderr}");
-}
-
-/// Whether the registrar's /metrics has `line`.
-async fn metric(registrar: &Registrar, line: &str) -> bool {
-    let (_, body) = http_get(registrar.admin, "/metrics").await.unwrap();
-    body.lines().any(|l| l == line)
 }

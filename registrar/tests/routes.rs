@@ -9,6 +9,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aether_proto::registrar::v1::WatchRequest;
+use support::sources::*;
 use support::*;
 
 const CANARY: &str = "http/shop/canary";
@@ -32,24 +33,6 @@ kind: Service
 metadata: {{name: ignored, namespace: shop}}
 "#
     )
-}
-
-fn write(dir: &Path, name: &str, text: &str) {
-    // Write then rename, as a ConfigMap update or an editor would.
-    let tmp = dir.join(format!(".{name}.tmp"));
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, dir.join(name)).unwrap();
-}
-
-/// Reads the stream until `done` holds for the view.
-async fn until(watcher: &mut Watcher, what: &str, done: impl Fn(&Watcher) -> bool) {
-    let deadline = Instant::now() + TIMEOUT;
-    while !done(watcher) {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        if watcher.try_next().is_none() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
 }
 
 fn has_canary(watcher: &Watcher, parent: &str) -> bool {
@@ -170,10 +153,4 @@ async fn routes_are_stored_and_follow_the_file(data: &Path, routes: &Path) {
         w.view.catalog.routes.is_empty()
     })
     .await;
-}
-
-/// Whether the registrar's /metrics has `line`.
-async fn metric(registrar: &Registrar, line: &str) -> bool {
-    let (_, body) = http_get(registrar.admin, "/metrics").await.unwrap();
-    body.lines().any(|l| l == line)
 }

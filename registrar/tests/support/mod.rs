@@ -4,6 +4,7 @@
 
 pub mod etcd;
 pub mod replicas;
+pub mod sources;
 pub mod updates;
 
 use std::net::SocketAddr;
