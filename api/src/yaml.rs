@@ -87,6 +87,32 @@ fn route_object(value: Value) -> Option<Result<RouteObject, (String, String)>> {
     })
 }
 
+/// A document as one of our kinds: `None` for another group or kind, a refusal naming
+/// `apiVersion` for a version we do not serve, else the typed object (or where it fails).
+pub(crate) fn of_kind<T: DeserializeOwned>(
+    value: Value,
+    (group, version, kind): (&str, &str, &str),
+) -> Option<Result<T, (String, String)>> {
+    let Value::Object(fields) = &value else {
+        let message = "is not a Kubernetes object (a mapping with apiVersion and kind)";
+        return Some(Err((String::new(), message.to_owned())));
+    };
+    let text = |name: &str| fields.get(name).and_then(Value::as_str).unwrap_or_default().to_owned();
+    let (api_version, found) = (text("apiVersion"), text("kind"));
+    let (found_group, found_version) = api_version.split_once('/').unwrap_or(("", &api_version));
+    if found_group != group || found != kind {
+        return None;
+    }
+    if found_version != version {
+        let message = format!(
+            "{} is not served: use {group}/{version}",
+            aether_common::quote::quote(&api_version)
+        );
+        return Some(Err(("apiVersion".to_owned(), message)));
+    }
+    Some(typed(value))
+}
+
 pub(crate) fn typed<T: DeserializeOwned>(value: Value) -> Result<T, (String, String)> {
     serde_path_to_error::deserialize(value)
         .map_err(|e| (e.path().to_string(), clip(&e.inner().to_string()).to_string()))
