@@ -19,7 +19,7 @@
 //!    selecting backend, and after removing them; per policy against none.
 //!
 //! Knobs (env): AETHER_BENCH_AUTHZ_PARTS ("1,2,3"), AETHER_BENCH_AUTHZ_POLICIES ("0,10,100"), AETHER_BENCH_AUTHZ_HEAP
-//! ("0,100,1000"), AETHER_BENCH_AUTHZ_REQUESTS (20000 timed per count, split over the rounds), AETHER_BENCH_ROUNDS (2),
+//! ("0,100,1000"), AETHER_BENCH_AUTHZ_REQUESTS (20000 timed per count, split over the rounds), AETHER_BENCH_ROUNDS (4),
 //! AETHER_BENCH_AUTHZ_CHANGES (30), AETHER_BENCH_ENVOY_CONCURRENCY (2).
 
 use std::collections::BTreeSet;
@@ -27,6 +27,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use aether_api::authorization::{ProjectOptions, parse_documents, project};
 use aether_tests::bench::{envoy_allocated, knob, knob_list, tail};
 use aether_tests::mesh::{Mesh, NAMESPACE};
 use aether_tests::{Envoy, HttpServer, TestPod, free_port, http_get, unique_base_id};
@@ -80,7 +81,7 @@ impl Knobs {
             counts: knob_list("AETHER_BENCH_AUTHZ_POLICIES", "0,10,100"),
             heap_counts: knob_list("AETHER_BENCH_AUTHZ_HEAP", "0,100,1000"),
             requests: knob("AETHER_BENCH_AUTHZ_REQUESTS", 20_000),
-            rounds: knob("AETHER_BENCH_ROUNDS", 2),
+            rounds: knob("AETHER_BENCH_ROUNDS", 4),
             changes: knob("AETHER_BENCH_AUTHZ_CHANGES", 30),
             workers: knob("AETHER_BENCH_ENVOY_CONCURRENCY", 2),
         };
@@ -179,7 +180,7 @@ impl Node {
         let started = Instant::now();
         match n {
             0 => remove(self.config.path(), POLICIES_FILE),
-            n => put(self.config.path(), POLICIES_FILE, &policy_set(n)),
+            n => put(self.config.path(), POLICIES_FILE, &projected(policy_set(n), n)),
         }
         self.wait_enforced(n).await;
         started.elapsed()
@@ -318,42 +319,74 @@ fn policy_set(n: usize) -> String {
 /// others is a DENY matching none of frontend's requests; the rest ALLOW other callers.
 fn policy(n: usize, i: usize) -> String {
     let name = policy_name(n, i);
-    let head = format!(
-        "---\napiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\nmetadata: {{name: {name}, \
-         namespace: {NAMESPACE}}}\nspec:\n  targetRefs: [{{kind: Service, name: backend}}]\n"
-    );
     let orders = format!("/api/v1/orders-{i:04}/*");
     let rules = if i + 1 == n {
         format!(
-            "  action: ALLOW\n  rules:\n    - from: [{{source: {{serviceAccounts: [{NAMESPACE}/caller-{i:04}]}}}}]\n      \
-             to: [{{operation: {{methods: [GET, POST], paths: [{orders}]}}}}]\n    - from: [{{source: \
-             {{serviceAccounts: [{NAMESPACE}/frontend]}}}}]\n      to: [{{operation: {{methods: [GET], paths: \
-             [/bench/*]}}}}]\n"
+            r#"  action: ALLOW
+  rules:
+    - from: [{{source: {{serviceAccounts: [{NAMESPACE}/caller-{i:04}]}}}}]
+      to: [{{operation: {{methods: [GET, POST], paths: [{orders}]}}}}]
+    - from: [{{source: {{serviceAccounts: [{NAMESPACE}/frontend]}}}}]
+      to: [{{operation: {{methods: [GET], paths: [/bench/*]}}}}]
+"#
         )
     } else if i % DENY_EVERY == 2 {
         format!(
-            "  action: DENY\n  rules:\n    - from: [{{source: {{notNamespaces: [{NAMESPACE}]}}}}]\n      to: \
-             [{{operation: {{paths: [/admin/*]}}}}]\n    - to: [{{operation: {{methods: [DELETE], paths: \
-             [{orders}]}}}}]\n"
+            r#"  action: DENY
+  rules:
+    - from: [{{source: {{notNamespaces: [{NAMESPACE}]}}}}]
+      to: [{{operation: {{paths: [/admin/*]}}}}]
+    - to: [{{operation: {{methods: [DELETE], paths: [{orders}]}}}}]
+"#
         )
     } else {
         format!(
-            "  action: ALLOW\n  rules:\n    - from: [{{source: {{serviceAccounts: [{NAMESPACE}/caller-{i:04}, \
-             {NAMESPACE}/worker-{i:04}]}}}}]\n      to: [{{operation: {{methods: [GET, POST], paths: [{orders}, \
-             /healthz]}}}}]\n    - from: [{{source: {{principals: [\"spiffe://aether.test/ns/team-{i:04}/*\"]}}}}]\n      \
-             to: [{{operation: {{methods: [GET], paths: [/metrics]}}}}]\n"
+            r#"  action: ALLOW
+  rules:
+    - from: [{{source: {{serviceAccounts: [{NAMESPACE}/caller-{i:04}, {NAMESPACE}/worker-{i:04}]}}}}]
+      to: [{{operation: {{methods: [GET, POST], paths: [{orders}, /healthz]}}}}]
+    - from: [{{source: {{principals: ["spiffe://aether.test/ns/team-{i:04}/*"]}}}}]
+      to: [{{operation: {{methods: [GET], paths: [/metrics]}}}}]
+"#
         )
     };
-    head + &rules
+    format!(
+        r#"---
+apiVersion: security.aether.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {{name: {name}, namespace: {NAMESPACE}}}
+spec:
+  targetRefs: [{{kind: Service, name: backend}}]
+{rules}"#
+    )
+}
+
+/// `yaml`, once the projector the registrar runs accepts its `count` policies: a bench policy refused would leave
+/// the bench measuring less than it says.
+fn projected(yaml: String, count: usize) -> String {
+    let parsed = parse_documents(&yaml);
+    assert_eq!(parsed.len(), count, "policies in the bench's YAML");
+    for policy in parsed {
+        let policy = policy.unwrap_or_else(|e| panic!("a bench policy does not parse: {e:?}"));
+        project(&policy, &ProjectOptions::default()).unwrap_or_else(|e| panic!("a bench policy is refused: {e}"));
+    }
+    yaml
 }
 
 /// Part 2's policy: a DENY of frontend on `/bench/*`, enforced or as a dry run.
 fn flip_policy(dry_run: bool) -> String {
     format!(
-        "apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\nmetadata: {{name: flip, namespace: \
-         {NAMESPACE}}}\nspec:\n  targetRefs: [{{kind: Service, name: backend}}]\n  action: DENY\n  dryRun: \
-         {dry_run}\n  rules:\n    - from: [{{source: {{serviceAccounts: [{NAMESPACE}/frontend]}}}}]\n      to: \
-         [{{operation: {{paths: [/bench/*]}}}}]\n"
+        r#"apiVersion: security.aether.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {{name: flip, namespace: {NAMESPACE}}}
+spec:
+  targetRefs: [{{kind: Service, name: backend}}]
+  action: DENY
+  dryRun: {dry_run}
+  rules:
+    - from: [{{source: {{serviceAccounts: [{NAMESPACE}/frontend]}}}}]
+      to: [{{operation: {{paths: [/bench/*]}}}}]
+"#
     )
 }
 
@@ -427,7 +460,8 @@ impl KeepAlive {
 async fn added_latency(node: &Node, k: &Knobs) {
     let per_run = k.requests / k.rounds;
     println!(
-        "1. added latency of N AuthorizationPolicies selecting backend ({RULES_PER_POLICY} rules each, every {DENY_EVERY}th a DENY; the \
+        "1. added latency of N AuthorizationPolicies selecting backend ({RULES_PER_POLICY} rules each, every \
+         {DENY_EVERY}th a DENY; the \
          request allowed by the last rule Envoy tries): GET {BENCH_PATH} frontend → backend's VIP (mTLS), sequential \
          on one keep-alive connection per run, {WARM_UP_REQUESTS} warm-up + {per_run} timed requests per run, {} \
          rounds alternating {:?}",
@@ -486,11 +520,20 @@ fn print_added_latency(counts: &[usize], runs: &[(usize, Vec<Duration>)]) {
         let added_p50 = us(percentile(samples, 0.5)) - us(percentile(none, 0.5));
         let added_p99 = us(percentile(samples, 0.99)) - us(percentile(none, 0.99));
         println!("  {n} policies add p50 {added_p50:+.0} µs, p99 {added_p99:+.0} µs over none");
-        if *n == GOAL_AT && added_p99 > us(GOAL_ADDED_P99) {
+        let goal = us(GOAL_ADDED_P99);
+        if *n != GOAL_AT {
+            continue;
+        }
+        // The median shift is what every request pays: over the goal there, the p99 cannot meet it on a quiet
+        // machine either, whatever the noise in this run's tail.
+        if added_p50 > goal {
             println!(
-                "PRODUCT PROBLEM: {n} policies add {added_p99:.0} µs p99, over the goal of {} µs (compare with the \
-                 run-to-run spread above: on a busy machine part of it is noise)",
-                us(GOAL_ADDED_P99)
+                "PRODUCT PROBLEM: {n} policies add {added_p50:.0} µs at the median, over the {goal:.0} µs p99 goal"
+            );
+        } else if added_p99 > goal {
+            println!(
+                "PRODUCT PROBLEM: {n} policies add {added_p99:.0} µs p99, over the goal of {goal:.0} µs (compare with \
+                 the run-to-run spread above: on a busy machine part of it is noise)"
             );
         }
     }
@@ -525,7 +568,7 @@ async fn write_to_enforced(node: &Node, k: &Knobs) {
         tokio::time::sleep(CHANGE_GAP).await;
         let deny = change % 2 == 0;
         let started = Instant::now();
-        put(node.config.path(), FLIP_FILE, &flip_policy(!deny));
+        put(node.config.path(), FLIP_FILE, &projected(flip_policy(!deny), 1));
         let took = until_status(node, &mut conn, if deny { 403 } else { 200 }, started).await;
         let samples = if deny { &mut denied } else { &mut allowed };
         samples.push(took);
@@ -602,7 +645,8 @@ async fn heap_per_policy(node: &Node, k: &Knobs) {
     node.apply(0).await;
     let none = quiet_heap(node).await;
     println!(
-        "3. Envoy heap (/memory allocated, {} s after the set is in force), policies selecting backend ({RULES_PER_POLICY} rules each):",
+        "3. Envoy heap (/memory allocated, {} s after the set is in force), policies selecting backend \
+         ({RULES_PER_POLICY} rules each):",
         QUIET.as_secs()
     );
     println!("  0 policies: {:.2} MiB", none as f64 / MIB);
