@@ -347,7 +347,9 @@ impl Node {
         });
         self.metrics.dependencies.set(deps.len() as i64);
         self.metrics.invalid_routes.set(generator.invalid_routes() as i64);
-        self.metrics.invalid_http_filters.set(generator.invalid_http_filters() as i64);
+        self.metrics
+            .invalid_http_filters
+            .set(generator.invalid_http_filters() as i64);
         self.metrics.refused_policies.clear();
         for refused in generator.refused_policies() {
             let labels = vec![
