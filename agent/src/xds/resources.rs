@@ -541,8 +541,10 @@ impl Generator {
             let last = self.pods.get(&pod.id()).map_or(&[][..], |m| &m.policies[..]);
             let (policies, refused_here) = self.policies.for_pod(pod, last);
             refused.extend(refused_here);
+            let (inbound, inbound_enabled) = self.http_filters.inbound(pod);
             let filters = PodFilters {
-                inbound: self.http_filters.inbound(pod),
+                inbound,
+                inbound_enabled,
                 callers: callers.filters.clone(),
             };
             let memo = match self.pods.remove(&pod.id()) {
@@ -627,7 +629,9 @@ impl Generator {
 /// ones (disabled) for its outbound HCMs.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PodFilters {
+    /// Disabled in the inbound HCM; `inbound_enabled` enables them in the inbound table.
     pub inbound: Vec<envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpFilter>,
+    pub inbound_enabled: Vec<http_filters::Enabled>,
     pub callers: Vec<envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpFilter>,
 }
 
@@ -682,13 +686,14 @@ impl PodMemo {
             .chain(mtls.map(|m| origination::pod_cluster(m, &pod.id())))
             .collect();
         let listeners = listeners::pod_listeners(pod, declared, &table, mtls, &authz, &filters);
+        let inbound_routes = listeners::pod_inbound_routes(pod, &authz, &filters.inbound_enabled);
         PodMemo {
             pod: pod.clone(),
             policies,
             filters,
             declared: declared_keys,
             listeners: resources(listeners),
-            inbound_routes: resources(listeners::pod_inbound_routes(pod, &authz).into_iter().collect()),
+            inbound_routes: resources(inbound_routes.into_iter().collect()),
             table,
             clusters: resources(clusters),
         }

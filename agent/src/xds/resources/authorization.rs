@@ -356,13 +356,17 @@ fn rules_config(policy: &AuthorizationPolicy, stat_prefix: &str) -> HttpRbacConf
 
 /// The pod's inbound route table with each HTTP RBAC filter's rules set on it (so they
 /// apply to every route of the table).
-pub fn route_table(routes: &RouteConfiguration, filters: &Filters) -> Any {
-    let mut entries: Vec<mirror::AnyEntry> = filters
+/// `enabled`: the pod's inbound HTTP filters (proposals/014), enabled there.
+pub fn route_table(routes: &RouteConfiguration, filters: &Filters, enabled: &[super::http_filters::Enabled]) -> Any {
+    let entries = filters
         .per_route
         .iter()
+        .cloned()
+        .chain(super::http_filters::enabling(enabled));
+    let mut entries: Vec<mirror::AnyEntry> = entries
         .map(|(name, config)| mirror::AnyEntry {
-            name: name.clone(),
-            config: Some(config.clone()),
+            name,
+            config: Some(config),
         })
         .collect();
     entries.sort_by(|a, b| a.name.cmp(&b.name));

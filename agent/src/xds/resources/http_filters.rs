@@ -97,13 +97,19 @@ impl Checked {
         self.valid.iter().filter(move |f| f.attach() == attach)
     }
 
-    /// The pod's inbound filters, in order.
-    pub fn inbound(&self, pod: &LocalPod) -> Vec<EnvoyHttpFilter> {
+    /// The pod's inbound filters, in order, disabled, and what enables each in the pod's
+    /// inbound route table: a removal or an edit then reaches open connections with the
+    /// table (their chain keeps the old filter list until it drains, disabled by the new
+    /// table), never leaving them on a filter whose ext_authz cluster is gone.
+    pub fn inbound(&self, pod: &LocalPod) -> (Vec<EnvoyHttpFilter>, Vec<Enabled>) {
         let service = pod.info.service();
         let mine = self
             .attached(HttpFilterAttachment::Inbound)
             .filter(|f| f.services.contains(&service));
-        mine.filter_map(|f| envoy_filter(f, false)).collect()
+        let compiled = mine.filter_map(|f| Some((envoy_filter(f, true)?, per_route(f)?)));
+        compiled
+            .map(|(envoy, config)| (envoy.clone(), (envoy.name, config)))
+            .unzip()
     }
 
     /// The callers-side filters for calls to `services` (the node's dependencies).

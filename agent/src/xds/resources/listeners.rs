@@ -35,6 +35,7 @@ use envoy_types::pb::google::protobuf::{Any, UInt32Value};
 
 use super::authorization::Filters;
 use super::clusters::local_name;
+use super::http_filters::Enabled;
 use super::routes::{DESTINATION_HEADER, inbound_routes, inbound_routes_name};
 use super::transport::{self, Mtls};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
@@ -71,13 +72,16 @@ pub fn pod_listeners(
 
 /// The pod's inbound route table (RDS), with its authorization rules; `None` when the
 /// pod serves no HTTP.
-pub fn pod_inbound_routes(pod: &LocalPod, authz: &Filters) -> Option<(String, Any)> {
+pub fn pod_inbound_routes(pod: &LocalPod, authz: &Filters, enabled: &[Enabled]) -> Option<(String, Any)> {
     let http_ports = http_ports(pod);
     if http_ports.is_empty() {
         return None;
     }
     let routes = inbound_routes(pod, &http_ports);
-    Some((routes.name.clone(), super::authorization::route_table(&routes, authz)))
+    Some((
+        routes.name.clone(),
+        super::authorization::route_table(&routes, authz, enabled),
+    ))
 }
 
 fn http_ports(pod: &LocalPod) -> Vec<u16> {

@@ -140,7 +140,24 @@ fn each_filter_is_where_it_attaches_in_order_and_callers_ones_are_enabled_per_se
             "envoy.filters.http.router"
         ]
     );
-    assert!(inbound.iter().all(|(_, disabled)| !disabled));
+    // Disabled in the HCM, enabled by the pod's inbound route table (RDS).
+    let ours = inbound.iter().filter(|(n, _)| n.starts_with("aether.filter."));
+    assert!(
+        ours.clone().count() == 2 && ours.clone().all(|(_, disabled)| *disabled),
+        "{inbound:?}"
+    );
+    let table = generated[crate::xds::ROUTE]
+        .iter()
+        .find(|r| r.name == "inbound|gamma/echo-1")
+        .unwrap();
+    let table = RouteConfiguration::decode(&*table.body.value).unwrap();
+    let mut enabled: Vec<&String> = table
+        .typed_per_filter_config
+        .keys()
+        .filter(|k| k.starts_with("aether.filter."))
+        .collect();
+    enabled.sort();
+    assert_eq!(enabled, ["aether.filter.gamma/check", "aether.filter.gamma/tag"]);
 
     let outbound = hcm_filters(&generated, "outbound|gamma/web", usize::MAX);
     let callers: Vec<&(String, bool)> = outbound
