@@ -97,6 +97,41 @@ fn hcm_filters(generated: &Generated, listener: &str, chain: usize) -> Vec<(Stri
     hcm.http_filters.into_iter().map(|f| (f.name, f.disabled)).collect()
 }
 
+/// echo-1's inbound chain: authorization, then its filters by order (disabled there),
+/// each enabled by the pod's inbound route table.
+fn inbound_in_order_enabled_by_the_table(generated: &Generated) {
+    let inbound = hcm_filters(generated, "inbound|gamma/echo-1", 0);
+    let names: Vec<&str> = inbound.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "aether.authz.deny",
+            "aether.authz.allow",
+            "aether.filter.gamma/tag",
+            "aether.filter.gamma/check",
+            "envoy.filters.http.router"
+        ]
+    );
+    // Disabled in the HCM, enabled by the pod's inbound route table (RDS).
+    let ours = inbound.iter().filter(|(n, _)| n.starts_with("aether.filter."));
+    assert!(
+        ours.clone().count() == 2 && ours.clone().all(|(_, disabled)| *disabled),
+        "{inbound:?}"
+    );
+    let table = generated[crate::xds::ROUTE]
+        .iter()
+        .find(|r| r.name == "inbound|gamma/echo-1")
+        .unwrap();
+    let table = RouteConfiguration::decode(&*table.body.value).unwrap();
+    let mut enabled: Vec<&String> = table
+        .typed_per_filter_config
+        .keys()
+        .filter(|k| k.starts_with("aether.filter."))
+        .collect();
+    enabled.sort();
+    assert_eq!(enabled, ["aether.filter.gamma/check", "aether.filter.gamma/tag"]);
+}
+
 #[test]
 fn each_filter_is_where_it_attaches_in_order_and_callers_ones_are_enabled_per_service() {
     let tenant = Kind::HeaderToMetadata(HeaderToMetadata {
@@ -128,36 +163,7 @@ fn each_filter_is_where_it_attaches_in_order_and_callers_ones_are_enabled_per_se
     let web = routes::tests::pod("gamma", "web");
     let generated = routes::tests::generated(&catalog, &[web, echo_pod()]);
 
-    let inbound = hcm_filters(&generated, "inbound|gamma/echo-1", 0);
-    let names: Vec<&str> = inbound.iter().map(|(n, _)| n.as_str()).collect();
-    assert_eq!(
-        names,
-        [
-            "aether.authz.deny",
-            "aether.authz.allow",
-            "aether.filter.gamma/tag",
-            "aether.filter.gamma/check",
-            "envoy.filters.http.router"
-        ]
-    );
-    // Disabled in the HCM, enabled by the pod's inbound route table (RDS).
-    let ours = inbound.iter().filter(|(n, _)| n.starts_with("aether.filter."));
-    assert!(
-        ours.clone().count() == 2 && ours.clone().all(|(_, disabled)| *disabled),
-        "{inbound:?}"
-    );
-    let table = generated[crate::xds::ROUTE]
-        .iter()
-        .find(|r| r.name == "inbound|gamma/echo-1")
-        .unwrap();
-    let table = RouteConfiguration::decode(&*table.body.value).unwrap();
-    let mut enabled: Vec<&String> = table
-        .typed_per_filter_config
-        .keys()
-        .filter(|k| k.starts_with("aether.filter."))
-        .collect();
-    enabled.sort();
-    assert_eq!(enabled, ["aether.filter.gamma/check", "aether.filter.gamma/tag"]);
+    inbound_in_order_enabled_by_the_table(&generated);
 
     let outbound = hcm_filters(&generated, "outbound|gamma/web", usize::MAX);
     let callers: Vec<&(String, bool)> = outbound
