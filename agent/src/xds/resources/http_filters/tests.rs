@@ -3,7 +3,6 @@
 //! gRPC authorization server of our own (allow, deny, server down → the failure mode),
 //! and a local rate limit. The Envoy tests fail when Envoy is missing.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -21,7 +20,9 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::*;
 use crate::pod::{ContainerPort, PodInfo};
-use crate::xds::resources::authorization::tests::data_path::{app, envoy, loopback_clusters, loopback_listener, node};
+use crate::xds::resources::authorization::tests::data_path::{
+    cart_apps, envoy, loopback_clusters, loopback_listener, node,
+};
 use crate::xds::resources::authorization::tests::{cart, generate};
 use crate::xds::resources::{Generated, Generator, routes};
 
@@ -221,10 +222,7 @@ fn an_rbac_filter_naming_ports_is_skipped_not_compiled_into_a_rule_that_cannot_m
 /// cart-1 with `filters` behind a real Envoy on 127.0.0.1:`listen`, the ext_authz cluster included.
 async fn cart_envoy(filters: &[Arc<HttpFilter>], dir: &std::path::Path) -> (SocketAddr, tokio::process::Child) {
     let pod = cart();
-    let mut apps = BTreeMap::new();
-    for port in [5432, 8080, 9090] {
-        apps.insert(port, app().await);
-    }
+    let apps = cart_apps().await;
     let listen = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
     let generated = generate(
         &mut Generator::default(),

@@ -61,6 +61,15 @@ pub async fn app() -> u16 {
     port
 }
 
+/// An app per port of `cart` (pod port → app port on loopback).
+pub async fn cart_apps() -> BTreeMap<u16, u16> {
+    let mut apps = BTreeMap::new();
+    for port in [5432, 8080, 9090] {
+        apps.insert(port, app().await);
+    }
+    apps
+}
+
 /// The pod's inbound listener, moved out of its netns to 127.0.0.1:`listen`.
 pub fn loopback_listener(generated: &Generated, pod: &LocalPod, listen: u16) -> Listener {
     let mut listener = inbound(generated, pod);
@@ -190,10 +199,7 @@ pub async fn envoy(
 #[tokio::test]
 async fn envoy_answers_as_decide_does() {
     let pod = cart();
-    let mut apps = BTreeMap::new();
-    for port in [5432, 8080, 9090] {
-        apps.insert(port, app().await);
-    }
+    let apps = cart_apps().await;
     let listen = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
     let policies = policies(POLICIES);
     let generated = generate(

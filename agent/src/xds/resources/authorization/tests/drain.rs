@@ -22,7 +22,7 @@ use envoy_types::pb::google::protobuf::Any;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
-use super::data_path::{app, call, envoy, loopback_clusters, loopback_listener, node};
+use super::data_path::{call, cart_apps, envoy, loopback_clusters, loopback_listener, node};
 use super::*;
 use crate::xds::resources::util::any;
 
@@ -89,10 +89,7 @@ async fn alive(stream: &mut TcpStream) -> bool {
 #[tokio::test]
 async fn a_policy_change_applies_to_new_connections_at_once_and_closes_denied_ones_after_the_drain() {
     let pod = cart();
-    let mut apps = BTreeMap::new();
-    for port in [5432, 8080, 9090] {
-        apps.insert(port, app().await);
-    }
+    let apps = cart_apps().await;
     let listen = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
     let mut generator = Generator::default();
     let pods = std::slice::from_ref(&pod);
@@ -215,10 +212,7 @@ async fn get(stream: &mut TcpStream) -> u16 {
 #[tokio::test]
 async fn a_policy_change_reaches_the_next_request_on_an_open_http_connection() {
     let pod = cart();
-    let mut apps = BTreeMap::new();
-    for port in [5432, 8080, 9090] {
-        apps.insert(port, app().await);
-    }
+    let apps = cart_apps().await;
     let listen = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
     let mut generator = Generator::default();
     let pods = std::slice::from_ref(&pod);
