@@ -25,7 +25,8 @@ mod yaml;
 
 use check::limits;
 pub use decide::{
-    AuthzRequest, Cause, Decision, HttpRequest, PolicyRule, Verdict, Workload, decide, namespace_and_account, selects,
+    AuthzRequest, Cause, Decision, HttpRequest, PolicyRule, Verdict, Workload, decide, namespace_prefix, selects,
+    service_account_id,
 };
 pub use object::*;
 pub(crate) use validate::rules as validate_rules;

@@ -31,6 +31,7 @@ fn get(principal: Option<&str>, path: &str) -> AuthzRequest {
             services: vec!["shop/cart".into()],
         },
         principal: principal.map(str::to_owned),
+        trust_domain: "cluster.local".into(),
         peer_ip: "10.0.0.5".parse().unwrap(),
         port: 8080,
         http: Some(HttpRequest {

@@ -98,6 +98,7 @@ fn request() -> impl Strategy<Value = AuthzRequest> {
                 services: vec![format!("shop/{app}")],
             },
             principal: principal.map(str::to_owned),
+            trust_domain: "cluster.local".into(),
             peer_ip: peer.parse().unwrap(),
             port,
             http: http.map(|(method, path)| HttpRequest {

@@ -250,6 +250,7 @@ mod tests {
                 services: vec![format!("{NAMESPACE}/{service}")],
             },
             principal: Some(principal.into()),
+            trust_domain: TRUST_DOMAIN.into(),
             peer_ip: IpAddr::from([10, 0, 0, 7]),
             port: APP_PORT.into(),
             http: Some(HttpRequest {

@@ -28,7 +28,7 @@ use prometheus_client::metrics::family::Family;
 use serde::Serialize;
 
 use super::{bounded, common_config, ip_port};
-use crate::xds::resources::authorization::HTTP_METADATA;
+use crate::xds::resources::authorization::{HTTP_METADATA, NO_MATCH};
 
 /// The custom tag naming the destination pod (`<ns>/<name>`).
 pub const DESTINATION_TAG: &str = "destination_pod";
@@ -276,7 +276,7 @@ pub fn tcp_decisions_of(entry: &TcpAccessLogEntry) -> Option<Vec<Decision>> {
     let details = &common.connection_termination_details;
     let denial = details.strip_prefix(RBAC_DENIED).map(|rest| {
         let id = rest.strip_prefix("_matched_policy[").and_then(|r| r.strip_suffix(']'));
-        id.filter(|id| *id != "none").unwrap_or_default().to_owned()
+        id.filter(|id| *id != NO_MATCH).unwrap_or_default().to_owned()
     });
     Some(judged(&base, &results, denial))
 }
@@ -372,6 +372,9 @@ impl<'a> Results<'a> {
 
 /// `<ns>/<name>#<rule>` → (`<ns>/<name>`, rule).
 fn split_policy_id(id: &str) -> (String, Option<u32>) {
+    if id == NO_MATCH {
+        return (String::new(), None);
+    }
     match id.rsplit_once('#') {
         Some((policy, rule)) => (policy.to_owned(), rule.parse().ok()),
         None => (id.to_owned(), None),

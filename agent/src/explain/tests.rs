@@ -97,6 +97,7 @@ fn call() -> aether_api::authorization::AuthzRequest {
             ..Default::default()
         },
         principal: Some("spiffe://cluster.local/ns/demo/sa/frontend".into()),
+        trust_domain: "cluster.local".into(),
         peer_ip: [10, 0, 0, 1].into(),
         port: 8080,
         http: None,

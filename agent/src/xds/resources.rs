@@ -432,7 +432,8 @@ impl Generator {
         }
         self.checked.refresh(&inputs.catalog.routes);
         self.policies.refresh(&inputs.catalog.policies);
-        self.http_filters.refresh(&inputs.catalog.http_filters);
+        self.http_filters
+            .refresh(&inputs.catalog.http_filters, &self.identities.trust_domain);
         let valid = self.checked.valid.clone();
         let attached = routes::Attached::new(valid.iter().map(|r| &**r));
         // A table of its own only for a namespace whose callers live here.
@@ -546,6 +547,7 @@ impl Generator {
                 inbound,
                 inbound_enabled,
                 callers: callers.filters.clone(),
+                trust_domain: self.identities.trust_domain.clone(),
             };
             let memo = match self.pods.remove(&pod.id()) {
                 Some(memo)
@@ -626,9 +628,11 @@ impl Generator {
 }
 
 /// A pod's HTTP filters (proposals/014): its inbound ones, and the node's callers-side
-/// ones (disabled) for its outbound HCMs.
+/// ones (disabled) for its outbound HCMs; and the trust domain its authorization rules
+/// name service accounts and namespaces in.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PodFilters {
+    pub trust_domain: String,
     /// Disabled in the inbound HCM; `inbound_enabled` enables them in the inbound table.
     pub inbound: Vec<envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpFilter>,
     pub inbound_enabled: Vec<http_filters::Enabled>,
@@ -680,7 +684,7 @@ impl PodMemo {
         policies: Vec<Arc<AuthorizationPolicy>>,
         filters: PodFilters,
     ) -> Self {
-        let authz = authorization::filters(pod, &policies);
+        let authz = authorization::filters(pod, &policies, &filters.trust_domain);
         let clusters = clusters::pod_clusters(pod)
             .into_iter()
             .chain(mtls.map(|m| origination::pod_cluster(m, &pod.id())))

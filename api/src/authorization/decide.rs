@@ -36,6 +36,8 @@ pub struct AuthzRequest {
     pub workload: Workload,
     /// The caller's verified SPIFFE ID; `None` for plaintext.
     pub principal: Option<String>,
+    /// The mesh's trust domain: service accounts and namespaces are of it.
+    pub trust_domain: String,
     /// The address the connection comes from.
     pub peer_ip: IpAddr,
     /// The workload's port the caller asked for.
@@ -169,27 +171,29 @@ fn holds<T>(list: &[T], not_list: &[T], matches: impl Fn(&T) -> bool) -> bool {
 
 fn source_matches(s: &AuthorizationSource, request: &AuthzRequest) -> bool {
     let principal = request.principal.as_deref();
-    let identity = principal.and_then(namespace_and_account);
-    let account = identity.map(|(ns, sa)| format!("{ns}/{sa}"));
+    let td = &request.trust_domain;
     holds(&s.principals, &s.not_principals, |p| {
         principal.is_some_and(|id| pattern_matches(p, id))
     }) && holds(&s.service_accounts, &s.not_service_accounts, |a| {
-        account.as_ref() == Some(a)
+        principal == Some(service_account_id(a, td).as_str())
     }) && holds(&s.namespaces, &s.not_namespaces, |n| {
-        identity.is_some_and(|(ns, _)| ns == n)
+        principal.is_some_and(|id| id.starts_with(&namespace_prefix(n, td)))
     }) && holds(&s.ip_blocks, &s.not_ip_blocks, |b| {
         b.parse::<IpNet>().is_ok_and(|net| net.contains(&request.peer_ip))
     })
 }
 
-/// `spiffe://<trust domain>/ns/<namespace>/sa/<service account>`: the namespace and the
-/// service account; other IDs have neither.
-pub fn namespace_and_account(principal: &str) -> Option<(&str, &str)> {
-    let rest = principal.strip_prefix("spiffe://")?;
-    match rest.split('/').collect::<Vec<_>>()[..] {
-        [domain, "ns", ns, "sa", sa] if !domain.is_empty() && !ns.is_empty() && !sa.is_empty() => Some((ns, sa)),
-        _ => None,
-    }
+/// The SPIFFE ID of service account `<ns>/<sa>`: in the mesh's own trust domain, never
+/// a federated one (a workload of another trust domain is not one of ours, whatever
+/// its path says).
+pub fn service_account_id(account: &str, trust_domain: &str) -> String {
+    let (ns, sa) = account.split_once('/').unwrap_or_default();
+    format!("spiffe://{trust_domain}/ns/{ns}/sa/{sa}")
+}
+
+/// What the SPIFFE ID of every workload of namespace `ns` starts with.
+pub fn namespace_prefix(ns: &str, trust_domain: &str) -> String {
+    format!("spiffe://{trust_domain}/ns/{ns}/sa/")
 }
 
 fn operation_matches(o: &AuthorizationOperation, request: &AuthzRequest) -> bool {
@@ -238,18 +242,8 @@ mod tests {
 
     #[test]
     fn identities_hosts_and_patterns() {
-        assert_eq!(
-            namespace_and_account("spiffe://td/ns/shop/sa/cart"),
-            Some(("shop", "cart"))
-        );
-        for other in [
-            "spiffe://td/ns/shop",
-            "spiffe://td/x/shop/sa/cart",
-            "td/ns/a/sa/b",
-            "spiffe:///ns/a/sa/b",
-        ] {
-            assert_eq!(namespace_and_account(other), None, "{other}");
-        }
+        assert_eq!(service_account_id("shop/cart", "td"), "spiffe://td/ns/shop/sa/cart");
+        assert_eq!(namespace_prefix("shop", "td"), "spiffe://td/ns/shop/sa/");
         assert_eq!(host_without_port("a.b:8080"), "a.b");
         assert_eq!(host_without_port("[::1]:80"), "[::1]");
         assert_eq!(host_without_port("a.b"), "a.b");

@@ -47,6 +47,11 @@ pub fn facts(
     let call = AuthzRequest {
         workload,
         principal: source,
+        trust_domain: view
+            .identities
+            .as_ref()
+            .map(|i| i.trust_domain.clone())
+            .unwrap_or_default(),
         peer_ip: pod.ips.first().copied().unwrap_or([0, 0, 0, 0].into()),
         port: target.port.or(target.ports.first().copied()).unwrap_or(0),
         http: Some(HttpRequest {

@@ -21,6 +21,7 @@
 //! the two side by side.
 
 mod compile;
+mod index;
 mod mirror;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -198,18 +199,24 @@ pub const DENY_FILTER: &str = "aether.authz.deny";
 pub const ALLOW_FILTER: &str = "aether.authz.allow";
 /// The name prefix of an AUDIT policy's HTTP filter (`aether.authz.audit.<ns>/<name>`).
 pub const AUDIT_FILTER: &str = "aether.authz.audit.";
+/// The policy id of "no rule matched" (Envoy names a policy list's miss so too).
+pub const NO_MATCH: &str = "none";
 /// Where Envoy's HTTP RBAC filter writes its verdicts (dynamic metadata namespace).
 pub const HTTP_METADATA: &str = "envoy.filters.http.rbac";
 
-/// Compiles `policies` (all selecting the pod, valid and checked against its ports).
-pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>]) -> Filters {
+/// Compiles `policies` (all selecting the pod, valid and checked against its ports);
+/// their service accounts and namespaces are the ones of `trust_domain`.
+pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>], trust_domain: &str) -> Filters {
     let ports = pod.info.mesh_ports();
     let Some((primary, _)) = ports.first() else {
         return Filters::default();
     };
     let http_ports: Vec<u16> = ports.iter().filter(|(_, p)| p.is_http()).map(|(p, _)| *p).collect();
     let prefix = format!("authz.{}.{}.", pod.info.namespace, pod.info.name);
-    let tcp = stages(policies, &Layer::Tcp { port: *primary }, false);
+    let tcp_layer = Layer::Tcp { port: *primary };
+    let tcp = stages(policies, false, |action, of| {
+        Rules::of(action, of, &tcp_layer, trust_domain)
+    });
     let mut filters = Filters {
         tcp_logged: tcp.iter().flat_map(Stage::logged_keys).collect(),
         tcp: tcp.into_iter().map(|s| s.network(&prefix)).collect(),
@@ -218,7 +225,11 @@ pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>]) -> Filters
     if http_ports.is_empty() {
         return filters;
     }
-    for stage in stages(policies, &Layer::Http { ports: &http_ports }, true) {
+    let http_layer = Layer::Http { ports: &http_ports };
+    let http = stages(policies, true, |action, of| {
+        index::matcher(action, &mirror::named_rules(of), &http_layer, trust_domain)
+    });
+    for stage in http {
         filters.http.push(pass_through(&stage.filter));
         filters.logged.extend(stage.logged_keys());
         if stage.rules.is_some() || stage.shadow.is_some() {
@@ -229,19 +240,24 @@ pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>]) -> Filters
 }
 
 /// One RBAC filter: enforced rules and/or shadow rules, each with its stat prefix.
-struct Stage {
+/// `R`: the rules compiled, as a policy list (TCP) or an indexed matcher (HTTP).
+struct Stage<R> {
     /// The HTTP filter's name.
     filter: String,
-    rules: Option<Rules>,
+    rules: Option<R>,
     rules_stat_prefix: String,
-    shadow: Option<Rules>,
+    shadow: Option<R>,
     shadow_stat_prefix: String,
 }
 
-/// The filters of one layer, in order: one per AUDIT policy, DENY, ALLOW. With
-/// `always`, the DENY and ALLOW stages are there even without rules (HTTP: their rules
-/// come with the route table).
-fn stages(policies: &[Arc<AuthorizationPolicy>], layer: &Layer, always: bool) -> Vec<Stage> {
+/// The filters of one layer, in order: one per AUDIT policy, DENY, ALLOW; `compile`
+/// turns an action and its policies into rules. With `always`, the DENY and ALLOW
+/// stages are there even without rules (HTTP: their rules come with the route table).
+fn stages<R>(
+    policies: &[Arc<AuthorizationPolicy>],
+    always: bool,
+    compile: impl Fn(i32, &[&AuthorizationPolicy]) -> R,
+) -> Vec<Stage<R>> {
     let of = |action: AuthorizationAction, dry_run: bool| -> Vec<&AuthorizationPolicy> {
         let matching = policies.iter().filter(|p| p.action() == action);
         matching.filter(|p| p.dry_run == dry_run).map(|p| &**p).collect()
@@ -252,10 +268,10 @@ fn stages(policies: &[Arc<AuthorizationPolicy>], layer: &Layer, always: bool) ->
         rules: None,
         rules_stat_prefix: String::new(),
         // A match of the audit engine counts as its `shadow_denied` and names the rule.
-        shadow: Some(Rules::of(mirror::DENY, &[audit], layer)),
+        shadow: Some(compile(mirror::DENY, &[audit])),
         shadow_stat_prefix: format!("audit.{}.{}.", audit.namespace, audit.name),
     });
-    let mut stages: Vec<Stage> = audits.collect();
+    let mut stages: Vec<Stage<R>> = audits.collect();
     for (action, rbac_action, filter, name) in [
         (AuthorizationAction::Deny, mirror::DENY, DENY_FILTER, "deny."),
         (AuthorizationAction::Allow, mirror::ALLOW, ALLOW_FILTER, "allow."),
@@ -270,9 +286,9 @@ fn stages(policies: &[Arc<AuthorizationPolicy>], layer: &Layer, always: bool) ->
         }
         stages.push(Stage {
             filter: filter.to_owned(),
-            rules: enforce.then(|| Rules::of(rbac_action, &enforced, layer)),
+            rules: enforce.then(|| compile(rbac_action, &enforced)),
             rules_stat_prefix: name.to_owned(),
-            shadow: shadow.then(|| Rules::of(rbac_action, &[enforced, dry].concat(), layer)),
+            shadow: shadow.then(|| compile(rbac_action, &[enforced, dry].concat())),
             shadow_stat_prefix: format!("dry_run.{name}"),
         });
     }
@@ -290,7 +306,18 @@ fn pass_through(name: &str) -> HttpFilter {
     }
 }
 
-impl Stage {
+impl<R> Stage<R> {
+    /// The metadata results that are worth a log line: an enforced denial, and the
+    /// shadow engine's "denied" (an AUDIT match, or a denial were dry-run policies enforced).
+    fn logged_keys(&self) -> Vec<String> {
+        let enforced =
+            (!self.rules_stat_prefix.is_empty()).then(|| format!("{}enforced_engine_result", self.rules_stat_prefix));
+        let shadow = format!("{}shadow_engine_result", self.shadow_stat_prefix);
+        enforced.into_iter().chain([shadow]).collect()
+    }
+}
+
+impl Stage<Rules> {
     fn network(self, pod_prefix: &str) -> Filter {
         let config = NetworkRbacConfig {
             stat_prefix: format!("{pod_prefix}{}", self.rules_stat_prefix),
@@ -305,49 +332,43 @@ impl Stage {
             config_type: Some(filter::ConfigType::TypedConfig(typed::<NetworkRbac>(&config))),
         }
     }
+}
 
+impl Stage<index::IndexedMatcher> {
     /// The filter's rules for the route table. Per-rule counters on: Envoy counts each
     /// `<ns>/<name>#<rule>` allowed and denied.
     fn per_route(self) -> Any {
         let rbac = HttpRbacConfig {
-            rules: self.rules,
+            matcher: self.rules,
             rules_stat_prefix: self.rules_stat_prefix,
-            shadow_rules: self.shadow,
+            shadow_matcher: self.shadow,
             shadow_rules_stat_prefix: self.shadow_stat_prefix,
             track_per_rule_stats: true,
+            ..Default::default()
         };
         typed::<HttpRbacPerRoute>(&mirror::HttpRbacPerRouteConfig { rbac: Some(rbac) })
-    }
-
-    /// The metadata results that are worth a log line: an enforced denial, and the
-    /// shadow engine's "denied" (an AUDIT match, or a denial were dry-run policies enforced).
-    fn logged_keys(&self) -> Vec<String> {
-        let enforced =
-            (!self.rules_stat_prefix.is_empty()).then(|| format!("{}enforced_engine_result", self.rules_stat_prefix));
-        let shadow = format!("{}shadow_engine_result", self.shadow_stat_prefix);
-        enforced.into_iter().chain([shadow]).collect()
     }
 }
 
 /// An HTTP RBAC filter config enforcing `policy`'s rules with its action (ALLOW or DENY),
 /// for an HTTPFilter's rbac (proposals/014): no port conditions (the caller checks).
-pub fn compiled_rules(policy: &AuthorizationPolicy, stat_prefix: &str) -> Any {
-    typed::<HttpRbac>(&rules_config(policy, stat_prefix))
+pub fn compiled_rules(policy: &AuthorizationPolicy, stat_prefix: &str, trust_domain: &str) -> Any {
+    typed::<HttpRbac>(&rules_config(policy, stat_prefix, trust_domain))
 }
 
 /// The same, as a per-route config (`RBACPerRoute`).
-pub fn compiled_rules_per_route(policy: &AuthorizationPolicy, stat_prefix: &str) -> Any {
-    let rbac = Some(rules_config(policy, stat_prefix));
+pub fn compiled_rules_per_route(policy: &AuthorizationPolicy, stat_prefix: &str, trust_domain: &str) -> Any {
+    let rbac = Some(rules_config(policy, stat_prefix, trust_domain));
     typed::<HttpRbacPerRoute>(&mirror::HttpRbacPerRouteConfig { rbac })
 }
 
-fn rules_config(policy: &AuthorizationPolicy, stat_prefix: &str) -> HttpRbacConfig {
+fn rules_config(policy: &AuthorizationPolicy, stat_prefix: &str, trust_domain: &str) -> HttpRbacConfig {
     let action = match policy.action() {
         AuthorizationAction::Deny => mirror::DENY,
         _ => mirror::ALLOW,
     };
     HttpRbacConfig {
-        rules: Some(Rules::of(action, &[policy], &Layer::Http { ports: &[] })),
+        rules: Some(Rules::of(action, &[policy], &Layer::Http { ports: &[] }, trust_domain)),
         rules_stat_prefix: stat_prefix.to_owned(),
         track_per_rule_stats: true,
         ..Default::default()

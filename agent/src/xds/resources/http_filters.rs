@@ -62,11 +62,15 @@ pub struct Checked {
     /// In the order filters of one place run: ascending `order`, then key.
     valid: Vec<Arc<HttpFilter>>,
     invalid: usize,
+    /// The mesh's trust domain, for the service accounts of rbac rules.
+    trust_domain: String,
 }
 
 impl Checked {
     /// Re-checks the filters when any changed; an invalid one is logged and skipped.
-    pub fn refresh(&mut self, filters: &BTreeMap<String, Arc<HttpFilter>>) {
+    /// rbac rules name service accounts of `trust_domain`.
+    pub fn refresh(&mut self, filters: &BTreeMap<String, Arc<HttpFilter>>, trust_domain: &str) {
+        trust_domain.clone_into(&mut self.trust_domain);
         let current: Vec<_> = filters.values().cloned().collect();
         let same = current.len() == self.seen.len() && current.iter().zip(&self.seen).all(|(a, b)| Arc::ptr_eq(a, b));
         if same {
@@ -106,7 +110,8 @@ impl Checked {
         let mine = self
             .attached(HttpFilterAttachment::Inbound)
             .filter(|f| f.services.contains(&service));
-        let compiled = mine.filter_map(|f| Some((envoy_filter(f, true)?, per_route(f)?)));
+        let compiled =
+            mine.filter_map(|f| Some((envoy_filter(f, &self.trust_domain)?, per_route(f, &self.trust_domain)?)));
         compiled
             .map(|(envoy, config)| (envoy.clone(), (envoy.name, config)))
             .unzip()
@@ -119,7 +124,10 @@ impl Checked {
         };
         let mut callers = Callers::default();
         for filter in self.valid.iter().filter(on_node) {
-            let (Some(envoy), Some(per_route)) = (envoy_filter(filter, true), per_route(filter)) else {
+            let (Some(envoy), Some(per_route)) = (
+                envoy_filter(filter, &self.trust_domain),
+                per_route(filter, &self.trust_domain),
+            ) else {
                 continue;
             };
             let enabled = (envoy.name.clone(), per_route);
@@ -200,20 +208,20 @@ pub fn enabling(filters: &[Enabled]) -> impl Iterator<Item = (String, Any)> + '_
     })
 }
 
-/// The filter as Envoy's; `callers_side`: disabled (the route table enables it).
-/// `None` for an rbac filter with rules that cannot be judged on the callers' side.
-fn envoy_filter(filter: &HttpFilter, callers_side: bool) -> Option<EnvoyHttpFilter> {
+/// The filter as Envoy's, disabled (the route table enables it). `None` for an rbac
+/// filter with rules that cannot be judged here.
+fn envoy_filter(filter: &HttpFilter, trust_domain: &str) -> Option<EnvoyHttpFilter> {
     let prefix = format!("{}.{}.", filter.namespace, filter.name);
     let config = match filter.filter.as_ref()? {
         Kind::ExtAuthz(e) => any(&ext_authz_config(e, &prefix)),
         Kind::LocalRateLimit(l) => any(&local_rate_limit(l, &prefix)),
         Kind::HeaderToMetadata(h) => any(&header_to_metadata(h)),
-        Kind::Rbac(r) => rbac(filter, r)?,
+        Kind::Rbac(r) => rbac(filter, r, trust_domain)?,
     };
     Some(EnvoyHttpFilter {
         name: filter_name(filter),
         config_type: Some(http_filter::ConfigType::TypedConfig(config)),
-        disabled: callers_side,
+        disabled: true,
         ..Default::default()
     })
 }
@@ -334,7 +342,7 @@ fn header_to_metadata(h: &HeaderToMetadata) -> HeaderToMetadataConfig {
 /// not know the app port a request is for (inbound, the port header is judged by the
 /// authorization filters; on the callers' side there is none), so a filter whose rules
 /// name ports is refused (logged), never compiled into a rule that cannot match.
-fn rbac(filter: &HttpFilter, r: &RbacFilter) -> Option<Any> {
+fn rbac(filter: &HttpFilter, r: &RbacFilter, trust_domain: &str) -> Option<Any> {
     let to = r.rules.iter().flat_map(|rule| &rule.to);
     if to.clone().any(|to| !to.ports.is_empty() || !to.not_ports.is_empty()) {
         let key = http_filter_key(filter);
@@ -345,6 +353,7 @@ fn rbac(filter: &HttpFilter, r: &RbacFilter) -> Option<Any> {
     Some(compiled_rules(
         &policy,
         &format!("filter.{}.{}.", filter.namespace, filter.name),
+        trust_domain,
     ))
 }
 
@@ -366,7 +375,7 @@ fn rbac_policy(filter: &HttpFilter, r: &RbacFilter) -> AuthorizationPolicy {
 /// with the HCM's settings. local_ratelimit: the same bucket settings, so the bucket is
 /// the route table's (one per service port, shared by the node's callers).
 /// header_to_metadata and rbac: the same rules.
-fn per_route(filter: &HttpFilter) -> Option<Any> {
+fn per_route(filter: &HttpFilter, trust_domain: &str) -> Option<Any> {
     let prefix = format!("{}.{}.", filter.namespace, filter.name);
     Some(match filter.filter.as_ref()? {
         Kind::ExtAuthz(_) => any(&ExtAuthzPerRoute {
@@ -374,7 +383,7 @@ fn per_route(filter: &HttpFilter) -> Option<Any> {
         }),
         Kind::LocalRateLimit(l) => any(&local_rate_limit(l, &prefix)),
         Kind::HeaderToMetadata(h) => any(&header_to_metadata(h)),
-        Kind::Rbac(r) => compiled_rules_per_route(&rbac_policy(filter, r), &format!("filter.{prefix}")),
+        Kind::Rbac(r) => compiled_rules_per_route(&rbac_policy(filter, r), &format!("filter.{prefix}"), trust_domain),
     })
 }
 

@@ -4,10 +4,11 @@
 //! listener version and a needless drain of the pod's connections. A map entry on the
 //! wire is a message `{1: key, 2: value}`, so a repeated entry is the same encoding.
 
-use aether_proto::registry::v1::AuthorizationPolicy;
+use aether_proto::registry::v1::{AuthorizationPolicy, AuthorizationRule};
 use envoy_types::pb::envoy::config::rbac::v3::Policy;
 
 use super::compile::{self, Layer};
+use super::index::IndexedMatcher;
 use envoy_types::pb::google::protobuf::Any;
 
 /// `config.rbac.v3.RBAC.Action`.
@@ -33,27 +34,35 @@ pub struct Entry {
 }
 
 impl Rules {
-    /// One Envoy policy per rule that can match on `layer`, named `<ns>/<name>#<rule>`.
-    pub fn of(action: i32, policies: &[&AuthorizationPolicy], layer: &Layer) -> Self {
-        let mut entries: Vec<Entry> = policies
-            .iter()
-            .flat_map(|policy| {
-                let key = format!("{}/{}", policy.namespace, policy.name);
-                let rules = policy.rules.iter().enumerate();
-                rules.filter_map(move |(i, rule)| {
-                    Some(Entry {
-                        name: format!("{key}#{i}"),
-                        policy: Some(compile::rule(rule, layer)?),
-                    })
-                })
+    /// One Envoy policy per rule that can match on `layer`, named `<ns>/<name>#<rule>`;
+    /// service accounts and namespaces are in `trust_domain`.
+    pub fn of(action: i32, policies: &[&AuthorizationPolicy], layer: &Layer, trust_domain: &str) -> Self {
+        let entries = named_rules(policies).into_iter().filter_map(|(name, rule)| {
+            Some(Entry {
+                name,
+                policy: Some(compile::rule(rule, layer, trust_domain)?),
             })
-            .collect();
-        entries.sort_by(|a, b| a.name.cmp(&b.name));
+        });
         Rules {
             action,
-            policies: entries,
+            policies: entries.collect(),
         }
     }
+}
+
+/// The policies' rules named `<ns>/<name>#<rule>`, in name order: the order Envoy tries
+/// them in, so the rule a match names.
+pub fn named_rules<'a>(policies: &[&'a AuthorizationPolicy]) -> Vec<(String, &'a AuthorizationRule)> {
+    let mut named: Vec<(String, &AuthorizationRule)> = policies
+        .iter()
+        .flat_map(|policy| {
+            let key = format!("{}/{}", policy.namespace, policy.name);
+            let rules = policy.rules.iter().enumerate();
+            rules.map(move |(i, rule)| (format!("{key}#{i}"), rule))
+        })
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
 }
 
 /// `envoy.extensions.filters.network.rbac.v3.RBAC`, the fields we set.
@@ -71,13 +80,18 @@ pub struct NetworkRbacConfig {
     pub shadow_rules_stat_prefix: String,
 }
 
-/// `envoy.extensions.filters.http.rbac.v3.RBAC`, the fields we set.
+/// `envoy.extensions.filters.http.rbac.v3.RBAC`, the fields we set: rules as a policy
+/// list (an HTTPFilter's rbac) or as an indexed matcher (AuthorizationPolicy).
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct HttpRbacConfig {
     #[prost(message, optional, tag = "1")]
     pub rules: Option<Rules>,
     #[prost(message, optional, tag = "2")]
     pub shadow_rules: Option<Rules>,
+    #[prost(message, optional, tag = "4")]
+    pub matcher: Option<IndexedMatcher>,
+    #[prost(message, optional, tag = "5")]
+    pub shadow_matcher: Option<IndexedMatcher>,
     #[prost(string, tag = "3")]
     pub shadow_rules_stat_prefix: String,
     #[prost(string, tag = "6")]

@@ -7,6 +7,7 @@ pub mod data_path;
 mod drain;
 mod envoy;
 mod eval;
+mod index;
 mod table;
 
 use std::collections::BTreeMap;
@@ -43,6 +44,16 @@ pub fn cart() -> LocalPod {
             ..Default::default()
         },
     }
+}
+
+/// A generator whose node's identities are of `trust_domain` (listeners stay plaintext).
+pub fn generator_in(trust_domain: &str) -> Generator {
+    let mut generator = Generator::default();
+    generator.set_identities(Arc::new(crate::identity::Identities {
+        trust_domain: trust_domain.to_owned(),
+        ..Default::default()
+    }));
+    generator
 }
 
 /// Policies from YAML, projected as the registrar does.

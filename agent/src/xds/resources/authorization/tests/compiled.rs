@@ -41,12 +41,11 @@ fn filter_names(listener: &Listener) -> (Vec<String>, Vec<String>) {
 fn policy_names(listener: &Listener, http: bool) -> Vec<Vec<String>> {
     let stages = stages(listener, http);
     // Stages without rules pass everything (the HTTP chain always has DENY and ALLOW).
-    let names = stages.iter().filter_map(|s| s.rules.as_ref()).map(|rules| {
-        let mut names: Vec<String> = rules.policies.keys().cloned().collect();
-        names.sort();
-        names
-    });
-    names.collect()
+    stages
+        .iter()
+        .filter_map(|s| s.rules.as_ref())
+        .map(|rules| rules.rule_names())
+        .collect()
 }
 
 #[test]

@@ -219,6 +219,7 @@ async fn envoy_answers_as_decide_does() {
     let request = |peer: &str, port: u32, http: Option<(&str, &str, &str)>| AuthzRequest {
         workload: super::super::workload(&pod),
         principal: None,
+        trust_domain: "cluster.local".into(),
         peer_ip: peer.parse().unwrap(),
         port,
         http: http.map(|(method, path, host)| HttpRequest {

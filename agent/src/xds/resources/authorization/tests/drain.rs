@@ -119,6 +119,7 @@ async fn a_policy_change_applies_to_new_connections_at_once_and_closes_denied_on
     let tcp_from_2 = AuthzRequest {
         workload: super::super::workload(&pod),
         principal: None,
+        trust_domain: "cluster.local".into(),
         peer_ip: "127.0.0.2".parse().unwrap(),
         port: 5432,
         http: None,

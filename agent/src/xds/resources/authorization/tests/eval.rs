@@ -12,16 +12,25 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
 };
 use envoy_types::pb::envoy::extensions::filters::network::rbac::v3::Rbac as NetworkRbac;
 use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, path_matcher, string_matcher};
+use envoy_types::pb::xds::r#type::matcher::v3::Matcher;
 use ipnet::IpNet;
 use prost::Message;
 
 use crate::xds::resources::PORT_HEADER;
 
+mod matcher;
+
 /// One RBAC filter of a chain.
 pub struct Stage {
-    pub rules: Option<Rbac>,
-    pub shadow: Option<Rbac>,
+    pub rules: Option<Engine>,
+    pub shadow: Option<Engine>,
     pub shadow_prefix: String,
+}
+
+/// An RBAC engine: a policy list (TCP) or a matcher (HTTP).
+pub enum Engine {
+    Rules(Rbac),
+    Matcher(Matcher),
 }
 
 /// What the listener's filters do with a request.
@@ -51,8 +60,8 @@ pub fn stages(listener: &Listener, http: bool) -> Vec<Stage> {
         if name == "envoy.filters.network.rbac" {
             let rbac = NetworkRbac::decode(&*any.value).unwrap();
             stages.push(Stage {
-                rules: rbac.rules,
-                shadow: rbac.shadow_rules,
+                rules: rbac.rules.map(Engine::Rules),
+                shadow: rbac.shadow_rules.map(Engine::Rules),
                 shadow_prefix: rbac.shadow_rules_stat_prefix,
             });
         } else if name == "envoy.filters.network.http_connection_manager" {
@@ -69,9 +78,13 @@ pub fn stages(listener: &Listener, http: bool) -> Vec<Stage> {
                     Some(any) => HttpRbacPerRoute::decode(&*any.value).unwrap().rbac.unwrap(),
                     None => HttpRbac::decode(&*base.value).unwrap(),
                 };
+                assert!(
+                    rbac.rules.is_none() && rbac.shadow_rules.is_none(),
+                    "HTTP rules are matchers"
+                );
                 stages.push(Stage {
-                    rules: rbac.rules,
-                    shadow: rbac.shadow_rules,
+                    rules: rbac.matcher.map(Engine::Matcher),
+                    shadow: rbac.shadow_matcher.map(Engine::Matcher),
                     shadow_prefix: rbac.shadow_rules_stat_prefix,
                 });
             }
@@ -115,9 +128,27 @@ pub fn judge(listener: &Listener, request: &AuthzRequest) -> Judged {
     }
 }
 
+impl Engine {
+    /// The rules it can name, sorted.
+    pub fn rule_names(&self) -> Vec<String> {
+        match self {
+            Engine::Rules(rbac) => {
+                let mut names: Vec<String> = rbac.policies.keys().cloned().collect();
+                names.sort();
+                names
+            }
+            Engine::Matcher(m) => matcher::rule_names(m),
+        }
+    }
+}
+
 /// Whether an engine denies: a matching DENY (named), or an ALLOW without a match.
-fn denies(rbac: &Rbac, request: &AuthzRequest) -> Option<Option<String>> {
-    match (rbac.action, first_match(rbac, request)) {
+fn denies(engine: &Engine, request: &AuthzRequest) -> Option<Option<String>> {
+    let action = match engine {
+        Engine::Rules(rbac) => rbac.action,
+        Engine::Matcher(m) => return matcher::denies(m, request),
+    };
+    match (action, first_match(engine, request)) {
         (1, Some(name)) => Some(Some(name)),
         (0, None) => Some(None),
         (0 | 1, _) => None,
@@ -125,8 +156,12 @@ fn denies(rbac: &Rbac, request: &AuthzRequest) -> Option<Option<String>> {
     }
 }
 
-/// The first policy by name that matches (Envoy keeps its policies ordered by name).
-fn first_match(rbac: &Rbac, request: &AuthzRequest) -> Option<String> {
+/// The first rule by name that matches (Envoy keeps its policies ordered by name).
+fn first_match(engine: &Engine, request: &AuthzRequest) -> Option<String> {
+    let rbac = match engine {
+        Engine::Rules(rbac) => rbac,
+        Engine::Matcher(m) => return matcher::first_match(m, request),
+    };
     let mut names: Vec<&String> = rbac.policies.keys().collect();
     names.sort();
     names.into_iter().find(|n| policy(&rbac.policies[*n], request)).cloned()

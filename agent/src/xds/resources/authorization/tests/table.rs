@@ -7,6 +7,9 @@ use aether_api::authorization::{AuthzRequest, Cause, HttpRequest, decide};
 use super::eval::judge;
 use super::*;
 
+/// The mesh's: `other.td` in the matrix is a federated one.
+const TRUST_DOMAIN: &str = "cluster.local";
+
 const HEADER: &str = "apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n";
 
 const ALLOW_AND_DENY: &str = "
@@ -122,6 +125,7 @@ fn matrix() -> Vec<AuthzRequest> {
                 requests.push(AuthzRequest {
                     workload: super::super::workload(&cart()),
                     principal: principal.map(str::to_owned),
+                    trust_domain: TRUST_DOMAIN.into(),
                     peer_ip: peer.parse().unwrap(),
                     // Raw TCP is delivered to the primary port.
                     port: http.map_or(5432, |h| h.0),
@@ -147,7 +151,7 @@ fn the_compiled_rbac_decides_as_decide_does() {
         ("not selecting, dry run only", NOT_SELECTING_AND_DRY_ONLY),
     ] {
         let policies = set(documents);
-        let mut generator = Generator::default();
+        let mut generator = generator_in(TRUST_DOMAIN);
         let generated = generate(&mut generator, &catalog(&policies), &[cart()]);
         assert_eq!(generator.refused_policies().count(), 0, "{name}");
         let listener = inbound(&generated, &cart());
