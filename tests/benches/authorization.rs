@@ -10,7 +10,9 @@
 //!    on service accounts or SPIFFE prefixes, methods and paths; every fifth is a DENY (other namespaces on
 //!    `/admin/*`, `DELETE` on its orders); the request is allowed only by the second rule of the last ALLOW policy,
 //!    which Envoy tries last (it walks policies in name order), so every rule is evaluated. Runs alternate between
-//!    the counts; the difference to none is printed next to the run-to-run spread (the machine's noise).
+//!    the counts; the difference to none is printed next to the run-to-run spread (the machine's noise), and so is
+//!    Envoy's CPU time per request (from `/proc`) while 8 keep-alive connections load it with the same GETs: the
+//!    policies' cost without the wake-up noise of a sequential latency.
 //! 2. Policy write → enforced: with the largest count of part 1 in place, `flip.yaml` is renamed into place holding
 //!    a DENY of frontend on `/bench/*` (allowed → denied), then the same DENY as a dry run (denied → allowed). The
 //!    clock stops when a request on a keep-alive connection opened before the first change gets 403 (200); one
@@ -28,7 +30,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aether_api::authorization::{ProjectOptions, parse_documents, project};
-use aether_tests::bench::{envoy_allocated, knob, knob_list, tail};
+use aether_tests::bench::{cpu_time, envoy_allocated, knob, knob_list, tail};
 use aether_tests::mesh::{Mesh, NAMESPACE};
 use aether_tests::{Envoy, HttpServer, TestPod, free_port, http_get, unique_base_id};
 use bytes::Bytes;
@@ -47,6 +49,8 @@ const FLIP_FILE: &str = "flip.yaml";
 const RULES_PER_POLICY: usize = 2;
 /// Every fifth policy of a set is a DENY.
 const DENY_EVERY: usize = 5;
+/// Keep-alive connections at once when measuring Envoy's CPU per request under load.
+const LOADED_CONNECTIONS: usize = 8;
 /// Requests on a fresh connection before the timed ones (connections up, caches hot).
 const WARM_UP_REQUESTS: usize = 1000;
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -252,6 +256,12 @@ impl Node {
     }
 
     /// An Envoy counter; panics if Envoy has none of that name.
+    /// CPU time of the node's Envoy.
+    fn envoy_cpu(&self) -> Duration {
+        let envoy = self.mesh.envoy.as_ref().expect("the mesh runs an Envoy");
+        cpu_time(envoy.child().pid())
+    }
+
     async fn envoy_counter(&self, name: &str) -> u64 {
         let admin = self.mesh.envoy().admin_addr();
         let reply = http_get(&format!("http://{admin}/stats?filter={name}"), None)
@@ -468,16 +478,63 @@ async fn added_latency(node: &Node, k: &Knobs) {
         k.rounds, k.counts
     );
     let mut runs = Vec::new();
+    let mut cpu: Vec<(usize, Duration)> = Vec::new();
     for round in 1..=k.rounds {
         for &n in &k.counts {
             let applied = node.apply(n).await;
             let samples = timed_run(node, per_run).await;
-            let note = format!("set in force in {}", ms(applied));
+            let envoy_cpu = loaded_cpu(node, per_run).await;
+            let note = format!(
+                "set in force in {}; loaded, Envoy CPU {:.1} µs per request",
+                ms(applied),
+                envoy_cpu.as_secs_f64() * 1e6 / per_run as f64
+            );
             print_latency(&format!("round {round}, {n} policies"), &samples, &note);
             runs.push((n, samples));
+            cpu.push((n, envoy_cpu));
         }
     }
     print_added_latency(&k.counts, &runs);
+    print_added_cpu(&k.counts, &cpu, per_run * k.rounds);
+}
+
+/// Envoy's CPU time per request under load (both sides: frontend's outbound and backend's inbound listener), pooled
+/// per count, and the difference to none: the policies' own cost, free of the wake-up noise that blurs a sequential
+/// latency on a small machine.
+fn print_added_cpu(counts: &[usize], cpu: &[(usize, Duration)], requests: usize) {
+    let per_request = |n: usize| {
+        let total: Duration = cpu.iter().filter(|(m, _)| *m == n).map(|(_, c)| *c).sum();
+        total.as_secs_f64() * 1e6 / requests as f64
+    };
+    let none = per_request(0);
+    for &n in counts.iter().filter(|n| **n != 0) {
+        println!(
+            "  {n} policies: Envoy CPU {:.1} µs per request, {:+.1} µs over none ({none:.1})",
+            per_request(n),
+            per_request(n) - none
+        );
+    }
+}
+
+/// `requests` GETs over [`LOADED_CONNECTIONS`] keep-alive connections at once: Envoy's CPU time over them.
+/// Panics on anything but 200.
+async fn loaded_cpu(node: &Node, requests: usize) -> Duration {
+    let mut connections = Vec::new();
+    for _ in 0..LOADED_CONNECTIONS {
+        connections.push(KeepAlive::open(&node.frontend, node.target).await);
+    }
+    let before = node.envoy_cpu();
+    let each = requests / LOADED_CONNECTIONS;
+    let runs = connections.iter_mut().map(|conn| async move {
+        for i in 0..each {
+            match conn.get(BENCH_PATH).await {
+                Ok((200, _)) => {}
+                answer => panic!("loaded GET {BENCH_PATH} #{i}: {answer:?}"),
+            }
+        }
+    });
+    futures::future::join_all(runs).await;
+    node.envoy_cpu().saturating_sub(before)
 }
 
 /// A fresh keep-alive connection: the warm-up, then `requests` timed GETs, sorted. Panics on anything but 200.

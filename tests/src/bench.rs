@@ -157,6 +157,23 @@ pub fn proc_status(pid: u32, field: &str) -> u64 {
         * 1024
 }
 
+/// CPU time (user + system) a process has used, from `/proc/<pid>/stat` (clock ticks of
+/// 10 ms); panics if it cannot be read.
+pub fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_else(|e| panic!("/proc/{pid}/stat: {e}"));
+    // pid (comm) state …: comm may hold spaces, so count from the last ')'; utime and stime are fields 14 and 15.
+    let after_comm = stat.rfind(')').map_or("", |i| &stat[i + 2..]);
+    let fields: Vec<u64> = after_comm
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    assert_eq!(fields.len(), 2, "utime and stime in /proc/{pid}/stat: {stat}");
+    const TICKS_PER_SECOND: u64 = 100;
+    Duration::from_millis((fields[0] + fields[1]) * 1000 / TICKS_PER_SECOND)
+}
+
 /// The last `lines` lines of a log.
 pub fn tail(logs: &str, lines: usize) -> String {
     let all: Vec<&str> = logs.lines().collect();

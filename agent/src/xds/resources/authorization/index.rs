@@ -1,15 +1,16 @@
-//! The HTTP chain's rules as an xDS matcher indexed by the caller's SPIFFE ID
-//! (proposals/013, Cost): a request pays for the rules that can match its caller, not
-//! for every rule of every policy selecting the pod.
+//! The HTTP chain's rules as an xDS matcher indexed by the caller's SPIFFE ID, then by
+//! the path (proposals/013, Cost): a request pays for the rules that can match its
+//! caller and path, not for every rule of every policy selecting the pod.
 //!
 //! Envoy's policy list walks every rule until one matches, and an identity check that
 //! fails costs a certificate parse there: 100 policies added ~50 µs to a request. The
 //! matcher looks the caller's URI SAN up once: an exact map (service accounts, exact
 //! principals), then a longest-prefix map (namespaces, principal prefixes), each key
 //! holding the rules that can match that caller in name order, then the rules no
-//! identity keys (no `from`, negated or suffix identities, IP blocks alone). A rule
-//! under a key is still judged whole, so the index only skips rules that cannot match:
-//! the verdict and the rule named are the policy list's.
+//! identity keys (no `from`, negated or suffix identities, IP blocks alone); each of
+//! those lists is indexed again by path prefix (rules naming no path, or a suffix, go
+//! under every key). A rule under a key is still judged whole, so the index only skips
+//! rules that cannot match: the verdict and the rule named are the policy list's.
 
 use aether_api::authorization::{namespace_prefix, service_account_id};
 use aether_proto::registry::v1::{
@@ -94,12 +95,43 @@ enum Key {
     Prefix(String),
 }
 
-/// One rule to judge: its Envoy name (`<ns>/<name>#<rule>`), its predicate, and the
-/// identities it can match (`None`: any).
+/// One rule to judge: its Envoy name (`<ns>/<name>#<rule>`), its predicate, and per
+/// dimension the keys it can match (`None`: any value).
 struct Entry {
     name: String,
     predicate: Predicate,
-    keys: Option<Vec<Key>>,
+    callers: Option<Vec<Key>>,
+    paths: Option<Vec<Key>>,
+}
+
+/// What a level of the index looks up.
+#[derive(Clone, Copy)]
+enum Dimension {
+    /// The caller's URI SAN: exact IDs, then ID prefixes.
+    Caller,
+    /// `:path`: path prefixes (an exact path is its own prefix; the rule checks it).
+    Path,
+}
+
+impl Dimension {
+    fn keys(self, entry: &Entry) -> &Option<Vec<Key>> {
+        match self {
+            Dimension::Caller => &entry.callers,
+            Dimension::Path => &entry.paths,
+        }
+    }
+
+    fn input(self) -> TypedExtensionConfig {
+        match self {
+            Dimension::Caller => typed("uri_san", &UriSanInput {}),
+            Dimension::Path => typed(
+                "path",
+                &HttpRequestHeaderMatchInput {
+                    header_name: ":path".to_owned(),
+                },
+            ),
+        }
+    }
 }
 
 /// The rules (name, rule; sorted by name) as a matcher: a match takes `action` and is
@@ -117,7 +149,8 @@ pub fn matcher(
             Some(Entry {
                 name: name.clone(),
                 predicate: predicate(rule, layer, trust_domain)?,
-                keys: rule_keys(rule, trust_domain),
+                callers: caller_keys(rule, trust_domain),
+                paths: path_keys(rule),
             })
         })
         .collect();
@@ -125,42 +158,62 @@ pub fn matcher(
         super::mirror::ALLOW => super::mirror::DENY,
         _ => super::mirror::ALLOW,
     };
-    let list = |chosen: Vec<&Entry>| list(&chosen, action, otherwise);
-    let exact = keys_of(&entries, |k| matches!(k, Key::Exact(_)));
-    let prefixes = keys_of(&entries, |k| matches!(k, Key::Prefix(_)));
-    let unkeyed: Vec<&Entry> = entries.iter().filter(|e| e.keys.is_none()).collect();
+    let chosen: Vec<&Entry> = entries.iter().collect();
+    index(&chosen, &[Dimension::Caller, Dimension::Path], &|e| {
+        list(e, action, otherwise)
+    })
+}
+
+/// `entries` looked up by the first of `dimensions` (each key holding the entries that
+/// can match it, in order), the rest by the next; a plain `list` when none is left, or
+/// when no entry has a key in this one, or when the entries no key bounds would be
+/// repeated under too many keys.
+fn index(entries: &[&Entry], dimensions: &[Dimension], list: &dyn Fn(&[&Entry]) -> IndexedMatcher) -> IndexedMatcher {
+    let Some((&dimension, next)) = dimensions.split_first() else {
+        return list(entries);
+    };
+    let exact = keys_of(entries, dimension, |k| matches!(k, Key::Exact(_)));
+    let prefixes = keys_of(entries, dimension, |k| matches!(k, Key::Prefix(_)));
+    let unkeyed: Vec<&Entry> = entries
+        .iter()
+        .copied()
+        .filter(|e| dimension.keys(e).is_none())
+        .collect();
     let repeats = (exact.len() + prefixes.len()) * unkeyed.len();
     if exact.is_empty() && prefixes.is_empty() || repeats > MAX_REPEATS * entries.len() {
-        return list(entries.iter().collect());
+        return index(entries, next, list);
     }
-    let for_key = |key: &str, exact: bool| -> Vec<&Entry> {
-        let can_match = |e: &&Entry| {
-            e.keys.as_ref().is_none_or(|keys| {
+    let for_key = |key: &str, exact: bool| -> IndexedMatcher {
+        let can_match = |e: &&&Entry| {
+            dimension.keys(e).as_ref().is_none_or(|keys| {
                 keys.iter().any(|k| match k {
                     Key::Exact(id) => exact && id == key,
                     Key::Prefix(p) => key.starts_with(p.as_str()),
                 })
             })
         };
-        entries.iter().filter(can_match).collect()
+        let chosen: Vec<&Entry> = entries.iter().filter(can_match).copied().collect();
+        index(&chosen, next, list)
     };
     let by_prefix = tree(
+        dimension,
         false,
-        prefixes.iter().map(|p| (p.clone(), list(for_key(p, false)))).collect(),
-        list(unkeyed.clone()),
+        prefixes.iter().map(|p| (p.clone(), for_key(p, false))).collect(),
+        index(&unkeyed, next, list),
     );
     tree(
+        dimension,
         true,
-        exact.iter().map(|id| (id.clone(), list(for_key(id, true)))).collect(),
+        exact.iter().map(|id| (id.clone(), for_key(id, true))).collect(),
         by_prefix,
     )
 }
 
-/// The distinct key strings of one kind, sorted.
-fn keys_of(entries: &[Entry], kind: impl Fn(&Key) -> bool) -> Vec<String> {
+/// The distinct key strings of one kind in one dimension, sorted.
+fn keys_of(entries: &[&Entry], dimension: Dimension, kind: impl Fn(&Key) -> bool) -> Vec<String> {
     let mut keys: Vec<String> = entries
         .iter()
-        .flat_map(|e| e.keys.iter().flatten())
+        .flat_map(|e| dimension.keys(e).iter().flatten())
         .filter(|k| kind(k))
         .map(|k| match k {
             Key::Exact(s) | Key::Prefix(s) => s.clone(),
@@ -171,9 +224,14 @@ fn keys_of(entries: &[Entry], kind: impl Fn(&Key) -> bool) -> Vec<String> {
     keys
 }
 
-/// A map on the caller's URI SAN (exact or longest prefix); no key: `otherwise`. An
+/// A map on the dimension's input (exact or longest prefix); no key: `otherwise`. An
 /// empty map is just `otherwise`.
-fn tree(exact: bool, keyed: Vec<(String, IndexedMatcher)>, otherwise: IndexedMatcher) -> IndexedMatcher {
+fn tree(
+    dimension: Dimension,
+    exact: bool,
+    keyed: Vec<(String, IndexedMatcher)>,
+    otherwise: IndexedMatcher,
+) -> IndexedMatcher {
     if keyed.is_empty() {
         return otherwise;
     }
@@ -189,7 +247,7 @@ fn tree(exact: bool, keyed: Vec<(String, IndexedMatcher)>, otherwise: IndexedMat
     IndexedMatcher {
         matcher_list: None,
         matcher_tree: Some(Tree {
-            input: Some(typed("uri_san", &UriSanInput {})),
+            input: Some(dimension.input()),
             exact_match_map,
             prefix_match_map,
         }),
@@ -237,13 +295,34 @@ fn rbac_action(name: &str, action: i32) -> TypedExtensionConfig {
 // ---- Keys: the identities a rule can match, as exact IDs or ID prefixes.
 
 /// `None` when some source of the rule can match a caller no key names.
-fn rule_keys(rule: &AuthorizationRule, trust_domain: &str) -> Option<Vec<Key>> {
+fn caller_keys(rule: &AuthorizationRule, trust_domain: &str) -> Option<Vec<Key>> {
     if rule.from.is_empty() {
         return None;
     }
     let mut keys = Vec::new();
     for source in &rule.from {
         keys.extend(source_keys(source, trust_domain)?);
+    }
+    Some(keys)
+}
+
+/// The paths a rule can match as prefixes; `None` when some operation of it can match a
+/// path no prefix names (no paths, a suffix, `*`).
+fn path_keys(rule: &AuthorizationRule) -> Option<Vec<Key>> {
+    if rule.to.is_empty() {
+        return None;
+    }
+    let mut keys = Vec::new();
+    for operation in &rule.to {
+        if operation.paths.is_empty() {
+            return None;
+        }
+        for path in &operation.paths {
+            match path.kind() {
+                PatternKind::Exact | PatternKind::Prefix => keys.push(Key::Prefix(path.value.clone())),
+                _ => return None,
+            }
+        }
     }
     Some(keys)
 }

@@ -105,3 +105,35 @@ fn too_many_unkeyed_rules_under_every_key_fall_back_to_the_flat_list() {
     // Fewer keys: indexed.
     assert!(build(&refs[15..]).matcher_tree.is_some());
 }
+
+#[test]
+fn rules_no_identity_keys_are_looked_up_by_path_prefix() {
+    let paths = |list: &[&str]| AuthorizationRule {
+        to: vec![aether_proto::registry::v1::AuthorizationOperation {
+            paths: list
+                .iter()
+                .map(|p| aether_api::authorization::check::pattern(p).unwrap())
+                .collect(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let m = build(&[
+        ("a/deny#0", paths(&["/admin/*"])),
+        ("a/deny#1", paths(&["/api/orders", "/a*"])),
+        ("a/deny#2", paths(&["*.secret"])),
+    ]);
+    let (prefixes, unkeyed) = level(&m);
+    assert_eq!(
+        prefixes,
+        [
+            ("/a".to_string(), vec!["a/deny#1".to_string(), "a/deny#2".into()]),
+            (
+                "/admin/".into(),
+                vec!["a/deny#0".into(), "a/deny#1".into(), "a/deny#2".into()]
+            ),
+            ("/api/orders".into(), vec!["a/deny#1".into(), "a/deny#2".into()]),
+        ]
+    );
+    assert_eq!(names(&unkeyed), ["a/deny#2"]);
+}
