@@ -77,6 +77,13 @@ pub fn project(object: &HttpFilter) -> Result<Projected, Refusal> {
     unsupported("spec", &spec.unsupported)?;
     let services = services(&spec.target_refs, namespace)?;
     let (attach, route) = attachment(spec, namespace)?;
+    let filter = filter(spec)?;
+    if let (Filter::Rbac(r), false) = (&filter, attach == HttpFilterAttachment::Inbound)
+        && let Some((i, j, field)) = check::identity_in_rules(&r.rules)
+    {
+        let at = format!("spec.rbac.rules[{i}].from[{j}].source.{}", check::yaml_name(field));
+        return Err(Refusal::new(at, check::IDENTITY_OFF_INBOUND));
+    }
     Ok(Projected {
         namespace: namespace.to_owned(),
         name: name.to_owned(),
@@ -85,7 +92,7 @@ pub fn project(object: &HttpFilter) -> Result<Projected, Refusal> {
         attach: attach.into(),
         route,
         order: at("spec.order", check::order(spec.order))?,
-        filter: Some(filter(spec)?),
+        filter: Some(filter),
     })
 }
 

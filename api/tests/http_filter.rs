@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 
 use aether_api::http_filter::{HttpFilter, key, parse_documents, project, validate};
 use aether_proto::registry::v1::{
-    AuthorizationAction, ExtAuthzProtocol, HttpFilter as Projected, HttpFilterAttachment, http_filter::Filter,
+    AuthorizationAction, AuthorizationSource, ExtAuthzProtocol, HttpFilter as Projected, HttpFilterAttachment,
+    http_filter::Filter,
 };
 
 fn fixture_dir(kind: &str) -> PathBuf {
@@ -245,6 +246,19 @@ fn validate_refuses_what_the_projector_never_writes() {
         break_it(&mut filter);
         assert_eq!(validate(&filter).map_err(|e| e.field), Err(field.to_owned()));
     }
+    // Callers by identity: only an Inbound rbac filter sees a caller's certificate.
+    let [_, mut callers] = <[Projected; 2]>::try_from(projected("rbac.yaml")).unwrap();
+    let Some(Filter::Rbac(rbac)) = callers.filter.as_mut() else {
+        panic!("rbac.yaml holds rbac filters")
+    };
+    rbac.rules[0].from.push(AuthorizationSource {
+        not_namespaces: vec!["shop".into()],
+        ..Default::default()
+    });
+    let field = "rbac.rules[0].from[0].not_namespaces".to_owned();
+    assert_eq!(validate(&callers).map_err(|e| e.field), Err(field));
+    callers.attach = HttpFilterAttachment::Inbound.into();
+    assert_eq!(validate(&callers), Ok(()));
 }
 
 #[test]

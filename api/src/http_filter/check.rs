@@ -174,6 +174,45 @@ pub fn max_request_bytes(value: i64) -> Result<u32, String> {
 pub const PORTS_IN_RULES: &str = "names ports, which an HTTPFilter cannot match (it does not know the app port a \
      request is for, and on the callers' side there is none): ports are an AuthorizationPolicy's";
 
+pub const IDENTITY_OFF_INBOUND: &str = "names callers by identity, which only an Inbound filter can judge (on the \
+     callers' side the request comes from the local app, which presents no certificate)";
+
+/// The first source of `rules` that names callers by identity: its rule, its index in
+/// `from`, and the field (proto name; `yaml` gives the YAML one).
+pub fn identity_in_rules(rules: &[AuthorizationRule]) -> Option<(usize, usize, &'static str)> {
+    rules.iter().enumerate().find_map(|(i, rule)| {
+        rule.from.iter().enumerate().find_map(|(j, s)| {
+            let fields = [
+                ("principals", s.principals.is_empty()),
+                ("not_principals", s.not_principals.is_empty()),
+                ("service_accounts", s.service_accounts.is_empty()),
+                ("not_service_accounts", s.not_service_accounts.is_empty()),
+                ("namespaces", s.namespaces.is_empty()),
+                ("not_namespaces", s.not_namespaces.is_empty()),
+            ];
+            let named = fields.into_iter().find(|(_, empty)| !empty);
+            named.map(|(field, _)| (i, j, field))
+        })
+    })
+}
+
+/// A proto field name of a source in the YAML's camelCase.
+pub fn yaml_name(field: &str) -> String {
+    let mut out = String::new();
+    let mut upper = false;
+    for c in field.chars() {
+        match (c, upper) {
+            ('_', _) => upper = true,
+            (c, true) => {
+                out.push(c.to_ascii_uppercase());
+                upper = false;
+            }
+            (c, false) => out.push(c),
+        }
+    }
+    out
+}
+
 /// The first operation of `rules` that names ports: its rule, its index in `to`, and
 /// whether it is `not_ports`.
 pub fn ports_in_rules(rules: &[AuthorizationRule]) -> Option<(usize, usize, bool)> {

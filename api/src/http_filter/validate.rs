@@ -33,6 +33,12 @@ pub fn validate(filter: &HttpFilter) -> Result<(), Refusal> {
     }
     attachment(filter)?;
     at("order", check::order(i64::from(filter.order)))?;
+    if let (Some(Filter::Rbac(r)), false) = (&filter.filter, filter.attach() == HttpFilterAttachment::Inbound)
+        && let Some((i, j, field)) = check::identity_in_rules(&r.rules)
+    {
+        let at = format!("rbac.rules[{i}].from[{j}].{field}");
+        return Err(Refusal::new(at, check::IDENTITY_OFF_INBOUND));
+    }
     match &filter.filter {
         None => Err(Refusal::new("filter", "is unset")),
         Some(Filter::ExtAuthz(e)) => ext_authz(e),
