@@ -121,7 +121,10 @@ fn filter() -> impl Strategy<Value = (String, bool, Vec<&'static str>)> {
             order.0,
             bodies.join(", ")
         );
-        let good = all_good(&[attach, order]) && kinds.len() == 1 && kinds[0].2;
+        // Callers named by identity: only an Inbound filter (attach unset) can judge them.
+        let by_identity = kinds.iter().any(|k| k.0 == "rbac" && k.1.contains("principals"));
+        let judged = !by_identity || attach.0.is_empty();
+        let good = all_good(&[attach, order]) && kinds.len() == 1 && kinds[0].2 && judged;
         (yaml, good, names)
     })
 }
