@@ -81,9 +81,13 @@ const AUTHORIZATION_ONLY: [(&str, &str); 7] = [
 const UNKNOWN_FIELD: &str = "an unknown field, kept for the projector to refuse by name";
 const DURATION_BOUNDS: &str = "a duration's bounds: the schema states its syntax only";
 
-const HTTP_FILTER_ONLY: [(&str, &str); 10] = [
+const HTTP_FILTER_ONLY: [(&str, &str); 11] = [
     ("fill-interval-short", DURATION_BOUNDS),
     ("grpc-path-prefix", UNKNOWN_FIELD),
+    (
+        "rbac-identity-callers",
+        "whether rbac.rules may name identities depends on spec.attach, which the schema does not relate",
+    ),
     (
         "rbac-ports",
         "rbac.rules is AuthorizationPolicy's schema, where ports are allowed",
