@@ -276,7 +276,7 @@ pub fn tcp_decisions_of(entry: &TcpAccessLogEntry) -> Option<Vec<Decision>> {
     let details = &common.connection_termination_details;
     let denial = details.strip_prefix(RBAC_DENIED).map(|rest| {
         let id = rest.strip_prefix("_matched_policy[").and_then(|r| r.strip_suffix(']'));
-        id.filter(|id| *id != NO_MATCH).unwrap_or_default().to_owned()
+        id.unwrap_or_default().to_owned()
     });
     Some(judged(&base, &results, denial))
 }
@@ -305,7 +305,7 @@ fn base(common: &AccessLogCommon) -> Option<Decision> {
     })
 }
 
-/// The denial (`Some(policy id)`, empty when no ALLOW matched), then each AUDIT match,
+/// The denial (`Some(policy id)`; empty or [`NO_MATCH`] when no ALLOW matched), then each AUDIT match,
 /// then the dry-run denial if there was no real one.
 fn judged(base: &Decision, results: &Results, denial: Option<String>) -> Vec<Decision> {
     let of = |verdict, id: &str| {

@@ -83,9 +83,9 @@ fn a_request_no_allow_policy_matched_names_no_policy() {
 #[test]
 fn audit_matches_are_kept_next_to_a_denial_and_dry_run_only_without_one() {
     let audit = [
-        ("audit.shop.watch.shadow_engine_result", "denied"),
-        ("audit.shop.watch.shadow_effective_policy_id", "shop/watch#0"),
-        ("audit.shop.quiet.shadow_engine_result", "allowed"),
+        ("audit.0.shadow_engine_result", "denied"),
+        ("audit.0.shadow_effective_policy_id", "shop/watch#0"),
+        ("audit.1.shadow_engine_result", "allowed"),
         ("dry_run.deny.shadow_engine_result", "denied"),
         ("dry_run.deny.shadow_effective_policy_id", "shop/next#1"),
     ];
@@ -187,8 +187,8 @@ fn a_closed_connection_names_the_policy_from_its_termination_details() {
     let unlisted = tcp_decisions_of(&connection("rbac_access_denied_matched_policy[none]", &[])).unwrap();
     assert_eq!(summary(&unlisted), ["deny  None"]);
     let audited = [
-        ("audit.shop.watch.shadow_engine_result", "denied"),
-        ("audit.shop.watch.shadow_effective_policy_id", "shop/watch#0"),
+        ("audit.0.shadow_engine_result", "denied"),
+        ("audit.0.shadow_effective_policy_id", "shop/watch#0"),
     ];
     let open = tcp_decisions_of(&connection("", &audited)).unwrap();
     assert_eq!(summary(&open), ["audit shop/watch Some(0)"]);

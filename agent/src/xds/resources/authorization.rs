@@ -42,7 +42,6 @@ use envoy_types::pb::google::protobuf::Any;
 use prost::{Message, Name};
 
 use crate::pod::LocalPod;
-use compile::Layer;
 use mirror::{HttpRbacConfig, NetworkRbacConfig, Rules};
 
 /// Why a policy is not enforced (on one pod, or at all). Logged and counted.
@@ -179,9 +178,10 @@ pub struct Filters {
     /// Network filters for the TCP chain, before the TCP proxy.
     pub tcp: Vec<Filter>,
     /// The HTTP chain's RBAC filters, before the router, each passing everything unless
-    /// the route table configures it: one per AUDIT policy selecting the pod, then
-    /// [`DENY_FILTER`] and [`ALLOW_FILTER`], always there so that a policy edit never
-    /// changes the listener (which would leave open connections on the old rules until
+    /// the route table configures it: AUDIT slots (one per AUDIT policy selecting the pod,
+    /// their number rounded up to a power of two), then [`DENY_FILTER`] and
+    /// [`ALLOW_FILTER`], always there so that a policy edit (short of outgrowing the
+    /// AUDIT slots) never changes the listener (which would leave open connections on the old rules until
     /// the drain ends) but only the route table, which Envoy applies to the next request.
     pub http: Vec<HttpFilter>,
     /// Per HTTP filter name, its rules (`RBACPerRoute`), for the route table.
@@ -197,7 +197,8 @@ pub struct Filters {
 pub const DENY_FILTER: &str = "aether.authz.deny";
 /// The HTTP filter of the enforced and dry-run ALLOW policies.
 pub const ALLOW_FILTER: &str = "aether.authz.allow";
-/// The name prefix of an AUDIT policy's HTTP filter (`aether.authz.audit.<ns>/<name>`).
+/// The name prefix of an AUDIT slot's filter (`aether.authz.audit.<slot>`); the slot's
+/// metadata and counters are under `audit.<slot>.`, its matches name the rule.
 pub const AUDIT_FILTER: &str = "aether.authz.audit.";
 /// The policy id of "no rule matched" (Envoy names a policy list's miss so too).
 pub const NO_MATCH: &str = "none";
@@ -213,9 +214,8 @@ pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>], trust_doma
     };
     let http_ports: Vec<u16> = ports.iter().filter(|(_, p)| p.is_http()).map(|(p, _)| *p).collect();
     let prefix = format!("authz.{}.{}.", pod.info.namespace, pod.info.name);
-    let tcp_layer = Layer::Tcp { port: *primary };
     let tcp = stages(policies, false, |action, of| {
-        Rules::of(action, of, &tcp_layer, trust_domain)
+        Rules::of(action, of, *primary, trust_domain)
     });
     let mut filters = Filters {
         tcp_logged: tcp.iter().flat_map(Stage::logged_keys).collect(),
@@ -225,9 +225,8 @@ pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>], trust_doma
     if http_ports.is_empty() {
         return filters;
     }
-    let http_layer = Layer::Http { ports: &http_ports };
     let http = stages(policies, true, |action, of| {
-        index::matcher(action, &mirror::named_rules(of), &http_layer, trust_domain)
+        index::matcher(action, &mirror::named_rules(of), &http_ports, trust_domain)
     });
     for stage in http {
         filters.http.push(pass_through(&stage.filter));
@@ -250,7 +249,7 @@ struct Stage<R> {
     shadow_stat_prefix: String,
 }
 
-/// The filters of one layer, in order: one per AUDIT policy, DENY, ALLOW; `compile`
+/// The filters of one layer, in order: one per AUDIT policy (a slot), DENY, ALLOW; `compile`
 /// turns an action and its policies into rules. With `always`, the DENY and ALLOW
 /// stages are there even without rules (HTTP: their rules come with the route table).
 fn stages<R>(
@@ -262,16 +261,24 @@ fn stages<R>(
         let matching = policies.iter().filter(|p| p.action() == action);
         matching.filter(|p| p.dry_run == dry_run).map(|p| &**p).collect()
     };
-    // AUDIT first: shadow-only filters never deny, and so they see every request.
-    let audits = of(AuthorizationAction::Audit, false).into_iter().map(|audit| Stage {
-        filter: format!("{AUDIT_FILTER}{}/{}", audit.namespace, audit.name),
-        rules: None,
-        rules_stat_prefix: String::new(),
-        // A match of the audit engine counts as its `shadow_denied` and names the rule.
-        shadow: Some(compile(mirror::DENY, &[audit])),
-        shadow_stat_prefix: format!("audit.{}.{}.", audit.namespace, audit.name),
-    });
-    let mut stages: Vec<Stage<R>> = audits.collect();
+    // AUDIT first: shadow-only filters never deny, and so they see every request. One
+    // slot each, by key order; with `always`, the slots are rounded up to a power of two
+    // (at least one), so that most AUDIT edits change only the route table too.
+    let audits = of(AuthorizationAction::Audit, false);
+    let slots = match always {
+        true => audits.len().max(1).next_power_of_two(),
+        false => audits.len(),
+    };
+    let mut stages: Vec<Stage<R>> = (0..slots)
+        .map(|slot| Stage {
+            filter: format!("{AUDIT_FILTER}{slot}"),
+            rules: None,
+            rules_stat_prefix: String::new(),
+            // A match of the audit engine counts as its `shadow_denied` and names the rule.
+            shadow: audits.get(slot).map(|audit| compile(mirror::DENY, &[audit])),
+            shadow_stat_prefix: format!("audit.{slot}."),
+        })
+        .collect();
     for (action, rbac_action, filter, name) in [
         (AuthorizationAction::Deny, mirror::DENY, DENY_FILTER, "deny."),
         (AuthorizationAction::Allow, mirror::ALLOW, ALLOW_FILTER, "allow."),
@@ -344,7 +351,6 @@ impl Stage<index::IndexedMatcher> {
             shadow_matcher: self.shadow,
             shadow_rules_stat_prefix: self.shadow_stat_prefix,
             track_per_rule_stats: true,
-            ..Default::default()
         };
         typed::<HttpRbacPerRoute>(&mirror::HttpRbacPerRouteConfig { rbac: Some(rbac) })
     }
@@ -368,7 +374,12 @@ fn rules_config(policy: &AuthorizationPolicy, stat_prefix: &str, trust_domain: &
         _ => mirror::ALLOW,
     };
     HttpRbacConfig {
-        rules: Some(Rules::of(action, &[policy], &Layer::Http { ports: &[] }, trust_domain)),
+        matcher: Some(index::matcher(
+            action,
+            &mirror::named_rules(&[policy]),
+            &[],
+            trust_domain,
+        )),
         rules_stat_prefix: stat_prefix.to_owned(),
         track_per_rule_stats: true,
         ..Default::default()

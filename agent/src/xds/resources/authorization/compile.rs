@@ -1,10 +1,10 @@
-//! One policy rule → one Envoy RBAC policy, for one chain of the inbound listener.
+//! One policy rule → one Envoy RBAC policy, for the TCP chain of the inbound listener
+//! (the HTTP chain's rules are an indexed matcher, see `index`).
 //!
-//! Sources become principals (the mTLS peer's URI SAN, the connection's peer address);
-//! operations become permissions. The port is the app port the chain delivers to, not
-//! the listener's 18008: on the TCP chain it is the pod's primary port, known when
-//! compiling, so port conditions are settled here; on the HTTP chain it is the port the
-//! inbound route table picks by the port header, so they become that header's matchers.
+//! Sources become principals (the mTLS peer's URI SAN, the connection's peer address).
+//! The port is the app port the chain delivers to (the pod's primary port), known when
+//! compiling, so an operation is settled here: it matches every connection when it names
+//! no HTTP field and its ports hold for that port, else none.
 
 use aether_api::authorization::{namespace_prefix, service_account_id};
 use aether_proto::registry::v1::{
@@ -12,40 +12,35 @@ use aether_proto::registry::v1::{
 };
 use envoy_types::pb::envoy::config::core::v3::CidrRange;
 use envoy_types::pb::envoy::config::rbac::v3::{Permission, Policy, Principal, permission, principal};
-use envoy_types::pb::envoy::config::route::v3::{HeaderMatcher, header_matcher};
-use envoy_types::pb::envoy::r#type::matcher::v3::{
-    PathMatcher, RegexMatcher, StringMatcher, path_matcher, string_matcher,
-};
+use envoy_types::pb::envoy::r#type::matcher::v3::{StringMatcher, string_matcher};
 use envoy_types::pb::google::protobuf::UInt32Value;
 
-use super::super::util::PORT_HEADER;
-
-/// The chain a rule is compiled for.
-pub enum Layer<'a> {
-    /// Raw TCP, delivered to `port`; no HTTP fields can match.
-    Tcp { port: u16 },
-    /// HTTP to the pod's HTTP ports (the first takes requests naming no other).
-    Http { ports: &'a [u16] },
-}
-
-/// The rule as an Envoy policy; `None` when it can never match on this layer. Envoy
-/// tries the permissions first and the principals only when they match, which suits
-/// us: an identity check that fails costs a certificate parse in Envoy 1.40 (it
-/// re-reads the DNS SANs a SVID does not have, every time).
-pub fn rule(rule: &AuthorizationRule, layer: &Layer, trust_domain: &str) -> Option<Policy> {
+/// The rule as an Envoy policy for connections delivered to `port`; `None` when it can
+/// never match there.
+pub fn rule(rule: &AuthorizationRule, port: u16, trust_domain: &str) -> Option<Policy> {
+    let matches_port = rule.to.is_empty() || rule.to.iter().any(|o| operation_holds(o, u32::from(port)));
     let principals = match rule.from.is_empty() {
         true => vec![any_id()],
         false => rule.from.iter().map(|s| source(s, trust_domain)).collect(),
     };
-    let permissions: Vec<Permission> = match rule.to.is_empty() {
-        true => vec![any_rule()],
-        false => rule.to.iter().filter_map(|o| operation(o, layer)).collect(),
-    };
-    (!permissions.is_empty()).then(|| Policy {
-        permissions,
+    matches_port.then(|| Policy {
+        permissions: vec![Permission {
+            rule: Some(permission::Rule::Any(true)),
+        }],
         principals,
         ..Default::default()
     })
+}
+
+/// Whether the operation holds for every raw TCP connection to `port`: no HTTP field
+/// (none can be judged there), and its ports hold.
+fn operation_holds(o: &AuthorizationOperation, port: u32) -> bool {
+    let l7 = [&o.methods, &o.not_methods].iter().any(|l| !l.is_empty())
+        || [&o.paths, &o.not_paths, &o.hosts, &o.not_hosts]
+            .iter()
+            .any(|l| !l.is_empty());
+    let ports = o.ports.is_empty() || o.ports.contains(&port);
+    !l7 && ports && !o.not_ports.contains(&port)
 }
 
 /// Every field set holds (AND); a field holds when any value matches, a `not_*` one
@@ -83,123 +78,15 @@ fn source(s: &AuthorizationSource, trust_domain: &str) -> Principal {
     }
 }
 
-/// Same logic as [`source`]; `None` when the operation cannot match on this layer.
-fn operation(o: &AuthorizationOperation, layer: &Layer) -> Option<Permission> {
-    let mut all = Vec::new();
-    let mut field = |values: Vec<Permission>, negated: bool| {
-        let any_of = or_rules(values);
-        all.push(match negated {
-            false => any_of,
-            true => perm(permission::Rule::NotRule(Box::new(any_of))),
-        });
-    };
-    let l7 = [&o.methods, &o.not_methods].iter().any(|l| !l.is_empty())
-        || [&o.paths, &o.not_paths, &o.hosts, &o.not_hosts]
-            .iter()
-            .any(|l| !l.is_empty());
-    match layer {
-        Layer::Tcp { port } => {
-            let port = u32::from(*port);
-            let ports = o.ports.is_empty() || o.ports.contains(&port);
-            if l7 || !ports || o.not_ports.contains(&port) {
-                return None;
-            }
-        }
-        Layer::Http { ports } => {
-            for (list, negated) in [(&o.ports, false), (&o.not_ports, true)] {
-                if !list.is_empty() {
-                    let routed: Vec<Permission> = list.iter().filter_map(|p| delivered_to(*p, ports)).collect();
-                    // A port no HTTP request here is delivered to: never (or always, negated).
-                    if routed.is_empty() && !negated {
-                        return None;
-                    }
-                    if !routed.is_empty() {
-                        field(routed, negated);
-                    }
-                }
-            }
-        }
-    }
-    let methods =
-        |list: &Vec<String>| -> Vec<Permission> { list.iter().map(|m| header(":method", exact(m))).collect() };
-    let paths = |list: &Vec<AuthorizationPattern>| -> Vec<Permission> { list.iter().map(path).collect() };
-    let hosts = |list: &Vec<AuthorizationPattern>| -> Vec<Permission> { list.iter().map(host).collect() };
-    for (values, negated) in [
-        (methods(&o.methods), false),
-        (methods(&o.not_methods), true),
-        (paths(&o.paths), false),
-        (paths(&o.not_paths), true),
-        (hosts(&o.hosts), false),
-        (hosts(&o.not_hosts), true),
-    ] {
-        if !values.is_empty() {
-            field(values, negated);
-        }
-    }
-    Some(match all.len() {
-        0 => any_rule(),
-        _ => perm(permission::Rule::AndRules(permission::Set { rules: all })),
-    })
-}
-
-/// A request on the HTTP chain is delivered to the port its port header names, if that
-/// is one of the HTTP ports, else to the first: the inbound route table's choice.
-fn delivered_to(port: u32, http_ports: &[u16]) -> Option<Permission> {
-    let header_names = |p: &u16| header(PORT_HEADER, exact(&p.to_string()));
-    match http_ports.iter().position(|p| u32::from(*p) == port)? {
-        0 if http_ports.len() == 1 => Some(any_rule()),
-        0 => {
-            let others = or_rules(http_ports[1..].iter().map(header_names).collect());
-            Some(perm(permission::Rule::NotRule(Box::new(others))))
-        }
-        i => Some(header_names(&http_ports[i])),
-    }
-}
-
 /// The caller's verified SPIFFE ID. `*` means "any verified caller".
 fn principal_matcher(p: &AuthorizationPattern) -> StringMatcher {
     match p.kind() {
-        PatternKind::Any => string(string_matcher::MatchPattern::Prefix("spiffe://".to_owned())),
-        _ => pattern(p),
-    }
-}
-
-fn pattern(p: &AuthorizationPattern) -> StringMatcher {
-    let value = p.value.clone();
-    string(match p.kind() {
-        PatternKind::Exact => string_matcher::MatchPattern::Exact(value),
-        PatternKind::Prefix => string_matcher::MatchPattern::Prefix(value),
-        PatternKind::Suffix => string_matcher::MatchPattern::Suffix(value),
+        PatternKind::Prefix => prefix(&p.value),
+        PatternKind::Suffix => string(string_matcher::MatchPattern::Suffix(p.value.clone())),
+        PatternKind::Any => prefix("spiffe://"),
         // validate() refuses an unspecified kind; never reached for a checked policy.
-        PatternKind::Any | PatternKind::Unspecified => string_matcher::MatchPattern::SafeRegex(RegexMatcher {
-            regex: ".*".to_owned(),
-            ..Default::default()
-        }),
-    })
-}
-
-/// `url_path`: the path without the query.
-fn path(p: &AuthorizationPattern) -> Permission {
-    if p.kind() == PatternKind::Any {
-        return any_rule();
+        PatternKind::Exact | PatternKind::Unspecified => exact(&p.value),
     }
-    perm(permission::Rule::UrlPath(PathMatcher {
-        rule: Some(path_matcher::Rule::Path(pattern(p))),
-    }))
-}
-
-/// `:authority` compared without its `:port`, ignoring case.
-fn host(p: &AuthorizationPattern) -> Permission {
-    let port = "(:[0-9]+)?";
-    let mut matcher = match p.kind() {
-        PatternKind::Any => return any_rule(),
-        PatternKind::Exact => regex(&format!("(?i){}{port}", escape(&p.value))),
-        PatternKind::Suffix => regex(&format!("(?i).*{}{port}", escape(&p.value))),
-        // A host prefix ends in '.', so it never reaches into the port.
-        _ => pattern(p),
-    };
-    matcher.ignore_case = matches!(p.kind(), PatternKind::Prefix);
-    header(":authority", matcher)
 }
 
 fn peer(matcher: StringMatcher) -> Principal {
@@ -209,7 +96,7 @@ fn peer(matcher: StringMatcher) -> Principal {
 }
 
 /// A canonical CIDR (validated); the address alone is a host route.
-fn cidr(block: &str) -> CidrRange {
+pub fn cidr(block: &str) -> CidrRange {
     let (address, len) = block.split_once('/').unwrap_or((block, ""));
     let host = if address.contains(':') { 128 } else { 32 };
     CidrRange {
@@ -220,14 +107,6 @@ fn cidr(block: &str) -> CidrRange {
     }
 }
 
-fn header(name: &str, matcher: StringMatcher) -> Permission {
-    perm(permission::Rule::Header(HeaderMatcher {
-        name: name.to_owned(),
-        header_match_specifier: Some(header_matcher::HeaderMatchSpecifier::StringMatch(matcher)),
-        ..Default::default()
-    }))
-}
-
 fn exact(value: &str) -> StringMatcher {
     string(string_matcher::MatchPattern::Exact(value.to_owned()))
 }
@@ -236,35 +115,11 @@ fn prefix(value: &str) -> StringMatcher {
     string(string_matcher::MatchPattern::Prefix(value.to_owned()))
 }
 
-/// Envoy matches a safe regex against the whole value.
-fn regex(regex: &str) -> StringMatcher {
-    string(string_matcher::MatchPattern::SafeRegex(RegexMatcher {
-        regex: regex.to_owned(),
-        ..Default::default()
-    }))
-}
-
-fn escape(text: &str) -> String {
-    regex_syntax::escape(text)
-}
-
 fn string(pattern: string_matcher::MatchPattern) -> StringMatcher {
     StringMatcher {
         match_pattern: Some(pattern),
         ..Default::default()
     }
-}
-
-fn or_rules(rules: Vec<Permission>) -> Permission {
-    perm(permission::Rule::OrRules(permission::Set { rules }))
-}
-
-fn perm(rule: permission::Rule) -> Permission {
-    Permission { rule: Some(rule) }
-}
-
-fn any_rule() -> Permission {
-    perm(permission::Rule::Any(true))
 }
 
 fn id(identifier: principal::Identifier) -> Principal {

@@ -16,13 +16,12 @@ use aether_api::authorization::{namespace_prefix, service_account_id};
 use aether_proto::registry::v1::{
     AuthorizationOperation, AuthorizationPattern, AuthorizationRule, AuthorizationSource, PatternKind,
 };
-use envoy_types::pb::envoy::config::core::v3::CidrRange;
 use envoy_types::pb::envoy::config::rbac::v3::{Action, rbac};
 use envoy_types::pb::envoy::extensions::matching::common_inputs::network::v3::DirectSourceIpInput;
 use envoy_types::pb::envoy::extensions::matching::common_inputs::ssl::v3::UriSanInput;
 use envoy_types::pb::envoy::extensions::matching::input_matchers::ip::v3::Ip;
 use envoy_types::pb::envoy::r#type::matcher::v3::HttpRequestHeaderMatchInput;
-use envoy_types::pb::google::protobuf::{Any, UInt32Value};
+use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::xds::core::v3::TypedExtensionConfig;
 use envoy_types::pb::xds::r#type::matcher::v3::matcher::matcher_list::predicate::{
     MatchType, PredicateList, SinglePredicate, single_predicate,
@@ -33,7 +32,7 @@ use envoy_types::pb::xds::r#type::matcher::v3::{RegexMatcher, StringMatcher, reg
 use prost::{Message, Name};
 
 use super::NO_MATCH;
-use super::compile::Layer;
+use super::compile::cidr;
 use crate::xds::resources::PORT_HEADER;
 
 /// An index whose lists would hold more than this many rules per rule compiled (rules
@@ -140,7 +139,7 @@ impl Dimension {
 pub fn matcher(
     action: i32,
     rules: &[(String, &AuthorizationRule)],
-    layer: &Layer,
+    http_ports: &[u16],
     trust_domain: &str,
 ) -> IndexedMatcher {
     let entries: Vec<Entry> = rules
@@ -148,7 +147,7 @@ pub fn matcher(
         .filter_map(|(name, rule)| {
             Some(Entry {
                 name: name.clone(),
-                predicate: predicate(rule, layer, trust_domain)?,
+                predicate: predicate(rule, http_ports, trust_domain)?,
                 callers: caller_keys(rule, trust_domain),
                 paths: path_keys(rule),
             })
@@ -352,10 +351,10 @@ fn source_keys(s: &AuthorizationSource, trust_domain: &str) -> Option<Vec<Key>> 
 // ---- Predicates: a rule judged whole, as the policy list's compile judges it.
 
 /// `None` when the rule cannot match on this layer (a port no HTTP request here is for).
-fn predicate(rule: &AuthorizationRule, layer: &Layer, trust_domain: &str) -> Option<Predicate> {
+fn predicate(rule: &AuthorizationRule, http_ports: &[u16], trust_domain: &str) -> Option<Predicate> {
     let mut all = Vec::new();
     if !rule.to.is_empty() {
-        let operations: Vec<Predicate> = rule.to.iter().filter_map(|o| operation(o, layer)).collect();
+        let operations: Vec<Predicate> = rule.to.iter().filter_map(|o| operation(o, http_ports)).collect();
         if operations.is_empty() {
             return None;
         }
@@ -394,18 +393,15 @@ fn source(s: &AuthorizationSource, trust_domain: &str) -> Predicate {
     all_of(all)
 }
 
-/// As [`super::compile`]'s operation, on the HTTP layer (the TCP chain keeps the policy
-/// list: it judges a connection once).
-fn operation(o: &AuthorizationOperation, layer: &Layer) -> Option<Predicate> {
-    let Layer::Http { ports } = layer else {
-        return None;
-    };
+/// An operation on the HTTP chain, to the pod's `http_ports`; `None` when it names only
+/// ports no HTTP request here is delivered to.
+fn operation(o: &AuthorizationOperation, http_ports: &[u16]) -> Option<Predicate> {
     let mut all = Vec::new();
     for (list, negated) in [(&o.ports, false), (&o.not_ports, true)] {
         if list.is_empty() {
             continue;
         }
-        let routed: Vec<Predicate> = list.iter().filter_map(|p| delivered_to(*p, ports)).collect();
+        let routed: Vec<Predicate> = list.iter().filter_map(|p| delivered_to(*p, http_ports)).collect();
         // A port no HTTP request here is delivered to: never (or always, negated).
         match (routed.is_empty(), negated) {
             (true, false) => return None,
@@ -498,15 +494,8 @@ fn header(name: &str, matcher: StringMatcher) -> Predicate {
 
 /// The connection's peer address (the direct one: no header can set it) in `block`.
 fn ip_in(block: &str) -> Predicate {
-    let (address, len) = block.split_once('/').unwrap_or((block, ""));
-    let host = if address.contains(':') { 128 } else { 32 };
     let ip = Ip {
-        cidr_ranges: vec![CidrRange {
-            address_prefix: address.to_owned(),
-            prefix_len: Some(UInt32Value {
-                value: len.parse().unwrap_or(host),
-            }),
-        }],
+        cidr_ranges: vec![cidr(block)],
         stat_prefix: "aether_authz_ip".to_owned(),
     };
     single(

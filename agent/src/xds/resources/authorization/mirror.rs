@@ -7,7 +7,7 @@
 use aether_proto::registry::v1::{AuthorizationPolicy, AuthorizationRule};
 use envoy_types::pb::envoy::config::rbac::v3::Policy;
 
-use super::compile::{self, Layer};
+use super::compile;
 use super::index::IndexedMatcher;
 use envoy_types::pb::google::protobuf::Any;
 
@@ -34,13 +34,13 @@ pub struct Entry {
 }
 
 impl Rules {
-    /// One Envoy policy per rule that can match on `layer`, named `<ns>/<name>#<rule>`;
-    /// service accounts and namespaces are in `trust_domain`.
-    pub fn of(action: i32, policies: &[&AuthorizationPolicy], layer: &Layer, trust_domain: &str) -> Self {
+    /// One Envoy policy per rule that can match a connection to `port`, named
+    /// `<ns>/<name>#<rule>`; service accounts and namespaces are in `trust_domain`.
+    pub fn of(action: i32, policies: &[&AuthorizationPolicy], port: u16, trust_domain: &str) -> Self {
         let entries = named_rules(policies).into_iter().filter_map(|(name, rule)| {
             Some(Entry {
                 name,
-                policy: Some(compile::rule(rule, layer, trust_domain)?),
+                policy: Some(compile::rule(rule, port, trust_domain)?),
             })
         });
         Rules {
@@ -80,14 +80,10 @@ pub struct NetworkRbacConfig {
     pub shadow_rules_stat_prefix: String,
 }
 
-/// `envoy.extensions.filters.http.rbac.v3.RBAC`, the fields we set: rules as a policy
-/// list (an HTTPFilter's rbac) or as an indexed matcher (AuthorizationPolicy).
+/// `envoy.extensions.filters.http.rbac.v3.RBAC`, the fields we set: the rules as an
+/// indexed matcher.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct HttpRbacConfig {
-    #[prost(message, optional, tag = "1")]
-    pub rules: Option<Rules>,
-    #[prost(message, optional, tag = "2")]
-    pub shadow_rules: Option<Rules>,
     #[prost(message, optional, tag = "4")]
     pub matcher: Option<IndexedMatcher>,
     #[prost(message, optional, tag = "5")]

@@ -1,7 +1,7 @@
 //! HTTP filters where the generator puts them (inbound chains, callers' HCMs, enabled per
 //! service in the route table, ext_authz clusters), and on a real Envoy: ext_authz with a
 //! gRPC authorization server of our own (allow, deny, server down → the failure mode),
-//! and a local rate limit. The Envoy tests fail when Envoy is missing.
+//! an rbac filter, and a local rate limit. The Envoy tests fail when Envoy is missing.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -106,6 +106,7 @@ fn inbound_in_order_enabled_by_the_table(generated: &Generated) {
     assert_eq!(
         names,
         [
+            "aether.authz.audit.0",
             "aether.authz.deny",
             "aether.authz.allow",
             "aether.filter.gamma/tag",
@@ -245,10 +246,16 @@ async fn cart_envoy(filters: &[Arc<HttpFilter>], dir: &std::path::Path) -> (Sock
     (listen, envoy(&bootstrap, &[], dir, listen).await)
 }
 
-/// One GET to cart's HTTP port with `headers`: the status and the body's start.
+/// One GET / to cart's HTTP port with `headers`: the status and the body's start.
 async fn get(listen: SocketAddr, headers: &str) -> (u16, String) {
+    get_path(listen, "/", headers).await
+}
+
+/// One GET `path` to cart's HTTP port with `headers`: the status and the body's start.
+async fn get_path(listen: SocketAddr, path: &str, headers: &str) -> (u16, String) {
     let mut stream = TcpStream::connect(listen).await.unwrap();
-    let request = format!("GET / HTTP/1.1\r\nhost: cart\r\nx-aether-port: 8080\r\n{headers}connection: close\r\n\r\n");
+    let request =
+        format!("GET {path} HTTP/1.1\r\nhost: cart\r\nx-aether-port: 8080\r\n{headers}connection: close\r\n\r\n");
     stream.write_all(request.as_bytes()).await.unwrap();
     let mut reply = Vec::new();
     let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut reply)).await;
@@ -307,6 +314,29 @@ async fn ext_authz_allows_denies_and_applies_its_failure_mode_when_the_server_is
             "fail open: {fail_open}"
         );
     }
+}
+
+#[tokio::test]
+async fn an_inbound_rbac_filter_denies_what_its_rules_match_and_nothing_else() {
+    let rules = vec![aether_proto::registry::v1::AuthorizationRule {
+        to: vec![aether_proto::registry::v1::AuthorizationOperation {
+            paths: vec![aether_api::authorization::check::pattern("/admin/*").unwrap()],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }];
+    let rbac = Kind::Rbac(RbacFilter {
+        action: AuthorizationAction::Deny as i32,
+        rules,
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let filters = [filter("no-admin", "shop/cart", HttpFilterAttachment::Inbound, 0, rbac)];
+    let (listen, _envoy) = cart_envoy(&filters, dir.path()).await;
+    let mut statuses = Vec::new();
+    for path in ["/", "/admin/users?x=1", "/administer"] {
+        statuses.push(get_path(listen, path, "").await.0);
+    }
+    assert_eq!(statuses, [200, 403, 200]);
 }
 
 #[tokio::test]

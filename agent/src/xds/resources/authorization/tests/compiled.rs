@@ -54,7 +54,12 @@ fn deny_then_allow_before_the_router_and_the_tcp_proxy_named_by_policy_and_rule(
     let listener = inbound(&generate(&mut generator, &catalog(&[]), &[cart()]), &cart());
     let (http, tcp) = filter_names(&listener);
     // Always there on HTTP, so that a policy edit changes only the route table.
-    let http_chain = ["aether.authz.deny", "aether.authz.allow", "envoy.filters.http.router"];
+    let http_chain = [
+        "aether.authz.audit.0",
+        "aether.authz.deny",
+        "aether.authz.allow",
+        "envoy.filters.http.router",
+    ];
     assert_eq!(http, http_chain);
     assert_eq!(tcp, ["envoy.filters.network.tcp_proxy"]);
 
@@ -143,4 +148,43 @@ fn a_policy_change_changes_only_the_selected_pods_inbound_listener() {
         &pods,
     ));
     assert_eq!(again, after);
+}
+
+const AUDIT: &str = "apiVersion: security.aether.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {name: watch, namespace: shop}
+spec:
+  action: AUDIT
+  rules: [{to: [{operation: {ports: [8080], methods: [DELETE]}}]}]
+";
+
+#[test]
+fn audit_policies_within_the_slots_change_the_route_table_not_the_http_chain_bytes() {
+    let name = format!("inbound|{}", cart().id());
+    // The HTTP chain as pushed (Envoy drains the connections of a chain whose bytes
+    // change, and only those), the route table's version, and the HTTP chain's filters.
+    let inbound_of = |generated: &Generated| {
+        let resource = |type_url: &str| generated[type_url].iter().find(|r| r.name == name).unwrap().clone();
+        let listener = Listener::decode(&*resource(crate::xds::LISTENER).body.value).unwrap();
+        let (http, _) = filter_names(&inbound(generated, &cart()));
+        let chain = listener.filter_chains[0].encode_to_vec();
+        (chain, resource(crate::xds::ROUTE).version.clone(), http)
+    };
+    let mut generator = Generator::default();
+    let (chain_none, table_none, _) = inbound_of(&generate(&mut generator, &catalog(&[]), &[cart()]));
+    let one = policies(AUDIT);
+    let (chain_one, table_one, _) = inbound_of(&generate(&mut generator, &catalog(&one), &[cart()]));
+    assert!(
+        chain_one == chain_none,
+        "the first AUDIT policy takes the slot that is always there"
+    );
+    assert_ne!(table_one, table_none, "its rules come with the route table");
+    // A second one outgrows the slots: two now (then four, eight, …).
+    let mut two = one.clone();
+    let mut other = (*one[0]).clone();
+    other.name = "watch-more".into();
+    two.push(Arc::new(other));
+    let (chain_two, _, http) = inbound_of(&generate(&mut generator, &catalog(&two), &[cart()]));
+    assert!(chain_two != chain_one);
+    assert_eq!(&http[..2], ["aether.authz.audit.0", "aether.authz.audit.1"]);
 }

@@ -4,7 +4,7 @@
 use aether_proto::registry::v1::{AuthorizationRule, AuthorizationSource};
 
 use super::super::index::{IndexedMatcher, matcher};
-use super::super::{compile::Layer, mirror};
+use super::super::mirror;
 
 const TD: &str = "cluster.local";
 
@@ -31,7 +31,7 @@ fn namespaces(list: &[&str]) -> AuthorizationSource {
 
 fn build(rules: &[(&str, AuthorizationRule)]) -> IndexedMatcher {
     let named: Vec<(String, &AuthorizationRule)> = rules.iter().map(|(n, r)| (n.to_string(), r)).collect();
-    matcher(mirror::ALLOW, &named, &Layer::Http { ports: &[8080] }, TD)
+    matcher(mirror::ALLOW, &named, &[8080], TD)
 }
 
 /// The rule names under each key of a map level, and the level that takes the rest.
