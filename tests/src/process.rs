@@ -182,7 +182,6 @@ impl Drop for ChildGuard {
 #[derive(Debug)]
 pub struct Process {
     pub pid: u32,
-    pub ppid: u32,
     pub pgid: u32,
     pub zombie: bool,
     /// Its arguments joined by spaces.
@@ -209,7 +208,6 @@ pub fn processes() -> Vec<Process> {
             .unwrap_or_default();
         out.push(Process {
             pid,
-            ppid: fields.get(1).and_then(|p| p.parse().ok()).unwrap_or(0),
             pgid: fields.get(2).and_then(|p| p.parse().ok()).unwrap_or(0),
             zombie: fields.first() == Some(&"Z"),
             cmdline,
