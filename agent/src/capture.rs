@@ -9,6 +9,9 @@
 //! - TCP to the mesh VIP CIDR is redirected to the capture listener (`127.0.0.1:18001`);
 //! - TCP to a mesh service's ClusterIP (the named set `mesh_cluster_ips`) is redirected
 //!   there too, so a call to `<svc>.<ns>.svc.cluster.local` is routed like one to the VIP;
+//!   both redirects count into the named counter `captured` (a NAT chain sees only a
+//!   connection's first packet, so its packets are the connections captured), which
+//!   `aether explain` reads to tell whether the pod's calls reach the mesh at all;
 //! - DNS (UDP and TCP `:53`) is DNATed to mesh-dns, when an address is configured;
 //! - in STRICT inbound mTLS, an input chain refuses TCP that does not come through the
 //!   mesh or from the node (see `inbound`).
@@ -52,6 +55,8 @@ const FINGERPRINT: &str = "aether-capture";
 pub const CLUSTER_IP_SET: &str = "mesh_cluster_ips";
 /// The comment prefix of the desired state's first line, the pod's [`PodCapture`].
 const SPEC: &str = "# aether-spec ";
+/// The named counter of connections the redirects captured.
+pub const CAPTURED_COUNTER: &str = "captured";
 
 pub mod cluster_ips;
 pub mod inbound;
@@ -259,15 +264,13 @@ fn rules(capture: &PodCapture) -> Vec<String> {
         rules.push(format!("tcp dport {port} return"));
         rules.push(format!("udp dport {port} return"));
     }
+    let port = crate::xds::resources::CAPTURE_PORT;
+    let (family, vips) = (family(&capture.vip_cidr), capture.vip_cidr);
     rules.push(format!(
-        "{} daddr {} meta l4proto tcp redirect to :{}",
-        family(&capture.vip_cidr),
-        capture.vip_cidr,
-        crate::xds::resources::CAPTURE_PORT
+        "{family} daddr {vips} meta l4proto tcp counter name {CAPTURED_COUNTER} redirect to :{port}"
     ));
     rules.push(format!(
-        "ip daddr @{CLUSTER_IP_SET} meta l4proto tcp redirect to :{}",
-        crate::xds::resources::CAPTURE_PORT
+        "ip daddr @{CLUSTER_IP_SET} meta l4proto tcp counter name {CAPTURED_COUNTER} redirect to :{port}"
     ));
     if let Some(dns) = capture.mesh_dns {
         let (nfproto, fam, target) = match dns {
@@ -304,7 +307,7 @@ pub fn render(capture: &PodCapture, node: &[IpAddr]) -> String {
     }
     // IPv4 only: the capture listener is on 127.0.0.1.
     out.push_str(&format!(
-        "  set {CLUSTER_IP_SET} {{\n    type ipv4_addr\n  }}\n  chain output {{\n"
+        "  counter {CAPTURED_COUNTER} {{\n  }}\n  set {CLUSTER_IP_SET} {{\n    type ipv4_addr\n  }}\n  chain output {{\n"
     ));
     out.push_str("    type nat hook output priority -100\n    policy accept\n");
     for (i, rule) in rules.iter().enumerate() {
@@ -501,10 +504,35 @@ pub fn forget(config: &CaptureConfig, container_id: &str) -> Result<(), CaptureE
 pub enum Verdict {
     /// The pod is not captured (no desired state).
     NotCaptured,
-    /// The netns holds the desired ruleset.
-    Intact,
+    /// The netns holds the desired ruleset; what its counters read.
+    Intact(Counters),
     /// The table is missing or differs.
     Drifted,
+}
+
+/// The table's named counters, since it was last applied.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Connections redirected to Envoy (to a VIP or a mesh ClusterIP).
+    pub captured: u64,
+    /// Connections the STRICT input chain refused; `None` without that chain.
+    pub refused_plaintext: Option<u64>,
+}
+
+impl Counters {
+    fn of(listing: &str) -> Counters {
+        Counters {
+            captured: packets(listing, CAPTURED_COUNTER).unwrap_or_default(),
+            refused_plaintext: packets(listing, inbound::REFUSED_COUNTER),
+        }
+    }
+}
+
+/// The packet count of the named counter in an `nft list table` listing.
+fn packets(listing: &str, counter: &str) -> Option<u64> {
+    let block = &listing[listing.find(&format!("counter {counter} {{"))?..];
+    let rest = &block[block.find("packets ")? + "packets ".len()..];
+    rest.split_whitespace().next()?.parse().ok()
 }
 
 /// Does the pod's netns still hold its desired ruleset?
@@ -516,7 +544,7 @@ pub async fn check(config: &CaptureConfig, container_id: &str, netns: &Path) -> 
         return Ok(Verdict::Drifted);
     };
     match nft(config, netns, &["list", "table", "inet", "aether"], None).await {
-        Ok(listing) if fingerprint_of(&listing) == Some(want) => Ok(Verdict::Intact),
+        Ok(listing) if fingerprint_of(&listing) == Some(want) => Ok(Verdict::Intact(Counters::of(&listing))),
         Ok(_) => Ok(Verdict::Drifted),
         Err(CaptureError::Nft { stderr, .. }) if stderr.contains("No such file or directory") => Ok(Verdict::Drifted),
         Err(e) => Err(e),
@@ -539,7 +567,7 @@ pub(crate) fn desired(config: &CaptureConfig, container_id: &str) -> Result<Opti
 /// whether a repair was needed.
 pub async fn repair(config: &CaptureConfig, container_id: &str, netns: &Path) -> Result<bool, CaptureError> {
     match check(config, container_id, netns).await? {
-        Verdict::NotCaptured | Verdict::Intact => Ok(false),
+        Verdict::NotCaptured | Verdict::Intact(_) => Ok(false),
         Verdict::Drifted => {
             let ruleset = desired(config, container_id)?.unwrap_or_default();
             let elements = cluster_ips::render_elements(&config.cluster_ips.get());
@@ -660,9 +688,13 @@ mod tests {
         assert!(text.contains("\ntable inet aether {\n}\ndelete table inet aether\ntable inet aether {\n"));
         assert!(text.contains("    type nat hook output priority -100\n    policy accept\n"));
         assert!(text.contains("    meta mark 0x4145 return comment \"aether-capture "));
-        assert!(text.contains("    ip daddr 240.240.0.0/16 meta l4proto tcp redirect to :18001\n"));
-        assert!(text.contains("  set mesh_cluster_ips {\n    type ipv4_addr\n  }\n"));
-        assert!(text.contains("    ip daddr @mesh_cluster_ips meta l4proto tcp redirect to :18001\n"));
+        assert!(
+            text.contains("    ip daddr 240.240.0.0/16 meta l4proto tcp counter name captured redirect to :18001\n")
+        );
+        assert!(text.contains("  counter captured {\n  }\n  set mesh_cluster_ips {\n    type ipv4_addr\n  }\n"));
+        assert!(
+            text.contains("    ip daddr @mesh_cluster_ips meta l4proto tcp counter name captured redirect to :18001\n")
+        );
         assert!(text.contains("    meta nfproto ipv4 udp dport 53 dnat ip to 10.0.0.1:18054\n"));
         assert!(text.contains("    meta nfproto ipv4 tcp dport 53 dnat ip to 10.0.0.1:18054\n"));
         for line in text.lines() {
@@ -725,6 +757,18 @@ mod tests {
     }
 
     #[test]
+    fn counters_are_read_from_the_table_listing_by_name() {
+        let listing = "table inet aether {\n\tcounter refused_plaintext {\n\t\tpackets 2 bytes 120\n\t}\n\n\tcounter captured {\n\t\tpackets 7 bytes 420\n\t}\n\tchain output {\n\t\tip daddr 240.240.0.0/16 meta l4proto tcp counter name \"captured\" redirect to :18001\n\t}\n}\n";
+        let want = Counters {
+            captured: 7,
+            refused_plaintext: Some(2),
+        };
+        assert_eq!(Counters::of(listing), want);
+        let permissive = "table inet aether {\n\tcounter captured {\n\t\tpackets 0 bytes 0\n\t}\n}\n";
+        assert_eq!(Counters::of(permissive), Counters::default());
+    }
+
+    #[test]
     fn the_fingerprint_follows_the_rules() {
         let a = render(&pod_capture(&config(), None).unwrap().unwrap(), &[]);
         let mut other = config();
@@ -750,7 +794,10 @@ mod tests {
             ..strict.clone()
         };
         let open = render(&permissive, &node);
-        assert!(!open.contains("chain inbound") && !open.contains("counter"), "{open}");
+        assert!(
+            !open.contains("chain inbound") && !open.contains("refused_plaintext"),
+            "{open}"
+        );
         assert_ne!(fingerprint_of(&text), fingerprint_of(&open));
         let other_node = render(&strict, &["10.200.2.1".parse().unwrap()]);
         assert_ne!(fingerprint_of(&text), fingerprint_of(&other_node));

@@ -7,9 +7,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use aether_proto::registrar::v1::WatchRequest;
+use aether_proto::registrar::v1::{Version, WatchRequest};
 use aether_proto::view::{Applied, CatalogView, WatchView};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, watch};
@@ -62,6 +62,10 @@ impl Default for Interest {
 pub struct WatchedCatalog {
     pub catalog: CatalogView,
     pub filter: BTreeSet<String>,
+    /// The registrar's version the view is at, and when the stream last moved it (a
+    /// change, or the registrar's progress note every few seconds).
+    pub version: Option<Version>,
+    pub updated: Option<SystemTime>,
 }
 
 /// Follows `interest` until `shutdown`, publishing every consistent view to `views`;
@@ -249,6 +253,8 @@ impl Stream {
         WatchedCatalog {
             catalog: self.view.catalog.clone(),
             filter,
+            version: self.view.version.clone(),
+            updated: Some(SystemTime::now()),
         }
     }
 }

@@ -447,7 +447,7 @@ impl CniService {
             .await
             .map_err(|e| Status::failed_precondition(e.to_string()))?;
         match self.effects.capture.check(&pod.container_id, &pod.netns).await {
-            Ok(Verdict::Intact | Verdict::NotCaptured) => {}
+            Ok(Verdict::Intact(_) | Verdict::NotCaptured) => {}
             Ok(Verdict::Drifted) => {
                 return Err(Status::failed_precondition(format!(
                     "capture: the nftables table {} in {} is missing or changed",

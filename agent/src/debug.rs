@@ -42,6 +42,8 @@ pub struct Inspector {
     pub mesh_dns: Option<SocketAddr>,
     pub sockets: Vec<PathBuf>,
     pub netns_pin_dir: PathBuf,
+    /// The registrar connection: `status` asks it for its head version.
+    pub registrar: crate::registrar_link::RegistrarLink,
     /// 1 while the catalog watch is up.
     pub registrar_connected: Gauge,
     /// 1 while the DNS (services-only) watch is up.
@@ -53,11 +55,12 @@ pub struct Inspector {
 }
 
 impl Inspector {
-    /// `registrar` and `dns` are the gauges the catalog watch and the DNS watch keep at 1 while up.
+    /// `connected` and `dns` are the gauges the catalog watch and the DNS watch keep at 1 while up.
     pub fn new(
         config: &crate::config::Config,
         node: Node,
-        registrar: &Gauge,
+        registrar: crate::registrar_link::RegistrarLink,
+        connected: &Gauge,
         dns: &Gauge,
         failures: crate::access_log::RecentFailures,
         decisions: crate::access_log::Decisions,
@@ -76,7 +79,8 @@ impl Inspector {
             mesh_dns: config.mesh_dns,
             sockets: vec![config.xds_socket.clone(), config.cni_socket.clone()],
             netns_pin_dir: config.netns_pin_dir.clone(),
-            registrar_connected: registrar.clone(),
+            registrar,
+            registrar_connected: connected.clone(),
             dns_connected: dns.clone(),
             failures,
             decisions,

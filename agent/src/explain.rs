@@ -132,8 +132,9 @@ pub struct DnsFacts {
 pub enum Capture {
     #[default]
     Unknown,
-    /// The netns holds the rules the agent applied.
-    Intact,
+    /// The netns holds the rules the agent applied; they captured this many connections
+    /// since they were applied.
+    Intact { captured: u64 },
     /// The table is missing or changed.
     Drifted,
     /// The pod was added without capture.
@@ -413,7 +414,16 @@ fn dns_answer(t: &Target, server: &str, answer: &Result<Vec<IpAddr>, String>) ->
 fn capture(f: &Facts) -> Hop {
     let fix = "restart the agent (it re-applies every pod's rules at start-up) or recreate the pod; inspect with `nsenter --net=<netns> nft list table inet aether`";
     match &f.capture {
-        Capture::Intact => ok("capture", "the pod's netns holds the capture rules the agent applied"),
+        Capture::Intact { captured: 0 } => hop(
+            "capture",
+            Status::Warn,
+            "the pod's netns holds the capture rules, but they have captured no connection yet: if the pod has called the service, it dialed an address outside the mesh's VIPs and ClusterIPs",
+            "call the service by its mesh name (or VIP or ClusterIP); check the address the app dials",
+        ),
+        Capture::Intact { captured } => ok(
+            "capture",
+            format!("the pod's netns holds the capture rules; they captured {captured} connection(s)"),
+        ),
         Capture::Drifted => hop(
             "capture",
             Status::Fail,

@@ -153,7 +153,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         ),
     );
     let watches = Watches {
-        link,
+        link: link.clone(),
         dependencies: deps_rx,
         views: catalog_tx,
         connected: metrics.registrar_connected.clone(),
@@ -167,13 +167,21 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
 
     let cni = cni_service(&config, registrar, capture, directory, &node, &metrics);
     let failures = serve_sockets(&config, cache, &node, cni, &metrics, &tasks, &shutdown)?;
+    let inspector = crate::debug::Inspector::new(
+        &config,
+        node.clone(),
+        link,
+        &metrics.registrar_connected,
+        &metrics.dns_records.connected,
+        failures,
+        metrics.decisions.clone(),
+    );
     let admin_addr = serve_admin(
         &config,
         registry,
         metrics_push,
         &metrics,
-        &node,
-        failures,
+        inspector,
         &readiness,
         &tasks,
         &shutdown,
@@ -494,8 +502,7 @@ async fn serve_admin(
     registry: Registry,
     metrics_push: MetricsPush,
     metrics: &AgentMetrics,
-    node: &Node,
-    failures: RecentFailures,
+    inspector: crate::debug::Inspector,
     readiness: &Readiness,
     tasks: &Tasks,
     shutdown: &CancellationToken,
@@ -509,17 +516,7 @@ async fn serve_admin(
     metrics_push.spawn(registry.clone(), Some(refresh.clone()), shutdown.clone())?;
     let admin = AdminServer::bind(config.admin, readiness.clone(), registry)
         .await?
-        .with_pages(crate::debug::pages(
-            debug_pages(node.clone()),
-            crate::debug::Inspector::new(
-                config,
-                node.clone(),
-                &metrics.registrar_connected,
-                &metrics.dns_records.connected,
-                failures,
-                metrics.decisions.clone(),
-            ),
-        ))
+        .with_pages(crate::debug::pages(debug_pages(inspector.node.clone()), inspector))
         .with_refresh(refresh);
     let admin_addr = admin.local_addr().map_err(|source| StartError::Socket {
         path: config.admin.to_string(),

@@ -47,6 +47,9 @@ fn warnings(s: &Value) -> Vec<String> {
     if s["registrar"]["connected"] == json!(true) && s["registrar"]["synced"] == json!(false) {
         warns.push("the registrar has not answered for every dependency yet".into());
     }
+    if let Some(lag) = lag(&s["registrar"]) {
+        warns.push(lag);
+    }
     if let Some(nacks) = s["xds"]["nacks"].as_array().filter(|n| !n.is_empty()) {
         warns.push(format!("{} resource(s) NACKed by Envoy", nacks.len()));
     }
@@ -54,6 +57,19 @@ fn warnings(s: &Value) -> Vec<String> {
         warns.push("mesh-dns records may be stale (DNS watch down or file unreadable)".into());
     }
     warns
+}
+
+/// The registrar confirms changes outside the node's filter every 5 s; a view behind its
+/// head and unmoved for twice that lags.
+const LAG_AFTER_SECONDS: u64 = 10;
+
+/// The watch lags: the registrar holds changes the view has not reached for too long.
+fn lag(registrar: &Value) -> Option<String> {
+    let behind = registrar["behind"].as_u64().filter(|b| *b > 0)?;
+    let unmoved = registrar["updated_seconds_ago"].as_u64()?;
+    (unmoved > LAG_AFTER_SECONDS).then(|| {
+        format!("the registrar watch lags: {behind} change(s) behind the registrar's head, unmoved for {unmoved}s")
+    })
 }
 
 fn check(name: &str, status: &str, detail: impl Into<String>, fix: &str) -> Value {
@@ -143,7 +159,7 @@ mod tests {
             "agent": {"ready": true},
             "envoy": {"reachable": true, "server": {"state": "LIVE"}},
             "xds": {"streams": 1, "nacks": []},
-            "registrar": {"connected": true, "synced": true},
+            "registrar": {"connected": true, "synced": true, "behind": 2, "updated_seconds_ago": 3},
             "dns": {"watch_connected": true, "records": 3},
             "pods": [{"pod": "demo/a", "capture": "intact", "svid_expires_in_seconds": 100}],
         })
@@ -188,6 +204,26 @@ mod tests {
             assert_eq!(got, code, "{pointer}");
             assert!(problems.iter().any(|p| p.contains(words)), "{pointer}: {problems:?}");
         }
+    }
+
+    #[test]
+    fn a_watch_behind_its_head_lags_only_once_the_progress_note_is_overdue() {
+        let lagging = |behind: Value, ago: u64| {
+            let mut s = healthy();
+            s["registrar"]["behind"] = behind;
+            s["registrar"]["updated_seconds_ago"] = json!(ago);
+            judge_status(&s)
+        };
+        // Behind for 3 s: changes outside the filter, confirmed within 5 s.
+        assert_eq!(lagging(json!(2), 3), (Code::Ok, vec![]));
+        assert_eq!(lagging(json!(0), 60), (Code::Ok, vec![]));
+        assert_eq!(lagging(Value::Null, 60), (Code::Ok, vec![]), "no common instance");
+        let (code, problems) = lagging(json!(2), 11);
+        assert_eq!(code, Code::Warn);
+        assert_eq!(
+            problems,
+            ["the registrar watch lags: 2 change(s) behind the registrar's head, unmoved for 11s"]
+        );
     }
 
     #[test]

@@ -134,15 +134,15 @@ pub fn status(agent: &Agent, output: Output) -> Answer {
                 .collect::<Vec<_>>()
                 .join(",");
             let cells = [&p["pod"], &p["service"]].map(text);
-            let rest = [&p["capture"], &p["served"], &p["registered"]].map(text);
+            let rest = [&p["served"], &p["registered"]].map(text);
             vec![
                 cells[0].clone(),
                 cells[1].clone(),
                 ips,
-                rest[0].clone(),
+                capture(p),
                 inbound_mtls(p),
+                rest[0].clone(),
                 rest[1].clone(),
-                rest[2].clone(),
                 svid,
             ]
         })
@@ -165,6 +165,14 @@ pub fn status(agent: &Agent, output: Output) -> Answer {
         out.push_str(&format!("\nproblems:\n  {}\n", problems.join("\n  ")));
     }
     Ok((code, out))
+}
+
+/// A pod's capture rules, with the connections they captured: `intact (12 captured)`.
+fn capture(pod: &Value) -> String {
+    match pod["captured_connections"].as_u64() {
+        Some(captured) => format!("{} ({captured} captured)", text(&pod["capture"])),
+        None => text(&pod["capture"]),
+    }
 }
 
 /// A pod's inbound mTLS mode, with what STRICT refused: `strict (2 refused)`.
@@ -213,8 +221,12 @@ fn status_lines(s: &Value) -> String {
         ),
     };
     let up = |v: &Value| if v.as_bool() == Some(true) { "up" } else { "DOWN" };
+    let version = match r["behind"].as_u64() {
+        Some(behind) => format!("version {}  {behind} behind head", text(&r["version"])),
+        None => format!("version {}  head {}", text(&r["version"]), text(&r["head"])),
+    };
     format!(
-        "node       {}\nagent      {}  {}\nenvoy      {envoy}\nxds        {} stream(s)  {}/{} acked  {nacks} NACK(s)\nregistrar  watch {}  {}  {} services in the node's slice\nmesh-dns   watch {}  {dns}\n",
+        "node       {}\nagent      {}  {}\nenvoy      {envoy}\nxds        {} stream(s)  {}/{} acked  {nacks} NACK(s)\nregistrar  watch {}  {}  {version}  updated {}s ago  {} services in the node's slice\nmesh-dns   watch {}  {dns}\n",
         text(&s["node"]),
         text(&s["agent"]["version"]),
         ready,
@@ -223,6 +235,7 @@ fn status_lines(s: &Value) -> String {
         text(&x["served"]),
         up(&r["connected"]),
         if r["synced"] == true { "synced" } else { "NOT SYNCED" },
+        text(&r["updated_seconds_ago"]),
         text(&r["services"]),
         up(&d["watch_connected"]),
     )

@@ -84,7 +84,8 @@ fn why(e: &Value) -> &str {
     e["first"]["why"].as_str().unwrap_or_default()
 }
 
-/// backend and lonely (both serving), frontend calling both, other not called by anyone.
+/// backend and lonely (both serving), frontend calling both (it has called backend once),
+/// other calling nothing and not called by anyone.
 async fn pods(mesh: &Mesh) -> Vec<(TestPod, aether_tests::HttpServer)> {
     let mut pods = Vec::new();
     for (name, upstreams) in [
@@ -99,6 +100,7 @@ async fn pods(mesh: &Mesh) -> Vec<(TestPod, aether_tests::HttpServer)> {
         mesh.add_pod_ok(&pod, name).await;
         pods.push((pod, app));
     }
+    call_until(mesh, &pods[3].0, "/", 200).await;
     pods
 }
 
@@ -137,6 +139,10 @@ async fn stand_in(mesh: &Mesh, service: &str, pod: &TestPod, account: &str) {
 async fn a_healthy_call_is_ok_at_every_hop() {
     let mesh = mesh().await;
     let _pods = pods(&mesh).await;
+    // other has never called anything: its capture rules have counted nothing, a warning.
+    let (code, e) = explain_until(&mesh, "demo/other", "backend", Some(("capture", "warn"))).await;
+    assert_eq!(code, 4);
+    assert!(why(&e).contains("captured no connection yet"), "{e:#}");
     let (code, e) = explain_until(
         &mesh,
         "demo/frontend",
@@ -149,6 +155,7 @@ async fn a_healthy_call_is_ok_at_every_hop() {
         assert_eq!(hop["status"], "ok", "{hop}");
     }
     assert_eq!(e["hops"][11]["why"], "no ALLOW policy selects the target");
+    assert!(e["hops"][4]["why"].as_str().unwrap().contains("they captured"), "{e:#}");
     assert_eq!(
         e["hops"][7]["why"],
         "no route attached: default routing (retries, outlier ejection)"
@@ -200,6 +207,9 @@ async fn explain_names_each_fault_injected_on_a_live_node() {
     );
     let desired = mesh.path(&format!("state/capture/sandbox-{}.nft", frontend.netns_name()));
     frontend.exec_ok(&["nft", "-f", desired.to_str().unwrap()]);
+    // Restored, its counter starts again from zero, and counts the next call.
+    explain_until(&mesh, "demo/frontend", "backend", Some(("capture", "warn"))).await;
+    call_until(&mesh, frontend, "/", 200).await;
     explain_until(&mesh, "demo/frontend", "backend", None).await;
 
     // A SAN mismatch: an endpoint of backend is a pod (other's IP) that runs as another
@@ -277,6 +287,9 @@ async fn status_and_check_on_a_healthy_node_then_with_envoy_then_the_agent_stopp
         pods.iter().all(|p| p["svid_expires_in_seconds"].as_i64() > Some(0)),
         "{status:#}"
     );
+    let frontend = pods.iter().find(|p| p["pod"] == "demo/frontend").unwrap();
+    assert!(frontend["captured_connections"].as_u64() >= Some(1), "{status:#}");
+    registrar_version_reaches_the_head(&mesh).await;
 
     let (code, text) = aether(&mesh, &["check", "--cni-conf-dir", &net_d]).await;
     assert_eq!(code, 0, "{text}");
@@ -320,6 +333,27 @@ async fn status_and_check_on_a_healthy_node_then_with_envoy_then_the_agent_stopp
     assert!(text.contains("cannot reach the agent's admin API"), "{text}");
 }
 
+/// The watch's version catches up with the registrar's head: changes outside the node's
+/// filter (other pods' registrations) are confirmed by the registrar's progress note.
+async fn registrar_version_reaches_the_head(mesh: &Mesh) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (_, json) = aether(mesh, &["status", "-o", "json"]).await;
+        let status: Value = serde_json::from_str(&json).unwrap();
+        let r = &status["registrar"];
+        let (version, head) = (r["version"].as_str().unwrap(), r["head"].as_str().unwrap());
+        if r["behind"] == 0 {
+            assert_eq!(version, head, "{r}");
+            break;
+        }
+        assert!(r["behind"].as_u64() > Some(0), "{r}");
+        assert!(Instant::now() < deadline, "the watch never reached the head: {r}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let (_, text) = aether(mesh, &["status"]).await;
+    assert!(text.contains(" 0 behind head  updated "), "{text}");
+}
+
 fn uid(pod: &TestPod) -> String {
     format!("uid-{}", pod.netns_name())
 }
@@ -334,6 +368,7 @@ async fn explain_names_svid_faults() {
     .await;
     let (frontend, backend, _apps) = mesh.frontend_and_backend().await;
     let spire = mesh.spire.as_ref().unwrap();
+    call_until(&mesh, &frontend, "/", 200).await;
     explain_until(&mesh, "demo/frontend", "backend", None).await;
 
     spire.issue_as(&uid(&backend), "spiffe://aether.test/ns/demo/sa/impostor");
@@ -383,7 +418,8 @@ async fn explain_asks_mesh_dns() {
         .arg(&records)
         .args(["--upstream", "127.0.0.1:9"]);
     let dns = ChildGuard::spawn("mesh-dns", cmd);
-    let _pods = mesh.frontend_and_backend().await;
+    let (frontend, _backend, _apps) = mesh.frontend_and_backend().await;
+    call_until(&mesh, &frontend, "/", 200).await;
 
     let (_, e) = explain_until(&mesh, "demo/frontend", "backend", None).await;
     let answered = format!("mesh-dns at {dns_addr} answers backend.demo.aether.internal with 240.");

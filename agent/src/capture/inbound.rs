@@ -112,23 +112,6 @@ pub async fn node_addresses() -> Result<Vec<IpAddr>, CaptureError> {
     super::pod_addresses(Path::new("/proc/self/ns/net")).await
 }
 
-/// How many connections the pod's STRICT chain refused since its table was last
-/// applied; `None` when the pod has no such chain (PERMISSIVE, or not captured).
-pub async fn refused(config: &super::CaptureConfig, netns: &Path) -> Result<Option<u64>, CaptureError> {
-    let args = ["list", "counter", "inet", "aether", REFUSED_COUNTER];
-    match super::nft(config, netns, &args, None).await {
-        Ok(listing) => Ok(packets(&listing)),
-        Err(CaptureError::Nft { stderr, .. }) if stderr.contains("No such file or directory") => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
-/// The packet count of an `nft list counter` listing.
-fn packets(listing: &str) -> Option<u64> {
-    let rest = &listing[listing.find("packets ")? + "packets ".len()..];
-    rest.split_whitespace().next()?.parse().ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,12 +171,5 @@ mod tests {
             pod.config_errors(),
             ["security.aether.io/inbound-mtls: \"mtls\" is not strict or permissive"]
         );
-    }
-
-    #[test]
-    fn the_counter_listing_yields_its_packets() {
-        let listing = "table inet aether {\n\tcounter refused_plaintext {\n\t\tpackets 3 bytes 180\n\t}\n}\n";
-        assert_eq!(packets(listing), Some(3));
-        assert_eq!(packets("table inet aether {\n}\n"), None);
     }
 }

@@ -107,7 +107,7 @@ impl Capture for Fake {
         if self.fails("drift") {
             Ok(Verdict::Drifted)
         } else if self.captured.lock().contains(container_id) {
-            Ok(Verdict::Intact)
+            Ok(Verdict::Intact(Default::default()))
         } else {
             Ok(Verdict::NotCaptured)
         }

@@ -224,7 +224,9 @@ async fn dns_answer(inspector: &Inspector, target: Option<&Target>) -> Option<(S
 
 async fn capture(inspector: &Inspector, pod: &LocalPod) -> Capture {
     match crate::capture::check(&inspector.capture, &pod.container_id, &pod.netns).await {
-        Ok(crate::capture::Verdict::Intact) => Capture::Intact,
+        Ok(crate::capture::Verdict::Intact(counters)) => Capture::Intact {
+            captured: counters.captured,
+        },
         Ok(crate::capture::Verdict::Drifted) => Capture::Drifted,
         Ok(crate::capture::Verdict::NotCaptured) => Capture::NotCaptured,
         Err(e) => Capture::Error(e.to_string()),

@@ -4,6 +4,7 @@
 
 use std::time::SystemTime;
 
+use aether_proto::registrar::v1::{ListServicesRequest, Version};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
@@ -27,16 +28,56 @@ pub async fn status(inspector: &Inspector) -> Value {
         "agent": { "version": env!("CARGO_PKG_VERSION") },
         "envoy": envoy,
         "xds": xds_state(&view),
-        "registrar": {
-            "connected": inspector.registrar_connected.get() == 1,
-            // The registrar has answered for every service the node depends on.
-            "synced": view.wanted.is_subset(&view.watched.filter),
-            "watched": view.watched.filter.len(),
-            "services": view.watched.catalog.services.len(),
-        },
+        "registrar": registrar(inspector, &view).await,
         "dns": dns(inspector),
         "pods": pods,
     })
+}
+
+/// The catalog watch: up, synced, the version its view is at, and how far the registrar's
+/// head is ahead of it. Changes outside the node's filter are not sent, only confirmed
+/// by a progress note every few seconds (`PROGRESS_INTERVAL`), so `behind` > 0 is normal
+/// for that long after the view last moved; longer, the stream lags.
+async fn registrar(inspector: &Inspector, view: &NodeView) -> Value {
+    let watched = &view.watched;
+    let head = head(inspector).await;
+    let behind = match (&watched.version, &head) {
+        (Some(ours), Ok(head)) if ours.instance == head.instance => json!(head.seq.saturating_sub(ours.seq)),
+        _ => Value::Null,
+    };
+    json!({
+        "connected": inspector.registrar_connected.get() == 1,
+        // The registrar has answered for every service the node depends on.
+        "synced": view.wanted.is_subset(&watched.filter),
+        "watched": watched.filter.len(),
+        "services": watched.catalog.services.len(),
+        "version": watched.version.as_ref().map(version),
+        "updated_seconds_ago": watched.updated.map(|t| t.elapsed().unwrap_or_default().as_secs()),
+        "head": head.as_ref().map_or_else(|e| json!({ "error": e }), |v| json!(version(v))),
+        // Changes the registrar holds that the view has not reached (null: no common instance).
+        "behind": behind,
+    })
+}
+
+/// How long `status` waits for the registrar's head version.
+const HEAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The registrar's current version, asked on the watch's own connection.
+async fn head(inspector: &Inspector) -> Result<Version, String> {
+    let mut client = inspector.registrar.client();
+    let ask = client.list_services(ListServicesRequest {});
+    match tokio::time::timeout(HEAD_TIMEOUT, ask).await {
+        Ok(Ok(answer)) => answer
+            .into_inner()
+            .version
+            .ok_or_else(|| "no version in the answer".to_owned()),
+        Ok(Err(status)) => Err(format!("ListServices: {}", status.message())),
+        Err(_) => Err(format!("no answer within {HEAD_TIMEOUT:?}")),
+    }
+}
+
+fn version(v: &Version) -> String {
+    format!("{}:{}", v.instance, v.seq)
 }
 
 pub async fn envoy(inspector: &Inspector) -> Value {
@@ -87,11 +128,15 @@ pub fn dns(inspector: &Inspector) -> Value {
 }
 
 async fn pod_row(inspector: &Inspector, view: &NodeView, pod: &LocalPod) -> Value {
-    let capture = match crate::capture::check(&inspector.capture, &pod.container_id, &pod.netns).await {
-        Ok(verdict) => format!("{verdict:?}").to_lowercase(),
-        Err(e) => format!("error: {e}"),
+    let (capture, counters) = match crate::capture::check(&inspector.capture, &pod.container_id, &pod.netns).await {
+        Ok(crate::capture::Verdict::Intact(counters)) => ("intact".to_owned(), Some(counters)),
+        Ok(verdict) => (format!("{verdict:?}").to_lowercase(), None),
+        Err(e) => (format!("error: {e}"), None),
     };
-    let (inbound_mtls, refused) = inbound_mtls(inspector, pod).await;
+    let inbound_mtls = match crate::capture::applied(&inspector.capture, &pod.container_id) {
+        Ok(applied) => json!(applied.map(|capture| capture.inbound_mtls)),
+        Err(e) => json!(format!("error: {e}")),
+    };
     let listeners: Vec<String> = resources::pod_listener_names(pod).into_iter().collect();
     let svid = view.identities.as_ref().and_then(|i| i.svids.get(&pod.id()));
     let endpoints = view.watched.catalog.endpoints.get(&pod.info.service());
@@ -101,30 +146,17 @@ async fn pod_row(inspector: &Inspector, view: &NodeView, pod: &LocalPod) -> Valu
         "ips": pod.ips,
         "service": pod.info.service(),
         "capture": capture,
+        // Since the rules were last applied (null: not intact).
+        "captured_connections": counters.map(|c| c.captured),
         // As applied in the pod's netns (null: not captured), and what STRICT refused.
         "inbound_mtls": inbound_mtls,
-        "refused_plaintext": refused,
+        "refused_plaintext": counters.and_then(|c| c.refused_plaintext),
         "served": super::facts::resource(view, xds::LISTENER, &listeners).acked,
         // Known only when the node watches the pod's own service.
         "registered": registered,
         "svid_expires_in_seconds": svid.map(|s| expires_in(s.not_after)),
         "config_errors": pod.info.config_errors().len(),
     })
-}
-
-/// The pod's applied inbound mTLS mode and its refused-connection count (STRICT only).
-async fn inbound_mtls(inspector: &Inspector, pod: &LocalPod) -> (Value, Value) {
-    let mode = match crate::capture::applied(&inspector.capture, &pod.container_id) {
-        Ok(applied) => applied.map(|capture| capture.inbound_mtls),
-        Err(e) => return (json!(format!("error: {e}")), Value::Null),
-    };
-    if mode != Some(crate::capture::InboundMtls::Strict) {
-        return (json!(mode), Value::Null);
-    }
-    match crate::capture::inbound::refused(&inspector.capture, &pod.netns).await {
-        Ok(refused) => (json!(mode), json!(refused)),
-        Err(e) => (json!(mode), json!(format!("error: {e}"))),
-    }
 }
 
 /// Seconds until `t` (negative once past).

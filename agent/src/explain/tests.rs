@@ -55,7 +55,7 @@ fn healthy() -> Facts {
             file_error: None,
             answer: None,
         },
-        capture: Capture::Intact,
+        capture: Capture::Intact { captured: 3 },
         envoy: EnvoyFacts {
             connected: true,
             listener: acked(),
@@ -289,6 +289,13 @@ const CASES: &[(&str, Fault, &str, Status, &str)] = &[
         "capture",
         Status::Fail,
         "without traffic capture",
+    ),
+    (
+        "nothing captured yet",
+        |f| f.capture = Capture::Intact { captured: 0 },
+        "capture",
+        Status::Warn,
+        "captured no connection yet",
     ),
     (
         "nft failed",
