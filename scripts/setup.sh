@@ -15,6 +15,7 @@ APT_PACKAGES=(
   libprotobuf-dev                                # google/protobuf/*.proto that etcd-client's build needs
   bind9-dnsutils unbound dnsperf                 # dig, reference resolver, DNS load
   wrk hey nghttp2-client curl                    # HTTP load (h2load), curl inside pods
+  openssl                                        # s_server: a destination pod elsewhere, in explain's tests
   python3-venv                                   # python3 -m venv for the .venv below
 )
 

@@ -179,6 +179,17 @@ pub struct IdentityFacts {
     pub expected_sans: Vec<String>,
     /// SPIFFE IDs of the destination's endpoints that are pods on this node (their SVIDs).
     pub local_destinations: Vec<(String, String)>,
+    /// The destination's endpoints on other nodes, asked who they are (a TLS handshake as
+    /// the source pod), a few of them.
+    pub remote_destinations: Vec<RemoteDestination>,
+}
+
+/// A destination pod on another node, and the SPIFFE ID it presented (or why it did not).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteDestination {
+    pub address: String,
+    pub node: String,
+    pub presented: Result<String, String>,
 }
 
 #[derive(Clone, Debug)]
@@ -690,6 +701,9 @@ fn identity(f: &Facts) -> Hop {
             "run the destination under a service account its registration names, or fix the endpoint's registration",
         );
     }
+    if let Some(hop) = remote_destinations(id) {
+        return hop;
+    }
     let svid = id.svid.as_ref().expect("checked by svid_problem");
     ok(
         "identity",
@@ -700,6 +714,38 @@ fn identity(f: &Facts) -> Hop {
             list(&id.expected_sans)
         ),
     )
+}
+
+/// The destination pods on other nodes: one presenting an identity the callers do not
+/// pin fails the hop; one that could not be asked is a warning.
+fn remote_destinations(id: &IdentityFacts) -> Option<Hop> {
+    let remote = &id.remote_destinations;
+    if let Some((r, presented)) = remote.iter().find_map(|r| {
+        let presented = r.presented.as_ref().ok()?;
+        (!id.expected_sans.contains(presented)).then_some((r, presented))
+    }) {
+        return Some(hop(
+            "identity",
+            Status::Fail,
+            format!(
+                "SAN mismatch: destination pod {} on node {} presents {presented}, but callers pin {}",
+                r.address,
+                r.node,
+                list(&id.expected_sans)
+            ),
+            "run the destination under a service account its registration names, or fix the endpoint's registration",
+        ));
+    }
+    let (r, error) = remote.iter().find_map(|r| r.presented.as_ref().err().map(|e| (r, e)))?;
+    Some(hop(
+        "identity",
+        Status::Warn,
+        format!(
+            "destination pod {} on node {} could not be asked who it is: {error}",
+            r.address, r.node
+        ),
+        "check that pod and its node's agent (aether status there)",
+    ))
 }
 
 /// Why the source pod's SVID cannot be used now, if it cannot.

@@ -65,7 +65,8 @@ impl PrivateKey {
         Self(pem)
     }
 
-    /// The PEM text, for the SDS secret only.
+    /// The PEM text: for the SDS secret, and for `explain`'s SAN probe (which presents
+    /// the pod's SVID as the pod's own calls do).
     pub fn pem(&self) -> &str {
         &self.0
     }

@@ -354,6 +354,54 @@ async fn registrar_version_reaches_the_head(mesh: &Mesh) {
     assert!(text.contains(" 0 behind head  updated "), "{text}");
 }
 
+/// A destination pod on another node presenting an identity its registration does not
+/// name: explain asks it (a TLS handshake as frontend) and names the mismatch; stopped,
+/// it cannot be asked, a warning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_asks_destination_pods_on_other_nodes_who_they_are() {
+    let mesh = mesh().await;
+    let pods = pods(&mesh).await;
+    // Not managed by this node's agent: stands for a pod elsewhere, its inbound listener
+    // (:18008) presenting an SVID of service account impostor from the mesh's CA.
+    let elsewhere = mesh.node.add_pod("elsewhere");
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = mesh
+        .ca
+        .issue("spiffe://aether.test/ns/demo/sa/impostor", Duration::from_secs(600))
+        .write(dir.path(), "impostor");
+    let (ca, _) = mesh.ca.write(&dir.path().join("ca"));
+    let mut server = elsewhere.command("openssl");
+    server
+        .arg("s_server")
+        .args(["-accept", "18008", "-alpn", "h2", "-Verify", "1", "-quiet"]);
+    server
+        .arg("-cert")
+        .arg(&cert)
+        .arg("-key")
+        .arg(&key)
+        .arg("-CAfile")
+        .arg(&ca);
+    let tls_server = ChildGuard::spawn("openssl s_server", server);
+    stand_in(&mesh, "backend", &elsewhere, "backend").await;
+
+    let (_, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("identity", "fail"))).await;
+    let mismatch = format!(
+        "SAN mismatch: destination pod {} on node other-node presents spiffe://aether.test/ns/demo/sa/impostor, but callers pin spiffe://aether.test/ns/demo/sa/backend",
+        elsewhere.ip()
+    );
+    assert_eq!(why(&e), mismatch, "{e:#}");
+
+    drop(tls_server);
+    let (code, e) = explain_until(&mesh, "demo/frontend", "backend", Some(("identity", "warn"))).await;
+    assert_eq!(code, 4);
+    let unasked = format!(
+        "destination pod {} on node other-node could not be asked who it is",
+        elsewhere.ip()
+    );
+    assert!(why(&e).starts_with(&unasked), "{e:#}");
+    drop(pods);
+}
+
 fn uid(pod: &TestPod) -> String {
     format!("uid-{}", pod.netns_name())
 }

@@ -11,6 +11,7 @@ use aether_proto::registry::v1::Endpoint;
 use super::Inspector;
 
 mod authorization;
+mod san_probe;
 use crate::explain::{
     Capture, DnsFacts, EnvoyFacts, Facts, IdentityFacts, PodFacts, Resource, RouteFacts, Svid, Target,
 };
@@ -103,7 +104,7 @@ pub async fn gather(inspector: &Inspector, question: &Question) -> Facts {
     let request = request_of(text, question.method.as_deref(), &question.headers);
     if let (Some(pod), Some(t)) = (local, &target) {
         envoy = envoy_facts(inspector, &view, pod, t).await;
-        identity = identity_facts(&view, pod, t);
+        identity = identity_facts(&view, pod, t).await;
         route = route_facts(&view, pod, t);
         let caller = identity
             .as_ref()
@@ -313,7 +314,7 @@ fn route_facts(view: &NodeView, pod: &LocalPod, target: &Target) -> Option<Route
     Some(facts)
 }
 
-fn identity_facts(view: &NodeView, pod: &LocalPod, target: &Target) -> Option<IdentityFacts> {
+async fn identity_facts(view: &NodeView, pod: &LocalPod, target: &Target) -> Option<IdentityFacts> {
     let identities = view.identities.as_ref()?;
     let svid = identities.svids.get(&pod.id()).map(|s| Svid {
         spiffe_id: s.spiffe_id.clone(),
@@ -331,20 +332,31 @@ fn identity_facts(view: &NodeView, pod: &LocalPod, target: &Target) -> Option<Id
     let mtls = Mtls {
         trust_domain: identities.trust_domain.clone(),
     };
+    let local_pod = |e: &&Endpoint| {
+        view.pods
+            .iter()
+            .find(|p| p.ips.iter().any(|ip| ip.to_string() == e.address))
+    };
     let local_destinations = endpoints
         .iter()
-        .filter_map(|e| {
-            view.pods
-                .iter()
-                .find(|p| p.ips.iter().any(|ip| ip.to_string() == e.address))
-        })
+        .filter_map(local_pod)
         .filter_map(|p| Some((p.id(), identities.svids.get(&p.id())?.spiffe_id.clone())))
         .collect();
+    let remote: Vec<(String, String)> = endpoints
+        .iter()
+        .filter(|e| local_pod(e).is_none())
+        .map(|e| (e.address.clone(), e.node.clone()))
+        .collect();
+    let remote_destinations = match identities.svids.get(&pod.id()) {
+        Some(svid) if !remote.is_empty() => san_probe::probe(svid, &identities.bundles, &remote).await,
+        _ => Vec::new(),
+    };
     Some(IdentityFacts {
         svid,
         secret_acked: resource(view, xds::SECRET, &[secret]).acked,
         expected_sans: resources::server_sans(&mtls, &target.service, &endpoints),
         local_destinations,
+        remote_destinations,
     })
 }
 

@@ -71,6 +71,11 @@ fn healthy() -> Facts {
             secret_acked: true,
             expected_sans: vec![BACKEND_ID.into()],
             local_destinations: vec![("demo/backend".into(), BACKEND_ID.into())],
+            remote_destinations: vec![RemoteDestination {
+                address: "10.1.2.3".into(),
+                node: "node-b".into(),
+                presented: Ok(BACKEND_ID.into()),
+            }],
         }),
         request: None,
         route: Some(RouteFacts {
@@ -435,6 +440,23 @@ const CASES: &[(&str, Fault, &str, Status, &str)] = &[
         "identity",
         Status::Fail,
         "SAN mismatch",
+    ),
+    (
+        "SAN mismatch on another node",
+        |f| {
+            f.identity.as_mut().unwrap().remote_destinations[0].presented =
+                Ok("spiffe://cluster.local/ns/demo/sa/other".into())
+        },
+        "identity",
+        Status::Fail,
+        "SAN mismatch: destination pod 10.1.2.3 on node node-b presents spiffe://cluster.local/ns/demo/sa/other",
+    ),
+    (
+        "a destination on another node not answering",
+        |f| f.identity.as_mut().unwrap().remote_destinations[0].presented = Err("connection refused".into()),
+        "identity",
+        Status::Warn,
+        "destination pod 10.1.2.3 on node node-b could not be asked who it is: connection refused",
     ),
 ];
 
