@@ -78,6 +78,16 @@ impl Default for CniMetrics {
 }
 
 impl CniMetrics {
+    /// Calls that failed (refused as invalid, or errors), every method, since start.
+    pub fn failed(&self) -> u64 {
+        let methods = ["AddPod", "RemovePod", "CheckPod", "GarbageCollect"];
+        let results = ["invalid", "error"];
+        methods
+            .iter()
+            .flat_map(|m| results.map(|r| self.calls.get(&[("method", m), ("result", r)]).map_or(0, |c| c.get())))
+            .sum()
+    }
+
     /// Registers under the agent's `aether_agent` registry.
     pub fn register(&self, metrics: &mut Registry) {
         metrics.register(

@@ -15,6 +15,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use aether_common::admin::{Pages, answered};
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::capture::CaptureConfig;
@@ -52,6 +53,19 @@ pub struct Inspector {
     pub failures: crate::access_log::RecentFailures,
     /// The last authorization decisions on calls to local pods.
     pub decisions: crate::access_log::Decisions,
+    pub errors: ErrorCounters,
+}
+
+/// The agent's error counters since start, as `status` shows them.
+#[derive(Clone, Default)]
+pub struct ErrorCounters {
+    pub cni: crate::cni::CniMetrics,
+    /// Identity provider failures.
+    pub identity: Counter,
+    /// Failed writes of mesh-dns's record file.
+    pub dns_records: Counter,
+    /// Failed reads of Envoy's request stats.
+    pub envoy_stats: Counter,
 }
 
 impl Inspector {
@@ -84,7 +98,12 @@ impl Inspector {
             dns_connected: dns.clone(),
             failures,
             decisions,
+            errors: ErrorCounters::default(),
         }
+    }
+
+    pub fn with_errors(self, errors: ErrorCounters) -> Self {
+        Self { errors, ..self }
     }
 }
 

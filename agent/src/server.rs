@@ -175,7 +175,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         &metrics.dns_records.connected,
         failures,
         metrics.decisions.clone(),
-    );
+    )
+    .with_errors(metrics.errors());
     let admin_addr = serve_admin(
         &config,
         registry,
@@ -320,6 +321,15 @@ struct AgentMetrics {
 }
 
 impl AgentMetrics {
+    fn errors(&self) -> crate::debug::ErrorCounters {
+        crate::debug::ErrorCounters {
+            cni: self.cni.clone(),
+            identity: self.identity.errors.clone(),
+            dns_records: self.dns_records.write_errors.clone(),
+            envoy_stats: self.envoy_requests.failures.clone(),
+        }
+    }
+
     fn register(registry: &mut Registry, config: &Config) -> Self {
         if config.envoy_access_log {
             crate::request_metrics::enable_access_log(&config.telemetry.otlp_endpoint);

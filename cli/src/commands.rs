@@ -226,7 +226,7 @@ fn status_lines(s: &Value) -> String {
         None => format!("version {}  head {}", text(&r["version"]), text(&r["head"])),
     };
     format!(
-        "node       {}\nagent      {}  {}\nenvoy      {envoy}\nxds        {} stream(s)  {}/{} acked  {nacks} NACK(s)\nregistrar  watch {}  {}  {version}  updated {}s ago  {} services in the node's slice\nmesh-dns   watch {}  {dns}\n",
+        "node       {}\nagent      {}  {}\nenvoy      {envoy}\nxds        {} stream(s)  {}/{} acked  {nacks} NACK(s)\nregistrar  watch {}  {}  {version}  updated {}s ago  {} services in the node's slice\nmesh-dns   watch {}  {dns}\nerrors     {}\n",
         text(&s["node"]),
         text(&s["agent"]["version"]),
         ready,
@@ -238,7 +238,23 @@ fn status_lines(s: &Value) -> String {
         text(&r["updated_seconds_ago"]),
         text(&r["services"]),
         up(&d["watch_connected"]),
+        errors(&s["errors"]),
     )
+}
+
+/// The agent's error counts since start: `cni calls 0  identity 0  …`.
+fn errors(e: &Value) -> String {
+    let counts = [
+        ("cni calls", "cni_calls_failed"),
+        ("identity", "identity"),
+        ("record writes", "dns_record_writes"),
+        ("envoy stats reads", "envoy_stats_reads"),
+    ];
+    let counts: Vec<String> = counts
+        .iter()
+        .map(|(label, key)| format!("{label} {}", text(&e[key])))
+        .collect();
+    format!("{}  (since the agent started)", counts.join("  "))
 }
 
 pub fn check(agent: &Agent, cni_conf_dir: &Path, output: Output) -> Answer {

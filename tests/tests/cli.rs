@@ -290,6 +290,7 @@ async fn status_and_check_on_a_healthy_node_then_with_envoy_then_the_agent_stopp
     let frontend = pods.iter().find(|p| p["pod"] == "demo/frontend").unwrap();
     assert!(frontend["captured_connections"].as_u64() >= Some(1), "{status:#}");
     registrar_version_reaches_the_head(&mesh).await;
+    errors_are_counted(&mesh).await;
 
     let (code, text) = aether(&mesh, &["check", "--cni-conf-dir", &net_d]).await;
     assert_eq!(code, 0, "{text}");
@@ -400,6 +401,27 @@ async fn explain_asks_destination_pods_on_other_nodes_who_they_are() {
     );
     assert!(why(&e).starts_with(&unasked), "{e:#}");
     drop(pods);
+}
+
+/// A refused CNI call shows in status's error counts.
+async fn errors_are_counted(mesh: &Mesh) {
+    let status = |text: String| serde_json::from_str::<Value>(&text).unwrap();
+    let before = status(aether(mesh, &["status", "-o", "json"]).await.1);
+    assert_eq!(
+        before["errors"],
+        json!({"cni_calls_failed": 0, "identity": 0, "dns_record_writes": 0, "envoy_stats_reads": 0}),
+        "{before:#}"
+    );
+    let bad = aether_proto::cni::v1::AddPodRequest {
+        container_id: "../not-a-container".into(),
+        ..Default::default()
+    };
+    let refused = mesh.cni().await.add_pod(bad).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused}");
+    let after = status(aether(mesh, &["status", "-o", "json"]).await.1);
+    assert_eq!(after["errors"]["cni_calls_failed"], 1, "{after:#}");
+    let (_, text) = aether(mesh, &["status"]).await;
+    assert!(text.contains("errors     cni calls 1  identity 0"), "{text}");
 }
 
 fn uid(pod: &TestPod) -> String {

@@ -30,6 +30,7 @@ pub async fn status(inspector: &Inspector) -> Value {
         "xds": xds_state(&view),
         "registrar": registrar(inspector, &view).await,
         "dns": dns(inspector),
+        "errors": errors(&inspector.errors),
         "pods": pods,
     })
 }
@@ -56,6 +57,16 @@ async fn registrar(inspector: &Inspector, view: &NodeView) -> Value {
         "head": head.as_ref().map_or_else(|e| json!({ "error": e }), |v| json!(version(v))),
         // Changes the registrar holds that the view has not reached (null: no common instance).
         "behind": behind,
+    })
+}
+
+/// The agent's error counts since start (NACKs are under `xds`).
+fn errors(e: &super::ErrorCounters) -> Value {
+    json!({
+        "cni_calls_failed": e.cni.failed(),
+        "identity": e.identity.get(),
+        "dns_record_writes": e.dns_records.get(),
+        "envoy_stats_reads": e.envoy_stats.get(),
     })
 }
 
