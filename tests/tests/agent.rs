@@ -142,7 +142,7 @@ async fn served_by_within(frontend: &TestPod, tries: usize, enough: usize) -> BT
 fn capture_vips(pod: &TestPod) {
     let rules = pod.exec_ok(&["nft", "list", "table", "inet", "aether"]);
     assert!(
-        rules.contains("ip daddr 240.240.0.0/16 meta l4proto tcp redirect to :18001"),
+        rules.contains("ip daddr 240.240.0.0/16 meta l4proto tcp counter name \"captured\" redirect to :18001"),
         "{rules}"
     );
 }

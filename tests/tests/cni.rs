@@ -235,7 +235,7 @@ async fn assert_pinned_captured_and_registered(env: &CniMesh, ns: &BareNetns, sb
     );
     let table = aether_table(&ns.path()).expect("the agent programmed the capture table");
     assert!(
-        table.contains("ip daddr 240.240.0.0/16 meta l4proto tcp redirect to :18001"),
+        table.contains("ip daddr 240.240.0.0/16 meta l4proto tcp counter name \"captured\" redirect to :18001"),
         "{table}"
     );
     assert!(table.contains(&format!("dnat ip to {}", env.dns.addr)), "{table}");
