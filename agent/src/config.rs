@@ -115,7 +115,7 @@ pub struct Config {
     /// Inbound mTLS of this node's pods unless their `security.aether.io/inbound-mtls`
     /// annotation says otherwise: strict (app ports reachable only through the mesh and
     /// from the node, for probes) or permissive (plaintext too, for migration).
-    #[arg(long, env = "AETHER_INBOUND_MTLS", value_enum, default_value = "strict")]
+    #[arg(long, env = "AETHER_INBOUND_MTLS", default_value = "strict", value_parser = crate::capture::InboundMtls::parse)]
     pub inbound_mtls: crate::capture::InboundMtls,
 
     /// Workload identity: SVIDs for local pods, mTLS between pods.

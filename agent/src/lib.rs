@@ -18,5 +18,5 @@ pub mod registrar;
 pub mod registrar_link;
 pub mod request_metrics;
 pub mod server;
-pub mod upstreams;
+pub use aether_api::pod::upstreams;
 pub mod xds;

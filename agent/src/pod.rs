@@ -13,10 +13,9 @@ use crate::capture::inbound::{InboundError, InboundMtls};
 use crate::upstreams::{self, BadName, Upstreams};
 
 // The conventions are shared with the registrar's Kubernetes store, so both read a pod the same way.
-pub use aether_common::pod_meta::{AppProtocol, MANAGED_LABEL, SERVICE_ANNOTATION};
-
 /// A workload's own inbound mTLS mode (`strict` or `permissive`), over the node's default.
-pub const INBOUND_MTLS_ANNOTATION: &str = "security.aether.io/inbound-mtls";
+pub use aether_api::pod::INBOUND_MTLS_ANNOTATION;
+pub use aether_common::pod_meta::{AppProtocol, MANAGED_LABEL, SERVICE_ANNOTATION};
 
 /// A pod's metadata as the pod source reports it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -111,24 +110,13 @@ impl PodInfo {
 
     /// The inbound mTLS mode the pod's annotation asks for, if it has one.
     pub fn inbound_mtls(&self) -> Result<Option<InboundMtls>, InboundError> {
-        self.annotations
-            .get(INBOUND_MTLS_ANNOTATION)
-            .map(|value| InboundMtls::parse(value))
-            .transpose()
+        aether_api::pod::inbound_mtls(&self.annotations)
     }
 
-    /// Problems with the pod's own mesh configuration, each naming its field.
+    /// Problems with the pod's own mesh configuration, each naming its field (the rule
+    /// the pod webhook applies too).
     pub fn config_errors(&self) -> Vec<String> {
-        let mut errors = self.upstreams().errors;
-        if let Some(name) = self.annotations.get(SERVICE_ANNOTATION)
-            && let Err(reason) = upstreams::check(name.trim())
-        {
-            errors.push(format!("{SERVICE_ANNOTATION}: {reason}"));
-        }
-        if let Err(error) = self.inbound_mtls() {
-            errors.push(error.to_string());
-        }
-        errors
+        aether_api::pod::config_errors(&self.namespace, &self.annotations)
     }
 }
 

@@ -10,10 +10,8 @@
 use std::net::IpAddr;
 use std::path::Path;
 
-use aether_common::quote::quote;
-
 use super::CaptureError;
-use crate::pod::{INBOUND_MTLS_ANNOTATION, PodInfo};
+use crate::pod::PodInfo;
 
 /// The input chain of [`super::TABLE`] in STRICT.
 pub const CHAIN: &str = "inbound";
@@ -22,46 +20,7 @@ pub const REFUSED_COUNTER: &str = "refused_plaintext";
 /// Envoy's inbound (mTLS) listener on the pod's IP.
 const INBOUND_PORT: u32 = crate::xds::resources::INBOUND_PORT;
 
-/// How a pod's app ports may be reached.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum InboundMtls {
-    /// Only through the mesh (and from the node, for probes).
-    #[default]
-    Strict,
-    /// Also in plaintext, from anywhere that routes to the pod (migration).
-    Permissive,
-}
-
-#[derive(Debug, PartialEq, Eq, thiserror::Error)]
-pub enum InboundError {
-    #[error("{INBOUND_MTLS_ANNOTATION}: {} is not strict or permissive", quote(.0))]
-    Mode(String),
-}
-
-impl InboundMtls {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            InboundMtls::Strict => "strict",
-            InboundMtls::Permissive => "permissive",
-        }
-    }
-
-    /// An annotation's value; case does not matter (Istio spells the modes in capitals).
-    pub fn parse(text: &str) -> Result<Self, InboundError> {
-        match text.trim().to_ascii_lowercase().as_str() {
-            "strict" => Ok(InboundMtls::Strict),
-            "permissive" => Ok(InboundMtls::Permissive),
-            _ => Err(InboundError::Mode(text.to_owned())),
-        }
-    }
-}
-
-impl std::fmt::Display for InboundMtls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use aether_api::pod::{InboundError, InboundMtls};
 
 /// The pod's effective mode: its own annotation, else the node's default. This is the
 /// one place the mode is decided; namespace and mesh-wide settings (MeshConfig on the
@@ -115,6 +74,7 @@ pub async fn node_addresses() -> Result<Vec<IpAddr>, CaptureError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pod::INBOUND_MTLS_ANNOTATION;
 
     #[test]
     fn the_chain_admits_the_mesh_loopback_and_the_node_and_resets_other_tcp() {
@@ -138,21 +98,6 @@ mod tests {
         assert!(text.contains("    type filter hook input priority 0\n    policy accept\n"));
         assert!(!text.contains("saddr"), "no node addresses, no empty set: {text}");
         assert!(text.ends_with("reject with tcp reset\n  }\n"));
-    }
-
-    #[test]
-    fn modes_parse_in_any_case_and_a_bad_one_names_the_annotation() {
-        assert_eq!(InboundMtls::parse("strict"), Ok(InboundMtls::Strict));
-        assert_eq!(InboundMtls::parse(" PERMISSIVE "), Ok(InboundMtls::Permissive));
-        assert_eq!(
-            InboundMtls::parse("off").unwrap_err().to_string(),
-            "security.aether.io/inbound-mtls: \"off\" is not strict or permissive"
-        );
-        let long = "x".repeat(10_000);
-        assert!(
-            InboundMtls::parse(&long).unwrap_err().to_string().len() < 400,
-            "quoted bounded"
-        );
     }
 
     #[test]

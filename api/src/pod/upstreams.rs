@@ -52,8 +52,7 @@ pub fn parse(pod_namespace: &str, value: &str) -> Upstreams {
     parsed
 }
 
-/// Why a namespace or service name was refused, worded for the agent's callers (the
-/// entry or field is named by the caller).
+/// Why a namespace or service name was refused (the entry or field is named by the caller).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum BadName {
     #[error("empty namespace or name")]

@@ -1,0 +1,133 @@
+//! A pod's mesh annotations, validated in one place: the agent (which applies them), the
+//! controller's pod webhook (which refuses a pod whose annotations it would ignore) and
+//! `aether explain` all read them through these functions, so apply-time and run-time
+//! verdicts agree.
+//!
+//! - `config.aether.io/upstreams`: the services the pod calls ([`upstreams`]);
+//! - `config.aether.io/service`: the service the pod serves (a DNS-1123 label);
+//! - `security.aether.io/inbound-mtls`: `strict` or `permissive` ([`InboundMtls`]).
+
+use std::collections::BTreeMap;
+
+use aether_common::pod_meta::SERVICE_ANNOTATION;
+use aether_common::quote::quote;
+
+pub mod upstreams;
+
+/// The annotation that sets a pod's inbound mTLS mode.
+pub const INBOUND_MTLS_ANNOTATION: &str = "security.aether.io/inbound-mtls";
+
+/// How a pod's app ports may be reached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InboundMtls {
+    /// Only through the mesh (and from the node, for probes).
+    #[default]
+    Strict,
+    /// Also in plaintext, from anywhere that routes to the pod (migration).
+    Permissive,
+}
+
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum InboundError {
+    #[error("{INBOUND_MTLS_ANNOTATION}: {} is not strict or permissive", quote(.0))]
+    Mode(String),
+}
+
+impl InboundMtls {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InboundMtls::Strict => "strict",
+            InboundMtls::Permissive => "permissive",
+        }
+    }
+
+    /// An annotation's (or flag's) value; case does not matter (Istio spells the modes in
+    /// capitals).
+    pub fn parse(text: &str) -> Result<Self, InboundError> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "strict" => Ok(InboundMtls::Strict),
+            "permissive" => Ok(InboundMtls::Permissive),
+            _ => Err(InboundError::Mode(text.to_owned())),
+        }
+    }
+}
+
+impl std::fmt::Display for InboundMtls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The inbound mTLS mode the pod's annotation asks for, if it has one.
+pub fn inbound_mtls(annotations: &BTreeMap<String, String>) -> Result<Option<InboundMtls>, InboundError> {
+    annotations
+        .get(INBOUND_MTLS_ANNOTATION)
+        .map(|value| InboundMtls::parse(value))
+        .transpose()
+}
+
+/// Problems with a pod's mesh annotations, each naming its annotation (and entry); empty
+/// when every one is valid. The agent ignores what is named here (and says so); the pod
+/// webhook refuses the pod.
+pub fn config_errors(namespace: &str, annotations: &BTreeMap<String, String>) -> Vec<String> {
+    let mut errors = annotations
+        .get(upstreams::ANNOTATION)
+        .map(|v| upstreams::parse(namespace, v).errors)
+        .unwrap_or_default();
+    if let Some(name) = annotations.get(SERVICE_ANNOTATION)
+        && let Err(reason) = upstreams::check(name.trim())
+    {
+        errors.push(format!("{SERVICE_ANNOTATION}: {reason}"));
+    }
+    if let Err(error) = inbound_mtls(annotations) {
+        errors.push(error.to_string());
+    }
+    errors
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse_in_any_case_and_a_bad_one_names_the_annotation() {
+        assert_eq!(InboundMtls::parse("strict"), Ok(InboundMtls::Strict));
+        assert_eq!(InboundMtls::parse(" PERMISSIVE "), Ok(InboundMtls::Permissive));
+        assert_eq!(
+            InboundMtls::parse("off").unwrap_err().to_string(),
+            "security.aether.io/inbound-mtls: \"off\" is not strict or permissive"
+        );
+        let long = "x".repeat(10_000);
+        assert!(
+            InboundMtls::parse(&long).unwrap_err().to_string().len() < 400,
+            "quoted bounded"
+        );
+    }
+
+    #[test]
+    fn every_bad_annotation_is_named_and_good_ones_pass() {
+        let annotations = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        };
+        let good = annotations(&[
+            (upstreams::ANNOTATION, "cart, shop/pay"),
+            (SERVICE_ANNOTATION, "web"),
+            (INBOUND_MTLS_ANNOTATION, "Permissive"),
+        ]);
+        assert_eq!(config_errors("demo", &good), Vec::<String>::new());
+        let bad = annotations(&[
+            (upstreams::ANNOTATION, "cart, Bad_Name"),
+            (SERVICE_ANNOTATION, "Web"),
+            (INBOUND_MTLS_ANNOTATION, "mtls"),
+        ]);
+        assert_eq!(
+            config_errors("demo", &bad),
+            [
+                "config.aether.io/upstreams[1]: \"Bad_Name\": \"Bad_Name\" is not a DNS-1123 label (lowercase letters, digits and '-')",
+                "config.aether.io/service: \"Web\" is not a DNS-1123 label (lowercase letters, digits and '-')",
+                "security.aether.io/inbound-mtls: \"mtls\" is not strict or permissive",
+            ]
+        );
+    }
+}
