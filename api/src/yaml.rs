@@ -87,6 +87,30 @@ fn route_object(value: Value) -> Option<Result<RouteObject, (String, String)>> {
     })
 }
 
+/// An object of one of the kinds the mesh projects.
+#[derive(Clone, Debug)]
+pub enum MeshObject {
+    Route(Box<RouteObject>),
+    Policy(Box<crate::authorization::AuthorizationPolicy>),
+    Filter(Box<crate::http_filter::HttpFilter>),
+}
+
+/// An object as the API server sends it (JSON, e.g. in an AdmissionReview) as one of the
+/// mesh's kinds: `None` for another kind, else the typed object or the field at fault —
+/// the same reading a route, policy or filter file gets.
+pub fn mesh_object(value: Value) -> Option<Result<MeshObject, (String, String)>> {
+    use crate::{authorization as policy, http_filter as filter};
+    let kind = value.get("kind").and_then(Value::as_str).unwrap_or_default().to_owned();
+    match kind.as_str() {
+        "HTTPRoute" | "GRPCRoute" => route_object(value).map(|r| r.map(|o| MeshObject::Route(Box::new(o)))),
+        policy::KIND => of_kind(value, (policy::GROUP, policy::VERSION, policy::KIND))
+            .map(|r| r.map(|o| MeshObject::Policy(Box::new(o)))),
+        filter::KIND => of_kind(value, (filter::GROUP, filter::VERSION, filter::KIND))
+            .map(|r| r.map(|o| MeshObject::Filter(Box::new(o)))),
+        _ => None,
+    }
+}
+
 /// A document as one of our kinds: `None` for another group or kind, a refusal naming
 /// `apiVersion` for a version we do not serve, else the typed object (or where it fails).
 pub(crate) fn of_kind<T: DeserializeOwned>(

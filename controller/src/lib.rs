@@ -1,0 +1,119 @@
+//! `aether-controller`: the mesh's admission webhooks.
+//!
+//! - [`validate`]: every mesh object (pods' mesh annotations, AuthorizationPolicy,
+//!   HTTPFilter, HTTPRoute/GRPCRoute with Service parents) judged by the function that
+//!   projects it at run time (`aether-api`), so apply-time and run-time verdicts agree;
+//! - [`mutate`]: a new pod in a mesh namespace joins the mesh (label, DNS search domains);
+//! - [`admission`]: AdmissionReview v1 in and out, as kube-apiserver speaks it;
+//! - [`server`]: HTTPS for kube-apiserver, the serving certificate reloaded from its files.
+//!
+//! Every replica serves the webhooks; nothing here writes to the API (proposal 015).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aether_common::admin::{AdminError, AdminServer};
+use aether_common::readiness::{Gate, Readiness};
+use aether_common::tasks::{TaskFailed, Tasks};
+use aether_common::tls::{CertFiles, CertSlot, TlsError};
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub mod admission;
+pub mod config;
+pub mod mutate;
+pub mod server;
+pub mod validate;
+
+use config::Config;
+
+/// How long open reviews may take to finish at shutdown.
+const DRAIN: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("the serving certificate: {0}")]
+    Tls(#[from] TlsError),
+    #[error("the TLS configuration: {0}")]
+    Rustls(#[from] rustls::Error),
+    #[error("binding the webhook address {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error(transparent)]
+    Admin(#[from] AdminError),
+}
+
+pub struct Running {
+    pub webhook_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    tasks: Tasks,
+    serving: Gate,
+    shutdown: CancellationToken,
+}
+
+impl Running {
+    /// Until shutdown (or a critical task's failure), then drains.
+    pub async fn wait(self) -> Result<(), TaskFailed> {
+        self.shutdown.cancelled().await;
+        self.serving.set_not_ready("shutting down");
+        self.tasks.drain(DRAIN).await
+    }
+}
+
+/// Binds the webhook and admin addresses and serves until `shutdown`.
+pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Running, StartError> {
+    let files = CertFiles {
+        cert_flag: "--tls-cert",
+        cert: config.tls_cert.clone(),
+        key_flag: "--tls-key",
+        key: config.tls_key.clone(),
+    };
+    let slot = CertSlot::from_files(files, shutdown.clone())?;
+    let tls = server::tls_config(slot)?;
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    let webhook_addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: config.listen,
+        source,
+    })?;
+    let webhooks = Arc::new(server::Webhooks {
+        validator: validate::Validator {
+            policies: aether_api::authorization::ProjectOptions {
+                root_namespace: config.mesh_root_namespace.clone(),
+            },
+        },
+        mutator: mutate::Mutator {
+            mesh_domain: config.mesh_domain.clone(),
+        },
+        metrics: server::Metrics::default(),
+    });
+    let mut registry = Registry::default();
+    webhooks.metrics.register(&mut registry);
+    let readiness = Readiness::new();
+    let serving = readiness.gate("webhooks");
+    let tasks = Tasks::new(shutdown.clone(), &readiness);
+    tasks.critical(
+        "the webhook server",
+        server::serve(listener, tls, webhooks, shutdown.clone()),
+    );
+    let admin = AdminServer::bind(config.admin, readiness.clone(), Arc::new(registry)).await?;
+    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
+        addr: config.admin,
+        source,
+    })?;
+    tasks.critical("the admin server", admin.serve(shutdown.clone()));
+    serving.set_ready();
+    tracing::info!(%webhook_addr, %admin_addr, mesh_domain = %config.mesh_domain, "aether-controller serving");
+    Ok(Running {
+        webhook_addr,
+        admin_addr,
+        tasks,
+        serving,
+        shutdown,
+    })
+}
