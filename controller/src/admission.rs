@@ -31,8 +31,6 @@ pub struct Request {
     pub kind: GroupVersionKind,
     #[serde(default)]
     pub namespace: Option<String>,
-    #[serde(default)]
-    pub name: String,
     pub operation: Operation,
     /// The object as it would be stored (none for DELETE).
     #[serde(default)]

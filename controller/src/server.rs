@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use hyper::header::CONTENT_TYPE;
+use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -139,6 +139,13 @@ async fn answer(
     };
     if request.method() != Method::POST {
         return Ok(plain(StatusCode::METHOD_NOT_ALLOWED, "POST an AdmissionReview"));
+    }
+    let declared = request
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    if declared.is_some_and(|length| length > MAX_BODY) {
+        return Ok(plain(StatusCode::PAYLOAD_TOO_LARGE, "the review is larger than 8 MiB"));
     }
     let body = match Limited::new(request.into_body(), MAX_BODY).collect().await {
         Ok(body) => body.to_bytes(),

@@ -10,6 +10,7 @@ pub mod bench;
 pub mod bins;
 pub mod cni;
 pub mod control_plane;
+pub mod controller;
 pub mod echo;
 pub mod envoy;
 pub mod gamma;

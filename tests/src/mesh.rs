@@ -542,7 +542,8 @@ pub fn fqdn(service: &str) -> String {
     format!("{service}.{NAMESPACE}.{MESH_DOMAIN}")
 }
 
-async fn wait_ready(admin: SocketAddr, child: &ChildGuard) {
+/// Until `admin`'s /ready answers 200 (20 s at most; the child's log on failure).
+pub async fn wait_ready(admin: SocketAddr, child: &ChildGuard) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if let Ok(reply) = http_get(&format!("http://{admin}/ready"), None).await

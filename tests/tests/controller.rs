@@ -1,0 +1,145 @@
+//! `aether-controller`, the real binary over HTTPS, called as kube-apiserver calls its
+//! webhooks: the mutating pod webhook's JSON Patch (base64, applied idempotently), the
+//! validating webhook's refusal naming the field, what is not a review, and the counts on
+//! its admin address.
+
+use aether_tests::controller::{Controller, admission_review};
+use aether_tests::http_get;
+use base64::Engine;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const POD: (&str, &str, &str) = ("", "v1", "Pod");
+const POLICY: (&str, &str, &str) = ("security.aether.io", "v1alpha1", "AuthorizationPolicy");
+const FILTER: (&str, &str, &str) = ("networking.aether.io", "v1alpha1", "HTTPFilter");
+
+fn patch_of(answer: &Value) -> Value {
+    let encoded = answer["response"]["patch"].as_str().expect("a base64 patch");
+    let bytes = base64::engine::general_purpose::STANDARD.decode(encoded).unwrap();
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_pod_in_a_mesh_namespace_is_labelled_managed_and_gets_the_mesh_dns() {
+    let controller = Controller::start(&["--mesh-domain", "mesh.test"]).await;
+    let mut connection = controller.connect().await;
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"generateName": "web-", "namespace": "shop", "labels": {"app": "web"}},
+        "spec": {"containers": [{"name": "web", "image": "web:1"}]}
+    });
+    let review = admission_review("CREATE", POD, &pod);
+    let answer = connection.review("/mutate/pods", &review).await;
+    assert_eq!(answer["apiVersion"], "admission.k8s.io/v1");
+    assert_eq!(answer["response"]["uid"], review["request"]["uid"]);
+    assert_eq!(answer["response"]["allowed"], true);
+    assert_eq!(answer["response"]["patchType"], "JSONPatch");
+    assert_eq!(
+        patch_of(&answer),
+        json!([
+            {"op": "add", "path": "/metadata/labels/aether.io~1managed", "value": "true"},
+            {"op": "add", "path": "/spec/dnsConfig", "value": {
+                "searches": ["shop.mesh.test", "mesh.test"],
+                "options": [{"name": "ndots", "value": "3"}]
+            }}
+        ])
+    );
+    // The pod as stored after the patch: asked again, nothing to add.
+    let mut mutated = pod.clone();
+    mutated["metadata"]["labels"]["aether.io/managed"] = json!("true");
+    mutated["spec"]["dnsConfig"] =
+        json!({"searches": ["shop.mesh.test", "mesh.test"], "options": [{"name": "ndots", "value": "3"}]});
+    let again = connection
+        .review("/mutate/pods", &admission_review("CREATE", POD, &mutated))
+        .await;
+    assert_eq!(again["response"]["allowed"], true);
+    assert!(again["response"].get("patch").is_none(), "{again}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn objects_are_validated_with_the_projectors_verdicts_and_counted() {
+    let controller = Controller::start(&[]).await;
+    let mut connection = controller.connect().await;
+    let policy = json!({
+        "apiVersion": "security.aether.io/v1alpha1", "kind": "AuthorizationPolicy",
+        "metadata": {"name": "p", "namespace": "shop"},
+        "spec": {"action": "AUDIT", "dryRun": true}
+    });
+    let answer = connection
+        .review("/validate", &admission_review("CREATE", POLICY, &policy))
+        .await;
+    assert_eq!(answer["response"]["allowed"], false, "{answer}");
+    assert_eq!(answer["response"]["status"]["code"], 403);
+    let message = answer["response"]["status"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("AuthorizationPolicy refused: spec.dryRun: "),
+        "{message}"
+    );
+
+    let filter = json!({
+        "apiVersion": "networking.aether.io/v1alpha1", "kind": "HTTPFilter",
+        "metadata": {"name": "limit", "namespace": "shop"},
+        "spec": {"targetRefs": [{"kind": "Service", "name": "orders"}],
+                 "localRateLimit": {"maxTokens": 100, "fillInterval": "1s"}}
+    });
+    let answer = connection
+        .review("/validate", &admission_review("UPDATE", FILTER, &filter))
+        .await;
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+
+    let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "namespace": "shop",
+        "annotations": {"config.aether.io/upstreams": "Cart"}}, "spec": {}});
+    let answer = connection
+        .review("/validate", &admission_review("CREATE", POD, &pod))
+        .await;
+    let message = answer["response"]["status"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("Pod refused: config.aether.io/upstreams[0]: "),
+        "{message}"
+    );
+
+    let metrics = http_get(&format!("http://{}/metrics", controller.admin), None)
+        .await
+        .unwrap();
+    let text = metrics.body;
+    for line in [
+        "aether_controller_admission_reviews_total{webhook=\"validate\",verdict=\"deny\"} 2",
+        "aether_controller_admission_reviews_total{webhook=\"validate\",verdict=\"allow\"} 1",
+    ] {
+        assert!(text.contains(line), "{line} in:\n{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_is_not_a_review_is_answered_plainly_and_the_server_keeps_serving() {
+    let controller = Controller::start(&[]).await;
+    let mut connection = controller.connect().await;
+    assert_eq!(connection.send("GET", "/validate", Vec::new()).await.0, 405);
+    assert_eq!(connection.send("POST", "/elsewhere", Vec::new()).await.0, 404);
+    let (status, body) = connection.send("POST", "/validate", b"{\"kind\": 7}".to_vec()).await;
+    assert_eq!(status, 200);
+    let answer: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(answer["response"]["allowed"], false);
+    let message = answer["response"]["status"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("is not an AdmissionReview: kind: invalid type"),
+        "{message}"
+    );
+    // A body declared larger than 8 MiB is refused before it is read.
+    let mut tls = controller.tls().await;
+    let head =
+        "POST /validate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 9437184\r\n\r\n";
+    tls.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = vec![0; 64];
+    let read = tls.read(&mut answer).await.unwrap();
+    let answer = String::from_utf8_lossy(&answer[..read]);
+    assert!(answer.starts_with("HTTP/1.1 413 "), "{answer}");
+    // Still serving.
+    let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "namespace": "shop"}, "spec": {}});
+    let answer = controller
+        .connect()
+        .await
+        .review("/validate", &admission_review("CREATE", POD, &pod))
+        .await;
+    assert_eq!(answer["response"]["allowed"], true);
+}
