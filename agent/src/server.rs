@@ -167,16 +167,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
 
     let cni = cni_service(&config, registrar, capture, directory, &node, &metrics);
     let failures = serve_sockets(&config, cache, &node, cni, &metrics, &tasks, &shutdown)?;
-    let inspector = crate::debug::Inspector::new(
-        &config,
-        node.clone(),
-        link,
-        &metrics.registrar_connected,
-        &metrics.dns_records.connected,
-        failures,
-        metrics.decisions.clone(),
-    )
-    .with_errors(metrics.errors());
+    let inspector = metrics.inspector(&config, node.clone(), link, failures);
     let admin_addr = serve_admin(
         &config,
         registry,
@@ -321,13 +312,23 @@ struct AgentMetrics {
 }
 
 impl AgentMetrics {
-    fn errors(&self) -> crate::debug::ErrorCounters {
-        crate::debug::ErrorCounters {
+    /// What the debug API reads: the node, the registrar link, and these instruments.
+    fn inspector(
+        &self,
+        config: &Config,
+        node: Node,
+        link: RegistrarLink,
+        failures: RecentFailures,
+    ) -> crate::debug::Inspector {
+        let errors = crate::debug::ErrorCounters {
             cni: self.cni.clone(),
             identity: self.identity.errors.clone(),
             dns_records: self.dns_records.write_errors.clone(),
             envoy_stats: self.envoy_requests.failures.clone(),
-        }
+        };
+        let (registrar, dns) = (&self.registrar_connected, &self.dns_records.connected);
+        crate::debug::Inspector::new(config, node, link, registrar, dns, failures, self.decisions.clone())
+            .with_errors(errors)
     }
 
     fn register(registry: &mut Registry, config: &Config) -> Self {

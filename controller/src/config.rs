@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use aether_common::telemetry::LogFormat;
+use aether_common::telemetry::{LogFormat, TelemetryConfig};
 
 #[derive(Clone, Debug, clap::Parser)]
 #[command(name = "aether-controller", version, about = "The mesh's admission webhooks")]
@@ -37,4 +37,7 @@ pub struct Config {
     /// Log format: text or json.
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,
+
+    #[command(flatten)]
+    pub telemetry: TelemetryConfig,
 }

@@ -16,6 +16,7 @@ use std::time::Duration;
 use aether_common::admin::{AdminError, AdminServer};
 use aether_common::readiness::{Gate, Readiness};
 use aether_common::tasks::{TaskFailed, Tasks};
+use aether_common::telemetry::{Component, MetricsPush};
 use aether_common::tls::{CertFiles, CertSlot, TlsError};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
@@ -28,6 +29,13 @@ pub mod server;
 pub mod validate;
 
 use config::Config;
+
+/// Names the controller's telemetry (`aether_controller_*`, service.name aether-controller).
+pub const TELEMETRY: Component = Component {
+    component: "controller",
+    binary: "aether-controller",
+    version: env!("CARGO_PKG_VERSION"),
+};
 
 /// How long open reviews may take to finish at shutdown.
 const DRAIN: Duration = Duration::from_secs(10);
@@ -42,6 +50,8 @@ pub enum StartError {
     Bind { addr: SocketAddr, source: std::io::Error },
     #[error(transparent)]
     Admin(#[from] AdminError),
+    #[error("telemetry: {0}")]
+    Telemetry(#[from] aether_common::telemetry::TelemetryError),
 }
 
 pub struct Running {
@@ -94,6 +104,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     });
     let mut registry = Registry::default();
     webhooks.metrics.register(&mut registry);
+    let metrics_push = MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
+    let registry = Arc::new(registry);
     let readiness = Readiness::new();
     let serving = readiness.gate("webhooks");
     let tasks = Tasks::new(shutdown.clone(), &readiness);
@@ -101,7 +113,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         "the webhook server",
         server::serve(listener, tls, webhooks, shutdown.clone()),
     );
-    let admin = AdminServer::bind(config.admin, readiness.clone(), Arc::new(registry)).await?;
+    if let Some(push) = metrics_push.spawn(registry.clone(), None, shutdown.clone())? {
+        tasks.spawn(async move {
+            let _ = push.await;
+        });
+    }
+    let admin = AdminServer::bind(config.admin, readiness.clone(), registry).await?;
     let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
         addr: config.admin,
         source,

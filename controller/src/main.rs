@@ -5,7 +5,7 @@ use aether_controller::config::Config;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let config = Config::parse();
-    aether_common::telemetry::init_logging(config.log_format);
+    let _traces = aether_common::telemetry::init(config.log_format, &config.telemetry, &aether_controller::TELEMETRY)?;
     let shutdown = aether_common::shutdown::on_signal()?;
     let running = aether_controller::start(config, shutdown).await?;
     running.wait().await?;

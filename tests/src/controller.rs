@@ -9,6 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
+use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, ServerName};
 
 use crate::identity::TestCa;
@@ -21,18 +22,30 @@ pub struct Controller {
     pub child: ChildGuard,
     pub webhook: SocketAddr,
     pub admin: SocketAddr,
-    pub ca: TestCa,
+    /// The CA bundle that verifies its serving certificate (DER).
+    ca: Vec<u8>,
     _dir: tempfile::TempDir,
 }
 
 impl Controller {
-    /// Starts the controller with `args` added, and waits until it is ready.
+    /// Starts the controller with `args` added, serving a certificate from a fresh test
+    /// CA, and waits until it is ready.
     pub async fn start(args: &[&str]) -> Controller {
-        let dir = tempfile::tempdir().unwrap();
         let ca = TestCa::new("aether-controller test CA");
-        let (cert, key) = ca
-            .issue_server(SERVICE_NAME, Duration::from_secs(3600))
-            .write(dir.path(), "serving");
+        let leaf = ca.issue_server(SERVICE_NAME, Duration::from_secs(3600));
+        Self::serving(&leaf.cert_pem, &leaf.key_pem, &ca.cert_pem, args).await
+    }
+
+    /// Starts the controller serving `cert_pem`/`key_pem`, verified by `ca_pem` (e.g. the
+    /// material a Helm chart generated).
+    pub async fn serving(cert_pem: &str, key_pem: &str, ca_pem: &str, args: &[&str]) -> Controller {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        std::fs::write(&cert, cert_pem).unwrap();
+        std::fs::write(&key, key_pem).unwrap();
+        let ca = CertificateDer::from_pem_slice(ca_pem.as_bytes())
+            .expect("a CA certificate")
+            .to_vec();
         let webhook: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let mut cmd = std::process::Command::new(binary("aether-controller"));
@@ -65,7 +78,7 @@ impl Controller {
     /// The TLS stream alone (for a request written by hand).
     pub async fn tls(&self) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
         let mut roots = rustls::RootCertStore::empty();
-        roots.add(CertificateDer::from(self.ca.cert_der.clone())).unwrap();
+        roots.add(CertificateDer::from(self.ca.clone())).unwrap();
         let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let mut config = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()

@@ -18,6 +18,7 @@ use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registrar::v1::{IssueNodeCertificateRequest, ListServicesRequest};
 use aether_tests::envoy::workspace_root;
 use aether_tests::{ChildGuard, free_port};
+use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, KeyToPath, PersistentVolumeClaim, PodSpec, Secret, Service, ServiceAccount, Volume,
@@ -50,6 +51,8 @@ struct Rendered {
     secrets: Vec<Secret>,
     config_maps: Vec<ConfigMap>,
     network_policies: Vec<NetworkPolicy>,
+    validating_webhooks: Vec<ValidatingWebhookConfiguration>,
+    mutating_webhooks: Vec<MutatingWebhookConfiguration>,
     /// The chart's `crds/`, which Helm applies as they are (never templated) before the templates.
     crds: Vec<CustomResourceDefinition>,
     /// Every object as rendered, for checks on any string in them.
@@ -165,6 +168,10 @@ fn render(values: Value) -> Rendered {
             "Secret" => r.secrets.push(typed(object)),
             "ConfigMap" => r.config_maps.push(typed(object)),
             "NetworkPolicy" => r.network_policies.push(typed(object)),
+            "ValidatingWebhookConfiguration" => r.validating_webhooks.push(typed(object)),
+            "MutatingWebhookConfiguration" => r.mutating_webhooks.push(typed(object)),
+            // cert-manager's kind: no k8s-openapi type; checked in `raw`.
+            "Certificate" => {}
             other => panic!("unexpected kind {other} rendered: {object:#}"),
         }
     }
@@ -173,11 +180,12 @@ fn render(values: Value) -> Rendered {
 }
 
 /// Memory limits set by [`values`] per component, to check that `resources` values are applied.
-const LIMITS: [(&str, &str); 4] = [
+const LIMITS: [(&str, &str); 5] = [
     ("aether-agent", "300Mi"),
     ("aether-proxy", "900Mi"),
     ("aether-mesh-dns", "80Mi"),
     ("aether-registrar", "700Mi"),
+    ("aether-controller", "120Mi"),
 ];
 
 fn values(store: &str, identity: &str) -> Value {
@@ -190,6 +198,7 @@ fn values(store: &str, identity: &str) -> Value {
         "meshDns": {"resources": limits("aether-mesh-dns")},
         "identity": {"provider": identity},
         "otel": {"enabled": true, "endpoint": "http://otel-collector.observability:4317"},
+        "controller": {"resources": limits("aether-controller")},
         "registrar": {
             "resources": limits("aether-registrar"),
             "replicas": replicas,
@@ -224,8 +233,14 @@ impl Rendered {
     }
 
     fn registrar(&self) -> &Deployment {
-        assert_eq!(self.deployments.len(), 1, "exactly one Deployment (the registrar)");
-        &self.deployments[0]
+        self.deployment("aether-registrar")
+    }
+
+    fn deployment(&self, name: &str) -> &Deployment {
+        self.deployments
+            .iter()
+            .find(|d| d.metadata.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no Deployment {name}"))
     }
 
     fn pod_specs(&self) -> Vec<(&str, &PodSpec)> {
@@ -271,7 +286,13 @@ fn assert_invariants(r: &Rendered, store: &str, identity: &str, otel: bool) {
     assert_the_proxy_rolls_with_a_surge_under_its_supervisor(r, &ctx);
     assert_mesh_dns_is_unprivileged_and_never_cold(r, &ctx);
     assert_the_registrar_scales_and_gets_credentials_by_secret(r, store, &ctx);
-    assert_eq!(r.services.len(), 1, "{ctx}: one Service, the registrar's");
+    let services: Vec<_> = r.services.iter().map(|s| s.metadata.name.as_deref().unwrap()).collect();
+    assert_eq!(
+        services,
+        ["aether-controller", "aether-registrar"],
+        "{ctx}: the Services"
+    );
+    assert_the_controller_serves_the_webhooks(r, &ctx);
     assert_cluster_roles_are_read_only_and_minimal(r, store, identity, &ctx);
     let agent_role = assert_the_agent_role_reads_only_its_daemon_set(r, &ctx);
     assert_only_the_kubernetes_store_writes_its_vip_config_map(r, store, agent_role, &ctx);
@@ -429,8 +450,12 @@ fn assert_the_registrar_scales_and_gets_credentials_by_secret(r: &Rendered, stor
     assert_eq!(arg(rc, "--store"), Some(store), "{ctx}");
     let want_replicas = if store == "embedded" { 1 } else { 2 };
     assert_eq!(rspec.replicas, Some(want_replicas), "{ctx}");
+    let registrar_pdbs = r
+        .pdbs
+        .iter()
+        .filter(|p| p.metadata.name.as_deref() == Some("aether-registrar"));
     assert_eq!(
-        r.pdbs.len(),
+        registrar_pdbs.count(),
         usize::from(want_replicas > 1),
         "{ctx}: a PDB with active/active replicas"
     );
@@ -786,6 +811,120 @@ fn in_empty_dir(spec: &PodSpec, c: &Container, path: &str) -> bool {
 
 /// The components find each other through host paths and node ports: every pair must agree, and every path must be
 /// on a hostPath volume both sides mount.
+/// The controller: spread replicas under a disruption budget, its generated certificate (for the Service name
+/// kube-apiserver dials) behind a Service on 443, called by both webhook configurations with the CA that signed it;
+/// our CRDs fail closed, pods and routes open; pods mutated only in namespaces labelled aether.io/mesh=enabled, on
+/// CREATE; managed pods' annotations validated; short timeouts; no side effects.
+fn assert_the_controller_serves_the_webhooks(r: &Rendered, ctx: &str) {
+    let spec = r.deployment("aether-controller").spec.as_ref().unwrap();
+    assert_eq!(spec.replicas, Some(2), "{ctx}");
+    assert!(
+        r.pdbs
+            .iter()
+            .any(|p| p.metadata.name.as_deref() == Some("aether-controller")),
+        "{ctx}: the controller's PDB"
+    );
+    let pod = spec.template.spec.as_ref().unwrap();
+    let c = container(pod, "controller");
+    let registrar = &pod_spec(r, "aether-registrar").containers[0];
+    assert_eq!(
+        arg(c, "--mesh-root-namespace"),
+        arg(registrar, "--mesh-root-namespace"),
+        "{ctx}: root namespace"
+    );
+    let cert = secret_file(pod, c, flag(c, "--tls-cert"), ctx);
+    let serving_pem = secret_text(r, &cert.secret, &cert.key, ctx);
+    let der = CertificateDer::from_pem_slice(serving_pem.as_bytes()).unwrap();
+    let host = "aether-controller.aether-system.svc".to_owned();
+    let names = PeerIdentity::from_leaf(&der).unwrap().dns_names;
+    assert!(
+        names.contains(&host),
+        "{ctx}: the controller's certificate lacks {host}: {names:?}"
+    );
+    let ca = secret_text(r, &cert.secret, "ca.crt", ctx);
+    assert_the_webhooks_call_the_controller(r, &ca, ctx);
+}
+
+/// Both webhook configurations call the controller's Service with `ca` as caBundle; failure policies, paths and the
+/// mutating webhook's selection as the chart documents them.
+fn assert_the_webhooks_call_the_controller(r: &Rendered, ca: &str, ctx: &str) {
+    let [validating] = &r.validating_webhooks[..] else {
+        panic!("{ctx}: one ValidatingWebhookConfiguration")
+    };
+    let [mutating] = &r.mutating_webhooks[..] else {
+        panic!("{ctx}: one MutatingWebhookConfiguration")
+    };
+    let configs = validating
+        .webhooks
+        .iter()
+        .flatten()
+        .map(|w| (&w.client_config, w.timeout_seconds, &w.side_effects));
+    let configs = configs.chain(
+        mutating
+            .webhooks
+            .iter()
+            .flatten()
+            .map(|w| (&w.client_config, w.timeout_seconds, &w.side_effects)),
+    );
+    for (client, timeout, side_effects) in configs {
+        let service = client.service.as_ref().expect("a Service reference");
+        assert_eq!(
+            (service.name.as_str(), service.port),
+            ("aether-controller", Some(443)),
+            "{ctx}"
+        );
+        let bundle = client.ca_bundle.as_ref().expect("a caBundle");
+        assert_eq!(
+            String::from_utf8_lossy(&bundle.0),
+            ca,
+            "{ctx}: caBundle is the serving certificate's CA"
+        );
+        assert!(timeout.is_some_and(|t| t <= 5), "{ctx}: short timeouts");
+        assert_eq!(side_effects, "None", "{ctx}");
+    }
+    let policies: Vec<(&str, &str, &str)> = validating
+        .webhooks
+        .iter()
+        .flatten()
+        .map(|w| {
+            let path = w.client_config.service.as_ref().unwrap().path.as_deref().unwrap();
+            (w.name.as_str(), w.failure_policy.as_deref().unwrap(), path)
+        })
+        .collect();
+    let want = [
+        ("objects.validate.aether.io", "Fail", "/validate"),
+        ("routes.validate.aether.io", "Ignore", "/validate"),
+        ("pods.validate.aether.io", "Ignore", "/validate"),
+    ];
+    assert_eq!(policies, want, "{ctx}: our CRDs fail closed, pods and routes open");
+    let [mutate] = &mutating.webhooks.as_deref().unwrap() else {
+        panic!("{ctx}: one mutating webhook")
+    };
+    let path = mutate.client_config.service.as_ref().unwrap().path.as_deref();
+    assert_eq!(
+        (mutate.failure_policy.as_deref(), path),
+        (Some("Ignore"), Some("/mutate/pods")),
+        "{ctx}"
+    );
+    let selector = mutate
+        .namespace_selector
+        .as_ref()
+        .and_then(|s| s.match_labels.clone())
+        .unwrap_or_default();
+    assert_eq!(
+        selector.get("aether.io/mesh").map(String::as_str),
+        Some("enabled"),
+        "{ctx}"
+    );
+    let operations = mutate
+        .rules
+        .iter()
+        .flatten()
+        .flat_map(|r| r.operations.iter().flatten())
+        .collect::<Vec<_>>();
+    assert_eq!(operations, ["CREATE"], "{ctx}");
+}
+
 fn assert_wiring(r: &Rendered, ctx: &str) {
     let (agent_spec, proxy_spec, dns_spec, registrar_spec) = (
         pod_spec(r, "aether-agent"),
@@ -1066,7 +1205,13 @@ fn assert_nothing_plaintext(ends: &Ends) -> String {
         .unwrap_or_else(|| panic!("{ctx}: --registrar {url} is not https://host:port"));
     assert_eq!(host, "aether-registrar.aether-system.svc", "{ctx}");
     // The Service exposes the (TLS) gRPC port alone: no second, plaintext port.
-    let ports: Vec<i32> = ends.r.services[0]
+    let registrar = ends
+        .r
+        .services
+        .iter()
+        .find(|s| s.metadata.name.as_deref() == Some("aether-registrar"));
+    let ports: Vec<i32> = registrar
+        .expect("the registrar's Service")
         .spec
         .as_ref()
         .and_then(|s| s.ports.as_ref())
@@ -1154,7 +1299,12 @@ fn assert_agents_trust_the_registrar_ca_and_no_key_leaves_it(ends: &Ends, servin
             if let Some(name) = v.secret.as_ref().and_then(|s| s.secret_name.as_deref())
                 && r.secret(name).is_some()
             {
-                assert_eq!(pod, "aether-registrar", "{ctx}: {pod} mounts {name}");
+                // Each generated key stays with its owner: the controller's serving key with the controller.
+                let owner = match name {
+                    "aether-controller-tls" => "aether-controller",
+                    _ => "aether-registrar",
+                };
+                assert_eq!(pod, owner, "{ctx}: {pod} mounts {name}");
             }
         }
     }
@@ -1235,7 +1385,10 @@ fn assert_spire_svids_replace_the_bootstrap(ends: &Ends, reviews_anywhere: usize
         "{ctx}"
     );
     assert_eq!(reviews_anywhere, 0, "{ctx}: no TokenReviews without the bootstrap");
-    assert_eq!(ends.r.secrets.len(), 1, "{ctx}: no node CA without the bootstrap");
+    assert!(
+        ends.r.secret("aether-registrar-node-ca").is_none(),
+        "{ctx}: no node CA without the bootstrap"
+    );
 }
 
 /// The agent's proof of node: a projected token with the registrar's audience, at the path the flag names; only
@@ -1579,8 +1732,8 @@ fn every_command_line_the_chart_renders_is_one_the_binary_parses() {
     }
     assert_eq!(
         checked,
-        renders.len() * 5,
-        "agent, cni-install, proxy, mesh-dns, registrar per render"
+        renders.len() * 6,
+        "agent, cni-install, proxy, mesh-dns, registrar, controller per render"
     );
 }
 
@@ -1706,6 +1859,111 @@ fn ip_blocks(peers: &[k8s_openapi::api::networking::v1::NetworkPolicyPeer]) -> V
         .collect()
 }
 
+/// With `controller.tls.secretName`, the controller mounts that Secret; the caBundle is read from it at install.
+fn assert_the_controller_serves_its_own_certificate(r: &Rendered) {
+    let controller_spec = pod_spec(r, "aether-controller");
+    let c = container(controller_spec, "controller");
+    assert_eq!(
+        secret_file(controller_spec, c, flag(c, "--tls-cert"), "controller").secret,
+        "controller-cert"
+    );
+    // The caBundle is read from that Secret at install (lookup): `helm template` cannot look, so it shows none.
+    let bundles = r.validating_webhooks[0]
+        .webhooks
+        .iter()
+        .flatten()
+        .map(|w| &w.client_config.ca_bundle);
+    assert!(bundles.into_iter().all(Option::is_none));
+}
+
+/// The webhook certificate the chart generates works as kube-apiserver uses it: the real controller serves the
+/// rendered Secret, and a client that trusts only the webhook configuration's caBundle and dials the Service's name
+/// gets its AdmissionReview answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_generated_webhook_certificate_is_trusted_through_the_ca_bundle() {
+    let r = render(json!({}));
+    let spec = pod_spec(&r, "aether-controller");
+    let c = container(spec, "controller");
+    let cert = secret_file(spec, c, flag(c, "--tls-cert"), "controller");
+    let key = secret_file(spec, c, flag(c, "--tls-key"), "controller");
+    let webhook = &r.validating_webhooks[0].webhooks.as_ref().unwrap()[0];
+    let bundle = String::from_utf8(webhook.client_config.ca_bundle.clone().unwrap().0).unwrap();
+    let service = webhook.client_config.service.as_ref().unwrap();
+    assert_eq!(
+        format!("{}.{}.svc", service.name, service.namespace),
+        aether_tests::controller::SERVICE_NAME,
+        "the name the test client dials"
+    );
+    let controller = aether_tests::controller::Controller::serving(
+        &secret_text(&r, &cert.secret, &cert.key, "cert"),
+        &secret_text(&r, &key.secret, &key.key, "key"),
+        &bundle,
+        &[],
+    )
+    .await;
+    let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "namespace": "shop"}, "spec": {}});
+    let review = aether_tests::controller::admission_review("CREATE", ("", "v1", "Pod"), &pod);
+    let answer = controller
+        .connect()
+        .await
+        .review(service.path.as_deref().unwrap(), &review)
+        .await;
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+}
+
+/// With cert-manager, a Certificate for the Service's names replaces the generated Secret, and its CA injector fills
+/// both webhook configurations' caBundle (the chart renders none); without the controller, none of it renders.
+#[test]
+fn cert_manager_issues_the_webhook_certificate_and_the_controller_can_be_left_out() {
+    let issuer = json!({"enabled": true, "issuerKind": "ClusterIssuer", "issuerName": "mesh-ca"});
+    let r = render(json!({"controller": {"tls": {"certManager": issuer}}}));
+    assert!(r.secret("aether-controller-tls").is_none(), "nothing generated");
+    let certificate = r
+        .raw
+        .iter()
+        .find(|o| o["kind"] == "Certificate")
+        .expect("a Certificate");
+    assert_eq!(certificate["spec"]["secretName"], "aether-controller-tls");
+    assert_eq!(
+        certificate["spec"]["issuerRef"],
+        json!({"kind": "ClusterIssuer", "name": "mesh-ca"})
+    );
+    assert_eq!(
+        certificate["spec"]["dnsNames"][0],
+        "aether-controller.aether-system.svc"
+    );
+    let inject = |meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+        meta.annotations
+            .clone()
+            .unwrap_or_default()
+            .get("cert-manager.io/inject-ca-from")
+            .cloned()
+    };
+    assert_eq!(
+        inject(&r.validating_webhooks[0].metadata).as_deref(),
+        Some("aether-system/aether-controller")
+    );
+    assert_eq!(
+        inject(&r.mutating_webhooks[0].metadata).as_deref(),
+        Some("aether-system/aether-controller")
+    );
+    let webhooks = r.validating_webhooks[0].webhooks.iter().flatten();
+    assert!(webhooks.clone().all(|w| w.client_config.ca_bundle.is_none()));
+
+    let r = render(json!({"controller": {"enabled": false}}));
+    assert!(r.validating_webhooks.is_empty() && r.mutating_webhooks.is_empty());
+    assert!(
+        r.deployments
+            .iter()
+            .all(|d| d.metadata.name.as_deref() != Some("aether-controller"))
+    );
+    assert!(
+        r.service_accounts
+            .iter()
+            .all(|s| s.metadata.name.as_deref() != Some("aether-controller"))
+    );
+}
+
 /// Certificates of the user's own (cert-manager, trust-manager) replace the generated ones: nothing is generated,
 /// the registrar mounts the named Secrets, and agents get only the CA certificate of the registrar's Secret (or the
 /// named ConfigMap), never its key.
@@ -1714,8 +1972,10 @@ fn user_provided_certificates_replace_the_generated_ones() {
     let tls = json!({"secretName": "registrar-cert", "identity": "spiffe://cluster.local/aether/registrar"});
     let r = render(json!({"registrar": {"tls": tls, "nodeCa": {"secretName": "my-node-ca"},
         "clientCa": {"configMapName": "spire-bundle", "key": "bundle.crt"},
-        "readerIds": ["spiffe://cluster.local/ns/aether-system/sa/aether-controller"]}}));
+        "readerIds": ["spiffe://cluster.local/ns/aether-system/sa/aether-controller"]},
+        "controller": {"tls": {"secretName": "controller-cert"}}}));
     assert!(r.secrets.is_empty() && r.config_maps.is_empty(), "nothing generated");
+    assert_the_controller_serves_its_own_certificate(&r);
     let registrar_spec = pod_spec(&r, "aether-registrar");
     let rc = container(registrar_spec, "registrar");
     for (flag_name, secret, key) in [
