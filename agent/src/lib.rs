@@ -10,6 +10,7 @@ pub mod dns_records;
 pub mod explain;
 pub mod identity;
 pub mod node;
+pub mod node_taint;
 pub mod pod;
 pub mod pod_source;
 pub mod pod_store;

@@ -140,17 +140,14 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     recover_pods(&node, &registrar, &capture, &tasks).await;
     node.rebuild();
 
-    let directory = PodDirectory::default();
-    start_pod_source(&config, kube_client, &directory, &tasks, &shutdown);
-    tasks.critical(
-        "pod info sync",
-        sync_pod_info(
-            directory.clone(),
-            node.clone(),
-            registrar.clone(),
-            capture.clone(),
-            shutdown.clone(),
-        ),
+    let directory = follow_pods(
+        &config,
+        kube_client.clone(),
+        &node,
+        &registrar,
+        &capture,
+        &tasks,
+        &shutdown,
     );
     let watches = Watches {
         link: link.clone(),
@@ -180,6 +177,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     )
     .await?;
     serving.set_ready();
+    if let Some(client) = kube_client {
+        tasks.spawn(untaint_when_ready(client, &config, readiness, shutdown.clone()));
+    }
     tracing::info!(node = %config.node_name, xds = %config.xds_socket.display(), cni = %config.cni_socket.display(),
         %admin_addr, "agent serving");
 
@@ -279,6 +279,46 @@ fn open_pod_store(config: &Config) -> Result<PodStore, StartError> {
     })?;
     let _ = std::fs::set_permissions(&config.state_dir, std::fs::Permissions::from_mode(0o700));
     Ok(PodStore::open(&config.state_dir)?)
+}
+
+/// Starts the pod source and keeps the node's pods' metadata in step with it.
+fn follow_pods(
+    config: &Config,
+    kube_client: Option<kube::Client>,
+    node: &Node,
+    registrar: &Registrar,
+    capture: &crate::capture::CaptureConfig,
+    tasks: &Tasks,
+    shutdown: &CancellationToken,
+) -> PodDirectory {
+    let directory = PodDirectory::default();
+    start_pod_source(config, kube_client, &directory, tasks, shutdown);
+    let sync = sync_pod_info(
+        directory.clone(),
+        node.clone(),
+        registrar.clone(),
+        capture.clone(),
+        shutdown.clone(),
+    );
+    tasks.critical("pod info sync", sync);
+    directory
+}
+
+/// Removes the readiness taint from the agent's Node once the agent is ready (its gates:
+/// serving, catalog synced) and its Envoy LIVE (see `node_taint`).
+fn untaint_when_ready(
+    client: kube::Client,
+    config: &Config,
+    readiness: Readiness,
+    shutdown: CancellationToken,
+) -> impl std::future::Future<Output = ()> + use<> {
+    let envoy = crate::proxy::admin::EnvoyAdmin::new(config.envoy_admin);
+    let ready = move || {
+        let agent_ready = readiness.get().is_ok();
+        async move { agent_ready && envoy.server_info().await.is_ok_and(|info| info.is_live()) }
+    };
+    let nodes = kube::Api::all(client);
+    crate::node_taint::remove_when_ready(nodes, config.node_name.clone(), ready, shutdown)
 }
 
 /// The node's locality (flags, else the Node's labels), and the Kubernetes client of the

@@ -18,7 +18,10 @@ use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registrar::v1::{IssueNodeCertificateRequest, ListServicesRequest};
 use aether_tests::envoy::workspace_root;
 use aether_tests::{ChildGuard, free_port};
-use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    ValidatingWebhookConfiguration,
+};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, KeyToPath, PersistentVolumeClaim, PodSpec, Secret, Service, ServiceAccount, Volume,
@@ -52,6 +55,8 @@ struct Rendered {
     config_maps: Vec<ConfigMap>,
     network_policies: Vec<NetworkPolicy>,
     validating_webhooks: Vec<ValidatingWebhookConfiguration>,
+    admission_policies: Vec<ValidatingAdmissionPolicy>,
+    admission_policy_bindings: Vec<ValidatingAdmissionPolicyBinding>,
     mutating_webhooks: Vec<MutatingWebhookConfiguration>,
     /// The chart's `crds/`, which Helm applies as they are (never templated) before the templates.
     crds: Vec<CustomResourceDefinition>,
@@ -169,6 +174,8 @@ fn render(values: Value) -> Rendered {
             "ConfigMap" => r.config_maps.push(typed(object)),
             "NetworkPolicy" => r.network_policies.push(typed(object)),
             "ValidatingWebhookConfiguration" => r.validating_webhooks.push(typed(object)),
+            "ValidatingAdmissionPolicy" => r.admission_policies.push(typed(object)),
+            "ValidatingAdmissionPolicyBinding" => r.admission_policy_bindings.push(typed(object)),
             "MutatingWebhookConfiguration" => r.mutating_webhooks.push(typed(object)),
             // cert-manager's kind: no k8s-openapi type; checked in `raw`.
             "Certificate" => {}
@@ -530,6 +537,11 @@ fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, ide
     for role in &r.cluster_roles {
         for rule in role.rules.iter().flatten() {
             if is_token_review_rule(rule) || is_route_status_rule(rule) || is_status_rule(rule) {
+                continue;
+            }
+            if role.metadata.name.as_deref() == Some("aether-agent") && is_node_rule(rule) {
+                // Its own Node's readiness taint, held to that by the admission policy (see its test).
+                assert_eq!(rule.verbs, ["get", "patch"], "{ctx}: the agent on Nodes");
                 continue;
             }
             let verbs: BTreeSet<&str> = rule.verbs.iter().map(String::as_str).collect();
@@ -1039,6 +1051,76 @@ fn is_status_rule(rule: &PolicyRule) -> bool {
             && rule.resources.as_deref() == Some(&[format!("{resource}/status")][..])
             && rule.verbs == ["patch"]
     })
+}
+
+fn is_node_rule(rule: &PolicyRule) -> bool {
+    rule.resources.as_deref() == Some(&["nodes".to_owned()][..])
+}
+
+/// The agent's Node patch is held to one change: the readiness taint off its own Node. The rendered policy's CEL,
+/// evaluated as kube-apiserver would on the agent's updates: only taking our taint off the Node its token is bound
+/// to passes; another taint, another Node, a label or cordoning is refused; the binding denies.
+#[test]
+fn the_agent_may_only_take_the_readiness_taint_off_its_own_node() {
+    let r = render(json!({}));
+    let [policy] = &r.admission_policies[..] else {
+        panic!("one ValidatingAdmissionPolicy")
+    };
+    let [binding] = &r.admission_policy_bindings[..] else {
+        panic!("one binding")
+    };
+    let spec = binding.spec.as_ref().unwrap();
+    assert_eq!(spec.policy_name.as_deref(), policy.metadata.name.as_deref());
+    assert_eq!(spec.validation_actions.as_deref(), Some(&["Deny".to_owned()][..]));
+    let policy = policy.spec.as_ref().unwrap();
+    assert_eq!(policy.failure_policy.as_deref(), Some("Fail"));
+    let ours = json!({"key": "aether.io/agent-not-ready", "effect": "NoSchedule"});
+    let gpu = json!({"key": "dedicated", "value": "gpu", "effect": "NoSchedule"});
+    let node = |taints: Value, labels: Value, unschedulable: bool| json!({"metadata": {"name": "node-a", "labels": labels}, "spec": {"taints": taints, "unschedulable": unschedulable}});
+    let old = node(json!([gpu, ours]), json!({"zone": "a"}), false);
+    let agent = |on: &str| {
+        json!({"username": "system:serviceaccount:aether-system:aether-agent",
+               "extra": {"authentication.kubernetes.io/node-name": [on]}})
+    };
+    let verdict = |object: Value, user: Value| -> Vec<bool> {
+        let request = json!({"userInfo": user});
+        let matched = policy
+            .match_conditions
+            .iter()
+            .flatten()
+            .all(|c| cel_true(&c.expression, &object, &old, &request));
+        assert!(matched, "the policy matches the agent's requests");
+        let validations = policy.validations.iter().flatten();
+        validations
+            .map(|v| cel_true(&v.expression, &object, &old, &request))
+            .collect()
+    };
+    let removed = node(json!([gpu]), json!({"zone": "a"}), false);
+    assert_eq!(verdict(removed.clone(), agent("node-a")), [true, true, true]);
+    assert_eq!(verdict(removed, agent("node-b")), [false, true, true], "another node");
+    let other_gone = node(json!([ours]), json!({"zone": "a"}), false);
+    assert_eq!(
+        verdict(other_gone, agent("node-a")),
+        [true, false, true],
+        "another taint"
+    );
+    let relabelled = node(json!([gpu]), json!({"zone": "b"}), false);
+    assert_eq!(verdict(relabelled, agent("node-a")), [true, true, false], "a label");
+    let cordoned = node(json!([gpu]), json!({"zone": "a"}), true);
+    assert_eq!(verdict(cordoned, agent("node-a")), [true, true, false], "cordoned");
+}
+
+/// A CEL expression of the policy, with `object`, `oldObject` and `request` bound.
+fn cel_true(expression: &str, object: &Value, old: &Value, request: &Value) -> bool {
+    let program = cel::Program::compile(expression).unwrap_or_else(|e| panic!("{expression}: {e}"));
+    let mut context = cel::Context::default();
+    context.add_variable("object", object.clone()).unwrap();
+    context.add_variable("oldObject", old.clone()).unwrap();
+    context.add_variable("request", request.clone()).unwrap();
+    match program.execute(&context) {
+        Ok(cel::Value::Bool(b)) => b,
+        other => panic!("{expression}: {other:?}"),
+    }
 }
 
 fn is_token_review_rule(rule: &PolicyRule) -> bool {
