@@ -45,6 +45,11 @@ where
                     }
                     return;
                 }
+                // No such Node, or no right to patch it: retrying will not help; say so once.
+                Err(kube::Error::Api(status)) if [403, 404].contains(&status.code) => {
+                    let error = status.message;
+                    return tracing::error!(%node, %error, "cannot remove the readiness taint (the agent needs get and patch on its Node)");
+                }
                 Err(error) => tracing::warn!(%node, %error, "removing the readiness taint; retrying"),
             }
         }
@@ -124,5 +129,14 @@ mod tests {
         ready.send(true).unwrap();
         tokio::time::timeout(POLL * 3, task).await.unwrap().unwrap();
         assert_eq!(taints(nodes.get("node-a").await.unwrap()), json!([other()]));
+    }
+
+    #[tokio::test]
+    async fn a_node_that_does_not_exist_ends_the_attempts_at_once() {
+        let api = ApiServer::start();
+        let nodes: Api<Node> = Api::all(api.client());
+        let ready = || async { true };
+        let gave_up = remove_when_ready(nodes, "nowhere".into(), ready, CancellationToken::new());
+        tokio::time::timeout(POLL / 2, gave_up).await.expect("no retry loop");
     }
 }
