@@ -120,11 +120,12 @@ pub fn parse(body: &[u8]) -> Result<Request, BadReview> {
 
 /// One review: the request body in, the response body out. `decide` judges a parsed
 /// request; a body that does not parse is denied with the reason.
-pub fn review(body: &[u8], decide: impl FnOnce(&Request) -> Verdict) -> (Verdict, Vec<u8>) {
+pub fn review(body: &[u8], decide: impl FnOnce(Request) -> Verdict) -> (Verdict, Vec<u8>) {
     match parse(body) {
         Ok(request) => {
-            let verdict = decide(&request);
-            let response = respond(&request.uid, &verdict);
+            let uid = request.uid.clone();
+            let verdict = decide(request);
+            let response = respond(&uid, &verdict);
             (verdict, response)
         }
         Err(bad) => {

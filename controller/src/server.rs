@@ -154,7 +154,7 @@ async fn answer(
     let started = Instant::now();
     let (verdict, out) = match webhook {
         "validate" => admission::review(&body, |r| webhooks.validator.decide(r)),
-        _ => admission::review(&body, |r| webhooks.mutator.decide(r)),
+        _ => admission::review(&body, |r| webhooks.mutator.decide(&r)),
     };
     let metrics = &webhooks.metrics;
     metrics

@@ -24,11 +24,11 @@ pub struct Validator {
 }
 
 impl Validator {
-    pub fn decide(&self, request: &Request) -> Verdict {
+    pub fn decide(&self, request: Request) -> Verdict {
         if !matches!(request.operation, Operation::Create | Operation::Update) {
             return Verdict::Allow;
         }
-        let Some(object) = request.object.clone() else {
+        let Some(object) = request.object else {
             return Verdict::Deny("object: missing".into());
         };
         let object = with_namespace(object, request.namespace.as_deref());
