@@ -37,7 +37,8 @@ use aether_proto::registrar::v1::RegisterEndpointRequest;
 use aether_proto::registry::v1::Endpoint;
 use aether_tests::TestPod;
 use aether_tests::bench::{
-    StandInAgents, catalog_address, cluster_name, endpoint, knob, proc_status, register_all, service_key, tail,
+    StandInAgents, catalog_address, cluster_name, endpoint, knob, percentile, proc_status, register_all, service_key,
+    tail,
 };
 use aether_tests::mesh::Mesh;
 
@@ -77,13 +78,6 @@ impl Rng {
 /// Addresses of the measured changes, apart from the catalog's.
 fn change_address(i: usize) -> String {
     format!("10.250.{}.{}", i / 250, i % 250 + 1)
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 fn ms(d: Duration) -> String {

@@ -30,7 +30,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aether_api::authorization::{ProjectOptions, parse_documents, project};
-use aether_tests::bench::{cpu_time, envoy_allocated, knob, knob_list, tail};
+use aether_tests::bench::{cpu_time, envoy_allocated, knob, knob_list, percentile, tail};
 use aether_tests::mesh::{Mesh, NAMESPACE};
 use aether_tests::{Envoy, HttpServer, TestPod, free_port, http_get, unique_base_id};
 use bytes::Bytes;
@@ -753,13 +753,6 @@ fn inbound_table_bytes(dump: &str) -> usize {
 fn load_average() -> String {
     let raw = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     raw.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 fn ms(d: Duration) -> String {

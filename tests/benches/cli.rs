@@ -8,7 +8,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use aether_tests::bench::{catalog_address, endpoint, knob, register_all, service_key, service_name};
+use aether_tests::bench::{catalog_address, endpoint, knob, percentile, register_all, service_key, service_name};
 use aether_tests::mesh::Mesh;
 use aether_tests::{Envoy, binary, free_port, unique_base_id};
 
@@ -46,10 +46,6 @@ fn explain(mesh: &Mesh, pod: &str, target: &str) -> (Duration, i32) {
         .output()
         .expect("running aether");
     (started.elapsed(), out.status.code().unwrap_or(-1))
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
 }
 
 fn main() {

@@ -9,6 +9,7 @@
 //! AETHER_BENCH_CNI_ROUNDS rounds, default 3). Goals: p99 < 20 ms single, < 150 ms at 50 in parallel. Every sandbox
 //! is DELeted (untimed) before the next round.
 
+use aether_tests::bench::percentile;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -19,13 +20,6 @@ use serde_json::json;
 
 fn knob(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 fn ms(d: Duration) -> String {

@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use aether_tests::bench::{cpu_time, knob, proc_status};
+use aether_tests::bench::{cpu_time, knob, percentile, proc_status};
 use aether_tests::controller::{Controller, admission_review};
 use serde_json::{Value, json};
 
@@ -37,10 +37,6 @@ fn reviews() -> [(&'static str, Value); 3] {
             admission_review("UPDATE", kind, &policy(json!(["no-slash"]))),
         ),
     ]
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
 }
 
 fn main() {

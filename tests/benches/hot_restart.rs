@@ -14,6 +14,7 @@
 //! handoff time from SIGHUP to Envoy's admin answering LIVE at the new epoch (polled every 2 ms), p50/p90/p99/max;
 //! and the supervisor's own trigger → LIVE histogram (mean).
 
+use aether_tests::bench::percentile;
 use std::time::{Duration, Instant};
 
 use aether_tests::load::{Load, LoadSpec, Protocol};
@@ -26,14 +27,6 @@ const LIVE_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn knob(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 async fn wait_live(proxy: &mut ProxySupervisor, epoch: u64) -> Duration {
@@ -131,9 +124,9 @@ fn print_handoffs(mut handoffs: Vec<Duration>, metrics: &str) {
     handoffs.sort();
     println!(
         "hot_restart: SIGHUP -> new epoch LIVE (admin polled every 2 ms): p50 {:.1?} p90 {:.1?} p99 {:.1?} max {:.1?}",
-        percentile(&handoffs, 50.0),
-        percentile(&handoffs, 90.0),
-        percentile(&handoffs, 99.0),
+        percentile(&handoffs, 0.50),
+        percentile(&handoffs, 0.90),
+        percentile(&handoffs, 0.99),
         handoffs.last().copied().unwrap_or_default()
     );
     let (sum, count) = (

@@ -18,6 +18,7 @@
 //! Knobs (env): AETHER_BENCH_DURATION (10 s), AETHER_BENCH_CONNECTIONS (8), AETHER_BENCH_ROTATIONS (20),
 //! AETHER_BENCH_RATE (1000 req/s).
 
+use aether_tests::bench::percentile;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
@@ -127,10 +128,6 @@ fn serving_serials(mesh: &Mesh, spiffe_id: &str) -> BTreeSet<String> {
         }
     }
     out
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use aether_proto::registrar::v1::{WatchRequest, change, watch_response};
 use aether_tests::bench::{
-    catalog_address, cluster_name, endpoint, knob, register_all, service_key, service_name, tail,
+    catalog_address, cluster_name, endpoint, knob, percentile, register_all, service_key, service_name, tail,
 };
 use aether_tests::echo::{EchoIdentity, FailureCounters, serve_echo};
 use aether_tests::mesh::{Mesh, NAMESPACE, fqdn};
@@ -259,13 +259,6 @@ async fn agent_metric(mesh: &Mesh, name: &str, label: &str) -> Option<f64> {
 fn load_average() -> String {
     let raw = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     raw.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 fn ms(d: Duration) -> String {

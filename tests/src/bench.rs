@@ -207,3 +207,11 @@ pub async fn envoy_allocated(admin: std::net::SocketAddr) -> u64 {
         .or_else(|| memory["allocated"].as_u64())
         .unwrap_or_else(|| panic!("Envoy /memory has no numeric \"allocated\": {memory}"))
 }
+
+/// The nearest-rank `p` quantile (0..=1) of `sorted` samples; zero when there are none.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
