@@ -9,10 +9,10 @@
 //! AETHER_BENCH_CNI_ROUNDS rounds, default 3). Goals: p99 < 20 ms single, < 150 ms at 50 in parallel. Every sandbox
 //! is DELeted (untimed) before the next round.
 
-use aether_tests::bench::percentile;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use aether_tests::bench::percentile;
 use aether_tests::binary;
 use aether_tests::cni::{BareNetns, PinSweeper, PluginRun, Sandbox, exec_plugin};
 use aether_tests::mesh::{Mesh, NAMESPACE};

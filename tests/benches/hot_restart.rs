@@ -14,9 +14,9 @@
 //! handoff time from SIGHUP to Envoy's admin answering LIVE at the new epoch (polled every 2 ms), p50/p90/p99/max;
 //! and the supervisor's own trigger → LIVE histogram (mean).
 
-use aether_tests::bench::percentile;
 use std::time::{Duration, Instant};
 
+use aether_tests::bench::percentile;
 use aether_tests::load::{Load, LoadSpec, Protocol};
 use aether_tests::mesh::{Mesh, fqdn};
 use aether_tests::supervisor::{ProxySupervisor, metric_sum};

@@ -18,11 +18,11 @@
 //! Knobs (env): AETHER_BENCH_DURATION (10 s), AETHER_BENCH_CONNECTIONS (8), AETHER_BENCH_ROTATIONS (20),
 //! AETHER_BENCH_RATE (1000 req/s).
 
-use aether_tests::bench::percentile;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use aether_tests::TestPod;
+use aether_tests::bench::percentile;
 use aether_tests::mesh::{Mesh, MeshIdentity, fqdn};
 
 fn knob(name: &str, default: u64) -> u64 {
