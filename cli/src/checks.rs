@@ -24,6 +24,9 @@ pub fn judge_status(s: &Value) -> (Code, Vec<String>) {
     if s["registrar"]["connected"] != json!(true) {
         fails.push("the registrar watch is down".into());
     }
+    if s["cni"]["status"] == "FAIL" {
+        fails.push(format!("CNI: {}", s["cni"]["detail"]));
+    }
     for pod in s["pods"].as_array().into_iter().flatten() {
         let capture = pod["capture"].as_str().unwrap_or_default();
         if capture != "intact" && capture != "notcaptured" {
@@ -49,6 +52,9 @@ fn warnings(s: &Value) -> Vec<String> {
     }
     if let Some(lag) = lag(&s["registrar"]) {
         warns.push(lag);
+    }
+    if s["cni"]["status"] == "WARN" {
+        warns.push(format!("CNI: {}", s["cni"]["detail"]));
     }
     if let Some(nacks) = s["xds"]["nacks"].as_array().filter(|n| !n.is_empty()) {
         warns.push(format!("{} resource(s) NACKed by Envoy", nacks.len()));
@@ -161,6 +167,7 @@ mod tests {
             "xds": {"streams": 1, "nacks": []},
             "registrar": {"connected": true, "synced": true, "behind": 2, "updated_seconds_ago": 3},
             "dns": {"watch_connected": true, "records": 3},
+            "cni": {"check": "cni conflist chain", "status": "PASS", "detail": "/etc/cni/net.d/10.conflist: bridge → aether-cni"},
             "pods": [{"pod": "demo/a", "capture": "intact", "svid_expires_in_seconds": 100}],
         })
     }
@@ -168,7 +175,7 @@ mod tests {
     #[test]
     fn status_names_each_component_down() {
         assert_eq!(judge_status(&healthy()), (Code::Ok, vec![]));
-        let cases: [(&str, Value, Code, &str); 7] = [
+        let cases: [(&str, Value, Code, &str); 8] = [
             (
                 "/envoy",
                 json!({"reachable": false, "error": "connect refused"}),
@@ -189,6 +196,7 @@ mod tests {
             ),
             ("/pods/0/capture", json!("drifted"), Code::Fail, "capture drifted"),
             ("/xds/nacks", json!([{"name": "x"}]), Code::Warn, "NACKed"),
+            ("/cni/status", json!("FAIL"), Code::Fail, "CNI: "),
             ("/dns/watch_connected", json!(false), Code::Warn, "stale"),
             (
                 "/registrar/synced",

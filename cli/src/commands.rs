@@ -110,9 +110,11 @@ fn recent_failures(failures: &Value) -> String {
     format!("\nlast failed calls to the target (Envoy's access log):\n{table}")
 }
 
-pub fn status(agent: &Agent, output: Output) -> Answer {
+pub fn status(agent: &Agent, cni_conf_dir: &Path, output: Output) -> Answer {
     let mut status = agent.get("/debug/status")?;
     status["agent"]["ready"] = json!(ready(agent)?);
+    // Read here, on the node: the agent's admin API does not serve files.
+    status["cni"] = checks::cni_conflist(cni_conf_dir);
     let (code, problems) = checks::judge_status(&status);
     if output == Output::Json {
         return Ok((code, json_out(&status)));
@@ -226,7 +228,7 @@ fn status_lines(s: &Value) -> String {
         None => format!("version {}  head {}", text(&r["version"]), text(&r["head"])),
     };
     format!(
-        "node       {}\nagent      {}  {}\nenvoy      {envoy}\nxds        {} stream(s)  {}/{} acked  {nacks} NACK(s)\nregistrar  watch {}  {}  {version}  updated {}s ago  {} services in the node's slice\nmesh-dns   watch {}  {dns}\nerrors     {}\n",
+        "node       {}\nagent      {}  {}\nenvoy      {envoy}\nxds        {} stream(s)  {}/{} acked  {nacks} NACK(s)\nregistrar  watch {}  {}  {version}  updated {}s ago  {} services in the node's slice\nmesh-dns   watch {}  {dns}\ncni        {} {}\nerrors     {}\n",
         text(&s["node"]),
         text(&s["agent"]["version"]),
         ready,
@@ -238,6 +240,8 @@ fn status_lines(s: &Value) -> String {
         text(&r["updated_seconds_ago"]),
         text(&r["services"]),
         up(&d["watch_connected"]),
+        text(&s["cni"]["status"]),
+        text(&s["cni"]["detail"]),
         errors(&s["errors"]),
     )
 }

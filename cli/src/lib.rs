@@ -40,6 +40,9 @@ pub struct Cli {
     /// The namespace of a pod given without one.
     #[arg(short, long, global = true, default_value = "default")]
     pub namespace: String,
+    /// The node's CNI config directory, whose conflist must chain aether-cni (status, check).
+    #[arg(long, global = true, env = "AETHER_CNI_CONF_DIR", default_value = "/etc/cni/net.d")]
+    pub cni_conf_dir: PathBuf,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -52,14 +55,10 @@ pub enum Output {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// The node: agent, Envoy, xDS, registrar stream, mesh-dns records, pods.
+    /// The node: agent, Envoy, xDS, registrar stream, mesh-dns records, the CNI chain, pods.
     Status,
     /// Pre-flight and post-install checks, each PASS/WARN/FAIL with a fix.
-    Check {
-        /// The CNI config directory whose conflist must chain aether-cni.
-        #[arg(long, env = "AETHER_CNI_CONF_DIR", default_value = "/etc/cni/net.d")]
-        cni_conf_dir: PathBuf,
-    },
+    Check,
     /// What this node's Envoy holds for a pod.
     ProxyConfig {
         /// `<namespace>/<pod>` or `<pod>` (with -n).
@@ -124,8 +123,8 @@ impl Code {
 pub fn run(cli: &Cli) -> Outcome {
     let agent = client::Agent { addr: cli.agent };
     let result = match &cli.command {
-        Command::Status => commands::status(&agent, cli.output),
-        Command::Check { cni_conf_dir } => commands::check(&agent, cni_conf_dir, cli.output),
+        Command::Status => commands::status(&agent, &cli.cni_conf_dir, cli.output),
+        Command::Check => commands::check(&agent, &cli.cni_conf_dir, cli.output),
         Command::ProxyConfig { pod, section } => {
             commands::proxy_config(&agent, &pod_id(pod, &cli.namespace), *section, cli.output)
         }

@@ -966,6 +966,14 @@ fn assert_wiring(r: &Rendered, ctx: &str) {
         flag(install, "--agent-socket"),
         "{ctx}: CNI socket"
     );
+    // `aether status`/`check`, run in the agent container, read the conflist the installer keeps.
+    let env = agent.env.iter().flatten().find(|e| e.name == "AETHER_CNI_CONF_DIR");
+    let cli_dir = env.and_then(|e| e.value.as_deref()).expect("AETHER_CNI_CONF_DIR");
+    assert_eq!(
+        host(agent_spec, agent, cli_dir),
+        host(agent_spec, install, flag(install, "--conf-dir")),
+        "{ctx}: the CLI's CNI config dir"
+    );
     let pins = format!("{}/netns", flag(install, "--state-dir"));
     assert_eq!(
         host(agent_spec, agent, flag(agent, "--netns-pin-dir")),

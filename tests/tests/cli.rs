@@ -36,9 +36,11 @@ fn with_envoy_admin(mut mesh: Mesh, port: u16) -> Mesh {
     mesh
 }
 
+/// `aether <args>` against the mesh's agent, on a node whose CNI config chains aether-cni.
 async fn aether(mesh: &Mesh, args: &[&str]) -> (i32, String) {
     let out: Output = tokio::process::Command::new(binary("aether"))
         .args(["--agent", &mesh.agent_admin.to_string()])
+        .args(["--cni-conf-dir", &cni_conf_dir(mesh)])
         .args(args)
         .output()
         .await
@@ -257,12 +259,16 @@ async fn registrar_down_is_named(mesh: &mut Mesh) {
     );
 }
 
-/// A CNI config dir whose conflist chains aether-cni last, as `aether-cni install` leaves it.
+/// A CNI config dir whose conflist chains aether-cni last, as `aether-cni install` leaves it (written once: a
+/// test may break it).
 fn cni_conf_dir(mesh: &Mesh) -> String {
     let dir = mesh.path("net.d");
     std::fs::create_dir_all(&dir).unwrap();
     let conflist = r#"{"cniVersion":"1.0.0","name":"k8s","plugins":[{"type":"bridge"},{"type":"aether-cni"}]}"#;
-    std::fs::write(dir.join("10-k8s.conflist"), conflist).unwrap();
+    let file = dir.join("10-k8s.conflist");
+    if !file.exists() {
+        std::fs::write(file, conflist).unwrap();
+    }
     dir.display().to_string()
 }
 
@@ -275,6 +281,8 @@ async fn status_and_check_on_a_healthy_node_then_with_envoy_then_the_agent_stopp
     let (code, text) = aether(&mesh, &["status"]).await;
     assert_eq!(code, 0, "{text}");
     assert!(text.contains("LIVE  1.40"), "{text}");
+    assert!(text.contains("cni        PASS "), "{text}");
+    assert!(text.contains("10-k8s.conflist: bridge → aether-cni"), "{text}");
     let (_, json) = aether(&mesh, &["status", "-o", "json"]).await;
     let status: Value = serde_json::from_str(&json).unwrap();
     let pods = status["pods"].as_array().unwrap();
@@ -292,7 +300,7 @@ async fn status_and_check_on_a_healthy_node_then_with_envoy_then_the_agent_stopp
     registrar_version_reaches_the_head(&mesh).await;
     errors_are_counted(&mesh).await;
 
-    let (code, text) = aether(&mesh, &["check", "--cni-conf-dir", &net_d]).await;
+    let (code, text) = aether(&mesh, &["check"]).await;
     assert_eq!(code, 0, "{text}");
     for name in [
         "agent ready",
@@ -317,11 +325,13 @@ async fn status_and_check_on_a_healthy_node_then_with_envoy_then_the_agent_stopp
     let (_, text) = aether(&mesh, &["proxy-config", "demo/frontend", "endpoints"]).await;
     assert!(text.contains("true"), "{text}");
 
+    an_unchained_cni_is_named(&mesh, &net_d).await;
+
     mesh.envoy = None;
     let (code, text) = aether(&mesh, &["status"]).await;
     assert_eq!(code, 1, "{text}");
     assert!(text.contains("Envoy unreachable"), "{text}");
-    let (code, text) = aether(&mesh, &["check", "--cni-conf-dir", &net_d]).await;
+    let (code, text) = aether(&mesh, &["check"]).await;
     assert_eq!(code, 1, "{text}");
     assert!(
         text.lines().any(|l| l.starts_with("FAIL") && l.contains("envoy live")),
@@ -332,6 +342,18 @@ async fn status_and_check_on_a_healthy_node_then_with_envoy_then_the_agent_stopp
     let (code, text) = aether(&mesh, &["status"]).await;
     assert_eq!(code, 3, "{text}");
     assert!(text.contains("cannot reach the agent's admin API"), "{text}");
+}
+
+/// The conflist no longer chains aether-cni: status names it (pods would start uncaptured).
+async fn an_unchained_cni_is_named(mesh: &Mesh, net_d: &str) {
+    let conflist = std::path::Path::new(net_d).join("10-k8s.conflist");
+    let chained = std::fs::read(&conflist).unwrap();
+    let unchained = r#"{"cniVersion":"1.0.0","name":"k8s","plugins":[{"type":"bridge"}]}"#;
+    std::fs::write(&conflist, unchained).unwrap();
+    let (code, text) = aether(mesh, &["status"]).await;
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("CNI: ") && text.contains("aether-cni"), "{text}");
+    std::fs::write(&conflist, chained).unwrap();
 }
 
 /// The watch's version catches up with the registrar's head: changes outside the node's
