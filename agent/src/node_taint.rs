@@ -5,7 +5,7 @@
 //! synced with the registrar (the agent's readiness), and Envoy LIVE. Only the agent's own
 //! taint is touched: the other taints are written back as they were, under the Node's
 //! resourceVersion, so a concurrent writer makes the patch conflict and it is redone.
-//! Putting the taint back when an agent is gone is the controller's (issue 20, not built).
+//! Putting the taint back when an agent is gone is the controller's (`aether-controller`).
 
 use std::time::Duration;
 
@@ -16,7 +16,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 /// The taint's key; its effect is NoSchedule.
-pub const TAINT_KEY: &str = "aether.io/agent-not-ready";
+pub const TAINT_KEY: &str = aether_common::pod_meta::READINESS_TAINT;
 /// How often readiness and the Node are looked at until the taint is gone.
 const POLL: Duration = Duration::from_secs(1);
 

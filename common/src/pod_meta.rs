@@ -6,6 +6,9 @@
 
 /// Label that puts a pod in the mesh.
 pub const MANAGED_LABEL: &str = "aether.io/managed";
+/// The taint a node carries until its agent can take pods in: the agent removes it from its
+/// own Node once ready, the controller puts it back when the agent is gone (effect NoSchedule).
+pub const READINESS_TAINT: &str = "aether.io/agent-not-ready";
 /// Annotation overriding the pod's service name (default: its service account).
 pub const SERVICE_ANNOTATION: &str = "config.aether.io/service";
 /// The service account Kubernetes assigns when a pod names none.

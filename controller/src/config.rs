@@ -2,6 +2,9 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
+
+use aether_common::duration;
 
 use aether_common::telemetry::{LogFormat, TelemetryConfig};
 
@@ -33,6 +36,40 @@ pub struct Config {
     /// (the registrar's flag of the same name; the two must agree).
     #[arg(long, env = "AETHER_MESH_ROOT_NAMESPACE", default_value = aether_api::authorization::DEFAULT_ROOT_NAMESPACE)]
     pub mesh_root_namespace: String,
+
+    /// Lead (a Lease in `--namespace`) and, while leading, keep the node readiness taint:
+    /// put back on nodes whose agent pod has not been Ready for `--node-taint-grace`, taken
+    /// off when it is Ready. Needs a Kubernetes client (in-cluster, or KUBECONFIG).
+    #[arg(long, env = "AETHER_CONTROLLER_NODE_TAINTS")]
+    pub node_taints: bool,
+
+    /// The controller's namespace: its Lease and the agents' pods are there.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "aether-system")]
+    pub namespace: String,
+
+    /// This replica's name in the Lease (its pod name).
+    #[arg(long, env = "POD_NAME", default_value = "aether-controller")]
+    pub identity: String,
+
+    /// The Lease's name.
+    #[arg(long, env = "AETHER_CONTROLLER_LEASE", default_value = "aether-controller")]
+    pub lease: String,
+
+    /// How long a leader's Lease lasts without renewal (renewed every third of it).
+    #[arg(long, env = "AETHER_CONTROLLER_LEASE_DURATION", default_value = "15s", value_parser = duration::parse)]
+    pub lease_duration: Duration,
+
+    /// The label selector of the agent pods (in `--namespace`).
+    #[arg(
+        long,
+        env = "AETHER_CONTROLLER_AGENT_SELECTOR",
+        default_value = "app.kubernetes.io/component=agent"
+    )]
+    pub agent_selector: String,
+
+    /// How long a node's agent may be not Ready before the node is tainted again.
+    #[arg(long, env = "AETHER_CONTROLLER_NODE_TAINT_GRACE", default_value = "60s", value_parser = duration::parse)]
+    pub node_taint_grace: Duration,
 
     /// Log format: text or json.
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text")]

@@ -24,7 +24,9 @@ use tokio_util::sync::CancellationToken;
 
 pub mod admission;
 pub mod config;
+pub mod leader;
 pub mod mutate;
+pub mod node_taints;
 pub mod server;
 pub mod validate;
 
@@ -52,6 +54,8 @@ pub enum StartError {
     Admin(#[from] AdminError),
     #[error("telemetry: {0}")]
     Telemetry(#[from] aether_common::telemetry::TelemetryError),
+    #[error("--node-taints needs a Kubernetes client: {0}")]
+    Kube(#[from] kube::Error),
 }
 
 pub struct Running {
@@ -69,6 +73,31 @@ impl Running {
         self.serving.set_not_ready("shutting down");
         self.tasks.drain(DRAIN).await
     }
+}
+
+/// Campaigns for the Lease and, while leading, keeps the node readiness taints.
+async fn lead_and_keep_node_taints(
+    config: &Config,
+    tasks: &Tasks,
+    shutdown: &CancellationToken,
+) -> Result<(), StartError> {
+    let client = kube::Client::try_default().await?;
+    let (leading, follows) = tokio::sync::watch::channel(false);
+    let election = leader::Election {
+        leases: kube::Api::namespaced(client.clone(), &config.namespace),
+        name: config.lease.clone(),
+        identity: config.identity.clone(),
+        duration: config.lease_duration,
+    };
+    tasks.critical("the leader election", election.run(leading, shutdown.clone()));
+    let reconciler = node_taints::Reconciler {
+        nodes: kube::Api::all(client.clone()),
+        pods: kube::Api::namespaced(client, &config.namespace),
+        agent_selector: config.agent_selector.clone(),
+        grace: config.node_taint_grace,
+    };
+    tasks.critical("the node readiness taints", reconciler.run(follows, shutdown.clone()));
+    Ok(())
 }
 
 /// Binds the webhook and admin addresses and serves until `shutdown`.
@@ -117,6 +146,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         tasks.spawn(async move {
             let _ = push.await;
         });
+    }
+    if config.node_taints {
+        lead_and_keep_node_taints(&config, &tasks, &shutdown).await?;
     }
     let admin = AdminServer::bind(config.admin, readiness.clone(), registry).await?;
     let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {

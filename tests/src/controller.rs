@@ -31,14 +31,25 @@ impl Controller {
     /// Starts the controller with `args` added, serving a certificate from a fresh test
     /// CA, and waits until it is ready.
     pub async fn start(args: &[&str]) -> Controller {
+        Self::start_with(args, &[]).await
+    }
+
+    /// [`Controller::start`] with environment variables set (e.g. `KUBECONFIG`).
+    pub async fn start_with(args: &[&str], env: &[(&str, &str)]) -> Controller {
         let ca = TestCa::new("aether-controller test CA");
         let leaf = ca.issue_server(SERVICE_NAME, Duration::from_secs(3600));
-        Self::serving(&leaf.cert_pem, &leaf.key_pem, &ca.cert_pem, args).await
+        Self::serving(&leaf.cert_pem, &leaf.key_pem, &ca.cert_pem, args, env).await
     }
 
     /// Starts the controller serving `cert_pem`/`key_pem`, verified by `ca_pem` (e.g. the
     /// material a Helm chart generated).
-    pub async fn serving(cert_pem: &str, key_pem: &str, ca_pem: &str, args: &[&str]) -> Controller {
+    pub async fn serving(
+        cert_pem: &str,
+        key_pem: &str,
+        ca_pem: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Controller {
         let dir = tempfile::tempdir().unwrap();
         let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
         std::fs::write(&cert, cert_pem).unwrap();
@@ -54,7 +65,8 @@ impl Controller {
             .arg(&cert)
             .arg("--tls-key")
             .arg(&key)
-            .args(args);
+            .args(args)
+            .envs(env.iter().copied());
         let child = ChildGuard::spawn("aether-controller", cmd);
         crate::mesh::wait_ready(admin, &child).await;
         Controller {

@@ -1989,6 +1989,7 @@ async fn the_generated_webhook_certificate_is_trusted_through_the_ca_bundle() {
         &secret_text(&r, &key.secret, &key.key, "key"),
         &bundle,
         &[],
+        &[],
     )
     .await;
     let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "namespace": "shop"}, "spec": {}});

@@ -143,3 +143,112 @@ async fn what_is_not_a_review_is_answered_plainly_and_the_server_keeps_serving()
         .await;
     assert_eq!(answer["response"]["allowed"], true);
 }
+
+/// A Node named `name`, with the readiness taint or not.
+fn node(name: &str, tainted: bool) -> Value {
+    let taints = match tainted {
+        true => json!([{"key": "dedicated", "value": "gpu", "effect": "NoSchedule"},
+                       {"key": "aether.io/agent-not-ready", "effect": "NoSchedule"}]),
+        false => json!([{"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}]),
+    };
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}, "spec": {"taints": taints}})
+}
+
+/// The agent pod on `node`, Ready or not.
+fn agent_pod(node: &str, ready: bool) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": format!("aether-agent-{node}"), "namespace": "aether-system",
+                     "labels": {"app.kubernetes.io/component": "agent"}},
+        "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "aether"}]},
+        "status": {"conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]}})
+}
+
+/// Waits until `check` holds (15 s at most), naming `what` on failure.
+async fn until(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while !check().await {
+        assert!(std::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// Two controllers on one Lease: exactly one leads; it taints the node whose agent is gone past
+/// the grace (once: no double writes) and untaints it when the agent is back; killed, the other
+/// takes the Lease over within its duration and carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_leader_keeps_the_node_readiness_taint_and_a_successor_takes_over() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    use k8s_openapi::api::core::v1::{Node, Pod};
+    let api = aether_fakes::kube::ApiServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = api.write_kubeconfig(dir.path());
+    for name in ["node-a", "node-b"] {
+        api.apply::<Node>(node(name, false));
+    }
+    api.apply::<Pod>(agent_pod("node-a", true));
+    let env = [("KUBECONFIG", kubeconfig.to_str().unwrap())];
+    let args = |me: &'static str| {
+        [
+            "--node-taints",
+            "--namespace",
+            "aether-system",
+            "--lease-duration",
+            "3s",
+        ]
+        .into_iter()
+        .chain(["--node-taint-grace", "1s", "--identity", me])
+        .collect::<Vec<_>>()
+    };
+    let mut controllers = vec![
+        Controller::start_with(&args("one"), &env).await,
+        Controller::start_with(&args("two"), &env).await,
+    ];
+    let client = api.client();
+    let (leases, nodes) = (
+        kube::Api::<Lease>::namespaced(client.clone(), "aether-system"),
+        kube::Api::<Node>::all(client),
+    );
+    let tainted = async |name: &str| {
+        let node = nodes.get(name).await.unwrap();
+        let taints = node.spec.unwrap().taints.unwrap_or_default();
+        assert!(taints.iter().any(|t| t.key == "dedicated"), "other taints are kept");
+        taints.iter().any(|t| t.key == "aether.io/agent-not-ready")
+    };
+    until("node-b (no agent) tainted", async || tainted("node-b").await).await;
+    assert!(!tainted("node-a").await, "node-a's agent is Ready");
+    let holder = async || {
+        leases
+            .get("aether-controller")
+            .await
+            .unwrap()
+            .spec
+            .unwrap()
+            .holder_identity
+            .unwrap()
+    };
+    let leader = holder().await;
+    assert!(leader == "one" || leader == "two", "{leader}");
+    let patches = |name: &str| {
+        api.requests()
+            .iter()
+            .filter(|r| r.starts_with("PATCH") && r.contains(name))
+            .count()
+    };
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    assert_eq!(patches("/nodes/node-b"), 1, "one write, by one leader");
+    assert_eq!(holder().await, leader, "the leader renews");
+
+    api.apply::<Pod>(agent_pod("node-b", true));
+    until("node-b untainted once its agent is Ready", async || {
+        !tainted("node-b").await
+    })
+    .await;
+
+    // The leader dies: the other takes the Lease over, and keeps the taints.
+    let index = if leader == "one" { 0 } else { 1 };
+    drop(controllers.remove(index));
+    let successor = if leader == "one" { "two" } else { "one" };
+    until("the successor holds the Lease", async || holder().await == successor).await;
+    api.apply::<Pod>(agent_pod("node-a", false));
+    until("node-a tainted by the successor", async || tainted("node-a").await).await;
+}

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -31,12 +32,13 @@ pub(super) struct Kind {
 /// CNI installer's owner DaemonSet, and the Gateway API routes the registrar watches and
 /// writes the status of (CRDs with the status subresource, as gateway-api installs them),
 /// and the mesh's AuthorizationPolicies and HTTPFilters (ours, with the status subresource too).
-const SERVED: [Kind; 9] = [
+const SERVED: [Kind; 10] = [
     Kind::of::<Pod>().with_status(),
     Kind::of::<Node>().with_status(),
     Kind::of::<Service>().with_status(),
     Kind::of::<ConfigMap>(),
     Kind::of::<DaemonSet>().with_status(),
+    Kind::of::<Lease>(),
     Kind::route("HTTPRoute", "httproutes"),
     Kind::route("GRPCRoute", "grpcroutes"),
     Kind {
