@@ -5,9 +5,11 @@
 //!   projects it at run time (`aether-api`), so apply-time and run-time verdicts agree;
 //! - [`mutate`]: a new pod in a mesh namespace joins the mesh (label, DNS search domains);
 //! - [`admission`]: AdmissionReview v1 in and out, as kube-apiserver speaks it;
-//! - [`server`]: HTTPS for kube-apiserver, the serving certificate reloaded from its files.
+//! - [`server`]: HTTPS for kube-apiserver, the serving certificate reloaded from its files;
+//! - [`leader`]: leader election on a Lease (`--node-taints`);
+//! - [`node_taints`]: the leader's half of the node readiness taint.
 //!
-//! Every replica serves the webhooks; nothing here writes to the API (proposal 015).
+//! Every replica serves the webhooks; only the leader writes (proposal 015).
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -539,9 +539,15 @@ fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, ide
             if is_token_review_rule(rule) || is_route_status_rule(rule) || is_status_rule(rule) {
                 continue;
             }
-            if role.metadata.name.as_deref() == Some("aether-agent") && is_node_rule(rule) {
-                // Its own Node's readiness taint, held to that by the admission policy (see its test).
-                assert_eq!(rule.verbs, ["get", "patch"], "{ctx}: the agent on Nodes");
+            // The readiness taint, held to it by the admission policy (see its test): the agent reads and patches
+            // its own Node, the controller lists Nodes and patches them.
+            let taint_verbs = match role.metadata.name.as_deref() {
+                Some("aether-agent") => Some(["get", "patch"]),
+                Some("aether-controller") => Some(["list", "patch"]),
+                _ => None,
+            };
+            if let Some(verbs) = taint_verbs.filter(|_| is_node_rule(rule)) {
+                assert_eq!(rule.verbs, verbs, "{ctx}: {:?} on Nodes", role.metadata.name);
                 continue;
             }
             let verbs: BTreeSet<&str> = rule.verbs.iter().map(String::as_str).collect();
@@ -561,7 +567,7 @@ fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, ide
         .iter()
         .filter_map(|c| c.metadata.name.as_deref())
         .collect();
-    let mut want = BTreeSet::from(["aether-agent"]);
+    let mut want = BTreeSet::from(["aether-agent", "aether-controller"]);
     if identity == "builtin" {
         // The node bootstrap's TokenReviews (with SPIRE, agents present their SVIDs instead).
         want.insert("aether-registrar-tokenreview");
@@ -718,19 +724,57 @@ fn assert_the_agent_role_reads_only_its_daemon_set<'a>(r: &'a Rendered, ctx: &st
     agent_role
 }
 
-/// The Kubernetes store keeps its VIPs in one ConfigMap: the only namespaced write anywhere in the chart, and
-/// every verb but `create` (which cannot be scoped by name) is limited to that ConfigMap.
+/// A rule's resources, verbs and resource names.
+type RuleShape = (Vec<String>, Vec<String>, Option<Vec<String>>);
+
+/// The controller's Role: its Lease (`create`, and `get`/`update` on its name only) and listing the agents' pods.
+fn assert_the_controller_role_holds_its_lease_only<'a>(r: &'a Rendered, ctx: &str) -> &'a Role {
+    let role = r
+        .roles
+        .iter()
+        .find(|role| role.metadata.name.as_deref() == Some("aether-controller"))
+        .unwrap_or_else(|| panic!("{ctx}: the controller's Role"));
+    let rules: Vec<RuleShape> = role
+        .rules
+        .iter()
+        .flatten()
+        .map(|rule| {
+            (
+                rule.resources.clone().unwrap_or_default(),
+                rule.verbs.clone(),
+                rule.resource_names.clone(),
+            )
+        })
+        .collect();
+    let strings = |items: &[&str]| items.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let want = vec![
+        (strings(&["leases"]), strings(&["create"]), None),
+        (
+            strings(&["leases"]),
+            strings(&["get", "update"]),
+            Some(strings(&["aether-controller"])),
+        ),
+        (strings(&["pods"]), strings(&["list"]), None),
+    ];
+    assert_eq!(rules, want, "{ctx}: the controller's Role");
+    role
+}
+
+/// The Kubernetes store keeps its VIPs in one ConfigMap: the only namespaced write anywhere in the chart besides the
+/// controller's Lease, and every verb but `create` (which cannot be scoped by name) is limited to that ConfigMap.
 fn assert_only_the_kubernetes_store_writes_its_vip_config_map(r: &Rendered, store: &str, agent_role: &Role, ctx: &str) {
-    let registrar_roles: Vec<&Role> = r.roles.iter().filter(|role| !std::ptr::eq(*role, agent_role)).collect();
+    let controller_role = assert_the_controller_role_holds_its_lease_only(r, ctx);
+    let others = |role: &&Role| !std::ptr::eq(*role, agent_role) && !std::ptr::eq(*role, controller_role);
+    let registrar_roles: Vec<&Role> = r.roles.iter().filter(others).collect();
     if store != "kubernetes" {
         assert!(
-            registrar_roles.is_empty() && r.role_bindings.len() == 1,
+            registrar_roles.is_empty() && r.role_bindings.len() == 2,
             "{ctx}: no registrar Role without the Kubernetes store"
         );
         return;
     }
     assert_eq!(registrar_roles.len(), 1, "{ctx}: the registrar's VIP ConfigMap Role");
-    assert_eq!(r.role_bindings.len(), 2, "{ctx}");
+    assert_eq!(r.role_bindings.len(), 3, "{ctx}");
     let rc = container(pod_spec(r, "aether-registrar"), "registrar");
     let vip_map = format!("{}/aether-registrar-vips", "aether-system");
     assert_eq!(arg(rc, "--kube-vip-configmap"), Some(vip_map.as_str()), "{ctx}");
@@ -754,7 +798,8 @@ fn assert_only_api_clients_mount_a_token(r: &Rendered, ctx: &str) {
         let name = sa.metadata.name.as_deref().unwrap();
         // The registrar reviews tokens (builtin identity), reads Pods (kubernetes store), and reads routes and
         // Services with every store (registrar.fromKubernetes is on by default): it always talks to the API.
-        let talks_to_api = name == "aether-agent" || name == "aether-registrar";
+        // The controller: its Lease and the Nodes' readiness taint (controller.nodeTaints, on by default).
+        let talks_to_api = ["aether-agent", "aether-registrar", "aether-controller"].contains(&name);
         assert_eq!(
             sa.automount_service_account_token,
             Some(talks_to_api),
@@ -1065,11 +1110,11 @@ fn is_node_rule(rule: &PolicyRule) -> bool {
     rule.resources.as_deref() == Some(&["nodes".to_owned()][..])
 }
 
-/// The agent's Node patch is held to one change: the readiness taint off its own Node. The rendered policy's CEL,
-/// evaluated as kube-apiserver would on the agent's updates: only taking our taint off the Node its token is bound
-/// to passes; another taint, another Node, a label or cordoning is refused; the binding denies.
+/// The agent's and the controller's Node patches are held to the readiness taint: the agent on its own Node only,
+/// the controller on any. The rendered policy's CEL, evaluated as kube-apiserver would: changing our taint passes;
+/// another taint, another Node (for the agent), a label or cordoning is refused; the binding denies.
 #[test]
-fn the_agent_may_only_take_the_readiness_taint_off_its_own_node() {
+fn only_the_readiness_taint_may_change_and_the_agent_only_on_its_own_node() {
     let r = render(json!({}));
     let [policy] = &r.admission_policies[..] else {
         panic!("one ValidatingAdmissionPolicy")
@@ -1116,6 +1161,21 @@ fn the_agent_may_only_take_the_readiness_taint_off_its_own_node() {
     assert_eq!(verdict(relabelled, agent("node-a")), [true, true, false], "a label");
     let cordoned = node(json!([gpu]), json!({"zone": "a"}), true);
     assert_eq!(verdict(cordoned, agent("node-a")), [true, true, false], "cordoned");
+    // The controller puts the taint back on any node (and may take it off), nothing else.
+    let controller = json!({"username": "system:serviceaccount:aether-system:aether-controller", "extra": {}});
+    let untainted = node(json!([gpu]), json!({"zone": "a"}), false);
+    assert_eq!(
+        verdict(
+            node(json!([gpu, ours]), json!({"zone": "a"}), false),
+            controller.clone()
+        ),
+        [true, true, true]
+    );
+    assert_eq!(verdict(untainted, controller.clone()), [true, true, true]);
+    assert_eq!(
+        verdict(node(json!([ours]), json!({"zone": "a"}), false), controller),
+        [true, false, true]
+    );
 }
 
 /// A CEL expression of the policy, with `object`, `oldObject` and `request` bound.
