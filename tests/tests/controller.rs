@@ -247,8 +247,15 @@ async fn one_leader_keeps_the_node_readiness_taint_and_a_successor_takes_over() 
     // The leader dies: the other takes the Lease over, and keeps the taints.
     let index = if leader == "one" { 0 } else { 1 };
     drop(controllers.remove(index));
+    let killed = std::time::Instant::now();
     let successor = if leader == "one" { "two" } else { "one" };
     until("the successor holds the Lease", async || holder().await == successor).await;
+    // The lease (3 s) runs out since its last renewal, and the successor looks every third of it.
+    let failover = killed.elapsed();
+    assert!(
+        failover < std::time::Duration::from_secs(5),
+        "failover took {failover:?}"
+    );
     api.apply::<Pod>(agent_pod("node-a", false));
     until("node-a tainted by the successor", async || tainted("node-a").await).await;
 }
