@@ -122,6 +122,8 @@ impl WebhookConnection {
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(body)))
             .unwrap();
+        // An HTTP/1.1 connection takes the next request once the last exchange is done.
+        self.sender.ready().await.expect("the connection is open");
         let response = self.sender.send_request(request).await.expect("an answer");
         let status = response.status().as_u16();
         let body = response.into_body().collect().await.unwrap().to_bytes().to_vec();

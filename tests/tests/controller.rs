@@ -250,10 +250,11 @@ async fn one_leader_keeps_the_node_readiness_taint_and_a_successor_takes_over() 
     let killed = std::time::Instant::now();
     let successor = if leader == "one" { "two" } else { "one" };
     until("the successor holds the Lease", async || holder().await == successor).await;
-    // The lease (3 s) runs out since its last renewal, and the successor looks every third of it.
+    // Bounded by the lease (3 s) since its last renewal, plus the successor's look every third of it (1 s),
+    // plus slack for a loaded machine.
     let failover = killed.elapsed();
     assert!(
-        failover < std::time::Duration::from_secs(5),
+        failover < std::time::Duration::from_secs(6),
         "failover took {failover:?}"
     );
     api.apply::<Pod>(agent_pod("node-a", false));
