@@ -39,12 +39,13 @@ impl Validator {
     }
 
     fn mesh_object(&self, object: Value, kind: &str) -> Verdict {
-        let refused = |field: &str, message: &str| Verdict::Deny(refusal(kind, field, message));
+        // The request's kind, as sent: quoted bounded like any input.
+        let kind = bounded(kind);
+        let refused = |field: &str, message: &str| Verdict::Deny(refusal(&kind, field, message));
         let object = match mesh_object(object) {
             None => {
                 return Verdict::Deny(format!(
-                    "{}: not a kind aether-controller validates (check the webhook configuration's rules)",
-                    bounded(kind)
+                    "{kind}: not a kind aether-controller validates (check the webhook configuration's rules)"
                 ));
             }
             Some(Err((field, message))) => return refused(&field, &message),

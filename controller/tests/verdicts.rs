@@ -161,6 +161,21 @@ fn another_kind_and_a_delete_are_answered_plainly() {
         panic!("allowed")
     };
     assert!(message.contains("not a kind aether-controller validates"), "{message}");
+    // A request naming a huge kind for a policy object: the refusal quotes it bounded.
+    let policy = json!({"apiVersion": "security.aether.io/v1alpha1", "kind": "AuthorizationPolicy",
+        "metadata": {"name": "p", "namespace": "shop"}, "spec": {"action": "AUDIT", "dryRun": true}});
+    let mut huge: Value = serde_json::from_slice(&create(&policy)).unwrap();
+    huge["request"]["kind"]["kind"] = json!("K".repeat(100_000));
+    let validator = Validator::default();
+    let body = serde_json::to_vec(&huge).unwrap();
+    let Verdict::Deny(message) = review(&body, |r| validator.decide(r)).0 else {
+        panic!("allowed")
+    };
+    assert!(
+        message.len() < 600 && message.contains("spec.dryRun"),
+        "{} bytes",
+        message.len()
+    );
     let mut delete: Value = serde_json::from_slice(&create(&config_map)).unwrap();
     delete["request"]["operation"] = json!("DELETE");
     delete["request"]["object"] = Value::Null;
