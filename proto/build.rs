@@ -5,6 +5,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/aether/cni/v1/cni.proto",
         "proto/aether/registry/v1/authorization.proto",
         "proto/aether/registry/v1/http_filter.proto",
+        "proto/aether/registry/v1/mesh_config.proto",
         "proto/aether/registry/v1/registry.proto",
         "proto/aether/registry/v1/route.proto",
         "proto/aether/registrar/v1/registrar.proto",

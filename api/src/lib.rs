@@ -17,12 +17,15 @@
 //!   policy set decides for one request.
 //! - [`http_filter`]: our `networking.aether.io/v1alpha1` HTTPFilter (a few stock Envoy HTTP
 //!   filters, typed) and its projector into `aether.registry.v1.HttpFilter`.
+//! - [`mesh_config`]: our `mesh.aether.io/v1alpha1` MeshConfig (mesh-wide and per-namespace
+//!   defaults), its projector and [`mesh_config::effective`], a namespace's settings.
 //! - [`pod`]: a pod's mesh annotations (`config.aether.io/*`, `security.aether.io/inbound-mtls`).
 
 pub mod authorization;
 pub mod duration;
 pub mod gateway;
 pub mod http_filter;
+pub mod mesh_config;
 pub mod pod;
 pub mod route;
 pub mod status;

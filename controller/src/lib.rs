@@ -124,7 +124,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     })?;
     let webhooks = Arc::new(server::Webhooks {
         validator: validate::Validator {
-            policies: aether_api::authorization::ProjectOptions {
+            options: aether_api::authorization::ProjectOptions {
                 root_namespace: config.mesh_root_namespace.clone(),
             },
         },

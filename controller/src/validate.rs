@@ -6,6 +6,7 @@
 //! - Pods: their mesh annotations (`aether_api::pod::config_errors`, what the agent reads);
 //! - AuthorizationPolicy: `aether_api::authorization::project` (with the mesh root namespace);
 //! - HTTPFilter: `aether_api::http_filter::project`;
+//! - MeshConfig: `aether_api::mesh_config::project` (with the mesh root namespace);
 //! - HTTPRoute and GRPCRoute: `aether_api::project` — routes with Service parents (GAMMA);
 //!   a route attached only to Gateways is not the mesh's and passes.
 
@@ -20,7 +21,7 @@ use crate::admission::{Operation, Request, Verdict, bounded};
 /// What validation needs to know of the mesh.
 #[derive(Clone, Debug, Default)]
 pub struct Validator {
-    pub policies: ProjectOptions,
+    pub options: ProjectOptions,
 }
 
 impl Validator {
@@ -53,10 +54,13 @@ impl Validator {
         };
         let result = match &object {
             MeshObject::Route(route) => aether_api::project(route).map(drop).map_err(|r| (r.field, r.message)),
-            MeshObject::Policy(policy) => aether_api::authorization::project(policy, &self.policies)
+            MeshObject::Policy(policy) => aether_api::authorization::project(policy, &self.options)
                 .map(drop)
                 .map_err(|r| (r.field, r.message)),
             MeshObject::Filter(filter) => aether_api::http_filter::project(filter)
+                .map(drop)
+                .map_err(|r| (r.field, r.message)),
+            MeshObject::MeshConfig(config) => aether_api::mesh_config::project(config, &self.options)
                 .map(drop)
                 .map_err(|r| (r.field, r.message)),
         };

@@ -1,5 +1,5 @@
 //! Apply-time and run-time verdicts agree: every fixture the projectors' own tests use
-//! (`tests/fixtures/{authorization,http_filter}/{valid,invalid}`, the GAMMA conformance
+//! (`tests/fixtures/{authorization,http_filter,mesh_config}/{valid,invalid}`, the GAMMA conformance
 //! routes) sent to the validating webhook as kube-apiserver would send it (an
 //! AdmissionReview v1 CREATE of the object, as JSON) is allowed when it projects and
 //! refused on the same field, with the same words, when it does not. Pods: their mesh
@@ -77,12 +77,24 @@ fn verdict(object: &Value) -> Verdict {
 
 fn ours(object: &Value) -> bool {
     let kind = object["kind"].as_str().unwrap_or_default();
-    ["AuthorizationPolicy", "HTTPFilter", "HTTPRoute", "GRPCRoute"].contains(&kind)
+    [
+        "AuthorizationPolicy",
+        "HTTPFilter",
+        "MeshConfig",
+        "HTTPRoute",
+        "GRPCRoute",
+    ]
+    .contains(&kind)
 }
 
 #[test]
 fn valid_fixtures_are_allowed() {
-    let dirs = ["authorization/valid", "http_filter/valid", "gamma/conformance"];
+    let dirs = [
+        "authorization/valid",
+        "http_filter/valid",
+        "mesh_config/valid",
+        "gamma/conformance",
+    ];
     let mut checked = 0;
     for path in dirs.iter().flat_map(|d| files(d)) {
         for object in documents(&path).iter().filter(|o| ours(o)) {
@@ -96,7 +108,7 @@ fn valid_fixtures_are_allowed() {
 #[test]
 fn invalid_fixtures_are_refused_on_their_field_with_the_projectors_words() {
     let mut checked = 0;
-    for path in ["authorization/invalid", "http_filter/invalid"]
+    for path in ["authorization/invalid", "http_filter/invalid", "mesh_config/invalid"]
         .iter()
         .flat_map(|d| files(d))
     {

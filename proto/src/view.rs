@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::registrar::v1::{Version, WatchResponse, change, watch_response};
-use crate::registry::v1::{AuthorizationPolicy, Endpoint, HttpFilter, Route, RouteKind, Service};
+use crate::registry::v1::{AuthorizationPolicy, Endpoint, HttpFilter, MeshConfig, Route, RouteKind, Service};
 
 /// A service's endpoints by address. Shared: cloning a catalog is cheap, and a
 /// service whose endpoints did not change keeps the same `Arc` (consumers can skip it).
@@ -17,7 +17,8 @@ pub type Endpoints = Arc<BTreeMap<String, Endpoint>>;
 /// attached to them by route key (`<kind>/<ns>/<name>`, see [`route_key`]), and the
 /// authorization policies of the watched namespaces by key (`<ns>/<name>`, see
 /// [`policy_key`]), and the HTTP filters of those namespaces or of watched services by
-/// key (`<ns>/<name>`, see [`http_filter_key`]).
+/// key (`<ns>/<name>`, see [`http_filter_key`]), and the MeshConfigs of the mesh and of
+/// those namespaces by key (`<ns>/<name>`, see [`mesh_config_key`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CatalogView {
     pub services: BTreeMap<String, Service>,
@@ -25,6 +26,7 @@ pub struct CatalogView {
     pub routes: BTreeMap<String, Arc<Route>>,
     pub policies: BTreeMap<String, Arc<AuthorizationPolicy>>,
     pub http_filters: BTreeMap<String, Arc<HttpFilter>>,
+    pub mesh_configs: BTreeMap<String, Arc<MeshConfig>>,
 }
 
 /// What a client believes after the messages it has applied.
@@ -80,6 +82,11 @@ pub fn route_key(route: &Route) -> String {
 /// An HTTP filter's key, `<namespace>/<name>`.
 pub fn http_filter_key(filter: &HttpFilter) -> String {
     format!("{}/{}", filter.namespace, filter.name)
+}
+
+/// A MeshConfig's key, `<namespace>/<name>`.
+pub fn mesh_config_key(config: &MeshConfig) -> String {
+    format!("{}/{}", config.namespace, config.name)
 }
 
 /// An authorization policy's key, `<namespace>/<name>`.
@@ -139,6 +146,8 @@ impl CatalogView {
             policies: self.policies.clone(),
             // Filters of a dropped service may still be needed on the destination side.
             http_filters: self.http_filters.clone(),
+            // Namespace-scoped too.
+            mesh_configs: self.mesh_configs.clone(),
         }
     }
 
@@ -180,6 +189,9 @@ impl WatchView {
                 }
                 for filter in chunk.http_filters {
                     incoming.http_filters.insert(http_filter_key(&filter), Arc::new(filter));
+                }
+                for config in chunk.mesh_configs {
+                    incoming.mesh_configs.insert(mesh_config_key(&config), Arc::new(config));
                 }
                 Ok(Applied::SnapshotChunk)
             }
@@ -229,6 +241,13 @@ impl WatchView {
                         }
                         change::Change::HttpFilterRemoved(key) => {
                             self.catalog.http_filters.remove(&key);
+                        }
+                        change::Change::MeshConfigPut(config) => {
+                            let key = mesh_config_key(&config);
+                            self.catalog.mesh_configs.insert(key, Arc::new(config));
+                        }
+                        change::Change::MeshConfigRemoved(key) => {
+                            self.catalog.mesh_configs.remove(&key);
                         }
                     }
                 }

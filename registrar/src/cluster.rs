@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, watch};
 use self::services::ClusterServices;
 use crate::config::{Config, StoreKind};
 use crate::http_filters::{ClusterHttpFilters, HttpFilters};
+use crate::mesh_configs::{ClusterMeshConfigs, MeshConfigs};
 use crate::policies::{ClusterPolicies, Policies};
 use crate::routes::kubernetes::ClusterRoutes;
 use crate::store::StoreError;
@@ -27,6 +28,7 @@ pub struct ClusterAccess {
     pub routes: ClusterRoutes,
     pub policies: ClusterPolicies,
     pub http_filters: ClusterHttpFilters,
+    pub mesh_configs: ClusterMeshConfigs,
     pub services: ClusterServices,
 }
 
@@ -118,6 +120,7 @@ pub async fn connect(config: &Config) -> Result<Option<ClusterAccess>, StoreErro
         routes: ClusterRoutes::start(client.clone()),
         policies: crate::sources::crd::start::<Policies>(client.clone()),
         http_filters: crate::sources::crd::start::<HttpFilters>(client.clone()),
+        mesh_configs: crate::sources::crd::start::<MeshConfigs>(client.clone()),
         services: ClusterServices::start(client.clone()),
         client,
     }))

@@ -8,6 +8,7 @@ pub mod catalog;
 pub mod cluster;
 pub mod config;
 pub mod http_filters;
+pub mod mesh_configs;
 pub mod metrics;
 pub mod model;
 pub mod policies;

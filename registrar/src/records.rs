@@ -1,5 +1,5 @@
 //! The catalog's configuration records: what users' objects are projected into (routes,
-//! authorization policies, HTTP filters), as opposed to what agents register (services, endpoints).
+//! authorization policies, HTTP filters, MeshConfigs), as opposed to what agents register (services, endpoints).
 //!
 //! Every kind travels the same way, so one mechanism carries them all: stored by key in
 //! each backend (a [`ConfigKind`] names its embedded table, etcd segment and DynamoDB
@@ -12,8 +12,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use aether_proto::registrar::v1::{Snapshot, change};
-use aether_proto::registry::v1::{AuthorizationPolicy, HttpFilter, Route};
-use aether_proto::view::{http_filter_key, policy_key, route_key};
+use aether_proto::registry::v1::{AuthorizationPolicy, HttpFilter, MeshConfig, Route};
+use aether_proto::view::{http_filter_key, mesh_config_key, policy_key, route_key};
 use prost::Message;
 
 /// A kind of configuration record.
@@ -22,17 +22,24 @@ pub enum ConfigKind {
     Route,
     Policy,
     HttpFilter,
+    MeshConfig,
 }
 
 impl ConfigKind {
-    pub const ALL: [ConfigKind; 3] = [ConfigKind::Route, ConfigKind::Policy, ConfigKind::HttpFilter];
+    pub const ALL: [ConfigKind; 4] = [
+        ConfigKind::Route,
+        ConfigKind::Policy,
+        ConfigKind::HttpFilter,
+        ConfigKind::MeshConfig,
+    ];
 
-    /// How logs and refusals name one: `route`, `authorization policy`, `HTTP filter`.
+    /// How logs and refusals name one: `route`, `authorization policy`, `HTTP filter`, `MeshConfig`.
     pub fn noun(self) -> &'static str {
         match self {
             ConfigKind::Route => "route",
             ConfigKind::Policy => "authorization policy",
             ConfigKind::HttpFilter => "HTTP filter",
+            ConfigKind::MeshConfig => "MeshConfig",
         }
     }
 
@@ -43,6 +50,7 @@ impl ConfigKind {
             ConfigKind::Route => "routes",
             ConfigKind::Policy => "policies",
             ConfigKind::HttpFilter => "http_filters",
+            ConfigKind::MeshConfig => "mesh_configs",
         }
     }
 
@@ -52,6 +60,7 @@ impl ConfigKind {
             ConfigKind::Route => "HTTPRoute and GRPCRoute",
             ConfigKind::Policy => "AuthorizationPolicy",
             ConfigKind::HttpFilter => "HTTPFilter",
+            ConfigKind::MeshConfig => "MeshConfig",
         }
     }
 
@@ -61,6 +70,7 @@ impl ConfigKind {
             ConfigKind::Route => "route",
             ConfigKind::Policy => "policy",
             ConfigKind::HttpFilter => "http_filter",
+            ConfigKind::MeshConfig => "mesh_config",
         }
     }
 
@@ -81,6 +91,7 @@ impl ConfigKind {
             ConfigKind::Route => decode::<Route>(bytes),
             ConfigKind::Policy => decode::<AuthorizationPolicy>(bytes),
             ConfigKind::HttpFilter => decode::<HttpFilter>(bytes),
+            ConfigKind::MeshConfig => decode::<MeshConfig>(bytes),
         }
     }
 
@@ -91,6 +102,7 @@ impl ConfigKind {
             ConfigKind::Route => change::Change::RouteRemoved(key),
             ConfigKind::Policy => change::Change::PolicyRemoved(key),
             ConfigKind::HttpFilter => change::Change::HttpFilterRemoved(key),
+            ConfigKind::MeshConfig => change::Change::MeshConfigRemoved(key),
         }
     }
 }
@@ -173,6 +185,15 @@ record!(
     HttpFilterPut,
     http_filters
 );
+record!(
+    MeshConfig,
+    MeshConfig,
+    "a MeshConfig",
+    mesh_config_key,
+    aether_api::mesh_config::validate,
+    MeshConfigPut,
+    mesh_configs
+);
 
 /// One record of any kind, shared (the catalog, its history and every watcher hold the
 /// same one).
@@ -181,6 +202,7 @@ pub enum ConfigRecord {
     Route(Arc<Route>),
     Policy(Arc<AuthorizationPolicy>),
     HttpFilter(Arc<HttpFilter>),
+    MeshConfig(Arc<MeshConfig>),
 }
 
 /// Runs `$body` with `$r` bound to the record inside, whatever its kind.
@@ -190,6 +212,7 @@ macro_rules! each_kind {
             ConfigRecord::Route($r) => $body,
             ConfigRecord::Policy($r) => $body,
             ConfigRecord::HttpFilter($r) => $body,
+            ConfigRecord::MeshConfig($r) => $body,
         }
     };
 }
@@ -313,7 +336,7 @@ mod tests {
     }
 
     /// One record of each kind, in the order of [`ConfigKind::ALL`].
-    fn one_of_each() -> [ConfigRecord; 3] {
+    fn one_of_each() -> [ConfigRecord; 4] {
         let policy = AuthorizationPolicy {
             namespace: "shop".into(),
             name: "deny".into(),
@@ -324,10 +347,16 @@ mod tests {
             name: "limit".into(),
             ..Default::default()
         };
+        let config = MeshConfig {
+            namespace: "shop".into(),
+            name: "default".into(),
+            ..Default::default()
+        };
         [
             Arc::new(route()).into(),
             Arc::new(policy).into(),
             Arc::new(filter).into(),
+            Arc::new(config).into(),
         ]
     }
 
@@ -342,6 +371,7 @@ mod tests {
                 snapshot.routes.len(),
                 snapshot.policies.len(),
                 snapshot.http_filters.len(),
+                snapshot.mesh_configs.len(),
             ];
             assert_eq!(placed.iter().sum::<usize>(), 1, "{kind:?}");
             assert_eq!(placed[kind.index()], 1, "{kind:?}");
@@ -358,13 +388,16 @@ mod tests {
                 ) | (
                     ConfigKind::HttpFilter,
                     (change::Change::HttpFilterPut(_), change::Change::HttpFilterRemoved(_))
+                ) | (
+                    ConfigKind::MeshConfig,
+                    (change::Change::MeshConfigPut(_), change::Change::MeshConfigRemoved(_))
                 )
             );
             assert!(paired, "{kind:?}: its put and removal are changes of its own kind");
         }
         assert_eq!(
             one_of_each().map(|r| r.key()),
-            ["http/shop/split", "shop/deny", "shop/limit"]
+            ["http/shop/split", "shop/deny", "shop/limit", "shop/default"]
         );
     }
 
@@ -388,7 +421,7 @@ mod tests {
         );
         records.set(ConfigKind::Route, "http/shop/split".into(), None);
         records.replace(ConfigKind::Policy, BTreeMap::new());
-        assert_eq!(records.all().count(), 1);
+        assert_eq!(records.all().count(), 2, "the HTTP filter and the MeshConfig");
     }
 
     #[test]

@@ -27,6 +27,7 @@ use crate::catalog::{Catalog, CatalogConfig, OpenError};
 use crate::cluster::ClusterAccess;
 use crate::config::{Config, SecurityConfig, StoreKind};
 use crate::http_filters::HttpFilters;
+use crate::mesh_configs::MeshConfigs;
 use crate::metrics::Metrics;
 use crate::model::MAX_SERVICE_KEY_BYTES;
 use crate::policies::Policies;
@@ -271,6 +272,7 @@ pub async fn open_store(config: &Config, cluster: Option<&ClusterAccess>) -> Res
                     policies: cluster.policies.clone(),
                     policy_options: policy_options(config),
                     http_filters: cluster.http_filters.clone(),
+                    mesh_configs: cluster.mesh_configs.clone(),
                 },
             )?)
         }
@@ -384,6 +386,9 @@ fn run_sources(
     let policies = Policies {
         options: policy_options(config),
     };
+    let mesh_configs = MeshConfigs {
+        options: policy_options(config),
+    };
     let (client, stop) = (cluster.client.clone(), shutdown.clone());
     if config.store != StoreKind::Kubernetes {
         let source = sources::run(cluster.routes.clone(), Routes, catalog.clone(), stop.clone());
@@ -399,16 +404,25 @@ fn run_sources(
         tasks.critical("the Kubernetes AuthorizationPolicy source", source);
         let source = sources::run(cluster.http_filters.clone(), HttpFilters, catalog.clone(), stop.clone());
         tasks.critical("the Kubernetes HTTPFilter source", source);
+        let source = sources::run(
+            cluster.mesh_configs.clone(),
+            mesh_configs.clone(),
+            catalog.clone(),
+            stop.clone(),
+        );
+        tasks.critical("the Kubernetes MeshConfig source", source);
     }
     let writer = sources::accepted::run(cluster.policies, policies, client.clone(), stop.clone());
     tasks.critical("the AuthorizationPolicy status writer", writer);
     let writer = sources::accepted::run(cluster.http_filters, HttpFilters, client.clone(), stop.clone());
     tasks.critical("the HTTPFilter status writer", writer);
+    let writer = sources::accepted::run(cluster.mesh_configs, mesh_configs, client.clone(), stop.clone());
+    tasks.critical("the MeshConfig status writer", writer);
     let writer = status::run(cluster.routes, catalog.clone(), client, stop);
     tasks.critical("the route status writer", writer);
 }
 
-/// How policies are projected: `--mesh-root-namespace`.
+/// How policies and MeshConfigs are projected: `--mesh-root-namespace`.
 fn policy_options(config: &Config) -> ProjectOptions {
     ProjectOptions {
         root_namespace: config.mesh_root_namespace.clone(),

@@ -147,7 +147,9 @@ impl Filter {
     /// Whether the client holds `record` (never a services-only client): a route when
     /// one of its parents is in the filter; a policy when it is mesh-wide or of one of
     /// the client's policy namespaces (the destination side); an HTTP filter when it is
-    /// of one of those namespaces, or names a service in the filter (the callers' side).
+    /// of one of those namespaces, or names a service in the filter (the callers' side); a
+    /// MeshConfig when it is mesh-wide, of a policy namespace, or of a watched service's
+    /// namespace (its resilience defaults apply to calls to that service).
     fn wants(&self, record: &ConfigRecord) -> bool {
         !self.services_only
             && match record {
@@ -160,7 +162,18 @@ impl Filter {
                     self.policy_namespaces.contains(&filter.namespace)
                         || filter.services.iter().any(|s| self.matches(s))
                 }
+                ConfigRecord::MeshConfig(config) => {
+                    config.mesh_wide
+                        || self.policy_namespaces.contains(&config.namespace)
+                        || self.watches_namespace(&config.namespace)
+                }
             }
+    }
+
+    /// Whether a service of `namespace` is in the filter (a wildcard holds them all).
+    fn watches_namespace(&self, namespace: &str) -> bool {
+        self.wildcard
+            || (self.services.iter()).any(|key| key.as_str().split_once('/').is_some_and(|(ns, _)| ns == namespace))
     }
 
     /// The catalog's services this filter selects.

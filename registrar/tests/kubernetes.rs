@@ -15,6 +15,7 @@ use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registry::v1::Health;
 use aether_registrar::cluster::services::ClusterServices;
 use aether_registrar::http_filters::HttpFilters;
+use aether_registrar::mesh_configs::MeshConfigs;
 use aether_registrar::policies::Policies;
 use aether_registrar::routes::kubernetes::ClusterRoutes;
 use aether_registrar::store::kubernetes::{DEFAULT_VIP_CONFIGMAP, KubeConfig, KubeStore, vip_data_key};
@@ -64,6 +65,7 @@ fn store(cluster: &ApiServer) -> KubeStore {
             policies: aether_registrar::sources::crd::start::<Policies>(cluster.client()),
             policy_options: Default::default(),
             http_filters: aether_registrar::sources::crd::start::<HttpFilters>(cluster.client()),
+            mesh_configs: aether_registrar::sources::crd::start::<MeshConfigs>(cluster.client()),
         },
     )
     .unwrap()

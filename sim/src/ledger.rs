@@ -29,7 +29,9 @@ pub fn changed_addresses(delta: &Delta) -> impl Iterator<Item = &str> {
         | change::Change::PolicyPut(_)
         | change::Change::PolicyRemoved(_)
         | change::Change::HttpFilterPut(_)
-        | change::Change::HttpFilterRemoved(_) => None,
+        | change::Change::HttpFilterRemoved(_)
+        | change::Change::MeshConfigPut(_)
+        | change::Change::MeshConfigRemoved(_) => None,
     })
 }
 

@@ -1,5 +1,5 @@
-//! Our CRDs (`charts/aether/crds/`: AuthorizationPolicy, HTTPFilter) against their one projector each
-//! (`aether_api::authorization`, `aether_api::http_filter`): what a `kubectl apply` would be refused for (the API
+//! Our CRDs (`charts/aether/crds/`: AuthorizationPolicy, HTTPFilter, MeshConfig) against their one projector each
+//! (`aether_api::authorization`, `aether_api::http_filter`, `aether_api::mesh_config`): what a `kubectl apply` would be refused for (the API
 //! server's served versions and name rule, the CRD's openAPIV3Schema as JSON Schema, its `x-kubernetes-validations`
 //! CEL rules) and what the registrar refuses must agree, on the same field, on every fixture of
 //! `tests/fixtures/<api>/` the schema can judge; the fixtures only the projector can judge are named with the reason.
@@ -14,6 +14,7 @@ use aether_api::authorization::{
     Source, TargetRef, Unsupported, WorkloadSelector,
 };
 use aether_api::http_filter::{self, HttpFilter};
+use aether_api::mesh_config::{self, MeshConfig};
 use aether_common::names::dns_label;
 use jsonschema::error::ValidationErrorKind;
 use jsonschema::paths::LocationSegment;
@@ -33,6 +34,8 @@ struct Api {
     projector: fn(&str) -> Vec<Option<Refusal>>,
     /// Invalid fixtures only the projector refuses, and why no schema can.
     projector_only: &'static [(&'static str, &'static str)],
+    /// How many invalid fixtures there are at least.
+    invalid_at_least: usize,
 }
 
 const AUTHORIZATION: Api = Api {
@@ -42,6 +45,7 @@ const AUTHORIZATION: Api = Api {
     kind: authorization::KIND,
     projector: authorization_verdicts,
     projector_only: &AUTHORIZATION_ONLY,
+    invalid_at_least: 25,
 };
 
 const HTTP_FILTER: Api = Api {
@@ -51,6 +55,17 @@ const HTTP_FILTER: Api = Api {
     kind: http_filter::KIND,
     projector: http_filter_verdicts,
     projector_only: &HTTP_FILTER_ONLY,
+    invalid_at_least: 25,
+};
+
+const MESH_CONFIG: Api = Api {
+    crd: "charts/aether/crds/meshconfigs.mesh.aether.io.yaml",
+    fixtures: "mesh_config",
+    group: mesh_config::GROUP,
+    kind: mesh_config::KIND,
+    projector: mesh_config_verdicts,
+    projector_only: &MESH_CONFIG_ONLY,
+    invalid_at_least: 15,
 };
 
 const AUTHORIZATION_ONLY: [(&str, &str); 7] = [
@@ -99,6 +114,16 @@ const HTTP_FILTER_ONLY: [(&str, &str); 11] = [
     ("timeout-long", DURATION_BOUNDS),
     ("timeout-zero", DURATION_BOUNDS),
     ("unknown-field", UNKNOWN_FIELD),
+];
+
+const MESH_CONFIG_ONLY: [(&str, &str); 7] = [
+    ("connect-timeout-long", DURATION_BOUNDS),
+    ("connect-timeout-zero", DURATION_BOUNDS),
+    ("mesh-domain", UNKNOWN_FIELD),
+    ("per-try-timeout", UNKNOWN_FIELD),
+    ("request-timeout-long", DURATION_BOUNDS),
+    ("unknown-field", UNKNOWN_FIELD),
+    ("unknown-mtls-field", UNKNOWN_FIELD),
 ];
 
 fn root() -> PathBuf {
@@ -200,7 +225,9 @@ fn cel_refusal(schema: &Value, instance: &Value, at: &str) -> Option<Refusal> {
         match program.execute(&context) {
             Ok(cel::Value::Bool(true)) => {}
             Ok(cel::Value::Bool(false)) => {
+                // A root rule's `.metadata.name` is the API server's `metadata.name`.
                 let path = format!("{at}{}", rule["fieldPath"].as_str().unwrap_or_default());
+                let path = path.trim_start_matches('.').to_owned();
                 return Some((path, rule["message"].as_str().unwrap_or_default().to_owned()));
             }
             other => panic!("{text} on {instance}: {other:?}"),
@@ -242,6 +269,16 @@ fn http_filter_verdicts(text: &str) -> Vec<Option<Refusal>> {
         Ok(object) => (http_filter::project(&object).err()).map(|r| (r.field, r.message)),
     };
     http_filter::parse_documents(text).into_iter().map(verdict).collect()
+}
+
+/// The MeshConfig projector's verdict on each MeshConfig of `text`.
+fn mesh_config_verdicts(text: &str) -> Vec<Option<Refusal>> {
+    let options = ProjectOptions::default();
+    let verdict = |document: Result<MeshConfig, _>| match document {
+        Err(aether_api::yaml::ParseError { field, message, .. }) => Some((field, message)),
+        Ok(object) => (mesh_config::project(&object, &options).err()).map(|r| (r.field, r.message)),
+    };
+    mesh_config::parse_documents(text).into_iter().map(verdict).collect()
 }
 
 /// The documents `parse_documents` reads: our group and kind, any version.
@@ -290,6 +327,7 @@ fn assert_valid_fixtures_pass_the_schema_and_the_projector(api: &Api) {
 fn valid_fixtures_pass_the_schema_and_the_projector() {
     assert_valid_fixtures_pass_the_schema_and_the_projector(&AUTHORIZATION);
     assert_valid_fixtures_pass_the_schema_and_the_projector(&HTTP_FILTER);
+    assert_valid_fixtures_pass_the_schema_and_the_projector(&MESH_CONFIG);
 }
 
 /// An invalid fixture the schema refuses is refused on the projector's field; the others are exactly the API's
@@ -297,7 +335,7 @@ fn valid_fixtures_pass_the_schema_and_the_projector() {
 fn assert_invalid_fixtures_are_refused_on_the_same_field(api: &Api) {
     let apply = ApplyTime::new(api);
     let files = fixtures(api, "invalid");
-    assert!(files.len() >= 25);
+    assert!(files.len() >= api.invalid_at_least);
     let mut projector_only = BTreeSet::new();
     for (name, text) in files {
         let [(at_apply, at_projection)] = &verdicts(api, &apply, &text)[..] else {
@@ -334,6 +372,7 @@ fn assert_invalid_fixtures_are_refused_on_the_same_field(api: &Api) {
 fn the_schema_and_the_projector_refuse_invalid_fixtures_on_the_same_field() {
     assert_invalid_fixtures_are_refused_on_the_same_field(&AUTHORIZATION);
     assert_invalid_fixtures_are_refused_on_the_same_field(&HTTP_FILTER);
+    assert_invalid_fixtures_are_refused_on_the_same_field(&MESH_CONFIG);
 }
 
 /// One policy with `value` at `field`: a source or operation list, a label value, a targetRef's name or group.
@@ -620,6 +659,7 @@ fn the_status_the_registrar_writes_fits_the_schema() {
     let objects = [
         (&AUTHORIZATION, policy_with("namespaces", &json!("shop"))),
         (&HTTP_FILTER, filter_with("order", &json!(0))),
+        (&MESH_CONFIG, every_mesh_config_field()),
     ];
     for (api, object) in objects {
         let apply = ApplyTime::new(api);
@@ -901,6 +941,32 @@ fn the_http_filter_schema_names_exactly_the_fields_of_the_typed_object() {
     let apply = ApplyTime::new(&HTTP_FILTER);
     let spec = serde_json::to_value(every_filter_field()).unwrap();
     same_fields(&apply.open_api["properties"]["spec"], &spec, "spec");
+}
+
+/// A MeshConfig with every field set, as JSON.
+fn every_mesh_config_field() -> Value {
+    let text = std::fs::read_to_string(root().join("tests/fixtures/mesh_config/valid/resilience-all.yaml")).unwrap();
+    let mut object: MeshConfig = mesh_config::parse_documents(&text).remove(0).expect("the fixture");
+    object.spec.mtls = Some(mesh_config::Mtls {
+        mode: Some(mesh_config::MtlsMode::Strict),
+        ..Default::default()
+    });
+    object.spec.authorization = Some(mesh_config::Authorization {
+        default_action: Some(mesh_config::DefaultAction::Deny),
+        ..Default::default()
+    });
+    let mut value = serde_json::to_value(object).unwrap();
+    value["apiVersion"] = json!("mesh.aether.io/v1alpha1");
+    value["kind"] = json!("MeshConfig");
+    value
+}
+
+#[test]
+fn the_mesh_config_schema_names_exactly_the_fields_of_the_typed_object() {
+    let apply = ApplyTime::new(&MESH_CONFIG);
+    let object = every_mesh_config_field();
+    same_fields(&apply.open_api["properties"]["spec"], &object["spec"], "spec");
+    assert_eq!(apply.refusal(&object), None);
 }
 
 /// A schema without its descriptions.

@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 use super::{ObjectKind, Projector, Refusal, apply};
 use crate::catalog::Catalog;
 use crate::http_filters::HttpFilters;
+use crate::mesh_configs::MeshConfigs;
 use crate::metrics::Metrics;
 use crate::policies::Policies;
 use crate::routes::Routes;
@@ -40,13 +41,16 @@ type Fingerprint = Vec<(PathBuf, u64, Option<SystemTime>)>;
 
 /// What the directory source needs besides the directory.
 pub struct Settings {
-    /// How policies are projected (the mesh root namespace).
+    /// How policies and MeshConfigs are projected (the mesh root namespace).
     pub policy_options: ProjectOptions,
 }
 
-/// Keeps the catalog's routes, policies and HTTP filters equal to the directory's until
+/// Keeps the catalog's routes, policies, HTTP filters and MeshConfigs equal to the directory's until
 /// `shutdown`.
 pub async fn run(dir: PathBuf, settings: Settings, catalog: Catalog, metrics: Metrics, shutdown: CancellationToken) {
+    let mesh_configs = MeshConfigs {
+        options: settings.policy_options.clone(),
+    };
     let policies = Policies {
         options: settings.policy_options,
     };
@@ -55,6 +59,7 @@ pub async fn run(dir: PathBuf, settings: Settings, catalog: Catalog, metrics: Me
         routes: Kind::new(Projector::resuming(&catalog, Routes)),
         policies: Kind::new(Projector::resuming(&catalog, policies)),
         http_filters: Kind::new(Projector::resuming(&catalog, HttpFilters)),
+        mesh_configs: Kind::new(Projector::resuming(&catalog, mesh_configs)),
         listed: None,
     };
     let wake = Arc::new(Notify::new());
@@ -89,11 +94,12 @@ struct Directory {
     routes: Kind<Routes>,
     policies: Kind<Policies>,
     http_filters: Kind<HttpFilters>,
+    mesh_configs: Kind<MeshConfigs>,
     /// The listing last applied; `None` forces a read.
     listed: Option<Fingerprint>,
 }
 
-/// One kind of object the directory holds (routes, policies, HTTP filters), projected on
+/// One kind of object the directory holds (routes, policies, HTTP filters, MeshConfigs), projected on
 /// its own.
 struct Kind<K: ObjectKind> {
     projector: Projector<K>,
@@ -150,8 +156,9 @@ impl Directory {
         let routes_stored = self.routes.sync(&files, unreadable, catalog, metrics).await;
         let policies_stored = self.policies.sync(&files, Vec::new(), catalog, metrics).await;
         let filters_stored = self.http_filters.sync(&files, Vec::new(), catalog, metrics).await;
+        let configs_stored = self.mesh_configs.sync(&files, Vec::new(), catalog, metrics).await;
         // A failed write is retried at the next poll.
-        self.listed = (routes_stored && policies_stored && filters_stored).then_some(listing);
+        self.listed = (routes_stored && policies_stored && filters_stored && configs_stored).then_some(listing);
     }
 }
 

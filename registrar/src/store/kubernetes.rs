@@ -57,6 +57,7 @@ use super::{Contents, Feed, FeedChange, FeedChangeKind, FeedEvent, Revision, Sto
 use crate::cluster::Sets;
 use crate::cluster::services::{ClusterServices, ServiceSet};
 use crate::http_filters::{ClusterHttpFilters, HttpFilters};
+use crate::mesh_configs::{ClusterMeshConfigs, MeshConfigs};
 use crate::model::{ServiceKey, validate_endpoint};
 use crate::policies::{ClusterPolicies, Policies};
 use crate::records::{ConfigKind, ConfigRecord, ConfigRecords, Record};
@@ -92,6 +93,8 @@ pub struct KubeConfig {
     pub policy_options: aether_api::authorization::ProjectOptions,
     /// The cluster's HTTPFilters (the registrar's one HTTPFilter watch).
     pub http_filters: ClusterHttpFilters,
+    /// The cluster's MeshConfigs (projected with the same root namespace as policies).
+    pub mesh_configs: ClusterMeshConfigs,
 }
 
 pub struct KubeStore {
@@ -266,6 +269,9 @@ impl KubeStore {
             synced: [false; SYNCED],
         };
         let (tx, rx) = mpsc::channel(1024);
+        let mesh_configs = MeshConfigs {
+            options: config.policy_options.clone(),
+        };
         let policies = Policies {
             options: config.policy_options,
         };
@@ -273,6 +279,7 @@ impl KubeStore {
             tokio::spawn(derive(config.routes, Routes, tx.clone())),
             tokio::spawn(derive(config.policies, policies, tx.clone())),
             tokio::spawn(derive(config.http_filters, HttpFilters, tx.clone())),
+            tokio::spawn(derive(config.mesh_configs, mesh_configs, tx.clone())),
             tokio::spawn(forward_services(config.services, tx.clone())),
         ];
         tokio::spawn(deriver.run(client.clone(), (tx, rx), watches, stop.clone()));

@@ -209,6 +209,7 @@ pub fn generation(record: &ConfigRecord) -> i64 {
         ConfigRecord::Route(route) => route.generation,
         ConfigRecord::Policy(policy) => policy.generation,
         ConfigRecord::HttpFilter(filter) => filter.generation,
+        ConfigRecord::MeshConfig(config) => config.generation,
     }
 }
 
@@ -377,7 +378,7 @@ impl Watcher {
 /// remove one it lacks: either would mean a duplicate or a ghost somewhere.
 pub fn check_delta(view: &WatchView, message: &WatchResponse) {
     use aether_proto::registrar::v1::{change, watch_response};
-    use aether_proto::view::{http_filter_key, policy_key, route_key};
+    use aether_proto::view::{http_filter_key, mesh_config_key, policy_key, route_key};
     let Some(watch_response::Event::Delta(delta)) = &message.event else {
         return;
     };
@@ -398,6 +399,15 @@ pub fn check_delta(view: &WatchView, message: &WatchResponse) {
             ),
             change::Change::HttpFilterRemoved(key) => {
                 check_removed(&mut catalog.http_filters, key, "HttpFilterRemoved")
+            }
+            change::Change::MeshConfigPut(config) => check_put(
+                &mut catalog.mesh_configs,
+                mesh_config_key(config),
+                config,
+                "MeshConfigPut",
+            ),
+            change::Change::MeshConfigRemoved(key) => {
+                check_removed(&mut catalog.mesh_configs, key, "MeshConfigRemoved")
             }
             other => check_service_change(&mut catalog, other),
         }
