@@ -466,9 +466,10 @@ pub async fn set_inbound_mtls(
     }
 }
 
-/// A known pod's metadata changed: its table follows its (maybe new) effective mode.
-pub async fn follow_inbound_mtls(config: &CaptureConfig, pod: &crate::pod::LocalPod) {
-    let mode = inbound::effective(config.inbound_mtls, &pod.info);
+/// A known pod's metadata or its namespace's mode (`namespace`, from MeshConfig)
+/// changed: its table follows its (maybe new) effective mode.
+pub async fn follow_inbound_mtls(config: &CaptureConfig, pod: &crate::pod::LocalPod, namespace: Option<InboundMtls>) {
+    let mode = inbound::effective(config.inbound_mtls, namespace, &pod.info);
     match set_inbound_mtls(config, &pod.container_id, &pod.netns, mode).await {
         Ok(true) => {
             tracing::info!(pod = %pod.id(), inbound_mtls = %mode, "inbound mTLS mode changed; rules re-applied")

@@ -290,8 +290,9 @@ impl CniService {
             tracing::warn!(pod = %key, %error, "pod annotation entry skipped");
         }
         let node_default = self.settings.capture.inbound_mtls;
+        let namespace_mode = self.node.mesh_settings().of(namespace).inbound_mtls;
         let capture = sandbox.capture.map(|capture| PodCapture {
-            inbound_mtls: capture::inbound::effective(node_default, &info),
+            inbound_mtls: capture::inbound::effective(node_default, namespace_mode, &info),
             ..capture
         });
         let pod = LocalPod {

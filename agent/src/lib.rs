@@ -9,6 +9,7 @@ pub mod debug;
 pub mod dns_records;
 pub mod explain;
 pub mod identity;
+pub mod mesh_settings;
 pub mod node;
 pub mod node_taint;
 pub mod pod;

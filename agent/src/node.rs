@@ -45,6 +45,8 @@ pub struct NodeMetrics {
     pub invalid_routes: Gauge,
     /// HTTP filters in the node's catalog skipped as invalid.
     pub invalid_http_filters: Gauge,
+    /// MeshConfigs in the node's catalog skipped as invalid.
+    pub invalid_mesh_configs: Gauge,
     /// Authorization policies refused, by policy and field (their last good version stays).
     pub refused_policies: prometheus_client::metrics::family::Family<Vec<(String, String)>, Gauge>,
 }
@@ -73,6 +75,11 @@ impl NodeMetrics {
             "invalid_http_filters",
             "HTTP filters in the node's catalog skipped as invalid, never sent to Envoy (see the agent's log)",
             self.invalid_http_filters.clone(),
+        );
+        metrics.register(
+            "invalid_mesh_configs",
+            "MeshConfigs in the node's catalog skipped as invalid (their namespace falls back to the mesh-wide settings)",
+            self.invalid_mesh_configs.clone(),
         );
         metrics.register(
             "refused_authorization_policies",
@@ -172,6 +179,16 @@ impl Node {
     pub fn with_node_name(self, node_name: &str) -> Self {
         self.generator.lock().set_node_name(node_name);
         self
+    }
+
+    /// The catalog as the registrar's stream last left it, and its changes.
+    pub fn watched(&self) -> watch::Receiver<Arc<WatchedCatalog>> {
+        self.catalog.clone()
+    }
+
+    /// The mesh's settings from the MeshConfigs the node holds.
+    pub fn mesh_settings(&self) -> crate::mesh_settings::MeshSettings {
+        crate::mesh_settings::MeshSettings::new(&self.catalog.borrow().catalog.mesh_configs)
     }
 
     /// The local pods.
@@ -350,6 +367,9 @@ impl Node {
         self.metrics
             .invalid_http_filters
             .set(generator.invalid_http_filters() as i64);
+        self.metrics
+            .invalid_mesh_configs
+            .set(generator.invalid_mesh_configs() as i64);
         self.metrics.refused_policies.clear();
         for refused in generator.refused_policies() {
             let labels = vec![

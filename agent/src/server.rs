@@ -301,7 +301,30 @@ fn follow_pods(
         shutdown.clone(),
     );
     tasks.critical("pod info sync", sync);
+    let follow = follow_mesh_configs(node.clone(), capture.clone(), shutdown.clone());
+    tasks.critical("MeshConfig follower", follow);
     directory
+}
+
+/// Keeps every local pod's inbound mTLS mode in step with its namespace's MeshConfig (and
+/// the mesh-wide one) as the registrar's stream changes them: no restart, no new ADD.
+async fn follow_mesh_configs(node: Node, capture: crate::capture::CaptureConfig, shutdown: CancellationToken) {
+    let mut catalog = node.watched();
+    let mut applied = None;
+    loop {
+        let settings = crate::mesh_settings::MeshSettings::new(&catalog.borrow_and_update().catalog.mesh_configs);
+        if applied.as_ref() != Some(&settings) {
+            for pod in node.pods() {
+                let namespace_mode = settings.of(&pod.info.namespace).inbound_mtls;
+                crate::capture::follow_inbound_mtls(&capture, &pod, namespace_mode).await;
+            }
+            applied = Some(settings);
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            changed = catalog.changed() => if changed.is_err() { return },
+        }
+    }
 }
 
 /// Removes the readiness taint from the agent's Node once the agent is ready (its gates:
@@ -612,7 +635,8 @@ async fn sync_pod_info(
             if let Err(status) = registrar.register(&updated).await {
                 tracing::warn!(pod = %pod.id(), %status, "updating the pod's endpoint failed");
             }
-            crate::capture::follow_inbound_mtls(&capture, &updated).await;
+            let namespace_mode = node.mesh_settings().of(&updated.info.namespace).inbound_mtls;
+            crate::capture::follow_inbound_mtls(&capture, &updated, namespace_mode).await;
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,

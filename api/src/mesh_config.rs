@@ -11,7 +11,8 @@
 
 use aether_common::quote::quote;
 use aether_proto::registry::v1::{
-    DefaultAuthorization, InboundMtlsMode, MeshConfig as Projected, Resilience as ProjectedResilience,
+    AuthorizationAction, AuthorizationPolicy, AuthorizationTarget, DefaultAuthorization, InboundMtlsMode,
+    MeshConfig as Projected, Resilience as ProjectedResilience,
 };
 
 use crate::authorization::{ProjectOptions, Unsupported};
@@ -202,8 +203,9 @@ pub fn validate(config: &Projected) -> Result<(), Refusal> {
 /// A namespace's settings, every one decided.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Settings {
-    /// For pods without their own `security.aether.io/inbound-mtls` annotation.
-    pub inbound_mtls: InboundMtls,
+    /// For pods without their own `security.aether.io/inbound-mtls` annotation; `None`:
+    /// no MeshConfig sets one, the node's flag decides.
+    pub inbound_mtls: Option<InboundMtls>,
     /// [`DefaultAuthorization::Allow`] or [`DefaultAuthorization::Deny`].
     pub default_authorization: DefaultAuthorization,
     pub resilience: ResilienceSettings,
@@ -242,14 +244,10 @@ impl Default for ResilienceSettings {
 }
 
 /// The settings of `namespace`: each field from the namespace's own MeshConfig, else the
-/// mesh-wide one, else the node's flag (`node_mtls`) or the built-in default. `configs`
-/// are what the caller holds (valid ones; others are skipped by the caller); the
-/// mesh-wide one is the first marked so by key order.
-pub fn effective<'a>(
-    configs: impl IntoIterator<Item = &'a Projected>,
-    namespace: &str,
-    node_mtls: InboundMtls,
-) -> Settings {
+/// mesh-wide one, else the built-in default (the inbound mTLS mode: the node's flag, see
+/// [`Settings::inbound_mtls`]). `configs` are what the caller holds (valid ones; others
+/// are skipped by the caller); the mesh-wide one is the first marked so.
+pub fn effective<'a>(configs: impl IntoIterator<Item = &'a Projected>, namespace: &str) -> Settings {
     let (mut mesh, mut own) = (None, None);
     for config in configs {
         if config.mesh_wide {
@@ -274,7 +272,7 @@ pub fn effective<'a>(
         first(&|c| c.resilience.as_ref().and_then(f)).unwrap_or(default)
     };
     Settings {
-        inbound_mtls: inbound_mtls.unwrap_or(node_mtls),
+        inbound_mtls,
         default_authorization: default_authorization.unwrap_or(DefaultAuthorization::Allow),
         resilience: ResilienceSettings {
             connect_timeout_ms: value(|r| r.connect_timeout_ms, built_in.connect_timeout_ms),
@@ -286,6 +284,27 @@ pub fn effective<'a>(
             max_pending_requests: value(|r| r.max_pending_requests, built_in.max_pending_requests),
             max_requests: value(|r| r.max_requests, built_in.max_requests),
         },
+    }
+}
+
+/// The name of the policy [`default_deny`] stands in with: not a Kubernetes name, so no
+/// user's policy has it, and logs and `aether explain` say where it comes from.
+pub const DEFAULT_DENY_POLICY: &str = "MeshConfig:defaultAction=DENY";
+
+/// `defaultAction: DENY` for the pods of `namespace`, as the policy engine reads it: an
+/// ALLOW policy without rules selecting every pod of the namespace. It allows nothing
+/// itself, so a request is allowed only when another ALLOW policy allows it (proposals/013's
+/// step 3: an enforced ALLOW policy selects the pod). Enforcement, the agent's RBAC
+/// filters and `decide`, needs nothing else.
+pub fn default_deny(namespace: &str) -> AuthorizationPolicy {
+    AuthorizationPolicy {
+        namespace: namespace.to_owned(),
+        name: DEFAULT_DENY_POLICY.to_owned(),
+        generation: 0,
+        target: Some(AuthorizationTarget::default()),
+        action: AuthorizationAction::Allow.into(),
+        dry_run: false,
+        rules: Vec::new(),
     }
 }
 

@@ -2,7 +2,8 @@
 //! field, the proto re-validation, and how a namespace's settings are decided.
 
 use aether_api::authorization::ProjectOptions;
-use aether_api::mesh_config::{ResilienceSettings, effective, parse_documents, project, validate};
+use aether_api::authorization::{AuthzRequest, Verdict, Workload, decide};
+use aether_api::mesh_config::{ResilienceSettings, default_deny, effective, parse_documents, project, validate};
 use aether_api::pod::InboundMtls;
 use aether_proto::registry::v1::{DefaultAuthorization, InboundMtlsMode, MeshConfig, Resilience};
 use proptest::prelude::*;
@@ -142,9 +143,9 @@ fn projected(namespace: &str, mesh_wide: bool, mtls: InboundMtlsMode, action: De
 }
 
 #[test]
-fn a_namespace_overrides_the_mesh_field_by_field_and_the_node_flag_comes_last() {
-    let none = effective([], "shop", InboundMtls::Permissive);
-    assert_eq!(none.inbound_mtls, InboundMtls::Permissive);
+fn a_namespace_overrides_the_mesh_field_by_field() {
+    let none = effective([], "shop");
+    assert_eq!(none.inbound_mtls, None, "the node's flag decides");
     assert_eq!(none.default_authorization, DefaultAuthorization::Allow);
     assert_eq!(none.resilience, ResilienceSettings::default());
 
@@ -172,12 +173,8 @@ fn a_namespace_overrides_the_mesh_field_by_field_and_the_node_flag_comes_last() 
     );
     let all = [&mesh, &shop, &other];
 
-    let settings = effective(all, "shop", InboundMtls::Permissive);
-    assert_eq!(
-        settings.inbound_mtls,
-        InboundMtls::Strict,
-        "the mesh's, over the node's flag"
-    );
+    let settings = effective(all, "shop");
+    assert_eq!(settings.inbound_mtls, Some(InboundMtls::Strict), "the mesh's");
     assert_eq!(
         settings.default_authorization,
         DefaultAuthorization::Allow,
@@ -190,17 +187,52 @@ fn a_namespace_overrides_the_mesh_field_by_field_and_the_node_flag_comes_last() 
         ResilienceSettings::default().max_requests
     );
 
-    let settings = effective(all, "other", InboundMtls::Strict);
-    assert_eq!(settings.inbound_mtls, InboundMtls::Permissive);
+    let settings = effective(all, "other");
+    assert_eq!(settings.inbound_mtls, Some(InboundMtls::Permissive));
     assert_eq!(settings.default_authorization, DefaultAuthorization::Deny, "the mesh's");
     assert_eq!(settings.resilience.retry_attempts, 1);
 
-    let settings = effective([&shop], "shop", InboundMtls::Permissive);
+    let settings = effective([&shop], "shop");
+    assert_eq!(settings.inbound_mtls, None, "no mesh-wide config: the node's flag");
+}
+
+#[test]
+fn default_deny_admits_only_what_an_allow_policy_allows_and_only_in_its_namespace() {
+    let request = |namespace: &str| AuthzRequest {
+        workload: Workload {
+            namespace: namespace.into(),
+            ..Default::default()
+        },
+        principal: Some("spiffe://cluster.local/ns/web/sa/frontend".into()),
+        trust_domain: "cluster.local".into(),
+        peer_ip: [10, 0, 0, 1].into(),
+        port: 8080,
+        http: None,
+    };
+    let deny = default_deny("shop");
+    assert_eq!(decide(&[&deny], &request("shop")).verdict, Verdict::Deny);
     assert_eq!(
-        settings.inbound_mtls,
-        InboundMtls::Permissive,
-        "no mesh-wide config: the node's flag"
+        decide(&[&deny], &request("other")).verdict,
+        Verdict::Allow,
+        "another namespace"
     );
+    let allow_web = aether_proto::registry::v1::AuthorizationPolicy {
+        namespace: "shop".into(),
+        name: "allow-web".into(),
+        target: Some(Default::default()),
+        action: aether_proto::registry::v1::AuthorizationAction::Allow.into(),
+        rules: vec![aether_proto::registry::v1::AuthorizationRule {
+            from: vec![aether_proto::registry::v1::AuthorizationSource {
+                namespaces: vec!["web".into()],
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    assert_eq!(decide(&[&deny, &allow_web], &request("shop")).verdict, Verdict::Allow);
+    // No policy of the catalog can be taken for it: its name is not one a user can give.
+    assert_eq!(aether_api::authorization::validate(&deny).unwrap_err().field, "name");
 }
 
 proptest! {

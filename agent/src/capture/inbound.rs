@@ -22,14 +22,14 @@ const INBOUND_PORT: u32 = crate::xds::resources::INBOUND_PORT;
 
 pub use aether_api::pod::{InboundError, InboundMtls};
 
-/// The pod's effective mode: its own annotation, else the node's default. This is the
-/// one place the mode is decided; namespace and mesh-wide settings (MeshConfig on the
-/// registrar stream, issue 20) slot in between the two. An invalid annotation counts
-/// as absent: it is one of the pod's config errors (logged, and in `pod_config_errors`).
-pub fn effective(node_default: InboundMtls, pod: &PodInfo) -> InboundMtls {
+/// The pod's effective mode: its own annotation, else its namespace's (its MeshConfig's,
+/// else the mesh-wide one's: `crate::mesh_settings`), else the node's default. This is
+/// the one place the mode is decided. An invalid annotation counts as absent: it is one
+/// of the pod's config errors (logged, and in `pod_config_errors`).
+pub fn effective(node_default: InboundMtls, namespace: Option<InboundMtls>, pod: &PodInfo) -> InboundMtls {
     match pod.inbound_mtls() {
         Ok(Some(mode)) => mode,
-        Ok(None) | Err(_) => node_default,
+        Ok(None) | Err(_) => namespace.unwrap_or(node_default),
     }
 }
 
@@ -101,17 +101,20 @@ mod tests {
     }
 
     #[test]
-    fn the_annotation_overrides_the_node_default_unless_it_is_invalid() {
+    fn the_annotation_overrides_the_namespace_which_overrides_the_node_unless_invalid() {
+        use InboundMtls::{Permissive, Strict};
         let mut pod = PodInfo::default();
-        assert_eq!(effective(InboundMtls::Strict, &pod), InboundMtls::Strict);
-        assert_eq!(effective(InboundMtls::Permissive, &pod), InboundMtls::Permissive);
+        assert_eq!(effective(Strict, None, &pod), Strict);
+        assert_eq!(effective(Permissive, None, &pod), Permissive);
+        assert_eq!(effective(Strict, Some(Permissive), &pod), Permissive, "the namespace's");
         pod.annotations
             .insert(INBOUND_MTLS_ANNOTATION.into(), "permissive".into());
-        assert_eq!(effective(InboundMtls::Strict, &pod), InboundMtls::Permissive);
+        assert_eq!(effective(Strict, Some(Strict), &pod), Permissive, "the pod's own");
         pod.annotations.insert(INBOUND_MTLS_ANNOTATION.into(), "Strict".into());
-        assert_eq!(effective(InboundMtls::Permissive, &pod), InboundMtls::Strict);
+        assert_eq!(effective(Permissive, Some(Permissive), &pod), Strict);
         pod.annotations.insert(INBOUND_MTLS_ANNOTATION.into(), "mtls".into());
-        assert_eq!(effective(InboundMtls::Permissive, &pod), InboundMtls::Permissive);
+        assert_eq!(effective(Permissive, None, &pod), Permissive);
+        assert_eq!(effective(Permissive, Some(Strict), &pod), Strict);
         assert_eq!(
             pod.config_errors(),
             ["security.aether.io/inbound-mtls: \"mtls\" is not strict or permissive"]

@@ -28,12 +28,16 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use aether_proto::registry::v1::{AuthorizationPolicy, Locality, Protocol, Route, Service, ServicePort};
+use aether_api::mesh_config::ResilienceSettings;
+use aether_proto::registry::v1::{
+    AuthorizationPolicy, DefaultAuthorization, Locality, Protocol, Route, Service, ServicePort,
+};
 use aether_proto::view::{CatalogView, Endpoints};
 use envoy_types::pb::google::protobuf::Any;
 
 use super::cache::Resource;
 use crate::identity::Identities;
+use crate::mesh_settings::MeshSettings;
 use crate::pod::LocalPod;
 use transport::Mtls;
 
@@ -226,6 +230,8 @@ pub struct Generator {
     policies: authorization::Checked,
     /// The catalog's HTTP filters, validated.
     http_filters: http_filters::Checked,
+    /// The catalog's MeshConfigs, validated: resilience and authorization defaults.
+    mesh: MeshSettings,
     /// Policies refused for some local pod (HTTP fields on a TCP port), as last generated.
     refused_for_pods: Vec<authorization::Refused>,
     /// mTLS between pods; `None`: plaintext (`--identity none`, not for production).
@@ -251,6 +257,7 @@ impl Default for ClusterDomain {
 
 struct ServiceMemo {
     service: Service,
+    resilience: ResilienceSettings,
     bare: bool,
     endpoints: Option<Endpoints>,
     clusters: Vec<Arc<Resource>>,
@@ -326,6 +333,8 @@ fn same_routes(a: &[Arc<Route>], b: &[Arc<Route>]) -> bool {
 /// What the route tables are built from.
 struct RoutesInput {
     services: Vec<RouteKey>,
+    /// Timeouts and retries come from the services' namespaces' settings.
+    mesh: MeshSettings,
     routes: Vec<Arc<Route>>,
     consumers: BTreeSet<String>,
     /// Callers-side HTTP filters, enabled per service and route.
@@ -335,6 +344,7 @@ struct RoutesInput {
 impl RoutesInput {
     fn same(&self, other: &RoutesInput) -> bool {
         self.services == other.services
+            && self.mesh == other.mesh
             && same_routes(&self.routes, &other.routes)
             && self.consumers == other.consumers
             && self.callers == other.callers
@@ -434,6 +444,7 @@ impl Generator {
         self.policies.refresh(&inputs.catalog.policies);
         self.http_filters
             .refresh(&inputs.catalog.http_filters, &self.identities.trust_domain);
+        self.mesh = MeshSettings::new(&inputs.catalog.mesh_configs);
         let valid = self.checked.valid.clone();
         let attached = routes::Attached::new(valid.iter().map(|r| &**r));
         // A table of its own only for a namespace whose callers live here.
@@ -453,11 +464,12 @@ impl Generator {
         let callers = self.http_filters.callers(&dependencies);
         self.add_services(&services, here, mtls, &mut out);
         self.add_pods(inputs.pods, &services, &consumers, &callers, mtls, &mut out);
-        add_empty_on_demand(inputs, mtls, &mut out);
+        add_empty_on_demand(inputs, mtls, &self.mesh, &mut out);
         out.clusters
             .extend(resources(self.http_filters.ext_authz_clusters(inputs.pods, &callers)));
         let input = RoutesInput {
             services: services.iter().map(RouteKey::of).collect(),
+            mesh: self.mesh.clone(),
             routes: valid.clone(),
             consumers,
             callers,
@@ -500,9 +512,10 @@ impl Generator {
     ) {
         let mut fresh = HashMap::new();
         for service in services {
+            let resilience = self.mesh.of(&service.service.namespace).resilience;
             let memo = match self.services.remove(service.key) {
-                Some(memo) if memo.is_current(service) => memo,
-                _ => ServiceMemo::build(service, here, mtls),
+                Some(memo) if memo.is_current(service, &resilience) => memo,
+                _ => ServiceMemo::build(service, here, mtls, resilience),
             };
             out.clusters.extend(memo.clusters.iter().cloned());
             out.assignments.extend(memo.assignments.iter().cloned());
@@ -540,7 +553,8 @@ impl Generator {
             let declared_keys: Vec<RouteKey> = declared.iter().map(|s| RouteKey::of(s)).collect();
             let table = routes::table_name(&pod.info.namespace, consumers);
             let last = self.pods.get(&pod.id()).map_or(&[][..], |m| &m.policies[..]);
-            let (policies, refused_here) = self.policies.for_pod(pod, last);
+            let default_deny = self.mesh.of(&pod.info.namespace).default_authorization == DefaultAuthorization::Deny;
+            let (policies, refused_here) = self.policies.for_pod(pod, last, default_deny);
             refused.extend(refused_here);
             let (inbound, inbound_enabled) = self.http_filters.inbound(pod);
             let filters = PodFilters {
@@ -595,6 +609,7 @@ impl Generator {
                     attached,
                     &input.consumers,
                     &input.callers,
+                    &input.mesh,
                 ))
             }
         };
@@ -605,6 +620,11 @@ impl Generator {
     /// HTTP filters in the catalog that fail `aether_api::http_filter::validate`, skipped.
     pub fn invalid_http_filters(&self) -> usize {
         self.http_filters.invalid()
+    }
+
+    /// MeshConfigs in the catalog that fail `aether_api::mesh_config::validate`, skipped.
+    pub fn invalid_mesh_configs(&self) -> usize {
+        self.mesh.invalid()
     }
 
     /// Routes in the catalog that fail `aether_api::route::validate`, skipped.
@@ -651,21 +671,25 @@ struct Collected {
 impl ServiceMemo {
     /// Built from this very service: same definition, same bare-name wish, and the same
     /// endpoint set (the catalog view shares an unchanged one, so pointer equality says it).
-    fn is_current(&self, service: &MeshService) -> bool {
+    fn is_current(&self, service: &MeshService, resilience: &ResilienceSettings) -> bool {
         let same_endpoints = match (&self.endpoints, service.endpoints) {
             (Some(a), Some(b)) => Arc::ptr_eq(a, b),
             (None, None) => true,
             _ => false,
         };
-        self.service == *service.service && self.bare == service.bare && same_endpoints
+        self.service == *service.service
+            && self.bare == service.bare
+            && same_endpoints
+            && self.resilience == *resilience
     }
 
-    fn build(service: &MeshService, here: clusters::Here, mtls: Option<&Mtls>) -> Self {
-        let (c, a) = clusters::service_resources(service, here, mtls);
+    fn build(service: &MeshService, here: clusters::Here, mtls: Option<&Mtls>, resilience: ResilienceSettings) -> Self {
+        let (c, a) = clusters::service_resources(service, here, mtls, &resilience);
         let clusters = resources(c);
         let assignments = with_cluster_versions(a, &clusters);
         ServiceMemo {
             service: service.service.clone(),
+            resilience,
             bare: service.bare,
             endpoints: service.endpoints.cloned(),
             clusters,
@@ -706,13 +730,15 @@ impl PodMemo {
 
 /// Asked for on demand, known, but with nothing serving that port: the cluster is served
 /// empty, so callers get a retryable 503 instead of a 404.
-fn add_empty_on_demand(inputs: &Inputs, mtls: Option<&Mtls>, out: &mut Collected) {
+fn add_empty_on_demand(inputs: &Inputs, mtls: Option<&Mtls>, mesh: &MeshSettings, out: &mut Collected) {
     let served: BTreeSet<String> = out.clusters.iter().map(|r| r.name.clone()).collect();
     for (name, service) in inputs.on_demand {
         if served.contains(name) || !inputs.catalog.services.contains_key(service) {
             continue;
         }
-        let cluster = Resource::new(name.clone(), clusters::empty_cluster(name, service, mtls));
+        let namespace = service.split_once('/').map_or("", |(ns, _)| ns);
+        let resilience = mesh.of(namespace).resilience;
+        let cluster = Resource::new(name.clone(), clusters::empty_cluster(name, service, mtls, &resilience));
         out.assignments.push(Resource::depending_on(
             name.clone(),
             clusters::empty_assignment(name),

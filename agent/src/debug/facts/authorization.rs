@@ -60,7 +60,11 @@ pub fn facts(
             host: target.fqdn.clone(),
         }),
     };
-    let judged: Vec<_> = judged.iter().map(|p| &***p).collect();
+    // The namespace's MeshConfig may deny by default: the policy that stands for it.
+    let settings = crate::mesh_settings::MeshSettings::new(&view.watched.catalog.mesh_configs).of(namespace);
+    let default_deny = (settings.default_authorization == aether_proto::registry::v1::DefaultAuthorization::Deny)
+        .then(|| aether_api::mesh_config::default_deny(namespace));
+    let judged: Vec<_> = judged.iter().map(|p| &***p).chain(default_deny.as_ref()).collect();
     AuthzFacts {
         recent_denial,
         decided: held.then(|| decide(&judged, &call)),

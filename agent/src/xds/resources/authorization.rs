@@ -123,11 +123,13 @@ impl Checked {
 
     /// The policies enforced on `pod` (by key order) and the ones refused for it (the
     /// caller logs them). A policy refused here that was enforced before (`last`) stays
-    /// at that version.
+    /// at that version. With `default_deny` (its namespace's MeshConfig), the ALLOW
+    /// policy that allows nothing stands for it (`aether_api::mesh_config::default_deny`).
     pub fn for_pod(
         &self,
         pod: &LocalPod,
         last: &[Arc<AuthorizationPolicy>],
+        default_deny: bool,
     ) -> (Vec<Arc<AuthorizationPolicy>>, Vec<Refused>) {
         let workload = workload(pod);
         let ports = pod.info.mesh_ports();
@@ -157,6 +159,14 @@ impl Checked {
                     enforced.extend(previous.cloned());
                 }
             }
+        }
+        if default_deny {
+            // The same one as last time while it holds: the pod's config is not rebuilt.
+            let policy = (last.iter())
+                .find(|p| p.name == aether_api::mesh_config::DEFAULT_DENY_POLICY)
+                .cloned()
+                .unwrap_or_else(|| Arc::new(aether_api::mesh_config::default_deny(&pod.info.namespace)));
+            enforced.push(policy);
         }
         (enforced, refused)
     }

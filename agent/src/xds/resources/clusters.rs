@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use aether_api::mesh_config::ResilienceSettings;
 use aether_proto::registry::v1::{
     Endpoint as MeshEndpoint, Health, Locality as MeshLocality, Protocol, TrafficDistribution,
 };
@@ -48,9 +49,14 @@ pub fn service_clusters(service: &MeshService) -> Vec<(String, u32, Protocol)> {
     names
 }
 
-/// A dependency service's clusters and their endpoint assignments.
-/// Returns (clusters, assignments).
-pub fn service_resources(service: &MeshService, here: Here, mtls: Option<&Mtls>) -> (Named, Named) {
+/// A dependency service's clusters and their endpoint assignments, with the resilience
+/// settings of the service's namespace. Returns (clusters, assignments).
+pub fn service_resources(
+    service: &MeshService,
+    here: Here,
+    mtls: Option<&Mtls>,
+    resilience: &ResilienceSettings,
+) -> (Named, Named) {
     let endpoints: Vec<&MeshEndpoint> = service.endpoints.map(|e| e.values().collect()).unwrap_or_default();
     let sans = mtls
         .map(|m| server_sans(m, service.key, &endpoints))
@@ -58,7 +64,8 @@ pub fn service_resources(service: &MeshService, here: Here, mtls: Option<&Mtls>)
     let mut clusters = Vec::new();
     let mut assignments = Vec::new();
     for (name, port, protocol) in service_clusters(service) {
-        clusters.push((name.clone(), any(&mesh_cluster(&name, port, protocol, mtls, &sans))));
+        let cluster = mesh_cluster(&name, port, protocol, mtls, &sans, resilience);
+        clusters.push((name.clone(), any(&cluster)));
         let serving: Vec<&MeshEndpoint> = endpoints
             .iter()
             .copied()
@@ -113,7 +120,14 @@ pub fn pod_clusters(pod: &crate::pod::LocalPod) -> Vec<(String, Any)> {
 /// A service port's cluster, shared by every local pod. With mTLS its endpoints are the
 /// internal origination hop (see `origination`), which the cluster's metadata tells
 /// whom to expect; without, the peers' inbound listeners in plaintext.
-fn mesh_cluster(name: &str, port: u32, protocol: Protocol, mtls: Option<&Mtls>, sans: &[String]) -> Cluster {
+fn mesh_cluster(
+    name: &str,
+    port: u32,
+    protocol: Protocol,
+    mtls: Option<&Mtls>,
+    sans: &[String],
+    resilience: &ResilienceSettings,
+) -> Cluster {
     let mut typed_extension_protocol_options = std::collections::HashMap::new();
     if is_http(protocol) {
         // HTTP travels to the peer's inbound listener as HTTP/2 (over mTLS, ALPN h2).
@@ -145,7 +159,7 @@ fn mesh_cluster(name: &str, port: u32, protocol: Protocol, mtls: Option<&Mtls>, 
             eds_config: ads(),
             service_name: String::new(),
         }),
-        connect_timeout: millis(1000),
+        connect_timeout: millis(u64::from(resilience.connect_timeout_ms)),
         typed_extension_protocol_options,
         common_lb_config: Some(cluster::CommonLbConfig {
             healthy_panic_threshold: Some(Percent {
@@ -156,8 +170,8 @@ fn mesh_cluster(name: &str, port: u32, protocol: Protocol, mtls: Option<&Mtls>, 
             // next priority (routes' retry_priority), not an error.
             ..Default::default()
         }),
-        outlier_detection: Some(outlier_detection()),
-        circuit_breakers: Some(circuit_breakers()),
+        outlier_detection: Some(outlier_detection(resilience)),
+        circuit_breakers: Some(circuit_breakers(resilience)),
         ignore_health_on_host_removal: true,
         close_connections_on_host_health_failure: true,
         transport_socket: mtls.map(|_| origination::service_socket()),
@@ -176,42 +190,45 @@ fn mesh_cluster(name: &str, port: u32, protocol: Protocol, mtls: Option<&Mtls>, 
 /// terminating endpoints too) and see its own answers.
 const PANIC_THRESHOLD_PERCENT: f64 = 1.0;
 
-/// The mesh's default ejection of misbehaving endpoints: 5 consecutive 5xx, 3
-/// consecutive gateway errors (502/503/504) or 3 consecutive connect failures eject an
-/// endpoint for 30 s, longer each time it is ejected again (Envoy multiplies the base
-/// by the ejection count, up to 5 minutes); never more than half of a service at once,
-/// so a bad push cannot empty it.
+/// The mesh's ejection of misbehaving endpoints: 5 consecutive 5xx, 3 consecutive
+/// gateway errors (502/503/504; MeshConfig's `consecutiveGatewayErrors`, 0: never) or 3
+/// consecutive connect failures eject an endpoint for 30 s, longer each time it is
+/// ejected again (Envoy multiplies the base by the ejection count, up to 5 minutes);
+/// never more than half of a service at once (`maxEjectionPercent`), so a bad push
+/// cannot empty it.
 ///
 /// The node's Envoy is shared by all its pods, so an ejection is what every caller on
 /// the node learned together, and it outlives the calls that caused it (a host that
 /// recovers comes back after its ejection time; there is no active health check to
 /// return it earlier). `always_eject_one_host` stays off: a small service is protected
 /// by the max ejection percent and the panic threshold instead.
-fn outlier_detection() -> OutlierDetection {
+fn outlier_detection(resilience: &ResilienceSettings) -> OutlierDetection {
+    let gateway_errors = resilience.consecutive_gateway_errors;
     OutlierDetection {
         consecutive_5xx: u32v(5),
-        consecutive_gateway_failure: u32v(3),
+        consecutive_gateway_failure: u32v(gateway_errors.max(1)),
         // Envoy counts gateway failures but ejects on them only when told to.
-        enforcing_consecutive_gateway_failure: u32v(100),
+        enforcing_consecutive_gateway_failure: u32v(if gateway_errors == 0 { 0 } else { 100 }),
         consecutive_local_origin_failure: u32v(3),
         split_external_local_origin_errors: true,
         base_ejection_time: millis(30_000),
         max_ejection_time: millis(300_000),
-        max_ejection_percent: u32v(50),
+        max_ejection_percent: u32v(resilience.max_ejection_percent),
         ..Default::default()
     }
 }
 
-/// Limits sized for one proxy shared by every pod of a node: Envoy's defaults (1,024
-/// connections, pending and active requests, 3 concurrent retries per cluster) are
-/// sized for one client and would throttle a busy node long before its backends
-/// are. Retries are bounded by a budget (a fifth of active requests, at least 32)
-/// instead of a fixed count, so they scale with the traffic they protect.
-fn circuit_breakers() -> CircuitBreakers {
+/// Limits sized for one proxy shared by every pod of a node (the built-in
+/// [`ResilienceSettings`]): Envoy's defaults (1,024 connections, pending and active
+/// requests, 3 concurrent retries per cluster) are sized for one client and would
+/// throttle a busy node long before its backends are. Retries are bounded by a budget
+/// (a fifth of active requests, at least 32) instead of a fixed count, so they scale
+/// with the traffic they protect.
+fn circuit_breakers(resilience: &ResilienceSettings) -> CircuitBreakers {
     let thresholds = circuit_breakers::Thresholds {
-        max_connections: u32v(16_384),
-        max_pending_requests: u32v(16_384),
-        max_requests: u32v(65_536),
+        max_connections: u32v(resilience.max_connections),
+        max_pending_requests: u32v(resilience.max_pending_requests),
+        max_requests: u32v(resilience.max_requests),
         retry_budget: Some(circuit_breakers::thresholds::RetryBudget {
             budget_percent: Some(Percent { value: 20.0 }),
             min_retry_concurrency: u32v(32),
@@ -226,9 +243,9 @@ fn circuit_breakers() -> CircuitBreakers {
 }
 
 /// A mesh cluster with no endpoints (see `generate`): HTTP, since on-demand is.
-pub fn empty_cluster(name: &str, service_key: &str, mtls: Option<&Mtls>) -> Any {
+pub fn empty_cluster(name: &str, service_key: &str, mtls: Option<&Mtls>, resilience: &ResilienceSettings) -> Any {
     let sans = mtls.map(|m| server_sans(m, service_key, &[])).unwrap_or_default();
-    any(&mesh_cluster(name, 0, Protocol::Http, mtls, &sans))
+    any(&mesh_cluster(name, 0, Protocol::Http, mtls, &sans, resilience))
 }
 
 pub fn empty_assignment(name: &str) -> Any {
@@ -428,7 +445,15 @@ mod tests {
 
     #[test]
     fn mesh_clusters_eject_bad_endpoints_and_are_sized_for_a_node() {
-        let cluster = mesh_cluster("echo.gamma.aether.internal:80", 80, Protocol::Http, None, &[]);
+        let built_in = ResilienceSettings::default();
+        let cluster = mesh_cluster(
+            "echo.gamma.aether.internal:80",
+            80,
+            Protocol::Http,
+            None,
+            &[],
+            &built_in,
+        );
         let outlier = cluster.outlier_detection.unwrap();
         // Gateway errors count only when enforced (Envoy's default enforcement is 0).
         assert_eq!(outlier.consecutive_gateway_failure, u32v(3));
@@ -449,6 +474,42 @@ mod tests {
             "above Envoy's per-client default"
         );
         assert!(limits.retry_budget.is_some() && limits.max_retries.is_none());
+    }
+
+    #[test]
+    fn a_namespace_resilience_settings_shape_its_clusters() {
+        let settings = ResilienceSettings {
+            connect_timeout_ms: 250,
+            consecutive_gateway_errors: 0,
+            max_ejection_percent: 20,
+            max_connections: 100,
+            max_pending_requests: 10,
+            max_requests: 1000,
+            ..ResilienceSettings::default()
+        };
+        let cluster = mesh_cluster(
+            "orders.shop.aether.internal:80",
+            80,
+            Protocol::Http,
+            None,
+            &[],
+            &settings,
+        );
+        assert_eq!(cluster.connect_timeout, millis(250));
+        let outlier = cluster.outlier_detection.unwrap();
+        assert_eq!(
+            outlier.enforcing_consecutive_gateway_failure,
+            u32v(0),
+            "0: never ejects on them"
+        );
+        assert_eq!(outlier.max_ejection_percent, u32v(20));
+        let limits = &cluster.circuit_breakers.unwrap().thresholds[0];
+        let values = [
+            &limits.max_connections,
+            &limits.max_pending_requests,
+            &limits.max_requests,
+        ];
+        assert_eq!(values.map(|v| v.unwrap().value), [100, 10, 1000]);
     }
 
     fn endpoint(address: &str, node: &str, region: &str, zone: &str) -> MeshEndpoint {

@@ -26,6 +26,7 @@ pub(crate) mod tests;
 
 use std::collections::{BTreeSet, HashMap};
 
+use aether_api::mesh_config::ResilienceSettings;
 use aether_proto::registry::v1::Route as MeshRoute;
 use envoy_types::pb::envoy::config::core::v3::{DataSource, data_source};
 use envoy_types::pb::envoy::config::route::v3::{
@@ -40,6 +41,7 @@ use super::clusters::local_name;
 use super::http_filters::{self, Callers};
 use super::util::{PORT_HEADER, any, millis, u32v};
 use super::{MeshService, Named, is_http};
+use crate::mesh_settings::MeshSettings;
 use crate::pod::LocalPod;
 pub use attached::Attached;
 
@@ -67,22 +69,27 @@ pub fn route_configs(
     attached: &Attached,
     consumers: &BTreeSet<String>,
     filters: &Callers,
+    mesh: &MeshSettings,
 ) -> Named {
     let callers = std::iter::once(None).chain(consumers.iter().map(|ns| Some(ns.as_str())));
     let mut out = Vec::new();
     for caller in callers {
-        let vhosts = port_hosts(names, services, attached, caller, filters).into_iter().map(
-            |PortHost {
-                 mut vhost,
-                 destinations,
-             }| {
-                vhost.domains.extend(destinations);
-                vhost
-            },
-        );
+        let vhosts = port_hosts(names, services, attached, caller, filters, mesh)
+            .into_iter()
+            .map(
+                |PortHost {
+                     mut vhost,
+                     destinations,
+                 }| {
+                    vhost.domains.extend(destinations);
+                    vhost
+                },
+            );
         let config = RouteConfiguration {
             name: caller.map_or(OUTBOUND_ROUTES.to_owned(), |ns| format!("{OUTBOUND_ROUTES}~{ns}")),
-            virtual_hosts: unique_domains(vhosts).chain([catch_all(names.mesh_domain)]).collect(),
+            virtual_hosts: (unique_domains(vhosts))
+                .chain([catch_all(names.mesh_domain, &mesh.mesh().resilience)])
+                .collect(),
             vhost_header: DESTINATION_HEADER.to_owned(),
             request_headers_to_remove: vec![DESTINATION_HEADER.to_owned()],
             // A backend's own header edits win over its rule's (Gateway API applies them last).
@@ -127,6 +134,7 @@ fn port_hosts(
     attached: &Attached,
     caller: Option<&str>,
     filters: &Callers,
+    mesh: &MeshSettings,
 ) -> Vec<PortHost> {
     let known: HashMap<&str, &MeshService> = services.iter().map(|s| (s.key, s)).collect();
     let mut hosts = Vec::new();
@@ -143,6 +151,8 @@ fn port_hosts(
             continue;
         }
         let (default, kubernetes_default) = (service.default_port(), service.kubernetes_default_port());
+        // The destination's namespace decides, as for its routes.
+        let resilience = mesh.of(service.service.namespace.as_str()).resilience;
         let (vip, cluster_ips) = (&addresses[0], &addresses[1..]);
         let kubernetes_names = &hostnames[1..];
         for (port, protocol) in &service.ports {
@@ -172,6 +182,7 @@ fn port_hosts(
                 domains: &domains,
                 services: &known,
                 route_filters: &route_filters,
+                resilience: &resilience,
             };
             let routes = service_routes(service, *port, &routes, &target);
             let on_service = filters.by_service.get(service.key).map_or(&[][..], |n| &n[..]);
@@ -224,7 +235,8 @@ fn service_routes(service: &MeshService, port: u32, routes: &[&MeshRoute], targe
         r#match: Some(prefix_match("/")),
         action: Some(route::Action::Route(RouteAction {
             cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(service.cluster(port))),
-            retry_policy: Some(retries()),
+            timeout: millis(u64::from(target.resilience.request_timeout_ms)),
+            retry_policy: mesh_retries(target.resilience.retry_attempts),
             ..Default::default()
         })),
         ..Default::default()
@@ -234,7 +246,7 @@ fn service_routes(service: &MeshService, port: u32, routes: &[&MeshRoute], targe
 /// Any `<svc>.<ns>.<domain>[:port]` not declared: route by authority to the cluster
 /// of that name, which the on_demand filter fetches (404 if the catalog has no such
 /// service). Anything else: 404.
-fn catch_all(mesh_domain: &str) -> VirtualHost {
+fn catch_all(mesh_domain: &str, resilience: &ResilienceSettings) -> VirtualHost {
     let pattern = format!(
         "^[a-z0-9-]+\\.[a-z0-9-]+\\.{}(:[0-9]+)?$",
         mesh_domain.replace('.', "\\.")
@@ -263,7 +275,8 @@ fn catch_all(mesh_domain: &str) -> VirtualHost {
                 action: Some(route::Action::Route(RouteAction {
                     cluster_specifier: Some(route_action::ClusterSpecifier::ClusterHeader(":authority".to_owned())),
                     cluster_not_found_response_code: route_action::ClusterNotFoundResponseCode::NotFound as i32,
-                    retry_policy: Some(retries()),
+                    timeout: millis(u64::from(resilience.request_timeout_ms)),
+                    retry_policy: mesh_retries(resilience.retry_attempts),
                     ..Default::default()
                 })),
                 ..Default::default()
@@ -376,9 +389,18 @@ fn direct_action(status: u32, body: &str) -> route::Action {
 /// there, on another host (previous_hosts).
 const RETRY_PRIORITY_UPDATE_FREQUENCY: i32 = 1;
 
+/// The mesh's retries, `attempts` of them (MeshConfig's `retries.attempts`; 0: none).
+fn mesh_retries(attempts: u32) -> Option<RetryPolicy> {
+    (attempts > 0).then(|| RetryPolicy {
+        num_retries: u32v(attempts),
+        ..retries()
+    })
+}
+
 /// Retry what is safe to retry: connection failures, refused streams, resets before
 /// the request went out, and 503s; on another host, with a short backoff, and at
-/// another priority when there is one (see [`RETRY_PRIORITY_UPDATE_FREQUENCY`]).
+/// another priority when there is one (see [`RETRY_PRIORITY_UPDATE_FREQUENCY`]). Twice,
+/// unless the destination's MeshConfig says otherwise ([`mesh_retries`]).
 fn retries() -> RetryPolicy {
     RetryPolicy {
         retry_on: "connect-failure,refused-stream,reset-before-request,retriable-status-codes".to_owned(),

@@ -24,7 +24,7 @@ use envoy_types::pb::envoy::r#type::v3::{FractionalPercent, fractional_percent};
 
 use super::matching::PathSpec;
 use super::rewrite::PathRewrite;
-use super::{direct_action, retries};
+use super::{direct_action, mesh_retries, retries};
 use crate::xds::resources::util::{millis, u32v};
 use crate::xds::resources::{MeshService, fqdn};
 
@@ -40,6 +40,8 @@ pub struct Target<'a> {
     pub services: &'a HashMap<&'a str, &'a MeshService<'a>>,
     /// Route key → the callers-side HTTP filters enabled on its rules (proposals/014).
     pub route_filters: &'a std::collections::BTreeMap<&'a str, &'a [crate::xds::resources::http_filters::Enabled]>,
+    /// The parent service's namespace's defaults, for rules that set no timeout or retries.
+    pub resilience: &'a aether_api::mesh_config::ResilienceSettings,
 }
 
 impl Target<'_> {
@@ -113,7 +115,7 @@ pub fn action(rule: &RouteRule, path: &PathSpec, target: &Target) -> route::Acti
         cluster_not_found_response_code: route_action::ClusterNotFoundResponseCode::InternalServerError as i32,
         ..Default::default()
     };
-    timeouts(&mut action, rule);
+    timeouts(&mut action, rule, target.resilience);
     for filter in filters() {
         match filter {
             route_filter::Filter::UrlRewrite(rewrite) => url_rewrite(&mut action, rewrite, path),
@@ -171,13 +173,15 @@ fn clusters(backends: &[RouteBackend], target: &Target) -> Option<route_action::
 }
 
 /// GEP-1742: `request` bounds the whole exchange, `backend_request` each attempt (and
-/// the whole when `request` is unset). Retries: the rule's (GEP-1731), else the mesh's.
-fn timeouts(action: &mut RouteAction, rule: &RouteRule) {
+/// the whole when `request` is unset); neither: the MeshConfig's request timeout.
+/// Retries: the rule's (GEP-1731), else the mesh's.
+fn timeouts(action: &mut RouteAction, rule: &RouteRule, resilience: &aether_api::mesh_config::ResilienceSettings) {
     let request = (rule.request_timeout_ms > 0).then_some(rule.request_timeout_ms);
     let backend = (rule.backend_request_timeout_ms > 0).then_some(rule.backend_request_timeout_ms);
-    action.timeout = request.or(backend).and_then(millis);
+    let default = u64::from(resilience.request_timeout_ms);
+    action.timeout = millis(request.or(backend).unwrap_or(default));
     let mut policy = match &rule.retry {
-        None => Some(retries()),
+        None => mesh_retries(resilience.retry_attempts),
         Some(retry) => rule_retries(retry),
     };
     if let Some(per_try) = backend {

@@ -22,6 +22,8 @@ fn without_routes_the_tables_are_what_they_were() {
             cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(
                 "echo.gamma.aether.internal:80".into(),
             )),
+            // The built-in request timeout (Envoy's own default, written out) and retries.
+            timeout: crate::xds::resources::util::millis(15_000),
             retry_policy: Some(retries()),
             ..Default::default()
         })),
@@ -509,7 +511,49 @@ fn timeouts_bound_the_request_and_each_attempt() {
     let both = timed(3000, 500, None);
     assert_eq!(both.timeout, ms(3000));
     assert_eq!(both.retry_policy.unwrap().per_try_timeout, ms(500));
-    assert_eq!(timed(0, 0, None).timeout, None, "Envoy's default");
+    assert_eq!(timed(0, 0, None).timeout, ms(15_000), "the mesh's default");
+}
+
+/// The parent service's namespace's MeshConfig sets what a rule leaves unset: its
+/// request timeout (0: none) and its retries (0: none); a rule's own still win.
+#[test]
+fn the_destination_namespace_mesh_config_sets_the_defaults() {
+    use aether_proto::registry::v1::{MeshConfig, Resilience};
+    let ms = crate::xds::resources::util::millis;
+    let mut timed_rule = rule(Vec::new(), &[("gamma/echo-v1", 1)]);
+    timed_rule.request_timeout_ms = 3000;
+    let plain_rule = rule(Vec::new(), &[("gamma/echo-v2", 1)]);
+    let with_mesh = |attempts: u32, timeout_ms: u32, routes: Vec<Route>| {
+        let mut catalog = catalog(routes);
+        let config = MeshConfig {
+            namespace: "gamma".into(),
+            name: "default".into(),
+            resilience: Some(Resilience {
+                retry_attempts: Some(attempts),
+                request_timeout_ms: Some(timeout_ms),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        catalog
+            .mesh_configs
+            .insert("gamma/default".into(), std::sync::Arc::new(config));
+        let generated = generated(&catalog, &[]);
+        let tables: BTreeMap<String, RouteConfiguration> = (generated[crate::xds::ROUTE].iter())
+            .map(|r| (r.name.clone(), RouteConfiguration::decode(&*r.body.value).unwrap()))
+            .collect();
+        vhost(&tables["outbound"], "echo.gamma.aether.internal:80")
+            .routes
+            .clone()
+    };
+    let plain = with_mesh(0, 0, Vec::new());
+    let action = route_action_of(&plain[0]);
+    assert_eq!((action.timeout, action.retry_policy.clone()), (ms(0), None));
+    let routed = with_mesh(5, 2000, vec![http_route("r", vec![timed_rule, plain_rule])]);
+    let (own, unset) = (route_action_of(&routed[0]), route_action_of(&routed[1]));
+    assert_eq!(own.timeout, ms(3000), "the rule's own");
+    assert_eq!(unset.timeout, ms(2000), "the namespace's");
+    assert_eq!(unset.retry_policy.as_ref().unwrap().num_retries.unwrap().value, 5);
 }
 
 #[test]
