@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use aether_api::{authorization, http_filter};
+use aether_api::{authorization, http_filter, mesh_config};
 use aether_common::tls::{self, CertSlot, Connector, PeerIdentity, ServerIdentity};
 use aether_fakes::kube::{ApiServer, TokenInfo};
 use aether_proto::registrar::v1::node_bootstrap_client::NodeBootstrapClient;
@@ -60,6 +60,8 @@ struct Rendered {
     mutating_webhooks: Vec<MutatingWebhookConfiguration>,
     /// The chart's `crds/`, which Helm applies as they are (never templated) before the templates.
     crds: Vec<CustomResourceDefinition>,
+    /// Our own objects the chart renders (the mesh-wide MeshConfig), as JSON.
+    mesh_configs: Vec<Value>,
     /// Every object as rendered, for checks on any string in them.
     raw: Vec<Value>,
 }
@@ -177,6 +179,7 @@ fn render(values: Value) -> Rendered {
             "ValidatingAdmissionPolicy" => r.admission_policies.push(typed(object)),
             "ValidatingAdmissionPolicyBinding" => r.admission_policy_bindings.push(typed(object)),
             "MutatingWebhookConfiguration" => r.mutating_webhooks.push(typed(object)),
+            "MeshConfig" => r.mesh_configs.push(object.clone()),
             // cert-manager's kind: no k8s-openapi type; checked in `raw`.
             "Certificate" => {}
             other => panic!("unexpected kind {other} rendered: {object:#}"),
@@ -575,11 +578,9 @@ fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, ide
     if store == "kubernetes" {
         want.insert("aether-registrar");
     }
-    // Routes, Services, AuthorizationPolicies and HTTPFilters are read with every store (registrar.fromKubernetes is
-    // on by default).
+    // Routes, Services and our own objects are read with every store (registrar.fromKubernetes is on by default).
     want.insert("aether-registrar-routing");
-    want.insert("aether-registrar-authorization");
-    want.insert("aether-registrar-http-filters");
+    want.extend(OBJECTS_WITH_STATUS.map(|(role, _, _)| role));
     assert_eq!(role_names, want, "{ctx}: ClusterRoles");
     assert_eq!(r.cluster_role_bindings.len(), want.len(), "{ctx}");
     assert_the_registrar_writes_only_route_status(r, store, ctx);
@@ -589,13 +590,14 @@ fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, ide
 }
 
 /// The registrar's sources of our own objects: its ClusterRole, the API group and the resource.
-const OBJECTS_WITH_STATUS: [(&str, &str, &str); 2] = [
+const OBJECTS_WITH_STATUS: [(&str, &str, &str); 3] = [
     (
         "aether-registrar-authorization",
         authorization::GROUP,
         "authorizationpolicies",
     ),
     ("aether-registrar-http-filters", http_filter::GROUP, "httpfilters"),
+    ("aether-registrar-mesh-configs", mesh_config::GROUP, "meshconfigs"),
 ];
 
 /// The registrar's AuthorizationPolicy and HTTPFilter sources list and watch their objects in every namespace and
@@ -954,6 +956,25 @@ fn assert_the_webhooks_call_the_controller(r: &Rendered, ca: &str, ctx: &str) {
         ("pods.validate.aether.io", "Ignore", "/validate"),
     ];
     assert_eq!(policies, want, "{ctx}: our CRDs fail closed, pods and routes open");
+    // Every kind of ours the chart ships is validated on CREATE and UPDATE.
+    let objects = &validating.webhooks.as_deref().unwrap()[0];
+    let validated: BTreeSet<(String, String)> = (objects.rules.iter().flatten())
+        .flat_map(|rule| {
+            let groups = rule.api_groups.clone().unwrap_or_default();
+            let resources = rule.resources.clone().unwrap_or_default();
+            assert_eq!(
+                rule.operations.as_deref(),
+                Some(&["CREATE".to_owned(), "UPDATE".to_owned()][..])
+            );
+            groups
+                .into_iter()
+                .flat_map(move |g| resources.clone().into_iter().map(move |r| (g.clone(), r)))
+        })
+        .collect();
+    let shipped: BTreeSet<(String, String)> = (r.crds.iter())
+        .map(|crd| (crd.spec.group.clone(), crd.spec.names.plural.clone()))
+        .collect();
+    assert_eq!(validated, shipped, "{ctx}: the objects webhook covers exactly our CRDs");
     let [mutate] = &mutating.webhooks.as_deref().unwrap() else {
         panic!("{ctx}: one mutating webhook")
     };
@@ -1097,7 +1118,7 @@ fn is_route_status_rule(rule: &PolicyRule) -> bool {
         && rule.verbs.iter().all(|v| v == "patch" || v == "update")
 }
 
-/// `patch` of AuthorizationPolicy or HTTPFilter status only: the registrar's Accepted condition.
+/// `patch` of AuthorizationPolicy, HTTPFilter or MeshConfig status only: the registrar's Accepted condition.
 fn is_status_rule(rule: &PolicyRule) -> bool {
     OBJECTS_WITH_STATUS.iter().any(|(_, group, resource)| {
         rule.api_groups.as_deref() == Some(&[(*group).to_owned()][..])
@@ -1756,13 +1777,13 @@ fn our_crd<'a>(
 
 const ACCEPTED: &str = r#".status.conditions[?(@.type=="Accepted")]"#;
 
-/// The AuthorizationPolicy and HTTPFilter CRDs ship in the chart's `crds/` whatever the values, with columns that
+/// The AuthorizationPolicy, HTTPFilter and MeshConfig CRDs ship in the chart's `crds/` whatever the values, with columns that
 /// show each object's verdict. Without the cluster as a source (`registrar.fromKubernetes=false`, a writable store)
 /// no RBAC for them is rendered.
 #[test]
 fn our_crds_ship_in_crds_with_their_status_and_columns() {
     let r = render(json!({}));
-    assert_eq!(r.crds.len(), 2, "crds/: AuthorizationPolicy and HTTPFilter");
+    assert_eq!(r.crds.len(), 3, "crds/: AuthorizationPolicy, HTTPFilter and MeshConfig");
     let policy = (authorization::GROUP, authorization::KIND, authorization::VERSION);
     let columns = our_crd(&r, "authorizationpolicies.security.aether.io", policy);
     let (status, message) = (format!("{ACCEPTED}.status"), format!("{ACCEPTED}.message"));
@@ -1788,6 +1809,18 @@ fn our_crds_ship_in_crds_with_their_status_and_columns() {
             ("Message", message.as_str(), 1),
         ]
     );
+    let config = (mesh_config::GROUP, mesh_config::KIND, mesh_config::VERSION);
+    let columns = our_crd(&r, "meshconfigs.mesh.aether.io", config);
+    assert_eq!(
+        columns,
+        [
+            ("mTLS", ".spec.mtls.mode", 0),
+            ("Authorization", ".spec.authorization.defaultAction", 0),
+            ("Accepted", status.as_str(), 0),
+            ("Age", ".metadata.creationTimestamp", 0),
+            ("Message", message.as_str(), 1),
+        ]
+    );
     let short_names = |name: &str| {
         let crd = r.crds.iter().find(|c| c.metadata.name.as_deref() == Some(name));
         crd.and_then(|c| c.spec.names.short_names.clone())
@@ -1798,11 +1831,47 @@ fn our_crds_ship_in_crds_with_their_status_and_columns() {
     );
 
     let without = render(json!({"registrar": {"fromKubernetes": false, "replicas": 1, "store": {"type": "embedded"}}}));
-    assert_eq!(without.crds.len(), 2, "crds/ does not depend on values");
+    assert_eq!(without.crds.len(), 3, "crds/ does not depend on values");
     for (role, _, _) in OBJECTS_WITH_STATUS {
         assert!(
             (without.cluster_roles.iter()).all(|c| c.metadata.name.as_deref() != Some(role)),
             "no source of them, no {role}"
+        );
+    }
+}
+
+/// `meshConfig` renders the mesh-wide MeshConfig, in the mesh root namespace, that the projector takes as mesh-wide;
+/// without it, none.
+#[test]
+fn the_mesh_wide_mesh_config_is_rendered_in_the_root_namespace() {
+    assert!(render(json!({})).mesh_configs.is_empty());
+    let spec = json!({"mtls": {"mode": "PERMISSIVE"}, "authorization": {"defaultAction": "DENY"},
+                      "resilience": {"requestTimeout": "10s", "retries": {"attempts": 1}}});
+    for (values, root) in [
+        (json!({"meshConfig": spec}), "aether-system"),
+        (
+            json!({"meshConfig": spec, "meshRootNamespace": "mesh-admin"}),
+            "mesh-admin",
+        ),
+    ] {
+        let r = render(values);
+        let [config] = &r.mesh_configs[..] else {
+            panic!("one MeshConfig: {:?}", r.mesh_configs)
+        };
+        let object: mesh_config::MeshConfig = serde_json::from_value(config.clone()).unwrap();
+        let options = authorization::ProjectOptions {
+            root_namespace: root.to_owned(),
+        };
+        let projected = mesh_config::project(&object, &options).unwrap();
+        assert!(projected.mesh_wide, "{root}");
+        assert_eq!(
+            projected.default_authorization(),
+            aether_proto::registry::v1::DefaultAuthorization::Deny
+        );
+        let resilience = projected.resilience.unwrap();
+        assert_eq!(
+            (resilience.request_timeout_ms, resilience.retry_attempts),
+            (Some(10_000), Some(1))
         );
     }
 }
