@@ -86,6 +86,9 @@ pub struct AuthzFacts {
     pub decided: Option<aether_api::authorization::Decision>,
     /// Policies selecting pods by label that may apply: not judged here.
     pub unjudged: Vec<String>,
+    /// The target's namespace's MeshConfig (or the mesh's) sets `defaultAction: DENY`:
+    /// `decided` counts the policy that stands for it.
+    pub default_deny: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -792,6 +795,9 @@ fn authorization(f: &Facts) -> Hop {
         Some(d) if d.verdict == Verdict::Deny => {
             let why = match &d.cause {
                 Cause::Denied(p) => format!("denied by {}", name(p)),
+                _ if a.default_deny => "no ALLOW policy allows the call, and the target's namespace denies by default \
+                                        (MeshConfig defaultAction DENY)"
+                    .to_owned(),
                 _ => "no ALLOW policy selecting the target matches the call".to_owned(),
             };
             hop("authorization", Status::Fail, format!("{why}{unjudged}"), fix)

@@ -228,7 +228,7 @@ fn status_lines(s: &Value) -> String {
         None => format!("version {}  head {}", text(&r["version"]), text(&r["head"])),
     };
     format!(
-        "node       {}\nagent      {}  {}\nenvoy      {envoy}\nxds        {} stream(s)  {}/{} acked  {nacks} NACK(s)\nregistrar  watch {}  {}  {version}  updated {}s ago  {} services in the node's slice\nmesh-dns   watch {}  {dns}\ncni        {} {}\nerrors     {}\n",
+        "node       {}\nagent      {}  {}\nenvoy      {envoy}\nxds        {} stream(s)  {}/{} acked  {nacks} NACK(s)\nregistrar  watch {}  {}  {version}  updated {}s ago  {} services in the node's slice\nmesh       {}\nmesh-dns   watch {}  {dns}\ncni        {} {}\nerrors     {}\n",
         text(&s["node"]),
         text(&s["agent"]["version"]),
         ready,
@@ -239,11 +239,34 @@ fn status_lines(s: &Value) -> String {
         if r["synced"] == true { "synced" } else { "NOT SYNCED" },
         text(&r["updated_seconds_ago"]),
         text(&r["services"]),
+        mesh_configs(&s["mesh_configs"]),
         up(&d["watch_connected"]),
         text(&s["cni"]["status"]),
         text(&s["cni"]["detail"]),
         errors(&s["errors"]),
     )
+}
+
+/// The MeshConfigs in force on the node: `aether-system/default (mesh-wide, generation 3)  …`.
+fn mesh_configs(configs: &Value) -> String {
+    let rows: Vec<String> = (configs.as_array().into_iter().flatten())
+        .map(|c| {
+            let scope = if c["mesh_wide"] == true { "mesh-wide, " } else { "" };
+            let invalid = match c["invalid"].as_str() {
+                Some(why) => format!(", INVALID: {why}"),
+                None => String::new(),
+            };
+            format!(
+                "{} ({scope}generation {}{invalid})",
+                text(&c["key"]),
+                text(&c["generation"])
+            )
+        })
+        .collect();
+    match rows.is_empty() {
+        true => "no MeshConfig: built-in defaults".to_owned(),
+        false => rows.join("  "),
+    }
 }
 
 /// The agent's error counts since start: `cni calls 0  identity 0  …`.

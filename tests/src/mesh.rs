@@ -494,6 +494,23 @@ impl Mesh {
             .vip
     }
 
+    /// `aether <args>` (the CLI binary) against this mesh's agent: its stdout.
+    pub async fn aether(&self, args: &[&str]) -> String {
+        let out = tokio::process::Command::new(crate::binary("aether"))
+            .args(["--agent", &self.agent_admin.to_string()])
+            .args(args)
+            .output()
+            .await
+            .expect("running aether");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// `aether -o json explain <pod> <target>` against this mesh's agent.
+    pub async fn explain(&self, pod: &str, target: &str) -> serde_json::Value {
+        let out = self.aether(&["-o", "json", "explain", pod, target]).await;
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("explain: {e}: {out}"))
+    }
+
     pub async fn agent_get(&self, path: &str) -> String {
         http_get(&format!("http://{}{path}", self.agent_admin), None)
             .await

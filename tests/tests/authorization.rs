@@ -161,25 +161,6 @@ fn has_line(mesh: &Mesh, parts: &[&str]) -> bool {
     logs.lines().any(|line| parts.iter().all(|p| line.contains(p)))
 }
 
-/// `aether -o json explain <pod> <target>` against the mesh's agent.
-async fn explain(mesh: &Mesh, pod: &str, target: &str) -> serde_json::Value {
-    let out = tokio::process::Command::new(aether_tests::binary("aether"))
-        .args([
-            "--agent",
-            &mesh.agent_admin.to_string(),
-            "-o",
-            "json",
-            "explain",
-            pod,
-            target,
-        ])
-        .output()
-        .await
-        .expect("running aether");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("explain: {e}: {stdout}"))
-}
-
 /// Answered `status` now (after `until` has seen the policy in force).
 async fn now(mesh: &Mesh, pod: &TestPod, method: &str, path: &str) -> u16 {
     let url = format!("http://{}:8080{path}", mesh.vip("backend").await);
@@ -236,12 +217,9 @@ async fn allow_and_deny_policies_are_enforced_at_the_destination_by_identity_met
     let denied = r#"aether_agent_authorization_decisions_total{pod="demo/backend",policy="demo/no-secrets",rule="0",decision="deny"}"#;
     assert!(metrics.contains(denied), "{metrics}");
     // `aether explain` stops at the authorization hop and names the policy and rule.
-    let explained = explain(
-        &mesh,
-        "demo/frontend",
-        "http://backend.demo.aether.internal:8080/api/secret",
-    )
-    .await;
+    let explained = mesh
+        .explain("demo/frontend", "http://backend.demo.aether.internal:8080/api/secret")
+        .await;
     assert_eq!(explained["first"]["hop"], "authorization", "{explained:#}");
     assert_eq!(explained["first"]["status"], "fail", "{explained:#}");
     let why = explained["first"]["why"].as_str().unwrap();

@@ -2,7 +2,8 @@
 //! namespaces): MeshConfig YAML in the registrar's config directory is projected, stored
 //! and streamed to the agent, which applies it to running pods without a restart or a
 //! new ADD — the mesh-wide inbound mTLS mode, a namespace's override of it, a namespace's
-//! default DENY (opened again by an ALLOW policy), and its request timeout.
+//! default DENY (opened again by an ALLOW policy), and its request timeout; `aether status`
+//! lists the MeshConfigs the node holds and `aether explain` names the default DENY.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -142,6 +143,27 @@ async fn mesh_configs_apply_to_running_pods_mesh_wide_and_per_namespace() {
     let rows = status_page["pods"].as_array().unwrap();
     let backend = rows.iter().find(|r| r["pod"] == "demo/backend").unwrap();
     assert_eq!(backend["inbound_mtls"], "strict", "{backend}");
+    let held: Vec<&str> = (status_page["mesh_configs"].as_array().unwrap().iter())
+        .map(|c| c["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(held, ["aether-system/default", "demo/default"]);
+    let text = mesh.aether(&["status"]).await;
+    assert!(
+        text.contains("mesh       aether-system/default (mesh-wide, generation 0)  demo/default (generation 0)"),
+        "{text}"
+    );
+    let explained = mesh
+        .explain(
+            "demo/frontend",
+            &format!("http://backend.demo.aether.internal:{PORT}/api"),
+        )
+        .await;
+    assert_eq!(explained["first"]["hop"], "authorization", "{explained:#}");
+    let why = explained["first"]["why"].as_str().unwrap();
+    assert!(
+        why.contains("denies by default (MeshConfig defaultAction DENY)"),
+        "{why}"
+    );
 
     // An ALLOW policy for the frontend opens it again; the request timeout holds.
     put(config.path(), "allow.yaml", Some(ALLOW_FRONTEND));

@@ -131,23 +131,13 @@ async fn strict_resets_plaintext_from_an_unmanaged_pod_and_counts_it_while_the_m
     let row = status_of(&mesh, "backend").await;
     assert_eq!(row["inbound_mtls"], "strict", "{row}");
     assert_eq!(row["refused_plaintext"], 3, "one per refused connection: {row}");
-    let status = aether_status(&mesh).await;
+    let status = mesh.aether(&["status"]).await;
     let line = status
         .lines()
         .find(|l| l.starts_with("demo/backend "))
         .unwrap_or_default();
     assert!(line.contains("strict (3 refused)"), "{status}");
     assert!(status.contains("INBOUND MTLS"), "{status}");
-}
-
-/// `aether status` against the mesh's agent.
-async fn aether_status(mesh: &Mesh) -> String {
-    let out = tokio::process::Command::new(aether_tests::binary("aether"))
-        .args(["--agent", &mesh.agent_admin.to_string(), "status"])
-        .output()
-        .await
-        .expect("running aether");
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

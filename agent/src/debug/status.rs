@@ -29,6 +29,7 @@ pub async fn status(inspector: &Inspector) -> Value {
         "envoy": envoy,
         "xds": xds_state(&view),
         "registrar": registrar(inspector, &view).await,
+        "mesh_configs": mesh_configs(&view),
         "dns": dns(inspector),
         "errors": errors(&inspector.errors),
         "pods": pods,
@@ -58,6 +59,22 @@ async fn registrar(inspector: &Inspector, view: &NodeView) -> Value {
         // Changes the registrar holds that the view has not reached (null: no common instance).
         "behind": behind,
     })
+}
+
+/// The MeshConfigs the node holds (proposals/016): the mesh-wide one and those of its pods'
+/// and dependencies' namespaces, with the generation in force; one that fails validation
+/// is listed with why (its namespace runs on the mesh's settings).
+fn mesh_configs(view: &NodeView) -> Value {
+    let configs = view.watched.catalog.mesh_configs.values();
+    let row = |c: &std::sync::Arc<aether_proto::registry::v1::MeshConfig>| {
+        json!({
+            "key": aether_proto::view::mesh_config_key(c),
+            "mesh_wide": c.mesh_wide,
+            "generation": c.generation,
+            "invalid": aether_api::mesh_config::validate(c).err().map(|r| r.to_string()),
+        })
+    };
+    Value::Array(configs.map(row).collect())
 }
 
 /// The agent's error counts since start (NACKs are under `xds`).

@@ -164,6 +164,17 @@ const CASES: &[(&str, Fault, &str, Status, &str)] = &[
         "denied by policy demo/no-frontend rule 0",
     ),
     (
+        "a namespace that denies by default",
+        |f| {
+            let policy = aether_api::mesh_config::default_deny("demo");
+            authz(f).decided = Some(aether_api::authorization::decide(&[&policy], &call()));
+            authz(f).default_deny = true;
+        },
+        "authorization",
+        Status::Fail,
+        "the target's namespace denies by default (MeshConfig defaultAction DENY)",
+    ),
+    (
         "403s from a destination on another node",
         |f| {
             let mut failure = crate::access_log::Failure {

@@ -69,6 +69,7 @@ pub fn facts(
         recent_denial,
         decided: held.then(|| decide(&judged, &call)),
         unjudged: by_label.iter().map(|p| aether_proto::view::policy_key(p)).collect(),
+        default_deny: default_deny.is_some(),
     }
 }
 
