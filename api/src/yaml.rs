@@ -140,7 +140,12 @@ pub(crate) fn of_kind<T: DeserializeOwned>(
     Some(typed(value))
 }
 
+/// The typed object, or the path of the field at fault. Path tracking costs an allocation
+/// per key, so it runs only once plain decoding has failed (the same impls decide both).
 pub(crate) fn typed<T: DeserializeOwned>(value: Value) -> Result<T, (String, String)> {
+    if let Ok(typed) = T::deserialize(&value) {
+        return Ok(typed);
+    }
     serde_path_to_error::deserialize(value)
         .map_err(|e| (e.path().to_string(), clip(&e.inner().to_string()).to_string()))
 }
