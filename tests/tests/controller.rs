@@ -12,6 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 const POD: (&str, &str, &str) = ("", "v1", "Pod");
 const POLICY: (&str, &str, &str) = ("security.aether.io", "v1alpha1", "AuthorizationPolicy");
 const FILTER: (&str, &str, &str) = ("networking.aether.io", "v1alpha1", "HTTPFilter");
+const MESH_CONFIG: (&str, &str, &str) = ("mesh.aether.io", "v1alpha1", "MeshConfig");
 
 fn patch_of(answer: &Value) -> Value {
     let encoded = answer["response"]["patch"].as_str().expect("a base64 patch");
@@ -98,13 +99,33 @@ async fn objects_are_validated_with_the_projectors_verdicts_and_counted() {
         "{message}"
     );
 
+    // MeshConfig: a namespace's override passes; the mesh domain is refused with why.
+    let config = |spec: serde_json::Value| {
+        json!({"apiVersion": "mesh.aether.io/v1alpha1", "kind": "MeshConfig",
+               "metadata": {"name": "default", "namespace": "shop"}, "spec": spec})
+    };
+    let review = admission_review(
+        "CREATE",
+        MESH_CONFIG,
+        &config(json!({"authorization": {"defaultAction": "DENY"}})),
+    );
+    let answer = connection.review("/validate", &review).await;
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+    let review = admission_review("UPDATE", MESH_CONFIG, &config(json!({"meshDomain": "corp.internal"})));
+    let answer = connection.review("/validate", &review).await;
+    let message = answer["response"]["status"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("MeshConfig refused: spec.meshDomain: is set when the mesh is installed"),
+        "{message}"
+    );
+
     let metrics = http_get(&format!("http://{}/metrics", controller.admin), None)
         .await
         .unwrap();
     let text = metrics.body;
     for line in [
-        "aether_controller_admission_reviews_total{webhook=\"validate\",verdict=\"deny\"} 2",
-        "aether_controller_admission_reviews_total{webhook=\"validate\",verdict=\"allow\"} 1",
+        "aether_controller_admission_reviews_total{webhook=\"validate\",verdict=\"deny\"} 3",
+        "aether_controller_admission_reviews_total{webhook=\"validate\",verdict=\"allow\"} 2",
     ] {
         assert!(text.contains(line), "{line} in:\n{text}");
     }
