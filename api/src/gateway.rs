@@ -7,9 +7,7 @@
 //! `UnsupportedValue`, as the API asks. Defaults are the API's (`+kubebuilder:default`), so
 //! an object read from a file means what the API server would have stored.
 
-use std::borrow::Cow;
-
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use serde::{Deserialize, Serialize};
 
 mod grpc;
@@ -68,37 +66,8 @@ macro_rules! string_enum {
 }
 pub(crate) use string_enum;
 
-/// `kube::Resource` for a namespaced route kind of [`GROUP`]/[`VERSION`], so the registrar
-/// can `kube::Api::<HttpRoute>::all(client)` and watch it.
-macro_rules! route_resource {
-    ($type:ty, $kind:literal, $plural:literal) => {
-        impl kube_core::Resource for $type {
-            type DynamicType = ();
-            type Scope = k8s_openapi::NamespaceResourceScope;
-
-            fn kind(_: &()) -> Cow<'_, str> {
-                Cow::Borrowed($kind)
-            }
-            fn group(_: &()) -> Cow<'_, str> {
-                Cow::Borrowed(GROUP)
-            }
-            fn version(_: &()) -> Cow<'_, str> {
-                Cow::Borrowed(VERSION)
-            }
-            fn plural(_: &()) -> Cow<'_, str> {
-                Cow::Borrowed($plural)
-            }
-            fn meta(&self) -> &ObjectMeta {
-                &self.metadata
-            }
-            fn meta_mut(&mut self) -> &mut ObjectMeta {
-                &mut self.metadata
-            }
-        }
-    };
-}
-route_resource!(HttpRoute, "HTTPRoute", "httproutes");
-route_resource!(GrpcRoute, "GRPCRoute", "grpcroutes");
+crate::resource::namespaced_resource!(HttpRoute, GROUP, VERSION, "HTTPRoute", "httproutes");
+crate::resource::namespaced_resource!(GrpcRoute, GROUP, VERSION, "GRPCRoute", "grpcroutes");
 
 fn gateway_group() -> String {
     GROUP.to_owned()

@@ -27,6 +27,7 @@ pub mod gateway;
 pub mod http_filter;
 pub mod mesh_config;
 pub mod pod;
+mod resource;
 pub mod route;
 pub mod status;
 pub mod yaml;

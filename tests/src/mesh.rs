@@ -577,3 +577,17 @@ pub async fn wait_ready(admin: SocketAddr, child: &ChildGuard) {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
+
+/// Writes `yaml` to `file` in a config directory the way an editor would (a rename, so the
+/// registrar never reads half a file), or with `None` removes it.
+pub fn put_config(dir: &std::path::Path, file: &str, yaml: Option<&str>) {
+    let path = dir.join(file);
+    match yaml {
+        Some(yaml) => {
+            let staged = dir.join(format!(".{file}.partial"));
+            std::fs::write(&staged, yaml).unwrap();
+            std::fs::rename(staged, path).unwrap();
+        }
+        None => std::fs::remove_file(path).unwrap(),
+    }
+}

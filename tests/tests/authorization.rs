@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aether_tests::TestPod;
-use aether_tests::mesh::{APP, Mesh, MeshIdentity, NodeIdentity};
+use aether_tests::mesh::{APP, Mesh, MeshIdentity, NodeIdentity, put_config};
 
 /// frontend and other both call backend; only frontend's identity is allowed by the policy.
 const ALLOW_FRONTEND: &str = "\
@@ -87,19 +87,6 @@ async fn callers(mesh: &Mesh) -> Callers {
     }
 }
 
-/// Writes a policy file the way an editor would (a rename), or removes it.
-fn put(dir: &Path, file: &str, yaml: Option<&str>) {
-    let path = dir.join(file);
-    match yaml {
-        Some(yaml) => {
-            let staged = dir.join(format!(".{file}.partial"));
-            std::fs::write(&staged, yaml).unwrap();
-            std::fs::rename(staged, path).unwrap();
-        }
-        None => std::fs::remove_file(path).unwrap(),
-    }
-}
-
 /// `method path` from `pod` to backend through the mesh, until Envoy answers `status`
 /// (a policy change takes effect asynchronously).
 async fn until(mesh: &Mesh, pod: &TestPod, method: &str, path: &str, status: u16) {
@@ -121,8 +108,8 @@ async fn until(mesh: &Mesh, pod: &TestPod, method: &str, path: &str, status: u16
 
 /// AUDIT and dry-run never change the answer; both are logged.
 async fn audit_and_dry_run_change_nothing_and_are_logged(mesh: &Mesh, config: &Path, frontend: &TestPod) {
-    put(config, "audit.yaml", Some(AUDIT_ITEMS));
-    put(config, "dry-run.yaml", Some(DRY_RUN_DENY_ITEMS));
+    put_config(config, "audit.yaml", Some(AUDIT_ITEMS));
+    put_config(config, "dry-run.yaml", Some(DRY_RUN_DENY_ITEMS));
     let seen = [
         ["verdict=\"audit\"", "policy=demo/watch-items rule=0"],
         ["verdict=\"dry_run_deny\"", "policy=demo/next-deny rule=0"],
@@ -135,8 +122,8 @@ async fn audit_and_dry_run_change_nothing_and_are_logged(mesh: &Mesh, config: &P
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
-    put(config, "audit.yaml", None);
-    put(config, "dry-run.yaml", None);
+    put_config(config, "audit.yaml", None);
+    put_config(config, "dry-run.yaml", None);
 }
 
 /// Waits (up to 5 s: Envoy ships its log every 100 ms) for an agent log line with all of `parts`.
@@ -181,7 +168,7 @@ async fn allow_and_deny_policies_are_enforced_at_the_destination_by_identity_met
     until(&mesh, &c.other, "POST", "/anything", 200).await;
 
     // ALLOW: only frontend's identity, only GET under /api/.
-    put(config.path(), "allow.yaml", Some(ALLOW_FRONTEND));
+    put_config(config.path(), "allow.yaml", Some(ALLOW_FRONTEND));
     until(&mesh, &c.other, "GET", "/api/items", 403).await;
     until(&mesh, &c.frontend, "POST", "/api/items", 403).await;
     assert_eq!(now(&mesh, &c.frontend, "GET", "/api/items").await, 200);
@@ -202,7 +189,7 @@ async fn allow_and_deny_policies_are_enforced_at_the_destination_by_identity_met
     .await;
 
     // DENY wins over a matching ALLOW; the line and the counter name the policy and rule.
-    put(config.path(), "deny.yaml", Some(DENY_SECRET));
+    put_config(config.path(), "deny.yaml", Some(DENY_SECRET));
     until(&mesh, &c.frontend, "GET", "/api/secret", 403).await;
     assert_eq!(now(&mesh, &c.frontend, "GET", "/api/items").await, 200);
     logged(
@@ -228,8 +215,8 @@ async fn allow_and_deny_policies_are_enforced_at_the_destination_by_identity_met
     audit_and_dry_run_change_nothing_and_are_logged(&mesh, config.path(), &c.frontend).await;
 
     // Policies removed: allowed again.
-    put(config.path(), "allow.yaml", None);
-    put(config.path(), "deny.yaml", None);
+    put_config(config.path(), "allow.yaml", None);
+    put_config(config.path(), "deny.yaml", None);
     until(&mesh, &c.other, "GET", "/api/items", 200).await;
     until(&mesh, &c.frontend, "GET", "/api/secret", 200).await;
 }
@@ -284,7 +271,7 @@ async fn a_tcp_policy_closes_denied_connections_and_the_agent_names_the_policy()
     let (client, intruder) = (&callers[0], &callers[1]);
     assert_eq!(tcp_round_trip(intruder, target).unwrap(), "cache\nping\n");
 
-    put(config.path(), "cache.yaml", Some(CACHE_CLIENT_ONLY));
+    put_config(config.path(), "cache.yaml", Some(CACHE_CLIENT_ONLY));
     let deadline = Instant::now() + Duration::from_secs(15);
     while tcp_round_trip(intruder, target).is_ok() {
         assert!(Instant::now() < deadline, "the intruder's connections are never closed");
@@ -343,8 +330,8 @@ async fn mesh_wide_and_namespace_wide_policies_select_by_namespace() {
     until(&mesh, &c.other, "GET", "/x", 200).await;
 
     // Another namespace's policy never selects demo's workloads.
-    put(config.path(), "shop.yaml", Some(SHOP_NOT_FROM_OTHER));
-    put(config.path(), "mesh.yaml", Some(MESH_NO_DELETE));
+    put_config(config.path(), "shop.yaml", Some(SHOP_NOT_FROM_OTHER));
+    put_config(config.path(), "mesh.yaml", Some(MESH_NO_DELETE));
     until(&mesh, &c.frontend, "DELETE", "/x", 403).await;
     assert_eq!(now(&mesh, &c.other, "GET", "/x").await, 200);
     logged(
@@ -353,7 +340,7 @@ async fn mesh_wide_and_namespace_wide_policies_select_by_namespace() {
     )
     .await;
 
-    put(config.path(), "demo.yaml", Some(DEMO_NOT_FROM_OTHER));
+    put_config(config.path(), "demo.yaml", Some(DEMO_NOT_FROM_OTHER));
     until(&mesh, &c.other, "GET", "/x", 403).await;
     assert_eq!(now(&mesh, &c.frontend, "GET", "/x").await, 200);
     logged(&mesh, &["authorization: policy demo/not-from-other rule 0", "sa/other"]).await;
@@ -373,9 +360,9 @@ async fn policy_flips_under_load_answer_only_200_or_403_with_spire_identities() 
     let stop = std::sync::atomic::AtomicBool::new(false);
     let flips = async {
         for _ in 0..4 {
-            put(config.path(), "demo.yaml", Some(DEMO_NOT_FROM_OTHER));
+            put_config(config.path(), "demo.yaml", Some(DEMO_NOT_FROM_OTHER));
             tokio::time::sleep(Duration::from_millis(400)).await;
-            put(config.path(), "demo.yaml", None);
+            put_config(config.path(), "demo.yaml", None);
             tokio::time::sleep(Duration::from_millis(400)).await;
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);

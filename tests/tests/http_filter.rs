@@ -4,25 +4,11 @@
 //! authorization server (Envoy's real gRPC API). Callers' side: a local rate limit
 //! enabled only on calls to its target service.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aether_fakes::ext_authz::{DENIED_BODY, ExtAuthzServer};
 use aether_tests::TestPod;
-use aether_tests::mesh::{APP, Mesh};
-
-/// Writes a config file the way an editor would (a rename), or removes it.
-fn put(dir: &Path, file: &str, yaml: Option<&str>) {
-    let path = dir.join(file);
-    match yaml {
-        Some(yaml) => {
-            let staged = dir.join(format!(".{file}.partial"));
-            std::fs::write(&staged, yaml).unwrap();
-            std::fs::rename(staged, path).unwrap();
-        }
-        None => std::fs::remove_file(path).unwrap(),
-    }
-}
+use aether_tests::mesh::{APP, Mesh, put_config};
 
 /// GET `path` on `service`:8080 from `pod` with `headers`: the status and body.
 async fn get(mesh: &Mesh, pod: &TestPod, service: &str, headers: &[(&str, &str)]) -> (u16, String) {
@@ -93,19 +79,19 @@ spec:
 ",
         authz.addr.port()
     );
-    put(config.path(), "check.yaml", Some(&check));
+    put_config(config.path(), "check.yaml", Some(&check));
     let body = until(&mesh, frontend, "backend", &[], 403).await;
     assert_eq!(body, DENIED_BODY);
     assert_eq!(get(&mesh, frontend, "backend", &[("x-allow", "yes")]).await.0, 200);
     // search has no such filter.
     assert_eq!(get(&mesh, frontend, "search", &[]).await.0, 200);
     assert!(authz.checks() >= 2, "the server decided: {} checks", authz.checks());
-    put(config.path(), "check.yaml", None);
+    put_config(config.path(), "check.yaml", None);
     until(&mesh, frontend, "backend", &[], 200).await;
 
     // Callers' side: this node's callers get 2 calls to search per hour, together (the
     // bucket is the route table's, shared by the node); calls to backend are not counted.
-    put(
+    put_config(
         config.path(),
         "limit.yaml",
         Some(

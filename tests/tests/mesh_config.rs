@@ -5,11 +5,10 @@
 //! default DENY (opened again by an ALLOW policy), and its request timeout; `aether status`
 //! lists the MeshConfigs the node holds and `aether explain` names the default DENY.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aether_tests::echo::{DELAY_HEADER, EchoIdentity, EchoServer, FailureCounters, serve_echo};
-use aether_tests::mesh::{Mesh, NAMESPACE};
+use aether_tests::mesh::{Mesh, NAMESPACE, put_config};
 use aether_tests::{HttpReply, TestPod};
 
 const PORT: u16 = 8080;
@@ -73,19 +72,6 @@ async fn pods(mesh: &Mesh) -> Pods {
     }
 }
 
-/// Writes a file the way an editor would (a rename), or removes it.
-fn put(dir: &Path, file: &str, yaml: Option<&str>) {
-    let path = dir.join(file);
-    match yaml {
-        Some(yaml) => {
-            let staged = dir.join(format!(".{file}.partial"));
-            std::fs::write(&staged, yaml).unwrap();
-            std::fs::rename(staged, path).unwrap();
-        }
-        None => std::fs::remove_file(path).unwrap(),
-    }
-}
-
 /// Retries `probe` until `done` holds of its result (a change applies asynchronously).
 async fn until<T: std::fmt::Debug, F: std::future::Future<Output = T>>(
     what: &str,
@@ -131,12 +117,12 @@ async fn mesh_configs_apply_to_running_pods_mesh_wide_and_per_namespace() {
     assert_eq!(status(&through_mesh(Some("600")).await), Some(200));
 
     // Mesh-wide PERMISSIVE: the running backend's table follows, plaintext gets through.
-    put(config.path(), "mesh.yaml", Some(MESH_PERMISSIVE));
+    put_config(config.path(), "mesh.yaml", Some(MESH_PERMISSIVE));
     until("mesh-wide PERMISSIVE", direct, |r| r.is_ok()).await;
 
     // The namespace's own wins over the mesh's: STRICT again; and it denies by default,
     // and bounds requests to 300 ms.
-    put(config.path(), "demo.yaml", Some(DEMO_LOCKED_DOWN));
+    put_config(config.path(), "demo.yaml", Some(DEMO_LOCKED_DOWN));
     until("demo's default DENY", || through_mesh(None), |r| status(r) == Some(403)).await;
     until("demo's STRICT", direct, |r| r.is_err()).await;
     let status_page: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/status").await).unwrap();
@@ -166,14 +152,14 @@ async fn mesh_configs_apply_to_running_pods_mesh_wide_and_per_namespace() {
     );
 
     // An ALLOW policy for the frontend opens it again; the request timeout holds.
-    put(config.path(), "allow.yaml", Some(ALLOW_FRONTEND));
+    put_config(config.path(), "allow.yaml", Some(ALLOW_FRONTEND));
     until("the ALLOW policy", || through_mesh(None), |r| status(r) == Some(200)).await;
     let slow = through_mesh(Some("1500")).await;
     assert_eq!(status(&slow), Some(504), "300 ms per request: {slow:?}");
 
     // Gone: the namespace falls back to the mesh-wide settings, then to the node's.
-    put(config.path(), "demo.yaml", None);
-    put(config.path(), "allow.yaml", None);
+    put_config(config.path(), "demo.yaml", None);
+    put_config(config.path(), "allow.yaml", None);
     until("demo's config removed", direct, |r| r.is_ok()).await;
     until(
         "the timeout removed",
@@ -181,6 +167,6 @@ async fn mesh_configs_apply_to_running_pods_mesh_wide_and_per_namespace() {
         |r| status(r) == Some(200),
     )
     .await;
-    put(config.path(), "mesh.yaml", None);
+    put_config(config.path(), "mesh.yaml", None);
     until("back to the node's STRICT", direct, |r| r.is_err()).await;
 }

@@ -8,7 +8,6 @@
 //! the projector refuses both, naming the field, so nothing a user wrote is silently dropped
 //! (a copied Istio `when:` must never widen a DENY into nothing).
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -170,27 +169,4 @@ pub struct Operation {
     pub unsupported: Unsupported,
 }
 
-/// `kube::Resource`, so the registrar can `kube::Api::<AuthorizationPolicy>::all(client)`.
-impl kube_core::Resource for AuthorizationPolicy {
-    type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed(KIND)
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed(GROUP)
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed(VERSION)
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("authorizationpolicies")
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+crate::resource::namespaced_resource!(AuthorizationPolicy, GROUP, VERSION, KIND, "authorizationpolicies");

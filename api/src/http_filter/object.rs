@@ -6,7 +6,6 @@
 //! field named instead of breaking the registrar's whole watch; a field this version does
 //! not know lands in `unsupported` and is refused by name, never dropped.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -188,27 +187,4 @@ pub struct Rbac {
     pub unsupported: Unsupported,
 }
 
-/// `kube::Resource`, so the registrar can `kube::Api::<HttpFilter>::all(client)`.
-impl kube_core::Resource for HttpFilter {
-    type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed(KIND)
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed(GROUP)
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed(VERSION)
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("httpfilters")
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+crate::resource::namespaced_resource!(HttpFilter, GROUP, VERSION, KIND, "httpfilters");

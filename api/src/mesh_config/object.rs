@@ -5,7 +5,6 @@
 //! keep unknown values, so a bad value is refused by the projector with its field named;
 //! a field this version does not know lands in `unsupported` and is refused by name.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -135,27 +134,4 @@ pub struct CircuitBreaker {
     pub unsupported: Unsupported,
 }
 
-/// `kube::Resource`, so the registrar can `kube::Api::<MeshConfig>::all(client)`.
-impl kube_core::Resource for MeshConfig {
-    type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed(KIND)
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed(GROUP)
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed(VERSION)
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("meshconfigs")
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+crate::resource::namespaced_resource!(MeshConfig, GROUP, VERSION, KIND, "meshconfigs");

@@ -1,0 +1,34 @@
+//! `kube::Resource` for our typed objects, so the registrar can
+//! `kube::Api::<T>::all(client)` and watch them.
+
+/// Implements `kube_core::Resource` for a namespaced kind: `(type, group, version, kind,
+/// plural)`, the type having a `metadata: ObjectMeta` field.
+macro_rules! namespaced_resource {
+    ($type:ty, $group:expr, $version:expr, $kind:expr, $plural:literal) => {
+        impl kube_core::Resource for $type {
+            type DynamicType = ();
+            type Scope = k8s_openapi::NamespaceResourceScope;
+
+            fn kind(_: &()) -> std::borrow::Cow<'_, str> {
+                std::borrow::Cow::Borrowed($kind)
+            }
+            fn group(_: &()) -> std::borrow::Cow<'_, str> {
+                std::borrow::Cow::Borrowed($group)
+            }
+            fn version(_: &()) -> std::borrow::Cow<'_, str> {
+                std::borrow::Cow::Borrowed($version)
+            }
+            fn plural(_: &()) -> std::borrow::Cow<'_, str> {
+                std::borrow::Cow::Borrowed($plural)
+            }
+            fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                &self.metadata
+            }
+            fn meta_mut(&mut self) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                &mut self.metadata
+            }
+        }
+    };
+}
+
+pub(crate) use namespaced_resource;
