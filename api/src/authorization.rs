@@ -36,30 +36,8 @@ pub use yaml::parse_documents;
 /// The namespace whose policies apply to every namespace, unless configured otherwise.
 pub const DEFAULT_ROOT_NAMESPACE: &str = "aether-system";
 
-/// Why a policy is refused. Display: `field: message`, the message quoting the input
-/// bounded. The field is the object's (`spec.rules[1].to[0].operation.paths[2]`) from
-/// [`project`], the proto's (`rules[1].to[0].paths[2]`) from [`validate`] and
-/// [`l7_on_non_http`].
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct Refusal {
-    pub field: String,
-    pub message: String,
-}
-
-impl Refusal {
-    pub(crate) fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self {
-            field: field.into(),
-            message: message.into(),
-        }
-    }
-}
-
-/// A value check's refusal on `field`.
-pub(crate) fn at<T>(field: impl std::fmt::Display, result: Result<T, String>) -> Result<T, Refusal> {
-    result.map_err(|message| Refusal::new(field.to_string(), message))
-}
+pub use crate::refusal::Refusal;
+pub(crate) use crate::refusal::at;
 
 /// What the projector needs to know about the mesh.
 #[derive(Clone, Debug, PartialEq, Eq)]

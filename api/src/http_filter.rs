@@ -29,36 +29,8 @@ pub use object::*;
 pub use validate::validate;
 pub use yaml::parse_documents;
 
-/// Why a filter is refused. Display: `field: message`, the message quoting the input
-/// bounded. The field is the object's (`spec.extAuthz.http.allowedHeaders[1]`) from
-/// [`project`], the proto's (`ext_authz.allowed_headers[1]`) from [`validate`].
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct Refusal {
-    pub field: String,
-    pub message: String,
-}
-
-impl Refusal {
-    pub(crate) fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self {
-            field: field.into(),
-            message: message.into(),
-        }
-    }
-}
-
-/// `spec.rbac`'s rules are refused by the AuthorizationPolicy projector, on our field.
-impl From<authorization::Refusal> for Refusal {
-    fn from(refusal: authorization::Refusal) -> Self {
-        Self::new(refusal.field, refusal.message)
-    }
-}
-
-/// A value check's refusal on `field`.
-pub(crate) fn at<T>(field: impl std::fmt::Display, result: Result<T, String>) -> Result<T, Refusal> {
-    result.map_err(|message| Refusal::new(field.to_string(), message))
-}
+pub use crate::refusal::Refusal;
+pub(crate) use crate::refusal::at;
 
 /// `<namespace>/<name>`, the key of a projected filter.
 pub fn key(filter: &Projected) -> String {

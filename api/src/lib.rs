@@ -27,11 +27,13 @@ pub mod gateway;
 pub mod http_filter;
 pub mod mesh_config;
 pub mod pod;
+mod refusal;
 mod resource;
 pub mod route;
 pub mod status;
 pub mod yaml;
 
+pub use refusal::Refusal;
 pub use route::{
     ConditionType, InvalidRoute, Rejected, RouteObject, backend_services, project, unresolved_backends, validate,
 };

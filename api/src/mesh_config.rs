@@ -24,24 +24,8 @@ mod yaml;
 pub use object::*;
 pub use yaml::parse_documents;
 
-/// Why a MeshConfig is refused. Display: `field: message`, the message quoting the input
-/// bounded. The field is the object's (`spec.resilience.retries.attempts`) from
-/// [`project`], the proto's (`resilience.retry_attempts`) from [`validate`].
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct Refusal {
-    pub field: String,
-    pub message: String,
-}
-
-impl Refusal {
-    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self {
-            field: field.into(),
-            message: message.into(),
-        }
-    }
-}
+pub use crate::refusal::Refusal;
+use crate::refusal::at;
 
 /// The range of each resilience value, shared by [`project`] and [`validate`].
 pub mod limits {
@@ -332,10 +316,6 @@ fn unsupported(field: &str, extra: &Unsupported) -> Result<(), Refusal> {
         _ => "is not a field of mesh.aether.io/v1alpha1 MeshConfig",
     };
     Err(Refusal::new(format!("{field}.{key}"), message))
-}
-
-fn at<T>(field: impl std::fmt::Display, result: Result<T, String>) -> Result<T, Refusal> {
-    result.map_err(|message| Refusal::new(field.to_string(), message))
 }
 
 fn in_range(field: &str, value: u64, range: std::ops::RangeInclusive<u64>) -> Result<u32, Refusal> {
