@@ -31,7 +31,7 @@ pub use decide::{
 pub use object::*;
 pub(crate) use validate::rules as validate_rules;
 pub use validate::{l7_on_non_http, validate};
-pub use yaml::parse_documents;
+pub use yaml::{from_documents, parse_documents};
 
 /// The namespace whose policies apply to every namespace, unless configured otherwise.
 pub const DEFAULT_ROOT_NAMESPACE: &str = "aether-system";

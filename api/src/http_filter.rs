@@ -27,7 +27,7 @@ mod yaml;
 use check::limits;
 pub use object::*;
 pub use validate::validate;
-pub use yaml::parse_documents;
+pub use yaml::{from_documents, parse_documents};
 
 pub use crate::refusal::Refusal;
 pub(crate) use crate::refusal::at;

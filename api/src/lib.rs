@@ -38,4 +38,4 @@ pub use route::{
     ConditionType, InvalidRoute, Rejected, RouteObject, backend_services, project, unresolved_backends, validate,
 };
 pub use status::parent_status;
-pub use yaml::{MeshObject, ParseError, mesh_object, parse_documents};
+pub use yaml::{Document, MeshObject, ParseError, documents, mesh_object, parse_documents, route_objects};

@@ -22,7 +22,7 @@ mod object;
 mod yaml;
 
 pub use object::*;
-pub use yaml::parse_documents;
+pub use yaml::{from_documents, parse_documents};
 
 pub use crate::refusal::Refusal;
 use crate::refusal::at;

@@ -34,38 +34,58 @@ impl fmt::Display for ParseError {
 
 impl std::error::Error for ParseError {}
 
-/// Parses every document of `text`: a route object, or why not, for each HTTPRoute and
-/// GRPCRoute; nothing for documents of other kinds. A YAML syntax error ends the text (the
-/// parser cannot find the next document reliably): it is the last item.
-pub fn parse_documents(text: &str) -> Vec<Result<RouteObject, ParseError>> {
-    read_documents(text, route_object)
-}
+/// One document of a YAML text: its value, or why the text stops being YAML there (the
+/// parser cannot find the next document reliably, so that is the last one).
+pub type Document = Result<Value, ParseError>;
 
-/// Every document of `text` that `pick` takes (`None`: another kind, skipped), with its
-/// errors numbered by document. Shared by the route and the authorization readers.
-pub(crate) fn read_documents<T>(
-    text: &str,
-    pick: impl Fn(Value) -> Option<Result<T, (String, String)>>,
-) -> Vec<Result<T, ParseError>> {
+/// Parses `text` into its documents, once: every kind then picks its own objects out of
+/// them (a config directory holds routes, policies, filters and MeshConfigs side by side).
+pub fn documents(text: &str) -> Vec<Document> {
     let mut input = text.as_bytes();
     (serde_saphyr::read::<_, Value>(&mut input).enumerate())
-        .filter_map(|(i, document)| {
-            let fail = |field: &str, message: String| ParseError {
+        .map(|(i, document)| {
+            document.map_err(|e| ParseError {
                 document: i + 1,
-                field: field.to_owned(),
-                message,
-            };
-            match document {
-                Ok(value) => pick(value).map(|r| r.map_err(|(field, message)| fail(&field, message))),
-                Err(e) => Some(Err(fail("", format!("not YAML: {}", clip(&e.to_string()))))),
-            }
+                field: String::new(),
+                message: format!("not YAML: {}", clip(&e.to_string())),
+            })
         })
         .collect()
 }
 
+/// Every document `take` recognizes (`None`: another kind, skipped), or why not, with
+/// errors numbered by document; a YAML syntax error is every kind's.
+pub(crate) fn pick<T>(
+    documents: &[Document],
+    take: impl Fn(&Value) -> Option<Result<T, (String, String)>>,
+) -> Vec<Result<T, ParseError>> {
+    (documents.iter().enumerate())
+        .filter_map(|(i, document)| match document {
+            Ok(value) => take(value).map(|r| {
+                r.map_err(|(field, message)| ParseError {
+                    document: i + 1,
+                    field,
+                    message,
+                })
+            }),
+            Err(e) => Some(Err(e.clone())),
+        })
+        .collect()
+}
+
+/// Every HTTPRoute and GRPCRoute among `documents`: a route object, or why not.
+pub fn route_objects(documents: &[Document]) -> Vec<Result<RouteObject, ParseError>> {
+    pick(documents, route_object)
+}
+
+/// [`route_objects`] of `text`'s documents.
+pub fn parse_documents(text: &str) -> Vec<Result<RouteObject, ParseError>> {
+    route_objects(&documents(text))
+}
+
 /// `None` for another kind of object; the field and message of an error otherwise.
-fn route_object(value: Value) -> Option<Result<RouteObject, (String, String)>> {
-    let Value::Object(fields) = &value else {
+fn route_object(value: &Value) -> Option<Result<RouteObject, (String, String)>> {
+    let Value::Object(fields) = value else {
         return Some(Err((
             String::new(),
             "is not a Kubernetes object (a mapping with apiVersion and kind)".to_owned(),
@@ -99,7 +119,7 @@ pub enum MeshObject {
 /// An object as the API server sends it (JSON, e.g. in an AdmissionReview) as one of the
 /// mesh's kinds: `None` for another kind, else the typed object or the field at fault —
 /// the same reading a route, policy or filter file gets.
-pub fn mesh_object(value: Value) -> Option<Result<MeshObject, (String, String)>> {
+pub fn mesh_object(value: &Value) -> Option<Result<MeshObject, (String, String)>> {
     use crate::{authorization as policy, http_filter as filter, mesh_config as mesh};
     let kind = value.get("kind").and_then(Value::as_str).unwrap_or_default().to_owned();
     match kind.as_str() {
@@ -117,10 +137,10 @@ pub fn mesh_object(value: Value) -> Option<Result<MeshObject, (String, String)>>
 /// A document as one of our kinds: `None` for another group or kind, a refusal naming
 /// `apiVersion` for a version we do not serve, else the typed object (or where it fails).
 pub(crate) fn of_kind<T: DeserializeOwned>(
-    value: Value,
+    value: &Value,
     (group, version, kind): (&str, &str, &str),
 ) -> Option<Result<T, (String, String)>> {
-    let Value::Object(fields) = &value else {
+    let Value::Object(fields) = value else {
         let message = "is not a Kubernetes object (a mapping with apiVersion and kind)";
         return Some(Err((String::new(), message.to_owned())));
     };
@@ -142,8 +162,8 @@ pub(crate) fn of_kind<T: DeserializeOwned>(
 
 /// The typed object, or the path of the field at fault. Path tracking costs an allocation
 /// per key, so it runs only once plain decoding has failed (the same impls decide both).
-pub(crate) fn typed<T: DeserializeOwned>(value: Value) -> Result<T, (String, String)> {
-    if let Ok(typed) = T::deserialize(&value) {
+pub(crate) fn typed<T: DeserializeOwned>(value: &Value) -> Result<T, (String, String)> {
+    if let Ok(typed) = T::deserialize(value) {
         return Ok(typed);
     }
     serde_path_to_error::deserialize(value)

@@ -43,7 +43,7 @@ impl Validator {
         // The request's kind, as sent: quoted bounded like any input.
         let kind = bounded(kind);
         let refused = |field: &str, message: &str| Verdict::Deny(refusal(&kind, field, message));
-        let object = match mesh_object(object) {
+        let object = match mesh_object(&object) {
             None => {
                 return Verdict::Deny(format!(
                     "{kind}: not a kind aether-controller validates (check the webhook configuration's rules)"

@@ -5,8 +5,8 @@
 //! callers' side). [`HttpFilters`] is their kind for the sources (`crate::sources`),
 //! which also watch them in the cluster and write their `Accepted` condition.
 
-use aether_api::ParseError;
 use aether_api::http_filter::{self as projector, HttpFilter as FilterObject};
+use aether_api::{Document, ParseError};
 use aether_proto::registry::v1::HttpFilter;
 
 use crate::cluster::Sets;
@@ -34,7 +34,7 @@ impl ObjectKind for HttpFilters {
             .map_err(|refusal| refusal.to_string())
     }
 
-    fn parse(text: &str) -> Vec<Result<FilterObject, ParseError>> {
-        projector::parse_documents(text)
+    fn pick(documents: &[Document]) -> Vec<Result<FilterObject, ParseError>> {
+        projector::from_documents(documents)
     }
 }

@@ -6,9 +6,9 @@
 //! side). [`MeshConfigs`] is their kind for the sources (`crate::sources`), which also
 //! watch them in the cluster and write their `Accepted` condition.
 
-use aether_api::ParseError;
 use aether_api::authorization::ProjectOptions;
 use aether_api::mesh_config::{self as projector, MeshConfig as ConfigObject};
+use aether_api::{Document, ParseError};
 use aether_proto::registry::v1::MeshConfig;
 
 use crate::cluster::Sets;
@@ -39,7 +39,7 @@ impl ObjectKind for MeshConfigs {
             .map_err(|refusal| refusal.to_string())
     }
 
-    fn parse(text: &str) -> Vec<Result<ConfigObject, ParseError>> {
-        projector::parse_documents(text)
+    fn pick(documents: &[Document]) -> Vec<Result<ConfigObject, ParseError>> {
+        projector::from_documents(documents)
     }
 }

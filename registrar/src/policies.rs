@@ -5,8 +5,8 @@
 //! (`crate::sources`), which also watch them in the cluster and write their `Accepted`
 //! condition.
 
-use aether_api::ParseError;
 use aether_api::authorization::{self as projector, AuthorizationPolicy as PolicyObject, ProjectOptions};
+use aether_api::{Document, ParseError};
 use aether_proto::registry::v1::AuthorizationPolicy;
 
 use crate::cluster::Sets;
@@ -37,7 +37,7 @@ impl ObjectKind for Policies {
             .map_err(|refusal| refusal.to_string())
     }
 
-    fn parse(text: &str) -> Vec<Result<PolicyObject, ParseError>> {
-        projector::parse_documents(text)
+    fn pick(documents: &[Document]) -> Vec<Result<PolicyObject, ParseError>> {
+        projector::from_documents(documents)
     }
 }

@@ -6,7 +6,7 @@
 
 pub mod kubernetes;
 
-use aether_api::{ParseError, RouteObject};
+use aether_api::{Document, ParseError, RouteObject};
 use aether_proto::registry::v1::Route;
 
 use crate::sources::ObjectKind;
@@ -28,7 +28,7 @@ impl ObjectKind for Routes {
         aether_api::project(object).map_err(|rejected| rejected.to_string())
     }
 
-    fn parse(text: &str) -> Vec<Result<RouteObject, ParseError>> {
-        aether_api::parse_documents(text)
+    fn pick(documents: &[Document]) -> Vec<Result<RouteObject, ParseError>> {
+        aether_api::route_objects(documents)
     }
 }

@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_api::ParseError;
+use aether_api::{Document, ParseError};
 use aether_common::quote::quote;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use tokio_util::sync::CancellationToken;
@@ -50,8 +50,8 @@ pub trait ObjectKind: Clone + Send + Sync + 'static {
     fn key(object: &Self::Object) -> String;
     /// Its record (`None`: not the mesh's), or why it is refused, naming the field.
     fn project(&self, object: &Self::Object) -> Result<Option<Self::Record>, String>;
-    /// The objects of this kind in a YAML text's documents (other kinds are skipped).
-    fn parse(text: &str) -> Vec<Result<Self::Object, ParseError>>;
+    /// The objects of this kind among a YAML text's documents (other kinds are skipped).
+    fn pick(documents: &[Document]) -> Vec<Result<Self::Object, ParseError>>;
 }
 
 /// The whole set of one kind's objects, as a cluster watch publishes it.

@@ -10,8 +10,9 @@
 //!    and paths; every fifth is a DENY (other namespaces on `/admin/*`, `DELETE` on its orders); the request is
 //!    allowed only by the second rule of the last ALLOW policy, so every rule that can match is evaluated.
 //!    **Paired:** a `control` pod, the same app on the same node and Envoy with no policy selecting it, is called
-//!    in alternation with backend (one keep-alive connection to each, one request to one then one to the other), so
-//!    both see the same moment of the machine; the added latency is backend's percentile minus control's, and the
+//!    in alternation with backend (a keep-alive connection to each, one request to one then one to the other; five
+//!    fresh pairs of connections per run, so both sides sample both Envoy workers), so both see the same moment of
+//!    the machine; the added latency is backend's percentile minus control's, and the
 //!    0-policy row (the same path twice) shows what is left of the noise. Rounds alternate between the counts. Also
 //!    printed: Envoy's CPU time per request (from `/proc`) while 8 keep-alive connections load backend with the
 //!    same GETs.
@@ -54,7 +55,9 @@ const DENY_EVERY: usize = 5;
 /// Keep-alive connections at once when measuring Envoy's CPU per request under load.
 const LOADED_CONNECTIONS: usize = 8;
 /// Requests on a fresh connection before the timed ones (connections up, caches hot).
-const WARM_UP_REQUESTS: usize = 1000;
+const WARM_UP_REQUESTS: usize = 200;
+/// Fresh connection pairs (one to backend, one to control) per run of part 1.
+const CONNECTION_PAIRS: usize = 5;
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(120);
 const FLIP_TIMEOUT: Duration = Duration::from_secs(10);
 const POLL_EVERY: Duration = Duration::from_millis(1);
@@ -492,9 +495,12 @@ async fn added_latency(node: &Node, k: &Knobs) {
         "1. added latency of N AuthorizationPolicies selecting backend ({RULES_PER_POLICY} rules each, every \
          {DENY_EVERY}th a DENY; the \
          request allowed by the last rule Envoy tries): GET {BENCH_PATH} frontend → backend's VIP (mTLS), paired \
-         with the same GET to control (no policy), alternating on one keep-alive connection to each, \
-         {WARM_UP_REQUESTS} warm-up + {per_run} timed pairs per run, {} rounds alternating {:?}",
-        k.rounds, k.counts
+         with the same GET to control (no policy), alternating on a keep-alive connection to each, \
+         {CONNECTION_PAIRS} connection pairs × ({WARM_UP_REQUESTS} warm-up + {} timed) per run, {} rounds \
+         alternating {:?}",
+        per_run.div_ceil(CONNECTION_PAIRS),
+        k.rounds,
+        k.counts
     );
     let mut runs = Vec::new();
     let mut cpu: Vec<(usize, Duration)> = Vec::new();
@@ -562,27 +568,39 @@ struct Pair {
     control: Vec<Duration>,
 }
 
-/// A fresh keep-alive connection to backend and one to control: the warm-up, then `requests` timed GETs to each,
-/// alternating (backend, control, backend, …). Panics on anything but 200.
+/// `requests` timed GETs to backend and as many to control, alternating (backend then control, control then
+/// backend, …), over
+/// [`CONNECTION_PAIRS`] fresh keep-alive connections to each in turn, each after a warm-up. Envoy gives each
+/// connection to one of its workers, and a worker busier than the other makes every request on its connections
+/// slower: a new pair of connections every few thousand requests lets both sides sample both workers alike.
+/// Panics on anything but 200.
 async fn timed_pairs(node: &Node, requests: usize) -> Pair {
-    let mut backend = KeepAlive::open(&node.frontend, node.target).await;
-    let mut control = KeepAlive::open(&node.frontend, node.control).await;
     let mut pair = Pair {
         backend: Vec::with_capacity(requests),
         control: Vec::with_capacity(requests),
     };
-    for i in 0..WARM_UP_REQUESTS + requests {
-        for (conn, samples, name) in [
-            (&mut backend, &mut pair.backend, "backend"),
-            (&mut control, &mut pair.control, "control"),
-        ] {
-            match conn.get(BENCH_PATH).await {
-                Ok((200, took)) if i >= WARM_UP_REQUESTS => samples.push(took),
-                Ok((200, _)) => {}
-                answer => panic!(
-                    "GET {BENCH_PATH} #{i} to {name} on the keep-alive connection: {answer:?}; agent log tail:\n{}",
-                    node.agent_tail(20)
-                ),
+    let per_pair = requests.div_ceil(CONNECTION_PAIRS);
+    for _ in 0..CONNECTION_PAIRS {
+        let mut backend = KeepAlive::open(&node.frontend, node.target).await;
+        let mut control = KeepAlive::open(&node.frontend, node.control).await;
+        for i in 0..WARM_UP_REQUESTS + per_pair {
+            let mut both = [
+                (&mut backend, &mut pair.backend, "backend"),
+                (&mut control, &mut pair.control, "control"),
+            ];
+            // Which goes first alternates: the second of two back-to-back requests is not timed alike.
+            if i % 2 == 1 {
+                both.reverse();
+            }
+            for (conn, samples, name) in both {
+                match conn.get(BENCH_PATH).await {
+                    Ok((200, took)) if i >= WARM_UP_REQUESTS => samples.push(took),
+                    Ok((200, _)) => {}
+                    answer => panic!(
+                        "GET {BENCH_PATH} #{i} to {name} on the keep-alive connection: {answer:?}; agent log tail:\n{}",
+                        node.agent_tail(20)
+                    ),
+                }
             }
         }
     }

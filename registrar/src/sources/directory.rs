@@ -15,6 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
+use aether_api::Document;
 use aether_api::authorization::ProjectOptions;
 use notify::{RecursiveMode, Watcher};
 use std::sync::Arc;
@@ -109,8 +110,9 @@ struct Kind<K: ObjectKind> {
     reported: Vec<Refusal>,
 }
 
-/// A file of the listing: its path, its name for origins, and its text or why not.
-type File = (PathBuf, String, Result<String, String>);
+/// A file of the listing: its path, its name for origins, and its YAML documents (parsed
+/// once, every kind picks its own) or why it could not be read.
+type File = (PathBuf, String, Result<Vec<Document>, String>);
 
 /// A kind's objects read from the files: each with its origin, the keys to hold
 /// (those of files that did not parse whole), and the documents refused.
@@ -141,7 +143,8 @@ impl Directory {
                 let name = path
                     .file_name()
                     .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
-                (path.clone(), name, read_file(path, *size))
+                let documents = read_file(path, *size).map(|text| aether_api::documents(&text));
+                (path.clone(), name, documents)
             })
             .collect();
         // A file that cannot be read is refused once, with the routes.
@@ -187,18 +190,18 @@ impl<K: ObjectKind> Kind<K> {
         apply(catalog, metrics, "directory", projection, &mut self.reported).await
     }
 
-    /// Parses this kind's objects out of every file (one that cannot be read is
+    /// Picks this kind's objects out of every file (one that cannot be read is
     /// refused once, by the caller).
     fn read(&mut self, files: &[File]) -> Read<K::Object> {
         let (mut objects, mut refused, mut unreadable) = (Vec::new(), Vec::new(), Vec::new());
         let mut keys_by_file = HashMap::new();
-        for (path, name, text) in files {
-            let Ok(text) = text else {
+        for (path, name, documents) in files {
+            let Ok(documents) = documents else {
                 unreadable.push(path.clone());
                 continue;
             };
             let (mut keys, mut whole) = (Vec::new(), true);
-            for (i, document) in K::parse(text).into_iter().enumerate() {
+            for (i, document) in K::pick(documents).into_iter().enumerate() {
                 let origin = format!("{name}#{i}");
                 match document {
                     Ok(object) => {
