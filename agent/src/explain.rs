@@ -774,8 +774,10 @@ fn authorization(f: &Facts) -> Hop {
     };
     let fix =
         "change the policy (or the caller's identity); `aether_agent_authorization_decisions_total` counts its denials";
+    // Said alike whether a logged denial or the node's own judgement names it.
+    let default_deny = "the target's namespace denies by default (MeshConfig defaultAction DENY)";
     if let Some(d) = &a.recent_denial {
-        let why = format!(
+        let mut why = format!(
             "{} denied {} {} from {}: {}",
             d.pod,
             d.method,
@@ -783,6 +785,9 @@ fn authorization(f: &Facts) -> Hop {
             d.source,
             d.decided_by()
         );
+        if a.default_deny && d.policy.is_empty() {
+            why.push_str(&format!("; {default_deny}"));
+        }
         return hop("authorization", Status::Fail, &why, fix);
     }
     let name = |p: &aether_api::authorization::PolicyRule| format!("policy {} rule {}", p.policy, p.rule);
@@ -795,9 +800,7 @@ fn authorization(f: &Facts) -> Hop {
         Some(d) if d.verdict == Verdict::Deny => {
             let why = match &d.cause {
                 Cause::Denied(p) => format!("denied by {}", name(p)),
-                _ if a.default_deny => "no ALLOW policy allows the call, and the target's namespace denies by default \
-                                        (MeshConfig defaultAction DENY)"
-                    .to_owned(),
+                _ if a.default_deny => format!("no ALLOW policy allows the call, and {default_deny}"),
                 _ => "no ALLOW policy selecting the target matches the call".to_owned(),
             };
             hop("authorization", Status::Fail, format!("{why}{unjudged}"), fix)

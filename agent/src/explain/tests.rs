@@ -164,6 +164,26 @@ const CASES: &[(&str, Fault, &str, Status, &str)] = &[
         "denied by policy demo/no-frontend rule 0",
     ),
     (
+        "a logged denial in a namespace that denies by default",
+        |f| {
+            authz(f).default_deny = true;
+            authz(f).recent_denial = Some(crate::access_log::decisions::Decision {
+                at_ms: 1,
+                verdict: crate::access_log::decisions::Verdict::Deny,
+                policy: String::new(),
+                rule: None,
+                source: "spiffe://cluster.local/ns/demo/sa/frontend".into(),
+                pod: "demo/backend-1".into(),
+                port: 8080,
+                method: "GET".into(),
+                path: "/".into(),
+            })
+        },
+        "authorization",
+        Status::Fail,
+        "no ALLOW policy selecting the pod matched; the target's namespace denies by default (MeshConfig defaultAction DENY)",
+    ),
+    (
         "a namespace that denies by default",
         |f| {
             let policy = aether_api::mesh_config::default_deny("demo");
