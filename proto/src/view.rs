@@ -151,6 +151,51 @@ impl CatalogView {
         }
     }
 
+    /// Applies one change of a Delta.
+    fn apply_change(&mut self, change: change::Change) -> Result<(), ViewError> {
+        match change {
+            change::Change::ServiceAdded(service) => self.add_service(service),
+            change::Change::ServiceRemoved(key) => {
+                self.services.remove(&key);
+                self.endpoints.remove(&key);
+            }
+            change::Change::EndpointAdded(endpoint) | change::Change::EndpointUpdated(endpoint) => {
+                self.put_endpoint(endpoint)?
+            }
+            change::Change::EndpointRemoved(removed) => {
+                if let Some(endpoints) = self.endpoints.get_mut(&removed.service) {
+                    Arc::make_mut(endpoints).remove(&removed.address);
+                }
+            }
+            change::Change::RoutePut(route) => {
+                self.routes.insert(route_key(&route), Arc::new(route));
+            }
+            change::Change::RouteRemoved(key) => {
+                self.routes.remove(&key);
+            }
+            change::Change::PolicyPut(policy) => {
+                self.policies.insert(policy_key(&policy), Arc::new(policy));
+            }
+            change::Change::PolicyRemoved(key) => {
+                self.policies.remove(&key);
+            }
+            change::Change::HttpFilterPut(filter) => {
+                self.http_filters.insert(http_filter_key(&filter), Arc::new(filter));
+            }
+            change::Change::HttpFilterRemoved(key) => {
+                self.http_filters.remove(&key);
+            }
+            change::Change::MeshConfigPut(config) => {
+                let key = mesh_config_key(&config);
+                self.mesh_configs.insert(key, Arc::new(config));
+            }
+            change::Change::MeshConfigRemoved(key) => {
+                self.mesh_configs.remove(&key);
+            }
+        }
+        Ok(())
+    }
+
     /// Every endpoint, in key then address order.
     pub fn all_endpoints(&self) -> impl Iterator<Item = &Endpoint> {
         self.endpoints.values().flat_map(|e| e.values())
@@ -208,48 +253,8 @@ impl WatchView {
                 }
                 let version = delta.version.ok_or(ViewError::NoVersion("delta"))?;
                 for change in delta.changes {
-                    match change.change.ok_or(ViewError::EmptyChange)? {
-                        change::Change::ServiceAdded(service) => self.catalog.add_service(service),
-                        change::Change::ServiceRemoved(key) => {
-                            self.catalog.services.remove(&key);
-                            self.catalog.endpoints.remove(&key);
-                        }
-                        change::Change::EndpointAdded(endpoint) | change::Change::EndpointUpdated(endpoint) => {
-                            self.catalog.put_endpoint(endpoint)?
-                        }
-                        change::Change::EndpointRemoved(removed) => {
-                            if let Some(endpoints) = self.catalog.endpoints.get_mut(&removed.service) {
-                                Arc::make_mut(endpoints).remove(&removed.address);
-                            }
-                        }
-                        change::Change::RoutePut(route) => {
-                            self.catalog.routes.insert(route_key(&route), Arc::new(route));
-                        }
-                        change::Change::RouteRemoved(key) => {
-                            self.catalog.routes.remove(&key);
-                        }
-                        change::Change::PolicyPut(policy) => {
-                            self.catalog.policies.insert(policy_key(&policy), Arc::new(policy));
-                        }
-                        change::Change::PolicyRemoved(key) => {
-                            self.catalog.policies.remove(&key);
-                        }
-                        change::Change::HttpFilterPut(filter) => {
-                            self.catalog
-                                .http_filters
-                                .insert(http_filter_key(&filter), Arc::new(filter));
-                        }
-                        change::Change::HttpFilterRemoved(key) => {
-                            self.catalog.http_filters.remove(&key);
-                        }
-                        change::Change::MeshConfigPut(config) => {
-                            let key = mesh_config_key(&config);
-                            self.catalog.mesh_configs.insert(key, Arc::new(config));
-                        }
-                        change::Change::MeshConfigRemoved(key) => {
-                            self.catalog.mesh_configs.remove(&key);
-                        }
-                    }
+                    self.catalog
+                        .apply_change(change.change.ok_or(ViewError::EmptyChange)?)?;
                 }
                 self.version = Some(version);
                 self.filter_id = delta.filter_id;
