@@ -37,7 +37,7 @@ pub use yaml::{from_documents, parse_documents};
 pub const DEFAULT_ROOT_NAMESPACE: &str = "aether-system";
 
 pub use crate::refusal::Refusal;
-pub(crate) use crate::refusal::at;
+pub(crate) use crate::refusal::{Field, at};
 
 /// What the projector needs to know about the mesh.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -76,8 +76,9 @@ pub fn project(object: &AuthorizationPolicy, options: &ProjectOptions) -> Result
     }
     let target = target(spec, namespace, options)?;
     bounded("spec.rules", spec.rules.len(), limits::RULES)?;
+    let rules_field = Field::root("spec.rules");
     let rules = spec.rules.iter().enumerate();
-    let rules = rules.map(|(i, r)| rule(r, &format!("spec.rules[{i}]")));
+    let rules = rules.map(|(i, r)| rule(r, &rules_field.index(i)));
     Ok(Projected {
         namespace: namespace.to_owned(),
         name: name.to_owned(),
@@ -101,7 +102,7 @@ fn unknown_action(other: &str) -> Refusal {
 
 /// A field this version does not know: refused, never ignored (ignoring a condition would
 /// change what the policy matches).
-fn unsupported(field: &str, extra: &Unsupported) -> Result<(), Refusal> {
+fn unsupported(field: impl std::fmt::Display, extra: &Unsupported) -> Result<(), Refusal> {
     match extra.keys().next() {
         None => Ok(()),
         Some(key) => Err(Refusal::new(
@@ -111,9 +112,9 @@ fn unsupported(field: &str, extra: &Unsupported) -> Result<(), Refusal> {
     }
 }
 
-fn bounded(field: &str, len: usize, max: usize) -> Result<(), Refusal> {
+fn bounded(field: impl std::fmt::Display, len: usize, max: usize) -> Result<(), Refusal> {
     if len > max {
-        return Err(Refusal::new(field, format!("holds {len} (at most {max})")));
+        return Err(Refusal::new(field.to_string(), format!("holds {len} (at most {max})")));
     }
     Ok(())
 }
@@ -178,19 +179,20 @@ fn target_ref(target: &TargetRef, namespace: &str, field: &str) -> Result<String
 }
 
 /// One rule, projected; `field` is where it is (HTTPFilter's `spec.rbac.rules[i]` too).
-pub(crate) fn rule(rule: &Rule, field: &str) -> Result<AuthorizationRule, Refusal> {
+pub(crate) fn rule(rule: &Rule, field: &Field) -> Result<AuthorizationRule, Refusal> {
     unsupported(field, &rule.unsupported)?;
-    bounded(&format!("{field}.from"), rule.from.len(), limits::FROM_PER_RULE)?;
-    bounded(&format!("{field}.to"), rule.to.len(), limits::TO_PER_RULE)?;
+    let (from_field, to_field) = (field.name("from"), field.name("to"));
+    bounded(from_field, rule.from.len(), limits::FROM_PER_RULE)?;
+    bounded(to_field, rule.to.len(), limits::TO_PER_RULE)?;
     let from = rule.from.iter().enumerate().map(|(i, from)| {
-        let at_i = format!("{field}.from[{i}]");
-        unsupported(&at_i, &from.unsupported)?;
-        source(&from.source, &format!("{at_i}.source"))
+        let at_i = from_field.index(i);
+        unsupported(at_i, &from.unsupported)?;
+        source(&from.source, &at_i.name("source"))
     });
     let to = rule.to.iter().enumerate().map(|(i, to)| {
-        let at_i = format!("{field}.to[{i}]");
-        unsupported(&at_i, &to.unsupported)?;
-        operation(&to.operation, &format!("{at_i}.operation"))
+        let at_i = to_field.index(i);
+        unsupported(at_i, &to.unsupported)?;
+        operation(&to.operation, &at_i.name("operation"))
     });
     Ok(AuthorizationRule {
         from: from.collect::<Result<_, _>>()?,
@@ -199,14 +201,14 @@ pub(crate) fn rule(rule: &Rule, field: &str) -> Result<AuthorizationRule, Refusa
 }
 
 /// Each value of a list checked and projected, the field naming the value's index.
-fn each<T, U>(field: &str, list: &[T], one: impl Fn(&T) -> Result<U, String>) -> Result<Vec<U>, Refusal> {
+fn each<T, U>(field: Field, list: &[T], one: impl Fn(&T) -> Result<U, String>) -> Result<Vec<U>, Refusal> {
     bounded(field, list.len(), limits::VALUES)?;
     let values = list.iter().enumerate();
-    values.map(|(i, v)| at(format!("{field}[{i}]"), one(v))).collect()
+    values.map(|(i, v)| at(field.index(i), one(v))).collect()
 }
 
 fn patterns(
-    field: &str,
+    field: Field,
     list: &[String],
     normalise: fn(&str) -> String,
     check: fn(&AuthorizationPattern) -> Result<(), String>,
@@ -217,26 +219,17 @@ fn patterns(
     })
 }
 
-fn source(source: &Source, field: &str) -> Result<AuthorizationSource, Refusal> {
+fn source(source: &Source, field: &Field) -> Result<AuthorizationSource, Refusal> {
     unsupported(field, &source.unsupported)?;
     let as_is = |s: &str| s.to_owned();
     let exact = |name: &str, list: &[String], check: fn(&str) -> Result<(), String>| {
-        each(&format!("{field}.{name}"), list, |v| check(v).map(|()| v.clone()))
+        each(field.name(name), list, |v| check(v).map(|()| v.clone()))
     };
-    let ip_blocks = |name: &str, list: &[String]| each(&format!("{field}.{name}"), list, |v| check::ip_block(v));
+    let ip_blocks = |name: &str, list: &[String]| each(field.name(name), list, |v| check::ip_block(v));
+    let principals = |name: &str, list: &[String]| patterns(field.name(name), list, as_is, check::principal);
     Ok(AuthorizationSource {
-        principals: patterns(
-            &format!("{field}.principals"),
-            &source.principals,
-            as_is,
-            check::principal,
-        )?,
-        not_principals: patterns(
-            &format!("{field}.notPrincipals"),
-            &source.not_principals,
-            as_is,
-            check::principal,
-        )?,
+        principals: principals("principals", &source.principals)?,
+        not_principals: principals("notPrincipals", &source.not_principals)?,
         service_accounts: exact("serviceAccounts", &source.service_accounts, check::service_account)?,
         not_service_accounts: exact(
             "notServiceAccounts",
@@ -250,25 +243,23 @@ fn source(source: &Source, field: &str) -> Result<AuthorizationSource, Refusal> 
     })
 }
 
-fn operation(operation: &Operation, field: &str) -> Result<AuthorizationOperation, Refusal> {
+fn operation(operation: &Operation, field: &Field) -> Result<AuthorizationOperation, Refusal> {
     unsupported(field, &operation.unsupported)?;
     let as_is = |s: &str| s.to_owned();
     let lower = |s: &str| s.to_ascii_lowercase();
-    let ports = |name: &str, list: &[i64]| each(&format!("{field}.{name}"), list, |p| check::port(*p));
-    let methods = |name: &str, list: &[String]| {
-        each(&format!("{field}.{name}"), list, |m| {
-            check::method(m).map(|()| m.clone())
-        })
-    };
+    let ports = |name: &str, list: &[i64]| each(field.name(name), list, |p| check::port(*p));
+    let methods = |name: &str, list: &[String]| each(field.name(name), list, |m| check::method(m).map(|()| m.clone()));
+    let paths = |name: &str, list: &[String]| patterns(field.name(name), list, as_is, check::path);
+    let hosts = |name: &str, list: &[String]| patterns(field.name(name), list, lower, check::host);
     Ok(AuthorizationOperation {
         ports: ports("ports", &operation.ports)?,
         not_ports: ports("notPorts", &operation.not_ports)?,
         methods: methods("methods", &operation.methods)?,
         not_methods: methods("notMethods", &operation.not_methods)?,
-        paths: patterns(&format!("{field}.paths"), &operation.paths, as_is, check::path)?,
-        not_paths: patterns(&format!("{field}.notPaths"), &operation.not_paths, as_is, check::path)?,
-        hosts: patterns(&format!("{field}.hosts"), &operation.hosts, lower, check::host)?,
-        not_hosts: patterns(&format!("{field}.notHosts"), &operation.not_hosts, lower, check::host)?,
+        paths: paths("paths", &operation.paths)?,
+        not_paths: paths("notPaths", &operation.not_paths)?,
+        hosts: hosts("hosts", &operation.hosts)?,
+        not_hosts: hosts("notHosts", &operation.not_hosts)?,
     })
 }
 

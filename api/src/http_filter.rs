@@ -331,7 +331,8 @@ fn rbac(r: &Rbac) -> Result<RbacFilter, Refusal> {
     let rules_field = format!("{field}.rules");
     bounded(&rules_field, r.rules.len(), authorization::check::limits::RULES)?;
     let rules = r.rules.iter().enumerate();
-    let rules = rules.map(|(i, rule)| authorization::rule(rule, &format!("{rules_field}[{i}]")));
+    let rules_at = crate::refusal::Field::root(&rules_field);
+    let rules = rules.map(|(i, rule)| authorization::rule(rule, &rules_at.index(i)));
     let rules = rules.collect::<Result<Vec<_>, _>>()?;
     if let Some((i, j, not)) = check::ports_in_rules(&rules) {
         let name = if not { "notPorts" } else { "ports" };
