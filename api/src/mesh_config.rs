@@ -81,14 +81,27 @@ pub fn project(object: &MeshConfig, options: &ProjectOptions) -> Result<Projecte
         }
     };
     let resilience = spec.resilience.as_ref().map(resilience).transpose()?;
+    let mesh_wide = namespace == options.root_namespace;
+    let mesh_domain = spec.mesh_domain.clone().unwrap_or_default();
+    if !mesh_domain.is_empty() && !mesh_wide {
+        let message = format!(
+            "is mesh-wide: set it in the MeshConfig of the mesh root namespace {}",
+            quote(&options.root_namespace)
+        );
+        return Err(Refusal::new("spec.meshDomain", message));
+    }
+    if spec.mesh_domain.is_some() {
+        at("spec.meshDomain", check_mesh_domain(&mesh_domain))?;
+    }
     Ok(Projected {
         namespace: namespace.to_owned(),
         name: name.to_owned(),
         generation: meta.generation.unwrap_or(0),
-        mesh_wide: namespace == options.root_namespace,
+        mesh_wide,
         inbound_mtls: inbound_mtls.into(),
         default_authorization: default_authorization.into(),
         resilience,
+        mesh_domain,
     })
 }
 
@@ -149,6 +162,15 @@ pub fn validate(config: &Projected) -> Result<(), Refusal> {
         let message = format!("{} is not an action", config.default_authorization);
         return Err(Refusal::new("default_authorization", message));
     }
+    if !config.mesh_domain.is_empty() {
+        if !config.mesh_wide {
+            return Err(Refusal::new(
+                "mesh_domain",
+                "is set on a MeshConfig that is not mesh-wide",
+            ));
+        }
+        at("mesh_domain", check_mesh_domain(&config.mesh_domain))?;
+    }
     let Some(r) = &config.resilience else { return Ok(()) };
     let check = |field: &str, value: Option<u32>, range: std::ops::RangeInclusive<i64>| match value {
         Some(v) if !range.contains(&i64::from(v)) => Err(Refusal::new(
@@ -193,6 +215,9 @@ pub struct Settings {
     /// [`DefaultAuthorization::Allow`] or [`DefaultAuthorization::Deny`].
     pub default_authorization: DefaultAuthorization,
     pub resilience: ResilienceSettings,
+    /// The mesh-wide MeshConfig's domain, served next to the install-time one; `None`: it
+    /// sets none.
+    pub mesh_domain: Option<String>,
 }
 
 /// Resilience defaults for calls to one namespace's services, every one decided.
@@ -258,6 +283,7 @@ pub fn effective<'a>(configs: impl IntoIterator<Item = &'a Projected>, namespace
     Settings {
         inbound_mtls,
         default_authorization: default_authorization.unwrap_or(DefaultAuthorization::Allow),
+        mesh_domain: mesh.map(|c| c.mesh_domain.clone()).filter(|d| !d.is_empty()),
         resilience: ResilienceSettings {
             connect_timeout_ms: value(|r| r.connect_timeout_ms, built_in.connect_timeout_ms),
             request_timeout_ms: value(|r| r.request_timeout_ms, built_in.request_timeout_ms),
@@ -304,18 +330,16 @@ fn check_name(field: &str, name: &str) -> Result<(), Refusal> {
     Err(Refusal::new(field, message))
 }
 
-/// A field this version does not know: refused, never ignored. The mesh domain is named
-/// apart: it is set when the mesh is installed (proposals/016).
+/// A field this version does not know: refused, never ignored.
 fn unsupported(field: &str, extra: &Unsupported) -> Result<(), Refusal> {
     let Some(key) = extra.keys().next() else { return Ok(()) };
-    let message = match key.as_str() {
-        "meshDomain" => {
-            "is set when the mesh is installed (the chart's meshDomain), since every pod's DNS search path \
-             holds it; see proposals/016"
-        }
-        _ => "is not a field of mesh.aether.io/v1alpha1 MeshConfig",
-    };
+    let message = "is not a field of mesh.aether.io/v1alpha1 MeshConfig";
     Err(Refusal::new(format!("{field}.{key}"), message))
+}
+
+/// A mesh domain (`aether_common::names::mesh_domain`), the rule mesh-dns reads aliases with.
+fn check_mesh_domain(domain: &str) -> Result<(), String> {
+    aether_common::names::mesh_domain(domain).map_err(|e| format!("{} {e}", quote(domain)))
 }
 
 fn in_range(field: &str, value: u64, range: std::ops::RangeInclusive<u64>) -> Result<u32, Refusal> {

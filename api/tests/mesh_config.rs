@@ -50,6 +50,7 @@ fn a_whole_mesh_config_projects_field_by_field() {
                 max_pending_requests: Some(10),
                 max_requests: Some(1000),
             }),
+            mesh_domain: String::new(),
         }
     );
     assert_eq!(validate(&projected), Ok(()));
@@ -129,6 +130,33 @@ fn validate_refuses_what_a_store_could_hold_out_of_range() {
     config.resilience = None;
     config.name = "other".into();
     assert_eq!(validate(&config).unwrap_err().field, "name");
+    config.name = "default".into();
+
+    // A mesh domain only where the projector puts one: mesh-wide, a domain.
+    config.mesh_domain = "corp.internal".into();
+    assert_eq!(
+        validate(&config).unwrap_err().to_string(),
+        "mesh_domain: is set on a MeshConfig that is not mesh-wide"
+    );
+    config.mesh_wide = true;
+    assert_eq!(validate(&config), Ok(()));
+    config.mesh_domain = "corp".into();
+    assert!(validate(&config).unwrap_err().message.contains("has one label"));
+}
+
+#[test]
+fn the_mesh_domain_is_the_mesh_wide_configs_alone() {
+    let mut mesh = one(&config("aether-system", "  meshDomain: corp.internal\n")).unwrap();
+    assert_eq!(mesh.mesh_domain, "corp.internal");
+    let shop = one(&config("shop", "  mtls: {}\n")).unwrap();
+    assert_eq!(
+        effective([&mesh, &shop], "shop").mesh_domain.as_deref(),
+        Some("corp.internal")
+    );
+    assert_eq!(effective([&mesh], "").mesh_domain.as_deref(), Some("corp.internal"));
+    assert_eq!(effective([&shop], "shop").mesh_domain, None);
+    mesh.mesh_domain.clear();
+    assert_eq!(effective([&mesh, &shop], "shop").mesh_domain, None, "unset: none");
 }
 
 fn projected(namespace: &str, mesh_wide: bool, mtls: InboundMtlsMode, action: DefaultAuthorization) -> MeshConfig {

@@ -1,5 +1,5 @@
 //! The naming rules more than one binary checks: DNS-1123 labels (Kubernetes namespaces
-//! and service names) and CNI container ids.
+//! and service names), mesh domains and CNI container ids.
 //!
 //! Only the rule lives here. Each caller words its own error (a gRPC field, a CNI
 //! variable, an annotation entry) from the typed reason these functions return, so its
@@ -47,6 +47,40 @@ pub fn valid_label(label: &str) -> bool {
     dns_label(label).is_ok()
 }
 
+/// The longest mesh domain: `<service>.<namespace>.` (two labels of 63 and their dots)
+/// under it stays within a DNS name's 253 characters.
+pub const MAX_MESH_DOMAIN_LEN: usize = 125;
+
+/// Why a string is not a mesh domain.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum MeshDomainError {
+    #[error("is {0} characters long (at most 125, so that <service>.<namespace>. fits under it)")]
+    TooLong(usize),
+    /// One label: a top-level domain would make every name under it the mesh's.
+    #[error("has one label: a mesh domain has at least two (under a top-level domain, every name would be the mesh's)")]
+    OneLabel,
+    /// The label at this index (from the left) is not a DNS-1123 label.
+    #[error("label {0} {1}")]
+    Label(usize, LabelError),
+}
+
+/// Checks a mesh domain (`aether.internal`): at least two DNS-1123 labels, lowercase, no
+/// trailing dot, at most [`MAX_MESH_DOMAIN_LEN`] characters.
+pub fn mesh_domain(domain: &str) -> Result<(), MeshDomainError> {
+    if domain.len() > MAX_MESH_DOMAIN_LEN {
+        return Err(MeshDomainError::TooLong(domain.len()));
+    }
+    let labels = domain.split('.');
+    labels
+        .clone()
+        .enumerate()
+        .try_for_each(|(i, label)| dns_label(label).map_err(|e| MeshDomainError::Label(i, e)))?;
+    match labels.count() {
+        1 => Err(MeshDomainError::OneLabel),
+        _ => Ok(()),
+    }
+}
+
 /// Why a string is not a container id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ContainerIdError {
@@ -89,6 +123,30 @@ mod tests {
             dns_label(&"a".repeat(64)).unwrap_err().to_string(),
             "is 64 characters long (at most 63)"
         );
+    }
+
+    #[test]
+    fn mesh_domains() {
+        for ok in [
+            "aether.internal",
+            "corp.example",
+            "a.b.c",
+            &format!("{}.{}", "a".repeat(63), "b".repeat(61)),
+        ] {
+            assert_eq!(mesh_domain(ok), Ok(()), "{ok:?}");
+        }
+        assert_eq!(mesh_domain("internal"), Err(MeshDomainError::OneLabel));
+        assert_eq!(mesh_domain(&"a.".repeat(63)), Err(MeshDomainError::TooLong(126)));
+        assert_eq!(
+            mesh_domain("aether.internal."),
+            Err(MeshDomainError::Label(2, LabelError::Empty))
+        );
+        assert_eq!(
+            mesh_domain("Corp.example"),
+            Err(MeshDomainError::Label(0, LabelError::NotALabel))
+        );
+        assert_eq!(mesh_domain(""), Err(MeshDomainError::Label(0, LabelError::Empty)));
+        assert_eq!(mesh_domain("a..b").unwrap_err().to_string(), "label 1 is empty");
     }
 
     #[test]

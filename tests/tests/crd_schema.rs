@@ -95,6 +95,7 @@ const AUTHORIZATION_ONLY: [(&str, &str); 7] = [
 
 const UNKNOWN_FIELD: &str = "an unknown field, kept for the projector to refuse by name";
 const DURATION_BOUNDS: &str = "a duration's bounds: the schema states its syntax only";
+const ROOT_NAMESPACE: &str = "the mesh root namespace is a flag of the registrar and the controller, not the schema's";
 
 const HTTP_FILTER_ONLY: [(&str, &str); 11] = [
     ("fill-interval-short", DURATION_BOUNDS),
@@ -119,7 +120,7 @@ const HTTP_FILTER_ONLY: [(&str, &str); 11] = [
 const MESH_CONFIG_ONLY: [(&str, &str); 7] = [
     ("connect-timeout-long", DURATION_BOUNDS),
     ("connect-timeout-zero", DURATION_BOUNDS),
-    ("mesh-domain", UNKNOWN_FIELD),
+    ("mesh-domain", ROOT_NAMESPACE),
     ("per-try-timeout", UNKNOWN_FIELD),
     ("request-timeout-long", DURATION_BOUNDS),
     ("unknown-field", UNKNOWN_FIELD),
@@ -955,6 +956,7 @@ fn every_mesh_config_field() -> Value {
         default_action: Some(mesh_config::DefaultAction::Deny),
         ..Default::default()
     });
+    object.spec.mesh_domain = Some("corp.internal".into());
     let mut value = serde_json::to_value(object).unwrap();
     value["apiVersion"] = json!("mesh.aether.io/v1alpha1");
     value["kind"] = json!("MeshConfig");

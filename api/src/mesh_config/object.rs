@@ -40,6 +40,10 @@ pub struct MeshConfigSpec {
     pub authorization: Option<Authorization>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resilience: Option<Resilience>,
+    /// Mesh-wide only: a domain the mesh answers to next to the install-time one, and the
+    /// one new pods search.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mesh_domain: Option<String>,
     #[serde(flatten, skip_serializing_if = "BTreeMap::is_empty")]
     pub unsupported: Unsupported,
 }
