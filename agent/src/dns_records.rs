@@ -5,7 +5,9 @@
 //!
 //! The node's main Watch stream carries only its dependency set, so the file is fed by
 //! a second, services-only one ([`crate::catalog_watch::Interest::ServicesOnly`]):
-//! every service's record, no endpoints.
+//! every service's record, no endpoints, and the mesh-wide MeshConfig, whose mesh domain
+//! (when it is not the node's `--mesh-domain`) the file lists as an alias: mesh-dns
+//! answers the same names under it (proposals/016).
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -107,9 +109,24 @@ pub fn records_of(catalog: &CatalogView) -> (BTreeMap<(String, String), Addresse
     (out, bad)
 }
 
+/// The alias domains of the file: the mesh-wide MeshConfig's mesh domain, unless it is
+/// `mesh_domain` (the node's own, always answered).
+pub fn aliases_of(catalog: &CatalogView, mesh_domain: &str) -> Vec<String> {
+    let settings = crate::mesh_settings::MeshSettings::new(&catalog.mesh_configs).mesh();
+    settings.mesh_domain.into_iter().filter(|d| d != mesh_domain).collect()
+}
+
+/// What the file says.
+pub struct Content {
+    pub records: BTreeMap<(String, String), Addresses>,
+    pub aliases: Vec<String>,
+}
+
 pub struct DnsRecords {
     path: PathBuf,
     restamp: Duration,
+    /// The node's mesh domain: mesh-dns's own, never an alias.
+    mesh_domain: String,
     metrics: DnsRecordsMetrics,
     /// The file as last written, or as a previous run left it.
     current: Option<RecordFile>,
@@ -120,7 +137,12 @@ pub struct DnsRecords {
 }
 
 impl DnsRecords {
-    pub fn new(state_dir: &Path, restamp: Duration, metrics: DnsRecordsMetrics) -> Result<Self, DnsRecordsError> {
+    pub fn new(
+        state_dir: &Path,
+        restamp: Duration,
+        mesh_domain: &str,
+        metrics: DnsRecordsMetrics,
+    ) -> Result<Self, DnsRecordsError> {
         let path = path(state_dir);
         let dir = path.parent().expect("the record path has a directory");
         let dir_error = |source| DnsRecordsError::Dir {
@@ -134,6 +156,7 @@ impl DnsRecords {
         Ok(Self {
             path,
             restamp,
+            mesh_domain: mesh_domain.to_owned(),
             metrics,
             current: previous,
             have_view: false,
@@ -141,13 +164,13 @@ impl DnsRecords {
         })
     }
 
-    /// Writes the file for `records` if they changed (new generation), or re-stamps it
-    /// if `restamp`. Nothing is written before the first catalog view: an old file is
-    /// better than an empty one.
-    async fn write(&mut self, records: Option<BTreeMap<(String, String), Addresses>>, restamp: bool) {
+    /// Writes the file for `content` if it changed (new generation), or re-stamps it if
+    /// `restamp`. Nothing is written before the first catalog view: an old file is better
+    /// than an empty one.
+    async fn write(&mut self, content: Option<Content>, restamp: bool) {
         let now = SystemTime::now();
-        let file = match (records, &self.current) {
-            (Some(records), Some(current)) if records == current.records => {
+        let file = match (content, &self.current) {
+            (Some(new), Some(current)) if new.records == current.records && new.aliases == current.aliases => {
                 if self.have_view && self.written && !restamp {
                     return;
                 }
@@ -156,10 +179,11 @@ impl DnsRecords {
                     ..current.clone()
                 }
             }
-            (Some(records), current) => RecordFile {
+            (Some(new), current) => RecordFile {
                 generation: current.as_ref().map_or(1, |c| c.generation + 1),
                 written_at: now,
-                records,
+                records: new.records,
+                aliases: new.aliases,
             },
             (None, Some(current)) if self.have_view => RecordFile {
                 written_at: now,
@@ -180,7 +204,7 @@ impl DnsRecords {
                 self.metrics.records.set(file.records.len() as i64);
                 if self.current.as_ref().is_none_or(|c| c.generation != file.generation) {
                     tracing::info!(path = %self.path.display(), generation = file.generation,
-                        services = file.records.len(), "mesh-dns record file written");
+                        services = file.records.len(), aliases = ?file.aliases, "mesh-dns record file written");
                 }
                 self.current = Some(file);
                 self.written = true;
@@ -219,7 +243,8 @@ impl DnsRecords {
                     let view = views.borrow_and_update().clone();
                     let (records, bad) = records_of(&view.catalog);
                     self.metrics.bad_vips.set(bad as i64);
-                    self.write(Some(records), false).await;
+                    let aliases = aliases_of(&view.catalog, &self.mesh_domain);
+                    self.write(Some(Content { records, aliases }), false).await;
                 }
             }
         }
@@ -229,7 +254,16 @@ impl DnsRecords {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use aether_proto::registry::v1::Service;
+    use aether_proto::registry::v1::{MeshConfig, Service};
+
+    const DOMAIN: &str = "aether.internal";
+
+    fn content(records: &BTreeMap<(String, String), Addresses>, aliases: &[&str]) -> Option<Content> {
+        Some(Content {
+            records: records.clone(),
+            aliases: aliases.iter().map(|a| a.to_string()).collect(),
+        })
+    }
 
     fn service(ns: &str, name: &str, vip: &str) -> Service {
         Service {
@@ -264,11 +298,59 @@ mod tests {
         );
     }
 
+    fn mesh_config(namespace: &str, mesh_wide: bool, domain: &str) -> (String, Arc<MeshConfig>) {
+        let config = MeshConfig {
+            namespace: namespace.into(),
+            name: "default".into(),
+            mesh_wide,
+            mesh_domain: domain.into(),
+            ..Default::default()
+        };
+        (format!("{namespace}/default"), Arc::new(config))
+    }
+
+    #[test]
+    fn the_mesh_wide_mesh_domain_is_an_alias_unless_it_is_the_nodes_own() {
+        let mut catalog = CatalogView::default();
+        assert_eq!(aliases_of(&catalog, DOMAIN), Vec::<String>::new());
+        catalog
+            .mesh_configs
+            .extend([mesh_config("aether-system", true, "corp.internal")]);
+        assert_eq!(aliases_of(&catalog, DOMAIN), ["corp.internal"]);
+        assert_eq!(aliases_of(&catalog, "corp.internal"), Vec::<String>::new(), "its own");
+        // A record a store could hold but the projector never writes: skipped.
+        catalog.mesh_configs.clear();
+        catalog
+            .mesh_configs
+            .extend([mesh_config("shop", false, "shop.internal")]);
+        assert_eq!(aliases_of(&catalog, DOMAIN), Vec::<String>::new());
+    }
+
+    #[tokio::test]
+    async fn a_new_alias_is_a_new_generation() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut writer = DnsRecords::new(
+            dir.path(),
+            Duration::from_secs(60),
+            DOMAIN,
+            DnsRecordsMetrics::default(),
+        )
+        .unwrap();
+        let records = BTreeMap::new();
+        writer.write(content(&records, &[]), false).await;
+        writer.write(content(&records, &["corp.internal"]), false).await;
+        let file = RecordFile::parse(&std::fs::read(path(dir.path())).unwrap()).unwrap();
+        assert_eq!((file.generation, file.aliases), (2, vec!["corp.internal".to_owned()]));
+        writer.write(content(&records, &[]), false).await;
+        let file = RecordFile::parse(&std::fs::read(path(dir.path())).unwrap()).unwrap();
+        assert_eq!((file.generation, file.aliases), (3, Vec::new()));
+    }
+
     #[tokio::test]
     async fn writes_on_change_keeps_generation_on_restamp_and_continues_it_after_restart() {
         let dir = tempfile::tempdir().unwrap();
         let metrics = DnsRecordsMetrics::default();
-        let mut writer = DnsRecords::new(dir.path(), Duration::from_secs(60), metrics).unwrap();
+        let mut writer = DnsRecords::new(dir.path(), Duration::from_secs(60), DOMAIN, metrics).unwrap();
         let file = path(dir.path());
         // Nothing before a first view.
         writer.write(None, true).await;
@@ -281,7 +363,7 @@ mod tests {
                 v6: None,
             },
         );
-        writer.write(Some(records.clone()), false).await;
+        writer.write(content(&records, &[]), false).await;
         let first = RecordFile::parse(&std::fs::read(&file).unwrap()).unwrap();
         assert_eq!(first.generation, 1);
         assert_eq!(first.records, records);
@@ -289,7 +371,7 @@ mod tests {
         assert_eq!(mode, 0o644);
         // Same records: no write; a re-stamp keeps the generation and moves the stamp.
         tokio::time::sleep(Duration::from_millis(5)).await;
-        writer.write(Some(records.clone()), false).await;
+        writer.write(content(&records, &[]), false).await;
         assert_eq!(writer.metrics.writes.get(), 1);
         writer.write(None, true).await;
         let stamped = RecordFile::parse(&std::fs::read(&file).unwrap()).unwrap();
@@ -297,10 +379,16 @@ mod tests {
         assert!(stamped.written_at > first.written_at);
         // A restarted writer writes nothing before its first view, keeps the generation
         // for the same records and continues it for new ones.
-        let mut again = DnsRecords::new(dir.path(), Duration::from_secs(60), DnsRecordsMetrics::default()).unwrap();
+        let mut again = DnsRecords::new(
+            dir.path(),
+            Duration::from_secs(60),
+            DOMAIN,
+            DnsRecordsMetrics::default(),
+        )
+        .unwrap();
         again.write(None, true).await;
         assert_eq!(again.metrics.writes.get(), 0);
-        again.write(Some(records.clone()), false).await;
+        again.write(content(&records, &[]), false).await;
         assert_eq!(again.metrics.writes.get(), 1);
         assert_eq!(RecordFile::parse(&std::fs::read(&file).unwrap()).unwrap().generation, 1);
         records.insert(
@@ -310,7 +398,7 @@ mod tests {
                 v6: Some("fd00::2".parse().unwrap()),
             },
         );
-        again.write(Some(records.clone()), false).await;
+        again.write(content(&records, &[]), false).await;
         let changed = RecordFile::parse(&std::fs::read(&file).unwrap()).unwrap();
         assert_eq!((changed.generation, changed.records), (2, records));
     }

@@ -127,6 +127,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let dns_records = crate::dns_records::DnsRecords::new(
         &config.state_dir,
         config.dns_records_restamp,
+        &config.mesh_domain,
         metrics.dns_records.clone(),
     )?;
     let identity = crate::identity::Identity::start(&config.identity, metrics.identity.clone(), shutdown.clone())?;

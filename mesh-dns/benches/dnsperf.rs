@@ -268,6 +268,7 @@ impl Names {
             generation: 1,
             written_at: SystemTime::now(),
             records: BTreeMap::new(),
+            aliases: Vec::new(),
         };
         let mut queries = String::new();
         let mut local_data = String::new();

@@ -132,7 +132,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
             let _ = push.await;
         });
     }
-    let pages = debug_pages(store, upstreams, config.mesh_domain.clone());
+    let pages = debug_pages(server.clone(), upstreams, config.mesh_domain.clone());
     let admin_addr = serve_admin(config.admin, &readiness, registry, pages, &tasks, &shutdown).await?;
     serving.set_ready();
     tracing::info!(%dns_addr, %admin_addr, workers, upstreams = ?server.forwarder.upstreams(),
@@ -254,14 +254,20 @@ async fn serve_admin(
     }
 }
 
-fn debug_pages(store: Arc<CurrentTable>, upstreams: Vec<SocketAddr>, domain: String) -> Pages {
+fn debug_pages(server: Arc<Server>, upstreams: Vec<SocketAddr>, domain: String) -> Pages {
     Arc::new(move |path: &str| {
         if path != "/debug/records" {
             return answered(None);
         }
-        let table = store.load();
+        let handler = &server.handler;
+        let table = handler.store().load();
+        let aliases = table.as_ref().map_or(&[][..], |t| &t.aliases[..]);
+        let (served, left_out): (Vec<_>, Vec<_>) = aliases.iter().partition(|a| handler.serves_alias(a));
+        let names = |zones: Vec<&crate::zone::Zone>| zones.iter().map(|z| z.name().to_string()).collect::<Vec<_>>();
         let body = serde_json::json!({
             "mesh_domain": domain,
+            "aliases": names(served),
+            "aliases_left_out": names(left_out),
             "upstreams": upstreams.iter().map(|u| u.to_string()).collect::<Vec<_>>(),
             "loaded": table.is_some(),
             "generation": table.as_ref().map(|t| t.generation),

@@ -11,17 +11,22 @@
 //!   or a configured search domain: a search-path expansion, NXDOMAIN locally;
 //! - everything else is forwarded.
 //!
-//! Mesh names get SERVFAIL until a record file was loaded once.
+//! Mesh names get SERVFAIL until a record file was loaded once. Each alias domain the
+//! record file lists is a `D` too (its own zone, the same records), unless it is the mesh
+//! domain or the cluster domain, or either is under the other: such an alias would take
+//! their names, and is left out (the debug page says so).
 
 use std::sync::Arc;
 
 use aether_common::quote::quote;
 use hickory_proto::op::{Edns, Message, MessageType, OpCode, ResponseCode};
-use hickory_proto::rr::rdata::{A, AAAA, SOA};
-use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
+use hickory_proto::rr::rdata::{A, AAAA};
+use hickory_proto::rr::{DNSClass, RData, Record, RecordType};
 
 use crate::records::Addresses;
 use crate::table::{CurrentTable, Table};
+pub use crate::zone::DomainError;
+use crate::zone::{Zone, labels};
 
 /// TTL of mesh answers.
 pub const ANSWER_TTL: u32 = 30;
@@ -40,21 +45,6 @@ pub enum HandlerError {
     ClusterDomain(String, DomainError),
     #[error("--search-domain {}: {}", quote(.0), .1)]
     SearchDomain(String, DomainError),
-}
-
-/// Why a configured domain was refused; `what` names it (`mesh domain`, …).
-#[derive(Debug, thiserror::Error)]
-pub enum DomainError {
-    #[error("{what}: {source}")]
-    Name {
-        what: &'static str,
-        source: hickory_proto::ProtoError,
-    },
-    #[error("{what}: must not be the root")]
-    Root { what: &'static str },
-    /// `ns.` or `hostmaster.` under the mesh domain (the SOA names) is not a name.
-    #[error("{0}")]
-    Soa(hickory_proto::ProtoError),
 }
 
 /// What a query turned into; `as_str` is the `result` label of the queries metric.
@@ -146,26 +136,12 @@ enum Class<'a> {
 
 pub struct Handler {
     store: Arc<CurrentTable>,
-    domain: Name,
-    /// The mesh domain's labels, lowercase.
-    domain_labels: Vec<Vec<u8>>,
+    /// The mesh domain mesh-dns was started with.
+    zone: Zone,
     /// Cluster domain labels, lowercase.
     cluster_labels: Vec<Vec<u8>>,
     /// Other search domains' labels, lowercase.
     search_domains: Vec<Vec<Vec<u8>>>,
-    soa_mname: Name,
-    soa_rname: Name,
-}
-
-fn labels(what: &'static str, text: &str) -> Result<(Name, Vec<Vec<u8>>), DomainError> {
-    let name = Name::from_ascii(text.trim_end_matches('.')).map_err(|source| DomainError::Name { what, source })?;
-    let mut name = name.to_lowercase();
-    name.set_fqdn(true);
-    let labels: Vec<Vec<u8>> = name.iter().map(|l| l.to_vec()).collect();
-    if labels.is_empty() {
-        return Err(DomainError::Root { what });
-    }
-    Ok((name, labels))
 }
 
 impl Handler {
@@ -175,8 +151,8 @@ impl Handler {
         cluster_domain: &str,
         search_domains: &[String],
     ) -> Result<Self, HandlerError> {
-        let (domain, domain_labels) =
-            labels("mesh domain", mesh_domain).map_err(|e| HandlerError::MeshDomain(mesh_domain.into(), e))?;
+        let zone =
+            Zone::new("mesh domain", mesh_domain).map_err(|e| HandlerError::MeshDomain(mesh_domain.into(), e))?;
         let (_, cluster_labels) = labels("cluster domain", cluster_domain)
             .map_err(|e| HandlerError::ClusterDomain(cluster_domain.into(), e))?;
         let search_domains = search_domains
@@ -188,20 +164,11 @@ impl Handler {
                     .map_err(|e| HandlerError::SearchDomain(s.clone(), e))
             })
             .collect::<Result<_, _>>()?;
-        let soa_mname = Name::from_ascii("ns")
-            .and_then(|n| n.append_domain(&domain))
-            .map_err(|e| HandlerError::MeshDomain(mesh_domain.into(), DomainError::Soa(e)))?;
-        let soa_rname = Name::from_ascii("hostmaster")
-            .and_then(|n| n.append_domain(&domain))
-            .map_err(|e| HandlerError::MeshDomain(mesh_domain.into(), DomainError::Soa(e)))?;
         Ok(Self {
             store,
-            domain,
-            domain_labels,
+            zone,
             cluster_labels,
             search_domains,
-            soa_mname,
-            soa_rname,
         })
     }
 
@@ -209,8 +176,23 @@ impl Handler {
         &self.store
     }
 
-    fn classify<'a>(&self, name: &'a [&'a [u8]]) -> Class<'a> {
-        let d = self.domain_labels.len();
+    /// Whether an alias of the record file is answered: not one that is, or is above or
+    /// under, the mesh domain or the cluster domain.
+    pub fn serves_alias(&self, alias: &Zone) -> bool {
+        !alias.overlaps(&self.zone.labels) && !alias.overlaps(&self.cluster_labels)
+    }
+
+    /// The zones answered with `table`: the mesh domain, then the table's aliases served.
+    fn zones<'z>(&'z self, table: Option<&'z Table>) -> impl Iterator<Item = &'z Zone> + Clone {
+        let aliases = table.map_or(&[][..], |t| &t.aliases[..]);
+        std::iter::once(&self.zone).chain(aliases.iter().filter(|a| self.serves_alias(a)))
+    }
+
+    fn classify<'a, 'z>(
+        &'z self,
+        name: &'a [&'a [u8]],
+        zones: impl Iterator<Item = &'z Zone> + Clone,
+    ) -> (Class<'a>, &'z Zone) {
         let eq = |a: &[u8], b: &[u8]| a.eq_ignore_ascii_case(b);
         let ends_with = |labels: &[&[u8]], suffix: &[Vec<u8>]| {
             labels.len() >= suffix.len()
@@ -219,8 +201,11 @@ impl Handler {
                     .zip(suffix)
                     .all(|(a, b)| eq(a, b))
         };
-        if ends_with(name, &self.domain_labels) {
-            return match name.len() - d {
+        for zone in zones.clone() {
+            if !ends_with(name, &zone.labels) {
+                continue;
+            }
+            let class = match name.len() - zone.labels.len() {
                 0 => Class::Apex,
                 1 => Class::Namespace(name[0]),
                 2 => Class::Service {
@@ -229,19 +214,19 @@ impl Handler {
                 },
                 _ => Class::TooDeep,
             };
+            return (class, zone);
         }
         // X.D.S with X at least one label: find D strictly inside the name.
-        for start in 1..name.len().saturating_sub(d) {
-            let inner = &name[start..start + d];
-            if !inner.iter().zip(&self.domain_labels).all(|(a, b)| eq(a, b)) {
-                continue;
-            }
-            let suffix = &name[start + d..];
-            if self.is_search_suffix(suffix) {
-                return Class::SearchExpansion;
+        for zone in zones {
+            let d = zone.labels.len();
+            for start in 1..name.len().saturating_sub(d) {
+                let inner = &name[start..start + d];
+                if inner.iter().zip(&zone.labels).all(|(a, b)| eq(a, b)) && self.is_search_suffix(&name[start + d..]) {
+                    return (Class::SearchExpansion, zone);
+                }
             }
         }
-        Class::Other
+        (Class::Other, &self.zone)
     }
 
     fn is_search_suffix(&self, suffix: &[&[u8]]) -> bool {
@@ -270,9 +255,16 @@ impl Handler {
             // No header to answer with, or a response (answering could start a loop).
             return Outcome::Drop;
         }
-        if let Some(answer) = self.store.with(|table| table.and_then(|t| self.fast_answer(packet, t))) {
-            return Outcome::Reply(answer, QueryResult::Answer);
-        }
+        self.store.with(|table| {
+            if let Some(answer) = table.and_then(|t| self.fast_answer(packet, t)) {
+                return Outcome::Reply(answer, QueryResult::Answer);
+            }
+            self.handle_parsed(packet, table)
+        })
+    }
+
+    /// The general path: any query, through hickory's messages.
+    fn handle_parsed(&self, packet: &[u8], table: Option<&Table>) -> Outcome {
         let request = match Message::from_vec(packet) {
             Ok(m) => m,
             Err(_) => return Outcome::Reply(header_only(packet, ResponseCode::FormErr), QueryResult::Malformed),
@@ -285,7 +277,7 @@ impl Handler {
         }
         let query = &request.queries[0];
         let name_labels: Vec<&[u8]> = query.name().iter().collect();
-        let class = self.classify(&name_labels);
+        let (class, zone) = self.classify(&name_labels, self.zones(table));
         if class == Class::Other {
             let client_udp_limit = request.edns.as_ref().map_or(512, |e| e.max_payload().max(512)) as usize;
             return Outcome::Forward(Forward {
@@ -293,28 +285,17 @@ impl Handler {
                 client_udp_limit,
             });
         }
+        let reply = |code, result| reply(&request, code, Vec::new(), None, result);
         if class == Class::SearchExpansion {
-            return self.reply(
-                &request,
-                ResponseCode::NXDomain,
-                Vec::new(),
-                None,
-                QueryResult::SearchExpansion,
-            );
+            return reply(ResponseCode::NXDomain, QueryResult::SearchExpansion);
         }
         if !matches!(query.query_class(), DNSClass::IN | DNSClass::ANY) {
-            return self.reply(&request, ResponseCode::Refused, Vec::new(), None, QueryResult::Refused);
+            return reply(ResponseCode::Refused, QueryResult::Refused);
         }
-        self.store.with(|table| match table {
-            None => self.reply(
-                &request,
-                ResponseCode::ServFail,
-                Vec::new(),
-                None,
-                QueryResult::NotLoaded,
-            ),
-            Some(table) => self.answer(&request, &class, table),
-        })
+        match table {
+            None => reply(ResponseCode::ServFail, QueryResult::NotLoaded),
+            Some(table) => answer(&request, &class, zone, table),
+        }
     }
 
     /// The hot path, measured (see proposals/008): a plain A or AAAA query for a mesh
@@ -325,9 +306,6 @@ impl Handler {
     fn fast_answer(&self, packet: &[u8], table: &Table) -> Option<Vec<u8>> {
         let additional = plain_query_header(packet)?;
         let name = QuestionName::read(packet)?;
-        if name.count != 2 + self.domain_labels.len() {
-            return None;
-        }
         let at = name.end;
         let question_end = at + 4;
         let qtype = u16::from_be_bytes([*packet.get(at)?, *packet.get(at + 1)?]);
@@ -335,12 +313,11 @@ impl Handler {
         if qclass != 1 {
             return None;
         }
-        let in_domain = self
-            .domain_labels
-            .iter()
-            .enumerate()
-            .all(|(i, d)| name.label(packet, i + 2).eq_ignore_ascii_case(d));
-        if !in_domain {
+        let in_domain = |zone: &Zone| {
+            name.count == 2 + zone.labels.len()
+                && (zone.labels.iter().enumerate()).all(|(i, d)| name.label(packet, i + 2).eq_ignore_ascii_case(d))
+        };
+        if !self.zones(Some(table)).any(in_domain) {
             return None;
         }
         let edns = bare_opt(packet, question_end, additional)?;
@@ -351,100 +328,81 @@ impl Handler {
     /// The general path only, for tests that compare it with the fast one.
     #[cfg(test)]
     fn handle_general(&self, packet: &[u8]) -> Outcome {
-        let request = match Message::from_vec(packet) {
-            Ok(m) => m,
-            Err(_) => return Outcome::Drop,
-        };
-        let query = &request.queries[0];
-        let name_labels: Vec<&[u8]> = query.name().iter().collect();
-        let class = self.classify(&name_labels);
-        self.store
-            .with(|table| self.answer(&request, &class, table.expect("a table")))
+        self.store.with(|table| self.handle_parsed(packet, table))
     }
+}
 
-    fn answer(&self, request: &Message, class: &Class<'_>, table: &Table) -> Outcome {
-        let query = &request.queries[0];
-        let qtype = query.query_type();
-        let soa = Some(table.generation as u32);
-        match *class {
-            Class::Apex if qtype == RecordType::SOA => {
-                let record = self.soa(table.generation as u32);
-                self.reply(request, ResponseCode::NoError, vec![record], None, QueryResult::Answer)
-            }
-            Class::Apex => self.reply(request, ResponseCode::NoError, Vec::new(), soa, QueryResult::NoData),
-            Class::Namespace(ns) if table.has_namespace(ns) => {
-                self.reply(request, ResponseCode::NoError, Vec::new(), soa, QueryResult::NoData)
-            }
-            Class::Service { svc, ns } => match table.lookup(svc, ns) {
-                Some(addresses) => {
-                    let name = query.name().clone();
-                    let mut answers = Vec::with_capacity(2);
-                    if matches!(qtype, RecordType::A | RecordType::ANY)
-                        && let Some(v4) = addresses.v4
-                    {
-                        answers.push(Record::from_rdata(name.clone(), ANSWER_TTL, RData::A(A(v4))));
-                    }
-                    if matches!(qtype, RecordType::AAAA | RecordType::ANY)
-                        && let Some(v6) = addresses.v6
-                    {
-                        answers.push(Record::from_rdata(name, ANSWER_TTL, RData::AAAA(AAAA(v6))));
-                    }
-                    if answers.is_empty() {
-                        self.reply(request, ResponseCode::NoError, answers, soa, QueryResult::NoData)
-                    } else {
-                        self.reply(request, ResponseCode::NoError, answers, None, QueryResult::Answer)
-                    }
+/// The answer to a query for a name under `zone`, classified as `class`.
+fn answer(request: &Message, class: &Class<'_>, zone: &Zone, table: &Table) -> Outcome {
+    let query = &request.queries[0];
+    let qtype = query.query_type();
+    let soa = Some((zone, table.generation as u32));
+    match *class {
+        Class::Apex if qtype == RecordType::SOA => {
+            let record = zone.soa(table.generation as u32);
+            reply(request, ResponseCode::NoError, vec![record], None, QueryResult::Answer)
+        }
+        Class::Apex => reply(request, ResponseCode::NoError, Vec::new(), soa, QueryResult::NoData),
+        Class::Namespace(ns) if table.has_namespace(ns) => {
+            reply(request, ResponseCode::NoError, Vec::new(), soa, QueryResult::NoData)
+        }
+        Class::Service { svc, ns } => match table.lookup(svc, ns) {
+            Some(addresses) => {
+                let name = query.name().clone();
+                let mut answers = Vec::with_capacity(2);
+                if matches!(qtype, RecordType::A | RecordType::ANY)
+                    && let Some(v4) = addresses.v4
+                {
+                    answers.push(Record::from_rdata(name.clone(), ANSWER_TTL, RData::A(A(v4))));
                 }
-                None => self.reply(request, ResponseCode::NXDomain, Vec::new(), soa, QueryResult::NxDomain),
-            },
-            _ => self.reply(request, ResponseCode::NXDomain, Vec::new(), soa, QueryResult::NxDomain),
-        }
+                if matches!(qtype, RecordType::AAAA | RecordType::ANY)
+                    && let Some(v6) = addresses.v6
+                {
+                    answers.push(Record::from_rdata(name, ANSWER_TTL, RData::AAAA(AAAA(v6))));
+                }
+                if answers.is_empty() {
+                    reply(request, ResponseCode::NoError, answers, soa, QueryResult::NoData)
+                } else {
+                    reply(request, ResponseCode::NoError, answers, None, QueryResult::Answer)
+                }
+            }
+            None => reply(request, ResponseCode::NXDomain, Vec::new(), soa, QueryResult::NxDomain),
+        },
+        _ => reply(request, ResponseCode::NXDomain, Vec::new(), soa, QueryResult::NxDomain),
     }
+}
 
-    fn soa(&self, serial: u32) -> Record {
-        let soa = SOA::new(
-            self.soa_mname.clone(),
-            self.soa_rname.clone(),
-            serial,
-            60,
-            10,
-            3600,
-            NEGATIVE_TTL,
-        );
-        Record::from_rdata(self.domain.clone(), NEGATIVE_TTL, RData::SOA(soa))
+/// A reply to `request`; a negative one carries the SOA of its zone with the table's
+/// generation as its serial.
+fn reply(
+    request: &Message,
+    code: ResponseCode,
+    answers: Vec<Record>,
+    soa: Option<(&Zone, u32)>,
+    result: QueryResult,
+) -> Outcome {
+    let mut response = Message::new(request.metadata.id, MessageType::Response, OpCode::Query);
+    response.metadata.authoritative = !matches!(
+        result,
+        QueryResult::NotLoaded | QueryResult::Refused | QueryResult::SearchExpansion
+    );
+    response.metadata.recursion_desired = request.metadata.recursion_desired;
+    response.metadata.recursion_available = true;
+    response.metadata.checking_disabled = request.metadata.checking_disabled;
+    response.metadata.response_code = code;
+    response.queries = request.queries.clone();
+    response.answers = answers;
+    if let Some((zone, serial)) = soa {
+        response.authorities.push(zone.soa(serial));
     }
-
-    fn reply(
-        &self,
-        request: &Message,
-        code: ResponseCode,
-        answers: Vec<Record>,
-        soa_serial: Option<u32>,
-        result: QueryResult,
-    ) -> Outcome {
-        let mut response = Message::new(request.metadata.id, MessageType::Response, OpCode::Query);
-        response.metadata.authoritative = !matches!(
-            result,
-            QueryResult::NotLoaded | QueryResult::Refused | QueryResult::SearchExpansion
-        );
-        response.metadata.recursion_desired = request.metadata.recursion_desired;
-        response.metadata.recursion_available = true;
-        response.metadata.checking_disabled = request.metadata.checking_disabled;
-        response.metadata.response_code = code;
-        response.queries = request.queries.clone();
-        response.answers = answers;
-        if let Some(serial) = soa_serial {
-            response.authorities.push(self.soa(serial));
-        }
-        if request.edns.is_some() {
-            let mut edns = Edns::new();
-            edns.set_max_payload(EDNS_PAYLOAD);
-            response.edns = Some(edns);
-        }
-        match response.to_vec() {
-            Ok(bytes) => Outcome::Reply(bytes, result),
-            Err(_) => Outcome::Reply(header_only_for(&request.metadata, ResponseCode::ServFail), result),
-        }
+    if request.edns.is_some() {
+        let mut edns = Edns::new();
+        edns.set_max_payload(EDNS_PAYLOAD);
+        response.edns = Some(edns);
+    }
+    match response.to_vec() {
+        Ok(bytes) => Outcome::Reply(bytes, result),
+        Err(_) => Outcome::Reply(header_only_for(&request.metadata, ResponseCode::ServFail), result),
     }
 }
 
@@ -618,6 +576,7 @@ mod tests {
     use super::*;
     use crate::records::RecordFile;
     use hickory_proto::op::Query;
+    use hickory_proto::rr::Name;
     use proptest::prelude::*;
     use std::net::Ipv4Addr;
 
@@ -642,6 +601,11 @@ mod tests {
                     v6: None,
                 },
             );
+            // One alias answered; two that would take names of the mesh domain or of
+            // the cluster's, left out.
+            file.aliases = ["corp.internal", "aether.internal", "x.cluster.local"]
+                .map(String::from)
+                .to_vec();
             store.replace(Table::new(&file));
         }
         Handler::new(store, "aether.internal", "cluster.local", &["corp.example".to_owned()]).unwrap()
@@ -713,6 +677,57 @@ mod tests {
         if answers == 0 {
             assert_eq!(m.authorities.len(), 1, "negative answers carry the SOA: {name}");
         }
+    }
+
+    #[test]
+    fn an_alias_domain_is_answered_like_the_mesh_domain_in_its_own_zone() {
+        let answer = |n| (ResponseCode::NoError, n, QueryResult::Answer);
+        let nodata = (ResponseCode::NoError, 0, QueryResult::NoData);
+        let nxdomain = (ResponseCode::NXDomain, 0, QueryResult::NxDomain);
+        let h = handler(true);
+        for (name, qtype, expected) in [
+            ("cart.shop.corp.internal.", RecordType::A, answer(1)),
+            ("Cart.Shop.CORP.internal.", RecordType::ANY, answer(2)),
+            ("nope.shop.corp.internal.", RecordType::A, nxdomain),
+            ("shop.corp.internal.", RecordType::A, nodata),
+            ("corp.internal.", RecordType::SOA, answer(1)),
+        ] {
+            assert_authoritative_reply(&h, name, qtype, expected);
+        }
+        // Negative answers carry the alias's own SOA.
+        let (m, _) = reply(&h, &query("nope.shop.corp.internal.", RecordType::A, false));
+        assert_eq!(m.authorities[0].name, Name::from_ascii("corp.internal.").unwrap());
+        let (m, _) = reply(&h, &query("nope.shop.aether.internal.", RecordType::A, false));
+        assert_eq!(m.authorities[0].name, Name::from_ascii("aether.internal.").unwrap());
+        // A search expansion of an alias name is one too.
+        let (_, result) = reply(
+            &h,
+            &query("cart.shop.corp.internal.cluster.local.", RecordType::A, false),
+        );
+        assert_eq!(result, QueryResult::SearchExpansion);
+        // The alias under the cluster domain is left out: its names go upstream.
+        for name in ["cart.shop.x.cluster.local.", "corp.internal.example."] {
+            assert!(
+                matches!(h.handle(&query(name, RecordType::A, false)), Outcome::Forward(_)),
+                "{name}"
+            );
+        }
+        let table = h.store.load().unwrap();
+        let served: Vec<String> = (table.aliases.iter())
+            .filter(|a| h.serves_alias(a))
+            .map(|a| a.name().to_string())
+            .collect();
+        assert_eq!(served, ["corp.internal."]);
+    }
+
+    #[test]
+    fn servfail_before_any_table_leaves_alias_names_to_upstream() {
+        // Before a record file, no alias is known: its names are not the mesh's yet.
+        let h = handler(false);
+        assert!(matches!(
+            h.handle(&query("cart.shop.corp.internal.", RecordType::A, false)),
+            Outcome::Forward(_)
+        ));
     }
 
     #[test]
@@ -851,6 +866,7 @@ mod tests {
         fn the_fast_path_answers_exactly_as_the_general_path(
             svc in prop::sample::select(vec!["cart", "CART", "v4only", "nope", "Cart"]),
             ns in prop::sample::select(vec!["shop", "SHOP", "other"]),
+            domain in prop::sample::select(vec!["aether.internal", "corp.internal", "Corp.Internal"]),
             qtype in prop::sample::select(vec![RecordType::A, RecordType::AAAA, RecordType::MX, RecordType::ANY]),
             edns in any::<bool>(),
             rd in any::<bool>(),
@@ -861,7 +877,7 @@ mod tests {
             let mut m = Message::new(id, MessageType::Query, OpCode::Query);
             m.metadata.recursion_desired = rd;
             m.metadata.checking_disabled = cd;
-            m.add_query(Query::query(Name::from_ascii(format!("{svc}.{ns}.aether.internal.")).unwrap(), qtype));
+            m.add_query(Query::query(Name::from_ascii(format!("{svc}.{ns}.{domain}.")).unwrap(), qtype));
             if edns {
                 let mut e = Edns::new();
                 e.set_max_payload(4096);

@@ -23,3 +23,5 @@ pub mod reload;
 pub mod server;
 #[cfg(feature = "server")]
 pub mod table;
+#[cfg(feature = "server")]
+pub mod zone;

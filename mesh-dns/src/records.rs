@@ -5,7 +5,9 @@
 //! {"version": 1, "generation": 7, "written_at_unix_ms": 1764500000000,
 //!  "records": {"default/web": {"v4": "240.240.0.7"}, "shop/cart": {"v4": "240.240.0.9", "v6": "fd00::9"}}}
 //! ```
-//! `generation` grows whenever the records change; `written_at_unix_ms` is refreshed
+//! `aliases` (absent when empty, so readers older than it keep reading the file) lists
+//! other domains every name is answered under too: the mesh-wide MeshConfig's mesh domain
+//! (proposals/016). `generation` grows whenever the records or aliases change; `written_at_unix_ms` is refreshed
 //! on every write, including the periodic re-stamp of unchanged records, so a reader
 //! can tell a stale file (writer gone) from a quiet mesh. Keys are `<ns>/<svc>`, both
 //! DNS labels (lowercase letters, digits, `-`, at most 63 characters).
@@ -45,7 +47,19 @@ pub enum RecordsError {
     NoAddress { key: String },
     #[error("file is {0} bytes (at most {MAX_FILE_BYTES})")]
     TooLarge(u64),
+    #[error("aliases[{index}]: {} {reason}", quote(.value))]
+    Alias {
+        index: usize,
+        value: String,
+        reason: aether_common::names::MeshDomainError,
+    },
+    #[error("aliases: {0} domains (at most {MAX_ALIASES})")]
+    TooManyAliases(usize),
 }
+
+/// The most alias domains a file may list (a mesh has one domain and, while it moves, one
+/// more).
+pub const MAX_ALIASES: usize = 4;
 
 /// A service's addresses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -61,6 +75,8 @@ pub struct RecordFile {
     pub written_at: SystemTime,
     /// `(namespace, service)` → addresses.
     pub records: BTreeMap<(String, String), Addresses>,
+    /// Other domains the same names are answered under (mesh domains, lowercase).
+    pub aliases: Vec<String>,
 }
 
 impl Default for RecordFile {
@@ -69,6 +85,7 @@ impl Default for RecordFile {
             generation: 0,
             written_at: UNIX_EPOCH,
             records: BTreeMap::new(),
+            aliases: Vec::new(),
         }
     }
 }
@@ -80,6 +97,8 @@ struct Wire {
     generation: u64,
     written_at_unix_ms: u64,
     records: BTreeMap<String, WireAddresses>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    aliases: Vec<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -150,10 +169,21 @@ impl RecordFile {
             }
             records.insert(name, Addresses { v4, v6 });
         }
+        if wire.aliases.len() > MAX_ALIASES {
+            return Err(RecordsError::TooManyAliases(wire.aliases.len()));
+        }
+        for (index, alias) in wire.aliases.iter().enumerate() {
+            aether_common::names::mesh_domain(alias).map_err(|reason| RecordsError::Alias {
+                index,
+                value: alias.clone(),
+                reason,
+            })?;
+        }
         Ok(Self {
             generation: wire.generation,
             written_at: UNIX_EPOCH + Duration::from_millis(wire.written_at_unix_ms),
             records,
+            aliases: wire.aliases,
         })
     }
 
@@ -181,6 +211,7 @@ impl RecordFile {
                     )
                 })
                 .collect(),
+            aliases: self.aliases.clone(),
         };
         let mut out = serde_json::to_vec(&wire).expect("the record file serialises");
         out.push(b'\n');
@@ -218,6 +249,7 @@ mod tests {
             generation: 7,
             written_at: UNIX_EPOCH + Duration::from_millis(1_764_500_000_123),
             records,
+            aliases: vec!["corp.internal".into()],
         }
     }
 
@@ -225,6 +257,17 @@ mod tests {
     fn round_trips() {
         let file = sample();
         assert_eq!(RecordFile::parse(&file.to_json()).unwrap(), file);
+    }
+
+    #[test]
+    fn no_aliases_writes_no_field_for_readers_older_than_it() {
+        let file = RecordFile {
+            aliases: Vec::new(),
+            ..sample()
+        };
+        let json = String::from_utf8(file.to_json()).unwrap();
+        assert!(!json.contains("aliases"), "{json}");
+        assert_eq!(RecordFile::parse(json.as_bytes()).unwrap(), file);
     }
 
     #[test]
@@ -255,6 +298,18 @@ mod tests {
                 "neither v4 nor v6",
             ),
             (r#"{"version":1,"generation":1,"records":{}}"#, "written_at_unix_ms"),
+            (
+                r#"{"version":1,"generation":1,"written_at_unix_ms":1,"records":{},"aliases":["corp"]}"#,
+                r#"aliases[0]: "corp" has one label"#,
+            ),
+            (
+                r#"{"version":1,"generation":1,"written_at_unix_ms":1,"records":{},"aliases":["a.b","c.d","e.f","g.h","i.j"]}"#,
+                "aliases: 5 domains (at most 4)",
+            ),
+            (
+                r#"{"version":1,"generation":1,"written_at_unix_ms":1,"records":{},"aliases":[7]}"#,
+                "not a record file",
+            ),
             (r#"{"version":1"#, "not a record file"),
         ];
         for (input, want) in cases {
@@ -309,7 +364,8 @@ mod tests {
             ms in 0u64..4_000_000_000_000,
             records in proptest::collection::btree_map((label(), label()), addresses(), 0..20),
         ) {
-            let file = RecordFile { generation, written_at: UNIX_EPOCH + Duration::from_millis(ms), records };
+            let aliases = if generation % 2 == 0 { vec!["corp.internal".to_owned()] } else { Vec::new() };
+            let file = RecordFile { generation, written_at: UNIX_EPOCH + Duration::from_millis(ms), records, aliases };
             prop_assert_eq!(RecordFile::parse(&file.to_json()).unwrap(), file);
         }
 

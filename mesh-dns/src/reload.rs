@@ -87,10 +87,12 @@ impl Reloader {
 
     fn install(&self, table: Table) {
         let previous = self.store.load().map(|t| t.generation);
+        let aliases: Vec<String> = table.aliases.iter().map(|a| a.name().to_string()).collect();
         tracing::info!(
             path = %self.path.display(),
             generation = table.generation,
             records = table.len(),
+            ?aliases,
             ?previous,
             "record table loaded"
         );

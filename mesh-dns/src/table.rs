@@ -8,6 +8,7 @@ use std::time::{Instant, SystemTime};
 use arc_swap::ArcSwapOption;
 
 use crate::records::{Addresses, RecordFile};
+use crate::zone::Zone;
 
 /// One loaded record file, indexed for lookups by query labels.
 #[derive(Debug)]
@@ -19,6 +20,8 @@ pub struct Table {
     names: HashMap<Box<[u8]>, Addresses>,
     /// Namespaces with at least one service (empty non-terminals under the domain).
     namespaces: HashSet<Box<[u8]>>,
+    /// The file's alias domains, answered like the mesh domain (see `Handler`).
+    pub aliases: Vec<Zone>,
 }
 
 impl Table {
@@ -29,12 +32,18 @@ impl Table {
             names.insert(format!("{svc}.{ns}").into_bytes().into_boxed_slice(), *addresses);
             namespaces.insert(ns.as_bytes().into());
         }
+        // `RecordFile::parse` admits only mesh domains (`aether_common::names::mesh_domain`),
+        // which are all zones: none is left out here.
+        let aliases = (file.aliases.iter())
+            .filter_map(|a| Zone::new("alias", a).ok())
+            .collect();
         Self {
             generation: file.generation,
             written_at: file.written_at,
             loaded_at: Instant::now(),
             names,
             namespaces,
+            aliases,
         }
     }
 

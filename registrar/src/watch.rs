@@ -144,30 +144,33 @@ impl Filter {
         self.matches(change.service.as_str()) && (is_service || !self.services_only)
     }
 
-    /// Whether the client holds `record` (never a services-only client): a route when
-    /// one of its parents is in the filter; a policy when it is mesh-wide or of one of
-    /// the client's policy namespaces (the destination side); an HTTP filter when it is
-    /// of one of those namespaces, or names a service in the filter (the callers' side); a
-    /// MeshConfig when it is mesh-wide, of a policy namespace, or of a watched service's
-    /// namespace (its resilience defaults apply to calls to that service).
+    /// Whether the client holds `record`: a route when one of its parents is in the
+    /// filter; a policy when it is mesh-wide or of one of the client's policy namespaces
+    /// (the destination side); an HTTP filter when it is of one of those namespaces, or
+    /// names a service in the filter (the callers' side); a MeshConfig when it is
+    /// mesh-wide, of a policy namespace, or of a watched service's namespace (its
+    /// resilience defaults apply to calls to that service). A services-only client (a
+    /// node's DNS records) holds the mesh-wide MeshConfig alone: its mesh domain is a
+    /// domain DNS answers.
     fn wants(&self, record: &ConfigRecord) -> bool {
-        !self.services_only
-            && match record {
-                ConfigRecord::Route(route) => route.parents.iter().any(|p| self.matches(&p.service)),
-                ConfigRecord::Policy(policy) => {
-                    let mesh_wide = policy.target.as_ref().is_some_and(|t| t.mesh_wide);
-                    mesh_wide || self.policy_namespaces.contains(&policy.namespace)
-                }
-                ConfigRecord::HttpFilter(filter) => {
-                    self.policy_namespaces.contains(&filter.namespace)
-                        || filter.services.iter().any(|s| self.matches(s))
-                }
-                ConfigRecord::MeshConfig(config) => {
-                    config.mesh_wide
-                        || self.policy_namespaces.contains(&config.namespace)
-                        || self.watches_namespace(&config.namespace)
-                }
+        if self.services_only {
+            return matches!(record, ConfigRecord::MeshConfig(config) if config.mesh_wide);
+        }
+        match record {
+            ConfigRecord::Route(route) => route.parents.iter().any(|p| self.matches(&p.service)),
+            ConfigRecord::Policy(policy) => {
+                let mesh_wide = policy.target.as_ref().is_some_and(|t| t.mesh_wide);
+                mesh_wide || self.policy_namespaces.contains(&policy.namespace)
             }
+            ConfigRecord::HttpFilter(filter) => {
+                self.policy_namespaces.contains(&filter.namespace) || filter.services.iter().any(|s| self.matches(s))
+            }
+            ConfigRecord::MeshConfig(config) => {
+                config.mesh_wide
+                    || self.policy_namespaces.contains(&config.namespace)
+                    || self.watches_namespace(&config.namespace)
+            }
+        }
     }
 
     /// Whether a service of `namespace` is in the filter (a wildcard holds them all).

@@ -52,10 +52,19 @@ async fn configs_reach_the_watchers_of_their_namespace_and_say_why_in_their_stat
     let mut host = Watcher::open(&mut client, host).await.strict();
     // Neither: only the mesh-wide one.
     let mut other = Watcher::open(&mut client, filter(&["billing/ledger"])).await.strict();
+    // A node's DNS records: the mesh-wide one too (its mesh domain is a domain DNS answers).
+    let dns = WatchRequest {
+        services_only: true,
+        policy_namespaces: vec!["shop".into()],
+        ..Default::default()
+    };
+    let mut dns = Watcher::open(&mut client, dns).await.strict();
     for watcher in [&mut caller, &mut host] {
         until(watcher, "both configs are served", |w| keys(w) == [MESH, SHOP]).await;
     }
-    until(&mut other, "the mesh-wide config is served", |w| keys(w) == [MESH]).await;
+    for watcher in [&mut other, &mut dns] {
+        until(watcher, "the mesh-wide config is served", |w| keys(w) == [MESH]).await;
+    }
     let mesh = &other.view.catalog.mesh_configs[MESH];
     assert!(mesh.mesh_wide);
     assert_eq!(mesh.inbound_mtls(), InboundMtlsMode::Permissive);

@@ -18,6 +18,7 @@ pub mod http;
 pub mod identity;
 pub mod load;
 pub mod mesh;
+pub mod mesh_dns;
 pub mod netns;
 pub mod otlp;
 pub mod process;

@@ -2,13 +2,12 @@
 //! including services outside the node's dependency set (the agent's services-only watch).
 
 use std::collections::BTreeMap;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use aether_proto::registrar::v1::{RegisterEndpointRequest, SnapshotReason, WatchRequest, change, watch_response};
 use aether_proto::registry::v1::{Endpoint, Port, Protocol};
 use aether_tests::mesh::Mesh;
-use aether_tests::{ChildGuard, binary, free_port};
+use aether_tests::mesh_dns::MeshDns;
 use tokio_stream::wrappers::ReceiverStream;
 
 fn endpoint(service: &str, address: &str) -> Endpoint {
@@ -86,36 +85,6 @@ async fn wait_records(
     }
 }
 
-fn dig_a(port: u16, name: &str) -> Vec<String> {
-    let out = Command::new("dig")
-        .args([
-            "@127.0.0.1",
-            "-p",
-            &port.to_string(),
-            name,
-            "A",
-            "+short",
-            "+tries=1",
-            "+time=2",
-        ])
-        .output()
-        .expect("dig is not installed (Debian bind9-dnsutils, from scripts/setup.sh)");
-    // A failed query (e.g. refused: mesh-dns not bound yet) answers nothing; callers
-    // retry until their deadline.
-    if !out.status.success() {
-        eprintln!(
-            "dig {name}: {} {}",
-            String::from_utf8_lossy(&out.stdout).trim(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-        return Vec::new();
-    }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_owned)
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_writes_every_service_vip_and_mesh_dns_answers_them() {
     let mesh = Mesh::start_plaintext().await;
@@ -142,23 +111,17 @@ async fn the_agent_writes_every_service_vip_and_mesh_dns_answers_them() {
     );
 
     // The real mesh-dns on that file answers with the VIPs.
-    let port = free_port();
-    let mut cmd = Command::new(binary("aether-mesh-dns"));
-    cmd.args(["--listen", &format!("127.0.0.1:{port}")])
-        .arg("--records")
-        .arg(&path)
-        .args(["--admin", &format!("127.0.0.1:{}", free_port())])
-        .args(["--upstream", "127.0.0.1:9"]);
-    let dns = ChildGuard::spawn("mesh-dns", cmd);
+    let dns = MeshDns::start(&path);
     let deadline = Instant::now() + Duration::from_secs(20);
-    while dig_a(port, "cart.shop.aether.internal") != vec![vips["shop/cart"].clone()] {
-        assert!(Instant::now() < deadline, "mesh-dns never answered:\n{}", dns.logs());
+    while dns.dig_a("cart.shop.aether.internal") != vec![vips["shop/cart"].clone()] {
+        assert!(
+            Instant::now() < deadline,
+            "mesh-dns never answered:\n{}",
+            dns.child.logs()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(
-        dig_a(port, "front.web.aether.internal"),
-        vec![vips["web/front"].clone()]
-    );
+    assert_eq!(dns.dig_a("front.web.aether.internal"), vec![vips["web/front"].clone()]);
 
     // A new service: a new generation, and mesh-dns picks it up.
     register(&mesh, "shop/ship", "10.9.0.4").await;
@@ -166,11 +129,11 @@ async fn the_agent_writes_every_service_vip_and_mesh_dns_answers_them() {
     let (next, _) = wait_records(&mesh, "the new service", |(_, r)| r.get("shop/ship") == Some(&ship)).await;
     assert!(next > generation, "generation {next} after {generation}");
     let deadline = Instant::now() + Duration::from_secs(20);
-    while dig_a(port, "ship.shop.aether.internal") != vec![ship.clone()] {
+    while dns.dig_a("ship.shop.aether.internal") != vec![ship.clone()] {
         assert!(
             Instant::now() < deadline,
             "mesh-dns never picked up the new service:\n{}",
-            dns.logs()
+            dns.child.logs()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

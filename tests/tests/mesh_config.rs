@@ -3,12 +3,14 @@
 //! and streamed to the agent, which applies it to running pods without a restart or a
 //! new ADD — the mesh-wide inbound mTLS mode, a namespace's override of it, a namespace's
 //! default DENY (opened again by an ALLOW policy), and its request timeout; `aether status`
-//! lists the MeshConfigs the node holds and `aether explain` names the default DENY.
+//! lists the MeshConfigs the node holds and `aether explain` names the default DENY; and
+//! the mesh-wide mesh domain, answered by the real mesh-dns and Envoy next to the node's.
 
 use std::time::{Duration, Instant};
 
 use aether_tests::echo::{DELAY_HEADER, EchoIdentity, EchoServer, FailureCounters, serve_echo};
 use aether_tests::mesh::{Mesh, NAMESPACE, put_config};
+use aether_tests::mesh_dns::MeshDns;
 use aether_tests::{HttpReply, TestPod};
 
 const PORT: u16 = 8080;
@@ -169,4 +171,76 @@ async fn mesh_configs_apply_to_running_pods_mesh_wide_and_per_namespace() {
     .await;
     put_config(config.path(), "mesh.yaml", None);
     until("back to the node's STRICT", direct, |r| r.is_err()).await;
+}
+
+const MESH_DOMAIN: &str = "\
+apiVersion: mesh.aether.io/v1alpha1
+kind: MeshConfig
+metadata: {name: default, namespace: aether-system}
+spec:
+  meshDomain: corp.internal
+";
+
+/// The mesh-wide MeshConfig's mesh domain: mesh-dns answers the same names under it and
+/// Envoy routes them, next to the node's own domain, without a restart; removed, it is gone
+/// and the node's own still answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mesh_wide_mesh_domain_is_answered_next_to_the_nodes_own() {
+    let config = tempfile::tempdir().unwrap();
+    let dir = config.path().display().to_string();
+    let mesh = Mesh::start_with_registrar(&[], &["--config-dir", &dir]).await;
+    let p = pods(&mesh).await;
+    let vip = mesh.vip("backend").await;
+    let dns = MeshDns::start(&mesh.path("state/mesh-dns/records"));
+    let by_name = |host: &'static str| {
+        let frontend = &p.frontend;
+        async move { frontend.http_get("http://127.0.0.1:18081/api", Some(host)).await }
+    };
+    let (own, alias) = ("backend.demo.aether.internal", "backend.demo.corp.internal");
+    until(
+        "the node's own domain",
+        async || dns.dig_a(own),
+        |a| *a == [vip.clone()],
+    )
+    .await;
+    assert_eq!(dns.dig_a(alias), Vec::<String>::new(), "no alias yet");
+    assert_eq!(status(&by_name("backend.demo.corp.internal:8080").await), Some(404));
+
+    put_config(config.path(), "mesh.yaml", Some(MESH_DOMAIN));
+    until(
+        "mesh-dns answers the alias",
+        async || dns.dig_a(alias),
+        |a| *a == [vip.clone()],
+    )
+    .await;
+    assert_eq!(
+        dns.dig_a(own),
+        std::slice::from_ref(&vip),
+        "the node's own domain still answers"
+    );
+    let records: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(mesh.path("state/mesh-dns/records")).unwrap()).unwrap();
+    assert_eq!(records["aliases"], serde_json::json!(["corp.internal"]), "{records}");
+    until(
+        "Envoy routes the alias name",
+        || by_name("backend.demo.corp.internal:8080"),
+        |r| status(r) == Some(200),
+    )
+    .await;
+    assert_eq!(status(&by_name("backend.demo.aether.internal:8080").await), Some(200));
+
+    put_config(config.path(), "mesh.yaml", None);
+    until(
+        "the alias gone from mesh-dns",
+        async || dns.dig_a(alias),
+        |a| a.is_empty(),
+    )
+    .await;
+    until(
+        "the alias gone from Envoy",
+        || by_name("backend.demo.corp.internal:8080"),
+        |r| status(r) == Some(404),
+    )
+    .await;
+    assert_eq!(dns.dig_a(own), [vip]);
 }

@@ -416,6 +416,7 @@ impl Records {
             generation,
             written_at,
             records: BTreeMap::new(),
+            aliases: Vec::new(),
         };
         for (ns, svc, a) in records {
             file.records.insert(((*ns).to_owned(), (*svc).to_owned()), *a);

@@ -72,9 +72,15 @@ pub fn route_configs(
     mesh: &MeshSettings,
 ) -> Named {
     let callers = std::iter::once(None).chain(consumers.iter().map(|ns| Some(ns.as_str())));
+    // The mesh-wide MeshConfig's domain: every service answers to its name there too.
+    let alias = mesh.mesh().mesh_domain.filter(|d| d != names.mesh_domain);
+    let hosts = Hosts {
+        names,
+        alias: alias.as_deref(),
+    };
     let mut out = Vec::new();
     for caller in callers {
-        let vhosts = port_hosts(names, services, attached, caller, filters, mesh)
+        let vhosts = port_hosts(&hosts, services, attached, caller, filters, mesh)
             .into_iter()
             .map(
                 |PortHost {
@@ -109,6 +115,21 @@ pub struct Names<'a> {
     pub cluster_domain: &'a str,
 }
 
+/// The domains services answer to: the node's mesh domain, and the alias the mesh-wide
+/// MeshConfig names (proposals/016), which DNS answers too.
+struct Hosts<'a> {
+    names: &'a Names<'a>,
+    alias: Option<&'a str>,
+}
+
+impl Hosts<'_> {
+    /// A service's names under the mesh domain and its alias.
+    fn mesh_names(&self, service: &MeshService) -> Vec<String> {
+        let alias = self.alias.map(|domain| super::fqdn(service.key, domain));
+        std::iter::once(service.fqdn.clone()).chain(alias).collect()
+    }
+}
+
 /// One service port's virtual host, compiled once: its domains are the authorities it
 /// answers to; `destinations` the `ip:port` a captured connection to it has.
 struct PortHost {
@@ -129,13 +150,14 @@ fn unique_domains(vhosts: impl Iterator<Item = VirtualHost>) -> impl Iterator<It
 /// Every dependency service port's virtual host as callers in `caller` (`None`: any
 /// namespace without consumer routes) see it.
 fn port_hosts(
-    names: &Names,
+    hosts_of: &Hosts,
     services: &[MeshService],
     attached: &Attached,
     caller: Option<&str>,
     filters: &Callers,
     mesh: &MeshSettings,
 ) -> Vec<PortHost> {
+    let names = hosts_of.names;
     let known: HashMap<&str, &MeshService> = services.iter().map(|s| (s.key, s)).collect();
     let mut hosts = Vec::new();
     for service in services {
@@ -143,10 +165,10 @@ fn port_hosts(
             .chain(service.cluster_ips.iter().map(String::as_str))
             .map(host_literal)
             .collect();
-        let hostnames: Vec<String> = std::iter::once(service.fqdn.clone())
-            .chain(service.kubernetes_names(names.cluster_domain))
-            .collect();
+        let mesh_names = hosts_of.mesh_names(service);
+        let kubernetes_names = service.kubernetes_names(names.cluster_domain);
         if service.ports.is_empty() {
+            let hostnames: Vec<String> = mesh_names.into_iter().chain(kubernetes_names).collect();
             hosts.push(unserved(service, &hostnames, &addresses));
             continue;
         }
@@ -154,18 +176,18 @@ fn port_hosts(
         // The destination's namespace decides, as for its routes.
         let resilience = mesh.of(service.service.namespace.as_str()).resilience;
         let (vip, cluster_ips) = (&addresses[0], &addresses[1..]);
-        let kubernetes_names = &hostnames[1..];
         for (port, protocol) in &service.ports {
-            // The mesh name and VIP on the endpoint port; the Kubernetes names and the
+            // The mesh names and VIP on the endpoint port; the Kubernetes names and the
             // ClusterIPs on each Service port that targets it (GAMMA: a call to
             // ClusterIP:80 of a Service whose port 80 targets 8080 is a call to 8080).
             let kubernetes_ports = service.kubernetes_ports_to(*port);
             let on_kubernetes_ports = |hosts: &[String]| -> Vec<String> { cross(hosts, &kubernetes_ports).collect() };
-            let mut domains = vec![format!("{}:{port}", service.fqdn)];
-            domains.extend(on_kubernetes_ports(kubernetes_names));
+            let mut domains: Vec<String> = cross(&mesh_names, &[*port]).collect();
+            domains.extend(on_kubernetes_ports(&kubernetes_names));
             domains.push(format!("{vip}:{port}"));
             if Some(*port) == default {
-                domains.extend([service.fqdn.clone(), vip.clone()]);
+                domains.extend(mesh_names.iter().cloned());
+                domains.push(vip.clone());
             }
             if Some(*port) == kubernetes_default {
                 domains.extend(kubernetes_names.iter().cloned());

@@ -94,6 +94,41 @@ fn one_table_picks_virtual_hosts_by_the_stamped_destination_header() {
 }
 
 #[test]
+fn the_mesh_wide_mesh_domain_is_answered_like_the_nodes_own() {
+    let mut catalog = catalog(Vec::new());
+    let mesh = aether_proto::registry::v1::MeshConfig {
+        namespace: "aether-system".into(),
+        name: "default".into(),
+        mesh_wide: true,
+        mesh_domain: "corp.internal".into(),
+        ..Default::default()
+    };
+    catalog
+        .mesh_configs
+        .insert("aether-system/default".into(), Arc::new(mesh));
+    let tables = tables_of(&generated(&catalog, &[]));
+    assert_eq!(
+        vhost(&tables["outbound"], "echo.gamma.aether.internal:80").domains,
+        [
+            "echo.gamma.aether.internal:80",
+            "echo.gamma.corp.internal:80",
+            "240.240.0.1:80",
+            "echo.gamma.aether.internal",
+            "echo.gamma.corp.internal",
+            "240.240.0.1"
+        ]
+    );
+    // The node's own domain named again: nothing twice.
+    let mesh = Arc::make_mut(catalog.mesh_configs.get_mut("aether-system/default").unwrap());
+    mesh.mesh_domain = DOMAIN.into();
+    let tables = tables_of(&generated(&catalog, &[]));
+    assert_eq!(
+        vhost(&tables["outbound"], "echo.gamma.aether.internal:9000").domains,
+        ["echo.gamma.aether.internal:9000", "240.240.0.1:9000"]
+    );
+}
+
+#[test]
 fn cluster_ips_route_like_the_vip_and_kubernetes_names_like_the_mesh_name() {
     let catalog = with_cluster_ips(Vec::new(), &[("gamma/echo-v1", &["10.96.0.11", "fd00::11"])]);
     let mut generator = crate::xds::resources::Generator::default();
