@@ -32,6 +32,12 @@ pub struct Config {
     #[arg(long, env = "AETHER_MESH_DOMAIN", default_value = "aether.internal")]
     pub mesh_domain: String,
 
+    /// Watch the MeshConfig `default` of `--mesh-root-namespace`: when it sets `meshDomain`,
+    /// new pods search that domain instead of `--mesh-domain` (proposals/016). Needs a
+    /// Kubernetes client (in-cluster, or KUBECONFIG).
+    #[arg(long, env = "AETHER_CONTROLLER_FOLLOW_MESH_CONFIG")]
+    pub follow_mesh_config: bool,
+
     /// The mesh root namespace: an AuthorizationPolicy there applies to every namespace
     /// (the registrar's flag of the same name; the two must agree).
     #[arg(long, env = "AETHER_MESH_ROOT_NAMESPACE", default_value = aether_api::authorization::DEFAULT_ROOT_NAMESPACE)]

@@ -4,6 +4,7 @@
 //!   HTTPFilter, HTTPRoute/GRPCRoute with Service parents) judged by the function that
 //!   projects it at run time (`aether-api`), so apply-time and run-time verdicts agree;
 //! - [`mutate`]: a new pod in a mesh namespace joins the mesh (label, DNS search domains);
+//! - [`mesh_domain`]: the domain those search domains name (`--follow-mesh-config`);
 //! - [`admission`]: AdmissionReview v1 in and out, as kube-apiserver speaks it;
 //! - [`server`]: HTTPS for kube-apiserver, the serving certificate reloaded from its files;
 //! - [`leader`]: leader election on a Lease (`--node-taints`);
@@ -27,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 pub mod admission;
 pub mod config;
 pub mod leader;
+pub mod mesh_domain;
 pub mod mutate;
 pub mod node_taints;
 pub mod server;
@@ -56,7 +58,7 @@ pub enum StartError {
     Admin(#[from] AdminError),
     #[error("telemetry: {0}")]
     Telemetry(#[from] aether_common::telemetry::TelemetryError),
-    #[error("--node-taints needs a Kubernetes client: {0}")]
+    #[error("--node-taints and --follow-mesh-config need a Kubernetes client: {0}")]
     Kube(#[from] kube::Error),
 }
 
@@ -78,12 +80,7 @@ impl Running {
 }
 
 /// Campaigns for the Lease and, while leading, keeps the node readiness taints.
-async fn lead_and_keep_node_taints(
-    config: &Config,
-    tasks: &Tasks,
-    shutdown: &CancellationToken,
-) -> Result<(), StartError> {
-    let client = kube::Client::try_default().await?;
+fn lead_and_keep_node_taints(config: &Config, client: kube::Client, tasks: &Tasks, shutdown: &CancellationToken) {
     let (leading, follows) = tokio::sync::watch::channel(false);
     let election = leader::Election {
         leases: kube::Api::namespaced(client.clone(), &config.namespace),
@@ -99,7 +96,6 @@ async fn lead_and_keep_node_taints(
         grace: config.node_taint_grace,
     };
     tasks.critical("the node readiness taints", reconciler.run(follows, shutdown.clone()));
-    Ok(())
 }
 
 /// Binds the webhook and admin addresses and serves until `shutdown`.
@@ -122,15 +118,16 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         addr: config.listen,
         source,
     })?;
+    let options = aether_api::authorization::ProjectOptions {
+        root_namespace: config.mesh_root_namespace.clone(),
+    };
+    let install_domain: Arc<str> = config.mesh_domain.as_str().into();
+    let (mesh_domain, follows) = tokio::sync::watch::channel(install_domain.clone());
     let webhooks = Arc::new(server::Webhooks {
         validator: validate::Validator {
-            options: aether_api::authorization::ProjectOptions {
-                root_namespace: config.mesh_root_namespace.clone(),
-            },
+            options: options.clone(),
         },
-        mutator: mutate::Mutator {
-            mesh_domain: config.mesh_domain.clone(),
-        },
+        mutator: mutate::Mutator::new(follows),
         metrics: server::Metrics::default(),
     });
     let mut registry = Registry::default();
@@ -149,8 +146,21 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
             let _ = push.await;
         });
     }
-    if config.node_taints {
-        lead_and_keep_node_taints(&config, &tasks, &shutdown).await?;
+    let client = match config.node_taints || config.follow_mesh_config {
+        true => Some(kube::Client::try_default().await?),
+        false => None,
+    };
+    if let (true, Some(client)) = (config.node_taints, &client) {
+        lead_and_keep_node_taints(&config, client.clone(), &tasks, &shutdown);
+    }
+    if let (true, Some(client)) = (config.follow_mesh_config, client) {
+        let follower = mesh_domain::Follower {
+            api: kube::Api::namespaced(client, &config.mesh_root_namespace),
+            options,
+            install: install_domain,
+            gate: readiness.gate("mesh-config"),
+        };
+        tasks.critical("the mesh domain", follower.run(mesh_domain, shutdown.clone()));
     }
     let admin = AdminServer::bind(config.admin, readiness.clone(), registry).await?;
     let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {

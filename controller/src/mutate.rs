@@ -7,14 +7,19 @@
 //!   `config.aether.io/mesh: disabled`, or already carries the label (whatever its value:
 //!   the owner decided);
 //! - DNS: the search domains `<ns>.<meshDomain>` and `<meshDomain>` appended, so `backend`
-//!   and `backend.<ns>` resolve to mesh names too (after the cluster's own suffixes), and
+//!   and `backend.<ns>` resolve to mesh names too (after the cluster's own suffixes); the
+//!   mesh domain is the mesh-wide MeshConfig's when it sets one (`crate::mesh_domain`), and
+//!   the new one for new pods when it changes; and
 //!   `ndots: 3` unless the pod sets ndots itself, so a full mesh name (`svc.ns.domain`,
 //!   three dots) is asked as written before any search suffix. Not for host-network pods
 //!   (the mesh does not capture them) nor for `dnsPolicy: None` (the pod owns its DNS).
 //!
 //! Applying the patch and asking again yields no patch: the mutation is idempotent.
 
+use std::sync::Arc;
+
 use serde_json::{Value, json};
+use tokio::sync::watch;
 
 use crate::admission::{Operation, Request, Verdict};
 
@@ -27,10 +32,20 @@ pub const NDOTS: &str = "3";
 
 #[derive(Clone, Debug)]
 pub struct Mutator {
-    pub mesh_domain: String,
+    /// The mesh domain new pods search, as it is now.
+    mesh_domain: watch::Receiver<Arc<str>>,
 }
 
 impl Mutator {
+    pub fn new(mesh_domain: watch::Receiver<Arc<str>>) -> Self {
+        Self { mesh_domain }
+    }
+
+    /// Always `mesh_domain`.
+    pub fn fixed(mesh_domain: &str) -> Self {
+        Self::new(watch::channel(mesh_domain.into()).1)
+    }
+
     pub fn decide(&self, request: &Request) -> Verdict {
         let is_pod = request.kind.group.is_empty() && request.kind.kind == "Pod";
         let (true, Operation::Create, Some(pod)) = (is_pod, request.operation, &request.object) else {
@@ -64,7 +79,8 @@ impl Mutator {
         }
         let spec = &pod["spec"];
         if spec["hostNetwork"] != json!(true) && spec["dnsPolicy"] != json!("None") {
-            let searches = [format!("{namespace}.{}", self.mesh_domain), self.mesh_domain.clone()];
+            let domain = self.mesh_domain.borrow().clone();
+            let searches = [format!("{namespace}.{domain}"), domain.to_string()];
             ops.extend(dns(&spec["dnsConfig"], &searches));
         }
         ops
@@ -112,9 +128,7 @@ mod tests {
     use super::*;
 
     fn mutator() -> Mutator {
-        Mutator {
-            mesh_domain: "aether.internal".into(),
-        }
+        Mutator::fixed("aether.internal")
     }
 
     /// Applies `add` operations (all the webhook emits), as kube-apiserver would.
@@ -181,6 +195,17 @@ mod tests {
             out["spec"]["dnsConfig"]["options"],
             json!([{"name": "edns0"}, {"name": "ndots", "value": "3"}])
         );
+    }
+
+    #[test]
+    fn a_new_mesh_domain_is_what_the_next_pod_searches() {
+        let (domain, follows) = watch::channel(Arc::<str>::from("aether.internal"));
+        let mutator = Mutator::new(follows);
+        let pod = json!({"metadata": {"labels": {"aether.io/managed": "true"}}, "spec": {}});
+        let searches = |mutator: &Mutator| mutator.patch(&pod, "shop")[0]["value"]["searches"].clone();
+        assert_eq!(searches(&mutator), json!(["shop.aether.internal", "aether.internal"]));
+        domain.send_replace("corp.internal".into());
+        assert_eq!(searches(&mutator), json!(["shop.corp.internal", "corp.internal"]));
     }
 
     #[test]

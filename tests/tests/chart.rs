@@ -762,21 +762,66 @@ fn assert_the_controller_role_holds_its_lease_only<'a>(r: &'a Rendered, ctx: &st
     role
 }
 
+/// The controller's other Role: reading the mesh-wide MeshConfig (`default` in the mesh root namespace), nothing else.
+fn assert_the_controller_reads_the_mesh_wide_mesh_config_only<'a>(r: &'a Rendered, ctx: &str) -> &'a Role {
+    let role = r
+        .roles
+        .iter()
+        .find(|role| role.metadata.name.as_deref() == Some("aether-controller-mesh-config"))
+        .unwrap_or_else(|| panic!("{ctx}: the controller's MeshConfig Role"));
+    assert_eq!(
+        role.metadata.namespace.as_deref(),
+        Some("aether-system"),
+        "{ctx}: the mesh root namespace"
+    );
+    let rules = role.rules.as_deref().unwrap_or_default();
+    let strings = |items: &[&str]| items.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let groups: Vec<_> = rules.iter().map(|rule| rule.api_groups.clone()).collect();
+    assert_eq!(
+        groups,
+        [Some(strings(&["mesh.aether.io"]))],
+        "{ctx}: the controller's MeshConfig Role"
+    );
+    let rules: Vec<RuleShape> = (rules.iter())
+        .map(|rule| {
+            (
+                rule.resources.clone().unwrap_or_default(),
+                rule.verbs.clone(),
+                rule.resource_names.clone(),
+            )
+        })
+        .collect();
+    let want: RuleShape = (
+        strings(&["meshconfigs"]),
+        strings(&["get", "list", "watch"]),
+        Some(strings(&["default"])),
+    );
+    assert_eq!(rules, [want], "{ctx}: the controller's MeshConfig Role");
+    let controller = container(pod_spec(r, "aether-controller"), "controller");
+    assert!(has_flag(controller, "--follow-mesh-config"), "{ctx}");
+    role
+}
+
 /// The Kubernetes store keeps its VIPs in one ConfigMap: the only namespaced write anywhere in the chart besides the
 /// controller's Lease, and every verb but `create` (which cannot be scoped by name) is limited to that ConfigMap.
 fn assert_only_the_kubernetes_store_writes_its_vip_config_map(r: &Rendered, store: &str, agent_role: &Role, ctx: &str) {
-    let controller_role = assert_the_controller_role_holds_its_lease_only(r, ctx);
-    let others = |role: &&Role| !std::ptr::eq(*role, agent_role) && !std::ptr::eq(*role, controller_role);
+    let controller_roles = [
+        assert_the_controller_role_holds_its_lease_only(r, ctx),
+        assert_the_controller_reads_the_mesh_wide_mesh_config_only(r, ctx),
+    ];
+    let others = |role: &&Role| {
+        !std::ptr::eq(*role, agent_role) && !controller_roles.iter().any(|mine| std::ptr::eq(*role, *mine))
+    };
     let registrar_roles: Vec<&Role> = r.roles.iter().filter(others).collect();
     if store != "kubernetes" {
         assert!(
-            registrar_roles.is_empty() && r.role_bindings.len() == 2,
+            registrar_roles.is_empty() && r.role_bindings.len() == 3,
             "{ctx}: no registrar Role without the Kubernetes store"
         );
         return;
     }
     assert_eq!(registrar_roles.len(), 1, "{ctx}: the registrar's VIP ConfigMap Role");
-    assert_eq!(r.role_bindings.len(), 3, "{ctx}");
+    assert_eq!(r.role_bindings.len(), 4, "{ctx}");
     let rc = container(pod_spec(r, "aether-registrar"), "registrar");
     let vip_map = format!("{}/aether-registrar-vips", "aether-system");
     assert_eq!(arg(rc, "--kube-vip-configmap"), Some(vip_map.as_str()), "{ctx}");
@@ -800,7 +845,8 @@ fn assert_only_api_clients_mount_a_token(r: &Rendered, ctx: &str) {
         let name = sa.metadata.name.as_deref().unwrap();
         // The registrar reviews tokens (builtin identity), reads Pods (kubernetes store), and reads routes and
         // Services with every store (registrar.fromKubernetes is on by default): it always talks to the API.
-        // The controller: its Lease and the Nodes' readiness taint (controller.nodeTaints, on by default).
+        // The controller: its Lease and the Nodes' readiness taint (controller.nodeTaints, on by default), and the
+        // mesh-wide MeshConfig (controller.followMeshConfig, on by default).
         let talks_to_api = ["aether-agent", "aether-registrar", "aether-controller"].contains(&name);
         assert_eq!(
             sa.automount_service_account_token,

@@ -99,7 +99,7 @@ async fn objects_are_validated_with_the_projectors_verdicts_and_counted() {
         "{message}"
     );
 
-    // MeshConfig: a namespace's override passes; the mesh domain is refused with why.
+    // MeshConfig: a namespace's override passes; a mesh domain there is refused with why.
     let config = |spec: serde_json::Value| {
         json!({"apiVersion": "mesh.aether.io/v1alpha1", "kind": "MeshConfig",
                "metadata": {"name": "default", "namespace": "shop"}, "spec": spec})
@@ -115,7 +115,7 @@ async fn objects_are_validated_with_the_projectors_verdicts_and_counted() {
     let answer = connection.review("/validate", &review).await;
     let message = answer["response"]["status"]["message"].as_str().unwrap();
     assert!(
-        message.starts_with("MeshConfig refused: spec.meshDomain: is set when the mesh is installed"),
+        message.starts_with("MeshConfig refused: spec.meshDomain: is mesh-wide: set it in the MeshConfig of the mesh root namespace \"aether-system\""),
         "{message}"
     );
 
@@ -163,6 +163,70 @@ async fn what_is_not_a_review_is_answered_plainly_and_the_server_keeps_serving()
         .review("/validate", &admission_review("CREATE", POD, &pod))
         .await;
     assert_eq!(answer["response"]["allowed"], true);
+}
+
+/// With `--follow-mesh-config`, new pods search the mesh-wide MeshConfig's mesh domain: the
+/// install-time one until it sets one, the new one once it does, the last accepted one while
+/// an edit is refused, the install-time one again once it is deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_pods_search_the_mesh_domain_the_mesh_wide_mesh_config_sets() {
+    use aether_api::mesh_config::MeshConfig;
+    let api = aether_fakes::kube::ApiServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = api.write_kubeconfig(dir.path());
+    let env = [("KUBECONFIG", kubeconfig.to_str().unwrap())];
+    let controller = Controller::start_with(&["--follow-mesh-config"], &env).await;
+    let mut connection = controller.connect().await;
+    let pod = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "web", "namespace": "shop", "labels": {"aether.io/managed": "true"}}, "spec": {}});
+    let review = admission_review("CREATE", POD, &pod);
+    let mut searches = async || {
+        let answer = connection.review("/mutate/pods", &review).await;
+        patch_of(&answer)[0]["value"]["searches"].clone()
+    };
+    assert_eq!(searches().await, json!(["shop.aether.internal", "aether.internal"]));
+
+    let mesh = |domain: &str| {
+        json!({"apiVersion": "mesh.aether.io/v1alpha1", "kind": "MeshConfig",
+               "metadata": {"name": "default", "namespace": "aether-system"}, "spec": {"meshDomain": domain}})
+    };
+    // Another namespace's MeshConfig never sets it.
+    api.apply::<MeshConfig>(json!({"apiVersion": "mesh.aether.io/v1alpha1", "kind": "MeshConfig",
+        "metadata": {"name": "default", "namespace": "shop"}, "spec": {"meshDomain": "shop.internal"}}));
+    api.apply::<MeshConfig>(mesh("corp.internal"));
+    until("new pods search corp.internal", async || {
+        searches().await == json!(["shop.corp.internal", "corp.internal"])
+    })
+    .await;
+    // Refused (one label): the last accepted domain stays.
+    api.apply::<MeshConfig>(mesh("corp"));
+    until("the refusal logged", async || {
+        controller.child.logs().contains("the mesh-wide MeshConfig is refused")
+    })
+    .await;
+    assert!(
+        controller.child.logs().contains("\"corp\" has one label"),
+        "{}",
+        controller.child.logs()
+    );
+    assert_eq!(searches().await, json!(["shop.corp.internal", "corp.internal"]));
+    api.delete::<MeshConfig>("aether-system", "default");
+    until("back to the install-time domain", async || {
+        searches().await == json!(["shop.aether.internal", "aether.internal"])
+    })
+    .await;
+    let watches = api
+        .requests()
+        .iter()
+        .filter(|r| r.contains("meshconfigs"))
+        .cloned()
+        .collect::<Vec<_>>();
+    assert!(
+        watches
+            .iter()
+            .all(|r| r.contains("/namespaces/aether-system/meshconfigs")),
+        "the controller reads the root namespace's MeshConfig alone: {watches:?}"
+    );
 }
 
 /// A Node named `name`, with the readiness taint or not.
