@@ -228,6 +228,10 @@ async fn the_mesh_wide_mesh_domain_is_answered_next_to_the_nodes_own() {
     )
     .await;
     assert_eq!(status(&by_name("backend.demo.aether.internal:8080").await), Some(200));
+    let explained = mesh
+        .explain("demo/frontend", "http://backend.demo.corp.internal:8080/api")
+        .await;
+    assert_eq!(explained["service"], "demo/backend", "{explained:#}");
 
     put_config(config.path(), "mesh.yaml", None);
     until(

@@ -15,6 +15,7 @@ mod san_probe;
 use crate::explain::{
     Capture, DnsFacts, EnvoyFacts, Facts, IdentityFacts, PodFacts, Resource, RouteFacts, Svid, Target,
 };
+use crate::mesh_settings::MeshSettings;
 use crate::node::NodeView;
 use crate::pod::LocalPod;
 use crate::xds;
@@ -28,9 +29,10 @@ pub enum Name {
     Ip(IpAddr, Option<u32>),
 }
 
-/// Parses `backend`, `backend.demo`, `demo/backend`, `backend.demo.<mesh domain>`, any
-/// of them with `:port`, a URL with such a host, or a VIP. `pod_ns` completes a bare name.
-pub fn parse_target(text: &str, pod_ns: &str, mesh_domain: &str) -> Option<Name> {
+/// Parses `backend`, `backend.demo`, `demo/backend`, `backend.demo.<mesh domain>` (any of
+/// `domains`: the node's and the mesh-wide MeshConfig's), any of them with `:port`, a URL
+/// with such a host, or a VIP. `pod_ns` completes a bare name.
+pub fn parse_target(text: &str, pod_ns: &str, domains: &[&str]) -> Option<Name> {
     let text = text.trim();
     let rest = text.split_once("://").map_or(text, |(_, rest)| rest);
     // A URL's authority ends at its path; `<ns>/<name>` has no scheme and no dot.
@@ -44,7 +46,8 @@ pub fn parse_target(text: &str, pod_ns: &str, mesh_domain: &str) -> Option<Name>
         return Some(Name::Ip(ip, port));
     }
     let host = host.trim_end_matches('.');
-    let host = host.strip_suffix(mesh_domain).map_or(host, |h| h.trim_end_matches('.'));
+    let in_domain = |domain: &&str| host.strip_suffix(*domain)?.strip_suffix('.');
+    let host = domains.iter().find_map(in_domain).unwrap_or(host);
     let (ns, name) = match (host.split_once('/'), host.split_once('.')) {
         (Some((ns, name)), _) => (ns, name),
         (None, Some((name, ns))) => (ns, name),
@@ -91,7 +94,9 @@ pub async fn gather(inspector: &Inspector, question: &Question) -> Facts {
     let local = view.pods.iter().find(|p| p.id() == pod_id);
     let records = read_records(&inspector.records);
     let pod_ns = pod_id.split_once('/').map_or("default", |(ns, _)| ns);
-    let target = parse_target(text, pod_ns, &view.mesh_domain).and_then(|n| resolve(n, &view, records.as_ref().ok()));
+    let alias = MeshSettings::new(&view.watched.catalog.mesh_configs).mesh().mesh_domain;
+    let domains: Vec<&str> = std::iter::once(&*view.mesh_domain).chain(alias.as_deref()).collect();
+    let target = parse_target(text, pod_ns, &domains).and_then(|n| resolve(n, &view, records.as_ref().ok()));
     let capture = match local {
         Some(pod) => capture(inspector, pod).await,
         None => Capture::Unknown,
@@ -366,7 +371,7 @@ mod tests {
 
     #[test]
     fn targets_are_names_urls_keys_or_vips() {
-        let d = "aether.internal";
+        let d = &["aether.internal", "corp.internal"];
         let svc = |k: &str, p| Some(Name::Service(k.into(), p));
         let cases = [
             ("backend", svc("demo/backend", None)),
@@ -375,6 +380,7 @@ mod tests {
             ("shop/backend", svc("shop/backend", None)),
             ("shop/backend:81", svc("shop/backend", Some(81))),
             ("backend.shop.aether.internal", svc("shop/backend", None)),
+            ("backend.shop.corp.internal.", svc("shop/backend", None)),
             (
                 "http://backend.shop.aether.internal:8080/a/b?c",
                 svc("shop/backend", Some(8080)),
