@@ -247,11 +247,16 @@ fn status_lines(s: &Value) -> String {
     )
 }
 
-/// The MeshConfigs in force on the node: `aether-system/default (mesh-wide, generation 3)  …`.
+/// The MeshConfigs in force on the node: `aether-system/default (mesh-wide, domain
+/// corp.internal, generation 3)  …`.
 fn mesh_configs(configs: &Value) -> String {
     let rows: Vec<String> = (configs.as_array().into_iter().flatten())
         .map(|c| {
-            let scope = if c["mesh_wide"] == true { "mesh-wide, " } else { "" };
+            let scope = match (c["mesh_wide"] == true, c["mesh_domain"].as_str()) {
+                (true, Some(domain)) => format!("mesh-wide, domain {domain}, "),
+                (true, None) => "mesh-wide, ".to_owned(),
+                (false, _) => String::new(),
+            };
             let invalid = match c["invalid"].as_str() {
                 Some(why) => format!(", INVALID: {why}"),
                 None => String::new(),

@@ -232,6 +232,11 @@ async fn the_mesh_wide_mesh_domain_is_answered_next_to_the_nodes_own() {
         .explain("demo/frontend", "http://backend.demo.corp.internal:8080/api")
         .await;
     assert_eq!(explained["service"], "demo/backend", "{explained:#}");
+    let text = mesh.aether(&["status"]).await;
+    assert!(
+        text.contains("aether-system/default (mesh-wide, domain corp.internal, generation 0)"),
+        "{text}"
+    );
 
     put_config(config.path(), "mesh.yaml", None);
     until(

@@ -71,6 +71,7 @@ fn mesh_configs(view: &NodeView) -> Value {
             "key": aether_proto::view::mesh_config_key(c),
             "mesh_wide": c.mesh_wide,
             "generation": c.generation,
+            "mesh_domain": Some(&c.mesh_domain).filter(|d| !d.is_empty()),
             "invalid": aether_api::mesh_config::validate(c).err().map(|r| r.to_string()),
         })
     };
