@@ -124,12 +124,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
     let mut registry = Registry::default();
     let metrics = AgentMetrics::register(&mut registry, &config);
     let metrics_push = MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
-    let dns_records = crate::dns_records::DnsRecords::new(
-        &config.state_dir,
-        config.dns_records_restamp,
-        &config.mesh_domain,
-        metrics.dns_records.clone(),
-    )?;
+    let dns_records = dns_records(&config, &metrics)?;
     let identity = crate::identity::Identity::start(&config.identity, metrics.identity.clone(), shutdown.clone())?;
     let cache = Cache::default();
     let (node, catalog_tx, deps_rx) = node(&config, locality, pods, &cache, identity, &metrics);
@@ -191,6 +186,15 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
         shutdown,
         serving,
     })
+}
+
+/// The mesh-dns record file's writer.
+fn dns_records(
+    config: &Config,
+    metrics: &AgentMetrics,
+) -> Result<crate::dns_records::DnsRecords, crate::dns_records::DnsRecordsError> {
+    let (dir, restamp) = (&config.state_dir, config.dns_records_restamp);
+    crate::dns_records::DnsRecords::new(dir, restamp, &config.mesh_domain, metrics.dns_records.clone())
 }
 
 /// The CNI plugin's service: admits pods into the node, capturing and registering them.
