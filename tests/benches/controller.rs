@@ -16,7 +16,8 @@
 //! client preempting the controller on a 2-core machine measured the scheduler (burst p99
 //! 4.2 to 8 ms from run to run with the same code).
 //!
-//! Knobs: `AETHER_BENCH_CONNECTIONS` (200), `AETHER_BENCH_REVIEWS` (per connection, 50).
+//! Knobs: `AETHER_BENCH_CONNECTIONS` (200), `AETHER_BENCH_REVIEWS` (per connection, 50),
+//! `AETHER_BENCH_PIN` (1; 0 lets the client and the controller share every core).
 
 // The stand-in for kube-apiserver shares the machine's cores with the controller: it
 // allocates as little as it can (mimalloc, bodies encoded once) so that what is measured
@@ -175,13 +176,14 @@ async fn sustained(clients: Vec<WebhookConnection>, per_connection: usize, pid: 
 }
 
 /// The cores this process may use: the first for the controller, the rest for this client
-/// (the one core for both where there is only one).
-fn split_cores() -> (Vec<usize>, Vec<usize>) {
+/// (the one core for both where there is only one); every core for both unless `pin`.
+fn split_cores(pin: bool) -> (Vec<usize>, Vec<usize>) {
     let allowed = sched_getaffinity(Pid::from_raw(0)).expect("this process's cores");
     let cores: Vec<usize> = (0..CpuSet::count())
         .filter(|&c| allowed.is_set(c).unwrap_or(false))
         .collect();
     match cores.split_first() {
+        Some(_) if !pin => (cores.clone(), cores),
         Some((&first, [])) => (vec![first], vec![first]),
         Some((&first, rest)) => (vec![first], rest.to_vec()),
         None => panic!("no core to run on"),
@@ -208,7 +210,7 @@ fn pin(pid: u32, cores: &CpuSet) {
 fn main() {
     let connections = knob("AETHER_BENCH_CONNECTIONS", 200);
     let per_connection = knob("AETHER_BENCH_REVIEWS", 50);
-    let (controller_cores, client_cores) = split_cores();
+    let (controller_cores, client_cores) = split_cores(knob("AETHER_BENCH_PIN", 1) != 0);
     // Before the runtime starts, so that its threads inherit the client's cores.
     sched_setaffinity(Pid::from_raw(0), &cpu_set(&client_cores)).expect("pinning the client");
     let rt = match client_cores.len() {
