@@ -12,6 +12,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     ];
     let mut config = tonic_prost_build::Config::new();
     config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
-    tonic_prost_build::configure().compile_with_config(config, &protos, &["proto"])?;
+    tonic_prost_build::configure()
+        .codec_path("crate::codec::SmallBuffers")
+        .compile_with_config(config, &protos, &["proto"])?;
     Ok(())
 }

@@ -1,5 +1,7 @@
 //! Aether's own gRPC APIs, generated from `proto/` by tonic-prost-build.
 
+pub mod codec;
+
 pub mod cni {
     pub mod v1 {
         tonic::include_proto!("aether.cni.v1");
