@@ -13,8 +13,8 @@
 //! controller's CPU per review and its RSS. Bodies are encoded before the clock starts, so
 //! the client's own JSON work is not counted. The controller runs on the first core and
 //! this client on the others: in a cluster kube-apiserver runs on other machines, and a
-//! client preempting the controller on a 2-core machine measured the scheduler (burst p99
-//! 4.2 to 8 ms from run to run with the same code).
+//! client preempting the controller on a 2-core machine measures the scheduler too (burst
+//! p99 from 4.2 to 8 ms between runs of one build, proposals/015).
 //!
 //! Knobs: `AETHER_BENCH_CONNECTIONS` (200), `AETHER_BENCH_REVIEWS` (per connection, 50),
 //! `AETHER_BENCH_PIN` (1; 0 lets the client and the controller share every core).
