@@ -258,6 +258,16 @@ mod tests {
 
     const DOMAIN: &str = "aether.internal";
 
+    /// A writer into `dir`, re-stamping every minute, for the node domain [`DOMAIN`].
+    fn new_writer(dir: &Path) -> DnsRecords {
+        DnsRecords::new(dir, Duration::from_secs(60), DOMAIN, DnsRecordsMetrics::default()).unwrap()
+    }
+
+    /// The record file in `dir`, parsed.
+    fn written(dir: &Path) -> RecordFile {
+        RecordFile::parse(&std::fs::read(path(dir)).unwrap()).unwrap()
+    }
+
     fn content(records: &BTreeMap<(String, String), Addresses>, aliases: &[&str]) -> Option<Content> {
         Some(Content {
             records: records.clone(),
@@ -329,28 +339,21 @@ mod tests {
     #[tokio::test]
     async fn a_new_alias_is_a_new_generation() {
         let dir = tempfile::tempdir().unwrap();
-        let mut writer = DnsRecords::new(
-            dir.path(),
-            Duration::from_secs(60),
-            DOMAIN,
-            DnsRecordsMetrics::default(),
-        )
-        .unwrap();
+        let mut writer = new_writer(dir.path());
         let records = BTreeMap::new();
         writer.write(content(&records, &[]), false).await;
         writer.write(content(&records, &["corp.internal"]), false).await;
-        let file = RecordFile::parse(&std::fs::read(path(dir.path())).unwrap()).unwrap();
+        let file = written(dir.path());
         assert_eq!((file.generation, file.aliases), (2, vec!["corp.internal".to_owned()]));
         writer.write(content(&records, &[]), false).await;
-        let file = RecordFile::parse(&std::fs::read(path(dir.path())).unwrap()).unwrap();
+        let file = written(dir.path());
         assert_eq!((file.generation, file.aliases), (3, Vec::new()));
     }
 
     #[tokio::test]
     async fn writes_on_change_keeps_generation_on_restamp_and_continues_it_after_restart() {
         let dir = tempfile::tempdir().unwrap();
-        let metrics = DnsRecordsMetrics::default();
-        let mut writer = DnsRecords::new(dir.path(), Duration::from_secs(60), DOMAIN, metrics).unwrap();
+        let mut writer = new_writer(dir.path());
         let file = path(dir.path());
         // Nothing before a first view.
         writer.write(None, true).await;
@@ -364,7 +367,7 @@ mod tests {
             },
         );
         writer.write(content(&records, &[]), false).await;
-        let first = RecordFile::parse(&std::fs::read(&file).unwrap()).unwrap();
+        let first = written(dir.path());
         assert_eq!(first.generation, 1);
         assert_eq!(first.records, records);
         let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
@@ -374,23 +377,17 @@ mod tests {
         writer.write(content(&records, &[]), false).await;
         assert_eq!(writer.metrics.writes.get(), 1);
         writer.write(None, true).await;
-        let stamped = RecordFile::parse(&std::fs::read(&file).unwrap()).unwrap();
+        let stamped = written(dir.path());
         assert_eq!(stamped.generation, 1);
         assert!(stamped.written_at > first.written_at);
         // A restarted writer writes nothing before its first view, keeps the generation
         // for the same records and continues it for new ones.
-        let mut again = DnsRecords::new(
-            dir.path(),
-            Duration::from_secs(60),
-            DOMAIN,
-            DnsRecordsMetrics::default(),
-        )
-        .unwrap();
+        let mut again = new_writer(dir.path());
         again.write(None, true).await;
         assert_eq!(again.metrics.writes.get(), 0);
         again.write(content(&records, &[]), false).await;
         assert_eq!(again.metrics.writes.get(), 1);
-        assert_eq!(RecordFile::parse(&std::fs::read(&file).unwrap()).unwrap().generation, 1);
+        assert_eq!(written(dir.path()).generation, 1);
         records.insert(
             ("b".to_owned(), "api".to_owned()),
             Addresses {
@@ -399,7 +396,7 @@ mod tests {
             },
         );
         again.write(content(&records, &[]), false).await;
-        let changed = RecordFile::parse(&std::fs::read(&file).unwrap()).unwrap();
+        let changed = written(dir.path());
         assert_eq!((changed.generation, changed.records), (2, records));
     }
 }
