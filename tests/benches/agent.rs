@@ -357,12 +357,16 @@ fn main() {
     let mut rng = Rng(0x5eed_a37e_0000_0001);
     let workload_upstreams: Vec<BTreeSet<usize>> = (0..k.sets).map(|_| rng.distinct(k.upstreams, k.services)).collect();
     let test_pods = create_pods(&mesh, &k, &workload_upstreams);
+    let before = xds_pushed(&rt, &mesh);
     let filled = add_pods_in_turn(&rt, &mesh, &k, &test_pods, &workload_upstreams);
+    print_pushed("AddPod", &before, &xds_pushed(&rt, &mesh), filled.added);
     let pid = agent_pid(&mesh);
     print_agent_memory("after setup", pid);
 
     // ---- (1) endpoint change at the registrar → applied by Envoy.
+    let before = xds_pushed(&rt, &mesh);
     measure_endpoint_changes(&rt, &mesh, &k, &shuffled(&filled.deps, &mut rng));
+    print_pushed("endpoint change", &before, &xds_pushed(&rt, &mesh), k.changes);
     print_agent_memory("after the changes", pid);
 
     // ---- (3) demand scoping: this node against one whose pod depends on everything.
@@ -490,9 +494,69 @@ fn add_pods_in_turn(
     Filled { added, deps, failure }
 }
 
+/// Resources and encoded bytes sent to Envoy so far, by resource type.
+type Pushed = BTreeMap<String, (u64, u64)>;
+
+/// The agent's xDS push counters.
+fn xds_pushed(rt: &tokio::runtime::Runtime, mesh: &Mesh) -> Pushed {
+    let metrics = rt.block_on(mesh.agent_get("/metrics"));
+    let mut pushed = Pushed::new();
+    for line in metrics.lines() {
+        let Some(rest) = line.strip_prefix("aether_agent_xds_") else {
+            continue;
+        };
+        let (bytes, series) = if let Some(series) = rest.strip_prefix("resources_pushed_total{type=\"") {
+            (false, series)
+        } else if let Some(series) = rest.strip_prefix("pushed_bytes_total{type=\"") {
+            (true, series)
+        } else {
+            continue;
+        };
+        let Some((kind, value)) = series.split_once("\"} ") else {
+            continue;
+        };
+        let entry = pushed.entry(kind.to_owned()).or_default();
+        let slot = if bytes { &mut entry.1 } else { &mut entry.0 };
+        *slot = value.trim().parse().unwrap_or(0);
+    }
+    assert!(
+        !pushed.is_empty(),
+        "no aether_agent_xds_*pushed* series in the agent's /metrics"
+    );
+    pushed
+}
+
+/// What one of `count` events pushed to Envoy on average, from two readings of [`xds_pushed`].
+fn print_pushed(what: &str, before: &Pushed, after: &Pushed, count: usize) {
+    let count = count.max(1) as f64;
+    let mut total = (0.0, 0.0);
+    let by_type: Vec<String> = after
+        .iter()
+        .filter_map(|(kind, (resources, bytes))| {
+            let (r0, b0) = before.get(kind).copied().unwrap_or_default();
+            let (r, b) = ((resources - r0) as f64 / count, (bytes - b0) as f64 / count);
+            total = (total.0 + r, total.1 + b);
+            (r > 0.0).then(|| format!("{kind} {r:.1} ({:.1} KB)", b / 1e3))
+        })
+        .collect();
+    println!(
+        "pushed to Envoy per {what}: {:.1} resources, {:.1} KB ({})",
+        total.0,
+        total.1 / 1e3,
+        by_type.join(", ")
+    );
+}
+
 fn print_agent_memory(when: &str, pid: u32) {
     let (rss, hwm) = (proc_status(pid, "VmRSS:"), proc_status(pid, "VmHWM:"));
-    println!("agent {when}: VmRSS {}, VmHWM {} (goal < 60 MB)", mib(rss), mib(hwm));
+    let (anon, file) = (proc_status(pid, "RssAnon:"), proc_status(pid, "RssFile:"));
+    println!(
+        "agent {when}: VmRSS {} (anonymous {}, file-backed code and data {}), VmHWM {} (goal < 30 MiB)",
+        mib(rss),
+        mib(anon),
+        mib(file),
+        mib(hwm)
+    );
 }
 
 /// The node's dependency set in a fixed, shuffled order, to spread the changes over it.
