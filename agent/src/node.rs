@@ -1,8 +1,8 @@
 //! The node controller: local pods + the node's catalog slice + on-demand lookups →
 //! the dependency set (the registrar watch filter) and the xDS snapshot.
 //!
-//! Changes are coalesced: after the first change the controller waits a few
-//! milliseconds for more (bounded), then rebuilds once. The cache pushes only the
+//! A change after a quiet spell is built at once; changes in a burst are coalesced:
+//! the controller waits a few milliseconds for more (bounded), then rebuilds once. The cache pushes only the
 //! resources whose bytes changed.
 
 use parking_lot::Mutex;
@@ -299,6 +299,7 @@ impl Node {
         let mut identities = self.identity.as_ref().map_or(idle, Identity::subscribe);
         loop {
             self.rebuild();
+            let rebuilt = tokio::time::Instant::now();
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = pods_changed.changed() => {}
@@ -306,7 +307,12 @@ impl Node {
                 _ = identities.changed() => {}
                 _ = self.wake.notified() => {}
             }
-            // Coalesce a burst: wait for quiet, but never longer than DEBOUNCE_MAX.
+            // A change after a quiet spell is built at once: a lone pod's ADD waits for no timer.
+            if rebuilt.elapsed() >= DEBOUNCE {
+                continue;
+            }
+            // One that follows the last rebuild closely is part of a burst: coalesce it, waiting
+            // for quiet, but never longer than DEBOUNCE_MAX.
             let deadline = tokio::time::Instant::now() + DEBOUNCE_MAX;
             loop {
                 let quiet = tokio::time::Instant::now() + DEBOUNCE;
