@@ -14,7 +14,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use aether_tests::bench::percentile;
+use aether_tests::bench::{cpu_time, percentile};
 use aether_tests::binary;
 use aether_tests::cni::{
     BareNetns, ConfList, DEBIAN_CNI_DIR, PinSweeper, PluginRun, Sandbox, bridge_plugin, exec_plugin,
@@ -121,13 +121,46 @@ fn main() {
         .map(|(i, ns)| described_sandbox(&mesh, i, ns))
         .collect();
     warm_up(&bench, &mesh, &sandboxes[0]);
+    let cpu = CpuMeter::new(&mesh);
     add_one_at_a_time(&bench, &sandboxes[..single.min(sandboxes.len())]);
+    cpu.report_per_add(single);
     for &batch in &batches {
+        let cpu = CpuMeter::new(&mesh);
         add_in_parallel(&bench, &sandboxes[..batch.min(sandboxes.len())], rounds);
+        cpu.report_per_add(batch * rounds);
     }
     version_floor(&bench);
     bridge_floor(&mesh, dir.path(), single, &batches, rounds);
     print_agent_phases(&rt.block_on(mesh.agent_get("/metrics")));
+}
+
+/// CPU time the agent and Envoy spent over a stretch of ADDs (each followed by its untimed DEL).
+struct CpuMeter {
+    pids: [(&'static str, u32); 2],
+    at_start: [Duration; 2],
+}
+
+impl CpuMeter {
+    fn new(mesh: &Mesh) -> CpuMeter {
+        let pids = [
+            ("agent", mesh.agent.as_ref().expect("agent running").pid()),
+            ("Envoy", mesh.envoy().child().pid()),
+        ];
+        CpuMeter {
+            at_start: pids.map(|(_, pid)| cpu_time(pid)),
+            pids,
+        }
+    }
+
+    fn report_per_add(&self, adds: usize) {
+        let per_add: Vec<String> = self
+            .pids
+            .iter()
+            .zip(self.at_start)
+            .map(|((name, pid), start)| format!("{name} {}", ms((cpu_time(*pid) - start) / adds.max(1) as u32)))
+            .collect();
+        println!("  CPU per ADD + DEL: {}", per_add.join(", "));
+    }
 }
 
 /// Sandbox `i` in `ns`, described to the pod source, with what the main plugin would have left: eth0 with the
