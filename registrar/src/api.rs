@@ -7,6 +7,7 @@ use aether_proto::registrar::v1::{
     RegisterEndpointResponse, UnregisterEndpointRequest, UnregisterEndpointResponse, WatchRequest, WatchResponse,
 };
 use aether_proto::registry::v1::Endpoint;
+use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -126,7 +127,8 @@ impl Registrar for RegistrarApi {
         }))
     }
 
-    type WatchStream = ReceiverStream<Result<WatchResponse, Status>>;
+    type WatchStream =
+        futures::stream::Map<ReceiverStream<watch::Outgoing>, fn(watch::Outgoing) -> Result<WatchResponse, Status>>;
 
     async fn watch(&self, request: Request<Streaming<WatchRequest>>) -> Result<Response<Self::WatchStream>, Status> {
         self.policy.reader("Watch", &request)?;
@@ -141,7 +143,8 @@ impl Registrar for RegistrarApi {
             out,
             stream_end,
         ));
-        Ok(Response::new(ReceiverStream::new(outbox)))
+        let unbox: fn(watch::Outgoing) -> Result<WatchResponse, Status> = |outgoing| *outgoing;
+        Ok(Response::new(ReceiverStream::new(outbox).map(unbox)))
     }
 }
 
@@ -150,7 +153,7 @@ impl Registrar for RegistrarApi {
 /// rotates its certificate at half-life and resumes on a fresh connection long before.
 async fn end_at_expiry(
     expiry: std::time::SystemTime,
-    out: mpsc::Sender<Result<WatchResponse, Status>>,
+    out: mpsc::Sender<watch::Outgoing>,
     stream_end: CancellationToken,
 ) {
     let left = expiry.duration_since(std::time::SystemTime::now()).unwrap_or_default();
@@ -160,9 +163,9 @@ async fn end_at_expiry(
         _ = tokio::time::sleep(left) => {}
     }
     let _ = out
-        .send(Err(Status::unauthenticated(
+        .send(Box::new(Err(Status::unauthenticated(
             "rule certificate-valid: the client certificate of this stream expired; resume on a connection with a fresh one",
-        )))
+        ))))
         .await;
     stream_end.cancel();
 }
