@@ -86,3 +86,50 @@ async fn only_mesh_cluster_ips_are_captured_and_the_set_follows_the_mesh() {
     assert_eq!(captured(&netns, &listener, OTHER_CLUSTER_IP), Some(other));
     capture::remove(&config, "ctr-client", &netns).await.unwrap();
 }
+
+/// A retried ADD finds the table it applied before (the agent died before answering): the
+/// new-table transaction is refused whole, and the replacing one leaves exactly one table
+/// with one copy of each rule, now the retry's rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_add_replaces_the_table_it_finds() {
+    require_root();
+    let node = TestNode::new();
+    let pod = node.add_pod("retried");
+    let netns = pod.netns_path();
+    let state = tempfile::tempdir().unwrap();
+    let config = CaptureConfig::new(
+        state.path(),
+        capture::DEFAULT_VIP_CIDR.parse().unwrap(),
+        None,
+        capture::DEFAULT_PROXY_MARK,
+    );
+    let listing = || String::from_utf8(pod.exec(&["nft", "list", "ruleset"]).stdout).unwrap();
+    let permissive = capture::PodCapture {
+        inbound_mtls: capture::InboundMtls::Permissive,
+        ..capture::pod_capture(&config, None).unwrap().unwrap()
+    };
+    capture::apply(&config, "ctr-retried", &netns, &permissive).await.unwrap();
+    let first = listing();
+    assert_eq!(first.matches("table inet aether").count(), 1, "{first}");
+    assert!(!first.contains("chain inbound"), "permissive has no inbound chain: {first}");
+    assert!(first.contains("redirect to :"), "{first}");
+
+    let strict = capture::PodCapture {
+        inbound_mtls: capture::InboundMtls::Strict,
+        ..permissive.clone()
+    };
+    capture::apply(&config, "ctr-retried", &netns, &strict).await.unwrap();
+    let retried = listing();
+    assert_eq!(retried.matches("table inet aether").count(), 1, "{retried}");
+    assert_eq!(retried.matches("chain output").count(), 1, "{retried}");
+    assert_eq!(retried.matches("chain inbound").count(), 1, "{retried}");
+    assert_eq!(
+        retried.matches("redirect to :").count(),
+        first.matches("redirect to :").count(),
+        "the output rules are not doubled:\n{first}\n---\n{retried}"
+    );
+    let verdict = capture::check(&config, "ctr-retried", &netns).await.unwrap();
+    assert!(matches!(verdict, Verdict::Intact(_)), "{verdict:?}");
+    capture::remove(&config, "ctr-retried", &netns).await.unwrap();
+    assert!(!listing().contains("table inet aether"));
+}
