@@ -108,10 +108,15 @@ async fn a_retried_add_replaces_the_table_it_finds() {
         inbound_mtls: capture::InboundMtls::Permissive,
         ..capture::pod_capture(&config, None).unwrap().unwrap()
     };
-    capture::apply(&config, "ctr-retried", &netns, &permissive).await.unwrap();
+    capture::apply(&config, "ctr-retried", &netns, &permissive)
+        .await
+        .unwrap();
     let first = listing();
     assert_eq!(first.matches("table inet aether").count(), 1, "{first}");
-    assert!(!first.contains("chain inbound"), "permissive has no inbound chain: {first}");
+    assert!(
+        !first.contains("chain inbound"),
+        "permissive has no inbound chain: {first}"
+    );
     assert!(first.contains("redirect to :"), "{first}");
 
     let strict = capture::PodCapture {
