@@ -114,6 +114,7 @@ fn local_pods() -> Vec<LocalPod> {
                 .collect();
             LocalPod {
                 container_id: format!("c{p}"),
+                listener_sockets: Default::default(),
                 netns: format!("/run/aether/netns/pod-{p}").into(),
                 ips: vec![format!("10.250.{}.{}", p / 250, p % 250 + 1).parse().unwrap()],
                 info: PodInfo {

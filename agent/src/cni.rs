@@ -35,7 +35,7 @@ use tonic::{Request, Response, Status};
 pub use self::effects::{ACK_TIMEOUT, Capture, Effects, EnvoyWaits, REMOVE_TIMEOUT, Registration};
 use crate::capture::{self, CaptureConfig, PodCapture, Verdict};
 use crate::node::Node;
-use crate::pod::{LocalPod, MANAGED_LABEL};
+use crate::pod::{ListenerSockets, LocalPod, MANAGED_LABEL};
 use crate::pod_source::PodDirectory;
 
 /// The largest CNI message the agent decodes or encodes. The largest valid one is a
@@ -297,6 +297,8 @@ impl CniService {
         });
         let pod = LocalPod {
             container_id: sandbox.container_id,
+            // Its listeners are made now: with the node's current choice.
+            listener_sockets: ListenerSockets::Shared,
             netns: sandbox.netns,
             ips: sandbox.ips,
             info,

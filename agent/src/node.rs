@@ -608,6 +608,7 @@ mod tests {
             .insert(crate::upstreams::ANNOTATION.into(), "cart,shop/pay".into());
         node.add_pod(LocalPod {
             container_id: "c-p".into(),
+            listener_sockets: Default::default(),
             netns: "/run/netns/p".into(),
             ips: vec!["10.0.0.1".parse().unwrap()],
             info: info.clone(),
@@ -658,6 +659,7 @@ mod tests {
         let (node, _catalog, _) = node(state.path());
         let pod = |namespace: &str, name: &str, ip: &str| LocalPod {
             container_id: format!("c-{name}"),
+            listener_sockets: Default::default(),
             netns: format!("/run/netns/{name}").into(),
             ips: vec![ip.parse().unwrap()],
             info: PodInfo {
@@ -695,6 +697,7 @@ mod tests {
             .insert(crate::upstreams::ANNOTATION.into(), "cart".into());
         let pod = LocalPod {
             container_id: "c-p".into(),
+            listener_sockets: Default::default(),
             netns: "/run/netns/p".into(),
             ips: vec!["10.0.0.1".parse().unwrap()],
             info,

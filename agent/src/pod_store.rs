@@ -194,10 +194,12 @@ impl PodStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pod::ListenerSockets;
 
     fn pod(name: &str) -> LocalPod {
         LocalPod {
             container_id: format!("c-{name}"),
+            listener_sockets: Default::default(),
             netns: "/run/aether/netns/x".into(),
             ips: vec!["10.0.0.1".parse().unwrap()],
             info: PodInfo {
@@ -233,6 +235,15 @@ mod tests {
         std::fs::write(dir.path().join(FILE), b"[{").unwrap();
         let err = PodStore::open(dir.path()).err().unwrap().to_string();
         assert!(err.contains("is not a pod store"), "{err}");
+    }
+
+    #[test]
+    fn pods_recorded_before_the_shared_socket_keep_a_socket_per_worker() {
+        let mut recorded = serde_json::to_value(pod("a")).unwrap();
+        assert_eq!(recorded["listener_sockets"], "shared");
+        recorded.as_object_mut().unwrap().remove("listener_sockets");
+        let old: LocalPod = serde_json::from_value(recorded).unwrap();
+        assert_eq!(old.listener_sockets, ListenerSockets::PerWorker);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

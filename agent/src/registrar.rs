@@ -300,6 +300,7 @@ mod tests {
         let port = |n, name, protocol| ContainerPort::from_spec("p", n, Some(name), Some(protocol)).unwrap();
         let mut pod = LocalPod {
             container_id: "c-1".into(),
+            listener_sockets: Default::default(),
             netns: "/run/netns/x".into(),
             ips: vec!["10.0.0.7".parse().unwrap(), "fd00::7".parse().unwrap()],
             info: PodInfo {

@@ -470,6 +470,7 @@ async fn recovered_state(dir: &std::path::Path) -> std::path::PathBuf {
     std::fs::create_dir_all(&state).unwrap();
     pods.put(aether_agent::pod::LocalPod {
         container_id: "c-recovered".into(),
+        listener_sockets: Default::default(),
         netns: sandbox,
         ips: vec![RECOVERED_IP.parse().unwrap()],
         info,

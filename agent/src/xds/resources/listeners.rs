@@ -31,7 +31,7 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
 };
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpProxy, tcp_proxy};
 use envoy_types::pb::envoy::extensions::http::early_header_mutation::header_mutation::v3::HeaderMutation as EarlyHeaderMutation;
-use envoy_types::pb::google::protobuf::{Any, UInt32Value};
+use envoy_types::pb::google::protobuf::{Any, BoolValue, UInt32Value};
 
 use super::authorization::Filters;
 use super::clusters::local_name;
@@ -40,7 +40,7 @@ use super::routes::{DESTINATION_HEADER, inbound_routes, inbound_routes_name};
 use super::transport::{self, Mtls};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
 use super::{MeshService, PodFilters, is_http};
-use crate::pod::LocalPod;
+use crate::pod::{ListenerSockets, LocalPod};
 
 pub fn outbound_name(pod: &LocalPod) -> String {
     format!("outbound|{}", pod.id())
@@ -231,6 +231,7 @@ fn inbound(
         listener_filters: vec![inspector],
         listener_filters_timeout: millis(1000),
         continue_on_listener_filters_timeout: true,
+        enable_reuse_port: reuse_port(pod),
         filter_chains,
         default_filter_chain: Some(default_chain),
         // Connections the TCP chain's policies closed, audited or would close (dry-run).
@@ -241,6 +242,13 @@ fn inbound(
         )],
         ..Default::default()
     })
+}
+
+/// A pod's listeners bind as the pod records ([`ListenerSockets`]): Envoy refuses to
+/// change this on a listener it holds.
+fn reuse_port(pod: &LocalPod) -> Option<BoolValue> {
+    let per_worker = pod.listener_sockets == ListenerSockets::PerWorker;
+    Some(BoolValue { value: per_worker })
 }
 
 /// The pod's outgoing traffic, explicit (18081) or captured (18001): plain TCP to a
@@ -283,6 +291,7 @@ fn outbound(
             "envoy.filters.listener.original_dst",
             &OriginalDst::default(),
         )],
+        enable_reuse_port: reuse_port(pod),
         filter_chains,
         default_filter_chain: Some(outgoing(
             pod,
@@ -407,5 +416,49 @@ fn http_filter_of<T: prost::Name>(name: &str, config: &T) -> HttpFilter {
         name: name.to_owned(),
         config_type: Some(http_filter::ConfigType::TypedConfig(any(config))),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use envoy_types::pb::envoy::config::listener::v3::Listener;
+    use prost::Message;
+
+    use super::*;
+    use crate::pod::ContainerPort;
+    use crate::xds::resources::routes::tests::{catalog, generated, pod};
+
+    /// Each of the pod's listeners, as generated: its name and `enable_reuse_port`.
+    fn reuse_port_of(pod: &LocalPod) -> Vec<(String, Option<bool>)> {
+        let generated = generated(&catalog(Vec::new()), std::slice::from_ref(pod));
+        generated[crate::xds::LISTENER]
+            .iter()
+            .filter(|r| r.name.ends_with(&pod.id()))
+            .map(|r| {
+                let listener = Listener::decode(&*r.body.value).unwrap();
+                (r.name.clone(), listener.enable_reuse_port.map(|b| b.value))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_pods_listeners_bind_as_the_pod_records() {
+        let mut pod = pod("gamma", "web-1");
+        pod.info.ports = vec![ContainerPort {
+            name: "http".into(),
+            port: 8080,
+            protocol: "TCP".into(),
+        }];
+        let names = vec![inbound_name(&pod), outbound_name(&pod)];
+        let shared = reuse_port_of(&pod);
+        assert_eq!(shared.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(), names);
+        assert!(shared.iter().all(|(_, reuse)| *reuse == Some(false)), "{shared:?}");
+        pod.listener_sockets = ListenerSockets::PerWorker;
+        let per_worker = reuse_port_of(&pod);
+        assert_eq!(per_worker.len(), 2, "{per_worker:?}");
+        assert!(
+            per_worker.iter().all(|(_, reuse)| *reuse == Some(true)),
+            "{per_worker:?}"
+        );
     }
 }

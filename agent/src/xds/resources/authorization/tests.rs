@@ -33,6 +33,7 @@ pub fn cart() -> LocalPod {
     };
     LocalPod {
         container_id: "c-cart".into(),
+        listener_sockets: Default::default(),
         netns: "/run/aether/netns/cart".into(),
         ips: vec!["10.2.0.1".parse().unwrap()],
         info: PodInfo {

@@ -60,6 +60,7 @@ fn with_filters(mut catalog: CatalogView, filters: &[Arc<HttpFilter>]) -> Catalo
 fn echo_pod() -> LocalPod {
     LocalPod {
         container_id: "c-echo".into(),
+        listener_sockets: Default::default(),
         netns: "/run/aether/netns/echo".into(),
         ips: vec!["10.2.0.9".parse().unwrap()],
         info: PodInfo {

@@ -76,6 +76,7 @@ pub fn catalog(routes: Vec<Route>) -> CatalogView {
 pub fn pod(namespace: &str, name: &str) -> LocalPod {
     LocalPod {
         container_id: format!("c-{name}"),
+        listener_sockets: Default::default(),
         netns: format!("/run/aether/netns/{name}").into(),
         ips: vec!["10.2.0.1".parse().unwrap()],
         info: PodInfo {
