@@ -35,6 +35,16 @@ fn captured(netns: &Path, listener: &TcpListener, to: Ipv4Addr) -> Option<Socket
     ))
 }
 
+/// The agent's default capture, its desired state kept under `state`.
+fn default_config(state: &Path) -> CaptureConfig {
+    CaptureConfig::new(
+        state,
+        capture::DEFAULT_VIP_CIDR.parse().unwrap(),
+        None,
+        capture::DEFAULT_PROXY_MARK,
+    )
+}
+
 fn ips(ips: &[Ipv4Addr]) -> BTreeSet<Ipv4Addr> {
     ips.iter().copied().collect()
 }
@@ -46,12 +56,7 @@ async fn only_mesh_cluster_ips_are_captured_and_the_set_follows_the_mesh() {
     let pod = node.add_pod("client");
     let netns = pod.netns_path();
     let state = tempfile::tempdir().unwrap();
-    let config = CaptureConfig::new(
-        state.path(),
-        capture::DEFAULT_VIP_CIDR.parse().unwrap(),
-        None,
-        capture::DEFAULT_PROXY_MARK,
-    );
+    let config = default_config(state.path());
     config.cluster_ips.set(ips(&[MESH_CLUSTER_IP]));
     // The capture listener, in the pod's netns.
     let listener = aether_tests::cni::run_in(&netns, || {
@@ -97,12 +102,7 @@ async fn a_retried_add_replaces_the_table_it_finds() {
     let pod = node.add_pod("retried");
     let netns = pod.netns_path();
     let state = tempfile::tempdir().unwrap();
-    let config = CaptureConfig::new(
-        state.path(),
-        capture::DEFAULT_VIP_CIDR.parse().unwrap(),
-        None,
-        capture::DEFAULT_PROXY_MARK,
-    );
+    let config = default_config(state.path());
     let listing = || String::from_utf8(pod.exec(&["nft", "list", "ruleset"]).stdout).unwrap();
     let permissive = capture::PodCapture {
         inbound_mtls: capture::InboundMtls::Permissive,
