@@ -2,8 +2,8 @@
 //! the dependency set (the registrar watch filter) and the xDS snapshot.
 //!
 //! A change after a quiet spell is built at once; changes in a burst are coalesced:
-//! the controller waits a few milliseconds for more (bounded), then rebuilds once. The cache pushes only the
-//! resources whose bytes changed.
+//! the controller waits a few milliseconds for more (bounded), then rebuilds once.
+//! The cache pushes only the resources whose bytes changed.
 
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet};
