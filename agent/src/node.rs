@@ -406,7 +406,8 @@ impl Node {
 impl Node {
     /// Waits until Envoy can serve `pod`: a snapshot built from pod-store `generation`
     /// (or later) is out, so a previous sandbox's ACKed listeners of the same name do not
-    /// count, and its listeners and its upstreams' clusters (with endpoints) are ACKed.
+    /// count, and its listeners, its upstreams' clusters (with endpoints) and the virtual
+    /// hosts routing to them are ACKed.
     pub async fn wait_served(&self, pod: &LocalPod, generation: u64, timeout: Duration) -> Result<(), ServeError> {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut built = self.built_generation();
@@ -423,12 +424,17 @@ impl Node {
         if self.identity.is_some() {
             wanted.extend(resources::pod_identity_names(pod));
         }
-        for upstream in &upstreams {
-            for name in resources::cluster_names(&watched.catalog, upstream, &self.mesh_domain) {
-                wanted.push((xds::CLUSTER, name.clone()));
-                wanted.push((xds::ENDPOINT, name));
-            }
+        let clusters: Vec<String> = (upstreams.iter())
+            .flat_map(|upstream| resources::cluster_names(&watched.catalog, upstream, &self.mesh_domain))
+            .collect();
+        for name in &clusters {
+            wanted.push((xds::CLUSTER, name.clone()));
+            wanted.push((xds::ENDPOINT, name.clone()));
         }
+        // ...and the routes to them (their virtual hosts in the pod's table).
+        let snapshot = self.cache.snapshot();
+        let vhosts = resources::pod_virtual_host_names(&snapshot, pod, &clusters);
+        wanted.extend(vhosts.into_iter().map(|name| (xds::VIRTUAL_HOST, name)));
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
         Ok(self.cache.wait_acked(&wanted, remaining).await?)
     }
@@ -683,6 +689,33 @@ mod tests {
         assert_eq!(namespaces(&node), ["demo"], "the last pod of shop left");
     }
 
+    /// A catalog with `demo/cart`, one endpoint serving HTTP on port 80.
+    fn cart_on_port_80() -> aether_proto::view::CatalogView {
+        use aether_proto::registry::v1::{Endpoint, Port, Protocol, Service};
+        let mut catalog = aether_proto::view::CatalogView::default();
+        let service = Service {
+            namespace: "demo".into(),
+            name: "cart".into(),
+            vip: "240.240.0.1".into(),
+            kubernetes: None,
+        };
+        let endpoint = Endpoint {
+            service: "demo/cart".into(),
+            address: "10.1.0.1".into(),
+            ports: vec![Port {
+                name: String::new(),
+                port: 80,
+                protocol: Protocol::Http as i32,
+            }],
+            weight: 1,
+            ..Default::default()
+        };
+        catalog.services.insert("demo/cart".into(), service);
+        let endpoints = std::collections::BTreeMap::from([("10.1.0.1".to_owned(), endpoint)]);
+        catalog.endpoints.insert("demo/cart".into(), Arc::new(endpoints));
+        catalog
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_pod_is_served_once_built_with_its_upstreams_answered_and_acked() {
         let state = tempfile::tempdir().unwrap();
@@ -711,20 +744,32 @@ mod tests {
         assert_eq!(error, "the registrar has not answered for demo/p's upstreams; retry");
         catalog.send_replace(Arc::new(WatchedCatalog {
             filter: node.dependencies(&node.pods()),
+            catalog: cart_on_port_80(),
             ..WatchedCatalog::default()
         }));
+        node.rebuild();
         assert!(matches!(
             wait().await,
             Err(ServeError::Envoy(WaitError::NotAcked { .. }))
         ));
         let envoy = cache.open_stream();
-        for (type_url, resources) in &cache.snapshot().types {
-            let acked: Vec<_> = resources
-                .values()
-                .map(|r| (r.name.clone(), Some(r.version.clone())))
-                .collect();
-            envoy.record_ack(type_url, &acked);
-        }
+        let ack_all = |of_type: &dyn Fn(&str) -> bool| {
+            for (type_url, resources) in cache.snapshot().types.iter().filter(|(t, _)| of_type(t)) {
+                let acked: Vec<_> = resources
+                    .values()
+                    .map(|r| (r.name.clone(), Some(r.version.clone())))
+                    .collect();
+                envoy.record_ack(type_url, &acked);
+            }
+        };
+        // Listeners and clusters are not enough: the route to the upstream must be there too.
+        ack_all(&|type_url| type_url != xds::VIRTUAL_HOST);
+        let error = wait().await.unwrap_err().to_string();
+        assert_eq!(
+            error,
+            "Envoy has not acknowledged outbound/cart.demo.aether.internal:80"
+        );
+        ack_all(&|type_url| type_url == xds::VIRTUAL_HOST);
         wait().await.unwrap();
         node.wait_listeners(&pod, Duration::from_millis(1)).await.unwrap();
 

@@ -37,10 +37,14 @@ pub const ENDPOINT: &str = "type.googleapis.com/envoy.config.endpoint.v3.Cluster
 pub const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
 pub const ROUTE: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
 pub const SECRET: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+/// VHDS: an outbound table's virtual hosts, named `<table>/<virtual host>` (see
+/// `delta` for when they are sent).
+pub const VIRTUAL_HOST: &str = "type.googleapis.com/envoy.config.route.v3.VirtualHost";
 
 /// Push order: clusters before their endpoints, secrets before the listeners that use
-/// them, listeners before the routes they name (Envoy warms what waits on a dependency).
-pub const PUSH_ORDER: [&str; 5] = [CLUSTER, ENDPOINT, SECRET, LISTENER, ROUTE];
+/// them, listeners before the routes they name (Envoy warms what waits on a dependency),
+/// a table before its virtual hosts.
+pub const PUSH_ORDER: [&str; 6] = [CLUSTER, ENDPOINT, SECRET, LISTENER, ROUTE, VIRTUAL_HOST];
 
 type Labels = [(&'static str, &'static str); 1];
 type Histograms = Family<Labels, Histogram, fn() -> Histogram>;
@@ -192,6 +196,7 @@ pub fn short(type_url: &str) -> &'static str {
         LISTENER => "Listener",
         ROUTE => "RouteConfiguration",
         SECRET => "Secret",
+        VIRTUAL_HOST => "VirtualHost",
         _ => "other",
     }
 }

@@ -6,15 +6,21 @@
 //! snapshot it sends only the difference, in push order. A response is a NACK when the
 //! next request carries its nonce with `error_detail`: recorded, and not resent (Envoy
 //! keeps its last good config until the resource changes again).
+//!
+//! VHDS: Envoy subscribes to virtual hosts without naming a table (its watch for a
+//! table matches `<table>/…` names) and drops those that arrive before that watch
+//! exists. The watch exists once Envoy has taken the table, so a table's virtual hosts
+//! are sent only after Envoy ACKs the table, and all again after each new version of it
+//! (which may have restarted the watch).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Instant;
 
 use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
 
-use super::PUSH_ORDER;
 use super::cache::{Sent, Snapshot};
 use super::stream::{Nonces, Protocol, Push, Record, Size, verdict};
+use super::{PUSH_ORDER, ROUTE, VIRTUAL_HOST};
 
 #[derive(Debug, Default)]
 struct TypeState {
@@ -35,6 +41,8 @@ pub struct DeltaStream {
     types: HashMap<String, TypeState>,
     unanswered: HashMap<String, Push>,
     nonces: Nonces,
+    /// The route tables this Envoy holds: each has its VHDS watch.
+    tables: BTreeSet<String>,
 }
 
 impl Protocol for DeltaStream {
@@ -44,11 +52,24 @@ impl Protocol for DeltaStream {
     fn request(&mut self, request: &DeltaDiscoveryRequest) -> Vec<Record> {
         let mut records = Vec::new();
         if let Some(push) = self.unanswered.remove(&request.response_nonce) {
-            records.push(verdict(push, request.error_detail.as_ref(), Record::Acked));
+            let record = verdict(push, request.error_detail.as_ref(), Record::Acked);
+            if let Record::Acked(push) = &record
+                && push.type_url == ROUTE
+            {
+                self.tables_taken(&push.resources);
+            }
+            records.push(record);
         }
         let state = self.types.entry(request.type_url.clone()).or_default();
         if !state.started {
-            records.extend(state.start(request));
+            let running = state.start(request);
+            if let Some(Record::Running { type_url, resources }) = &running
+                && type_url == ROUTE
+            {
+                // A reconnecting Envoy's tables have their watches, and their hosts.
+                self.tables.extend(resources.iter().map(|(name, _)| name.clone()));
+            }
+            records.extend(running);
         }
         state.subscribe(&request.resource_names_subscribe, &request.resource_names_unsubscribe);
         if !request.resource_names_unsubscribe.is_empty() {
@@ -62,6 +83,9 @@ impl Protocol for DeltaStream {
 
     fn on_demand<'r>(request: &'r DeltaDiscoveryRequest, snapshot: &Snapshot) -> Option<(&'r str, Vec<String>)> {
         let type_url = request.type_url.as_str();
+        if type_url == VIRTUAL_HOST {
+            return None;
+        }
         let missing: Vec<String> = (request.resource_names_subscribe.iter())
             .filter(|name| *name != "*" && snapshot.version_of(type_url, name).is_none())
             .cloned()
@@ -90,8 +114,11 @@ impl DeltaStream {
     /// The response that brings this type up to `snapshot`, if anything differs (or
     /// Envoy's initial fetch of the type is still unanswered).
     fn respond(&mut self, type_url: &str, snapshot: &Snapshot, now: Instant) -> Option<DeltaDiscoveryResponse> {
-        let state = self.types.get_mut(type_url)?;
-        let (resources, removed) = state.diff(type_url, snapshot);
+        let state = self.types.get_mut(type_url).filter(|state| state.started)?;
+        let (resources, removed) = match type_url {
+            VIRTUAL_HOST => state.diff_virtual_hosts(&self.tables, snapshot),
+            _ => state.diff(type_url, snapshot),
+        };
         if resources.is_empty() && removed.is_empty() && state.answered {
             return None;
         }
@@ -111,6 +138,21 @@ impl DeltaStream {
             nonce,
             ..Default::default()
         })
+    }
+}
+
+impl DeltaStream {
+    /// Envoy ACKed these route tables (`None`: removed): send each taken table's virtual
+    /// hosts (again), for the watch it may have just started.
+    fn tables_taken(&mut self, tables: &Sent) {
+        let vhosts = self.types.entry(VIRTUAL_HOST.to_owned()).or_default();
+        for (table, version) in tables {
+            vhosts.held.retain(|name, _| namespace_of(name) != Some(table.as_str()));
+            match version {
+                Some(_) => self.tables.insert(table.clone()),
+                None => self.tables.remove(table),
+            };
+        }
     }
 }
 
@@ -186,6 +228,28 @@ impl TypeState {
         (resources, removed)
     }
 
+    /// [`TypeState::diff`] for VHDS: every virtual host of the tables Envoy holds, and
+    /// removals of those it holds that are gone.
+    fn diff_virtual_hosts(&self, tables: &BTreeSet<String>, snapshot: &Snapshot) -> (Vec<Resource>, Vec<String>) {
+        let empty = BTreeMap::new();
+        let served = snapshot.get(VIRTUAL_HOST).unwrap_or(&empty);
+        let resources = (served.values())
+            .filter(|vhost| namespace_of(&vhost.name).is_some_and(|table| tables.contains(table)))
+            .filter(|vhost| self.held.get(&vhost.name) != Some(&vhost.version))
+            .map(|vhost| Resource {
+                name: vhost.name.clone(),
+                version: vhost.version.clone(),
+                resource: Some(vhost.body.clone()),
+                ..Default::default()
+            })
+            .collect();
+        let removed = (self.held.keys())
+            .filter(|name| !served.contains_key(*name))
+            .cloned()
+            .collect();
+        (resources, removed)
+    }
+
     /// Envoy is sent these: it will hold them. Returns what the response carried.
     fn sent(&mut self, resources: &[Resource], removed: &[String]) -> Sent {
         self.answered = true;
@@ -205,6 +269,12 @@ impl TypeState {
         }
         sent
     }
+}
+
+/// The table of a virtual host's name `<table>/<host>` (up to the last `/`, as Envoy
+/// reads it).
+fn namespace_of(name: &str) -> Option<&str> {
+    name.rsplit_once('/').map(|(table, _)| table)
 }
 
 #[cfg(test)]

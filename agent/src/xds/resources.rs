@@ -10,9 +10,10 @@
 //! cluster and secret, and per node the `originate|h2` and `originate|tcp` internal
 //! listeners (see `origination`).
 //!
-//! Cost: per pod a constant number of resources; per dependency service its clusters and
-//! assignments. Adding a pod adds its own resources and changes its own service's
-//! endpoints, never a shared cluster.
+//! Cost: per pod a constant number of resources; per dependency service its clusters,
+//! assignments and (VHDS) virtual hosts. Adding a pod adds its own resources, its new
+//! dependencies' and changes its own service's endpoints, never a shared cluster or
+//! table.
 
 pub mod authorization;
 mod clusters;
@@ -35,14 +36,14 @@ use aether_proto::registry::v1::{
 use aether_proto::view::{CatalogView, Endpoints};
 use envoy_types::pb::google::protobuf::Any;
 
-use super::cache::Resource;
+use super::cache::{Resource, Snapshot};
 use crate::identity::Identities;
 use crate::mesh_settings::MeshSettings;
 use crate::pod::LocalPod;
 use transport::Mtls;
 
 pub use clusters::server_sans;
-pub use routes::{Attached, regex_budget};
+pub use routes::{Attached, regex_budget, with_virtual_hosts_inline};
 pub use util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, PORT_HEADER};
 
 /// Everything the generators read.
@@ -225,7 +226,7 @@ pub struct Generator {
     pods: HashMap<String, PodMemo>,
     /// The catalog's routes last seen, and the valid ones among them.
     checked: Checked,
-    routes: Option<(RoutesInput, Vec<Arc<Resource>>)>,
+    routes: Option<(RoutesInput, ServedTables)>,
     /// The catalog's authorization policies, validated.
     policies: authorization::Checked,
     /// The catalog's HTTP filters, validated.
@@ -328,6 +329,13 @@ fn same_policies(a: &[Arc<AuthorizationPolicy>], b: &[Arc<AuthorizationPolicy>])
 /// Equal by identity: the catalog view shares an unchanged route.
 fn same_routes(a: &[Arc<Route>], b: &[Arc<Route>]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(a, b)| Arc::ptr_eq(a, b))
+}
+
+/// The outbound route tables and their virtual hosts, as resources.
+#[derive(Clone)]
+struct ServedTables {
+    tables: Vec<Arc<Resource>>,
+    virtual_hosts: Vec<Arc<Resource>>,
 }
 
 /// What the route tables are built from.
@@ -474,7 +482,10 @@ impl Generator {
             consumers,
             callers,
         };
-        let mut routes = self.routes(inputs.mesh_domain, &services, &attached, input);
+        let ServedTables {
+            tables: mut routes,
+            virtual_hosts,
+        } = self.routes(inputs.mesh_domain, &services, &attached, input);
 
         let Collected {
             mut clusters,
@@ -495,6 +506,7 @@ impl Generator {
             (super::ENDPOINT.to_owned(), assignments),
             (super::LISTENER.to_owned(), listeners),
             (super::ROUTE.to_owned(), routes),
+            (super::VIRTUAL_HOST.to_owned(), virtual_hosts),
         ]);
         if mtls.is_some() {
             generated.insert(super::SECRET.to_owned(), self.secrets(inputs.pods));
@@ -595,7 +607,7 @@ impl Generator {
         services: &[MeshService],
         attached: &routes::Attached,
         input: RoutesInput,
-    ) -> Vec<Arc<Resource>> {
+    ) -> ServedTables {
         let routes = match self.routes.take() {
             Some((last, routes)) if last.same(&input) => routes,
             _ => {
@@ -603,14 +615,18 @@ impl Generator {
                     mesh_domain,
                     cluster_domain: &self.cluster_domain.0,
                 };
-                resources(routes::route_configs(
+                let tables = routes::route_configs(
                     &names,
                     services,
                     attached,
                     &input.consumers,
                     &input.callers,
                     &input.mesh,
-                ))
+                );
+                ServedTables {
+                    tables: resources(tables.tables),
+                    virtual_hosts: resources(tables.virtual_hosts),
+                }
             }
         };
         self.routes = Some((input, routes.clone()));
@@ -760,6 +776,18 @@ pub fn cluster_names(catalog: &CatalogView, key: &str, mesh_domain: &str) -> Vec
         .iter()
         .filter(|s| s.key == key)
         .flat_map(|s| clusters::service_clusters(s).into_iter().map(|(name, _, _)| name))
+        .collect()
+}
+
+/// The virtual hosts routing `pod`'s calls to `clusters`, as `snapshot` serves them: in
+/// its namespace's own table when there is one (consumer routes), else the shared one.
+pub fn pod_virtual_host_names(snapshot: &Snapshot, pod: &LocalPod, clusters: &[String]) -> Vec<String> {
+    let own = format!("{}~{}", routes::OUTBOUND_ROUTES, pod.info.namespace);
+    let has_own = snapshot.version_of(super::ROUTE, &own).is_some();
+    let table = if has_own { own.as_str() } else { routes::OUTBOUND_ROUTES };
+    (clusters.iter())
+        .map(|cluster| format!("{table}/{cluster}"))
+        .filter(|name| snapshot.version_of(super::VIRTUAL_HOST, name).is_some())
         .collect()
 }
 

@@ -2,24 +2,30 @@
 //! per type, the whole set the Envoy asked for, sent whenever its combined version
 //! differs from what was last sent. A request carrying the type's last nonce answers
 //! that response (a NACK with `error_detail`); an older nonce answers nothing.
+//!
+//! VHDS is delta-only, so a route table goes out with its virtual hosts inline, and its
+//! ACK counts for them too.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::Instant;
 
 use aether_common::hash::{fnv1a, fnv1a_extend};
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 
-use super::PUSH_ORDER;
-use super::cache::Snapshot;
+use super::cache::{Resource, Snapshot};
+use super::resources::with_virtual_hosts_inline;
 use super::stream::{Nonces, Protocol, Push, Record, Size, verdict};
+use super::{PUSH_ORDER, ROUTE, VIRTUAL_HOST};
 
 #[derive(Debug, Default)]
 struct TypeState {
     /// The names asked for; none asks for every resource of the type.
     names: BTreeSet<String>,
     sent_version: Option<String>,
-    /// The nonce of the last response, and what it carried, until Envoy answers it.
-    unanswered: Option<(String, Push)>,
+    /// The nonce of the last response, and what it carried (of its own type and of
+    /// the virtual hosts inline), until Envoy answers it.
+    unanswered: Option<(String, Vec<Push>)>,
 }
 
 /// One state-of-the-world ADS stream: per type, what Envoy asked for and was last sent.
@@ -37,8 +43,10 @@ impl Protocol for SotwStream {
         let state = self.types.entry(request.type_url.clone()).or_default();
         let answered = state.unanswered.take_if(|(nonce, _)| *nonce == request.response_nonce);
         state.names = request.resource_names.iter().cloned().collect();
-        let verdict = answered.map(|(_, push)| verdict(push, request.error_detail.as_ref(), Record::AckedAll));
-        verdict.into_iter().collect()
+        let pushes = answered.map(|(_, pushes)| pushes).unwrap_or_default();
+        (pushes.into_iter())
+            .map(|push| verdict(push, request.error_detail.as_ref(), Record::AckedAll))
+            .collect()
     }
 
     fn push(&mut self, snapshot: &Snapshot, now: Instant) -> Vec<DiscoveryResponse> {
@@ -67,7 +75,13 @@ impl SotwStream {
             .values()
             .filter(|r| state.names.is_empty() || state.names.contains(&r.name))
             .collect();
-        let hash = selected.iter().fold(fnv1a(type_url.as_bytes()), |h, r| {
+        let inline: Vec<Vec<&Arc<Resource>>> = (selected.iter())
+            .map(|table| match type_url {
+                ROUTE => virtual_hosts_of(snapshot, &table.name),
+                _ => Vec::new(),
+            })
+            .collect();
+        let hash = (selected.iter().chain(inline.iter().flatten())).fold(fnv1a(type_url.as_bytes()), |h, r| {
             fnv1a_extend(fnv1a_extend(h, r.name.as_bytes()), r.version.as_bytes())
         });
         let version = format!("{hash:016x}");
@@ -76,23 +90,42 @@ impl SotwStream {
         }
         let nonce = self.nonces.issue();
         state.sent_version = Some(version.clone());
-        let push = Push {
+        let push = |type_url: &str, resources: &[&Arc<Resource>]| Push {
             type_url: type_url.to_owned(),
-            resources: selected
-                .iter()
+            resources: (resources.iter())
                 .map(|r| (r.name.clone(), Some(r.version.clone())))
                 .collect(),
             at: now,
         };
-        state.unanswered = Some((nonce.clone(), push));
+        let mut pushes = vec![push(type_url, &selected)];
+        if type_url == ROUTE {
+            pushes.push(push(VIRTUAL_HOST, &inline.concat()));
+        }
+        state.unanswered = Some((nonce.clone(), pushes));
+        let bodies = selected.iter().zip(&inline).map(|(r, vhosts)| match type_url {
+            ROUTE => with_virtual_hosts_inline(&r.body, vhosts.iter().map(|v| &v.body)),
+            _ => r.body.clone(),
+        });
         Some(DiscoveryResponse {
             version_info: version,
-            resources: selected.iter().map(|r| r.body.clone()).collect(),
+            resources: bodies.collect(),
             type_url: type_url.to_owned(),
             nonce,
             ..Default::default()
         })
     }
+}
+
+/// The virtual hosts of route table `table` (named `table/…`).
+fn virtual_hosts_of<'s>(snapshot: &'s Snapshot, table: &str) -> Vec<&'s Arc<Resource>> {
+    let prefix = format!("{table}/");
+    let Some(vhosts) = snapshot.get(VIRTUAL_HOST) else {
+        return Vec::new();
+    };
+    (vhosts.range(prefix.clone()..))
+        .take_while(|(name, _)| name.starts_with(&prefix))
+        .map(|(_, vhost)| vhost)
+        .collect()
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::xds::testing::{self, read, serving, version};
-use crate::xds::{CLUSTER, LISTENER, short};
+use crate::xds::{CLUSTER, LISTENER, ROUTE, VIRTUAL_HOST, short};
 use envoy_types::pb::google::rpc;
 
 type Step = testing::Step<DeltaStream>;
@@ -68,6 +68,28 @@ fn nack(nonce: &str, error: &str) -> Step {
         error_detail,
         ..request(&[], &[], nonce)
     }))
+}
+
+/// The same request, for VHDS virtual hosts.
+fn vhds(step: Step) -> Step {
+    match step {
+        Step::Request(request) => Step::Request(Box::new(DeltaDiscoveryRequest {
+            type_url: VIRTUAL_HOST.into(),
+            ..*request
+        })),
+        publish => publish,
+    }
+}
+
+/// The same request, for route tables.
+fn route(step: Step) -> Step {
+    match step {
+        Step::Request(request) => Step::Request(Box::new(DeltaDiscoveryRequest {
+            type_url: ROUTE.into(),
+            ..*request
+        })),
+        publish => publish,
+    }
 }
 
 /// The same request, for listeners.
@@ -254,4 +276,40 @@ fn an_empty_type_answers_the_initial_fetch_once_and_responses_carry_the_serial()
     let responses = stream.push(&serving(7, &[(CLUSTER, "a=1")]), Instant::now());
     assert_eq!(responses[0].system_version_info, "7");
     assert_eq!(responses[0].resources[0].version, version("a", "1"));
+}
+
+/// Envoy ACKs route table `t` (sent as nonce `nonce`).
+fn route_ack(nonce: &str) -> Step {
+    Step::Request(Box::new(DeltaDiscoveryRequest {
+        type_url: ROUTE.into(),
+        ..request(&[], &[], nonce)
+    }))
+}
+
+#[test]
+fn a_tables_virtual_hosts_are_sent_once_envoy_holds_the_table_and_again_for_each_new_version() {
+    let serve =
+        |serial, tables: &str, vhosts: &str| Step::Publish(serving(serial, &[(ROUTE, tables), (VIRTUAL_HOST, vhosts)]));
+    run(vec![
+        (serve(1, "t=1", "t/a=1 t/b=2 u/a=3"), ""),
+        // Envoy's VHDS subscription names nothing: nothing is sent before it holds a table.
+        (vhds(subscribe(&[])), "send 1 VirtualHost"),
+        (route(subscribe(&["t"])), "send 2 RouteConfiguration +t1"),
+        (
+            route_ack("2"),
+            "ack RouteConfiguration +t, send 3 VirtualHost +t/a1 +t/b2",
+        ),
+        // A host added or changed goes alone; one gone is removed.
+        (
+            serve(2, "t=1", "t/a=1 t/b=5 t/c=6 u/a=3"),
+            "send 4 VirtualHost +t/b5 +t/c6",
+        ),
+        (serve(3, "t=1", "t/a=1 t/c=6 u/a=3"), "send 5 VirtualHost -t/b"),
+        // A new version of the table may restart Envoy's watch: its hosts go again.
+        (serve(4, "t=2", "t/a=1 t/c=6 u/a=3"), "send 6 RouteConfiguration +t2"),
+        (
+            route_ack("6"),
+            "ack RouteConfiguration +t, send 7 VirtualHost +t/a1 +t/c6",
+        ),
+    ]);
 }

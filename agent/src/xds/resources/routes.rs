@@ -4,6 +4,10 @@
 //! namespace with consumer routes (see `attached`), and the per-pod inbound table that
 //! picks the app port from the port header.
 //!
+//! An outbound table's virtual hosts travel over VHDS as resources of their own, so a
+//! new dependency pushes its virtual hosts, not the table (an Envoy on state-of-the-world ADS gets them inline: see
+//! [`with_virtual_hosts_inline`]).
+//!
 //! A table picks its virtual host by [`DESTINATION_HEADER`], which each outgoing chain
 //! stamps before the lookup: the request's authority on the explicit port, the
 //! connection's original destination (`vip:port`, `clusterip:port`, the latter on the
@@ -28,14 +32,18 @@ use std::collections::{BTreeSet, HashMap};
 
 use aether_api::mesh_config::ResilienceSettings;
 use aether_proto::registry::v1::Route as MeshRoute;
-use envoy_types::pb::envoy::config::core::v3::{DataSource, data_source};
+use envoy_types::pb::envoy::config::core::v3::{
+    AggregatedConfigSource, ApiVersion, ConfigSource, DataSource, config_source, data_source,
+};
 use envoy_types::pb::envoy::config::route::v3::{
-    DirectResponseAction, HeaderMatcher, RetryPolicy, Route, RouteAction, RouteConfiguration, RouteMatch, VirtualHost,
-    header_matcher, retry_policy, route, route_action, route_match,
+    DirectResponseAction, HeaderMatcher, RetryPolicy, Route, RouteAction, RouteConfiguration, RouteMatch, Vhds,
+    VirtualHost, header_matcher, retry_policy, route, route_action, route_match,
 };
 use envoy_types::pb::envoy::extensions::retry::host::previous_hosts::v3::PreviousHostsPredicate;
 use envoy_types::pb::envoy::extensions::retry::priority::previous_priorities::v3::PreviousPrioritiesConfig;
 use envoy_types::pb::envoy::r#type::matcher::v3::{RegexMatcher, StringMatcher, string_matcher};
+use envoy_types::pb::google::protobuf::Any;
+use prost::Message;
 
 use super::clusters::local_name;
 use super::http_filters::{self, Callers};
@@ -61,6 +69,15 @@ pub fn table_name(namespace: &str, consumers: &BTreeSet<String>) -> String {
     }
 }
 
+/// The outbound tables as served: each names VHDS for its virtual hosts, resources of
+/// their own (`<table>/<service port>`, `<table>/mesh-on-demand`), so a dependency
+/// added or changed pushes its virtual hosts, not the table.
+#[derive(Clone, Debug, Default)]
+pub struct Tables {
+    pub tables: Named,
+    pub virtual_hosts: Named,
+}
+
 /// One table per caller (the shared one, then one per namespace in `consumers`): each
 /// service port's virtual host answers to its authorities and to its destinations.
 pub fn route_configs(
@@ -70,7 +87,7 @@ pub fn route_configs(
     consumers: &BTreeSet<String>,
     filters: &Callers,
     mesh: &MeshSettings,
-) -> Named {
+) -> Tables {
     let callers = std::iter::once(None).chain(consumers.iter().map(|ns| Some(ns.as_str())));
     // The mesh-wide MeshConfig's domain: every service answers to its name there too.
     let alias = mesh.mesh().mesh_domain.filter(|d| d != names.mesh_domain);
@@ -78,8 +95,9 @@ pub fn route_configs(
         names,
         alias: alias.as_deref(),
     };
-    let mut out = Vec::new();
+    let mut out = Tables::default();
     for caller in callers {
+        let name = caller.map_or(OUTBOUND_ROUTES.to_owned(), |ns| format!("{OUTBOUND_ROUTES}~{ns}"));
         let vhosts = port_hosts(&hosts, services, attached, caller, filters, mesh)
             .into_iter()
             .map(
@@ -91,20 +109,64 @@ pub fn route_configs(
                     vhost
                 },
             );
+        // The catch-all too: every table then has a virtual host to send, which Envoy
+        // waits for before it uses the table.
+        let catch_all = catch_all(names.mesh_domain, &mesh.mesh().resilience);
+        for mut vhost in unique_domains(vhosts).chain([catch_all]) {
+            // Envoy keys VHDS virtual hosts by name, and removes them by resource name.
+            vhost.name = format!("{name}/{}", vhost.name);
+            out.virtual_hosts.push((vhost.name.clone(), any(&vhost)));
+        }
         let config = RouteConfiguration {
-            name: caller.map_or(OUTBOUND_ROUTES.to_owned(), |ns| format!("{OUTBOUND_ROUTES}~{ns}")),
-            virtual_hosts: (unique_domains(vhosts))
-                .chain([catch_all(names.mesh_domain, &mesh.mesh().resilience)])
-                .collect(),
+            name,
+            vhds: Some(Vhds {
+                config_source: Some(ads()),
+            }),
             vhost_header: DESTINATION_HEADER.to_owned(),
             request_headers_to_remove: vec![DESTINATION_HEADER.to_owned()],
             // A backend's own header edits win over its rule's (Gateway API applies them last).
             most_specific_header_mutations_wins: !attached.is_empty(),
             ..Default::default()
         };
-        out.push((config.name.clone(), any(&config)));
+        out.tables.push((config.name.clone(), any(&config)));
     }
     out
+}
+
+/// The table `table` with its VHDS virtual hosts inline, for an Envoy on
+/// state-of-the-world ADS (VHDS is delta-only): appended as encoded `virtual_hosts`
+/// entries, so no virtual host is decoded again. A table without VHDS is as it was.
+pub fn with_virtual_hosts_inline<'a>(table: &Any, vhosts: impl Iterator<Item = &'a Any>) -> Any {
+    const VIRTUAL_HOSTS_FIELD: u32 = 2;
+    let mut shell = match RouteConfiguration::decode(&*table.value) {
+        Ok(shell) if shell.vhds.is_some() => shell,
+        _ => return table.clone(),
+    };
+    shell.vhds = None;
+    let mut value = shell.encode_to_vec();
+    for vhost in vhosts {
+        prost::encoding::encode_key(
+            VIRTUAL_HOSTS_FIELD,
+            prost::encoding::WireType::LengthDelimited,
+            &mut value,
+        );
+        prost::encoding::encode_varint(vhost.value.len() as u64, &mut value);
+        value.extend_from_slice(&vhost.value);
+    }
+    Any {
+        type_url: table.type_url.clone(),
+        value,
+    }
+}
+
+fn ads() -> ConfigSource {
+    ConfigSource {
+        config_source_specifier: Some(config_source::ConfigSourceSpecifier::Ads(
+            AggregatedConfigSource::default(),
+        )),
+        resource_api_version: ApiVersion::V3 as i32,
+        ..Default::default()
+    }
 }
 
 /// The names the generators give services.

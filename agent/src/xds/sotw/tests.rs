@@ -141,3 +141,110 @@ fn types_are_pushed_in_push_order_once_asked_for() {
         (listeners("4"), "ack all Listener +l"),
     ]);
 }
+
+/// VHDS is delta-only: an Envoy on SotW gets each outbound table with its virtual hosts
+/// inline (and without `vhds`), a host changed re-sends its table, and the ACK of the
+/// tables counts for the hosts in them.
+#[test]
+fn a_route_table_goes_with_its_virtual_hosts_inline_and_its_ack_covers_them() {
+    use crate::xds::cache::Resource;
+    use crate::xds::testing::record;
+    use crate::xds::{ROUTE, VIRTUAL_HOST};
+    use envoy_types::pb::envoy::config::route::v3::{RouteConfiguration, Vhds, VirtualHost};
+    use prost::{Message, Name};
+
+    use envoy_types::pb::google::protobuf::Any;
+
+    fn resource<M: Message + Name>(name: &str, message: &M) -> std::sync::Arc<Resource> {
+        let body = Any {
+            type_url: M::type_url(),
+            value: message.encode_to_vec(),
+        };
+        Resource::new(name.into(), body)
+    }
+    let vhost = |name: &str, domain: &str| {
+        let vhost = VirtualHost {
+            name: name.into(),
+            domains: vec![domain.into()],
+            ..Default::default()
+        };
+        resource(name, &vhost)
+    };
+    let table = |name: &str, vhds: bool| {
+        let table = RouteConfiguration {
+            name: name.into(),
+            virtual_hosts: vec![VirtualHost {
+                name: "catch-all".into(),
+                domains: vec!["*".into()],
+                ..Default::default()
+            }],
+            vhds: vhds.then(Vhds::default),
+            ..Default::default()
+        };
+        resource(name, &table)
+    };
+    let snapshot = |serial, b_domain: &str| Snapshot {
+        serial,
+        types: [
+            (ROUTE, vec![table("t", true), table("inbound|p", false)]),
+            (
+                VIRTUAL_HOST,
+                vec![vhost("t/a", "a"), vhost("t/b", b_domain), vhost("t~web/c", "c")],
+            ),
+        ]
+        .into_iter()
+        .map(|(type_url, items)| {
+            (
+                type_url.to_owned(),
+                items.into_iter().map(|r| (r.name.clone(), r)).collect(),
+            )
+        })
+        .collect(),
+        pending: Default::default(),
+    };
+    let served = |response: &DiscoveryResponse| -> Vec<(String, bool, Vec<String>)> {
+        (response.resources.iter())
+            .map(|body| RouteConfiguration::decode(&*body.value).unwrap())
+            .map(|t| {
+                (
+                    t.name,
+                    t.vhds.is_some(),
+                    t.virtual_hosts.into_iter().map(|v| v.name).collect(),
+                )
+            })
+            .collect()
+    };
+    let ask_routes = |nonce: &str| DiscoveryRequest {
+        type_url: ROUTE.into(),
+        response_nonce: nonce.into(),
+        ..Default::default()
+    };
+    let now = std::time::Instant::now();
+    let mut stream = SotwStream::default();
+    assert!(stream.request(&ask_routes("")).is_empty());
+    let first = stream.push(&snapshot(1, "b"), now);
+    assert_eq!(
+        served(&first[0]),
+        [
+            ("inbound|p".to_owned(), false, vec!["catch-all".to_owned()]),
+            (
+                "t".to_owned(),
+                false,
+                ["catch-all", "t/a", "t/b"].map(str::to_owned).to_vec()
+            ),
+        ]
+    );
+    let acked: Vec<String> = stream.request(&ask_routes("1")).iter().map(record).collect();
+    assert_eq!(
+        acked,
+        [
+            "ack all RouteConfiguration +inbound|p +t",
+            "ack all VirtualHost +t/a +t/b"
+        ]
+    );
+    assert!(stream.push(&snapshot(1, "b"), now).is_empty(), "nothing changed");
+    let changed = stream.push(&snapshot(2, "b2"), now);
+    assert_eq!(changed.len(), 1, "a host changed re-sends its table");
+    let t = RouteConfiguration::decode(&*changed[0].resources[1].value).unwrap();
+    assert_eq!(t.virtual_hosts[2].domains, ["b2"]);
+}

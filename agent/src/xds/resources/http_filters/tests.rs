@@ -179,13 +179,9 @@ fn each_filter_is_where_it_attaches_in_order_and_callers_ones_are_enabled_per_se
         "{outbound:?}"
     );
 
-    let table = generated[crate::xds::ROUTE]
-        .iter()
-        .find(|r| r.name == "outbound")
-        .unwrap();
-    let table = RouteConfiguration::decode(&*table.body.value).unwrap();
+    let tables = crate::xds::resources::routes::tests::served_tables(&generated);
     let enabled_on = |vhost: &str| -> Vec<String> {
-        let vhost = table.virtual_hosts.iter().find(|v| v.name == vhost).unwrap();
+        let vhost = crate::xds::resources::routes::tests::vhost(&tables["outbound"], vhost);
         vhost.typed_per_filter_config.keys().cloned().collect()
     };
     assert_eq!(

@@ -102,17 +102,31 @@ pub fn generated(catalog: &CatalogView, pods: &[LocalPod]) -> Generated {
 
 /// The route tables generated for `routes`, by name.
 fn tables(routes: Vec<Route>, pods: &[LocalPod]) -> BTreeMap<String, RouteConfiguration> {
-    generated(&catalog(routes), pods)[crate::xds::ROUTE]
-        .iter()
-        .map(|r| (r.name.clone(), RouteConfiguration::decode(&*r.body.value).unwrap()))
+    served_tables(&generated(&catalog(routes), pods))
+}
+
+/// The route tables as Envoy runs them, by name: an outbound table with its VHDS
+/// virtual hosts inline (as a state-of-the-world Envoy is sent it).
+pub(crate) fn served_tables(generated: &Generated) -> BTreeMap<String, RouteConfiguration> {
+    let vhosts = &generated[crate::xds::VIRTUAL_HOST];
+    (generated[crate::xds::ROUTE].iter())
+        .map(|table| {
+            let prefix = format!("{}/", table.name);
+            let own = vhosts.iter().filter(|v| v.name.starts_with(&prefix)).map(|v| &v.body);
+            let served = super::with_virtual_hosts_inline(&table.body, own);
+            (table.name.clone(), RouteConfiguration::decode(&*served.value).unwrap())
+        })
         .collect()
 }
 
-fn vhost<'a>(table: &'a RouteConfiguration, name: &str) -> &'a VirtualHost {
+/// The virtual host `name` in `table`: a service port's (`<svc>.<ns>.<domain>:<port>`,
+/// served as `<table>/<svc>.<ns>.<domain>:<port>`) or one of the table's own.
+pub(crate) fn vhost<'a>(table: &'a RouteConfiguration, name: &str) -> &'a VirtualHost {
+    let served = format!("{}/{name}", table.name);
     table
         .virtual_hosts
         .iter()
-        .find(|v| v.name == name)
+        .find(|v| v.name == served || v.name == name)
         .unwrap_or_else(|| panic!("no virtual host {name}"))
 }
 

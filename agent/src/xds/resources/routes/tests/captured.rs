@@ -60,10 +60,7 @@ pub(super) fn generated_with(catalog: &CatalogView, pods: &[LocalPod]) -> Genera
 }
 
 pub(super) fn tables_of(generated: &Generated) -> BTreeMap<String, RouteConfiguration> {
-    generated[crate::xds::ROUTE]
-        .iter()
-        .map(|r| (r.name.clone(), RouteConfiguration::decode(&*r.body.value).unwrap()))
-        .collect()
+    super::served_tables(generated)
 }
 
 #[test]

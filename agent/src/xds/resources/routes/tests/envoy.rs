@@ -246,14 +246,13 @@ fn callers_side_filters() -> BTreeMap<String, Arc<aether_proto::registry::v1::Ht
 /// A static bootstrap holding the node's resources, RDS tables inlined (each changed by
 /// `edit` first).
 fn bootstrap(generated: &Generated, edit: impl Fn(&mut RouteConfiguration)) -> Bootstrap {
-    let tables: BTreeMap<String, RouteConfiguration> = generated[crate::xds::ROUTE]
-        .iter()
-        .map(|r| {
-            let mut table = RouteConfiguration::decode(&*r.body.value).unwrap();
+    let tables: BTreeMap<String, RouteConfiguration> = served_tables(generated)
+        .into_iter()
+        .map(|(name, mut table)| {
             // As over RDS (the default there): clusters may arrive after the table.
             table.validate_clusters = Some(BoolValue { value: false });
             edit(&mut table);
-            (r.name.clone(), table)
+            (name, table)
         })
         .collect();
     let mut listeners = Vec::new();
@@ -346,10 +345,9 @@ async fn envoy_accepts_the_compiled_routes_of_every_feature() {
     let generated = generated(&catalog, &pods);
     let tables: Vec<&str> = generated[crate::xds::ROUTE].iter().map(|r| r.name.as_str()).collect();
     assert_eq!(tables, ["outbound", "outbound~web"]);
-    let routes = generated[crate::xds::ROUTE]
-        .iter()
-        .map(|r| RouteConfiguration::decode(&*r.body.value).unwrap())
-        .map(|t| vhost(&t, "echo.gamma.aether.internal:80").routes.len())
+    let routes = served_tables(&generated)
+        .values()
+        .map(|t| vhost(t, "echo.gamma.aether.internal:80").routes.len())
         .collect::<Vec<_>>();
     // Every rule compiled (the https redirect once per authority with a port), and 404.
     assert_eq!(routes, [15, 2]);
