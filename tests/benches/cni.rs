@@ -343,6 +343,7 @@ fn print_agent_phases(metrics: &str) {
         "Secret",
         "Listener",
         "RouteConfiguration",
+        "VirtualHost",
     ]
     .iter()
     .filter_map(|kind| {

@@ -47,7 +47,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::TokioIo;
 
-const ROUTE_TYPE: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+const VIRTUAL_HOST_TYPE: &str = "type.googleapis.com/envoy.config.route.v3.VirtualHost";
 const OUTBOUND: &str = "outbound";
 /// Envoy's dump of the shared outbound table only.
 const OUTBOUND_PROBE: &str = "/config_dump?resource=dynamic_route_configs&name_regex=%5Eoutbound%24";
@@ -237,10 +237,16 @@ async fn envoy_json(mesh: &Mesh, path: &str) -> serde_json::Value {
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("Envoy {path} is not JSON ({e})"))
 }
 
-/// The version the agent serves of the shared outbound table.
+/// What the agent serves of the shared outbound table: the versions of its virtual hosts (VHDS).
 async fn served_outbound(mesh: &Mesh) -> Option<String> {
     let xds = agent_json(mesh, "/debug/xds").await;
-    xds["types"][ROUTE_TYPE][OUTBOUND]["served"].as_str().map(str::to_owned)
+    let prefix = format!("{OUTBOUND}/");
+    let vhosts = xds["types"][VIRTUAL_HOST_TYPE].as_object()?;
+    let versions: Vec<&str> = (vhosts.iter())
+        .filter(|(name, _)| name.starts_with(&prefix))
+        .filter_map(|(_, v)| v["served"].as_str())
+        .collect();
+    (!versions.is_empty()).then(|| versions.join(","))
 }
 
 /// The sum of the agent's metric samples whose name contains `name` and whose line contains `label`.
@@ -625,12 +631,17 @@ async fn quiet_heap(mesh: &Mesh) -> u64 {
         .unwrap_or_else(|| panic!("Envoy /memory has no numeric \"allocated\": {memory}"))
 }
 
-/// Route bytes pushed so far, and routes NACKed so far, by the agent's counters.
+/// Route bytes pushed so far (tables and their VHDS virtual hosts), and routes NACKed so far, by the agent's
+/// counters.
 async fn route_pushes(mesh: &Mesh) -> (f64, f64) {
-    let label = "type=\"RouteConfiguration\"";
-    let pushed = agent_metric(mesh, "xds_pushed", label).await;
-    let pushed = pushed.unwrap_or_else(|| panic!("the agent's /metrics has no xds_pushed for RouteConfiguration"));
-    (pushed, agent_metric(mesh, "xds_nacks", label).await.unwrap_or(0.0))
+    let (mut pushed, mut nacks) = (0.0, 0.0);
+    for kind in ["RouteConfiguration", "VirtualHost"] {
+        let label = format!("type=\"{kind}\"");
+        let bytes = agent_metric(mesh, "xds_pushed", &label).await;
+        pushed += bytes.unwrap_or_else(|| panic!("the agent's /metrics has no xds_pushed for {kind}"));
+        nacks += agent_metric(mesh, "xds_nacks", &label).await.unwrap_or(0.0);
+    }
+    (pushed, nacks)
 }
 
 async fn heap_per_route(k: &Knobs) {
