@@ -38,6 +38,7 @@ fn main() {
     // Kept live until the RSS is read.
     let mut generator = Generator::default();
     let incremental = time_one_endpoint_changes(&mut generator, &inputs);
+    let new_dependency = time_new_dependencies(&catalog, &pods);
     println!(
         "agent rebuild: {PODS} pods x {UPSTREAMS} upstreams, {} services in the dependency set",
         deps.len()
@@ -47,6 +48,12 @@ fn main() {
         incremental[incremental.len() / 2].as_secs_f64() * 1e3,
         incremental[incremental.len() - 1].as_secs_f64() * 1e3,
         incremental.len()
+    );
+    println!(
+        "  a pod with one new upstream (memoized): median {:.2} ms, worst {:.2} ms (of {})",
+        new_dependency[new_dependency.len() / 2].as_secs_f64() * 1e3,
+        new_dependency[new_dependency.len() - 1].as_secs_f64() * 1e3,
+        new_dependency.len()
     );
     println!(
         "  full rebuild: median {:.1} ms, worst {:.1} ms (of {})",
@@ -183,6 +190,44 @@ fn time_one_endpoint_changes(generator: &mut Generator, inputs: &Inputs) -> Vec<
     }
     incremental.sort();
     incremental
+}
+
+/// One pod joins per round, depending on a service the node did not yet: the memoizing
+/// generator builds that service and the pod's resources. Sorted.
+fn time_new_dependencies(catalog: &CatalogView, pods: &[LocalPod]) -> Vec<Duration> {
+    let locality = Locality::default();
+    let on_demand = BTreeMap::new();
+    let mut pods = pods.to_vec();
+    let mut generator = Generator::default();
+    let mut times = Vec::new();
+    for round in 0..=ROUNDS {
+        let deps = dependency_set(&pods);
+        let scoped = scoped_to(catalog, &deps);
+        let inputs = Inputs {
+            pods: &pods,
+            catalog: &scoped,
+            mesh_domain: "aether.internal",
+            locality: &locality,
+            on_demand: &on_demand,
+        };
+        let started = Instant::now();
+        generator.generate(&inputs);
+        // The first round builds the whole node.
+        if round > 0 {
+            times.push(started.elapsed());
+        }
+        let new = (0..SERVICES)
+            .map(|s| format!("svc-{s:04}"))
+            .find(|name| !deps.contains(&format!("bench/{name}")))
+            .expect("a service outside the dependency set");
+        let mut pod = pods[0].clone();
+        pod.container_id = format!("joiner-{round}");
+        pod.info.name = format!("joiner-{round}");
+        pod.info.annotations.insert("config.aether.io/upstreams".into(), new);
+        pods.push(pod);
+    }
+    times.sort();
+    times
 }
 
 fn print_rss() {

@@ -227,6 +227,8 @@ pub struct Generator {
     /// The catalog's routes last seen, and the valid ones among them.
     checked: Checked,
     routes: Option<(RoutesInput, ServedTables)>,
+    /// Each service's virtual hosts per table, for the next route build.
+    route_memo: routes::Memo,
     /// The catalog's authorization policies, validated.
     policies: authorization::Checked,
     /// The catalog's HTTP filters, validated.
@@ -351,8 +353,13 @@ struct RoutesInput {
 
 impl RoutesInput {
     fn same(&self, other: &RoutesInput) -> bool {
-        self.services == other.services
-            && self.mesh == other.mesh
+        self.services == other.services && self.same_but_services(other)
+    }
+
+    /// The same but for which services there are: each service's virtual hosts are as
+    /// they were built, if it is.
+    fn same_but_services(&self, other: &RoutesInput) -> bool {
+        self.mesh == other.mesh
             && same_routes(&self.routes, &other.routes)
             && self.consumers == other.consumers
             && self.callers == other.callers
@@ -610,7 +617,10 @@ impl Generator {
     ) -> ServedTables {
         let routes = match self.routes.take() {
             Some((last, routes)) if last.same(&input) => routes,
-            _ => {
+            last => {
+                if !last.is_some_and(|(last, _)| last.same_but_services(&input)) {
+                    self.route_memo = routes::Memo::default();
+                }
                 let names = routes::Names {
                     mesh_domain,
                     cluster_domain: &self.cluster_domain.0,
@@ -622,10 +632,11 @@ impl Generator {
                     &input.consumers,
                     &input.callers,
                     &input.mesh,
+                    &mut self.route_memo,
                 );
                 ServedTables {
                     tables: resources(tables.tables),
-                    virtual_hosts: resources(tables.virtual_hosts),
+                    virtual_hosts: tables.virtual_hosts,
                 }
             }
         };

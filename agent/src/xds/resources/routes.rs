@@ -28,7 +28,8 @@ mod rewrite;
 #[cfg(test)]
 pub(crate) mod tests;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
 
 use aether_api::mesh_config::ResilienceSettings;
 use aether_proto::registry::v1::Route as MeshRoute;
@@ -48,9 +49,10 @@ use prost::Message;
 use super::clusters::local_name;
 use super::http_filters::{self, Callers};
 use super::util::{PORT_HEADER, any, millis, u32v};
-use super::{MeshService, Named, is_http};
+use super::{MeshService, Named, RouteKey, is_http};
 use crate::mesh_settings::MeshSettings;
 use crate::pod::LocalPod;
+use crate::xds::cache::Resource;
 pub use attached::Attached;
 
 pub const OUTBOUND_ROUTES: &str = "outbound";
@@ -75,7 +77,23 @@ pub fn table_name(namespace: &str, consumers: &BTreeSet<String>) -> String {
 #[derive(Clone, Debug, Default)]
 pub struct Tables {
     pub tables: Named,
-    pub virtual_hosts: Named,
+    pub virtual_hosts: Vec<Arc<Resource>>,
+}
+
+/// Each service's virtual hosts per table as last built, reused while the service is the
+/// same and has no routes attached (whose compilation looks at other services); the
+/// generator forgets them when anything else the tables are built from changed. So a
+/// new dependency builds and encodes its own virtual hosts, not the node's.
+#[derive(Default)]
+pub struct Memo {
+    built: HashMap<(String, String), (RouteKey, Vec<Built>)>,
+}
+
+/// One virtual host as served: the domains it answers to (each once) before they are
+/// made unique across its table, and its resource.
+struct Built {
+    domains: Vec<String>,
+    resource: Arc<Resource>,
 }
 
 /// One table per caller (the shared one, then one per namespace in `consumers`): each
@@ -87,6 +105,7 @@ pub fn route_configs(
     consumers: &BTreeSet<String>,
     filters: &Callers,
     mesh: &MeshSettings,
+    memo: &mut Memo,
 ) -> Tables {
     let callers = std::iter::once(None).chain(consumers.iter().map(|ns| Some(ns.as_str())));
     // The mesh-wide MeshConfig's domain: every service answers to its name there too.
@@ -95,28 +114,41 @@ pub fn route_configs(
         names,
         alias: alias.as_deref(),
     };
+    let known: HashMap<&str, &MeshService> = services.iter().map(|s| (s.key, s)).collect();
+    let mut built_now = HashMap::new();
     let mut out = Tables::default();
     for caller in callers {
         let name = caller.map_or(OUTBOUND_ROUTES.to_owned(), |ns| format!("{OUTBOUND_ROUTES}~{ns}"));
-        let vhosts = port_hosts(&hosts, services, attached, caller, filters, mesh)
-            .into_iter()
-            .map(
-                |PortHost {
-                     mut vhost,
-                     destinations,
-                 }| {
-                    vhost.domains.extend(destinations);
-                    vhost
-                },
-            );
+        // Envoy refuses a table where two virtual hosts share a domain: the first
+        // (services are sorted by key) keeps it, so a stale address two services claim
+        // never NACKs.
+        let mut claimed = HashSet::new();
+        for service in services {
+            let key = RouteKey::of(service);
+            let reusable = !attached.has_routes(service.key);
+            let memo_key = (name.clone(), service.key.to_owned());
+            let built = match memo.built.remove(&memo_key) {
+                Some((was, built)) if reusable && was == key => built,
+                _ => {
+                    let port_hosts = service_hosts(&hosts, service, &known, attached, caller, filters, mesh);
+                    port_hosts.into_iter().map(|host| build(&name, host)).collect()
+                }
+            };
+            for host in &built {
+                if host.domains.iter().all(|d| !claimed.contains(d)) {
+                    claimed.extend(host.domains.iter().cloned());
+                    out.virtual_hosts.push(host.resource.clone());
+                } else if let Some(resource) = unclaimed(host, &mut claimed) {
+                    out.virtual_hosts.push(resource);
+                }
+            }
+            built_now.insert(memo_key, (key, built));
+        }
         // The catch-all too: every table then has a virtual host to send, which Envoy
         // waits for before it uses the table.
         let catch_all = catch_all(names.mesh_domain, &mesh.mesh().resilience);
-        for mut vhost in unique_domains(vhosts).chain([catch_all]) {
-            // Envoy keys VHDS virtual hosts by name, and removes them by resource name.
-            vhost.name = format!("{name}/{}", vhost.name);
-            out.virtual_hosts.push((vhost.name.clone(), any(&vhost)));
-        }
+        out.virtual_hosts
+            .push(build(&name, PortHost::plain(catch_all)).resource);
         let config = RouteConfiguration {
             name,
             vhds: Some(Vhds {
@@ -130,7 +162,34 @@ pub fn route_configs(
         };
         out.tables.push((config.name.clone(), any(&config)));
     }
+    memo.built = built_now;
     out
+}
+
+/// A virtual host of `table` as served: it answers to its destinations too, each domain
+/// once, and is named `<table>/<name>` (Envoy keys VHDS virtual hosts by name, and
+/// removes them by resource name).
+fn build(table: &str, host: PortHost) -> Built {
+    let PortHost {
+        mut vhost,
+        destinations,
+    } = host;
+    vhost.domains.extend(destinations);
+    let mut once = HashSet::new();
+    vhost.domains.retain(|d| once.insert(d.clone()));
+    vhost.name = format!("{table}/{}", vhost.name);
+    Built {
+        domains: vhost.domains.clone(),
+        resource: Resource::new(vhost.name.clone(), any(&vhost)),
+    }
+}
+
+/// `host` without the domains an earlier virtual host of its table claimed (rare: a
+/// stale address two services claim), or nothing if none is left.
+fn unclaimed(host: &Built, claimed: &mut HashSet<String>) -> Option<Arc<Resource>> {
+    let mut vhost = VirtualHost::decode(&*host.resource.body.value).ok()?;
+    vhost.domains.retain(|d| claimed.insert(d.clone()));
+    (!vhost.domains.is_empty()).then(|| Resource::new(vhost.name.clone(), any(&vhost)))
 }
 
 /// The table `table` with its VHDS virtual hosts inline, for an Envoy on
@@ -199,30 +258,31 @@ struct PortHost {
     destinations: Vec<String>,
 }
 
-/// Envoy refuses a table where two virtual hosts share a domain: the first (services
-/// are sorted by key) keeps it, so a stale address two services claim never NACKs.
-fn unique_domains(vhosts: impl Iterator<Item = VirtualHost>) -> impl Iterator<Item = VirtualHost> {
-    let mut seen = std::collections::HashSet::new();
-    vhosts.filter_map(move |mut vhost| {
-        vhost.domains.retain(|d| seen.insert(d.clone()));
-        (!vhost.domains.is_empty()).then_some(vhost)
-    })
+impl PortHost {
+    /// A virtual host no captured connection reaches by its address.
+    fn plain(vhost: VirtualHost) -> Self {
+        PortHost {
+            vhost,
+            destinations: Vec::new(),
+        }
+    }
 }
 
-/// Every dependency service port's virtual host as callers in `caller` (`None`: any
-/// namespace without consumer routes) see it.
-fn port_hosts(
+/// A dependency service's virtual hosts (one per port) as callers in `caller` (`None`:
+/// any namespace without consumer routes) see them; `known`: the node's services, which
+/// its routes may name as backends.
+fn service_hosts(
     hosts_of: &Hosts,
-    services: &[MeshService],
+    service: &MeshService,
+    known: &HashMap<&str, &MeshService>,
     attached: &Attached,
     caller: Option<&str>,
     filters: &Callers,
     mesh: &MeshSettings,
 ) -> Vec<PortHost> {
     let names = hosts_of.names;
-    let known: HashMap<&str, &MeshService> = services.iter().map(|s| (s.key, s)).collect();
     let mut hosts = Vec::new();
-    for service in services {
+    {
         let addresses: Vec<String> = std::iter::once(service.vip)
             .chain(service.cluster_ips.iter().map(String::as_str))
             .map(host_literal)
@@ -231,8 +291,7 @@ fn port_hosts(
         let kubernetes_names = service.kubernetes_names(names.cluster_domain);
         if service.ports.is_empty() {
             let hostnames: Vec<String> = mesh_names.into_iter().chain(kubernetes_names).collect();
-            hosts.push(unserved(service, &hostnames, &addresses));
-            continue;
+            return vec![unserved(service, &hostnames, &addresses)];
         }
         let (default, kubernetes_default) = (service.default_port(), service.kubernetes_default_port());
         // The destination's namespace decides, as for its routes.
@@ -264,7 +323,7 @@ fn port_hosts(
                 mesh_domain: names.mesh_domain,
                 port: *port,
                 domains: &domains,
-                services: &known,
+                services: known,
                 route_filters: &route_filters,
                 resilience: &resilience,
             };

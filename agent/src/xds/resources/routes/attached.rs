@@ -33,6 +33,11 @@ impl<'a> Attached<'a> {
         self.by_parent.is_empty()
     }
 
+    /// Whether any route names `service` (a key) as a parent.
+    pub fn has_routes(&self, service: &str) -> bool {
+        self.by_parent.contains_key(service)
+    }
+
     /// The namespaces some route is a consumer route in.
     pub fn consumer_namespaces(&self) -> BTreeSet<&'a str> {
         self.by_parent

@@ -227,3 +227,78 @@ fn rds_of(chain: &envoy_types::pb::envoy::config::listener::v3::FilterChain) -> 
     };
     rds.route_config_name
 }
+
+/// A node's generator builds a service's virtual hosts once: a new dependency builds its
+/// own and reuses the others' resources (not re-encoded), a changed one is rebuilt, and
+/// the tables are what a fresh build makes.
+#[test]
+fn a_new_dependency_builds_only_its_own_virtual_hosts() {
+    let locality = Locality::default();
+    let on_demand = BTreeMap::new();
+    let mut generator = crate::xds::resources::Generator::default();
+    let mut generate = |catalog: &CatalogView| {
+        generator.generate(&Inputs {
+            pods: &[],
+            catalog,
+            mesh_domain: DOMAIN,
+            locality: &locality,
+            on_demand: &on_demand,
+        })[crate::xds::VIRTUAL_HOST]
+            .clone()
+    };
+    let by_name = |vhosts: &[Arc<crate::xds::cache::Resource>]| -> BTreeMap<String, Arc<crate::xds::cache::Resource>> {
+        vhosts.iter().map(|v| (v.name.clone(), v.clone())).collect()
+    };
+    let mut catalog = catalog(Vec::new());
+    let before = by_name(&generate(&catalog));
+
+    // A new service whose VIP is echo's: the address stays with echo (the first by key).
+    let mut newcomer = catalog.services["gamma/echo"].clone();
+    newcomer.name = "zeta".into();
+    catalog.services.insert("gamma/zeta".into(), newcomer);
+    let mut endpoints = (*catalog.endpoints["gamma/echo"]).clone();
+    for endpoint in endpoints.values_mut() {
+        endpoint.service = "gamma/zeta".into();
+    }
+    catalog.endpoints.insert("gamma/zeta".into(), Arc::new(endpoints));
+    let after = by_name(&generate(&catalog));
+    // (The catch-all is built with its table.)
+    let services_hosts =
+        |m: &BTreeMap<String, Arc<crate::xds::cache::Resource>>| -> Vec<(String, Arc<crate::xds::cache::Resource>)> {
+            m.iter()
+                .filter(|(n, _)| !n.ends_with("/mesh-on-demand"))
+                .map(|(n, v)| (n.clone(), v.clone()))
+                .collect()
+        };
+    for (name, vhost) in services_hosts(&before) {
+        assert!(Arc::ptr_eq(&vhost, &after[&name]), "{name} was built again");
+    }
+    let zeta: Vec<&String> = after.keys().filter(|n| n.contains("zeta")).collect();
+    assert_eq!(
+        zeta,
+        [
+            "outbound/zeta.gamma.aether.internal:80",
+            "outbound/zeta.gamma.aether.internal:9000"
+        ]
+    );
+    let fresh = by_name(&generated(&catalog, &[])[crate::xds::VIRTUAL_HOST]);
+    let versions = |m: &BTreeMap<String, Arc<crate::xds::cache::Resource>>| -> Vec<(String, String)> {
+        m.values().map(|v| (v.name.clone(), v.version.clone())).collect()
+    };
+    assert_eq!(versions(&after), versions(&fresh), "the memo changed the tables");
+    let table = &served_tables(&generated(&catalog, &[]))["outbound"];
+    let zeta_domains = &vhost(table, "zeta.gamma.aether.internal:80").domains;
+    assert!(!zeta_domains.contains(&"240.240.0.1:80".to_owned()), "{zeta_domains:?}");
+
+    // A service that changed (its VIP) is built again; the others are not.
+    catalog.services.get_mut("gamma/echo-v1").unwrap().vip = "240.240.9.9".into();
+    let changed = by_name(&generate(&catalog));
+    for (name, vhost) in services_hosts(&after) {
+        let rebuilt = name.contains("echo-v1.");
+        assert_eq!(vhost.version == changed[&name].version, !rebuilt, "{name}");
+        // (zeta loses echo's address again in each build: not the memo's.)
+        if !name.contains("zeta") {
+            assert_eq!(Arc::ptr_eq(&vhost, &changed[&name]), !rebuilt, "{name}");
+        }
+    }
+}
