@@ -7,8 +7,8 @@
 //! 1. Route write → served in every affected node's Envoy (goal p99 < 100 ms). N nodes (whole `Mesh` fixtures: the
 //!    first runs the registrar, the others' agents join it) each with a pod depending on `bench/svc-0000`; each
 //!    sample renames into place an HTTPRoute on that service whose header match carries a fresh marker, and per node
-//!    times (a) the agent serving a new `outbound` route table (its `/debug/xds` version: registrar inotify + 20 ms
-//!    settle + projection + store + Watch + agent compile) and (b) Envoy's `/config_dump` holding the marker, both
+//!    times (a) the agent serving new virtual hosts of the `outbound` table (their `/debug/xds` versions: registrar
+//!    inotify + 20 ms settle + projection + store + Watch + agent compile) and (b) Envoy's `/config_dump` holding the marker, both
 //!    polled every 1 ms (the admin poll's own cost is printed). A sample is the slowest node. A reader's Watch on
 //!    the registrar times the registrar's part alone (write → the route streamed).
 //! 2. Envoy heap with 1,000 HTTPRoutes over 200 services vs none, on one node: 200 services × 2 stand-in endpoints
@@ -16,7 +16,7 @@
 //!    matches (path prefix; exact path + header; prefix + header + query) with a 90/10 split to another of the 200.
 //!    Heap = `/memory` `allocated` 1 s after the node settled (dependency set known, every served resource ACKed,
 //!    Envoy holding all 3,000 compiled matches), before, with and after removing the routes; per HTTPRoute and per
-//!    Envoy route entry (over every table: one per consumer namespace); the RDS bytes pushed (the agent's
+//!    Envoy route entry (over every table: one per consumer namespace); the RDS and VHDS bytes pushed (the agent's
 //!    `xds_pushed` counter) and the route tables' size in Envoy. Asserts no NACK and no route skipped.
 //! 3. Added latency of a 20-rule route table vs none: client pod → echo pod through both pods' node Envoy hops
 //!    (mTLS), HTTP/1.1 keep-alive GETs at a fixed rate over a few connections, timed per request (µs resolution;
@@ -705,7 +705,7 @@ async fn heap_per_route(k: &Knobs) {
         .map(|(name, bytes)| format!("{name} {:.2} MB", *bytes as f64 / 1e6))
         .collect();
     println!(
-        "  RDS pushed for the change: {:.2} MB (agent xds_pushed, encoded protobuf); tables in Envoy as compact JSON: \
+        "  RDS + VHDS pushed for the change: {:.2} MB (agent xds_pushed, encoded protobuf); tables in Envoy as compact JSON: \
          {}; 0 NACKs, 0 invalid routes",
         (pushed_after - pushed_before) / 1e6,
         tables.join(", ")
