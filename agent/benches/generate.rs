@@ -27,13 +27,7 @@ fn main() {
         subzone: String::new(),
     };
     let on_demand = BTreeMap::new();
-    let inputs = Inputs {
-        pods: &pods,
-        catalog: &scoped,
-        mesh_domain: "aether.internal",
-        locality: &locality,
-        on_demand: &on_demand,
-    };
+    let inputs = node_inputs(&pods, &scoped, &locality, &on_demand);
     let (full, last) = time_full_rebuilds(&inputs);
     // Kept live until the RSS is read.
     let mut generator = Generator::default();
@@ -64,6 +58,22 @@ fn main() {
     print_rss();
     print_resources(&last);
     drop(generator);
+}
+
+/// The generator's inputs for a node of `pods` watching `catalog`.
+fn node_inputs<'a>(
+    pods: &'a [LocalPod],
+    catalog: &'a CatalogView,
+    locality: &'a Locality,
+    on_demand: &'a BTreeMap<String, String>,
+) -> Inputs<'a> {
+    Inputs {
+        pods,
+        catalog,
+        mesh_domain: "aether.internal",
+        locality,
+        on_demand,
+    }
 }
 
 /// 2,000 services of 10 endpoints each, over three zones.
@@ -203,13 +213,7 @@ fn time_new_dependencies(catalog: &CatalogView, pods: &[LocalPod]) -> Vec<Durati
     for round in 0..=ROUNDS {
         let deps = dependency_set(&pods);
         let scoped = scoped_to(catalog, &deps);
-        let inputs = Inputs {
-            pods: &pods,
-            catalog: &scoped,
-            mesh_domain: "aether.internal",
-            locality: &locality,
-            on_demand: &on_demand,
-        };
+        let inputs = node_inputs(&pods, &scoped, &locality, &on_demand);
         let started = Instant::now();
         generator.generate(&inputs);
         // The first round builds the whole node.

@@ -70,33 +70,11 @@ fn nack(nonce: &str, error: &str) -> Step {
     }))
 }
 
-/// The same request, for VHDS virtual hosts.
-fn vhds(step: Step) -> Step {
+/// The same request, for another type.
+fn of_type(type_url: &str, step: Step) -> Step {
     match step {
         Step::Request(request) => Step::Request(Box::new(DeltaDiscoveryRequest {
-            type_url: VIRTUAL_HOST.into(),
-            ..*request
-        })),
-        publish => publish,
-    }
-}
-
-/// The same request, for route tables.
-fn route(step: Step) -> Step {
-    match step {
-        Step::Request(request) => Step::Request(Box::new(DeltaDiscoveryRequest {
-            type_url: ROUTE.into(),
-            ..*request
-        })),
-        publish => publish,
-    }
-}
-
-/// The same request, for listeners.
-fn listener(step: Step) -> Step {
-    match step {
-        Step::Request(request) => Step::Request(Box::new(DeltaDiscoveryRequest {
-            type_url: LISTENER.into(),
+            type_url: type_url.into(),
             ..*request
         })),
         publish => publish,
@@ -254,10 +232,10 @@ fn types_are_pushed_in_push_order_once_asked_for() {
     };
     run(vec![
         (both(1, 1), ""),
-        (listener(subscribe(&[])), "send 1 Listener +l1"),
+        (of_type(LISTENER, subscribe(&[])), "send 1 Listener +l1"),
         (subscribe(&[]), "send 2 Cluster +c1"),
         (both(2, 2), "send 3 Cluster +c2, send 4 Listener +l2"),
-        (listener(ack("4")), "ack Listener +l"),
+        (of_type(LISTENER, ack("4")), "ack Listener +l"),
     ]);
 }
 
@@ -278,14 +256,6 @@ fn an_empty_type_answers_the_initial_fetch_once_and_responses_carry_the_serial()
     assert_eq!(responses[0].resources[0].version, version("a", "1"));
 }
 
-/// Envoy ACKs route table `t` (sent as nonce `nonce`).
-fn route_ack(nonce: &str) -> Step {
-    Step::Request(Box::new(DeltaDiscoveryRequest {
-        type_url: ROUTE.into(),
-        ..request(&[], &[], nonce)
-    }))
-}
-
 #[test]
 fn a_tables_virtual_hosts_are_sent_once_envoy_holds_the_table_and_again_for_each_new_version() {
     let serve =
@@ -293,10 +263,10 @@ fn a_tables_virtual_hosts_are_sent_once_envoy_holds_the_table_and_again_for_each
     run(vec![
         (serve(1, "t=1", "t/a=1 t/b=2 u/a=3"), ""),
         // Envoy's VHDS subscription names nothing: nothing is sent before it holds a table.
-        (vhds(subscribe(&[])), "send 1 VirtualHost"),
-        (route(subscribe(&["t"])), "send 2 RouteConfiguration +t1"),
+        (of_type(VIRTUAL_HOST, subscribe(&[])), "send 1 VirtualHost"),
+        (of_type(ROUTE, subscribe(&["t"])), "send 2 RouteConfiguration +t1"),
         (
-            route_ack("2"),
+            of_type(ROUTE, ack("2")),
             "ack RouteConfiguration +t, send 3 VirtualHost +t/a1 +t/b2",
         ),
         // A host added or changed goes alone; one gone is removed.
@@ -308,7 +278,7 @@ fn a_tables_virtual_hosts_are_sent_once_envoy_holds_the_table_and_again_for_each
         // A new version of the table may restart Envoy's watch: its hosts go again.
         (serve(4, "t=2", "t/a=1 t/c=6 u/a=3"), "send 6 RouteConfiguration +t2"),
         (
-            route_ack("6"),
+            of_type(ROUTE, ack("6")),
             "ack RouteConfiguration +t, send 7 VirtualHost +t/a1 +t/c6",
         ),
     ]);
