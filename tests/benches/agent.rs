@@ -38,7 +38,7 @@ use aether_proto::registry::v1::Endpoint;
 use aether_tests::TestPod;
 use aether_tests::bench::{
     StandInAgents, catalog_address, cluster_name, endpoint, knob, percentile, proc_status, register_all, service_key,
-    tail,
+    tail, xds_ack_means,
 };
 use aether_tests::mesh::Mesh;
 
@@ -360,6 +360,11 @@ fn main() {
     let before = xds_pushed(&rt, &mesh);
     let filled = add_pods_in_turn(&rt, &mesh, &k, &test_pods, &workload_upstreams);
     print_pushed("AddPod", &before, &xds_pushed(&rt, &mesh), filled.added);
+    let metrics = rt.block_on(mesh.agent_get("/metrics"));
+    println!(
+        "xDS response → Envoy's ACK while the node filled, mean by type: {}",
+        xds_ack_means(&metrics)
+    );
     let pid = agent_pid(&mesh);
     print_agent_memory("after setup", pid);
 

@@ -14,7 +14,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use aether_tests::bench::{cpu_time, percentile};
+use aether_tests::bench::{cpu_time, percentile, xds_ack_means};
 use aether_tests::binary;
 use aether_tests::cni::{
     BareNetns, ConfList, DEBIAN_CNI_DIR, PinSweeper, PluginRun, Sandbox, bridge_plugin, exec_plugin,
@@ -337,26 +337,5 @@ fn print_agent_phases(metrics: &str) {
         .collect();
     println!("agent AddPod mean per phase, all ADDs above: {}", means.join(", "));
     // Where the envoy phase goes: from each xDS response sent to Envoy's ACK, by type.
-    let acks: Vec<String> = [
-        "Cluster",
-        "ClusterLoadAssignment",
-        "Secret",
-        "Listener",
-        "RouteConfiguration",
-        "VirtualHost",
-    ]
-    .iter()
-    .filter_map(|kind| {
-        let value = |suffix: &str| {
-            let prefix = format!("aether_agent_xds_push_duration_seconds_{suffix}{{type=\"{kind}\"}} ");
-            metrics
-                .lines()
-                .find_map(|l| l.strip_prefix(prefix.as_str()))
-                .and_then(|v| v.trim().parse::<f64>().ok())
-        };
-        let (sum, count) = (value("sum")?, value("count")?);
-        (count > 0.0).then(|| format!("{kind} {:.1} ms (n {count})", 1e3 * sum / count))
-    })
-    .collect();
-    println!("xDS response → Envoy's ACK, mean by type: {}", acks.join(", "));
+    println!("xDS response → Envoy's ACK, mean by type: {}", xds_ack_means(metrics));
 }
