@@ -363,7 +363,7 @@ struct Times {
     streamed: Vec<Duration>,
     /// Samples whose route the reader did not see (none expected).
     untapped: usize,
-    /// Per node: write → the agent serving the new table.
+    /// Per node: write → the agent serving the table's new virtual hosts.
     served: Vec<Duration>,
     /// Per node: the agent serving it → in Envoy.
     envoy: Vec<Duration>,
@@ -509,7 +509,7 @@ fn print_route_writes(k: &Knobs, mut t: Times) {
         "  write → registrar streams it (a reader's Watch, 20 ms settle incl.)",
         &t.streamed,
     );
-    row("  write → agent serving the new table (per node)", &t.served);
+    row("  write → agent serving the new virtual hosts (per node)", &t.served);
     row("  agent serving → in Envoy's config dump (per node)", &t.envoy);
     if t.untapped > 0 {
         println!("  ({} writes not seen on the reader's Watch)", t.untapped);
@@ -634,13 +634,16 @@ async fn quiet_heap(mesh: &Mesh) -> u64 {
 /// Route bytes pushed so far (tables and their VHDS virtual hosts), and routes NACKed so far, by the agent's
 /// counters.
 async fn route_pushes(mesh: &Mesh) -> (f64, f64) {
-    let (mut pushed, mut nacks) = (0.0, 0.0);
+    let (mut pushed, mut nacks) = (None, 0.0);
+    // (An Envoy on SotW ADS is sent no VirtualHost.)
     for kind in ["RouteConfiguration", "VirtualHost"] {
         let label = format!("type=\"{kind}\"");
-        let bytes = agent_metric(mesh, "xds_pushed", &label).await;
-        pushed += bytes.unwrap_or_else(|| panic!("the agent's /metrics has no xds_pushed for {kind}"));
+        if let Some(bytes) = agent_metric(mesh, "xds_pushed", &label).await {
+            pushed = Some(pushed.unwrap_or(0.0) + bytes);
+        }
         nacks += agent_metric(mesh, "xds_nacks", &label).await.unwrap_or(0.0);
     }
+    let pushed = pushed.unwrap_or_else(|| panic!("the agent's /metrics has no xds_pushed for route tables"));
     (pushed, nacks)
 }
 

@@ -157,7 +157,9 @@ pub fn route_configs(
             vhost_header: DESTINATION_HEADER.to_owned(),
             request_headers_to_remove: vec![DESTINATION_HEADER.to_owned()],
             // A backend's own header edits win over its rule's (Gateway API applies them last).
-            most_specific_header_mutations_wins: !attached.is_empty(),
+            // Set with or without routes (no header edit but the table's own then): a new
+            // table version re-sends its virtual hosts, so the first route must not make one.
+            most_specific_header_mutations_wins: true,
             ..Default::default()
         };
         out.tables.push((config.name.clone(), any(&config)));

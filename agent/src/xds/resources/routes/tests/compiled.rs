@@ -14,7 +14,8 @@ fn without_routes_the_tables_are_what_they_were() {
     let tables = tables(Vec::new(), &pods);
     assert_eq!(tables.keys().collect::<Vec<_>>(), ["outbound"]);
     let outbound = &tables["outbound"];
-    assert!(!outbound.most_specific_header_mutations_wins);
+    // The one difference: the first route must not change the table (and re-send its hosts).
+    assert!(outbound.most_specific_header_mutations_wins);
     let echo = vhost(outbound, "echo.gamma.aether.internal:80");
     let default = EnvoyRoute {
         r#match: Some(super::super::prefix_match("/")),
