@@ -139,9 +139,7 @@ impl DeltaStream {
             ..Default::default()
         })
     }
-}
 
-impl DeltaStream {
     /// Envoy ACKed these route tables (`None`: removed): send each taken table's virtual
     /// hosts (again), for the watch it may have just started.
     fn tables_taken(&mut self, tables: &Sent) {
