@@ -793,7 +793,7 @@ pub fn cluster_names(catalog: &CatalogView, key: &str, mesh_domain: &str) -> Vec
 /// The virtual hosts routing `pod`'s calls to `clusters`, as `snapshot` serves them: in
 /// its namespace's own table when there is one (consumer routes), else the shared one.
 pub fn pod_virtual_host_names(snapshot: &Snapshot, pod: &LocalPod, clusters: &[String]) -> Vec<String> {
-    let own = format!("{}~{}", routes::OUTBOUND_ROUTES, pod.info.namespace);
+    let own = routes::consumer_table(&pod.info.namespace);
     let has_own = snapshot.version_of(super::ROUTE, &own).is_some();
     let table = if has_own { own.as_str() } else { routes::OUTBOUND_ROUTES };
     (clusters.iter())

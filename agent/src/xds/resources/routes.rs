@@ -5,8 +5,8 @@
 //! picks the app port from the port header.
 //!
 //! An outbound table's virtual hosts travel over VHDS as resources of their own, so a
-//! new dependency pushes its virtual hosts, not the table (an Envoy on state-of-the-world ADS gets them inline: see
-//! [`with_virtual_hosts_inline`]).
+//! new dependency pushes its virtual hosts, not the table (an Envoy on
+//! state-of-the-world ADS gets them inline: see [`with_virtual_hosts_inline`]).
 //!
 //! A table picks its virtual host by [`DESTINATION_HEADER`], which each outgoing chain
 //! stamps before the lookup: the request's authority on the explicit port, the
@@ -33,9 +33,7 @@ use std::sync::Arc;
 
 use aether_api::mesh_config::ResilienceSettings;
 use aether_proto::registry::v1::Route as MeshRoute;
-use envoy_types::pb::envoy::config::core::v3::{
-    AggregatedConfigSource, ApiVersion, ConfigSource, DataSource, config_source, data_source,
-};
+use envoy_types::pb::envoy::config::core::v3::{DataSource, data_source};
 use envoy_types::pb::envoy::config::route::v3::{
     DirectResponseAction, HeaderMatcher, RetryPolicy, Route, RouteAction, RouteConfiguration, RouteMatch, Vhds,
     VirtualHost, header_matcher, retry_policy, route, route_action, route_match,
@@ -48,7 +46,7 @@ use prost::Message;
 
 use super::clusters::local_name;
 use super::http_filters::{self, Callers};
-use super::util::{PORT_HEADER, any, millis, u32v};
+use super::util::{PORT_HEADER, ads, any, millis, u32v};
 use super::{MeshService, Named, RouteKey, is_http};
 use crate::mesh_settings::MeshSettings;
 use crate::pod::LocalPod;
@@ -65,10 +63,15 @@ pub const DESTINATION_HEADER: &str = "x-aether-destination";
 /// consumer routes (`consumers`), else the shared one.
 pub fn table_name(namespace: &str, consumers: &BTreeSet<String>) -> String {
     if consumers.contains(namespace) {
-        format!("{OUTBOUND_ROUTES}~{namespace}")
+        consumer_table(namespace)
     } else {
         OUTBOUND_ROUTES.to_owned()
     }
+}
+
+/// The name of the table of its own a namespace with consumer routes gets.
+pub fn consumer_table(namespace: &str) -> String {
+    format!("{OUTBOUND_ROUTES}~{namespace}")
 }
 
 /// The outbound tables as served: each names VHDS for its virtual hosts, resources of
@@ -118,7 +121,7 @@ pub fn route_configs(
     let mut built_now = HashMap::new();
     let mut out = Tables::default();
     for caller in callers {
-        let name = caller.map_or(OUTBOUND_ROUTES.to_owned(), |ns| format!("{OUTBOUND_ROUTES}~{ns}"));
+        let name = caller.map_or(OUTBOUND_ROUTES.to_owned(), consumer_table);
         // Envoy refuses a table where two virtual hosts share a domain: the first
         // (services are sorted by key) keeps it, so a stale address two services claim
         // never NACKs.
@@ -151,9 +154,7 @@ pub fn route_configs(
             .push(build(&name, PortHost::plain(catch_all)).resource);
         let config = RouteConfiguration {
             name,
-            vhds: Some(Vhds {
-                config_source: Some(ads()),
-            }),
+            vhds: Some(Vhds { config_source: ads() }),
             vhost_header: DESTINATION_HEADER.to_owned(),
             request_headers_to_remove: vec![DESTINATION_HEADER.to_owned()],
             // A backend's own header edits win over its rule's (Gateway API applies them last).
@@ -217,16 +218,6 @@ pub fn with_virtual_hosts_inline<'a>(table: &Any, vhosts: impl Iterator<Item = &
     Any {
         type_url: table.type_url.clone(),
         value,
-    }
-}
-
-fn ads() -> ConfigSource {
-    ConfigSource {
-        config_source_specifier: Some(config_source::ConfigSourceSpecifier::Ads(
-            AggregatedConfigSource::default(),
-        )),
-        resource_api_version: ApiVersion::V3 as i32,
-        ..Default::default()
     }
 }
 

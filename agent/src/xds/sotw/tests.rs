@@ -2,10 +2,16 @@
 //! request from Envoy) and what it must put out, as one line: the ACK-state records,
 //! then the responses (`send <nonce> <type> <name><version>…`), comma-separated.
 
+use std::collections::BTreeMap;
+
 use super::*;
-use crate::xds::testing::{self, read, serving};
-use crate::xds::{CLUSTER, LISTENER, short};
+use crate::xds::cache::Resource;
+use crate::xds::testing::{self, read, record, serving};
+use crate::xds::{CLUSTER, LISTENER, ROUTE, VIRTUAL_HOST, short};
+use envoy_types::pb::envoy::config::route::v3::{RouteConfiguration, Vhds, VirtualHost};
+use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::google::rpc;
+use prost::{Message, Name};
 
 type Step = testing::Step<SotwStream>;
 
@@ -142,26 +148,18 @@ fn types_are_pushed_in_push_order_once_asked_for() {
     ]);
 }
 
-/// VHDS is delta-only: an Envoy on SotW gets each outbound table with its virtual hosts
-/// inline (and without `vhds`), a host changed re-sends its table, and the ACK of the
-/// tables counts for the hosts in them.
-#[test]
-fn a_route_table_goes_with_its_virtual_hosts_inline_and_its_ack_covers_them() {
-    use crate::xds::cache::Resource;
-    use crate::xds::testing::record;
-    use crate::xds::{ROUTE, VIRTUAL_HOST};
-    use envoy_types::pb::envoy::config::route::v3::{RouteConfiguration, Vhds, VirtualHost};
-    use prost::{Message, Name};
+/// A resource of `message`, named `name`.
+fn resource<M: Message + Name>(name: &str, message: &M) -> Arc<Resource> {
+    let body = Any {
+        type_url: M::type_url(),
+        value: message.encode_to_vec(),
+    };
+    Resource::new(name.into(), body)
+}
 
-    use envoy_types::pb::google::protobuf::Any;
-
-    fn resource<M: Message + Name>(name: &str, message: &M) -> std::sync::Arc<Resource> {
-        let body = Any {
-            type_url: M::type_url(),
-            value: message.encode_to_vec(),
-        };
-        Resource::new(name.into(), body)
-    }
+/// Table `t` (with VHDS) and `inbound|p` (without), each with a catch-all; virtual hosts
+/// `t/a`, `t/b` (answering to `b_domain`) and `t~web/c`.
+fn tables_and_hosts(serial: u64, b_domain: &str) -> Snapshot {
     let vhost = |name: &str, domain: &str| {
         let vhost = VirtualHost {
             name: name.into(),
@@ -183,37 +181,42 @@ fn a_route_table_goes_with_its_virtual_hosts_inline_and_its_ack_covers_them() {
         };
         resource(name, &table)
     };
-    let snapshot = |serial, b_domain: &str| Snapshot {
+    let by_name = |items: Vec<Arc<Resource>>| items.into_iter().map(|r| (r.name.clone(), r)).collect();
+    Snapshot {
         serial,
-        types: [
-            (ROUTE, vec![table("t", true), table("inbound|p", false)]),
+        types: BTreeMap::from([
             (
-                VIRTUAL_HOST,
-                vec![vhost("t/a", "a"), vhost("t/b", b_domain), vhost("t~web/c", "c")],
+                ROUTE.to_owned(),
+                by_name(vec![table("t", true), table("inbound|p", false)]),
             ),
-        ]
-        .into_iter()
-        .map(|(type_url, items)| {
             (
-                type_url.to_owned(),
-                items.into_iter().map(|r| (r.name.clone(), r)).collect(),
+                VIRTUAL_HOST.to_owned(),
+                by_name(vec![vhost("t/a", "a"), vhost("t/b", b_domain), vhost("t~web/c", "c")]),
+            ),
+        ]),
+        pending: Default::default(),
+    }
+}
+
+/// Each table a response carries: its name, whether it names VHDS, its virtual hosts.
+fn tables_served(response: &DiscoveryResponse) -> Vec<(String, bool, Vec<String>)> {
+    (response.resources.iter())
+        .map(|body| RouteConfiguration::decode(&*body.value).unwrap())
+        .map(|t| {
+            (
+                t.name,
+                t.vhds.is_some(),
+                t.virtual_hosts.into_iter().map(|v| v.name).collect(),
             )
         })
-        .collect(),
-        pending: Default::default(),
-    };
-    let served = |response: &DiscoveryResponse| -> Vec<(String, bool, Vec<String>)> {
-        (response.resources.iter())
-            .map(|body| RouteConfiguration::decode(&*body.value).unwrap())
-            .map(|t| {
-                (
-                    t.name,
-                    t.vhds.is_some(),
-                    t.virtual_hosts.into_iter().map(|v| v.name).collect(),
-                )
-            })
-            .collect()
-    };
+        .collect()
+}
+
+/// VHDS is delta-only: an Envoy on SotW gets each outbound table with its virtual hosts
+/// inline (and without `vhds`), a host changed re-sends its table, and the ACK of the
+/// tables counts for the hosts in them.
+#[test]
+fn a_route_table_goes_with_its_virtual_hosts_inline_and_its_ack_covers_them() {
     let ask_routes = |nonce: &str| DiscoveryRequest {
         type_url: ROUTE.into(),
         response_nonce: nonce.into(),
@@ -222,9 +225,9 @@ fn a_route_table_goes_with_its_virtual_hosts_inline_and_its_ack_covers_them() {
     let now = std::time::Instant::now();
     let mut stream = SotwStream::default();
     assert!(stream.request(&ask_routes("")).is_empty());
-    let first = stream.push(&snapshot(1, "b"), now);
+    let first = stream.push(&tables_and_hosts(1, "b"), now);
     assert_eq!(
-        served(&first[0]),
+        tables_served(&first[0]),
         [
             ("inbound|p".to_owned(), false, vec!["catch-all".to_owned()]),
             (
@@ -242,8 +245,11 @@ fn a_route_table_goes_with_its_virtual_hosts_inline_and_its_ack_covers_them() {
             "ack all VirtualHost +t/a +t/b"
         ]
     );
-    assert!(stream.push(&snapshot(1, "b"), now).is_empty(), "nothing changed");
-    let changed = stream.push(&snapshot(2, "b2"), now);
+    assert!(
+        stream.push(&tables_and_hosts(1, "b"), now).is_empty(),
+        "nothing changed"
+    );
+    let changed = stream.push(&tables_and_hosts(2, "b2"), now);
     assert_eq!(changed.len(), 1, "a host changed re-sends its table");
     let t = RouteConfiguration::decode(&*changed[0].resources[1].value).unwrap();
     assert_eq!(t.virtual_hosts[2].domains, ["b2"]);
