@@ -12,6 +12,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     ];
     let mut config = tonic_prost_build::Config::new();
     config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
+    // Sorted maps encode the same on every side, so a message's digest (`digest.rs`) is
+    // the same wherever it is computed.
+    config.btree_map(["."]);
     tonic_prost_build::configure()
         .codec_path("crate::codec::SmallBuffers")
         .compile_with_config(config, &protos, &["proto"])?;

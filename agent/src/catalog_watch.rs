@@ -1,6 +1,7 @@
 //! The agent's one way of following the registrar's catalog: a Watch stream that
 //! reconnects with backoff, resumes from its version (no snapshot when the registrar
-//! still holds the history), moves to a new connection when the node certificate
+//! still holds the history) or else from what its view holds (another replica sends
+//! only what differs), moves to a new connection when the node certificate
 //! rotates, and publishes each consistent view. The node follows its dependency set
 //! and the authorization policies of its pods' namespaces with it (the filter changes
 //! in-stream); the DNS record writer follows every service's record (`services_only`).
@@ -222,8 +223,10 @@ impl Stream {
         self.next_id
     }
 
-    /// The request opening a stream: resume the view only if it was built under this
-    /// very interest, otherwise ask for a snapshot.
+    /// The request opening a stream: resume the view from its version only if it was
+    /// built under this very interest; in every case say what the view holds, so a
+    /// replica that cannot resume it (another one, or one whose history moved on) sends
+    /// what differs instead of a snapshot.
     fn first_request(&mut self, interest: Interest) -> WatchRequest {
         let resume = self.sent.get(&self.view.filter_id) == Some(&interest);
         let filter_id = if resume { self.view.filter_id } else { self.next_id() };
@@ -231,6 +234,7 @@ impl Stream {
         let resume_from = if resume { self.view.resume_from(filter_id) } else { None };
         WatchRequest {
             resume_from,
+            held: self.view.held(),
             ..request(interest, filter_id)
         }
     }
@@ -421,6 +425,7 @@ mod tests {
         assert_eq!(first.services, ["shop/cart"]);
         assert_eq!(first.policy_namespaces, ["shop"]);
         assert_eq!(first.resume_from, None, "nothing to resume yet");
+        assert_eq!(first.held, None, "nothing held yet");
         for m in snapshot(&["shop/cart"], 7, first.filter_id) {
             out.send(Ok(m)).await.unwrap();
         }
@@ -458,6 +463,9 @@ mod tests {
         assert_eq!(resumed.policy_namespaces, ["pay", "shop"]);
         assert_eq!(resumed.filter_id, change.filter_id);
         assert_eq!(resumed.resume_from, version(8));
+        let held = resumed.held.expect("a reconnect says what the view holds");
+        let held: Vec<_> = held.services.iter().map(|h| h.key.as_str()).collect();
+        assert_eq!(held, ["shop/cart"], "what the view holds, not what the filter names");
         shutdown.cancel();
     }
 

@@ -1,6 +1,7 @@
 //! Aether's own gRPC APIs, generated from `proto/` by tonic-prost-build.
 
 pub mod codec;
+pub mod digest;
 
 pub mod cni {
     pub mod v1 {

@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::registrar::v1::{Version, WatchResponse, change, watch_response};
+use crate::digest::{self, EndpointSum};
+use crate::registrar::v1::{Held, Holdings, Version, WatchResponse, change, watch_response};
 use crate::registry::v1::{AuthorizationPolicy, Endpoint, HttpFilter, MeshConfig, Route, RouteKind, Service};
 
 /// A service's endpoints by address. Shared: cloning a catalog is cheap, and a
@@ -196,6 +197,33 @@ impl CatalogView {
         Ok(())
     }
 
+    /// What this view holds, for `WatchRequest.held`: every service and record by key,
+    /// with its digest.
+    pub fn holdings(&self) -> Holdings {
+        fn held<'a, M: prost::Message + 'a>(records: impl Iterator<Item = (&'a String, &'a Arc<M>)>) -> Vec<Held> {
+            records
+                .map(|(key, record)| Held {
+                    key: key.clone(),
+                    digest: digest::of(&**record),
+                })
+                .collect()
+        }
+        let services = self.services.iter().map(|(key, service)| {
+            let endpoints = self.endpoints.get(key).map(|e| EndpointSum::over(e.values()));
+            Held {
+                key: key.clone(),
+                digest: digest::service(service, endpoints.unwrap_or_default()),
+            }
+        });
+        Holdings {
+            services: services.collect(),
+            routes: held(self.routes.iter()),
+            policies: held(self.policies.iter()),
+            http_filters: held(self.http_filters.iter()),
+            mesh_configs: held(self.mesh_configs.iter()),
+        }
+    }
+
     /// Every endpoint, in key then address order.
     pub fn all_endpoints(&self) -> impl Iterator<Item = &Endpoint> {
         self.endpoints.values().flat_map(|e| e.values())
@@ -210,6 +238,12 @@ impl WatchView {
         self.version
             .clone()
             .filter(|_| self.filter_id == filter_id && self.incoming.is_none())
+    }
+
+    /// What to send as `held` when reconnecting: the holdings of the last consistent
+    /// view, whatever its filter; nothing before the first one.
+    pub fn held(&self) -> Option<Holdings> {
+        self.version.as_ref().map(|_| self.catalog.holdings())
     }
 
     /// Applies one message from the stream.

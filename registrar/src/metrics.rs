@@ -22,6 +22,7 @@ pub struct Metrics {
     pub store_commit_failures: Counter,
     pub store_unreadable_records: Gauge,
     pub watch_snapshots: Family<Labels, Counter>,
+    pub watch_resumes: Family<Labels, Counter>,
     pub invalid_requests: Family<Labels, Counter>,
     pub store_up: Gauge,
     pub write_behind_ops: Gauge,
@@ -49,6 +50,7 @@ impl Metrics {
             store_commit_failures: Counter::default(),
             store_unreadable_records: Gauge::default(),
             watch_snapshots: Family::default(),
+            watch_resumes: Family::default(),
             invalid_requests: Family::default(),
             store_up: Gauge::default(),
             write_behind_ops: Gauge::default(),
@@ -130,6 +132,12 @@ impl Metrics {
             "watch_snapshots",
             "Snapshots sent to watchers, by reason",
             self.watch_snapshots.clone(),
+        );
+        r.register(
+            "watch_resumes",
+            "Watch streams resumed without a snapshot, by what they resumed from: history (this replica's \
+             own versions) or holdings (the digests of what the client's view holds)",
+            self.watch_resumes.clone(),
         );
         r.register(
             "invalid_requests",

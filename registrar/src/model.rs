@@ -1,7 +1,7 @@
 //! The catalog's data model and the validation every request and every stored
 //! record goes through. Errors name the offending field, so a caller can fix it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -274,7 +274,7 @@ fn check_placement(field: &str, ep: &Endpoint) -> Result<(), InvalidField> {
 
 /// At most [`MAX_METADATA_ENTRIES`] entries and [`MAX_METADATA_BYTES`] in all, each
 /// key 1..=[`MAX_METADATA_KEY_BYTES`] bytes.
-fn check_metadata(field: &str, metadata: &HashMap<String, String>) -> Result<(), InvalidField> {
+fn check_metadata(field: &str, metadata: &BTreeMap<String, String>) -> Result<(), InvalidField> {
     if metadata.len() > MAX_METADATA_ENTRIES {
         return Err(InvalidField::new(
             format!("{field}.metadata"),

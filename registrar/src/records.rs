@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use aether_proto::registrar::v1::{Snapshot, change};
+use aether_proto::registrar::v1::{Held, Holdings, Snapshot, change};
 use aether_proto::registry::v1::{AuthorizationPolicy, HttpFilter, MeshConfig, Route};
 use aether_proto::view::{http_filter_key, mesh_config_key, policy_key, route_key};
 use prost::Message;
@@ -92,6 +92,16 @@ impl ConfigKind {
             ConfigKind::Policy => decode::<AuthorizationPolicy>(bytes),
             ConfigKind::HttpFilter => decode::<HttpFilter>(bytes),
             ConfigKind::MeshConfig => decode::<MeshConfig>(bytes),
+        }
+    }
+
+    /// What a watcher's holdings list of this kind.
+    pub fn held(self, holdings: &Holdings) -> &[Held] {
+        match self {
+            ConfigKind::Route => &holdings.routes,
+            ConfigKind::Policy => &holdings.policies,
+            ConfigKind::HttpFilter => &holdings.http_filters,
+            ConfigKind::MeshConfig => &holdings.mesh_configs,
         }
     }
 
@@ -233,6 +243,11 @@ impl ConfigRecord {
 
     pub fn key(&self) -> String {
         each_kind!(self, r => r.key())
+    }
+
+    /// Its digest, as a watcher holding it computes it (`aether_proto::digest`).
+    pub fn digest(&self) -> u64 {
+        each_kind!(self, r => aether_proto::digest::of(&**r))
     }
 
     pub fn encode(&self) -> Vec<u8> {

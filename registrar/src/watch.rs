@@ -6,12 +6,12 @@
 //! under the catalog's read lock, during which no batch can be published, so the
 //! watcher knows exactly which batches are already reflected and which are not.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use aether_proto::registrar::v1::{
-    Change, Delta, Snapshot, SnapshotComplete, SnapshotReason, Version, WatchRequest, WatchResponse, change,
+    Change, Delta, Holdings, Snapshot, SnapshotComplete, SnapshotReason, Version, WatchRequest, WatchResponse, change,
     watch_response,
 };
 use aether_proto::registry::v1::{Endpoint, Service};
@@ -23,7 +23,7 @@ use tonic::Status;
 
 use crate::catalog::{Batch, Catalog, Event, KeyedChange, State};
 use crate::model::{InvalidField, ServiceKey};
-use crate::records::{ConfigRecord, config_change};
+use crate::records::{ConfigKind, ConfigRecord, config_change};
 
 /// Endpoints per snapshot message, so no message nears gRPC's 4 MiB default limit.
 pub const SNAPSHOT_CHUNK_ENDPOINTS: usize = 100;
@@ -234,6 +234,9 @@ where
         Ok(filter) => filter,
         Err(e) => return refuse(&catalog, &out, e).await,
     };
+    if let Err(e) = check_holdings(first.held.as_ref()) {
+        return refuse(&catalog, &out, e).await;
+    }
     let Some(turn) = Turn::take_unless(&shutdown).await else {
         return;
     };
@@ -244,16 +247,18 @@ where
         let missed = resume
             .filter(|v| v.instance == state.instance())
             .and_then(|v| state.history_after(v.seq));
-        let start = match missed {
-            Some(batches) => Start::Resume(batches, resume.map_or(0, |v| v.seq)),
-            None => {
-                let reason = if resume.is_some() {
-                    SnapshotReason::ResumeUnavailable
-                } else {
-                    SnapshotReason::Initial
-                };
-                Start::Snapshot(collect(&state, &filter), state.version(), reason)
-            }
+        let reconciled = || first.held.as_ref().and_then(|held| reconcile(&state, &filter, held));
+        let start = if let Some(batches) = missed {
+            Start::Resume(batches, resume.map_or(0, |v| v.seq))
+        } else if let Some(reconciled) = reconciled() {
+            Start::Reconcile(reconciled, state.version())
+        } else {
+            let reason = if resume.is_some() || first.held.is_some() {
+                SnapshotReason::ResumeUnavailable
+            } else {
+                SnapshotReason::Initial
+            };
+            Start::Snapshot(collect(&state, &filter), state.version(), reason)
         };
         (rx, start)
     };
@@ -271,11 +276,19 @@ where
     // The start and the rare paths of `run` (resync, filter change) are boxed: a future
     // is as large as its largest state, and this task lives as long as its agent is
     // connected (5.4 KiB per watcher with them inline, heaptrack at 500 agents).
+    let resumes = &watcher.catalog.metrics().watch_resumes;
     let started = match start {
         Start::Resume(batches, from) => {
+            resumes.get_or_create(&[("from", "history")]).inc();
             watcher.processed = from;
             watcher.sent = from;
             Box::pin(watcher.send_batches(&batches)).await
+        }
+        Start::Reconcile(reconciled, version) => {
+            resumes.get_or_create(&[("from", "holdings")]).inc();
+            watcher.processed = version.seq;
+            let changes = reconciled.into_changes();
+            Box::pin(watcher.send(delta(version, changes, watcher.filter.id))).await
         }
         Start::Snapshot(selection, version, reason) => {
             Box::pin(watcher.send_snapshot(selection, version, reason)).await
@@ -290,6 +303,7 @@ where
 
 enum Start {
     Resume(Vec<Arc<Batch>>, u64),
+    Reconcile(Reconciled, Version),
     Snapshot(Selection, Version, SnapshotReason),
 }
 
@@ -585,6 +599,132 @@ fn collect(state: &State, filter: &Filter) -> Selection {
     services.sort_by(|a, b| (&a.0.namespace, &a.0.name).cmp(&(&b.0.namespace, &b.0.name)));
     let configs = state.configs().all().filter(|r| filter.wants(r)).cloned().collect();
     Selection { services, configs }
+}
+
+/// Most bytes of endpoints a reconciliation sends in its one Delta; past it, a snapshot
+/// (chunked, so no message nears gRPC's 4 MiB limit) is sent instead.
+pub const RECONCILE_MAX_BYTES: usize = 1 << 20;
+/// Longest key a client's holdings may name (a route key is `<kind>/<namespace>/<name>`).
+const MAX_HELD_KEY_BYTES: usize = 512;
+
+/// What takes a reconnecting client's view, as its holdings describe it, to the state:
+/// read under the lock (shared data), turned into one Delta after it.
+struct Reconciled {
+    /// Services the client holds that the filter no longer selects or that differ.
+    removed: Vec<String>,
+    /// What the client lacks or holds differently, sent whole.
+    missing: Selection,
+    /// Records the client holds that it no longer wants.
+    records_removed: Vec<Change>,
+}
+
+impl Reconciled {
+    fn into_changes(self) -> Vec<Change> {
+        let wrap = |change| Change { change: Some(change) };
+        let mut changes: Vec<Change> = self
+            .removed
+            .into_iter()
+            .map(|key| wrap(change::Change::ServiceRemoved(key)))
+            .collect();
+        for (service, endpoints) in self.missing.services {
+            changes.push(wrap(change::Change::ServiceAdded(service)));
+            let added = endpoints
+                .iter()
+                .map(|e| wrap(change::Change::EndpointAdded(Endpoint::clone(e))));
+            changes.extend(added);
+        }
+        changes.extend(self.records_removed);
+        changes.extend(self.missing.configs.iter().map(|record| wrap(record.put())));
+        changes
+    }
+}
+
+/// Compares `held` with what `filter` selects in `state`. `None` when what differs is
+/// larger than [`RECONCILE_MAX_BYTES`] (a snapshot serves better).
+fn reconcile(state: &State, filter: &Filter, held: &Holdings) -> Option<Reconciled> {
+    let held_services: HashMap<&str, u64> = held.services.iter().map(|h| (h.key.as_str(), h.digest)).collect();
+    let mut removed = Vec::new();
+    for held in &held.services {
+        let selected = filter.matches(&held.key) && state.service(&held.key).is_some();
+        if !selected {
+            removed.push(held.key.clone());
+        }
+    }
+    let mut missing = Vec::new();
+    let mut bytes = 0;
+    for key in filter.selected(state) {
+        let entry = state.service(key.as_str()).expect("selected services exist");
+        let digest = entry.digest(!filter.services_only);
+        match held_services.get(key.as_str()) {
+            Some(held) if *held == digest => continue,
+            Some(_) => removed.push(key.to_string()),
+            None => {}
+        }
+        let endpoints: Vec<_> = if filter.services_only {
+            Vec::new()
+        } else {
+            entry.endpoints.values().cloned().collect()
+        };
+        bytes += endpoints
+            .iter()
+            .map(|e| prost::Message::encoded_len(&**e))
+            .sum::<usize>();
+        if bytes > RECONCILE_MAX_BYTES {
+            return None;
+        }
+        missing.push((entry.service.clone(), endpoints));
+    }
+    let mut records_removed = Vec::new();
+    let mut configs = Vec::new();
+    for kind in ConfigKind::ALL {
+        let records = state.configs().of(kind);
+        for held in kind.held(held) {
+            if !records.get(&held.key).is_some_and(|r| filter.wants(r)) {
+                records_removed.push(Change {
+                    change: Some(kind.removed(&held.key)),
+                });
+            }
+        }
+        let held: HashMap<&str, u64> = kind.held(held).iter().map(|h| (h.key.as_str(), h.digest)).collect();
+        let differs = |(key, record): &(&String, &ConfigRecord)| held.get(key.as_str()) != Some(&record.digest());
+        let wanted = records.iter().filter(|(_, r)| filter.wants(r));
+        configs.extend(wanted.filter(differs).map(|(_, r)| r.clone()));
+    }
+    Some(Reconciled {
+        removed,
+        missing: Selection {
+            services: missing,
+            configs,
+        },
+        records_removed,
+    })
+}
+
+/// Checks a client's holdings: how many it lists and that every key is short; what it
+/// names need not exist (it is removed from the client's view).
+fn check_holdings(held: Option<&Holdings>) -> Result<(), InvalidField> {
+    let Some(held) = held else { return Ok(()) };
+    let lists = [
+        ("held.services", &held.services),
+        ("held.routes", &held.routes),
+        ("held.policies", &held.policies),
+        ("held.http_filters", &held.http_filters),
+        ("held.mesh_configs", &held.mesh_configs),
+    ];
+    for (field, list) in lists {
+        if list.len() > MAX_FILTER_SERVICES {
+            let reason = format!("{} entries (at most {MAX_FILTER_SERVICES})", list.len());
+            return Err(InvalidField::new(field, reason));
+        }
+        if let Some((i, held)) = list.iter().enumerate().find(|(_, h)| h.key.len() > MAX_HELD_KEY_BYTES) {
+            let reason = format!(
+                "{}: longer than {MAX_HELD_KEY_BYTES} bytes",
+                aether_common::quote::quote(&held.key)
+            );
+            return Err(InvalidField::new(format!("{field}[{i}].key"), reason));
+        }
+    }
+    Ok(())
 }
 
 fn delta(version: Version, changes: Vec<Change>, filter_id: u64) -> watch_response::Event {

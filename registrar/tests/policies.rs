@@ -217,3 +217,56 @@ async fn a_root_namespace_that_is_not_a_namespace_name_is_refused_at_start() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("--mesh-root-namespace: \"Not_A_Label\""), "{stderr}");
 }
+
+/// A stream moved from another replica is reconciled record by record: a policy held in
+/// another version is put, one held that is gone is removed, one missing is put, and
+/// one held exactly is not sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_stream_is_reconciled_policy_by_policy() {
+    use std::sync::Arc;
+    let data = tempfile::tempdir().unwrap();
+    let config = tempfile::tempdir().unwrap();
+    write(config.path(), "policies.yaml", &policies("/api/*", "1"));
+    let dir = config.path().to_str().unwrap();
+    let registrar = Registrar::start(data.path(), &["--config-dir", dir]).await;
+    let mut client = registrar.client().await;
+    let mut pay = Watcher::open(&mut client, watching(&["shop", "pay"])).await;
+    let all = ["aether-system/baseline", "pay/deny-legacy", "shop/cart-api"];
+    until(&mut pay, "the policies are served", |w| keys(w) == all).await;
+    let mut view = pay.view.clone();
+    drop(pay);
+
+    // What another replica had sent: an older cart-api, a policy since deleted, no baseline.
+    let policies = &mut view.catalog.policies;
+    policies.insert("shop/cart-api".into(), Arc::new(policy("shop", "cart-api", 0, false)));
+    policies.insert("shop/gone".into(), Arc::new(policy("shop", "gone", 1, false)));
+    policies.remove("aether-system/baseline");
+    view.version = Some(aether_proto::registrar::v1::Version {
+        instance: "another-replica".into(),
+        seq: 1,
+    });
+    let moved = WatchRequest {
+        resume_from: view.version.clone(),
+        held: view.held(),
+        ..watching(&["shop", "pay"])
+    };
+    let mut moved = Watcher::open(&mut client, moved).await.strict().with_view(view);
+    let first = moved.next().await;
+    let Some(watch_response::Event::Delta(delta)) = &first.event else {
+        panic!("the moved stream was not reconciled: {first:?}");
+    };
+    let mut sent: Vec<String> = (delta.changes.iter())
+        .map(|c| match c.change.as_ref().unwrap() {
+            change::Change::PolicyPut(p) => format!("put {}/{}", p.namespace, p.name),
+            change::Change::PolicyRemoved(key) => format!("removed {key}"),
+            other => panic!("unexpected change {other:?}"),
+        })
+        .collect();
+    sent.sort();
+    assert_eq!(
+        sent,
+        ["put aether-system/baseline", "put shop/cart-api", "removed shop/gone"]
+    );
+    assert_eq!(keys(&moved), all);
+    assert!(has_path(&moved, "/api/"), "the served cart-api replaced the held one");
+}

@@ -280,6 +280,139 @@ async fn a_resumed_watch_sends_no_empty_delta_for_changes_outside_its_filter() {
     assert_eq!(resumed.view.catalog, expected);
 }
 
+/// The services a Delta removes and adds, by key.
+fn removed_and_added(message: &aether_proto::registrar::v1::WatchResponse) -> (BTreeSet<String>, BTreeSet<String>) {
+    let Some(watch_response::Event::Delta(delta)) = &message.event else {
+        panic!("expected one reconciling Delta, got {message:?}");
+    };
+    let (mut removed, mut added) = (BTreeSet::new(), BTreeSet::new());
+    for c in &delta.changes {
+        match c.change.as_ref().unwrap() {
+            change::Change::ServiceRemoved(key) => removed.insert(key.clone()),
+            change::Change::ServiceAdded(s) => added.insert(format!("{}/{}", s.namespace, s.name)),
+            change::Change::EndpointAdded(e) => added.insert(e.service.clone()),
+            other => panic!("unexpected change {other:?}"),
+        };
+    }
+    (removed, added)
+}
+
+/// A watcher coming from another replica (a version this one never issued) is sent
+/// what its holdings lack or hold wrongly, in one Delta, whatever filter its view was
+/// built under; services it holds exactly are not sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_from_another_replica_is_reconciled_from_its_holdings() {
+    let dir = tempfile::tempdir().unwrap();
+    let registrar = Registrar::start(dir.path(), &[]).await;
+    let mut client = registrar.client().await;
+    for (service, address) in [
+        ("ns/same", "10.0.9.1"),
+        ("ns/same", "10.0.9.2"),
+        ("ns/stale", "10.0.9.3"),
+    ] {
+        register(&mut client, endpoint(service, address, 80)).await;
+    }
+    let v = register(&mut client, endpoint("ns/dropped", "10.0.9.4", 80)).await;
+    let mut watcher = Watcher::open(&mut client, filter(&["ns/same", "ns/stale", "ns/dropped"])).await;
+    watcher.until(v.seq).await;
+    let mut view = watcher.view.clone();
+    drop(watcher);
+    // What the other replica had told it and this one never held.
+    let ghost = aether_proto::registry::v1::Service {
+        namespace: "ns".into(),
+        name: "ghost".into(),
+        vip: "240.240.9.9".into(),
+        kubernetes: None,
+    };
+    view.catalog.services.insert("ns/ghost".into(), ghost);
+    view.catalog.endpoints.insert("ns/ghost".into(), Default::default());
+    view.version = Some(Version {
+        instance: "another-replica".into(),
+        seq: v.seq + 1_000,
+    });
+
+    register(&mut client, endpoint("ns/stale", "10.0.9.5", 80)).await;
+    register(&mut client, endpoint("ns/new", "10.0.9.6", 80)).await;
+    let moved = WatchRequest {
+        resume_from: view.version.clone(),
+        held: view.held(),
+        ..filter(&["ns/same", "ns/stale", "ns/new"])
+    };
+    let mut moved = Watcher::open(&mut client, moved).await.strict().with_view(view);
+    let (removed, added) = removed_and_added(&moved.next().await);
+    assert_eq!(removed, ["ns/dropped", "ns/ghost", "ns/stale"].map(String::from).into());
+    assert_eq!(added, ["ns/new", "ns/stale"].map(String::from).into());
+    let (expected, _) = catalog(&mut client, |k| ["ns/same", "ns/stale", "ns/new"].contains(&k)).await;
+    assert_eq!(moved.view.catalog, expected);
+}
+
+/// Holdings that differ by more than one Delta should carry get a snapshot instead
+/// (chunked, so no message nears gRPC's size limit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holdings_too_far_behind_get_a_snapshot() {
+    use aether_registrar::watch::RECONCILE_MAX_BYTES;
+    let dir = tempfile::tempdir().unwrap();
+    let registrar = Registrar::start(dir.path(), &[]).await;
+    let mut client = registrar.client().await;
+    let bulky = "x".repeat(16 * 1024 - 8);
+    let mut last = None;
+    for i in 0..RECONCILE_MAX_BYTES / bulky.len() + 1 {
+        let mut e = endpoint("ns/bulky", &format!("10.0.{}.{}", 10 + i / 250, 1 + i % 250), 80);
+        e.metadata.insert("bulk".into(), bulky.clone());
+        last = Some(register(&mut client, e).await);
+    }
+    let nothing_held = WatchRequest {
+        resume_from: Some(Version {
+            instance: "another-replica".into(),
+            seq: 1,
+        }),
+        held: Some(Default::default()),
+        ..filter(&["ns/bulky"])
+    };
+    let mut watcher = Watcher::open(&mut client, nothing_held).await;
+    assert_eq!(
+        snapshot_reason(&watcher.next().await),
+        Some(SnapshotReason::ResumeUnavailable)
+    );
+    watcher.until(last.unwrap().seq).await;
+    let (expected, _) = catalog(&mut client, |k| k == "ns/bulky").await;
+    assert_eq!(watcher.view.catalog, expected);
+}
+
+/// Holdings are bounded like filters: a key past the limit is refused, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holdings_with_a_huge_key_are_refused_naming_the_field() {
+    use aether_proto::registrar::v1::{Held, Holdings};
+    let dir = tempfile::tempdir().unwrap();
+    let registrar = Registrar::start(dir.path(), &[]).await;
+    let mut client = registrar.client().await;
+    let held = Holdings {
+        policies: vec![
+            Held {
+                key: "ns/fine".into(),
+                digest: 1,
+            },
+            Held {
+                key: "k".repeat(100_000),
+                digest: 2,
+            },
+        ],
+        ..Default::default()
+    };
+    let request = WatchRequest {
+        held: Some(held),
+        ..filter(&["ns/a"])
+    };
+    let status = Watcher::open(&mut client, request).await.end().await;
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().starts_with("held.policies[1].key: \"kkkk"),
+        "{}",
+        status.message()
+    );
+    assert!(status.message().len() < 300, "{}", status.message());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_or_expired_version_gets_a_fresh_snapshot() {
     let dir = tempfile::tempdir().unwrap();

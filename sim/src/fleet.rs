@@ -2,7 +2,8 @@
 //! connection to a registrar replica (node certificate, so its writes pass the
 //! own-node rule), its pods' registrations, and one Watch stream filtered to the
 //! services its pods depend on. A stream that breaks moves to a live replica and
-//! resumes from the last version it applied, as the real agent does.
+//! resumes from the last version it applied, saying what its view holds, as the real
+//! agent does.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +20,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 
+use crate::holdings::Digests;
 use crate::ledger::{Ledger, wire_bytes};
 
 /// Connections being set up at once (TLS handshakes compete for the same cores).
@@ -33,8 +35,9 @@ const FILTER_ID: u64 = 1;
 pub enum Progress {
     /// A snapshot was complete: its size on the wire (the agent's full state).
     Synced { node: u32, bytes: usize, at: Instant },
-    /// A moved stream went on with deltas: no snapshot was needed.
-    Resumed { node: u32, at: Instant },
+    /// A moved stream went on with deltas: no snapshot was needed; the first one's size
+    /// on the wire (what reconciling the agent's holdings cost).
+    Resumed { node: u32, bytes: usize, at: Instant },
     /// The agent's stream broke (its replica died, or closed the connection).
     Broken { node: u32 },
 }
@@ -58,6 +61,9 @@ pub struct Fleet {
     urls: [String; 2],
     dead: [AtomicBool; 2],
     pub links: Vec<Link>,
+    /// Whether a moved stream says what its view holds (`held`); without, it gets a
+    /// snapshot (agents from before holdings, for comparison).
+    holdings: bool,
     pub ledger: Ledger,
     gate: Semaphore,
     progress: mpsc::UnboundedSender<Progress>,
@@ -83,6 +89,7 @@ impl Fleet {
         urls: [String; 2],
         tls: Vec<Arc<ClientConfig>>,
         keep_views: bool,
+        holdings: bool,
     ) -> (Fleet, mpsc::UnboundedReceiver<Progress>) {
         let (progress, rx) = mpsc::unbounded_channel();
         let links = tls
@@ -97,6 +104,7 @@ impl Fleet {
             urls,
             dead: [AtomicBool::new(false), AtomicBool::new(false)],
             links,
+            holdings,
             ledger: Ledger::default(),
             gate: Semaphore::new(CONNECT_CONCURRENCY),
             progress,
@@ -172,16 +180,18 @@ impl Fleet {
     /// replica (and resuming) whenever the stream breaks.
     pub async fn follow(self: Arc<Self>, node: u32, services: Vec<String>) -> Result<(), AgentError> {
         let mut version: Option<Version> = None;
+        let mut digests = Digests::default();
         loop {
+            let moved = version.is_some();
             let request = WatchRequest {
                 services: services.clone(),
                 filter_id: FILTER_ID,
                 resume_from: version.clone(),
+                held: (moved && self.holdings).then(|| digests.held()),
                 ..Default::default()
             };
-            let moved = version.is_some();
             if let Ok(stream) = self.open(node, request).await {
-                self.read(node, stream, moved, &mut version).await;
+                self.read(node, stream, moved, &mut version, &mut digests).await;
             }
             let _ = self.progress.send(Progress::Broken { node });
             // The stream broke: the replica died (or the run ended and dropped us).
@@ -212,6 +222,7 @@ impl Fleet {
         mut stream: tonic::Streaming<WatchResponse>,
         mut moved: bool,
         version: &mut Option<Version>,
+        digests: &mut Digests,
     ) {
         let link = &self.links[node as usize];
         let mut snapshot_bytes = 0;
@@ -233,11 +244,14 @@ impl Fleet {
                 Some(watch_response::Event::Delta(delta)) => {
                     *version = delta.version.clone();
                     if std::mem::take(&mut moved) {
-                        let _ = self.progress.send(Progress::Resumed { node, at });
+                        let _ = self.progress.send(Progress::Resumed { node, bytes, at });
                     }
                     self.ledger.delivered(delta, bytes, at);
                 }
                 None => {}
+            }
+            if self.holdings {
+                digests.apply(&message);
             }
             if let Some(view) = link.view.lock().as_mut() {
                 view.apply(message).expect("a well-formed watch stream");

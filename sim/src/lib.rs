@@ -6,6 +6,7 @@
 pub mod churn;
 pub mod cluster;
 pub mod fleet;
+pub mod holdings;
 pub mod ledger;
 pub mod model;
 pub mod pki;

@@ -1,5 +1,5 @@
 //! `aether-sim`: runs the registrar tier at each N given and prints the figures, how
-//! they grow, and the projection to 10,000 nodes. See sim/README.md.
+//! they grow, and the projection to 10,000 nodes. See proposals/011-scale.md.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -46,6 +46,10 @@ struct Flags {
     registrar_bin: Option<PathBuf>,
     #[arg(long, env = "AETHER_ETCD_BIN", default_value = "/usr/bin/etcd")]
     etcd_bin: PathBuf,
+    /// Moved agents do not say what their view holds, so each gets a snapshot (agents
+    /// from before holdings; for comparison).
+    #[arg(long)]
+    without_holdings: bool,
 }
 
 impl Flags {
@@ -67,6 +71,7 @@ impl Flags {
             registrar_bin: self.registrar_bin.clone().unwrap_or_else(registrar_bin),
             etcd_bin: self.etcd_bin.clone(),
             check_views: false,
+            holdings: !self.without_holdings,
         }
     }
 }

@@ -144,6 +144,9 @@ fn storm_rows() -> Vec<Row> {
         ("  resumed / full snapshot", |f| {
             format!("{} / {}", f.storm.resumed, f.storm.resynced)
         }),
+        ("  KiB to be current, per moved agent", |f| {
+            format!("{:.1}", f.storm.moved_bytes / 1024.0)
+        }),
         ("  current again s: half / all", |f| {
             format!(
                 "{:.2} / {:.2}",

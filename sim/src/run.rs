@@ -30,6 +30,9 @@ pub struct Config {
     pub etcd_bin: PathBuf,
     /// Keep every agent's view and check it against the registrar's catalog.
     pub check_views: bool,
+    /// A moved agent says what its view holds, so the survivor sends only what differs
+    /// (off: every moved agent gets a snapshot, as before holdings existed).
+    pub holdings: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +97,9 @@ pub struct Storm {
     pub moved: usize,
     pub resumed: usize,
     pub resynced: usize,
+    /// What a moved agent received to be current again, mean bytes on the wire: the
+    /// reconciling Delta, or the snapshot.
+    pub moved_bytes: f64,
     /// Until every moved agent was current again.
     pub recovered: Duration,
     /// Until half of them were.
@@ -161,7 +167,7 @@ pub async fn run(config: &Config) -> Result<Figures, RunError> {
         .map(|n| pki.agent_tls(&format!("node-{n}")))
         .collect();
     let urls = [cluster.replicas[0].url.clone(), cluster.replicas[1].url.clone()];
-    let (fleet, mut progress) = Fleet::new(urls, tls, config.check_views);
+    let (fleet, mut progress) = Fleet::new(urls, tls, config.check_views, config.holdings);
     let fleet = Arc::new(fleet);
     figures.rss[0] = rss(cluster.usage());
 
@@ -297,6 +303,7 @@ async fn storm(
         ..Default::default()
     };
     let mut times = Vec::with_capacity(moved);
+    let mut moved_bytes = 0;
     while storm.resumed + storm.resynced < moved {
         let at = match tokio::time::timeout(PHASE_TIMEOUT, progress.recv()).await {
             // Only the agents of the killed replica count (node n is on replica n % 2).
@@ -306,12 +313,14 @@ async fn storm(
                 continue;
             }
             Ok(Some(Progress::Broken { .. })) => continue,
-            Ok(Some(Progress::Synced { at, .. })) => {
+            Ok(Some(Progress::Synced { at, bytes, .. })) => {
                 storm.resynced += 1;
+                moved_bytes += bytes;
                 at
             }
-            Ok(Some(Progress::Resumed { at, .. })) => {
+            Ok(Some(Progress::Resumed { at, bytes, .. })) => {
                 storm.resumed += 1;
+                moved_bytes += bytes;
                 at
             }
             _ => {
@@ -325,6 +334,7 @@ async fn storm(
         times.push(at.saturating_duration_since(killed));
     }
     times.sort();
+    storm.moved_bytes = moved_bytes as f64 / moved.max(1) as f64;
     storm.recovered = times.last().copied().unwrap_or_default();
     storm.recovered_p50 = crate::stats::percentile(&times, 0.5);
     tokio::time::sleep(Duration::from_secs(2)).await;

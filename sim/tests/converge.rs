@@ -32,6 +32,7 @@ async fn every_agent_converges_to_the_catalog() {
             .unwrap_or_else(|_| "/usr/bin/etcd".into())
             .into(),
         check_views: true,
+        holdings: true,
     };
     let figures = run(&config).await.expect("the simulated cluster ran");
     println!("{}", aether_sim::report::table(std::slice::from_ref(&figures)));
@@ -50,5 +51,9 @@ async fn every_agent_converges_to_the_catalog() {
         "every change reached every affected agent"
     );
     assert_eq!(figures.storm.moved, 100);
-    assert_eq!(figures.storm.resumed + figures.storm.resynced, 100);
+    assert_eq!(
+        (figures.storm.resumed, figures.storm.resynced),
+        (100, 0),
+        "every moved agent is reconciled from its holdings, none gets a snapshot"
+    );
 }

@@ -79,7 +79,7 @@ impl Loaded {
             key,
             Entry {
                 service,
-                endpoints: BTreeMap::new(),
+                endpoints: Default::default(),
                 empty_since: Some(now),
             },
         );

@@ -7,6 +7,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use aether_proto::digest::{self, EndpointSum};
 use aether_proto::registrar::v1::{Change, EndpointRef, Version, change};
 use aether_proto::registry::v1::{Endpoint, KubernetesService, Service};
 use tokio::sync::broadcast;
@@ -73,8 +74,56 @@ impl KeyedChange {
 #[derive(Clone, Debug)]
 pub struct Entry {
     pub service: Service,
-    pub endpoints: BTreeMap<IpAddr, Arc<Endpoint>>,
+    pub endpoints: Endpoints,
     pub(super) empty_since: Option<Instant>,
+}
+
+impl Entry {
+    /// The service's digest as a watcher holding it would compute it (without endpoints
+    /// for a services-only watcher).
+    pub fn digest(&self, with_endpoints: bool) -> u64 {
+        let endpoints = if with_endpoints {
+            self.endpoints.sum
+        } else {
+            EndpointSum::default()
+        };
+        digest::service(&self.service, endpoints)
+    }
+}
+
+/// A service's endpoints by address, with the sum of their digests kept as they come
+/// and go, so a reconnecting watcher's holdings are checked without encoding them.
+#[derive(Clone, Debug, Default)]
+pub struct Endpoints {
+    by_address: BTreeMap<IpAddr, Arc<Endpoint>>,
+    sum: EndpointSum,
+}
+
+impl Endpoints {
+    pub(super) fn insert(&mut self, address: IpAddr, endpoint: Arc<Endpoint>) -> Option<Arc<Endpoint>> {
+        self.sum.add(digest::of(&*endpoint));
+        let old = self.by_address.insert(address, endpoint);
+        if let Some(old) = &old {
+            self.sum.remove(digest::of(&**old));
+        }
+        old
+    }
+
+    pub(super) fn remove(&mut self, address: &IpAddr) -> Option<Arc<Endpoint>> {
+        let old = self.by_address.remove(address);
+        if let Some(old) = &old {
+            self.sum.remove(digest::of(&**old));
+        }
+        old
+    }
+}
+
+impl std::ops::Deref for Endpoints {
+    type Target = BTreeMap<IpAddr, Arc<Endpoint>>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.by_address
+    }
 }
 
 pub struct State {
@@ -184,7 +233,7 @@ impl State {
                 key,
                 Entry {
                     service,
-                    endpoints: BTreeMap::new(),
+                    endpoints: Endpoints::default(),
                     empty_since: None,
                 },
             );
@@ -252,7 +301,7 @@ impl State {
                     key.clone(),
                     Entry {
                         service: service.clone(),
-                        endpoints: BTreeMap::new(),
+                        endpoints: Endpoints::default(),
                         empty_since: Some(now),
                     },
                 );

@@ -7,7 +7,9 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
-use aether_proto::registrar::v1::{RegisterEndpointRequest, UnregisterEndpointRequest, WatchRequest};
+use aether_proto::registrar::v1::{
+    RegisterEndpointRequest, UnregisterEndpointRequest, WatchRequest, change, watch_response,
+};
 use aether_proto::registry::v1::{Endpoint, Health};
 use aether_proto::view::CatalogView;
 use tonic::transport::Channel;
@@ -354,14 +356,19 @@ pub async fn store_outage_loses_nothing_acknowledged(store: &mut impl StoreFixtu
     );
 }
 
-/// A replica dies under its watcher: the watcher moves to the other replica,
-/// resumes (or resyncs) and converges, with no duplicate or ghost endpoints.
+/// A replica dies under its watcher: the watcher moves to the other replica, which
+/// cannot read the dead one's versions, so it reconciles what the watcher holds: one
+/// Delta with only the services that changed meanwhile (no snapshot), and the view
+/// converges with no duplicate or ghost endpoints.
 pub async fn replica_death_watcher_converges(store: &mut impl StoreFixture) {
     let a = start_replica(store, &[]).await;
     let b = start_replica(store, &[]).await;
     let mut cb = b.client().await;
     let mut watcher = Watcher::open(&mut a.client().await, wildcard()).await.strict();
     watcher.until(0).await;
+    for i in 0..2 {
+        register(&mut cb, node_endpoint("death/still", &format!("10.41.0.{i}"), "n1")).await;
+    }
     for i in 0..10 {
         register(
             &mut cb,
@@ -386,14 +393,27 @@ pub async fn replica_death_watcher_converges(store: &mut impl StoreFixture) {
         wildcard: true,
         resume_from: watcher.view.version.clone(),
         filter_id: watcher.view.filter_id,
+        held: watcher.view.held(),
         ..Default::default()
     };
     let mut moved = Watcher::open(&mut cb, resume)
         .await
         .strict()
         .with_view(watcher.view.clone());
+    let first = moved.next().await;
+    let Some(watch_response::Event::Delta(reconciled)) = &first.event else {
+        panic!("the moved watcher was not reconciled: {first:?}");
+    };
+    let touched: BTreeSet<&str> = (reconciled.changes.iter())
+        .filter_map(|c| match c.change.as_ref()? {
+            change::Change::ServiceAdded(s) if s.namespace == "death" => Some(s.name.as_str()),
+            change::Change::EndpointAdded(e) => e.service.strip_prefix("death/"),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(touched, ["svc-0", "svc-1", "svc-2"].into(), "only what changed is sent");
     let expected = converge(&mut moved, &mut cb, "death/").await;
-    assert_eq!(addresses(&expected, "death/").len(), 12);
+    assert_eq!(addresses(&expected, "death/").len(), 14);
     for i in 0..3 {
         assert!(
             !has(
