@@ -35,9 +35,14 @@ const FILTER_ID: u64 = 1;
 pub enum Progress {
     /// A snapshot was complete: its size on the wire (the agent's full state).
     Synced { node: u32, bytes: usize, at: Instant },
-    /// A moved stream went on with deltas: no snapshot was needed; the first one's size
-    /// on the wire (what reconciling the agent's holdings cost).
-    Resumed { node: u32, bytes: usize, at: Instant },
+    /// A moved stream went on with deltas: no snapshot was needed. What reconciling the
+    /// agent's holdings cost on the wire: its `held` sent, the first Delta received.
+    Resumed {
+        node: u32,
+        held: usize,
+        bytes: usize,
+        at: Instant,
+    },
     /// The agent's stream broke (its replica died, or closed the connection).
     Broken { node: u32 },
 }
@@ -190,7 +195,9 @@ impl Fleet {
                 held: (moved && self.holdings).then(|| digests.held()),
                 ..Default::default()
             };
+            let held = request.held.as_ref().map_or(0, prost::Message::encoded_len);
             if let Ok(stream) = self.open(node, request).await {
+                let moved = moved.then_some(held);
                 self.read(node, stream, moved, &mut version, &mut digests).await;
             }
             let _ = self.progress.send(Progress::Broken { node });
@@ -220,7 +227,7 @@ impl Fleet {
         &self,
         node: u32,
         mut stream: tonic::Streaming<WatchResponse>,
-        mut moved: bool,
+        mut moved: Option<usize>,
         version: &mut Option<Version>,
         digests: &mut Digests,
     ) {
@@ -239,12 +246,12 @@ impl Fleet {
                     *version = complete.version.clone();
                     let bytes = std::mem::take(&mut snapshot_bytes) + bytes;
                     let _ = self.progress.send(Progress::Synced { node, bytes, at });
-                    moved = false;
+                    moved = None;
                 }
                 Some(watch_response::Event::Delta(delta)) => {
                     *version = delta.version.clone();
-                    if std::mem::take(&mut moved) {
-                        let _ = self.progress.send(Progress::Resumed { node, bytes, at });
+                    if let Some(held) = moved.take() {
+                        let _ = self.progress.send(Progress::Resumed { node, held, bytes, at });
                     }
                     self.ledger.delivered(delta, bytes, at);
                 }

@@ -144,8 +144,9 @@ fn storm_rows() -> Vec<Row> {
         ("  resumed / full snapshot", |f| {
             format!("{} / {}", f.storm.resumed, f.storm.resynced)
         }),
-        ("  KiB to be current, per moved agent", |f| {
-            format!("{:.1}", f.storm.moved_bytes / 1024.0)
+        ("  KiB per moved agent: held sent / received", |f| {
+            let storm = &f.storm;
+            format!("{:.1} / {:.1}", storm.held_bytes / 1024.0, storm.moved_bytes / 1024.0)
         }),
         ("  current again s: half / all", |f| {
             format!(

@@ -100,6 +100,8 @@ pub struct Storm {
     /// What a moved agent received to be current again, mean bytes on the wire: the
     /// reconciling Delta, or the snapshot.
     pub moved_bytes: f64,
+    /// What a moved agent sent to say what it holds (`held`), mean bytes.
+    pub held_bytes: f64,
     /// Until every moved agent was current again.
     pub recovered: Duration,
     /// Until half of them were.
@@ -303,7 +305,7 @@ async fn storm(
         ..Default::default()
     };
     let mut times = Vec::with_capacity(moved);
-    let mut moved_bytes = 0;
+    let (mut moved_bytes, mut held_bytes) = (0, 0);
     while storm.resumed + storm.resynced < moved {
         let at = match tokio::time::timeout(PHASE_TIMEOUT, progress.recv()).await {
             // Only the agents of the killed replica count (node n is on replica n % 2).
@@ -318,9 +320,10 @@ async fn storm(
                 moved_bytes += bytes;
                 at
             }
-            Ok(Some(Progress::Resumed { at, bytes, .. })) => {
+            Ok(Some(Progress::Resumed { at, bytes, held, .. })) => {
                 storm.resumed += 1;
                 moved_bytes += bytes;
+                held_bytes += held;
                 at
             }
             _ => {
@@ -335,6 +338,7 @@ async fn storm(
     }
     times.sort();
     storm.moved_bytes = moved_bytes as f64 / moved.max(1) as f64;
+    storm.held_bytes = held_bytes as f64 / moved.max(1) as f64;
     storm.recovered = times.last().copied().unwrap_or_default();
     storm.recovered_p50 = crate::stats::percentile(&times, 0.5);
     tokio::time::sleep(Duration::from_secs(2)).await;
