@@ -21,7 +21,7 @@ pub fn of<M: Message>(record: &M) -> u64 {
 }
 
 /// The sum of a set of endpoints' digests, kept as the set changes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct EndpointSum(u64);
 
 impl EndpointSum {

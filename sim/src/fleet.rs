@@ -20,7 +20,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 
-use crate::holdings::Digests;
+use crate::holdings::{Digests, States};
 use crate::ledger::{Ledger, wire_bytes};
 
 /// Connections being set up at once (TLS handshakes compete for the same cores).
@@ -69,6 +69,8 @@ pub struct Fleet {
     /// Whether a moved stream says what its view holds (`held`); without, it gets a
     /// snapshot (agents from before holdings, for comparison).
     holdings: bool,
+    /// The service states the agents' digests share.
+    states: Arc<States>,
     pub ledger: Ledger,
     gate: Semaphore,
     progress: mpsc::UnboundedSender<Progress>,
@@ -110,6 +112,7 @@ impl Fleet {
             dead: [AtomicBool::new(false), AtomicBool::new(false)],
             links,
             holdings,
+            states: Arc::default(),
             ledger: Ledger::default(),
             gate: Semaphore::new(CONNECT_CONCURRENCY),
             progress,
@@ -185,7 +188,7 @@ impl Fleet {
     /// replica (and resuming) whenever the stream breaks.
     pub async fn follow(self: Arc<Self>, node: u32, services: Vec<String>) -> Result<(), AgentError> {
         let mut version: Option<Version> = None;
-        let mut digests = Digests::default();
+        let mut digests = Digests::new(self.states.clone());
         loop {
             let moved = version.is_some();
             let request = WatchRequest {
