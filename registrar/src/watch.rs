@@ -253,7 +253,9 @@ where
         } else if let Some(reconciled) = reconciled() {
             Start::Reconcile(reconciled, state.version())
         } else {
-            let reason = if resume.is_some() || first.held.is_some() {
+            let reason = if first.held.is_some() {
+                SnapshotReason::HoldingsTooFar
+            } else if resume.is_some() {
                 SnapshotReason::ResumeUnavailable
             } else {
                 SnapshotReason::Initial

@@ -372,7 +372,7 @@ async fn holdings_too_far_behind_get_a_snapshot() {
     let mut watcher = Watcher::open(&mut client, nothing_held).await;
     assert_eq!(
         snapshot_reason(&watcher.next().await),
-        Some(SnapshotReason::ResumeUnavailable)
+        Some(SnapshotReason::HoldingsTooFar)
     );
     watcher.until(last.unwrap().seq).await;
     let (expected, _) = catalog(&mut client, |k| k == "ns/bulky").await;
