@@ -69,6 +69,10 @@ pub enum ViewError {
     UnknownService { service: String, address: String },
     #[error("change has no content")]
     EmptyChange,
+    #[error("a snapshot's removals may only remove (got {0})")]
+    NotARemoval(&'static str),
+    #[error("snapshot removals outside its first chunk")]
+    RemovalsWithoutReset,
 }
 
 pub fn service_key(service: &Service) -> String {
@@ -150,6 +154,21 @@ impl CatalogView {
             // Namespace-scoped too.
             mesh_configs: self.mesh_configs.clone(),
         }
+    }
+
+    /// Applies one of a retained snapshot's removals.
+    fn apply_removal(&mut self, change: change::Change) -> Result<(), ViewError> {
+        let added = match &change {
+            change::Change::ServiceAdded(_) => "ServiceAdded",
+            change::Change::EndpointAdded(_) => "EndpointAdded",
+            change::Change::EndpointUpdated(_) => "EndpointUpdated",
+            change::Change::RoutePut(_) => "RoutePut",
+            change::Change::PolicyPut(_) => "PolicyPut",
+            change::Change::HttpFilterPut(_) => "HttpFilterPut",
+            change::Change::MeshConfigPut(_) => "MeshConfigPut",
+            _ => return self.apply_change(change),
+        };
+        Err(ViewError::NotARemoval(added))
     }
 
     /// Applies one change of a Delta.
@@ -251,7 +270,17 @@ impl WatchView {
         match response.event.ok_or(ViewError::Empty)? {
             watch_response::Event::Snapshot(chunk) => {
                 if chunk.reset {
-                    self.incoming = Some(CatalogView::default());
+                    let mut base = if chunk.retain {
+                        self.catalog.clone()
+                    } else {
+                        CatalogView::default()
+                    };
+                    for removal in chunk.removals {
+                        base.apply_removal(removal.change.ok_or(ViewError::EmptyChange)?)?;
+                    }
+                    self.incoming = Some(base);
+                } else if !chunk.removals.is_empty() {
+                    return Err(ViewError::RemovalsWithoutReset);
                 }
                 let incoming = self.incoming.as_mut().ok_or(ViewError::ChunkWithoutReset)?;
                 for service in chunk.services {
@@ -421,6 +450,66 @@ mod tests {
         );
         // Scoped by namespace, not by service: restricting the view keeps them.
         assert_eq!(view.catalog.restricted(|_| false).policies.len(), 1);
+    }
+
+    #[test]
+    fn a_retained_snapshot_keeps_the_view_but_its_removals_and_is_swapped_in_whole() {
+        let mut view = WatchView::default();
+        let chunk = Snapshot {
+            reset: true,
+            services: vec![service("a"), service("b")],
+            endpoints: vec![endpoint("a", "10.0.0.1"), endpoint("b", "10.0.0.2")],
+            ..Default::default()
+        };
+        view.apply(event(watch_response::Event::Snapshot(chunk))).unwrap();
+        let complete = |seq| SnapshotComplete {
+            version: version(seq),
+            filter_id: 1,
+        };
+        view.apply(event(watch_response::Event::SnapshotComplete(complete(1))))
+            .unwrap();
+
+        // b changed: removed, then sent whole; a is kept as held.
+        let removed = |key: &str| Change {
+            change: Some(change::Change::ServiceRemoved(key.into())),
+        };
+        let reconciled = Snapshot {
+            reset: true,
+            retain: true,
+            removals: vec![removed("ns/b")],
+            services: vec![service("b")],
+            endpoints: vec![endpoint("b", "10.0.0.3")],
+            ..Default::default()
+        };
+        view.apply(event(watch_response::Event::Snapshot(reconciled))).unwrap();
+        assert_eq!(view.catalog.all_endpoints().count(), 2, "staged, not applied yet");
+        view.apply(event(watch_response::Event::SnapshotComplete(complete(9))))
+            .unwrap();
+        let addresses: Vec<_> = view.catalog.all_endpoints().map(|e| e.address.as_str()).collect();
+        assert_eq!(addresses, ["10.0.0.1", "10.0.0.3"]);
+        assert_eq!(view.version, version(9));
+
+        // A removal that adds is refused, and so are removals after the first chunk.
+        let adding = Snapshot {
+            reset: true,
+            retain: true,
+            removals: vec![Change {
+                change: Some(change::Change::ServiceAdded(service("c"))),
+            }],
+            ..Default::default()
+        };
+        assert_eq!(
+            view.apply(event(watch_response::Event::Snapshot(adding))),
+            Err(ViewError::NotARemoval("ServiceAdded"))
+        );
+        let late = Snapshot {
+            removals: vec![removed("ns/a")],
+            ..Default::default()
+        };
+        assert_eq!(
+            view.apply(event(watch_response::Event::Snapshot(late))),
+            Err(ViewError::RemovalsWithoutReset)
+        );
     }
 
     #[test]

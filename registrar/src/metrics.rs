@@ -135,8 +135,9 @@ impl Metrics {
         );
         r.register(
             "watch_resumes",
-            "Watch streams resumed without a snapshot, by what they resumed from: history (this replica's \
-             own versions) or holdings (the digests of what the client's view holds)",
+            "Watch streams resumed without a full snapshot, by what they resumed from: history (this \
+             replica's own versions) or holdings (the digests of what the client's view holds; answered \
+             with a RECONCILED snapshot of what differs)",
             self.watch_resumes.clone(),
         );
         r.register(

@@ -247,15 +247,12 @@ where
         let missed = resume
             .filter(|v| v.instance == state.instance())
             .and_then(|v| state.history_after(v.seq));
-        let reconciled = || first.held.as_ref().and_then(|held| reconcile(&state, &filter, held));
         let start = if let Some(batches) = missed {
             Start::Resume(batches, resume.map_or(0, |v| v.seq))
-        } else if let Some(reconciled) = reconciled() {
-            Start::Reconcile(reconciled, state.version())
+        } else if let Some(held) = &first.held {
+            Start::Reconcile(reconcile(&state, &filter, held), state.version())
         } else {
-            let reason = if first.held.is_some() {
-                SnapshotReason::HoldingsTooFar
-            } else if resume.is_some() {
+            let reason = if resume.is_some() {
                 SnapshotReason::ResumeUnavailable
             } else {
                 SnapshotReason::Initial
@@ -286,14 +283,13 @@ where
             watcher.sent = from;
             Box::pin(watcher.send_batches(&batches)).await
         }
-        Start::Reconcile(reconciled, version) => {
+        Start::Reconcile(Reconciled { removals, missing }, version) => {
             resumes.get_or_create(&[("from", "holdings")]).inc();
-            watcher.processed = version.seq;
-            let changes = reconciled.into_changes();
-            Box::pin(watcher.send(delta(version, changes, watcher.filter.id))).await
+            let reason = SnapshotReason::Reconciled;
+            Box::pin(watcher.send_snapshot(missing, version, reason, removals)).await
         }
         Start::Snapshot(selection, version, reason) => {
-            Box::pin(watcher.send_snapshot(selection, version, reason)).await
+            Box::pin(watcher.send_snapshot(selection, version, reason, Vec::new())).await
         }
     };
     if started.is_err() {
@@ -428,11 +424,14 @@ impl Watcher {
         Ok(())
     }
 
+    /// Streams `selection` as a snapshot; a RECONCILED one keeps the client's view but for
+    /// `removals`.
     async fn send_snapshot(
         &mut self,
         selection: Selection,
         version: Version,
         reason: SnapshotReason,
+        removals: Vec<Change>,
     ) -> Result<(), Gone> {
         let Selection { services, configs } = selection;
         self.catalog
@@ -443,6 +442,8 @@ impl Watcher {
         let mut chunk = Snapshot {
             reset: true,
             reason: reason as i32,
+            retain: reason == SnapshotReason::Reconciled,
+            removals,
             ..Default::default()
         };
         for (service, endpoints) in services {
@@ -496,7 +497,7 @@ impl Watcher {
             self.rx = state.subscribe();
             (collect(&state, &self.filter), state.version())
         };
-        let sent = self.send_snapshot(selection, version, reason).await;
+        let sent = self.send_snapshot(selection, version, reason, Vec::new()).await;
         self.turn = None;
         sent
     }
@@ -603,86 +604,54 @@ fn collect(state: &State, filter: &Filter) -> Selection {
     Selection { services, configs }
 }
 
-/// Most bytes of endpoints a reconciliation sends in its one Delta; past it, a snapshot
-/// (chunked, so no message nears gRPC's 4 MiB limit) is sent instead.
-pub const RECONCILE_MAX_BYTES: usize = 1 << 20;
 /// Longest key a client's holdings may name (a route key is `<kind>/<namespace>/<name>`).
 const MAX_HELD_KEY_BYTES: usize = 512;
 
 /// What takes a reconnecting client's view, as its holdings describe it, to the state:
-/// read under the lock (shared data), turned into one Delta after it.
+/// read under the lock (shared data), streamed as a RECONCILED snapshot after it.
 struct Reconciled {
-    /// Services the client holds that the filter no longer selects or that differ.
-    removed: Vec<String>,
-    /// What the client lacks or holds differently, sent whole.
+    /// Services the client holds that the filter no longer selects or that differ, and
+    /// records it holds that it no longer wants.
+    removals: Vec<Change>,
+    /// What the client lacks or held differently, sent whole.
     missing: Selection,
-    /// Records the client holds that it no longer wants.
-    records_removed: Vec<Change>,
 }
 
-impl Reconciled {
-    fn into_changes(self) -> Vec<Change> {
-        let wrap = |change| Change { change: Some(change) };
-        let mut changes: Vec<Change> = self
-            .removed
-            .into_iter()
-            .map(|key| wrap(change::Change::ServiceRemoved(key)))
-            .collect();
-        for (service, endpoints) in self.missing.services {
-            changes.push(wrap(change::Change::ServiceAdded(service)));
-            let added = endpoints
-                .iter()
-                .map(|e| wrap(change::Change::EndpointAdded(Endpoint::clone(e))));
-            changes.extend(added);
-        }
-        changes.extend(self.records_removed);
-        changes.extend(self.missing.configs.iter().map(|record| wrap(record.put())));
-        changes
-    }
-}
-
-/// Compares `held` with what `filter` selects in `state`. `None` when what differs is
-/// larger than [`RECONCILE_MAX_BYTES`] (a snapshot serves better).
-fn reconcile(state: &State, filter: &Filter, held: &Holdings) -> Option<Reconciled> {
+/// Compares `held` with what `filter` selects in `state`.
+fn reconcile(state: &State, filter: &Filter, held: &Holdings) -> Reconciled {
+    let removed = |key: &str| Change {
+        change: Some(change::Change::ServiceRemoved(key.to_owned())),
+    };
     let held_services: HashMap<&str, u64> = held.services.iter().map(|h| (h.key.as_str(), h.digest)).collect();
-    let mut removed = Vec::new();
+    let mut removals = Vec::new();
     for held in &held.services {
         let selected = filter.matches(&held.key) && state.service(&held.key).is_some();
         if !selected {
-            removed.push(held.key.clone());
+            removals.push(removed(&held.key));
         }
     }
-    let mut missing = Vec::new();
-    let mut bytes = 0;
+    let mut services = Vec::new();
     for key in filter.selected(state) {
         let entry = state.service(key.as_str()).expect("selected services exist");
-        let digest = entry.digest(!filter.services_only);
         match held_services.get(key.as_str()) {
-            Some(held) if *held == digest => continue,
-            Some(_) => removed.push(key.to_string()),
+            Some(held) if *held == entry.digest(!filter.services_only) => continue,
+            Some(_) => removals.push(removed(key.as_str())),
             None => {}
         }
-        let endpoints: Vec<_> = if filter.services_only {
+        let endpoints = if filter.services_only {
             Vec::new()
         } else {
             entry.endpoints.values().cloned().collect()
         };
-        bytes += endpoints
-            .iter()
-            .map(|e| prost::Message::encoded_len(&**e))
-            .sum::<usize>();
-        if bytes > RECONCILE_MAX_BYTES {
-            return None;
-        }
-        missing.push((entry.service.clone(), endpoints));
+        services.push((entry.service.clone(), endpoints));
     }
-    let mut records_removed = Vec::new();
     let mut configs = Vec::new();
     for kind in ConfigKind::ALL {
         let records = state.configs().of(kind);
+        // A record held in another version is replaced by its put.
         for held in kind.held(held) {
             if !records.get(&held.key).is_some_and(|r| filter.wants(r)) {
-                records_removed.push(Change {
+                removals.push(Change {
                     change: Some(kind.removed(&held.key)),
                 });
             }
@@ -692,14 +661,10 @@ fn reconcile(state: &State, filter: &Filter, held: &Holdings) -> Option<Reconcil
         let wanted = records.iter().filter(|(_, r)| filter.wants(r));
         configs.extend(wanted.filter(differs).map(|(_, r)| r.clone()));
     }
-    Some(Reconciled {
-        removed,
-        missing: Selection {
-            services: missing,
-            configs,
-        },
-        records_removed,
-    })
+    Reconciled {
+        removals,
+        missing: Selection { services, configs },
+    }
 }
 
 /// Checks a client's holdings: how many it lists and that every key is short; what it

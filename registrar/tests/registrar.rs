@@ -280,26 +280,10 @@ async fn a_resumed_watch_sends_no_empty_delta_for_changes_outside_its_filter() {
     assert_eq!(resumed.view.catalog, expected);
 }
 
-/// The services a Delta removes and adds, by key.
-fn removed_and_added(message: &aether_proto::registrar::v1::WatchResponse) -> (BTreeSet<String>, BTreeSet<String>) {
-    let Some(watch_response::Event::Delta(delta)) = &message.event else {
-        panic!("expected one reconciling Delta, got {message:?}");
-    };
-    let (mut removed, mut added) = (BTreeSet::new(), BTreeSet::new());
-    for c in &delta.changes {
-        match c.change.as_ref().unwrap() {
-            change::Change::ServiceRemoved(key) => removed.insert(key.clone()),
-            change::Change::ServiceAdded(s) => added.insert(format!("{}/{}", s.namespace, s.name)),
-            change::Change::EndpointAdded(e) => added.insert(e.service.clone()),
-            other => panic!("unexpected change {other:?}"),
-        };
-    }
-    (removed, added)
-}
-
 /// A watcher coming from another replica (a version this one never issued) is sent
-/// what its holdings lack or hold wrongly, in one Delta, whatever filter its view was
-/// built under; services it holds exactly are not sent again.
+/// what its holdings lack or hold wrongly, in a snapshot that retains the rest of its
+/// view, whatever filter the view was built under; services it holds exactly are not
+/// sent again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watcher_from_another_replica_is_reconciled_from_its_holdings() {
     let dir = tempfile::tempdir().unwrap();
@@ -338,45 +322,57 @@ async fn a_watcher_from_another_replica_is_reconciled_from_its_holdings() {
         held: view.held(),
         ..filter(&["ns/same", "ns/stale", "ns/new"])
     };
-    let mut moved = Watcher::open(&mut client, moved).await.strict().with_view(view);
-    let (removed, added) = removed_and_added(&moved.next().await);
-    assert_eq!(removed, ["ns/dropped", "ns/ghost", "ns/stale"].map(String::from).into());
-    assert_eq!(added, ["ns/new", "ns/stale"].map(String::from).into());
+    let mut moved = Watcher::open(&mut client, moved).await.with_view(view);
+    let reconciled = moved.reconciled().await;
+    assert_eq!(
+        reconciled.removed,
+        ["ns/dropped", "ns/ghost", "ns/stale"].map(String::from).into()
+    );
+    assert_eq!(reconciled.sent, ["ns/new", "ns/stale"].map(String::from).into());
     let (expected, _) = catalog(&mut client, |k| ["ns/same", "ns/stale", "ns/new"].contains(&k)).await;
     assert_eq!(moved.view.catalog, expected);
 }
 
-/// Holdings that differ by more than one Delta should carry get a snapshot instead
-/// (chunked, so no message nears gRPC's size limit).
+/// A reconciliation larger than one message streams in chunks like a snapshot: the
+/// client's view changes only when it is whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn holdings_too_far_behind_get_a_snapshot() {
-    use aether_registrar::watch::RECONCILE_MAX_BYTES;
+async fn a_large_reconciliation_is_staged_and_swapped_in_whole() {
+    use aether_registrar::watch::SNAPSHOT_CHUNK_ENDPOINTS;
     let dir = tempfile::tempdir().unwrap();
     let registrar = Registrar::start(dir.path(), &[]).await;
     let mut client = registrar.client().await;
-    let bulky = "x".repeat(16 * 1024 - 8);
-    let mut last = None;
-    for i in 0..RECONCILE_MAX_BYTES / bulky.len() + 1 {
-        let mut e = endpoint("ns/bulky", &format!("10.0.{}.{}", 10 + i / 250, 1 + i % 250), 80);
-        e.metadata.insert("bulk".into(), bulky.clone());
-        last = Some(register(&mut client, e).await);
+    let v = register(&mut client, endpoint("ns/kept", "10.0.20.1", 80)).await;
+    let mut watcher = Watcher::open(&mut client, filter(&["ns/kept", "ns/many"])).await;
+    watcher.until(v.seq).await;
+    let mut view = watcher.view.clone();
+    drop(watcher);
+    view.version = Some(Version {
+        instance: "another-replica".into(),
+        seq: 1,
+    });
+    for i in 0..SNAPSHOT_CHUNK_ENDPOINTS * 2 + 10 {
+        register(
+            &mut client,
+            endpoint("ns/many", &format!("10.0.{}.{}", 21 + i / 250, 1 + i % 250), 80),
+        )
+        .await;
     }
-    let nothing_held = WatchRequest {
-        resume_from: Some(Version {
-            instance: "another-replica".into(),
-            seq: 1,
-        }),
-        held: Some(Default::default()),
-        ..filter(&["ns/bulky"])
+    let moved = WatchRequest {
+        resume_from: view.version.clone(),
+        held: view.held(),
+        ..filter(&["ns/kept", "ns/many"])
     };
-    let mut watcher = Watcher::open(&mut client, nothing_held).await;
+    let mut moved = Watcher::open(&mut client, moved).await.with_view(view);
+    let reconciled = moved.reconciled().await;
+    assert_eq!(reconciled.chunks, 3);
+    assert!(reconciled.removed.is_empty(), "{:?}", reconciled.removed);
     assert_eq!(
-        snapshot_reason(&watcher.next().await),
-        Some(SnapshotReason::HoldingsTooFar)
+        reconciled.sent,
+        ["ns/many".to_owned()].into(),
+        "ns/kept was held exactly"
     );
-    watcher.until(last.unwrap().seq).await;
-    let (expected, _) = catalog(&mut client, |k| k == "ns/bulky").await;
-    assert_eq!(watcher.view.catalog, expected);
+    let (expected, _) = catalog(&mut client, |k| k == "ns/kept" || k == "ns/many").await;
+    assert_eq!(moved.view.catalog, expected);
 }
 
 /// Holdings are bounded like filters: a key past the limit is refused, naming it.

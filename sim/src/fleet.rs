@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use aether_common::tls::Connector;
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
-use aether_proto::registrar::v1::{RegisterEndpointRequest, Version, WatchRequest, WatchResponse, watch_response};
+use aether_proto::registrar::v1::{
+    RegisterEndpointRequest, SnapshotReason, Version, WatchRequest, WatchResponse, watch_response,
+};
 use aether_proto::registry::v1::Endpoint;
 use aether_proto::view::WatchView;
 use parking_lot::Mutex;
@@ -35,8 +37,9 @@ const FILTER_ID: u64 = 1;
 pub enum Progress {
     /// A snapshot was complete: its size on the wire (the agent's full state).
     Synced { node: u32, bytes: usize, at: Instant },
-    /// A moved stream went on with deltas: no snapshot was needed. What reconciling the
-    /// agent's holdings cost on the wire: its `held` sent, the first Delta received.
+    /// A moved stream went on without a full snapshot: it resumed with deltas, or its
+    /// holdings were reconciled. What that cost on the wire: its `held` sent, and the
+    /// first Delta or the reconciling snapshot received.
     Resumed {
         node: u32,
         held: usize,
@@ -236,6 +239,8 @@ impl Fleet {
     ) {
         let link = &self.links[node as usize];
         let mut snapshot_bytes = 0;
+        // Whether the snapshot streaming in reconciles what the agent held.
+        let mut reconciling = false;
         loop {
             let message = match stream.message().await {
                 Ok(Some(message)) => message,
@@ -244,12 +249,19 @@ impl Fleet {
             };
             let (at, bytes) = (Instant::now(), wire_bytes(&message));
             match &message.event {
-                Some(watch_response::Event::Snapshot(_)) => snapshot_bytes += bytes,
+                Some(watch_response::Event::Snapshot(chunk)) => {
+                    if chunk.reset {
+                        reconciling = chunk.reason == SnapshotReason::Reconciled as i32;
+                    }
+                    snapshot_bytes += bytes;
+                }
                 Some(watch_response::Event::SnapshotComplete(complete)) => {
                     *version = complete.version.clone();
                     let bytes = std::mem::take(&mut snapshot_bytes) + bytes;
-                    let _ = self.progress.send(Progress::Synced { node, bytes, at });
-                    moved = None;
+                    let _ = match moved.take() {
+                        Some(held) if reconciling => self.progress.send(Progress::Resumed { node, held, bytes, at }),
+                        _ => self.progress.send(Progress::Synced { node, bytes, at }),
+                    };
                 }
                 Some(watch_response::Event::Delta(delta)) => {
                     *version = delta.version.clone();

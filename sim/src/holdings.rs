@@ -102,13 +102,18 @@ fn edit<'a>(
     Some(edit)
 }
 
+/// A service of a snapshot being received: as held (a retained one), or new.
+enum Staged {
+    Held(Service),
+    New(v1::Service, Members),
+}
+
 /// The digests of one agent's view, built from the same stream.
 pub struct Digests {
     states: Arc<States>,
     services: HashMap<String, Service>,
-    /// A snapshot being received (records, endpoint digests); replaces `services` when
-    /// complete.
-    incoming: Option<HashMap<String, (v1::Service, Members)>>,
+    /// A snapshot being received; replaces `services` when complete.
+    incoming: Option<HashMap<String, Staged>>,
 }
 
 impl Digests {
@@ -125,15 +130,24 @@ impl Digests {
         match &response.event {
             Some(watch_response::Event::Snapshot(chunk)) => {
                 if chunk.reset {
-                    self.incoming = Some(HashMap::new());
+                    let retained = self.services.iter().filter(|_| chunk.retain);
+                    let mut staged: HashMap<_, _> =
+                        retained.map(|(k, s)| (k.clone(), Staged::Held(s.clone()))).collect();
+                    for removal in chunk.removals.iter().filter_map(|c| c.change.as_ref()) {
+                        if let change::Change::ServiceRemoved(key) = removal {
+                            staged.remove(key);
+                        }
+                    }
+                    self.incoming = Some(staged);
                 }
                 let Some(incoming) = self.incoming.as_mut() else { return };
                 for service in &chunk.services {
                     let key = aether_proto::view::service_key(service);
-                    incoming.insert(key, (service.clone(), Members::new()));
+                    incoming.insert(key, Staged::New(service.clone(), Members::new()));
                 }
                 for endpoint in &chunk.endpoints {
-                    if let Some((_, members)) = incoming.get_mut(&endpoint.service) {
+                    // A service arrives whole, so its endpoints follow it.
+                    if let Some(Staged::New(_, members)) = incoming.get_mut(&endpoint.service) {
                         members.insert(endpoint.address.clone(), digest::of(endpoint));
                     }
                 }
@@ -141,12 +155,14 @@ impl Digests {
             Some(watch_response::Event::SnapshotComplete(_)) => {
                 let Some(incoming) = self.incoming.take() else { return };
                 self.services = (incoming.into_iter())
-                    .map(|(key, (record, members))| {
-                        let mut sum = EndpointSum::default();
-                        members.values().for_each(|d| sum.add(*d));
-                        let endpoints = self.states.intern(&key, sum, || members);
-                        let service = Service { record, endpoints, sum };
-                        (key, service)
+                    .map(|(key, staged)| match staged {
+                        Staged::Held(service) => (key, service),
+                        Staged::New(record, members) => {
+                            let mut sum = EndpointSum::default();
+                            members.values().for_each(|d| sum.add(*d));
+                            let endpoints = self.states.intern(&key, sum, || members);
+                            (key, Service { record, endpoints, sum })
+                        }
                     })
                     .collect();
             }
@@ -288,6 +304,28 @@ mod tests {
                 ],
             ),
             delta(3, vec![change::Change::ServiceRemoved("sim/c".into())]),
+            // Another replica reconciles: b changed, a is kept as held.
+            WatchResponse {
+                event: Some(Event::Snapshot(Snapshot {
+                    reset: true,
+                    retain: true,
+                    removals: vec![Change {
+                        change: Some(change::Change::ServiceRemoved("sim/b".into())),
+                    }],
+                    services: vec![service("b", "240.240.0.2")],
+                    endpoints: vec![endpoint("b", "10.0.0.4", 1)],
+                    ..Default::default()
+                })),
+            },
+            WatchResponse {
+                event: Some(Event::SnapshotComplete(SnapshotComplete {
+                    version: Some(Version {
+                        instance: "j".into(),
+                        seq: 7,
+                    }),
+                    filter_id: 1,
+                })),
+            },
         ];
         let states = Arc::new(States::default());
         let (mut view, mut digests) = (WatchView::default(), Digests::new(states.clone()));

@@ -372,6 +372,71 @@ impl Watcher {
     pub async fn send(&self, request: WatchRequest) {
         self.requests.send(request).await.unwrap();
     }
+
+    /// Reads a RECONCILED snapshot whole: what it removed from the client's view and
+    /// the keys of what it sent (services with their endpoints, and records, as
+    /// `<kind> <key>`). Panics on any other answer.
+    pub async fn reconciled(&mut self) -> Reconciliation {
+        use aether_proto::registrar::v1::{SnapshotReason, change, watch_response};
+        use aether_proto::view::{http_filter_key, mesh_config_key, policy_key, route_key, service_key};
+        let mut seen = Reconciliation::default();
+        let before = self.view.catalog.clone();
+        loop {
+            let message = self.next().await;
+            match message.event {
+                Some(watch_response::Event::Snapshot(chunk)) => {
+                    if seen.chunks == 0 {
+                        assert!(chunk.reset && chunk.retain, "not a retained snapshot: {chunk:?}");
+                        assert_eq!(chunk.reason, SnapshotReason::Reconciled as i32);
+                    } else {
+                        assert_eq!(
+                            self.view.catalog, before,
+                            "the view changed before the snapshot was whole"
+                        );
+                    }
+                    seen.chunks += 1;
+                    for removal in chunk.removals {
+                        seen.removed.insert(match removal.change.unwrap() {
+                            change::Change::ServiceRemoved(key) => key,
+                            change::Change::RouteRemoved(key) => format!("route {key}"),
+                            change::Change::PolicyRemoved(key) => format!("policy {key}"),
+                            change::Change::HttpFilterRemoved(key) => format!("http_filter {key}"),
+                            change::Change::MeshConfigRemoved(key) => format!("mesh_config {key}"),
+                            other => panic!("a removal that adds: {other:?}"),
+                        });
+                    }
+                    seen.sent.extend(chunk.services.iter().map(service_key));
+                    seen.sent.extend(chunk.endpoints.iter().map(|e| e.service.clone()));
+                    seen.sent
+                        .extend(chunk.routes.iter().map(|r| format!("route {}", route_key(r))));
+                    seen.sent
+                        .extend(chunk.policies.iter().map(|p| format!("policy {}", policy_key(p))));
+                    seen.sent.extend(
+                        chunk
+                            .http_filters
+                            .iter()
+                            .map(|f| format!("http_filter {}", http_filter_key(f))),
+                    );
+                    seen.sent.extend(
+                        chunk
+                            .mesh_configs
+                            .iter()
+                            .map(|c| format!("mesh_config {}", mesh_config_key(c))),
+                    );
+                }
+                Some(watch_response::Event::SnapshotComplete(_)) if seen.chunks > 0 => return seen,
+                other => panic!("expected a reconciled snapshot, got {other:?}"),
+            }
+        }
+    }
+}
+
+/// What a RECONCILED snapshot did (see [`Watcher::reconciled`]).
+#[derive(Debug, Default)]
+pub struct Reconciliation {
+    pub chunks: usize,
+    pub removed: std::collections::BTreeSet<String>,
+    pub sent: std::collections::BTreeSet<String>,
 }
 
 /// A delta must not add an endpoint (or record) the view already has, nor update or

@@ -7,9 +7,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
-use aether_proto::registrar::v1::{
-    RegisterEndpointRequest, UnregisterEndpointRequest, WatchRequest, change, watch_response,
-};
+use aether_proto::registrar::v1::{RegisterEndpointRequest, UnregisterEndpointRequest, WatchRequest};
 use aether_proto::registry::v1::{Endpoint, Health};
 use aether_proto::view::CatalogView;
 use tonic::transport::Channel;
@@ -357,9 +355,9 @@ pub async fn store_outage_loses_nothing_acknowledged(store: &mut impl StoreFixtu
 }
 
 /// A replica dies under its watcher: the watcher moves to the other replica, which
-/// cannot read the dead one's versions, so it reconciles what the watcher holds: one
-/// Delta with only the services that changed meanwhile (no snapshot), and the view
-/// converges with no duplicate or ghost endpoints.
+/// cannot read the dead one's versions, so it reconciles what the watcher holds: a
+/// snapshot that retains the view and carries only the services that changed
+/// meanwhile, and the view converges with no duplicate or ghost endpoints.
 pub async fn replica_death_watcher_converges(store: &mut impl StoreFixture) {
     let a = start_replica(store, &[]).await;
     let b = start_replica(store, &[]).await;
@@ -400,16 +398,9 @@ pub async fn replica_death_watcher_converges(store: &mut impl StoreFixture) {
         .await
         .strict()
         .with_view(watcher.view.clone());
-    let first = moved.next().await;
-    let Some(watch_response::Event::Delta(reconciled)) = &first.event else {
-        panic!("the moved watcher was not reconciled: {first:?}");
-    };
-    let touched: BTreeSet<&str> = (reconciled.changes.iter())
-        .filter_map(|c| match c.change.as_ref()? {
-            change::Change::ServiceAdded(s) if s.namespace == "death" => Some(s.name.as_str()),
-            change::Change::EndpointAdded(e) => e.service.strip_prefix("death/"),
-            _ => None,
-        })
+    let reconciled = moved.reconciled().await;
+    let touched: BTreeSet<&str> = (reconciled.sent.iter())
+        .filter_map(|key| key.strip_prefix("death/"))
         .collect();
     assert_eq!(touched, ["svc-0", "svc-1", "svc-2"].into(), "only what changed is sent");
     let expected = converge(&mut moved, &mut cb, "death/").await;
