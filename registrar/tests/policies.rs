@@ -65,13 +65,16 @@ fn watching(policy_namespaces: &[&str]) -> WatchRequest {
     }
 }
 
+/// A registrar serving [`policies`] from a config directory at `config`.
+async fn serving_policies(data: &Path, config: &Path) -> Registrar {
+    write(config, "policies.yaml", &policies("/api/*", "1"));
+    Registrar::start(data, &["--config-dir", config.to_str().unwrap()]).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policies_reach_the_watchers_of_their_namespaces_and_mesh_wide_ones_reach_all() {
-    let data = tempfile::tempdir().unwrap();
-    let config = tempfile::tempdir().unwrap();
-    write(config.path(), "policies.yaml", &policies("/api/*", "1"));
-    let dir = config.path().to_str().unwrap();
-    let registrar = Registrar::start(data.path(), &["--config-dir", dir]).await;
+    let (data, config) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let registrar = serving_policies(data.path(), config.path()).await;
     let mut client = registrar.client().await;
 
     let mut shop = Watcher::open(&mut client, watching(&["shop"])).await.strict();
@@ -224,11 +227,8 @@ async fn a_root_namespace_that_is_not_a_namespace_name_is_refused_at_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moved_stream_is_reconciled_policy_by_policy() {
     use std::sync::Arc;
-    let data = tempfile::tempdir().unwrap();
-    let config = tempfile::tempdir().unwrap();
-    write(config.path(), "policies.yaml", &policies("/api/*", "1"));
-    let dir = config.path().to_str().unwrap();
-    let registrar = Registrar::start(data.path(), &["--config-dir", dir]).await;
+    let (data, config) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let registrar = serving_policies(data.path(), config.path()).await;
     let mut client = registrar.client().await;
     let mut pay = Watcher::open(&mut client, watching(&["shop", "pay"])).await;
     let all = ["aether-system/baseline", "pay/deny-legacy", "shop/cart-api"];

@@ -271,6 +271,16 @@ mod tests {
         }
     }
 
+    fn complete(instance: &str, seq: u64) -> WatchResponse {
+        let version = Some(Version {
+            instance: instance.into(),
+            seq,
+        });
+        WatchResponse {
+            event: Some(Event::SnapshotComplete(SnapshotComplete { version, filter_id: 1 })),
+        }
+    }
+
     #[test]
     fn the_digests_say_what_the_whole_view_would() {
         let stream = [
@@ -282,15 +292,7 @@ mod tests {
                     ..Default::default()
                 })),
             },
-            WatchResponse {
-                event: Some(Event::SnapshotComplete(SnapshotComplete {
-                    version: Some(Version {
-                        instance: "i".into(),
-                        seq: 1,
-                    }),
-                    filter_id: 1,
-                })),
-            },
+            complete("i", 1),
             delta(
                 2,
                 vec![
@@ -317,15 +319,7 @@ mod tests {
                     ..Default::default()
                 })),
             },
-            WatchResponse {
-                event: Some(Event::SnapshotComplete(SnapshotComplete {
-                    version: Some(Version {
-                        instance: "j".into(),
-                        seq: 7,
-                    }),
-                    filter_id: 1,
-                })),
-            },
+            complete("j", 7),
         ];
         let states = Arc::new(States::default());
         let (mut view, mut digests) = (WatchView::default(), Digests::new(states.clone()));
