@@ -101,6 +101,10 @@ pub struct Endpoints {
 
 impl Endpoints {
     pub(super) fn insert(&mut self, address: IpAddr, endpoint: Arc<Endpoint>) -> Option<Arc<Endpoint>> {
+        // An agent's periodic re-registration puts the same endpoint again: nothing to hash.
+        if self.by_address.get(&address).is_some_and(|old| **old == *endpoint) {
+            return self.by_address.insert(address, endpoint);
+        }
         self.sum.add(digest::of(&*endpoint));
         let old = self.by_address.insert(address, endpoint);
         if let Some(old) = &old {
