@@ -1,4 +1,5 @@
-//! Gateway API (`gateway.networking.k8s.io/v1`) route objects, typed: what the Kubernetes
+//! Gateway API route objects (`gateway.networking.k8s.io/v1`, and TCPRoute from
+//! `v1alpha2`), typed: what the Kubernetes
 //! API serves and what a route directory holds, field for field.
 //!
 //! Decoding is lenient where the API lets values grow (enums, unknown fields), because one
@@ -12,14 +13,18 @@ use serde::{Deserialize, Serialize};
 
 mod grpc;
 mod http;
+mod tcp;
 
 pub use grpc::*;
 pub use http::*;
+pub use tcp::*;
 
 /// The API group of every route type here.
 pub const GROUP: &str = "gateway.networking.k8s.io";
-/// The one version served.
+/// The version of the standard channel's routes (HTTPRoute, GRPCRoute).
 pub const VERSION: &str = "v1";
+/// The version of the experimental channel's TCPRoute.
+pub const EXPERIMENTAL_VERSION: &str = "v1alpha2";
 
 /// An enum of the API carried as a string: the known values, and `Other` for any value
 /// a newer API version may add (decoding must not fail on it).
@@ -68,6 +73,7 @@ pub(crate) use string_enum;
 
 crate::resource::namespaced_resource!(HttpRoute, GROUP, VERSION, "HTTPRoute", "httproutes");
 crate::resource::namespaced_resource!(GrpcRoute, GROUP, VERSION, "GRPCRoute", "grpcroutes");
+crate::resource::namespaced_resource!(TcpRoute, GROUP, EXPERIMENTAL_VERSION, "TCPRoute", "tcproutes");
 
 fn gateway_group() -> String {
     GROUP.to_owned()

@@ -1,4 +1,4 @@
-//! THE route projector: a Gateway API HTTPRoute or GRPCRoute whose parentRefs name mesh
+//! THE route projector: a Gateway API HTTPRoute, GRPCRoute or TCPRoute whose parentRefs name mesh
 //! Services (GAMMA), validated and projected once into `aether.registry.v1.Route`. The
 //! registrar's sources, the agent (re-validating what it received) and the admission
 //! webhooks all call these functions, so they agree on what a route means.
@@ -14,7 +14,7 @@ use aether_proto::registry::v1::{Route, RouteKind, RouteParent, RouteRule};
 use aether_proto::view::route_kind_name;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use crate::gateway::{GrpcRoute, HttpRoute, ParentReference};
+use crate::gateway::{GrpcRoute, HttpRoute, ParentReference, TcpRoute};
 
 pub mod check;
 mod grpc;
@@ -22,16 +22,18 @@ mod http;
 pub mod order;
 pub mod request;
 mod shared;
+mod tcp;
 mod validate;
 
 use check::limits;
 pub use validate::{InvalidRoute, validate};
 
-/// A route object of either kind, as a source delivers it.
+/// A route object of any kind, as a source delivers it.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RouteObject {
     Http(HttpRoute),
     Grpc(GrpcRoute),
+    Tcp(TcpRoute),
 }
 
 /// The Gateway API condition a refusal sets to False.
@@ -114,6 +116,7 @@ impl RouteObject {
         match self {
             Self::Http(_) => RouteKind::Http,
             Self::Grpc(_) => RouteKind::Grpc,
+            Self::Tcp(_) => RouteKind::Tcp,
         }
     }
 
@@ -121,6 +124,7 @@ impl RouteObject {
         match self {
             Self::Http(route) => &route.metadata,
             Self::Grpc(route) => &route.metadata,
+            Self::Tcp(route) => &route.metadata,
         }
     }
 
@@ -128,6 +132,7 @@ impl RouteObject {
         match self {
             Self::Http(route) => &route.spec.parent_refs,
             Self::Grpc(route) => &route.spec.parent_refs,
+            Self::Tcp(route) => &route.spec.parent_refs,
         }
     }
 
@@ -166,6 +171,7 @@ pub fn project(object: &RouteObject) -> Result<Option<Route>, Rejected> {
     let rules = match object {
         RouteObject::Http(route) => http::rules(&route.spec.rules, namespace)?,
         RouteObject::Grpc(route) => grpc::rules(&route.spec.rules, namespace)?,
+        RouteObject::Tcp(route) => tcp::rules(&route.spec.rules, namespace)?,
     };
     Ok(Some(Route {
         kind: object.kind().into(),

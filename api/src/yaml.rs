@@ -8,7 +8,7 @@ use aether_common::quote::{clip, quote};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::gateway::{GROUP, VERSION};
+use crate::gateway::{EXPERIMENTAL_VERSION, GROUP, VERSION};
 use crate::route::RouteObject;
 
 /// Why one document is not a route object.
@@ -73,7 +73,7 @@ pub(crate) fn pick<T>(
         .collect()
 }
 
-/// Every HTTPRoute and GRPCRoute among `documents`: a route object, or why not.
+/// Every HTTPRoute, GRPCRoute and TCPRoute among `documents`: a route object, or why not.
 pub fn route_objects(documents: &[Document]) -> Vec<Result<RouteObject, ParseError>> {
     pick(documents, route_object)
 }
@@ -94,16 +94,22 @@ fn route_object(value: &Value) -> Option<Result<RouteObject, (String, String)>> 
     let text = |name: &str| fields.get(name).and_then(Value::as_str).unwrap_or_default().to_owned();
     let (api_version, kind) = (text("apiVersion"), text("kind"));
     let (group, version) = api_version.split_once('/').unwrap_or(("", &api_version));
-    if group != GROUP || !["HTTPRoute", "GRPCRoute"].contains(&kind.as_str()) {
+    let served = match kind.as_str() {
+        "HTTPRoute" | "GRPCRoute" => VERSION,
+        "TCPRoute" => EXPERIMENTAL_VERSION,
+        _ => return None,
+    };
+    if group != GROUP {
         return None;
     }
-    if version != VERSION {
-        let message = format!("{} is not served: use {GROUP}/{VERSION}", quote(&api_version));
+    if version != served {
+        let message = format!("{} is not served: use {GROUP}/{served}", quote(&api_version));
         return Some(Err(("apiVersion".to_owned(), message)));
     }
     Some(match kind.as_str() {
         "HTTPRoute" => typed(value).map(RouteObject::Http),
-        _ => typed(value).map(RouteObject::Grpc),
+        "GRPCRoute" => typed(value).map(RouteObject::Grpc),
+        _ => typed(value).map(RouteObject::Tcp),
     })
 }
 
@@ -123,7 +129,9 @@ pub fn mesh_object(value: &Value) -> Option<Result<MeshObject, (String, String)>
     use crate::{authorization as policy, http_filter as filter, mesh_config as mesh};
     let kind = value.get("kind").and_then(Value::as_str).unwrap_or_default().to_owned();
     match kind.as_str() {
-        "HTTPRoute" | "GRPCRoute" => route_object(value).map(|r| r.map(|o| MeshObject::Route(Box::new(o)))),
+        "HTTPRoute" | "GRPCRoute" | "TCPRoute" => {
+            route_object(value).map(|r| r.map(|o| MeshObject::Route(Box::new(o))))
+        }
         policy::KIND => of_kind(value, (policy::GROUP, policy::VERSION, policy::KIND))
             .map(|r| r.map(|o| MeshObject::Policy(Box::new(o)))),
         filter::KIND => of_kind(value, (filter::GROUP, filter::VERSION, filter::KIND))

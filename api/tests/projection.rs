@@ -37,9 +37,10 @@ fn every_fixture_parses_projects_and_validates() {
     let all = fixtures();
     let keys: Vec<&str> = all.iter().map(|(key, _)| key.as_str()).collect();
     // The Service document is skipped; the Gateway-parented route is not the mesh's.
-    assert_eq!(keys.len(), 8, "{keys:?}");
+    assert_eq!(keys.len(), 9, "{keys:?}");
     assert_eq!(all.iter().filter(|(_, route)| route.is_none()).count(), 1);
     assert!(keys.contains(&"http/shop/storefront") && keys.contains(&"grpc/shop/pricing"));
+    assert!(keys.contains(&"tcp/shop/sessions-split"));
     for (key, route) in all.iter().filter_map(|(k, r)| Some((k, r.as_ref()?))) {
         validate(route).unwrap_or_else(|e| panic!("{key}: {e}"));
         assert_eq!(&aether_proto::view::route_key(route), key);
@@ -235,6 +236,7 @@ fn the_typed_objects_round_trip_through_json() {
             RouteObject::Grpc(r) => {
                 RouteObject::Grpc(serde_json::from_value(serde_json::to_value(r).unwrap()).unwrap())
             }
+            RouteObject::Tcp(r) => RouteObject::Tcp(serde_json::from_value(serde_json::to_value(r).unwrap()).unwrap()),
         };
         assert_eq!(again, object);
     }
@@ -256,5 +258,9 @@ fn the_kube_resource_names_the_gateway_api() {
     assert_eq!(
         HttpRoute::url_path(&(), Some("shop")),
         "/apis/gateway.networking.k8s.io/v1/namespaces/shop/httproutes"
+    );
+    assert_eq!(
+        aether_api::gateway::TcpRoute::url_path(&(), Some("shop")),
+        "/apis/gateway.networking.k8s.io/v1alpha2/namespaces/shop/tcproutes"
     );
 }

@@ -103,6 +103,7 @@ pub fn policy_key(policy: &AuthorizationPolicy) -> String {
 pub fn route_kind_name(kind: RouteKind) -> &'static str {
     match kind {
         RouteKind::Grpc => "grpc",
+        RouteKind::Tcp => "tcp",
         RouteKind::Http | RouteKind::Unspecified => "http",
     }
 }

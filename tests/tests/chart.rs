@@ -676,12 +676,12 @@ fn assert_the_registrar_writes_only_route_status(r: &Rendered, store: &str, ctx:
         [
             (
                 group.clone(),
-                strings(&["httproutes", "grpcroutes"]),
+                strings(&["httproutes", "grpcroutes", "tcproutes"]),
                 strings(&["get", "list", "watch"])
             ),
             (
                 group,
-                strings(&["httproutes/status", "grpcroutes/status"]),
+                strings(&["httproutes/status", "grpcroutes/status", "tcproutes/status"]),
                 strings(&["patch", "update"])
             ),
             (

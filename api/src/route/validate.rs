@@ -49,10 +49,30 @@ pub fn validate(route: &Route) -> Result<(), InvalidRoute> {
         "rules",
         "hold more than 128 matches in all",
     )?;
+    if kind == RouteKind::Tcp {
+        ensure(route.rules.len() == 1, "rules", "a TCP route holds exactly one rule")?;
+        tcp_rule(&route.rules[0], "rules[0]")?;
+    }
     for (i, rule) in route.rules.iter().enumerate() {
         self::rule(rule, kind, &format!("rules[{i}]"))?;
     }
     Ok(())
+}
+
+/// A TCP route's rule splits connections: weighted backends and nothing a request has.
+fn tcp_rule(rule: &RouteRule, field: &str) -> Result<(), InvalidRoute> {
+    let request_only = !rule.matches.is_empty()
+        || !rule.filters.is_empty()
+        || rule.request_timeout_ms != 0
+        || rule.backend_request_timeout_ms != 0
+        || rule.retry.is_some()
+        || rule.backends.iter().any(|b| !b.filters.is_empty());
+    ensure(
+        !request_only,
+        field,
+        "a TCP route has no matches, filters, timeouts or retry",
+    )?;
+    ensure(!rule.backends.is_empty(), format!("{field}.backends"), "is empty")
 }
 
 fn rule(rule: &RouteRule, kind: RouteKind, field: &str) -> Result<(), InvalidRoute> {

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use aether_api::gateway::{GrpcRoute, HttpRoute};
+use aether_api::gateway::{GrpcRoute, HttpRoute, TcpRoute};
 use aether_fakes::kube::ApiServer;
 use k8s_openapi::api::core::v1::Service;
 use serde_json::{Value, json};
@@ -62,6 +62,7 @@ impl Written {
                 for (kind, namespace, name) in objects {
                     match kind.as_str() {
                         "GRPCRoute" => cluster.delete::<GrpcRoute>(&namespace, &name),
+                        "TCPRoute" => cluster.delete::<TcpRoute>(&namespace, &name),
                         _ => cluster.delete::<HttpRoute>(&namespace, &name),
                     }
                 }
@@ -70,7 +71,7 @@ impl Written {
     }
 }
 
-/// Applies every HTTPRoute and GRPCRoute of `yaml` (one or more documents) to the fake API server, whole.
+/// Applies every HTTPRoute, GRPCRoute and TCPRoute of `yaml` (one or more documents) to the fake API server, whole.
 pub fn apply_routes(cluster: &ApiServer, yaml: &str) -> Written {
     let mut input = yaml.as_bytes();
     let mut applied = Vec::new();
@@ -83,6 +84,7 @@ pub fn apply_routes(cluster: &ApiServer, yaml: &str) -> Written {
         match kind.as_str() {
             "HTTPRoute" => cluster.apply::<HttpRoute>(document),
             "GRPCRoute" => cluster.apply::<GrpcRoute>(document),
+            "TCPRoute" => cluster.apply::<TcpRoute>(document),
             other => panic!("routes YAML: a {other:?}, not a route"),
         };
         applied.push((kind, namespace, name));

@@ -9,7 +9,7 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_api::gateway::{GrpcRoute, HttpRoute};
+use aether_api::gateway::{GrpcRoute, HttpRoute, TcpRoute};
 use aether_api::{Rejected, RouteObject, project};
 use aether_proto::registry::v1::{Route, RouteKind};
 use futures::StreamExt;
@@ -26,6 +26,8 @@ pub const DEBOUNCE: Duration = Duration::from_millis(100);
 /// How often a kind whose CRD is missing is looked for again.
 pub const ABSENT_RETRY: Duration = Duration::from_secs(30);
 /// The first and the longest pause after any other watch failure.
+/// HTTPRoute, GRPCRoute and TCPRoute: the set is known once each is listed or absent.
+const ROUTE_KINDS: usize = 3;
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(500), Duration::from_secs(30));
 
 /// What projecting an object gave: its route (`None`: no Service parent, so not the
@@ -64,7 +66,7 @@ impl ObjectSet for RouteSet {
 pub type ClusterRoutes = Sets<RouteSet>;
 
 impl ClusterRoutes {
-    /// Starts watching both kinds through `client`.
+    /// Starts watching the route kinds through `client`.
     pub fn start(client: Client) -> ClusterRoutes {
         let (tx, sets) = watch::channel(None);
         tokio::spawn(collect(client, tx));
@@ -86,10 +88,12 @@ enum Input {
 async fn collect(client: Client, tx: watch::Sender<Option<Arc<RouteSet>>>) {
     let (inputs_tx, inputs) = mpsc::channel(1024);
     let http = Api::<HttpRoute>::all(client.clone());
-    let grpc = Api::<GrpcRoute>::all(client);
+    let grpc = Api::<GrpcRoute>::all(client.clone());
+    let tcp = Api::<TcpRoute>::all(client);
     let tasks = [
         tokio::spawn(follow(http, RouteKind::Http, RouteObject::Http, inputs_tx.clone())),
-        tokio::spawn(follow(grpc, RouteKind::Grpc, RouteObject::Grpc, inputs_tx)),
+        tokio::spawn(follow(grpc, RouteKind::Grpc, RouteObject::Grpc, inputs_tx.clone())),
+        tokio::spawn(follow(tcp, RouteKind::Tcp, RouteObject::Tcp, inputs_tx)),
     ];
     publish(Collected::default(), inputs, DEBOUNCE, tx).await;
     for task in tasks {
@@ -183,7 +187,7 @@ impl Collect for Collected {
     type Set = RouteSet;
 
     fn known(&self) -> Option<&RouteSet> {
-        (self.settled.len() == 2).then_some(&self.set)
+        (self.settled.len() == ROUTE_KINDS).then_some(&self.set)
     }
 
     fn apply(&mut self, input: Input) -> bool {
