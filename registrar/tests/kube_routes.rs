@@ -1,5 +1,5 @@
 //! Routes from the Kubernetes API through the registrar binary, against the shared fake
-//! API server: HTTPRoute/GRPCRoute objects reach the Watch streams of their parents'
+//! API server: HTTPRoute/GRPCRoute/TCPRoute objects reach the Watch streams of their parents'
 //! watchers (a writable store with `--routes-from-kubernetes`, and `--store kubernetes`),
 //! their `status.parents[]` say Accepted / ResolvedRefs through the status subresource,
 //! an invalid edit keeps the last accepted version serving, deletion removes the route,
@@ -9,7 +9,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use aether_api::gateway::{GrpcRoute, HttpRoute};
+use aether_api::gateway::{GrpcRoute, HttpRoute, TcpRoute};
 use aether_fakes::kube::ApiServer;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};
@@ -200,6 +200,36 @@ async fn the_kubernetes_store_serves_the_cluster_routes() {
         !w.view.catalog.routes.contains_key(CANARY) && w.view.catalog.routes.len() == 1
     })
     .await;
+
+    // A TCPRoute (experimental channel) on cart's TCP port: served, and its status says so.
+    cluster.apply::<TcpRoute>(json!({
+        "metadata": {"name": "sessions", "namespace": "shop"},
+        "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": "cart", "port": 6379}],
+                 "rules": [{"backendRefs": [{"name": "cart-v1", "port": 6379}]}]},
+    }));
+    until(&mut cart, "the TCPRoute joins", |w| {
+        w.view.catalog.routes.contains_key("tcp/shop/sessions")
+    })
+    .await;
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let route = cluster.get::<TcpRoute>("shop", "sessions").unwrap_or_default();
+        let conditions = route["status"]["parents"][0]["conditions"].clone();
+        let accepted = conditions
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|c| c["type"] == "Accepted" && c["status"] == "True");
+        if accepted {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "TCPRoute status {conditions}:\n{}",
+            registrar.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Without the HTTPRoute CRD, the registrar is ready, says why once, and serves the rest.
@@ -207,6 +237,8 @@ async fn the_kubernetes_store_serves_the_cluster_routes() {
 async fn a_missing_crd_leaves_the_registrar_ready_and_serving() {
     let cluster = ApiServer::start();
     cluster.uninstall::<HttpRoute>();
+    // The experimental channel (TCPRoute) is often not installed either.
+    cluster.uninstall::<TcpRoute>();
     cluster.apply::<GrpcRoute>(grpc_route("methods", "cart"));
     let dir = tempfile::tempdir().unwrap();
     let registrar = registrar(&cluster, dir.path(), &["--routes-from-kubernetes"]).await;

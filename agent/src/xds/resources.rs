@@ -21,6 +21,7 @@ pub mod http_filters;
 mod listeners;
 mod origination;
 mod routes;
+mod tcp_routes;
 pub mod transport;
 mod util;
 
@@ -31,7 +32,7 @@ use std::sync::Arc;
 
 use aether_api::mesh_config::ResilienceSettings;
 use aether_proto::registry::v1::{
-    AuthorizationPolicy, DefaultAuthorization, Locality, Protocol, Route, Service, ServicePort,
+    AuthorizationPolicy, DefaultAuthorization, Locality, Protocol, Route, RouteKind, Service, ServicePort,
 };
 use aether_proto::view::{CatalogView, Endpoints};
 use envoy_types::pb::google::protobuf::Any;
@@ -274,6 +275,8 @@ struct PodMemo {
     /// The HTTP filters of its listeners.
     filters: PodFilters,
     declared: Vec<RouteKey>,
+    /// The TCP routes' splits of its declared services' TCP ports.
+    splits: tcp_routes::Splits,
     /// The outbound route table its listener names.
     table: String,
     listeners: Vec<Arc<Resource>>,
@@ -460,8 +463,11 @@ impl Generator {
         self.http_filters
             .refresh(&inputs.catalog.http_filters, &self.identities.trust_domain);
         self.mesh = MeshSettings::new(&inputs.catalog.mesh_configs);
-        let valid = self.checked.valid.clone();
-        let attached = routes::Attached::new(valid.iter().map(|r| &**r));
+        // TCP routes shape the pods' TCP chains; the others, the HTTP route tables.
+        let (tcp_routes, http_routes): (Vec<Arc<Route>>, Vec<Arc<Route>>) =
+            (self.checked.valid.iter().cloned()).partition(|r| r.kind() == RouteKind::Tcp);
+        let attached = routes::Attached::new(http_routes.iter().map(|r| &**r));
+        let tcp_attached = routes::Attached::new(tcp_routes.iter().map(|r| &**r));
         // A table of its own only for a namespace whose callers live here.
         let consumers: BTreeSet<String> = attached
             .consumer_namespaces()
@@ -478,14 +484,20 @@ impl Generator {
         let dependencies: BTreeSet<&str> = services.iter().map(|s| s.key).collect();
         let callers = self.http_filters.callers(&dependencies);
         self.add_services(&services, here, mtls, &mut out);
-        self.add_pods(inputs.pods, &services, &consumers, &callers, mtls, &mut out);
+        let pod_inputs = PodInputs {
+            services: &services,
+            consumers: &consumers,
+            callers: &callers,
+            tcp_routes: &tcp_attached,
+        };
+        self.add_pods(inputs.pods, &pod_inputs, mtls, &mut out);
         add_empty_on_demand(inputs, mtls, &self.mesh, &mut out);
         out.clusters
             .extend(resources(self.http_filters.ext_authz_clusters(inputs.pods, &callers)));
         let input = RoutesInput {
             services: services.iter().map(RouteKey::of).collect(),
             mesh: self.mesh.clone(),
-            routes: valid.clone(),
+            routes: http_routes.clone(),
             consumers,
             callers,
         };
@@ -545,15 +557,13 @@ impl Generator {
 
     /// Each pod's listeners and clusters, rebuilt only when the pod or the addresses of
     /// its declared services changed. With mTLS, a pod without an SVID yet gets none.
-    fn add_pods(
-        &mut self,
-        pods: &[LocalPod],
-        services: &[MeshService],
-        consumers: &BTreeSet<String>,
-        callers: &http_filters::Callers,
-        mtls: Option<&Mtls>,
-        out: &mut Collected,
-    ) {
+    fn add_pods(&mut self, pods: &[LocalPod], inputs: &PodInputs, mtls: Option<&Mtls>, out: &mut Collected) {
+        let PodInputs {
+            services,
+            consumers,
+            callers,
+            tcp_routes,
+        } = inputs;
         let by_key: HashMap<&str, &MeshService> = services.iter().map(|s| (s.key, s)).collect();
         let mut fresh = HashMap::new();
         let mut refused = Vec::new();
@@ -570,6 +580,7 @@ impl Generator {
                 .filter_map(|key| by_key.get(key.as_str()).copied())
                 .collect();
             let declared_keys: Vec<RouteKey> = declared.iter().map(|s| RouteKey::of(s)).collect();
+            let splits = tcp_routes::splits(&pod.info.namespace, &declared, tcp_routes, &by_key);
             let table = routes::table_name(&pod.info.namespace, consumers);
             let last = self.pods.get(&pod.id()).map_or(&[][..], |m| &m.policies[..]);
             let default_deny = self.mesh.of(&pod.info.namespace).default_authorization == DefaultAuthorization::Deny;
@@ -586,13 +597,25 @@ impl Generator {
                 Some(memo)
                     if memo.pod == *pod
                         && memo.declared == declared_keys
+                        && memo.splits == splits
                         && memo.table == table
                         && same_policies(&memo.policies, &policies)
                         && memo.filters == filters =>
                 {
                     memo
                 }
-                _ => PodMemo::build(pod, &declared, declared_keys, table, mtls, policies, filters),
+                _ => PodMemo::build(
+                    pod,
+                    Declared {
+                        services: &declared,
+                        keys: declared_keys,
+                        splits,
+                    },
+                    table,
+                    mtls,
+                    policies,
+                    filters,
+                ),
             };
             out.listeners.extend(memo.listeners.iter().cloned());
             out.inbound_routes.extend(memo.inbound_routes.iter().cloned());
@@ -725,11 +748,26 @@ impl ServiceMemo {
     }
 }
 
+/// What the generators read for every pod.
+struct PodInputs<'a> {
+    services: &'a [MeshService<'a>],
+    consumers: &'a BTreeSet<String>,
+    callers: &'a http_filters::Callers,
+    /// Valid TCP routes by parent.
+    tcp_routes: &'a routes::Attached<'a>,
+}
+
+/// The services a pod declared, as its listeners use them.
+struct Declared<'a> {
+    services: &'a [&'a MeshService<'a>],
+    keys: Vec<RouteKey>,
+    splits: tcp_routes::Splits,
+}
+
 impl PodMemo {
     fn build(
         pod: &LocalPod,
-        declared: &[&MeshService],
-        declared_keys: Vec<RouteKey>,
+        declared: Declared,
         table: String,
         mtls: Option<&Mtls>,
         policies: Vec<Arc<AuthorizationPolicy>>,
@@ -740,13 +778,14 @@ impl PodMemo {
             .into_iter()
             .chain(mtls.map(|m| origination::pod_cluster(m, &pod.id())))
             .collect();
-        let listeners = listeners::pod_listeners(pod, declared, &table, mtls, &authz, &filters);
+        let listeners = listeners::pod_listeners(pod, &declared, &table, mtls, &authz, &filters);
         let inbound_routes = listeners::pod_inbound_routes(pod, &authz, &filters.inbound_enabled);
         PodMemo {
             pod: pod.clone(),
             policies,
             filters,
-            declared: declared_keys,
+            declared: declared.keys,
+            splits: declared.splits,
             listeners: resources(listeners),
             inbound_routes: resources(inbound_routes.into_iter().collect()),
             table,

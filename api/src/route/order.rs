@@ -165,6 +165,13 @@ impl<'a> MatchRef<'a> {
     }
 }
 
+/// Of routes that tie on everything they match (TCP routes match nothing), the one that
+/// applies: the oldest, then the first by namespace and name (Gateway API precedence).
+pub fn winner<'a>(routes: &[&'a Route]) -> Option<&'a Route> {
+    let created = |r: &Route| (r.created_unix_seconds, r.namespace.clone(), r.name.clone());
+    routes.iter().copied().min_by_key(|r| created(r))
+}
+
 /// Every match of every rule of `routes` (a rule without matches once), most
 /// specific first.
 pub fn ordered_matches<'a>(routes: &[&'a Route]) -> Vec<MatchRef<'a>> {

@@ -37,9 +37,10 @@ use super::authorization::Filters;
 use super::clusters::local_name;
 use super::http_filters::Enabled;
 use super::routes::{DESTINATION_HEADER, inbound_routes, inbound_routes_name};
+use super::tcp_routes::NO_BACKEND;
 use super::transport::{self, Mtls};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
-use super::{MeshService, PodFilters, is_http};
+use super::{Declared, PodFilters, is_http};
 use crate::pod::{ListenerSockets, LocalPod};
 
 pub fn outbound_name(pod: &LocalPod) -> String {
@@ -55,14 +56,14 @@ pub fn inbound_name(pod: &LocalPod) -> String {
 /// inbound chains.
 pub fn pod_listeners(
     pod: &LocalPod,
-    services: &[&MeshService],
+    declared: &Declared,
     table: &str,
     mtls: Option<&Mtls>,
     authz: &Filters,
     filters: &PodFilters,
 ) -> Vec<(String, Any)> {
     let netns = pod.netns.to_string_lossy();
-    let outbound = outbound(pod, &netns, services, table, mtls, &filters.callers);
+    let outbound = outbound(pod, &netns, declared, table, mtls, &filters.callers);
     let mut out = vec![(outbound_name(pod), any(&outbound))];
     if let Some(inbound) = inbound(pod, &netns, mtls, authz, &filters.inbound) {
         out.push((inbound_name(pod), any(&inbound)));
@@ -261,7 +262,7 @@ fn reuse_port(pod: &LocalPod) -> Option<BoolValue> {
 fn outbound(
     pod: &LocalPod,
     netns: &str,
-    declared: &[&MeshService],
+    declared: &Declared,
     table: &str,
     mtls: Option<&Mtls>,
     callers: &[HttpFilter],
@@ -305,10 +306,11 @@ fn outbound(
 
 /// Plain TCP to a declared service's address and TCP port: per endpoint port one chain
 /// for its VIP (with the ClusterIPs when a Service port is the same number), and one for
-/// the ClusterIPs on each other Service port that targets it.
-fn tcp_chains(pod: &LocalPod, declared: &[&MeshService], mtls: Option<&Mtls>) -> Vec<FilterChain> {
+/// the ClusterIPs on each other Service port that targets it. A TCP route on the port
+/// splits its connections over the route's backends.
+fn tcp_chains(pod: &LocalPod, declared: &Declared, mtls: Option<&Mtls>) -> Vec<FilterChain> {
     let mut filter_chains = Vec::new();
-    for service in declared {
+    for service in declared.services {
         let cluster_ips: Vec<CidrRange> = service.cluster_ips.iter().map(|ip| host_range(ip)).collect();
         for (port, _) in service.ports.iter().filter(|(_, p)| !is_http(**p)) {
             let name = service.cluster(*port);
@@ -332,7 +334,11 @@ fn tcp_chains(pod: &LocalPod, declared: &[&MeshService], mtls: Option<&Mtls>) ->
                         prefix_ranges,
                         ..Default::default()
                     }),
-                    tcp_proxy_to(&format!("capture.{}", name.replace(':', "_")), &name),
+                    tcp_proxy_split(
+                        &format!("capture.{}", name.replace(':', "_")),
+                        &name,
+                        declared.splits.get(&name),
+                    ),
                 ));
             }
         }
@@ -377,6 +383,31 @@ fn inbound_hcm(pod: &LocalPod, authz: &Filters, filters: &[HttpFilter]) -> HttpC
         }),
         ..Default::default()
     }
+}
+
+/// To `cluster`, or over a TCP route's weighted backends (see `tcp_routes`).
+fn tcp_proxy_split(stat_prefix: &str, cluster: &str, split: Option<&Vec<(String, u32)>>) -> Filter {
+    let specifier = match split.map(Vec::as_slice) {
+        None => tcp_proxy::ClusterSpecifier::Cluster(cluster.to_owned()),
+        Some([]) => tcp_proxy::ClusterSpecifier::Cluster(NO_BACKEND.to_owned()),
+        Some([(only, _)]) => tcp_proxy::ClusterSpecifier::Cluster(only.clone()),
+        Some(weighted) => tcp_proxy::ClusterSpecifier::WeightedClusters(tcp_proxy::WeightedCluster {
+            clusters: weighted
+                .iter()
+                .map(|(name, weight)| tcp_proxy::weighted_cluster::ClusterWeight {
+                    name: name.clone(),
+                    weight: *weight,
+                    ..Default::default()
+                })
+                .collect(),
+        }),
+    };
+    let proxy = TcpProxy {
+        stat_prefix: stat_prefix.to_owned(),
+        cluster_specifier: Some(specifier),
+        ..Default::default()
+    };
+    network_filter("envoy.filters.network.tcp_proxy", &proxy)
 }
 
 fn tcp_proxy_to(stat_prefix: &str, cluster: &str) -> Filter {

@@ -1,0 +1,91 @@
+//! Non-HTTP traffic through real Envoy, pods in network namespaces, mTLS on (the
+//! production default): TCPRoute splits of a service's TCP port.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use aether_tests::TestPod;
+use aether_tests::mesh::{Mesh, put_config};
+
+const DB_PORT: u16 = 5432;
+
+/// Connects from `client` to `target` `count` times, one after the other, and counts
+/// which server greeted each connection (the echo servers greet with their pod's name).
+fn greeters(client: &TestPod, target: SocketAddr, count: usize) -> BTreeMap<String, usize> {
+    let greetings = client.run(move || {
+        let mut seen = BTreeMap::new();
+        for _ in 0..count {
+            let stream = TcpStream::connect_timeout(&target, Duration::from_secs(5))?;
+            stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+            let mut greeting = String::new();
+            BufReader::new(stream).read_line(&mut greeting)?;
+            *seen.entry(greeting.trim().to_owned()).or_insert(0) += 1;
+        }
+        Ok::<_, std::io::Error>(seen)
+    });
+    greetings.unwrap_or_else(|e| panic!("connecting to {target}: {e}"))
+}
+
+/// Polls until every one of a few connections is greeted by one of `servers`.
+async fn until_served_by(client: &TestPod, target: SocketAddr, servers: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let seen = greeters(client, target, 10);
+        if seen.keys().all(|s| servers.contains(&s.as_str())) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still served by {seen:?}, waiting for {servers:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tcp_route_splits_connections_by_weight_within_five_percent() {
+    let routes = tempfile::tempdir().unwrap();
+    let dir = routes.path().display().to_string();
+    let mesh = Mesh::start_with_registrar(&[], &["--routes-dir", &dir]).await;
+    let client = mesh.node.add_pod("client");
+    mesh.describe_pod(&client, "client", "client", "db", &[]);
+    let (mut pods, mut apps) = (Vec::new(), Vec::new());
+    for name in ["db", "db-v1", "db-v2"] {
+        let pod = mesh.node.add_pod(name);
+        apps.push(pod.serve_tcp_echo(SocketAddr::from(([127, 0, 0, 1], DB_PORT))));
+        mesh.describe_pod(&pod, name, name, "", &[("postgres", DB_PORT)]);
+        mesh.add_pod_ok(&pod, name).await;
+        pods.push(pod);
+    }
+    mesh.add_pod_ok(&client, "client").await;
+    let target: SocketAddr = format!("{}:{DB_PORT}", mesh.vip("db").await).parse().unwrap();
+    assert_eq!(greeters(&client, target, 5), BTreeMap::from([("db".to_owned(), 5)]));
+
+    let split = "apiVersion: gateway.networking.k8s.io/v1alpha2\nkind: TCPRoute\n\
+        metadata: {name: db-split, namespace: demo}\n\
+        spec:\n  parentRefs: [{group: '', kind: Service, name: db, port: 5432}]\n  \
+        rules: [{backendRefs: [{name: db-v1, port: 5432, weight: 70}, {name: db-v2, port: 5432, weight: 30}]}]\n";
+    put_config(routes.path(), "db-split.yaml", Some(split));
+    until_served_by(&client, target, &["db-v1", "db-v2"]).await;
+    const CONNECTIONS: usize = 500;
+    let seen = greeters(&client, target, CONNECTIONS);
+    let share = |name: &str| seen.get(name).copied().unwrap_or(0) as f64 / CONNECTIONS as f64;
+    eprintln!("TCPRoute 70/30 over {CONNECTIONS} connections: {seen:?}");
+    assert_eq!(seen.values().sum::<usize>(), CONNECTIONS, "{seen:?}");
+    assert!(
+        (share("db-v1") - 0.70).abs() <= 0.05,
+        "db-v1 took {:.3}: {seen:?}",
+        share("db-v1")
+    );
+    assert!(
+        (share("db-v2") - 0.30).abs() <= 0.05,
+        "db-v2 took {:.3}: {seen:?}",
+        share("db-v2")
+    );
+
+    // Removed: the service's own endpoints serve its port again.
+    put_config(routes.path(), "db-split.yaml", None);
+    until_served_by(&client, target, &["db"]).await;
+}
