@@ -1,5 +1,5 @@
-//! Gateway API route objects (`gateway.networking.k8s.io/v1`, and TCPRoute from
-//! `v1alpha2`), typed: what the Kubernetes
+//! Gateway API route objects (`gateway.networking.k8s.io/v1`, and TCPRoute and TLSRoute
+//! from `v1alpha2`), typed: what the Kubernetes
 //! API serves and what a route directory holds, field for field.
 //!
 //! Decoding is lenient where the API lets values grow (enums, unknown fields), because one
@@ -23,7 +23,7 @@ pub use tcp::*;
 pub const GROUP: &str = "gateway.networking.k8s.io";
 /// The version of the standard channel's routes (HTTPRoute, GRPCRoute).
 pub const VERSION: &str = "v1";
-/// The version of the experimental channel's TCPRoute.
+/// The version of the experimental channel's TCPRoute and TLSRoute.
 pub const EXPERIMENTAL_VERSION: &str = "v1alpha2";
 
 /// An enum of the API carried as a string: the known values, and `Other` for any value
@@ -74,6 +74,7 @@ pub(crate) use string_enum;
 crate::resource::namespaced_resource!(HttpRoute, GROUP, VERSION, "HTTPRoute", "httproutes");
 crate::resource::namespaced_resource!(GrpcRoute, GROUP, VERSION, "GRPCRoute", "grpcroutes");
 crate::resource::namespaced_resource!(TcpRoute, GROUP, EXPERIMENTAL_VERSION, "TCPRoute", "tcproutes");
+crate::resource::namespaced_resource!(TlsRoute, GROUP, EXPERIMENTAL_VERSION, "TLSRoute", "tlsroutes");
 
 fn gateway_group() -> String {
     GROUP.to_owned()

@@ -1,5 +1,5 @@
 //! Aether's user-facing API objects, validated and projected in one place ("one projector
-//! per API"): Gateway API HTTPRoute, GRPCRoute and TCPRoute with Service parents (GAMMA) become
+//! per API"): Gateway API HTTPRoute, GRPCRoute, TCPRoute and TLSRoute with Service parents (GAMMA) become
 //! `aether.registry.v1.Route`; AuthorizationPolicy becomes
 //! `aether.registry.v1.AuthorizationPolicy`. The registrar's sources (Kubernetes watch, YAML directory),
 //! the agent (re-validation before compiling to Envoy) and the admission webhooks call

@@ -1,4 +1,4 @@
-//! THE route projector: a Gateway API HTTPRoute, GRPCRoute or TCPRoute whose parentRefs name mesh
+//! THE route projector: a Gateway API HTTPRoute, GRPCRoute, TCPRoute or TLSRoute whose parentRefs name mesh
 //! Services (GAMMA), validated and projected once into `aether.registry.v1.Route`. The
 //! registrar's sources, the agent (re-validating what it received) and the admission
 //! webhooks all call these functions, so they agree on what a route means.
@@ -14,7 +14,7 @@ use aether_proto::registry::v1::{Route, RouteKind, RouteParent, RouteRule};
 use aether_proto::view::route_kind_name;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use crate::gateway::{GrpcRoute, HttpRoute, ParentReference, TcpRoute};
+use crate::gateway::{GrpcRoute, HttpRoute, ParentReference, TcpRoute, TlsRoute};
 
 pub mod check;
 mod grpc;
@@ -34,6 +34,7 @@ pub enum RouteObject {
     Http(HttpRoute),
     Grpc(GrpcRoute),
     Tcp(TcpRoute),
+    Tls(TlsRoute),
 }
 
 /// The Gateway API condition a refusal sets to False.
@@ -117,6 +118,7 @@ impl RouteObject {
             Self::Http(_) => RouteKind::Http,
             Self::Grpc(_) => RouteKind::Grpc,
             Self::Tcp(_) => RouteKind::Tcp,
+            Self::Tls(_) => RouteKind::Tls,
         }
     }
 
@@ -125,6 +127,7 @@ impl RouteObject {
             Self::Http(route) => &route.metadata,
             Self::Grpc(route) => &route.metadata,
             Self::Tcp(route) => &route.metadata,
+            Self::Tls(route) => &route.metadata,
         }
     }
 
@@ -133,6 +136,7 @@ impl RouteObject {
             Self::Http(route) => &route.spec.parent_refs,
             Self::Grpc(route) => &route.spec.parent_refs,
             Self::Tcp(route) => &route.spec.parent_refs,
+            Self::Tls(route) => &route.spec.parent_refs,
         }
     }
 
@@ -172,6 +176,11 @@ pub fn project(object: &RouteObject) -> Result<Option<Route>, Rejected> {
         RouteObject::Http(route) => http::rules(&route.spec.rules, namespace)?,
         RouteObject::Grpc(route) => grpc::rules(&route.spec.rules, namespace)?,
         RouteObject::Tcp(route) => tcp::rules(&route.spec.rules, namespace)?,
+        RouteObject::Tls(route) => tcp::rules(&route.spec.rules, namespace)?,
+    };
+    let hostnames = match object {
+        RouteObject::Tls(route) => tcp::hostnames(&route.spec.hostnames)?,
+        _ => Vec::new(),
     };
     Ok(Some(Route {
         kind: object.kind().into(),
@@ -181,6 +190,7 @@ pub fn project(object: &RouteObject) -> Result<Option<Route>, Rejected> {
         rules,
         created_unix_seconds: meta.creation_timestamp.as_ref().map_or(0, |t| t.0.as_second()),
         generation: meta.generation.unwrap_or(0),
+        hostnames,
     }))
 }
 

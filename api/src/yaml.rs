@@ -73,7 +73,7 @@ pub(crate) fn pick<T>(
         .collect()
 }
 
-/// Every HTTPRoute, GRPCRoute and TCPRoute among `documents`: a route object, or why not.
+/// Every HTTPRoute, GRPCRoute, TCPRoute and TLSRoute among `documents`: a route object, or why not.
 pub fn route_objects(documents: &[Document]) -> Vec<Result<RouteObject, ParseError>> {
     pick(documents, route_object)
 }
@@ -96,7 +96,7 @@ fn route_object(value: &Value) -> Option<Result<RouteObject, (String, String)>> 
     let (group, version) = api_version.split_once('/').unwrap_or(("", &api_version));
     let served = match kind.as_str() {
         "HTTPRoute" | "GRPCRoute" => VERSION,
-        "TCPRoute" => EXPERIMENTAL_VERSION,
+        "TCPRoute" | "TLSRoute" => EXPERIMENTAL_VERSION,
         _ => return None,
     };
     if group != GROUP {
@@ -109,7 +109,8 @@ fn route_object(value: &Value) -> Option<Result<RouteObject, (String, String)>> 
     Some(match kind.as_str() {
         "HTTPRoute" => typed(value).map(RouteObject::Http),
         "GRPCRoute" => typed(value).map(RouteObject::Grpc),
-        _ => typed(value).map(RouteObject::Tcp),
+        "TCPRoute" => typed(value).map(RouteObject::Tcp),
+        _ => typed(value).map(RouteObject::Tls),
     })
 }
 
@@ -129,7 +130,7 @@ pub fn mesh_object(value: &Value) -> Option<Result<MeshObject, (String, String)>
     use crate::{authorization as policy, http_filter as filter, mesh_config as mesh};
     let kind = value.get("kind").and_then(Value::as_str).unwrap_or_default().to_owned();
     match kind.as_str() {
-        "HTTPRoute" | "GRPCRoute" | "TCPRoute" => {
+        "HTTPRoute" | "GRPCRoute" | "TCPRoute" | "TLSRoute" => {
             route_object(value).map(|r| r.map(|o| MeshObject::Route(Box::new(o))))
         }
         policy::KIND => of_kind(value, (policy::GROUP, policy::VERSION, policy::KIND))

@@ -37,10 +37,10 @@ fn every_fixture_parses_projects_and_validates() {
     let all = fixtures();
     let keys: Vec<&str> = all.iter().map(|(key, _)| key.as_str()).collect();
     // The Service document is skipped; the Gateway-parented route is not the mesh's.
-    assert_eq!(keys.len(), 9, "{keys:?}");
+    assert_eq!(keys.len(), 10, "{keys:?}");
     assert_eq!(all.iter().filter(|(_, route)| route.is_none()).count(), 1);
     assert!(keys.contains(&"http/shop/storefront") && keys.contains(&"grpc/shop/pricing"));
-    assert!(keys.contains(&"tcp/shop/sessions-split"));
+    assert!(keys.contains(&"tcp/shop/sessions-split") && keys.contains(&"tls/shop/payments-by-sni"));
     for (key, route) in all.iter().filter_map(|(k, r)| Some((k, r.as_ref()?))) {
         validate(route).unwrap_or_else(|e| panic!("{key}: {e}"));
         assert_eq!(&aether_proto::view::route_key(route), key);
@@ -237,6 +237,7 @@ fn the_typed_objects_round_trip_through_json() {
                 RouteObject::Grpc(serde_json::from_value(serde_json::to_value(r).unwrap()).unwrap())
             }
             RouteObject::Tcp(r) => RouteObject::Tcp(serde_json::from_value(serde_json::to_value(r).unwrap()).unwrap()),
+            RouteObject::Tls(r) => RouteObject::Tls(serde_json::from_value(serde_json::to_value(r).unwrap()).unwrap()),
         };
         assert_eq!(again, object);
     }

@@ -110,3 +110,52 @@ fn validate_refuses_request_fields_in_a_projected_tcp_route() {
         assert_eq!(invalid.field, field, "{invalid}");
     }
 }
+
+/// A TLSRoute on Service shop/payments port 443 with `hostnames` (YAML flow).
+fn tls(hostnames: &str) -> RouteObject {
+    let yaml = format!(
+        "apiVersion: gateway.networking.k8s.io/v1alpha2\nkind: TLSRoute\n\
+         metadata: {{name: by-sni, namespace: shop}}\n\
+         spec: {{parentRefs: [{{group: '', kind: Service, name: payments, port: 443}}], hostnames: {hostnames}, \
+         rules: [{{backendRefs: [{{name: payments-eu, port: 443}}]}}]}}\n"
+    );
+    parse_documents(&yaml).remove(0).unwrap()
+}
+
+#[test]
+fn a_tls_route_takes_server_names_lower_cased_and_deduplicated() {
+    let route = project(&tls("[Pay.Example.com, '*.eu.example.com', pay.example.com]"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(route.kind(), RouteKind::Tls);
+    assert_eq!(aether_proto::view::route_key(&route), "tls/shop/by-sni");
+    assert_eq!(route.hostnames, ["pay.example.com", "*.eu.example.com"]);
+    assert_eq!(route.rules[0].backends[0].service, "shop/payments-eu");
+    validate(&route).unwrap();
+    // Without hostnames it takes every connection, like a TCP route.
+    assert!(project(&tls("[]")).unwrap().unwrap().hostnames.is_empty());
+}
+
+#[test]
+fn a_server_name_that_is_no_dns_name_is_refused_naming_it() {
+    for (hostnames, field) in [
+        ("[ok.example.com, '10.0.0.1']", "spec.hostnames[1]"),
+        ("['*']", "spec.hostnames[0]"),
+        ("['a.*.example.com']", "spec.hostnames[0]"),
+        ("[localhost]", "spec.hostnames[0]"),
+        ("['under_score.example.com']", "spec.hostnames[0]"),
+    ] {
+        let refused = project(&tls(hostnames)).expect_err(hostnames);
+        assert_eq!(refused.field, field, "{hostnames}: {refused}");
+        assert!(refused.message.contains("is not a server name"), "{refused}");
+    }
+    let many: Vec<String> = (0..17).map(|i| format!("h{i}.example.com")).collect();
+    let refused = project(&tls(&format!("[{}]", many.join(", ")))).unwrap_err();
+    assert_eq!(refused.field, "spec.hostnames");
+    // Only a TLS route carries server names.
+    let mut tcp_route = project(&tcp("v1alpha2", "[{backendRefs: [{name: a, port: 1}]}]").unwrap())
+        .unwrap()
+        .unwrap();
+    tcp_route.hostnames.push("a.example.com".into());
+    assert_eq!(validate(&tcp_route).unwrap_err().field, "hostnames");
+}

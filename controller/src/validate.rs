@@ -7,7 +7,7 @@
 //! - AuthorizationPolicy: `aether_api::authorization::project` (with the mesh root namespace);
 //! - HTTPFilter: `aether_api::http_filter::project`;
 //! - MeshConfig: `aether_api::mesh_config::project` (with the mesh root namespace);
-//! - HTTPRoute, GRPCRoute and TCPRoute: `aether_api::project` — routes with Service parents (GAMMA);
+//! - HTTPRoute, GRPCRoute, TCPRoute and TLSRoute: `aether_api::project` — routes with Service parents (GAMMA);
 //!   a route attached only to Gateways is not the mesh's and passes.
 
 use std::collections::BTreeMap;

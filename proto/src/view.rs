@@ -104,6 +104,7 @@ pub fn route_kind_name(kind: RouteKind) -> &'static str {
     match kind {
         RouteKind::Grpc => "grpc",
         RouteKind::Tcp => "tcp",
+        RouteKind::Tls => "tls",
         RouteKind::Http | RouteKind::Unspecified => "http",
     }
 }

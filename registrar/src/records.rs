@@ -57,7 +57,7 @@ impl ConfigKind {
     /// The users' objects they are projected from, for help texts and messages.
     pub fn objects(self) -> &'static str {
         match self {
-            ConfigKind::Route => "HTTPRoute, GRPCRoute and TCPRoute",
+            ConfigKind::Route => "HTTPRoute, GRPCRoute, TCPRoute and TLSRoute",
             ConfigKind::Policy => "AuthorizationPolicy",
             ConfigKind::HttpFilter => "HTTPFilter",
             ConfigKind::MeshConfig => "MeshConfig",

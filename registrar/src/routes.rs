@@ -1,4 +1,4 @@
-//! Routes: users' Gateway API HTTPRoute, GRPCRoute and TCPRoute objects whose parents are
+//! Routes: users' Gateway API HTTPRoute, GRPCRoute, TCPRoute and TLSRoute objects whose parents are
 //! Services, projected by `aether-api` into `aether.registry.v1.Route`s that travel
 //! with the catalog (proposals/012). [`Routes`] is their kind for the sources
 //! (`crate::sources`); [`kubernetes`] watches them in the cluster and writes their

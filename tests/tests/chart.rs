@@ -676,12 +676,17 @@ fn assert_the_registrar_writes_only_route_status(r: &Rendered, store: &str, ctx:
         [
             (
                 group.clone(),
-                strings(&["httproutes", "grpcroutes", "tcproutes"]),
+                strings(&["httproutes", "grpcroutes", "tcproutes", "tlsroutes"]),
                 strings(&["get", "list", "watch"])
             ),
             (
                 group,
-                strings(&["httproutes/status", "grpcroutes/status", "tcproutes/status"]),
+                strings(&[
+                    "httproutes/status",
+                    "grpcroutes/status",
+                    "tcproutes/status",
+                    "tlsroutes/status"
+                ]),
                 strings(&["patch", "update"])
             ),
             (

@@ -89,3 +89,80 @@ async fn a_tcp_route_splits_connections_by_weight_within_five_percent() {
     put_config(routes.path(), "db-split.yaml", None);
     until_served_by(&client, target, &["db"]).await;
 }
+
+/// The first flight of a real TLS client naming `server_name` (rustls' ClientHello).
+fn client_hello(server_name: &str) -> Vec<u8> {
+    let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    let name = rustls_pki_types::ServerName::try_from(server_name.to_owned()).unwrap();
+    let mut connection = rustls::ClientConnection::new(std::sync::Arc::new(config), name).unwrap();
+    let mut hello = Vec::new();
+    connection.write_tls(&mut hello).unwrap();
+    hello
+}
+
+/// Which server greets a connection from `client` to `target` that opens with a TLS
+/// ClientHello for `server_name` (`None`: a client that waits for the server to speak).
+fn greeted_by(client: &TestPod, target: SocketAddr, server_name: Option<&str>) -> String {
+    let hello = server_name.map(client_hello);
+    let greeting = client.run(move || {
+        use std::io::Write;
+        let stream = TcpStream::connect_timeout(&target, Duration::from_secs(5))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        if let Some(hello) = &hello {
+            (&stream).write_all(hello)?;
+        }
+        let mut greeting = String::new();
+        BufReader::new(stream).read_line(&mut greeting)?;
+        Ok::<_, std::io::Error>(greeting.trim().to_owned())
+    });
+    greeting.unwrap_or_else(|e| panic!("connecting to {target} ({server_name:?}): {e}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_route_passes_the_apps_own_tls_through_by_server_name() {
+    const PAY_PORT: u16 = 8443;
+    let routes = tempfile::tempdir().unwrap();
+    let dir = routes.path().display().to_string();
+    let mesh = Mesh::start_with_registrar(&[], &["--routes-dir", &dir]).await;
+    let client = mesh.node.add_pod("client");
+    mesh.describe_pod(&client, "client", "client", "payments", &[]);
+    let (mut pods, mut apps) = (Vec::new(), Vec::new());
+    for name in ["payments", "pay-v1", "pay-v2"] {
+        let pod = mesh.node.add_pod(name);
+        apps.push(pod.serve_tcp_echo(SocketAddr::from(([127, 0, 0, 1], PAY_PORT))));
+        mesh.describe_pod(&pod, name, name, "", &[("tls", PAY_PORT)]);
+        mesh.add_pod_ok(&pod, name).await;
+        pods.push(pod);
+    }
+    mesh.add_pod_ok(&client, "client").await;
+    let target: SocketAddr = format!("{}:{PAY_PORT}", mesh.vip("payments").await).parse().unwrap();
+    assert_eq!(greeted_by(&client, target, Some("v1.pay.example.com")), "payments");
+
+    let by_sni = "apiVersion: gateway.networking.k8s.io/v1alpha2\nkind: TLSRoute\n\
+        metadata: {name: by-sni, namespace: demo}\n\
+        spec:\n  parentRefs: [{group: '', kind: Service, name: payments, port: 8443}]\n  \
+        hostnames: [v1.pay.example.com]\n  rules: [{backendRefs: [{name: pay-v1, port: 8443}]}]\n\
+        ---\n\
+        apiVersion: gateway.networking.k8s.io/v1alpha2\nkind: TLSRoute\n\
+        metadata: {name: eu-by-sni, namespace: demo}\n\
+        spec:\n  parentRefs: [{group: '', kind: Service, name: payments, port: 8443}]\n  \
+        hostnames: ['*.eu.example.com']\n  rules: [{backendRefs: [{name: pay-v2, port: 8443}]}]\n";
+    put_config(routes.path(), "by-sni.yaml", Some(by_sni));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while greeted_by(&client, target, Some("v1.pay.example.com")) != "pay-v1" {
+        assert!(Instant::now() < deadline, "the TLSRoute never took v1.pay.example.com");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for _ in 0..3 {
+        assert_eq!(greeted_by(&client, target, Some("v1.pay.example.com")), "pay-v1");
+        assert_eq!(greeted_by(&client, target, Some("shop.eu.example.com")), "pay-v2");
+        // A name no route takes, and a client that waits for the server: the service itself.
+        assert_eq!(greeted_by(&client, target, Some("other.example.com")), "payments");
+    }
+    assert_eq!(greeted_by(&client, target, None), "payments");
+}

@@ -283,8 +283,8 @@ async fn envoy_facts(inspector: &Inspector, view: &NodeView, pod: &LocalPod, tar
 }
 
 /// The routes the agent serves on the target's port to `pod`: the valid ones attached to
-/// it as the pod's namespace sees them (TCP routes on a TCP port, the others on an HTTP
-/// port), and the invalid ones naming the service.
+/// it as the pod's namespace sees them (TCP and TLS routes on a TCP port, the others on an
+/// HTTP port), and the invalid ones naming the service.
 fn route_facts(view: &NodeView, pod: &LocalPod, target: &Target) -> Option<RouteFacts> {
     let catalog = &view.watched.catalog;
     let services = resources::services(catalog, &view.mesh_domain);
@@ -300,7 +300,7 @@ fn route_facts(view: &NodeView, pod: &LocalPod, target: &Target) -> Option<Route
         .routes
         .values()
         .filter(|r| r.parents.iter().any(|p| p.service == target.service))
-        .filter(|r| (r.kind() == aether_proto::registry::v1::RouteKind::Tcp) != facts.http);
+        .filter(|r| resources::routes_connections(r) != facts.http);
     let mut valid = Vec::new();
     for route in naming {
         match resources::check_route(route) {

@@ -143,6 +143,12 @@ impl MeshService<'_> {
     }
 }
 
+/// Whether a route shapes connections (TCP and TLS routes, on TCP ports) rather than
+/// HTTP requests.
+pub fn routes_connections(route: &Route) -> bool {
+    matches!(route.kind(), RouteKind::Tcp | RouteKind::Tls)
+}
+
 pub fn is_http(protocol: Protocol) -> bool {
     matches!(protocol, Protocol::Http | Protocol::Http2 | Protocol::Grpc)
 }
@@ -463,9 +469,9 @@ impl Generator {
         self.http_filters
             .refresh(&inputs.catalog.http_filters, &self.identities.trust_domain);
         self.mesh = MeshSettings::new(&inputs.catalog.mesh_configs);
-        // TCP routes shape the pods' TCP chains; the others, the HTTP route tables.
+        // TCP and TLS routes shape the pods' TCP chains; the others, the HTTP route tables.
         let (tcp_routes, http_routes): (Vec<Arc<Route>>, Vec<Arc<Route>>) =
-            (self.checked.valid.iter().cloned()).partition(|r| r.kind() == RouteKind::Tcp);
+            (self.checked.valid.iter().cloned()).partition(|r| routes_connections(r));
         let attached = routes::Attached::new(http_routes.iter().map(|r| &**r));
         let tcp_attached = routes::Attached::new(tcp_routes.iter().map(|r| &**r));
         // A table of its own only for a namespace whose callers live here.

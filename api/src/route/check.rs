@@ -24,6 +24,7 @@ pub mod limits {
     pub const HEADER_VALUE_LEN: usize = 4096;
     pub const QUERY_VALUE_LEN: usize = 1024;
     pub const HOSTNAME_LEN: usize = 253;
+    pub const HOSTNAMES: usize = 16;
 }
 
 pub const METHODS: [&str; 9] = [
@@ -142,6 +143,20 @@ pub fn replacement_path(value: &str, empty_allowed: bool) -> Result<(), String> 
         return Ok(());
     }
     path(value)
+}
+
+/// A TLS server name a route takes: a hostname, or `*.` and a hostname (the API's
+/// wildcard, one leading label); never an IP literal.
+pub fn server_name(value: &str) -> Result<(), String> {
+    let name = value.strip_prefix("*.").unwrap_or(value);
+    let not_ip = name.parse::<std::net::IpAddr>().is_err();
+    match subdomain(name) {
+        Ok(()) if not_ip && name.contains('.') => Ok(()),
+        _ => Err(format!(
+            "{} is not a server name (a lowercase DNS name with a dot, or *. and one)",
+            quote(value)
+        )),
+    }
 }
 
 /// A hostname a redirect or rewrite writes (PreciseHostname: no wildcard, no IP literal).

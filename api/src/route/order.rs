@@ -165,11 +165,13 @@ impl<'a> MatchRef<'a> {
     }
 }
 
-/// Of routes that tie on everything they match (TCP routes match nothing), the one that
-/// applies: the oldest, then the first by namespace and name (Gateway API precedence).
-pub fn winner<'a>(routes: &[&'a Route]) -> Option<&'a Route> {
-    let created = |r: &Route| (r.created_unix_seconds, r.namespace.clone(), r.name.clone());
-    routes.iter().copied().min_by_key(|r| created(r))
+/// Orders routes that tie on everything they match (TCP and TLS routes match no
+/// request) by Gateway API precedence: the oldest first, then by namespace and name.
+pub fn oldest_first(routes: &mut [&Route]) {
+    fn key(r: &Route) -> (i64, &str, &str) {
+        (r.created_unix_seconds, &r.namespace, &r.name)
+    }
+    routes.sort_by(|a, b| key(a).cmp(&key(b)));
 }
 
 /// Every match of every rule of `routes` (a rule without matches once), most

@@ -49,9 +49,27 @@ pub fn validate(route: &Route) -> Result<(), InvalidRoute> {
         "rules",
         "hold more than 128 matches in all",
     )?;
-    if kind == RouteKind::Tcp {
-        ensure(route.rules.len() == 1, "rules", "a TCP route holds exactly one rule")?;
+    let connections = matches!(kind, RouteKind::Tcp | RouteKind::Tls);
+    if connections {
+        ensure(
+            route.rules.len() == 1,
+            "rules",
+            "a TCP or TLS route holds exactly one rule",
+        )?;
         tcp_rule(&route.rules[0], "rules[0]")?;
+    }
+    ensure(
+        kind == RouteKind::Tls || route.hostnames.is_empty(),
+        "hostnames",
+        "is set in a route that is not TLS",
+    )?;
+    ensure(
+        route.hostnames.len() <= limits::HOSTNAMES,
+        "hostnames",
+        "holds more than 16",
+    )?;
+    for (i, hostname) in route.hostnames.iter().enumerate() {
+        at(format!("hostnames[{i}]"), check::server_name(hostname))?;
     }
     for (i, rule) in route.rules.iter().enumerate() {
         self::rule(rule, kind, &format!("rules[{i}]"))?;
@@ -59,7 +77,7 @@ pub fn validate(route: &Route) -> Result<(), InvalidRoute> {
     Ok(())
 }
 
-/// A TCP route's rule splits connections: weighted backends and nothing a request has.
+/// A TCP or TLS route's rule splits connections: weighted backends and nothing a request has.
 fn tcp_rule(rule: &RouteRule, field: &str) -> Result<(), InvalidRoute> {
     let request_only = !rule.matches.is_empty()
         || !rule.filters.is_empty()
@@ -70,7 +88,7 @@ fn tcp_rule(rule: &RouteRule, field: &str) -> Result<(), InvalidRoute> {
     ensure(
         !request_only,
         field,
-        "a TCP route has no matches, filters, timeouts or retry",
+        "a TCP or TLS route has no matches, filters, timeouts or retry",
     )?;
     ensure(!rule.backends.is_empty(), format!("{field}.backends"), "is empty")
 }

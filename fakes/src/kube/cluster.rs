@@ -32,7 +32,7 @@ pub(super) struct Kind {
 /// CNI installer's owner DaemonSet, and the Gateway API routes the registrar watches and
 /// writes the status of (CRDs with the status subresource, as gateway-api installs them),
 /// and the mesh's AuthorizationPolicies, HTTPFilters and MeshConfigs (ours, with the status subresource too).
-const SERVED: [Kind; 12] = [
+const SERVED: [Kind; 13] = [
     Kind::of::<Pod>().with_status(),
     Kind::of::<Node>().with_status(),
     Kind::of::<Service>().with_status(),
@@ -45,6 +45,12 @@ const SERVED: [Kind; 12] = [
         api_version: "gateway.networking.k8s.io/v1alpha2",
         kind: "TCPRoute",
         plural: "tcproutes",
+        status: true,
+    },
+    Kind {
+        api_version: "gateway.networking.k8s.io/v1alpha2",
+        kind: "TLSRoute",
+        plural: "tlsroutes",
         status: true,
     },
     Kind {

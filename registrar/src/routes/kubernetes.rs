@@ -1,4 +1,4 @@
-//! The Kubernetes route source: Gateway API HTTPRoute, GRPCRoute and TCPRoute objects watched in
+//! The Kubernetes route source: Gateway API HTTPRoute, GRPCRoute, TCPRoute and TLSRoute objects watched in
 //! all namespaces ([`ClusterRoutes`], one watch per registrar), projected by the one
 //! projector, and their `status.parents[]` written back ([`status`]).
 //!

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use aether_api::gateway::{GrpcRoute, HttpRoute, TcpRoute};
+use aether_api::gateway::{GrpcRoute, HttpRoute, TcpRoute, TlsRoute};
 use aether_fakes::kube::ApiServer;
 use k8s_openapi::api::core::v1::Service;
 use serde_json::{Value, json};
@@ -63,6 +63,7 @@ impl Written {
                     match kind.as_str() {
                         "GRPCRoute" => cluster.delete::<GrpcRoute>(&namespace, &name),
                         "TCPRoute" => cluster.delete::<TcpRoute>(&namespace, &name),
+                        "TLSRoute" => cluster.delete::<TlsRoute>(&namespace, &name),
                         _ => cluster.delete::<HttpRoute>(&namespace, &name),
                     }
                 }
@@ -71,7 +72,7 @@ impl Written {
     }
 }
 
-/// Applies every HTTPRoute, GRPCRoute and TCPRoute of `yaml` (one or more documents) to the fake API server, whole.
+/// Applies every HTTPRoute, GRPCRoute, TCPRoute and TLSRoute of `yaml` (one or more documents) to the fake API server, whole.
 pub fn apply_routes(cluster: &ApiServer, yaml: &str) -> Written {
     let mut input = yaml.as_bytes();
     let mut applied = Vec::new();
@@ -85,6 +86,7 @@ pub fn apply_routes(cluster: &ApiServer, yaml: &str) -> Written {
             "HTTPRoute" => cluster.apply::<HttpRoute>(document),
             "GRPCRoute" => cluster.apply::<GrpcRoute>(document),
             "TCPRoute" => cluster.apply::<TcpRoute>(document),
+            "TLSRoute" => cluster.apply::<TlsRoute>(document),
             other => panic!("routes YAML: a {other:?}, not a route"),
         };
         applied.push((kind, namespace, name));

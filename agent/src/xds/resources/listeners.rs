@@ -18,8 +18,11 @@ use envoy_types::pb::envoy::config::common::mutation_rules::v3::{HeaderMutation 
 use envoy_types::pb::envoy::config::core::v3::{
     CidrRange, HeaderValue, HeaderValueOption, TypedExtensionConfig, header_value_option,
 };
+use std::collections::BTreeSet;
+
 use envoy_types::pb::envoy::config::listener::v3::{
-    AdditionalAddress, Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter, listener_filter,
+    AdditionalAddress, Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter,
+    ListenerFilterChainMatchPredicate, filter, listener_filter, listener_filter_chain_match_predicate as predicate,
 };
 use envoy_types::pb::envoy::extensions::filters::http::on_demand::v3::{OnDemand, OnDemandCds};
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
@@ -31,13 +34,14 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
 };
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::{TcpProxy, tcp_proxy};
 use envoy_types::pb::envoy::extensions::http::early_header_mutation::header_mutation::v3::HeaderMutation as EarlyHeaderMutation;
+use envoy_types::pb::envoy::r#type::v3::Int32Range;
 use envoy_types::pb::google::protobuf::{Any, BoolValue, UInt32Value};
 
 use super::authorization::Filters;
 use super::clusters::local_name;
 use super::http_filters::Enabled;
 use super::routes::{DESTINATION_HEADER, inbound_routes, inbound_routes_name};
-use super::tcp_routes::NO_BACKEND;
+use super::tcp_routes::{Backends, NO_BACKEND};
 use super::transport::{self, Mtls};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
 use super::{Declared, PodFilters, is_http};
@@ -268,6 +272,11 @@ fn outbound(
     callers: &[HttpFilter],
 ) -> Listener {
     let mut filter_chains = tcp_chains(pod, declared, mtls);
+    let sni_ports: BTreeSet<u32> = (filter_chains.iter())
+        .filter_map(|c| c.filter_chain_match.as_ref())
+        .filter(|m| !m.server_names.is_empty())
+        .filter_map(|m| m.destination_port.as_ref().map(|p| p.value))
+        .collect();
     filter_chains.push(outgoing(
         pod,
         mtls,
@@ -287,11 +296,19 @@ fn outbound(
             ..Default::default()
         }],
         // A redirected connection's original destination (the VIP) picks its chain; on
-        // 18081 there is none and the local address stays.
-        listener_filters: vec![listener_filter(
+        // 18081 there is none and the local address stays. Then the server name, only on
+        // the ports TLS routes choose by it.
+        listener_filters: [listener_filter(
             "envoy.filters.listener.original_dst",
             &OriginalDst::default(),
-        )],
+        )]
+        .into_iter()
+        .chain(server_name_inspector(&sni_ports))
+        .collect(),
+        // A client that speaks first in plaintext on a port routed by server name
+        // reaches the routes for connections without one after this, not never.
+        listener_filters_timeout: millis(1000),
+        continue_on_listener_filters_timeout: true,
         enable_reuse_port: reuse_port(pod),
         filter_chains,
         default_filter_chain: Some(outgoing(
@@ -306,8 +323,9 @@ fn outbound(
 
 /// Plain TCP to a declared service's address and TCP port: per endpoint port one chain
 /// for its VIP (with the ClusterIPs when a Service port is the same number), and one for
-/// the ClusterIPs on each other Service port that targets it. A TCP route on the port
-/// splits its connections over the route's backends.
+/// the ClusterIPs on each other Service port that targets it. Routes on the port (see
+/// `tcp_routes`) add a chain per set of server names and split connections over their
+/// backends.
 fn tcp_chains(pod: &LocalPod, declared: &Declared, mtls: Option<&Mtls>) -> Vec<FilterChain> {
     let mut filter_chains = Vec::new();
     for service in declared.services {
@@ -323,27 +341,58 @@ fn tcp_chains(pod: &LocalPod, declared: &Declared, mtls: Option<&Mtls>) -> Vec<F
                 .iter()
                 .filter(|p| *p != port && !cluster_ips.is_empty());
             let chains = std::iter::once((*port, vip)).chain(others.map(|p| (*p, cluster_ips.clone())));
+            let stat_prefix = format!("capture.{}", name.replace(':', "_"));
+            let routes = declared.splits.get(&name);
+            let by_server_name = routes.map_or(&[][..], |r| &r.by_server_name[..]);
+            let otherwise = routes.and_then(|r| r.otherwise.as_ref());
             for (destination_port, prefix_ranges) in chains {
-                filter_chains.push(outgoing(
-                    pod,
-                    mtls,
-                    Some(FilterChainMatch {
-                        destination_port: Some(UInt32Value {
-                            value: destination_port,
-                        }),
-                        prefix_ranges,
-                        ..Default::default()
+                let chain_match = |server_names: &[String]| FilterChainMatch {
+                    destination_port: Some(UInt32Value {
+                        value: destination_port,
                     }),
-                    tcp_proxy_split(
-                        &format!("capture.{}", name.replace(':', "_")),
-                        &name,
-                        declared.splits.get(&name),
-                    ),
-                ));
+                    prefix_ranges: prefix_ranges.clone(),
+                    server_names: server_names.to_vec(),
+                    ..Default::default()
+                };
+                for (server_names, backends) in by_server_name {
+                    let proxy = tcp_proxy_split(&stat_prefix, &name, Some(backends));
+                    filter_chains.push(outgoing(pod, mtls, Some(chain_match(server_names)), proxy));
+                }
+                let proxy = tcp_proxy_split(&stat_prefix, &name, otherwise);
+                filter_chains.push(outgoing(pod, mtls, Some(chain_match(&[])), proxy));
             }
         }
     }
     filter_chains
+}
+
+/// The TLS inspector (which reads the ClientHello's server name), disabled on every
+/// destination port but `ports`: a server-first protocol elsewhere must never wait for a
+/// ClientHello that never comes.
+fn server_name_inspector(ports: &BTreeSet<u32>) -> Option<ListenerFilter> {
+    if ports.is_empty() {
+        return None;
+    }
+    let port = |p: &u32| ListenerFilterChainMatchPredicate {
+        rule: Some(predicate::Rule::DestinationPortRange(Int32Range {
+            start: *p as i32,
+            end: *p as i32 + 1,
+        })),
+    };
+    // Envoy wants at least two rules in a set.
+    let any_of = match ports.len() {
+        1 => ports.iter().map(port).next().unwrap_or_default(),
+        _ => ListenerFilterChainMatchPredicate {
+            rule: Some(predicate::Rule::OrMatch(predicate::MatchSet {
+                rules: ports.iter().map(port).collect(),
+            })),
+        },
+    };
+    let mut inspector = listener_filter("envoy.filters.listener.tls_inspector", &TlsInspector::default());
+    inspector.filter_disabled = Some(ListenerFilterChainMatchPredicate {
+        rule: Some(predicate::Rule::NotMatch(Box::new(any_of))),
+    });
+    Some(inspector)
 }
 
 /// One address as a CIDR range.
@@ -386,7 +435,7 @@ fn inbound_hcm(pod: &LocalPod, authz: &Filters, filters: &[HttpFilter]) -> HttpC
 }
 
 /// To `cluster`, or over a TCP route's weighted backends (see `tcp_routes`).
-fn tcp_proxy_split(stat_prefix: &str, cluster: &str, split: Option<&Vec<(String, u32)>>) -> Filter {
+fn tcp_proxy_split(stat_prefix: &str, cluster: &str, split: Option<&Backends>) -> Filter {
     let specifier = match split.map(Vec::as_slice) {
         None => tcp_proxy::ClusterSpecifier::Cluster(cluster.to_owned()),
         Some([]) => tcp_proxy::ClusterSpecifier::Cluster(NO_BACKEND.to_owned()),

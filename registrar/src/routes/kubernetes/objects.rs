@@ -9,7 +9,7 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_api::gateway::{GrpcRoute, HttpRoute, TcpRoute};
+use aether_api::gateway::{GrpcRoute, HttpRoute, TcpRoute, TlsRoute};
 use aether_api::{Rejected, RouteObject, project};
 use aether_proto::registry::v1::{Route, RouteKind};
 use futures::StreamExt;
@@ -26,8 +26,8 @@ pub const DEBOUNCE: Duration = Duration::from_millis(100);
 /// How often a kind whose CRD is missing is looked for again.
 pub const ABSENT_RETRY: Duration = Duration::from_secs(30);
 /// The first and the longest pause after any other watch failure.
-/// HTTPRoute, GRPCRoute and TCPRoute: the set is known once each is listed or absent.
-const ROUTE_KINDS: usize = 3;
+/// HTTPRoute, GRPCRoute, TCPRoute and TLSRoute: the set is known once each is listed or absent.
+const ROUTE_KINDS: usize = 4;
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(500), Duration::from_secs(30));
 
 /// What projecting an object gave: its route (`None`: no Service parent, so not the
@@ -89,11 +89,13 @@ async fn collect(client: Client, tx: watch::Sender<Option<Arc<RouteSet>>>) {
     let (inputs_tx, inputs) = mpsc::channel(1024);
     let http = Api::<HttpRoute>::all(client.clone());
     let grpc = Api::<GrpcRoute>::all(client.clone());
-    let tcp = Api::<TcpRoute>::all(client);
+    let tcp = Api::<TcpRoute>::all(client.clone());
+    let tls = Api::<TlsRoute>::all(client);
     let tasks = [
         tokio::spawn(follow(http, RouteKind::Http, RouteObject::Http, inputs_tx.clone())),
         tokio::spawn(follow(grpc, RouteKind::Grpc, RouteObject::Grpc, inputs_tx.clone())),
-        tokio::spawn(follow(tcp, RouteKind::Tcp, RouteObject::Tcp, inputs_tx)),
+        tokio::spawn(follow(tcp, RouteKind::Tcp, RouteObject::Tcp, inputs_tx.clone())),
+        tokio::spawn(follow(tls, RouteKind::Tls, RouteObject::Tls, inputs_tx)),
     ];
     publish(Collected::default(), inputs, DEBOUNCE, tx).await;
     for task in tasks {

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_api::gateway::{GrpcRoute, HttpRoute, ParentReference, RouteParentStatus, TcpRoute};
+use aether_api::gateway::{GrpcRoute, HttpRoute, ParentReference, RouteParentStatus, TcpRoute, TlsRoute};
 use aether_api::route::is_service_parent;
 use aether_api::status::{CONTROLLER_NAME, merge_parent_status};
 use aether_api::{RouteObject, parent_status, unresolved_backends};
@@ -89,6 +89,7 @@ fn current_parents(object: &RouteObject) -> &[RouteParentStatus] {
         RouteObject::Http(route) => route.status.as_ref(),
         RouteObject::Grpc(route) => route.status.as_ref(),
         RouteObject::Tcp(route) => route.status.as_ref(),
+        RouteObject::Tls(route) => route.status.as_ref(),
     };
     status.map_or(&[], |s| &s.parents)
 }
@@ -143,6 +144,10 @@ impl Writer {
                 .await
                 .map(drop),
             RouteObject::Tcp(_) => Api::<TcpRoute>::namespaced(self.client.clone(), namespace)
+                .patch_status(name, &params, &patch)
+                .await
+                .map(drop),
+            RouteObject::Tls(_) => Api::<TlsRoute>::namespaced(self.client.clone(), namespace)
                 .patch_status(name, &params, &patch)
                 .await
                 .map(drop),

@@ -150,6 +150,7 @@ pub fn http_route(name: &str, rules: Vec<RouteRule>) -> Route {
         rules,
         created_unix_seconds: 1_700_000_000,
         generation: 1,
+        hostnames: Vec::new(),
     }
 }
 

@@ -72,7 +72,43 @@ fn every_feature() -> Vec<Route> {
     let mut rules = vec![split, rule(vec![path(MatchType::Exact, "/none")], &[])];
     rules.extend(redirects());
     rules.extend(rewrites());
-    vec![http_route("features", rules), grpc_route(), consumer_route()]
+    let mut routes = vec![http_route("features", rules), grpc_route(), consumer_route()];
+    routes.extend(connection_routes());
+    routes
+}
+
+/// On db's TCP ports: a TCP split (one backend missing), and TLS routes by server name on
+/// every port (so the TLS inspector is enabled on two ports).
+fn connection_routes() -> Vec<Route> {
+    let on_db = |kind: RouteKind, name: &str, port: u32, hostnames: &[&str], backends: &[(&str, u32)]| {
+        let mut route = http_route(name, vec![rule(Vec::new(), backends)]);
+        route.kind = kind as i32;
+        route.parents[0] = RouteParent {
+            service: "gamma/db".into(),
+            port,
+        };
+        for backend in &mut route.rules[0].backends {
+            backend.port = 5432;
+        }
+        route.hostnames = hostnames.iter().map(|h| (*h).to_owned()).collect();
+        route
+    };
+    vec![
+        on_db(
+            RouteKind::Tcp,
+            "db-split",
+            5432,
+            &[],
+            &[("gamma/db", 9), ("gamma/nowhere", 1)],
+        ),
+        on_db(
+            RouteKind::Tls,
+            "db-sni",
+            0,
+            &["a.example.com", "*.b.example.com"],
+            &[("gamma/db", 1)],
+        ),
+    ]
 }
 
 fn redirects() -> Vec<RouteRule> {
@@ -333,6 +369,15 @@ async fn envoy_accepts_the_compiled_routes_of_every_feature() {
         .annotations
         .insert("config.aether.io/upstreams".into(), "gamma/echo,gamma/db".into());
     let mut catalog = catalog(every_feature());
+    // db serves a second TCP port.
+    let db = catalog.endpoints.get_mut("gamma/db").unwrap();
+    let mut endpoints = (**db).clone();
+    for endpoint in endpoints.values_mut() {
+        let mut second = endpoint.ports[0].clone();
+        second.port = 5433;
+        endpoint.ports.push(second);
+    }
+    *db = Arc::new(endpoints);
     // ClusterIPs (v4 and v6) and Kubernetes names in the tables, ClusterIPs in the TCP chains.
     for key in ["gamma/echo-v1", "gamma/db"] {
         catalog.services.get_mut(key).unwrap().kubernetes = Some(aether_proto::registry::v1::KubernetesService {
@@ -351,6 +396,17 @@ async fn envoy_accepts_the_compiled_routes_of_every_feature() {
         .collect::<Vec<_>>();
     // Every rule compiled (the https redirect once per authority with a port), and 404.
     assert_eq!(routes, [15, 2]);
+    // The server's TLS inspector is limited to db's two ports, which route by server name.
+    let outbound = generated[crate::xds::LISTENER]
+        .iter()
+        .find(|r| r.name == "outbound|gamma/server")
+        .map(|r| Listener::decode(&*r.body.value).unwrap())
+        .unwrap();
+    let inspector = format!("{:?}", outbound.listener_filters[1].filter_disabled);
+    assert!(
+        inspector.contains("OrMatch") && inspector.contains("start: 5433"),
+        "{inspector}"
+    );
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("bootstrap.pb");
     std::fs::write(&path, bootstrap(&generated, |_| {}).encode_to_vec()).unwrap();
