@@ -188,6 +188,6 @@ mod tests {
         assert_eq!(AppProtocol::from_port_name("http-web"), AppProtocol::Http);
         assert_eq!(AppProtocol::from_port_name("grpc-api"), AppProtocol::Grpc);
         assert_eq!(AppProtocol::from_port_name("h2c"), AppProtocol::Http2);
-        assert_eq!(AppProtocol::from_port_name("redis"), AppProtocol::Tcp);
+        assert_eq!(AppProtocol::from_port_name("redis"), AppProtocol::Redis);
     }
 }

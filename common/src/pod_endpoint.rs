@@ -81,16 +81,24 @@ impl PodEndpoints {
 
 /// A mesh port as the registry carries it (unnamed: the protocol is what the mesh uses).
 fn mesh_port(port: u16, protocol: AppProtocol) -> Port {
-    let protocol = match protocol {
-        AppProtocol::Tcp => Protocol::Tcp,
-        AppProtocol::Http => Protocol::Http,
-        AppProtocol::Http2 => Protocol::Http2,
-        AppProtocol::Grpc => Protocol::Grpc,
-    };
     Port {
         name: String::new(),
         port: u32::from(port),
-        protocol: protocol as i32,
+        protocol: registry_protocol(protocol) as i32,
+    }
+}
+
+/// The catalog's name for a protocol.
+pub fn registry_protocol(protocol: AppProtocol) -> Protocol {
+    match protocol {
+        AppProtocol::Tcp => Protocol::Tcp,
+        AppProtocol::Tls => Protocol::Tls,
+        AppProtocol::Redis => Protocol::Redis,
+        AppProtocol::Thrift => Protocol::Thrift,
+        AppProtocol::Dubbo => Protocol::Dubbo,
+        AppProtocol::Http => Protocol::Http,
+        AppProtocol::Http2 => Protocol::Http2,
+        AppProtocol::Grpc => Protocol::Grpc,
     }
 }
 

@@ -38,32 +38,66 @@ pub fn locality_from_labels<'a>(labels: impl Iterator<Item = (&'a str, &'a str)>
     locality
 }
 
-/// How the mesh carries a port, from its name (`http`, `http-*`, `grpc*`, `h2*`), as
-/// Kubernetes port-naming conventions do; anything else is plain TCP.
+/// What a port speaks. HTTP, HTTP/2 and gRPC the mesh carries as HTTP (routes, retries,
+/// request metrics); the others are TCP streams to the mesh's transport, their protocol
+/// named for what the node's proxy can do with it (TLS: routed by server name).
+/// The order puts the stream protocols first: a port listed twice keeps the lower one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum AppProtocol {
     Tcp,
+    Tls,
+    Redis,
+    Thrift,
+    Dubbo,
     Http,
     Http2,
     Grpc,
 }
 
+/// Port name prefixes, the first that matches wins (`https` before `http`).
+const PORT_NAME_PREFIXES: [(&str, AppProtocol); 10] = [
+    ("grpc", AppProtocol::Grpc),
+    ("http2", AppProtocol::Http2),
+    ("h2", AppProtocol::Http2),
+    ("https", AppProtocol::Tls),
+    ("http", AppProtocol::Http),
+    ("tls", AppProtocol::Tls),
+    ("redis", AppProtocol::Redis),
+    ("thrift", AppProtocol::Thrift),
+    ("dubbo", AppProtocol::Dubbo),
+    ("tcp", AppProtocol::Tcp),
+];
+
 impl AppProtocol {
+    /// From a port's name, by prefix, case-insensitive (`http-web`, `grpc-api`, `redis`,
+    /// `h2c`, `https`); anything else is plain TCP.
     pub fn from_port_name(name: &str) -> Self {
         let name = name.to_ascii_lowercase();
-        if name.starts_with("grpc") {
-            Self::Grpc
-        } else if name.starts_with("h2") || name.starts_with("http2") {
-            Self::Http2
-        } else if name.starts_with("http") {
-            Self::Http
-        } else {
-            Self::Tcp
-        }
+        (PORT_NAME_PREFIXES.iter())
+            .find(|(prefix, _)| name.starts_with(prefix))
+            .map_or(Self::Tcp, |(_, protocol)| *protocol)
+    }
+
+    /// From a Kubernetes Service port's `appProtocol` (IANA service names, the
+    /// `kubernetes.io/` ones, and the mesh's own), case-insensitive; `None` for a value the
+    /// mesh does not know.
+    pub fn from_app_protocol(value: &str) -> Option<Self> {
+        let protocol = match value.to_ascii_lowercase().as_str() {
+            "tcp" => Self::Tcp,
+            "tls" | "https" | "kubernetes.io/wss" => Self::Tls,
+            "redis" => Self::Redis,
+            "thrift" => Self::Thrift,
+            "dubbo" => Self::Dubbo,
+            "http" | "kubernetes.io/ws" => Self::Http,
+            "http2" | "h2c" | "kubernetes.io/h2c" => Self::Http2,
+            "grpc" => Self::Grpc,
+            _ => return None,
+        };
+        Some(protocol)
     }
 
     pub fn is_http(self) -> bool {
-        self != Self::Tcp
+        matches!(self, Self::Http | Self::Http2 | Self::Grpc)
     }
 }
 
@@ -125,13 +159,53 @@ mod tests {
         assert_eq!(
             ports,
             [
-                (6379, AppProtocol::Tcp),
+                (6379, AppProtocol::Redis),
                 (7000, AppProtocol::Http2),
                 // A number listed twice keeps one entry (the agent's rule: the lowest protocol).
                 (8080, AppProtocol::Tcp),
                 (9090, AppProtocol::Grpc)
             ]
         );
+    }
+
+    #[test]
+    fn port_names_and_app_protocols_name_the_protocol() {
+        use AppProtocol::*;
+        let names = [
+            ("http", Http),
+            ("HTTP-web", Http),
+            ("https", Tls),
+            ("https-admin", Tls),
+            ("http2", Http2),
+            ("h2c", Http2),
+            ("grpc-api", Grpc),
+            ("tls", Tls),
+            ("redis-main", Redis),
+            ("thrift", Thrift),
+            ("dubbo-rpc", Dubbo),
+            ("tcp-db", Tcp),
+            ("postgres", Tcp),
+            ("", Tcp),
+        ];
+        for (name, protocol) in names {
+            assert_eq!(AppProtocol::from_port_name(name), protocol, "{name:?}");
+        }
+        let values = [
+            ("kubernetes.io/h2c", Some(Http2)),
+            ("kubernetes.io/ws", Some(Http)),
+            ("kubernetes.io/wss", Some(Tls)),
+            ("HTTPS", Some(Tls)),
+            ("Redis", Some(Redis)),
+            ("thrift", Some(Thrift)),
+            ("dubbo", Some(Dubbo)),
+            ("tcp", Some(Tcp)),
+            ("example.com/custom", None),
+            ("", None),
+        ];
+        for (value, protocol) in values {
+            assert_eq!(AppProtocol::from_app_protocol(value), protocol, "{value:?}");
+        }
+        assert!(Grpc.is_http() && Http2.is_http() && !Tls.is_http() && !Redis.is_http());
     }
 
     #[test]

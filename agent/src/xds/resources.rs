@@ -31,6 +31,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use aether_api::mesh_config::ResilienceSettings;
+use aether_common::pod_endpoint::registry_protocol;
+use aether_common::pod_meta::AppProtocol;
 use aether_proto::registry::v1::{
     AuthorizationPolicy, DefaultAuthorization, Locality, Protocol, Route, RouteKind, Service, ServicePort,
 };
@@ -189,19 +191,43 @@ pub fn services<'a>(catalog: &'a CatalogView, mesh_domain: &str) -> Vec<MeshServ
                     }
                 }
             }
+            let kubernetes_ports = service.kubernetes.as_ref().and_then(|k| target_ports(&k.ports, &named));
+            if let (Some(kubernetes), Some(targets)) = (&service.kubernetes, &kubernetes_ports) {
+                refine_stream_protocols(&mut ports, &kubernetes.ports, targets);
+            }
             MeshService {
                 key,
                 service,
                 fqdn: fqdn(key, mesh_domain),
                 vip: &service.vip,
                 cluster_ips: service.kubernetes.as_ref().map_or(&[], |k| k.cluster_ips.as_slice()),
-                kubernetes_ports: service.kubernetes.as_ref().and_then(|k| target_ports(&k.ports, &named)),
+                kubernetes_ports,
                 ports,
                 endpoints: catalog.endpoints.get(key),
                 bare: false,
             }
         })
         .collect()
+}
+
+/// A Service port's `appProtocol` names the protocol of the TCP stream port it targets
+/// (e.g. `redis` on a port named `cache`). It never turns a stream into HTTP or back:
+/// the serving node sees only the pod, whose port names decide that.
+fn refine_stream_protocols(
+    ports: &mut BTreeMap<u32, Protocol>,
+    service_ports: &[ServicePort],
+    targets: &BTreeMap<u32, u32>,
+) {
+    for service_port in service_ports {
+        let named = AppProtocol::from_app_protocol(&service_port.app_protocol).filter(|p| !p.is_http());
+        let target = targets.get(&service_port.port);
+        let (Some(named), Some(target)) = (named, target) else {
+            continue;
+        };
+        if let Some(protocol) = ports.get_mut(target).filter(|p| !is_http(**p)) {
+            *protocol = registry_protocol(named);
+        }
+    }
 }
 
 /// Each Service port's endpoint port; a named target is the port the endpoints give that
@@ -868,6 +894,59 @@ pub fn pod_listener_names(pod: &LocalPod) -> BTreeSet<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_service_ports_app_protocol_names_a_stream_ports_protocol_only() {
+        use aether_proto::registry::v1::{Endpoint, KubernetesService, Port};
+        let mut catalog = CatalogView::default();
+        let port = |port: u32, protocol: Protocol| Port {
+            name: String::new(),
+            port,
+            protocol: protocol as i32,
+        };
+        let endpoint = Endpoint {
+            service: "shop/cache".into(),
+            address: "10.1.0.1".into(),
+            ports: vec![
+                port(6379, Protocol::Tcp),
+                port(8080, Protocol::Http),
+                port(9000, Protocol::Tcp),
+            ],
+            ..Default::default()
+        };
+        let service_port = |port: u32, app_protocol: &str| ServicePort {
+            port,
+            target_port: port,
+            app_protocol: app_protocol.into(),
+            ..Default::default()
+        };
+        let service = Service {
+            namespace: "shop".into(),
+            name: "cache".into(),
+            vip: "240.240.0.1".into(),
+            kubernetes: Some(KubernetesService {
+                ports: vec![
+                    service_port(6379, "redis"),
+                    service_port(8080, "thrift"),
+                    service_port(9000, "kubernetes.io/h2c"),
+                ],
+                ..Default::default()
+            }),
+        };
+        catalog.services.insert("shop/cache".into(), service);
+        let endpoints = [("10.1.0.1".to_owned(), endpoint)].into_iter().collect();
+        catalog.endpoints.insert("shop/cache".into(), Arc::new(endpoints));
+        let services = services(&catalog, "mesh");
+        assert_eq!(
+            services[0].ports,
+            BTreeMap::from([
+                (6379, Protocol::Redis),
+                // Never HTTP into a stream, nor a stream out of HTTP: the pod's names decide.
+                (8080, Protocol::Http),
+                (9000, Protocol::Tcp),
+            ])
+        );
+    }
 
     #[test]
     fn authorities_map_back_to_services() {
