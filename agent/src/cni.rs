@@ -112,6 +112,8 @@ pub struct CniSettings {
     pub pod_lookup_timeout: Duration,
     /// How pods' traffic is captured; a request's capture options are checked against it.
     pub capture: CaptureConfig,
+    /// Links to pods' volumes for UDS delivery.
+    pub uds: crate::uds::UdsLinks,
 }
 
 #[derive(Clone)]
@@ -310,6 +312,9 @@ impl CniService {
     /// fails, all are undone (fail closed): the retried ADD starts clean.
     async fn join(&self, pod: &LocalPod, capture: Option<&PodCapture>) -> Result<Took, Status> {
         let started = Instant::now();
+        self.settings.uds.link(&pod.info).map_err(|e| {
+            Status::failed_precondition(format!("linking the volume of pod {}'s Unix socket: {e}", pod.id()))
+        })?;
         // The node builds the pod's config while the pod is written to disk.
         let generation = self.node.add_pod(pod.clone());
         let (saved, registered, envoy, captured) = tokio::join!(
@@ -335,6 +340,7 @@ impl CniService {
     /// unregistered, and its capture (if it was to be captured) removed.
     async fn roll_back(&self, pod: &LocalPod, captured: bool) {
         let _ = self.node.remove_pod(pod).await;
+        let _ = self.settings.uds.unlink(&pod.info);
         let _ = self
             .effects
             .registration
@@ -422,6 +428,9 @@ impl CniService {
         }
         if let Err(error) = capture.unpin(&pod.netns) {
             tracing::warn!(pod = %pod.id(), netns = %pod.netns.display(), %error, "removing the netns pin failed");
+        }
+        if let Err(error) = self.settings.uds.unlink(&pod.info) {
+            tracing::warn!(pod = %pod.id(), %error, "removing the link to the pod's socket volume failed");
         }
         tracing::info!(pod = %pod.id(), "pod removed from the mesh");
         Ok(removed(""))

@@ -99,6 +99,15 @@ pub struct Config {
     #[arg(long, env = "AETHER_NETNS_PIN_DIR", default_value = "/var/run/aether/netns")]
     pub netns_pin_dir: PathBuf,
 
+    /// Where the agent links pods' volumes for UDS delivery (`endpoint.aether.io/uds-socket`):
+    /// Envoy connects to `<dir>/<pod uid>/<file>`.
+    #[arg(long, env = "AETHER_UDS_LINK_DIR", default_value = "/run/aether/uds")]
+    pub uds_link_dir: PathBuf,
+
+    /// kubelet's root directory (`--root-dir`), where pods' volumes are.
+    #[arg(long, env = "AETHER_KUBELET_ROOT_DIR", default_value = "/var/lib/kubelet")]
+    pub kubelet_root_dir: PathBuf,
+
     /// The mesh VIP range: TCP to it is captured inside managed pods.
     #[arg(long, env = "AETHER_MESH_VIP_CIDR", default_value = crate::capture::DEFAULT_VIP_CIDR)]
     pub mesh_vip_cidr: ipnet::IpNet,

@@ -20,5 +20,6 @@ pub mod registrar;
 pub mod registrar_link;
 pub mod request_metrics;
 pub mod server;
+pub mod uds;
 pub use aether_api::pod::upstreams;
 pub mod xds;

@@ -175,6 +175,12 @@ impl Node {
         self
     }
 
+    /// Where pods' Unix sockets are reached (`--uds-link-dir`).
+    pub fn with_uds_link_dir(self, dir: &std::path::Path) -> Self {
+        self.generator.lock().set_uds_link_dir(dir);
+        self
+    }
+
     /// This node's name: its endpoints come first for services that PreferSameNode.
     pub fn with_node_name(self, node_name: &str) -> Self {
         self.generator.lock().set_node_name(node_name);

@@ -211,6 +211,10 @@ fn cni_service(
         excluded_namespaces: config.excluded(),
         pod_lookup_timeout: config.pod_lookup_timeout,
         capture,
+        uds: crate::uds::UdsLinks {
+            link_dir: config.uds_link_dir.clone(),
+            kubelet_root: config.kubelet_root_dir.clone(),
+        },
     };
     CniService::new(node.clone(), directory, settings, effects, metrics.cni.clone())
 }
@@ -257,6 +261,7 @@ fn node(
         metrics.node.clone(),
     )
     .with_cluster_domain(&config.cluster_domain)
+    .with_uds_link_dir(&config.uds_link_dir)
     .with_node_name(&config.node_name);
     let node = match identity {
         Some(identity) => node.with_identity(identity),

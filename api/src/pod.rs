@@ -59,6 +59,50 @@ impl std::fmt::Display for InboundMtls {
     }
 }
 
+/// Delivers the pod's inbound traffic to a Unix socket in one of its volumes instead of
+/// its loopback ports: `<volume>/<file>`, an emptyDir volume of the pod and a socket file
+/// directly in it.
+pub const UDS_SOCKET_ANNOTATION: &str = "endpoint.aether.io/uds-socket";
+
+/// The longest socket file name (the node's link to the volume keeps the whole path
+/// within the 107 bytes a Unix socket address holds).
+pub const UDS_FILE_MAX: usize = 48;
+
+/// Where [`UDS_SOCKET_ANNOTATION`] says the app listens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UdsSocket {
+    pub volume: String,
+    pub file: String,
+}
+
+/// The Unix socket the pod's annotation names, if it has one; the error names the
+/// annotation and quotes the value, bounded.
+pub fn uds_socket(annotations: &BTreeMap<String, String>) -> Result<Option<UdsSocket>, String> {
+    let Some(value) = annotations.get(UDS_SOCKET_ANNOTATION) else {
+        return Ok(None);
+    };
+    let refuse = |why: &str| format!("{UDS_SOCKET_ANNOTATION}: {} {why}", quote(value));
+    let (volume, file) = value
+        .trim()
+        .split_once('/')
+        .ok_or_else(|| refuse("is not <volume>/<file>"))?;
+    upstreams::check(volume).map_err(|_| refuse("names no volume (a DNS-1123 label)"))?;
+    let file_ok = !file.is_empty()
+        && file.len() <= UDS_FILE_MAX
+        && file != "."
+        && file != ".."
+        && file.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if !file_ok {
+        return Err(refuse(
+            "names no socket file (1 to 48 of letters, digits, '.', '_', '-')",
+        ));
+    }
+    Ok(Some(UdsSocket {
+        volume: volume.to_owned(),
+        file: file.to_owned(),
+    }))
+}
+
 /// The inbound mTLS mode the pod's annotation asks for, if it has one.
 pub fn inbound_mtls(annotations: &BTreeMap<String, String>) -> Result<Option<InboundMtls>, InboundError> {
     annotations
@@ -82,6 +126,9 @@ pub fn config_errors(namespace: &str, annotations: &BTreeMap<String, String>) ->
     }
     if let Err(error) = inbound_mtls(annotations) {
         errors.push(error.to_string());
+    }
+    if let Err(error) = uds_socket(annotations) {
+        errors.push(error);
     }
     errors
 }
@@ -129,5 +176,35 @@ mod tests {
                 "security.aether.io/inbound-mtls: \"mtls\" is not strict or permissive",
             ]
         );
+    }
+
+    #[test]
+    fn a_uds_socket_is_a_volume_and_a_file_in_it() {
+        let of = |value: &str| uds_socket(&BTreeMap::from([(UDS_SOCKET_ANNOTATION.to_owned(), value.to_owned())]));
+        let socket = of("sockets/app.sock").unwrap().unwrap();
+        assert_eq!((socket.volume.as_str(), socket.file.as_str()), ("sockets", "app.sock"));
+        assert_eq!(uds_socket(&BTreeMap::new()), Ok(None));
+        for bad in [
+            "app.sock",
+            "Sockets/app.sock",
+            "sockets/",
+            "sockets/..",
+            "sockets/a/b",
+            "/abs/x",
+            "v/sp ace",
+        ] {
+            let error = of(bad).unwrap_err();
+            assert!(error.starts_with(UDS_SOCKET_ANNOTATION), "{bad}: {error}");
+        }
+        assert!(of(&format!("v/{}", "x".repeat(49))).is_err());
+        assert!(
+            of(&format!("v/{}", "x".repeat(10_000))).unwrap_err().len() < 400,
+            "quoted bounded"
+        );
+        let errors = config_errors(
+            "shop",
+            &BTreeMap::from([(UDS_SOCKET_ANNOTATION.to_owned(), "nope".to_owned())]),
+        );
+        assert_eq!(errors.len(), 1, "{errors:?}");
     }
 }

@@ -345,6 +345,27 @@ impl Mesh {
         self.save_manifest(name, manifest);
     }
 
+    /// [`Mesh::describe_pod`] with more annotations.
+    pub fn describe_pod_annotated(
+        &self,
+        pod: &TestPod,
+        name: &str,
+        service_account: &str,
+        ports: &[(&str, u16)],
+        annotations: &[(&str, &str)],
+    ) {
+        let mut manifest = manifest(pod, name, service_account, "", ports);
+        for (key, value) in annotations {
+            manifest["metadata"]["annotations"][*key] = json!(value);
+        }
+        self.save_manifest(name, manifest);
+    }
+
+    /// The uid the pod's manifest gives it.
+    pub fn pod_uid(pod: &TestPod) -> String {
+        format!("uid-{}", pod.netns_name())
+    }
+
     /// The pod's manifest with a deletionTimestamp: it is terminating.
     pub fn describe_terminating_pod(&self, pod: &TestPod, name: &str, service_account: &str, ports: &[(&str, u16)]) {
         let mut manifest = manifest(pod, name, service_account, "", ports);
@@ -547,7 +568,7 @@ fn manifest(
     json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {
-            "name": name, "namespace": NAMESPACE, "uid": format!("uid-{}", pod.netns_name()),
+            "name": name, "namespace": NAMESPACE, "uid": Mesh::pod_uid(pod),
             "labels": {"aether.io/managed": "true"},
             "annotations": {"config.aether.io/upstreams": upstreams}
         },

@@ -166,3 +166,79 @@ async fn a_tls_route_passes_the_apps_own_tls_through_by_server_name() {
     }
     assert_eq!(greeted_by(&client, target, None), "payments");
 }
+
+/// Answers every HTTP/1.1 request on `listener` with `who`, one request per connection.
+fn serve_http_on_unix_socket(listener: tokio::net::UnixListener, who: &'static str) -> tokio::task::JoinHandle<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut request = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => request.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let reply = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{who}",
+                    who.len()
+                );
+                let _ = stream.write_all(reply.as_bytes()).await;
+            });
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbound_traffic_is_delivered_to_the_pods_unix_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let (links, kubelet) = (dir.path().join("uds"), dir.path().join("kubelet"));
+    let agent_args = [
+        "--uds-link-dir",
+        links.to_str().unwrap(),
+        "--kubelet-root-dir",
+        kubelet.to_str().unwrap(),
+    ];
+    let mesh = Mesh::start_with(&agent_args).await;
+    let (client, server) = (mesh.node.add_pod("client"), mesh.node.add_pod("server"));
+    // The app listens on a socket in its emptyDir volume "sockets", as kubelet lays it out.
+    let volume = kubelet
+        .join("pods")
+        .join(Mesh::pod_uid(&server))
+        .join("volumes/kubernetes.io~empty-dir/sockets");
+    std::fs::create_dir_all(&volume).unwrap();
+    let app = serve_http_on_unix_socket(
+        tokio::net::UnixListener::bind(volume.join("app.sock")).unwrap(),
+        "uds-app",
+    );
+    mesh.describe_pod(&client, "client", "client", "server", &[]);
+    let uds = [("endpoint.aether.io/uds-socket", "sockets/app.sock")];
+    mesh.describe_pod_annotated(&server, "server", "server", &[("http", 8080)], &uds);
+    mesh.add_pod_ok(&server, "server").await;
+    mesh.add_pod_ok(&client, "client").await;
+    assert!(links.join(Mesh::pod_uid(&server)).exists(), "the volume is linked");
+
+    // Through the mesh, with mTLS, to the socket: nothing listens on the pod's port 8080.
+    let url = format!("http://{}:8080/hello", mesh.vip("server").await);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let reply = loop {
+        match client.http_get(&url, None).await {
+            Ok(reply) if reply.status == 200 => break reply,
+            other => assert!(Instant::now() < deadline, "no answer from the socket: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(reply.body, "uds-app");
+
+    mesh.remove_pod(&server, "server").await.unwrap();
+    assert!(
+        !links.join(Mesh::pod_uid(&server)).exists(),
+        "the link goes with the pod"
+    );
+    app.abort();
+}

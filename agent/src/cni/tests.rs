@@ -198,6 +198,10 @@ impl Harness {
             excluded_namespaces: BTreeSet::from(["kube-system".to_owned()]),
             pod_lookup_timeout: Duration::from_millis(20),
             capture: CaptureConfig::new(state.path(), "240.240.0.0/16".parse().unwrap(), None, 0x4145),
+            uds: crate::uds::UdsLinks {
+                link_dir: state.path().join("uds"),
+                kubelet_root: state.path().join("kubelet"),
+            },
         };
         let directory = PodDirectory::default();
         let cni = CniService::new(

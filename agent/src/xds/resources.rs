@@ -277,6 +277,24 @@ pub struct Generator {
     cluster_domain: ClusterDomain,
     /// This node's name (endpoints on it are "same node" for trafficDistribution).
     node_name: String,
+    /// Where pods' Unix sockets are reached (`crate::uds`).
+    uds_link_dir: UdsLinkDir,
+}
+
+/// `--uds-link-dir`.
+struct UdsLinkDir(std::path::PathBuf);
+
+impl Default for UdsLinkDir {
+    fn default() -> Self {
+        UdsLinkDir("/run/aether/uds".into())
+    }
+}
+
+impl std::ops::Deref for UdsLinkDir {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
 }
 
 /// Kubernetes' cluster DNS domain (`--cluster-domain`).
@@ -463,6 +481,11 @@ impl Generator {
         self.cluster_domain = ClusterDomain(cluster_domain.to_owned());
     }
 
+    /// Where pods' Unix sockets are reached (`--uds-link-dir`, see `crate::uds`).
+    pub fn set_uds_link_dir(&mut self, dir: &std::path::Path) {
+        self.uds_link_dir = UdsLinkDir(dir.to_owned());
+    }
+
     /// This node's name, as its agent registers endpoints under it.
     pub fn set_node_name(&mut self, node_name: &str) {
         self.node_name = node_name.to_owned();
@@ -638,6 +661,7 @@ impl Generator {
                 }
                 _ => PodMemo::build(
                     pod,
+                    &self.uds_link_dir,
                     Declared {
                         services: &declared,
                         keys: declared_keys,
@@ -799,6 +823,7 @@ struct Declared<'a> {
 impl PodMemo {
     fn build(
         pod: &LocalPod,
+        uds_link_dir: &std::path::Path,
         declared: Declared,
         table: String,
         mtls: Option<&Mtls>,
@@ -806,7 +831,7 @@ impl PodMemo {
         filters: PodFilters,
     ) -> Self {
         let authz = authorization::filters(pod, &policies, &filters.trust_domain);
-        let clusters = clusters::pod_clusters(pod)
+        let clusters = clusters::pod_clusters(pod, uds_link_dir)
             .into_iter()
             .chain(mtls.map(|m| origination::pod_cluster(m, &pod.id())))
             .collect();

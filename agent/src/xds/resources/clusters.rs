@@ -11,7 +11,9 @@ use aether_proto::registry::v1::{
 use envoy_types::pb::envoy::config::cluster::v3::{
     CircuitBreakers, Cluster, OutlierDetection, circuit_breakers, cluster,
 };
-use envoy_types::pb::envoy::config::core::v3::{BindConfig, HealthStatus, Http2ProtocolOptions, Locality};
+use envoy_types::pb::envoy::config::core::v3::{
+    Address, BindConfig, HealthStatus, Http2ProtocolOptions, Locality, Pipe, address,
+};
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, cluster_load_assignment, lb_endpoint,
 };
@@ -104,17 +106,39 @@ pub fn server_sans(mtls: &Mtls, service_key: &str, endpoints: &[&MeshEndpoint]) 
 }
 
 /// A local pod's delivery clusters, one per mesh port.
-pub fn pod_clusters(pod: &crate::pod::LocalPod) -> Vec<(String, Any)> {
+pub fn pod_clusters(pod: &crate::pod::LocalPod, uds_link_dir: &std::path::Path) -> Vec<(String, Any)> {
     let netns = pod.netns.to_string_lossy();
+    let uds = crate::uds::socket_of(&pod.info)
+        .filter(|_| !pod.info.uid.is_empty())
+        .map(|socket| crate::uds::socket_path(uds_link_dir, &pod.info.uid, &socket));
     pod.info
         .mesh_ports()
         .into_iter()
         .map(|(port, _)| {
             let name = local_name(pod, port);
-            let cluster = any(&local_cluster(&name, u32::from(port), &netns));
-            (name, cluster)
+            let cluster = match &uds {
+                Some(path) => uds_cluster(&name, path),
+                None => local_cluster(&name, u32::from(port), &netns),
+            };
+            (name, any(&cluster))
         })
         .collect()
+}
+
+/// A pod port delivered to the pod's Unix socket (see `crate::uds`).
+fn uds_cluster(name: &str, path: &std::path::Path) -> Cluster {
+    let pipe = Address {
+        address: Some(address::Address::Pipe(Pipe {
+            path: path.to_string_lossy().into_owned(),
+            mode: 0,
+        })),
+    };
+    let mut cluster = local_cluster(name, 0, "");
+    cluster.upstream_bind_config = None;
+    if let Some(assignment) = &mut cluster.load_assignment {
+        assignment.endpoints[0].lb_endpoints = vec![lb_endpoint_at(pipe, HealthStatus::Healthy, 1)];
+    }
+    cluster
 }
 
 /// A service port's cluster, shared by every local pod. With mTLS its endpoints are the
