@@ -242,3 +242,46 @@ async fn inbound_traffic_is_delivered_to_the_pods_unix_socket() {
     );
     app.abort();
 }
+
+/// A TCP server on `127.0.0.1:<port>` in `pod` that greets every connection with
+/// `"<greeting>\n"`.
+fn serve_greeting(pod: &TestPod, port: u16, greeting: &'static str) -> tokio::task::JoinHandle<()> {
+    use tokio::io::AsyncWriteExt;
+    let listener = pod
+        .run(move || {
+            let listener = std::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port)))?;
+            listener.set_nonblocking(true)?;
+            Ok::<_, std::io::Error>(listener)
+        })
+        .unwrap_or_else(|e| panic!("binding {port} in the pod: {e}"));
+    let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let _ = stream.write_all(format!("{greeting}\n").as_bytes()).await;
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tcp_port_of_a_pod_gets_its_own_connections() {
+    let mesh = Mesh::start().await;
+    let (client, cache) = (mesh.node.add_pod("client"), mesh.node.add_pod("cache"));
+    let _apps = [
+        serve_greeting(&cache, 6379, "redis port"),
+        serve_greeting(&cache, 9121, "exporter port"),
+    ];
+    mesh.describe_pod(&client, "client", "client", "cache", &[]);
+    mesh.describe_pod(&cache, "cache", "cache", "", &[("redis", 6379), ("tcp-metrics", 9121)]);
+    mesh.add_pod_ok(&cache, "cache").await;
+    mesh.add_pod_ok(&client, "client").await;
+    let vip = mesh.vip("cache").await;
+    for (port, greeting) in [(6379, "redis port"), (9121, "exporter port")] {
+        let target: SocketAddr = format!("{vip}:{port}").parse().unwrap();
+        // Over mTLS, each stream says which app port it is for; none lands on another.
+        assert_eq!(
+            greeters(&client, target, 5),
+            BTreeMap::from([(greeting.to_owned(), 5)]),
+            "port {port}"
+        );
+    }
+}

@@ -2,8 +2,9 @@
 //! local pod become Envoy RBAC filters on that pod's inbound listener, so a request is
 //! judged at its destination in the same hop that delivers it.
 //!
-//! - The TCP chain (everything not HTTP, delivered to the primary port) gets
-//!   `envoy.filters.network.rbac`: a denied connection is closed. A change replaces the
+//! - Each TCP chain (one per TCP port with mTLS, and the one for streams that name no
+//!   port, delivered to the primary port) gets `envoy.filters.network.rbac`, judged with
+//!   that chain's port: a denied connection is closed. A change replaces the
 //!   chain: new connections get it at once, open ones are closed when Envoy's drain ends.
 //! - The HTTP chain gets HTTP RBAC filters before the router: a denied request gets 403
 //!   naming the policy and rule (`rbac_access_denied_matched_policy[<ns>/<name>#<rule>]`).
@@ -185,8 +186,9 @@ pub fn workload(pod: &LocalPod) -> Workload {
 /// filters (in the listener) with their rules (in the pod's inbound route table).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Filters {
-    /// Network filters for the TCP chain, before the TCP proxy.
-    pub tcp: Vec<Filter>,
+    /// Per TCP port of the pod, its chain's network filters (before the TCP proxy) and
+    /// their logged keys (see `logged`, under `envoy.filters.network.rbac`).
+    pub tcp: BTreeMap<u16, TcpFilters>,
     /// The HTTP chain's RBAC filters, before the router, each passing everything unless
     /// the route table configures it: AUDIT slots (one per AUDIT policy selecting the pod,
     /// their number rounded up to a power of two), then [`DENY_FILTER`] and
@@ -199,8 +201,13 @@ pub struct Filters {
     /// The dynamic-metadata keys (under `envoy.filters.http.rbac`) whose value `denied`
     /// marks a request worth a log line: a denial, an AUDIT match, a dry-run denial.
     pub logged: Vec<String>,
-    /// The same for the TCP chain (under `envoy.filters.network.rbac`).
-    pub tcp_logged: Vec<String>,
+}
+
+/// The RBAC network filters of one TCP port's chain.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TcpFilters {
+    pub filters: Vec<Filter>,
+    pub logged: Vec<String>,
 }
 
 /// The HTTP filter of the enforced and dry-run DENY policies.
@@ -224,12 +231,19 @@ pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>], trust_doma
     };
     let http_ports: Vec<u16> = ports.iter().filter(|(_, p)| p.is_http()).map(|(p, _)| *p).collect();
     let prefix = format!("authz.{}.{}.", pod.info.namespace, pod.info.name);
-    let tcp = stages(policies, false, |action, of| {
-        Rules::of(action, of, *primary, trust_domain)
-    });
+    // Every TCP port's chain judges with that port; the primary port's chain also takes
+    // connections that name no port.
+    let tcp_ports = ports.iter().filter(|(p, protocol)| p == primary || !protocol.is_http());
+    let tcp = tcp_ports
+        .map(|(port, _)| {
+            let stages = stages(policies, false, |action, of| Rules::of(action, of, *port, trust_domain));
+            let logged = stages.iter().flat_map(Stage::logged_keys).collect();
+            let filters = stages.into_iter().map(|s| s.network(&prefix)).collect();
+            (*port, TcpFilters { filters, logged })
+        })
+        .collect();
     let mut filters = Filters {
-        tcp_logged: tcp.iter().flat_map(Stage::logged_keys).collect(),
-        tcp: tcp.into_iter().map(|s| s.network(&prefix)).collect(),
+        tcp,
         ..Default::default()
     };
     if http_ports.is_empty() {

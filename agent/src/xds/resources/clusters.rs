@@ -199,7 +199,8 @@ fn mesh_cluster(
         ignore_health_on_host_removal: true,
         close_connections_on_host_health_failure: true,
         transport_socket: mtls.map(|_| origination::service_socket()),
-        metadata: mtls.map(|_| origination::service_metadata(sans)),
+        // A stream names the app port it is for (HTTP says so in a header).
+        metadata: mtls.map(|_| origination::service_metadata(sans, (!is_http(protocol)).then_some(port))),
         ..Default::default()
     }
 }

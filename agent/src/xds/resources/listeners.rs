@@ -8,7 +8,8 @@
 //!   original destination VIP:port for the pod's declared upstreams. (One listener with
 //!   two addresses: a listener costs Envoy far more than an address.)
 //! - `inbound` on 0.0.0.0:18008: traffic from peers, delivered to the app on
-//!   127.0.0.1:<port> (HTTP by the port header, anything else to the primary port).
+//!   127.0.0.1:<port> (HTTP by the port header; with mTLS a TCP stream by the server name
+//!   its originating node gave it, `port-<port>.aether`; anything else to the primary port).
 //!
 //! With mTLS, the inbound chains terminate TLS with the pod's SVID (HTTP chosen by ALPN
 //! h2 through the TLS inspector) and the outgoing listeners mark connections with the
@@ -37,14 +38,16 @@ use envoy_types::pb::envoy::extensions::http::early_header_mutation::header_muta
 use envoy_types::pb::envoy::r#type::v3::Int32Range;
 use envoy_types::pb::google::protobuf::{Any, BoolValue, UInt32Value};
 
-use super::authorization::Filters;
+use super::authorization::{self, Filters};
 use super::clusters::local_name;
 use super::http_filters::Enabled;
+use super::origination;
 use super::routes::{DESTINATION_HEADER, inbound_routes, inbound_routes_name};
 use super::tcp_routes::{Backends, NO_BACKEND};
 use super::transport::{self, Mtls};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
 use super::{Declared, PodFilters, is_http};
+use crate::access_log::decisions;
 use crate::pod::{ListenerSockets, LocalPod};
 
 pub fn outbound_name(pod: &LocalPod) -> String {
@@ -217,13 +220,40 @@ fn inbound(
         matched.transport_socket = transport::downstream(mtls, &pod.id(), true);
         filter_chains.push(matched);
     }
-    let tcp = tcp_proxy_to(
-        &format!("inbound_tcp.{}", pod.id().replace('/', ".")),
-        &local_name(pod, primary),
-    );
-    let mut default_chain = chain(None, tcp);
-    default_chain.filters.splice(0..0, authz.tcp.iter().cloned());
-    default_chain.transport_socket = transport::downstream(mtls, &pod.id(), false);
+    // TCP: with mTLS a stream names its app port in the server name (see
+    // `origination::port_server_name`), one chain per TCP port; one that names none (or
+    // any stream in plaintext) goes to the primary port.
+    let tcp_chain = |port: u16, server_names: Vec<String>| {
+        let no_filters = authorization::TcpFilters::default();
+        let authz_here = authz.tcp.get(&port).unwrap_or(&no_filters);
+        let proxy = TcpProxy {
+            stat_prefix: format!("inbound_tcp.{}", pod.id().replace('/', ".")),
+            cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(local_name(pod, port))),
+            // Connections the chain's policies closed, audited or would close (dry-run):
+            // the proxy logs when its connection ends, closed before it or not.
+            access_log: vec![decisions::tcp_logger(&pod.id(), port, &authz_here.logged)],
+            ..Default::default()
+        };
+        let tcp = network_filter("envoy.filters.network.tcp_proxy", &proxy);
+        let mut chain = chain(None, tcp);
+        chain.filters.splice(0..0, authz_here.filters.iter().cloned());
+        chain.transport_socket = transport::downstream(mtls, &pod.id(), false);
+        if !server_names.is_empty() {
+            chain.filter_chain_match = Some(FilterChainMatch {
+                server_names,
+                ..Default::default()
+            });
+        }
+        chain
+    };
+    if mtls.is_some() {
+        let streams = ports.iter().filter(|(_, p)| !p.is_http());
+        filter_chains.extend(streams.map(|(port, _)| {
+            let name = origination::port_server_name(u32::from(*port));
+            tcp_chain(*port, vec![name])
+        }));
+    }
+    let default_chain = tcp_chain(primary, Vec::new());
     let inspector = if mtls.is_some() {
         listener_filter("envoy.filters.listener.tls_inspector", &TlsInspector::default())
     } else {
@@ -239,12 +269,6 @@ fn inbound(
         enable_reuse_port: reuse_port(pod),
         filter_chains,
         default_filter_chain: Some(default_chain),
-        // Connections the TCP chain's policies closed, audited or would close (dry-run).
-        access_log: vec![crate::access_log::decisions::tcp_logger(
-            &pod.id(),
-            primary,
-            &authz.tcp_logged,
-        )],
         ..Default::default()
     })
 }
@@ -454,15 +478,6 @@ fn tcp_proxy_split(stat_prefix: &str, cluster: &str, split: Option<&Backends>) -
     let proxy = TcpProxy {
         stat_prefix: stat_prefix.to_owned(),
         cluster_specifier: Some(specifier),
-        ..Default::default()
-    };
-    network_filter("envoy.filters.network.tcp_proxy", &proxy)
-}
-
-fn tcp_proxy_to(stat_prefix: &str, cluster: &str) -> Filter {
-    let proxy = TcpProxy {
-        stat_prefix: stat_prefix.to_owned(),
-        cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(cluster.to_owned())),
         ..Default::default()
     };
     network_filter("envoy.filters.network.tcp_proxy", &proxy)

@@ -10,7 +10,8 @@
 //!    destination in the endpoint's metadata; the cluster's metadata carries the SPIFFE
 //!    IDs its endpoints may present. Its `internal_upstream` transport hands both on.
 //! 3. The internal listener turns them into filter state (the original destination, the
-//!    SANs to verify, ALPN h2 on the HTTP one) and proxies the bytes to the originate
+//!    SANs to verify, ALPN h2 on the HTTP one, on the TCP one the server name that names
+//!    the app port, `port-<port>.aether`) and proxies the bytes to the originate
 //!    cluster of the source pod, `originate|<ns>/<pod>`, named from the pod marker.
 //! 4. That `ORIGINAL_DST` cluster is the pod's own: its only TLS socket presents the
 //!    pod's SVID and checks the server against the trust domain and the service's SANs.
@@ -96,9 +97,28 @@ fn metadata(namespace: &str, key: &str, text: String) -> Metadata {
     }
 }
 
-/// A service cluster's metadata: the identities its endpoints may present.
-pub fn service_metadata(server_sans: &[String]) -> Metadata {
-    metadata(SERVICE_METADATA, "san", server_sans.join(","))
+/// A service cluster's metadata: the identities its endpoints may present, and for a TCP
+/// stream the server name that tells the peer which app port it is for.
+pub fn service_metadata(server_sans: &[String], stream_port: Option<u32>) -> Metadata {
+    let mut metadata = metadata(SERVICE_METADATA, "san", server_sans.join(","));
+    if let Some(port) = stream_port {
+        let fields = &mut metadata
+            .filter_metadata
+            .get_mut(SERVICE_METADATA)
+            .expect("just made")
+            .fields;
+        let sni = Value {
+            kind: Some(value::Kind::StringValue(port_server_name(port))),
+        };
+        fields.insert("sni".to_owned(), sni);
+    }
+    metadata
+}
+
+/// The server name (SNI) a TCP stream to a pod's app `port` carries over mTLS: the
+/// peer's inbound listener picks that port's chain by it (HTTP says the port in a header).
+pub fn port_server_name(port: u32) -> String {
+    format!("port-{port}.aether")
 }
 
 /// A service endpoint: its internal address (one host per destination) and metadata.
@@ -156,6 +176,12 @@ fn internal_listener(http: bool) -> Listener {
         values.push(value(
             "envoy.network.application_protocols",
             transport::ALPN_H2.to_owned(),
+            Once,
+        ));
+    } else {
+        values.push(value(
+            "envoy.network.upstream_server_name",
+            format!("%DYNAMIC_METADATA({SERVICE_METADATA}:sni)%"),
             Once,
         ));
     }
