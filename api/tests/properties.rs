@@ -99,6 +99,41 @@ fn rule() -> impl Strategy<Value = String> {
     )
 }
 
+/// A TCPRoute or TLSRoute (with server names, mostly valid) whose rules are of backends.
+fn connection_route() -> impl Strategy<Value = String> {
+    let hostname = mostly(
+        vec!["a.example.com", "*.example.com", "A.Example.COM", "x-1.y.z"],
+        vec!["*", "10.0.0.1", "localhost", "a.*.b", "-a.b", "a..b"],
+    );
+    let hostnames = prop::collection::vec(hostname, 0..4);
+    let rules = prop::collection::vec(prop::collection::vec(backend(), 0..3), 0..3);
+    (any::<bool>(), hostnames, rules).prop_map(|(tls, hostnames, rules)| {
+        let rules: Vec<String> = rules
+            .iter()
+            .map(|b| format!("{{backendRefs: [{}]}}", b.join(", ")))
+            .collect();
+        let (kind, hostnames) = match tls {
+            true => (
+                "TLSRoute",
+                format!(
+                    "hostnames: [{}], ",
+                    hostnames
+                        .iter()
+                        .map(|h| format!("'{h}'"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ),
+            false => ("TCPRoute", String::new()),
+        };
+        format!(
+            "apiVersion: gateway.networking.k8s.io/v1alpha2\nkind: {kind}\nmetadata: {{name: r, namespace: shop}}\n\
+             spec: {{parentRefs: [{{group: '', kind: Service, name: db, port: 5432}}], {hostnames}rules: [{}]}}\n",
+            rules.join(", ")
+        )
+    })
+}
+
 fn route(rules: Vec<String>) -> String {
     format!(
         "apiVersion: gateway.networking.k8s.io/v1\nkind: HTTPRoute\nmetadata: {{name: r, namespace: shop}}\n\
@@ -122,6 +157,21 @@ proptest! {
     }
 
     #[test]
+    fn accepted_connection_routes_always_validate(text in connection_route()) {
+        let objects = parse_documents(&text);
+        prop_assert_eq!(objects.len(), 1);
+        let Ok(object) = &objects[0] else { return Ok(()) };
+        match project(object) {
+            Ok(Some(projected)) => {
+                prop_assert!(validate(&projected).is_ok(), "{:?}\n{text}", validate(&projected));
+                prop_assert_eq!(projected.rules.len(), 1);
+            }
+            Ok(None) => prop_assert!(false, "a Service parent makes a mesh route: {text}"),
+            Err(refused) => prop_assert!(refused.field.starts_with("spec."), "{refused}"),
+        }
+    }
+
+    #[test]
     fn parsing_arbitrary_text_never_panics(text in "(?s).{0,400}") {
         for object in parse_documents(&text).into_iter().flatten() {
             let _ = project(&object);
@@ -131,6 +181,8 @@ proptest! {
     #[test]
     fn parsing_yaml_shaped_text_never_panics(parts in prop::collection::vec(select(vec![
         "apiVersion: gateway.networking.k8s.io/v1\n", "kind: HTTPRoute\n", "kind: GRPCRoute\n", "---\n",
+        "apiVersion: gateway.networking.k8s.io/v1alpha2\n", "kind: TCPRoute\n", "kind: TLSRoute\n",
+        "  hostnames: ['*.a.b', 7]\n",
         "metadata: {name: r}\n", "spec:\n", "  parentRefs: [{group: '', kind: Service, name: s}]\n",
         "  rules: [{backendRefs: [{name: b, port: 1}]}]\n", "  rules: 7\n", "  - x\n", "&a [*a]\n", ": :\n",
     ]), 0..16)) {

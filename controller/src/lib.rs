@@ -1,7 +1,7 @@
 //! `aether-controller`: the mesh's admission webhooks.
 //!
 //! - [`validate`]: every mesh object (pods' mesh annotations, AuthorizationPolicy,
-//!   HTTPFilter, HTTPRoute/GRPCRoute with Service parents) judged by the function that
+//!   HTTPFilter, HTTPRoute/GRPCRoute/TCPRoute/TLSRoute with Service parents) judged by the function that
 //!   projects it at run time (`aether-api`), so apply-time and run-time verdicts agree;
 //! - [`mutate`]: a new pod in a mesh namespace joins the mesh (label, DNS search domains);
 //! - [`mesh_domain`]: the domain those search domains name (`--follow-mesh-config`);

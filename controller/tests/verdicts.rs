@@ -152,11 +152,53 @@ fn a_route_to_gateways_only_passes_and_a_bad_mesh_route_is_refused() {
 }
 
 #[test]
+fn tcp_and_tls_routes_are_judged_like_the_other_routes() {
+    let route = |kind: &str, hostnames: Value, rules: Value| {
+        json!({
+            "apiVersion": "gateway.networking.k8s.io/v1alpha2", "kind": kind,
+            "metadata": {"name": "r", "namespace": "shop"},
+            "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": "db", "port": 5432}],
+                     "hostnames": hostnames, "rules": rules}
+        })
+    };
+    let one = json!([{"backendRefs": [{"name": "db-v2", "port": 5432}]}]);
+    assert_eq!(verdict(&route("TCPRoute", json!([]), one.clone())), Verdict::Allow);
+    assert_eq!(
+        verdict(&route("TLSRoute", json!(["*.example.com"]), one.clone())),
+        Verdict::Allow
+    );
+    let two = json!([{"backendRefs": [{"name": "a", "port": 1}]}, {"backendRefs": [{"name": "b", "port": 1}]}]);
+    let Verdict::Deny(message) = verdict(&route("TCPRoute", json!([]), two)) else {
+        panic!("two rules allowed")
+    };
+    assert!(
+        message.starts_with("TCPRoute refused: spec.rules: 2 rules"),
+        "{message}"
+    );
+    let Verdict::Deny(message) = verdict(&route("TLSRoute", json!(["ok.example.com", "10.0.0.1"]), one)) else {
+        panic!("an IP server name allowed")
+    };
+    assert!(
+        message.starts_with("TLSRoute refused: spec.hostnames[1]: "),
+        "{message}"
+    );
+}
+
+#[test]
 fn pods_are_judged_by_their_mesh_annotations() {
     let pod = |annotations: Value| json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "namespace": "shop", "annotations": annotations}, "spec": {}});
     assert_eq!(verdict(&pod(json!({}))), Verdict::Allow);
     let good = json!({"config.aether.io/upstreams": "cart, pay/api", "security.aether.io/inbound-mtls": "STRICT"});
     assert_eq!(verdict(&pod(good)), Verdict::Allow);
+    let uds = json!({"endpoint.aether.io/uds-socket": "sockets/app.sock"});
+    assert_eq!(verdict(&pod(uds)), Verdict::Allow);
+    let Verdict::Deny(message) = verdict(&pod(json!({"endpoint.aether.io/uds-socket": "app.sock"}))) else {
+        panic!("a socket without a volume allowed")
+    };
+    assert!(
+        message.starts_with("Pod refused: endpoint.aether.io/uds-socket: \"app.sock\""),
+        "{message}"
+    );
     let bad = json!({"config.aether.io/upstreams": "cart, Pay_Api", "security.aether.io/inbound-mtls": "on"});
     assert_eq!(
         verdict(&pod(bad)),
