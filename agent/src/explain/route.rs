@@ -185,6 +185,9 @@ pub fn judge(f: &Facts) -> Hop {
     let Some(t) = &f.target else {
         return hop("route", Status::Skip, "not checked", "");
     };
+    if let Some(r) = f.route.as_ref().filter(|r| !r.http && !r.routes.is_empty()) {
+        return connection_routes(r);
+    }
     let Some(report) = report(f) else {
         return hop("route", Status::Skip, not_judged(t, f.route.as_ref()), "");
     };
@@ -228,9 +231,28 @@ pub fn judge(f: &Facts) -> Hop {
     action_hop(lead, &m.action)
 }
 
+/// A TCP port with TCP or TLS routes: each connection takes one of their backends.
+fn connection_routes(r: &RouteFacts) -> Hop {
+    let keys: Vec<String> = r.routes.iter().map(route_key).collect();
+    let by_name = r.routes.iter().any(|route| !route.hostnames.is_empty());
+    let how = match by_name {
+        true => "chosen by the TLS server name, then split by weight",
+        false => "split by weight",
+    };
+    let why = format!(
+        "port {} is a TCP stream; {} attached: connections {how}",
+        r.port,
+        list(&keys)
+    );
+    ok("route", why)
+}
+
 fn not_judged(t: &Target, r: Option<&RouteFacts>) -> String {
     match r {
-        Some(r) => format!("port {} is not HTTP: routes do not apply", r.port),
+        Some(r) => format!(
+            "port {} is not HTTP and no TCP or TLS route shapes it: default routing",
+            r.port
+        ),
         None if !t.loaded => "not loaded yet: its routes come with it on the first call".into(),
         None if t.endpoints == 0 => "no endpoints: the service answers 503 before any route".into(),
         None => "not judged: the service does not serve the port asked for".into(),

@@ -285,7 +285,26 @@ fn skipped_routes_non_http_ports_and_unserved_ports() {
     let hop = route_hop(&facts);
     assert_eq!(
         (hop.status, hop.why.as_str()),
-        (Status::Skip, "port 8080 is not HTTP: routes do not apply")
+        (
+            Status::Skip,
+            "port 8080 is not HTTP and no TCP or TLS route shapes it: default routing"
+        )
+    );
+    let mut split = route(
+        "demo",
+        "db-split",
+        vec![rule("", Vec::new(), vec![to("demo/backend-v2", 1)])],
+    );
+    split.kind = aether_proto::registry::v1::RouteKind::Tls as i32;
+    split.hostnames = vec!["db.example.com".into()];
+    facts.route.as_mut().unwrap().routes = vec![split];
+    let hop = route_hop(&facts);
+    assert_eq!(
+        (hop.status, hop.why.as_str()),
+        (
+            Status::Ok,
+            "port 8080 is a TCP stream; tls/demo/db-split attached: connections chosen by the TLS server name, then split by weight"
+        )
     );
 
     facts.route = None;
