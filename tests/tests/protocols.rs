@@ -44,33 +44,57 @@ async fn until_served_by(client: &TestPod, target: SocketAddr, servers: &[&str])
     }
 }
 
+/// A node whose registrar reads routes from `routes`, a pod `client` calling `servers[0]`,
+/// and each of `servers` a pod of its own service greeting with its name on `port` (named
+/// `port_name`); the client is added last, so its listeners know every server.
+struct Streams {
+    mesh: Mesh,
+    client: TestPod,
+    _servers: Vec<(TestPod, aether_tests::TcpServer)>,
+}
+
+impl Streams {
+    async fn start(routes: &std::path::Path, servers: &[&str], port: u16, port_name: &str) -> Streams {
+        let dir = routes.display().to_string();
+        let mesh = Mesh::start_with_registrar(&[], &["--routes-dir", &dir]).await;
+        let client = mesh.node.add_pod("client");
+        mesh.describe_pod(&client, "client", "client", servers[0], &[]);
+        let mut running = Vec::new();
+        for name in servers {
+            let pod = mesh.node.add_pod(name);
+            let app = pod.serve_tcp_echo(SocketAddr::from(([127, 0, 0, 1], port)));
+            mesh.describe_pod(&pod, name, name, "", &[(port_name, port)]);
+            mesh.add_pod_ok(&pod, name).await;
+            running.push((pod, app));
+        }
+        mesh.add_pod_ok(&client, "client").await;
+        Streams {
+            mesh,
+            client,
+            _servers: running,
+        }
+    }
+
+    async fn target(&self, service: &str, port: u16) -> SocketAddr {
+        format!("{}:{port}", self.mesh.vip(service).await).parse().unwrap()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tcp_route_splits_connections_by_weight_within_five_percent() {
     let routes = tempfile::tempdir().unwrap();
-    let dir = routes.path().display().to_string();
-    let mesh = Mesh::start_with_registrar(&[], &["--routes-dir", &dir]).await;
-    let client = mesh.node.add_pod("client");
-    mesh.describe_pod(&client, "client", "client", "db", &[]);
-    let (mut pods, mut apps) = (Vec::new(), Vec::new());
-    for name in ["db", "db-v1", "db-v2"] {
-        let pod = mesh.node.add_pod(name);
-        apps.push(pod.serve_tcp_echo(SocketAddr::from(([127, 0, 0, 1], DB_PORT))));
-        mesh.describe_pod(&pod, name, name, "", &[("postgres", DB_PORT)]);
-        mesh.add_pod_ok(&pod, name).await;
-        pods.push(pod);
-    }
-    mesh.add_pod_ok(&client, "client").await;
-    let target: SocketAddr = format!("{}:{DB_PORT}", mesh.vip("db").await).parse().unwrap();
-    assert_eq!(greeters(&client, target, 5), BTreeMap::from([("db".to_owned(), 5)]));
+    let streams = Streams::start(routes.path(), &["db", "db-v1", "db-v2"], DB_PORT, "postgres").await;
+    let (client, target) = (&streams.client, streams.target("db", DB_PORT).await);
+    assert_eq!(greeters(client, target, 5), BTreeMap::from([("db".to_owned(), 5)]));
 
     let split = "apiVersion: gateway.networking.k8s.io/v1alpha2\nkind: TCPRoute\n\
         metadata: {name: db-split, namespace: demo}\n\
         spec:\n  parentRefs: [{group: '', kind: Service, name: db, port: 5432}]\n  \
         rules: [{backendRefs: [{name: db-v1, port: 5432, weight: 70}, {name: db-v2, port: 5432, weight: 30}]}]\n";
     put_config(routes.path(), "db-split.yaml", Some(split));
-    until_served_by(&client, target, &["db-v1", "db-v2"]).await;
+    until_served_by(client, target, &["db-v1", "db-v2"]).await;
     const CONNECTIONS: usize = 500;
-    let seen = greeters(&client, target, CONNECTIONS);
+    let seen = greeters(client, target, CONNECTIONS);
     let share = |name: &str| seen.get(name).copied().unwrap_or(0) as f64 / CONNECTIONS as f64;
     eprintln!("TCPRoute 70/30 over {CONNECTIONS} connections: {seen:?}");
     assert_eq!(seen.values().sum::<usize>(), CONNECTIONS, "{seen:?}");
@@ -87,7 +111,7 @@ async fn a_tcp_route_splits_connections_by_weight_within_five_percent() {
 
     // Removed: the service's own endpoints serve its port again.
     put_config(routes.path(), "db-split.yaml", None);
-    until_served_by(&client, target, &["db"]).await;
+    until_served_by(client, target, &["db"]).await;
 }
 
 /// The first flight of a real TLS client naming `server_name` (rustls' ClientHello).
@@ -127,21 +151,9 @@ fn greeted_by(client: &TestPod, target: SocketAddr, server_name: Option<&str>) -
 async fn a_tls_route_passes_the_apps_own_tls_through_by_server_name() {
     const PAY_PORT: u16 = 8443;
     let routes = tempfile::tempdir().unwrap();
-    let dir = routes.path().display().to_string();
-    let mesh = Mesh::start_with_registrar(&[], &["--routes-dir", &dir]).await;
-    let client = mesh.node.add_pod("client");
-    mesh.describe_pod(&client, "client", "client", "payments", &[]);
-    let (mut pods, mut apps) = (Vec::new(), Vec::new());
-    for name in ["payments", "pay-v1", "pay-v2"] {
-        let pod = mesh.node.add_pod(name);
-        apps.push(pod.serve_tcp_echo(SocketAddr::from(([127, 0, 0, 1], PAY_PORT))));
-        mesh.describe_pod(&pod, name, name, "", &[("tls", PAY_PORT)]);
-        mesh.add_pod_ok(&pod, name).await;
-        pods.push(pod);
-    }
-    mesh.add_pod_ok(&client, "client").await;
-    let target: SocketAddr = format!("{}:{PAY_PORT}", mesh.vip("payments").await).parse().unwrap();
-    assert_eq!(greeted_by(&client, target, Some("v1.pay.example.com")), "payments");
+    let streams = Streams::start(routes.path(), &["payments", "pay-v1", "pay-v2"], PAY_PORT, "tls").await;
+    let (client, target) = (&streams.client, streams.target("payments", PAY_PORT).await);
+    assert_eq!(greeted_by(client, target, Some("v1.pay.example.com")), "payments");
 
     let by_sni = "apiVersion: gateway.networking.k8s.io/v1alpha2\nkind: TLSRoute\n\
         metadata: {name: by-sni, namespace: demo}\n\
@@ -154,17 +166,17 @@ async fn a_tls_route_passes_the_apps_own_tls_through_by_server_name() {
         hostnames: ['*.eu.example.com']\n  rules: [{backendRefs: [{name: pay-v2, port: 8443}]}]\n";
     put_config(routes.path(), "by-sni.yaml", Some(by_sni));
     let deadline = Instant::now() + Duration::from_secs(20);
-    while greeted_by(&client, target, Some("v1.pay.example.com")) != "pay-v1" {
+    while greeted_by(client, target, Some("v1.pay.example.com")) != "pay-v1" {
         assert!(Instant::now() < deadline, "the TLSRoute never took v1.pay.example.com");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     for _ in 0..3 {
-        assert_eq!(greeted_by(&client, target, Some("v1.pay.example.com")), "pay-v1");
-        assert_eq!(greeted_by(&client, target, Some("shop.eu.example.com")), "pay-v2");
+        assert_eq!(greeted_by(client, target, Some("v1.pay.example.com")), "pay-v1");
+        assert_eq!(greeted_by(client, target, Some("shop.eu.example.com")), "pay-v2");
         // A name no route takes, and a client that waits for the server: the service itself.
-        assert_eq!(greeted_by(&client, target, Some("other.example.com")), "payments");
+        assert_eq!(greeted_by(client, target, Some("other.example.com")), "payments");
     }
-    assert_eq!(greeted_by(&client, target, None), "payments");
+    assert_eq!(greeted_by(client, target, None), "payments");
 }
 
 /// Answers every HTTP/1.1 request on `listener` with `who`, one request per connection.

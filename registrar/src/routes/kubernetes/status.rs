@@ -94,6 +94,24 @@ fn current_parents(object: &RouteObject) -> &[RouteParentStatus] {
     status.map_or(&[], |s| &s.parents)
 }
 
+/// Patches the status subresource of a route of kind `K`.
+async fn patch_status<K>(
+    client: Client,
+    namespace: &str,
+    name: &str,
+    params: &PatchParams,
+    patch: &Patch<&serde_json::Value>,
+) -> Result<(), kube::Error>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let api = Api::<K>::namespaced(client, namespace);
+    api.patch_status(name, params, patch).await.map(drop)
+}
+
 struct Writer {
     client: Client,
     /// The resourceVersion each object had when its status was last written: until the
@@ -133,24 +151,12 @@ impl Writer {
             field_manager: Some(FIELD_MANAGER.to_owned()),
             ..PatchParams::default()
         };
-        let (namespace, name) = (object.namespace(), object.name());
+        let (client, namespace, name) = (self.client.clone(), object.namespace(), object.name());
         let written = match object {
-            RouteObject::Http(_) => Api::<HttpRoute>::namespaced(self.client.clone(), namespace)
-                .patch_status(name, &params, &patch)
-                .await
-                .map(drop),
-            RouteObject::Grpc(_) => Api::<GrpcRoute>::namespaced(self.client.clone(), namespace)
-                .patch_status(name, &params, &patch)
-                .await
-                .map(drop),
-            RouteObject::Tcp(_) => Api::<TcpRoute>::namespaced(self.client.clone(), namespace)
-                .patch_status(name, &params, &patch)
-                .await
-                .map(drop),
-            RouteObject::Tls(_) => Api::<TlsRoute>::namespaced(self.client.clone(), namespace)
-                .patch_status(name, &params, &patch)
-                .await
-                .map(drop),
+            RouteObject::Http(_) => patch_status::<HttpRoute>(client, namespace, name, &params, &patch).await,
+            RouteObject::Grpc(_) => patch_status::<GrpcRoute>(client, namespace, name, &params, &patch).await,
+            RouteObject::Tcp(_) => patch_status::<TcpRoute>(client, namespace, name, &params, &patch).await,
+            RouteObject::Tls(_) => patch_status::<TlsRoute>(client, namespace, name, &params, &patch).await,
         };
         match written {
             Ok(()) => {
