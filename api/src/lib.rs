@@ -19,6 +19,8 @@
 //!   filters, typed) and its projector into `aether.registry.v1.HttpFilter`.
 //! - [`mesh_config`]: our `mesh.aether.io/v1alpha1` MeshConfig (mesh-wide and per-namespace
 //!   defaults), its projector and [`mesh_config::effective`], a namespace's settings.
+//! - [`service_ports`]: a mesh service's ports (Service port → endpoint port → protocol),
+//!   read the same way by the agent and the registrar.
 //! - [`pod`]: a pod's mesh annotations (`config.aether.io/*`, `security.aether.io/inbound-mtls`).
 
 pub mod authorization;
@@ -30,12 +32,14 @@ pub mod pod;
 mod refusal;
 mod resource;
 pub mod route;
+pub mod service_ports;
 pub mod status;
 pub mod yaml;
 
 pub use refusal::Refusal;
 pub use route::{
-    ConditionType, InvalidRoute, Rejected, RouteObject, backend_services, project, unresolved_backends, validate,
+    ConditionType, InvalidRoute, Rejected, RouteObject, backend_services, mismatched_ports, project,
+    unresolved_backends, validate,
 };
 pub use status::parent_status;
 pub use yaml::{Document, MeshObject, ParseError, documents, mesh_object, parse_documents, route_objects};

@@ -10,7 +10,7 @@
 use std::fmt;
 
 use aether_proto::registry::v1::route_filter::Filter;
-use aether_proto::registry::v1::{Route, RouteKind, RouteParent, RouteRule};
+use aether_proto::registry::v1::{Protocol, Route, RouteKind, RouteParent, RouteRule};
 use aether_proto::view::route_kind_name;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
@@ -246,6 +246,35 @@ pub fn unresolved_backends(route: &Route, known: impl Fn(&str) -> bool) -> Resul
                 message: format!("service {} is not in the mesh", aether_common::quote::quote(service)),
             });
         }
+    }
+    Ok(())
+}
+
+/// A parent port that carries the other kind of traffic (an HTTPRoute or GRPCRoute on a
+/// TCP stream port, a TCPRoute or TLSRoute on an HTTP port) is shaped by nothing there: the
+/// agent leaves the route out on that port, and this says so as `Accepted=False,
+/// UnsupportedValue`. `protocol_at(service, port)`: what the service's port carries, if
+/// the catalog knows (see [`crate::service_ports`]).
+pub fn mismatched_ports(route: &Route, protocol_at: impl Fn(&str, u32) -> Option<Protocol>) -> Result<(), Rejected> {
+    let connections = matches!(route.kind(), RouteKind::Tcp | RouteKind::Tls);
+    for parent in route.parents.iter().filter(|p| p.port != 0) {
+        let Some(protocol) = protocol_at(&parent.service, parent.port) else {
+            continue;
+        };
+        if crate::service_ports::is_http(protocol) != connections {
+            continue;
+        }
+        let (carries, instead) = match connections {
+            true => ("HTTP", "an HTTPRoute or GRPCRoute"),
+            false => ("a TCP stream", "a TCPRoute or TLSRoute"),
+        };
+        let message = format!(
+            "port {} of service {} carries {carries}: a {} route does not shape it (use {instead})",
+            parent.port,
+            aether_common::quote::quote(&parent.service),
+            route_kind_name(route.kind()),
+        );
+        return Err(Rejected::unsupported("spec.parentRefs", message));
     }
     Ok(())
 }

@@ -159,3 +159,34 @@ fn a_server_name_that_is_no_dns_name_is_refused_naming_it() {
     tcp_route.hostnames.push("a.example.com".into());
     assert_eq!(validate(&tcp_route).unwrap_err().field, "hostnames");
 }
+
+#[test]
+fn a_parent_port_of_the_other_kind_of_traffic_is_named() {
+    use aether_api::mismatched_ports;
+    use aether_proto::registry::v1::Protocol;
+    let tcp = project(&tcp("v1alpha2", "[{backendRefs: [{name: a, port: 1}]}]").unwrap())
+        .unwrap()
+        .unwrap();
+    let carries = |protocol: Protocol| move |_: &str, _: u32| Some(protocol);
+    assert!(mismatched_ports(&tcp, carries(Protocol::Redis)).is_ok());
+    assert!(
+        mismatched_ports(&tcp, |_, _| None).is_ok(),
+        "unknown ports are not judged"
+    );
+    let refused = mismatched_ports(&tcp, carries(Protocol::Grpc)).unwrap_err();
+    assert_eq!(
+        (refused.field.as_str(), refused.reason),
+        ("spec.parentRefs", "UnsupportedValue")
+    );
+    assert!(
+        refused
+            .message
+            .contains("port 5432 of service \"shop/db\" carries HTTP"),
+        "{refused}"
+    );
+    let mut http = tcp.clone();
+    http.kind = RouteKind::Http as i32;
+    let refused = mismatched_ports(&http, carries(Protocol::Tcp)).unwrap_err();
+    assert!(refused.message.contains("carries a TCP stream"), "{refused}");
+    assert!(mismatched_ports(&http, carries(Protocol::Http2)).is_ok());
+}

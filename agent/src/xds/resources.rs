@@ -31,10 +31,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use aether_api::mesh_config::ResilienceSettings;
-use aether_common::pod_endpoint::registry_protocol;
-use aether_common::pod_meta::AppProtocol;
+use aether_api::service_ports::ServicePorts;
 use aether_proto::registry::v1::{
-    AuthorizationPolicy, DefaultAuthorization, Locality, Protocol, Route, RouteKind, Service, ServicePort,
+    AuthorizationPolicy, DefaultAuthorization, Locality, Protocol, Route, RouteKind, Service,
 };
 use aether_proto::view::{CatalogView, Endpoints};
 use envoy_types::pb::google::protobuf::Any;
@@ -151,9 +150,7 @@ pub fn routes_connections(route: &Route) -> bool {
     matches!(route.kind(), RouteKind::Tcp | RouteKind::Tls)
 }
 
-pub fn is_http(protocol: Protocol) -> bool {
-    matches!(protocol, Protocol::Http | Protocol::Http2 | Protocol::Grpc)
-}
+pub use aether_api::service_ports::is_http;
 
 pub fn fqdn(key: &str, mesh_domain: &str) -> String {
     let (ns, name) = key.split_once('/').unwrap_or(("", key));
@@ -180,21 +177,11 @@ pub fn services<'a>(catalog: &'a CatalogView, mesh_domain: &str) -> Vec<MeshServ
         .services
         .iter()
         .map(|(key, service)| {
-            let mut ports = BTreeMap::new();
-            let mut named = BTreeMap::new();
-            for endpoint in catalog.endpoints.get(key).into_iter().flat_map(|e| e.values()) {
-                for port in &endpoint.ports {
-                    let protocol = Protocol::try_from(port.protocol).unwrap_or(Protocol::Tcp);
-                    ports.entry(port.port).or_insert(protocol);
-                    if !port.name.is_empty() {
-                        named.entry(port.name.as_str()).or_insert(port.port);
-                    }
-                }
-            }
-            let kubernetes_ports = service.kubernetes.as_ref().and_then(|k| target_ports(&k.ports, &named));
-            if let (Some(kubernetes), Some(targets)) = (&service.kubernetes, &kubernetes_ports) {
-                refine_stream_protocols(&mut ports, &kubernetes.ports, targets);
-            }
+            let endpoints = catalog.endpoints.get(key).into_iter().flat_map(|e| e.values());
+            let ServicePorts {
+                endpoint: ports,
+                targets: kubernetes_ports,
+            } = ServicePorts::of(service, endpoints);
             MeshService {
                 key,
                 service,
@@ -208,39 +195,6 @@ pub fn services<'a>(catalog: &'a CatalogView, mesh_domain: &str) -> Vec<MeshServ
             }
         })
         .collect()
-}
-
-/// A Service port's `appProtocol` names the protocol of the TCP stream port it targets
-/// (e.g. `redis` on a port named `cache`). It never turns a stream into HTTP or back:
-/// the serving node sees only the pod, whose port names decide that.
-fn refine_stream_protocols(
-    ports: &mut BTreeMap<u32, Protocol>,
-    service_ports: &[ServicePort],
-    targets: &BTreeMap<u32, u32>,
-) {
-    for service_port in service_ports {
-        let named = AppProtocol::from_app_protocol(&service_port.app_protocol).filter(|p| !p.is_http());
-        let target = targets.get(&service_port.port);
-        let (Some(named), Some(target)) = (named, target) else {
-            continue;
-        };
-        if let Some(protocol) = ports.get_mut(target).filter(|p| !is_http(**p)) {
-            *protocol = registry_protocol(named);
-        }
-    }
-}
-
-/// Each Service port's endpoint port; a named target is the port the endpoints give that
-/// name (the first by address if they differ). `None` when the Service lists no ports.
-fn target_ports(ports: &[ServicePort], named: &BTreeMap<&str, u32>) -> Option<BTreeMap<u32, u32>> {
-    if ports.is_empty() {
-        return None;
-    }
-    let target = |p: &ServicePort| match p.target_port {
-        0 => named.get(p.target_port_name.as_str()).copied(),
-        target => Some(target),
-    };
-    Some(ports.iter().filter_map(|p| Some((p.port, target(p)?))).collect())
 }
 
 /// Named resource bodies, as a generator makes them.
@@ -922,7 +876,7 @@ mod tests {
 
     #[test]
     fn a_service_ports_app_protocol_names_a_stream_ports_protocol_only() {
-        use aether_proto::registry::v1::{Endpoint, KubernetesService, Port};
+        use aether_proto::registry::v1::{Endpoint, KubernetesService, Port, ServicePort};
         let mut catalog = CatalogView::default();
         let port = |port: u32, protocol: Protocol| Port {
             name: String::new(),

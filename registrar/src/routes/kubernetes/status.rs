@@ -16,9 +16,11 @@ use std::time::Duration;
 
 use aether_api::gateway::{GrpcRoute, HttpRoute, ParentReference, RouteParentStatus, TcpRoute, TlsRoute};
 use aether_api::route::is_service_parent;
+use aether_api::service_ports::ServicePorts;
 use aether_api::status::{CONTROLLER_NAME, merge_parent_status};
-use aether_api::{RouteObject, parent_status, unresolved_backends};
+use aether_api::{RouteObject, mismatched_ports, parent_status, unresolved_backends};
 use aether_common::quote::quote;
+use aether_proto::registry::v1::Protocol;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
@@ -26,7 +28,7 @@ use kube::{Api, Client};
 use tokio_util::sync::CancellationToken;
 
 use super::{ClusterRoutes, RouteSet, Watched};
-use crate::catalog::Catalog;
+use crate::catalog::{Catalog, State};
 
 /// How often statuses are recomputed without a route change (backends come and go).
 pub const RECHECK: Duration = Duration::from_secs(2);
@@ -56,16 +58,38 @@ pub async fn run(mut routes: ClusterRoutes, catalog: Catalog, client: Client, sh
     }
 }
 
+/// What the catalog says of the services a route names.
+pub trait Services {
+    /// Whether the catalog holds `service`.
+    fn known(&self, service: &str) -> bool;
+    /// What `service`'s (Gateway API) port carries, if its endpoints serve it.
+    fn protocol_at(&self, service: &str, port: u32) -> Option<Protocol>;
+}
+
+impl Services for State {
+    fn known(&self, service: &str) -> bool {
+        self.service(service).is_some()
+    }
+
+    fn protocol_at(&self, service: &str, port: u32) -> Option<Protocol> {
+        let entry = self.service(service)?;
+        ServicePorts::of(&entry.service, entry.endpoints.values().map(|e| &**e)).protocol_at(port)
+    }
+}
+
 /// The `status.parents` `watched` should have, or `None` when it has them already:
 /// this controller's entry for each Service parentRef (entries for parents it no longer
-/// names go), everyone else's entries untouched. `known` says whether a backend service
-/// is in the catalog; `now` stamps the conditions whose status changes.
-pub fn desired_parents(watched: &Watched, known: impl Fn(&str) -> bool, now: &Time) -> Option<Vec<RouteParentStatus>> {
+/// names go), everyone else's entries untouched. `services` says which backends the
+/// catalog holds and what the parents' ports carry; `now` stamps the conditions whose
+/// status changes.
+pub fn desired_parents(watched: &Watched, services: &impl Services, now: &Time) -> Option<Vec<RouteParentStatus>> {
     let object = &watched.object;
     let current = current_parents(object);
     let refusal = match &watched.outcome {
         Err(rejected) => Some(rejected.clone()),
-        Ok(Some(route)) => unresolved_backends(route, known).err(),
+        Ok(Some(route)) => mismatched_ports(route, |s, p| services.protocol_at(s, p))
+            .and_then(|()| unresolved_backends(route, |s| services.known(s)))
+            .err(),
         Ok(None) => None,
     };
     let generation = object.metadata().generation.unwrap_or(0);
@@ -126,11 +150,10 @@ impl Writer {
         let now = Time(Timestamp::now());
         let wanted: Vec<(&String, &Watched, Vec<RouteParentStatus>)> = {
             let state = catalog.read();
-            let known = |service: &str| state.service(service).is_some();
             set.objects
                 .iter()
                 .filter(|(key, w)| self.written.get(*key) != w.object.metadata().resource_version.as_ref())
-                .filter_map(|(key, w)| Some((key, w, desired_parents(w, known, &now)?)))
+                .filter_map(|(key, w)| Some((key, w, desired_parents(w, &*state, &now)?)))
                 .collect()
         };
         self.written.retain(|key, _| set.objects.contains_key(key));
@@ -203,6 +226,18 @@ mod tests {
         })
     }
 
+    /// A catalog that holds every backend (or none), whose ports all carry HTTP.
+    struct Known(bool);
+
+    impl Services for Known {
+        fn known(&self, _: &str) -> bool {
+            self.0
+        }
+        fn protocol_at(&self, _: &str, _: u32) -> Option<Protocol> {
+            Some(Protocol::Http)
+        }
+    }
+
     fn conditions(parents: &[RouteParentStatus]) -> Vec<(&str, &str, &str)> {
         let ours = parents.iter().find(|p| p.controller_name == CONTROLLER_NAME).unwrap();
         ours.conditions
@@ -217,7 +252,7 @@ mod tests {
         let theirs = serde_json::json!({"parents": [{"parentRef": {"name": "edge"}, "controllerName": "edge.io/gw",
             "conditions": []}]});
         let fresh = watched(route("^/a$", "cart-v2", theirs.clone()));
-        let parents = desired_parents(&fresh, |_| true, &now).unwrap();
+        let parents = desired_parents(&fresh, &Known(true), &now).unwrap();
         assert_eq!(
             parents.len(),
             2,
@@ -236,16 +271,17 @@ mod tests {
         // Written: nothing more to write.
         let status = serde_json::json!({"parents": parents});
         assert_eq!(
-            desired_parents(&watched(route("^/a$", "cart-v2", status.clone())), |_| true, &now),
+            desired_parents(&watched(route("^/a$", "cart-v2", status.clone())), &Known(true), &now),
             None
         );
 
         // The backend leaves the catalog.
-        let unresolved = desired_parents(&watched(route("^/a$", "cart-v2", status.clone())), |_| false, &now).unwrap();
+        let unresolved =
+            desired_parents(&watched(route("^/a$", "cart-v2", status.clone())), &Known(false), &now).unwrap();
         assert_eq!(conditions(&unresolved)[1], ("ResolvedRefs", "False", "BackendNotFound"));
 
         // An invalid edit: Accepted=False naming the field.
-        let refused = desired_parents(&watched(route("^/a[$", "cart-v2", status)), |_| true, &now).unwrap();
+        let refused = desired_parents(&watched(route("^/a[$", "cart-v2", status)), &Known(true), &now).unwrap();
         assert_eq!(conditions(&refused)[0], ("Accepted", "False", "UnsupportedValue"));
         let ours = refused.iter().find(|p| p.controller_name == CONTROLLER_NAME).unwrap();
         assert!(
@@ -255,5 +291,34 @@ mod tests {
             "{}",
             ours.conditions[0].message
         );
+    }
+
+    #[test]
+    fn a_tcp_route_on_a_port_that_carries_http_is_not_accepted() {
+        let now = Time(Timestamp::from_second(100).unwrap());
+        let tcp = |port: Option<u32>| {
+            let object = RouteObject::Tcp(
+                serde_json::from_value(serde_json::json!({
+                    "metadata": {"name": "split", "namespace": "shop", "generation": 1},
+                    "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": "cart", "port": port}],
+                             "rules": [{"backendRefs": [{"name": "cart-v2", "port": 8080}]}]},
+                }))
+                .unwrap(),
+            );
+            let outcome = project(&object);
+            Watched { object, outcome }
+        };
+        let refused = desired_parents(&tcp(Some(8080)), &Known(true), &now).unwrap();
+        assert_eq!(conditions(&refused)[0], ("Accepted", "False", "UnsupportedValue"));
+        let ours = refused.iter().find(|p| p.controller_name == CONTROLLER_NAME).unwrap();
+        let message = &ours.conditions[0].message;
+        assert!(
+            message.contains("port 8080 of service \"shop/cart\" carries HTTP"),
+            "{message}"
+        );
+        // Every port (none named): it shapes the TCP ones, whatever else the service serves.
+        let every = tcp(None);
+        let accepted = desired_parents(&every, &Known(true), &now).unwrap();
+        assert_eq!(conditions(&accepted)[0], ("Accepted", "True", "Accepted"));
     }
 }
