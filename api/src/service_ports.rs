@@ -43,8 +43,7 @@ impl ServicePorts {
     /// name Service ports): the one the Service port targets; a port the Service does not
     /// map (or any, while its ports are unknown) is taken as an endpoint port itself.
     pub fn endpoint_port(&self, service_port: u32) -> u32 {
-        let target = self.targets.as_ref().and_then(|t| t.get(&service_port));
-        target.copied().unwrap_or(service_port)
+        endpoint_port(self.targets.as_ref(), service_port)
     }
 
     /// The protocol a Gateway API port reaches, if an endpoint serves it.
@@ -68,6 +67,12 @@ impl ServicePorts {
             }
         }
     }
+}
+
+/// [`ServicePorts::endpoint_port`] over a Service's targets (`None`: unknown).
+pub fn endpoint_port(targets: Option<&BTreeMap<u32, u32>>, service_port: u32) -> u32 {
+    let target = targets.and_then(|t| t.get(&service_port));
+    target.copied().unwrap_or(service_port)
 }
 
 /// Whether the mesh carries `protocol` as HTTP.

@@ -116,11 +116,7 @@ impl MeshService<'_> {
     /// name Service ports): the one the Service port targets; a port the Service does not
     /// map (or any, while its ports are unknown) is taken as an endpoint port itself.
     pub fn endpoint_port(&self, service_port: u32) -> u32 {
-        let target = self
-            .kubernetes_ports
-            .as_ref()
-            .and_then(|ports| ports.get(&service_port));
-        target.copied().unwrap_or(service_port)
+        aether_api::service_ports::endpoint_port(self.kubernetes_ports.as_ref(), service_port)
     }
 
     /// The endpoint port a Kubernetes name without a port reaches: the target of the

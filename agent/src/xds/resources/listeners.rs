@@ -223,29 +223,7 @@ fn inbound(
     // TCP: with mTLS a stream names its app port in the server name (see
     // `origination::port_server_name`), one chain per TCP port; one that names none (or
     // any stream in plaintext) goes to the primary port.
-    let tcp_chain = |port: u16, server_names: Vec<String>| {
-        let no_filters = authorization::TcpFilters::default();
-        let authz_here = authz.tcp.get(&port).unwrap_or(&no_filters);
-        let proxy = TcpProxy {
-            stat_prefix: format!("inbound_tcp.{}", pod.id().replace('/', ".")),
-            cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(local_name(pod, port))),
-            // Connections the chain's policies closed, audited or would close (dry-run):
-            // the proxy logs when its connection ends, closed before it or not.
-            access_log: vec![decisions::tcp_logger(&pod.id(), port, &authz_here.logged)],
-            ..Default::default()
-        };
-        let tcp = network_filter("envoy.filters.network.tcp_proxy", &proxy);
-        let mut chain = chain(None, tcp);
-        chain.filters.splice(0..0, authz_here.filters.iter().cloned());
-        chain.transport_socket = transport::downstream(mtls, &pod.id(), false);
-        if !server_names.is_empty() {
-            chain.filter_chain_match = Some(FilterChainMatch {
-                server_names,
-                ..Default::default()
-            });
-        }
-        chain
-    };
+    let tcp_chain = |port: u16, server_names| inbound_tcp_chain(pod, port, server_names, mtls, authz);
     if mtls.is_some() {
         let streams = ports.iter().filter(|(_, p)| !p.is_http());
         filter_chains.extend(streams.map(|(port, _)| {
@@ -271,6 +249,37 @@ fn inbound(
         default_filter_chain: Some(default_chain),
         ..Default::default()
     })
+}
+
+/// The inbound chain delivering TCP to the pod's `port`, taken by a stream that names it in
+/// `server_names` (none: the default chain), its policies judged with that port.
+fn inbound_tcp_chain(
+    pod: &LocalPod,
+    port: u16,
+    server_names: Vec<String>,
+    mtls: Option<&Mtls>,
+    authz: &Filters,
+) -> FilterChain {
+    let no_filters = authorization::TcpFilters::default();
+    let authz_here = authz.tcp.get(&port).unwrap_or(&no_filters);
+    let proxy = TcpProxy {
+        stat_prefix: format!("inbound_tcp.{}", pod.id().replace('/', ".")),
+        cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(local_name(pod, port))),
+        // Connections the chain's policies closed, audited or would close (dry-run):
+        // the proxy logs when its connection ends, closed before it or not.
+        access_log: vec![decisions::tcp_logger(&pod.id(), port, &authz_here.logged)],
+        ..Default::default()
+    };
+    let mut chain = chain(None, network_filter("envoy.filters.network.tcp_proxy", &proxy));
+    chain.filters.splice(0..0, authz_here.filters.iter().cloned());
+    chain.transport_socket = transport::downstream(mtls, &pod.id(), false);
+    if !server_names.is_empty() {
+        chain.filter_chain_match = Some(FilterChainMatch {
+            server_names,
+            ..Default::default()
+        });
+    }
+    chain
 }
 
 /// A pod's listeners bind as the pod records ([`ListenerSockets`]): Envoy refuses to
