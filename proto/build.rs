@@ -15,6 +15,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Sorted maps encode the same on every side, so a message's digest (`digest.rs`) is
     // the same wherever it is computed.
     config.btree_map(["."]);
+    // Most services are not external: keep every Service small.
+    config.boxed(".aether.registry.v1.Service.external");
     tonic_prost_build::configure()
         .codec_path("crate::codec::SmallBuffers")
         .compile_with_config(config, &protos, &["proto"])?;

@@ -88,6 +88,7 @@ fn full_catalog() -> CatalogView {
                 name: format!("svc-{s:04}"),
                 vip: format!("240.240.{}.{}", s / 250, s % 250 + 1),
                 kubernetes: None,
+                external: None,
             },
         );
         let endpoints: BTreeMap<String, Endpoint> = (0..10)

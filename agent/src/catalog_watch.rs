@@ -374,6 +374,7 @@ mod tests {
                     name: name.into(),
                     vip: "240.240.0.1".into(),
                     kubernetes: None,
+                    external: None,
                 }
             })
             .collect();

@@ -104,6 +104,11 @@ pub struct Config {
     #[arg(long, env = "AETHER_UDS_LINK_DIR", default_value = "/run/aether/uds")]
     pub uds_link_dir: PathBuf,
 
+    /// DNS servers (`ip:port`, comma-separated) Envoy resolves external services' hosts
+    /// with, instead of the node's resolv.conf (e.g. a node-local cache).
+    #[arg(long, env = "AETHER_EXTERNAL_DNS", value_delimiter = ',')]
+    pub external_dns: Vec<std::net::SocketAddr>,
+
     /// kubelet's root directory (`--root-dir`), where pods' volumes are.
     #[arg(long, env = "AETHER_KUBELET_ROOT_DIR", default_value = "/var/lib/kubelet")]
     pub kubelet_root_dir: PathBuf,

@@ -85,9 +85,21 @@ pub fn path(state_dir: &Path) -> PathBuf {
     state_dir.join(records::DIR).join(records::FILE)
 }
 
-/// Every service's addresses, from a catalog view. The count is of VIPs that are not IPs.
-pub fn records_of(catalog: &CatalogView) -> (BTreeMap<(String, String), Addresses>, usize) {
-    let mut out = BTreeMap::new();
+/// What the file says of a catalog view's services.
+#[derive(Debug, Default)]
+pub struct Records {
+    /// Every service's VIP by (namespace, name).
+    pub services: BTreeMap<(String, String), Addresses>,
+    /// External services' hosts, each with its service's VIP (the first service to list a
+    /// host, by key, wins).
+    pub hosts: BTreeMap<String, Addresses>,
+    /// Services left out: a VIP that is not an IP, or a name that is not a DNS label.
+    pub bad: usize,
+}
+
+/// Every service's addresses, and external services' hosts, from a catalog view.
+pub fn records_of(catalog: &CatalogView) -> Records {
+    let (mut out, mut hosts) = (BTreeMap::new(), BTreeMap::new());
     let mut bad = 0;
     for service in catalog.services.values() {
         let mut addresses = Addresses::default();
@@ -104,9 +116,18 @@ pub fn records_of(catalog: &CatalogView) -> (BTreeMap<(String, String), Addresse
             bad += 1;
             continue;
         }
+        for host in service.external.iter().flat_map(|e| &e.hosts) {
+            if records::check_host(host).is_ok() {
+                hosts.entry(host.clone()).or_insert(addresses);
+            }
+        }
         out.insert((service.namespace.clone(), service.name.clone()), addresses);
     }
-    (out, bad)
+    Records {
+        services: out,
+        hosts,
+        bad,
+    }
 }
 
 /// The alias domains of the file: the mesh-wide MeshConfig's mesh domain, unless it is
@@ -120,6 +141,7 @@ pub fn aliases_of(catalog: &CatalogView, mesh_domain: &str) -> Vec<String> {
 pub struct Content {
     pub records: BTreeMap<(String, String), Addresses>,
     pub aliases: Vec<String>,
+    pub hosts: BTreeMap<String, Addresses>,
 }
 
 pub struct DnsRecords {
@@ -170,7 +192,9 @@ impl DnsRecords {
     async fn write(&mut self, content: Option<Content>, restamp: bool) {
         let now = SystemTime::now();
         let file = match (content, &self.current) {
-            (Some(new), Some(current)) if new.records == current.records && new.aliases == current.aliases => {
+            (Some(new), Some(current))
+                if new.records == current.records && new.aliases == current.aliases && new.hosts == current.hosts =>
+            {
                 if self.have_view && self.written && !restamp {
                     return;
                 }
@@ -184,6 +208,7 @@ impl DnsRecords {
                 written_at: now,
                 records: new.records,
                 aliases: new.aliases,
+                hosts: new.hosts,
             },
             (None, Some(current)) if self.have_view => RecordFile {
                 written_at: now,
@@ -241,10 +266,15 @@ impl DnsRecords {
                         return;
                     }
                     let view = views.borrow_and_update().clone();
-                    let (records, bad) = records_of(&view.catalog);
+                    let Records { services, hosts, bad } = records_of(&view.catalog);
                     self.metrics.bad_vips.set(bad as i64);
                     let aliases = aliases_of(&view.catalog, &self.mesh_domain);
-                    self.write(Some(Content { records, aliases }), false).await;
+                    let content = Content {
+                        records: services,
+                        aliases,
+                        hosts,
+                    };
+                    self.write(Some(content), false).await;
                 }
             }
         }
@@ -272,6 +302,7 @@ mod tests {
         Some(Content {
             records: records.clone(),
             aliases: aliases.iter().map(|a| a.to_string()).collect(),
+            hosts: BTreeMap::new(),
         })
     }
 
@@ -281,7 +312,35 @@ mod tests {
             name: name.into(),
             vip: vip.into(),
             kubernetes: None,
+            external: None,
         }
+    }
+
+    #[test]
+    fn external_services_hosts_answer_with_their_vip() {
+        let mut catalog = CatalogView::default();
+        let external = |hosts: &[&str]| aether_proto::registry::v1::External {
+            hosts: hosts.iter().map(|h| h.to_string()).collect(),
+            ..Default::default()
+        };
+        for (name, vip, hosts) in [
+            ("payments", "240.240.0.9", &["api.payments.example", "Not A Host"][..]),
+            ("zz-later", "240.240.0.10", &["api.payments.example"][..]),
+        ] {
+            let mut s = service("shop", name, vip);
+            s.external = Some(Box::new(external(hosts)));
+            catalog.services.insert(format!("shop/{name}"), s);
+        }
+        let records = records_of(&catalog);
+        assert_eq!(records.services.len(), 2, "both are services too");
+        // A name that is not a host is left out; a host two declare goes to the first by key.
+        assert_eq!(
+            records.hosts.into_iter().collect::<Vec<_>>(),
+            [(
+                "api.payments.example".to_owned(),
+                records.services[&("shop".into(), "payments".into())]
+            )]
+        );
     }
 
     #[test]
@@ -295,7 +354,9 @@ mod tests {
         ] {
             catalog.services.insert(format!("{}/{}", s.namespace, s.name), s);
         }
-        let (records, bad) = records_of(&catalog);
+        let Records {
+            services: records, bad, ..
+        } = records_of(&catalog);
         assert_eq!(bad, 2);
         assert_eq!(records.len(), 2);
         assert_eq!(

@@ -181,6 +181,12 @@ impl Node {
         self
     }
 
+    /// The DNS servers external services' hosts are resolved with (`--external-dns`).
+    pub fn with_external_dns(self, dns: crate::xds::resources::external::ExternalDns) -> Self {
+        self.generator.lock().set_external_dns(dns);
+        self
+    }
+
     /// This node's name: its endpoints come first for services that PreferSameNode.
     pub fn with_node_name(self, node_name: &str) -> Self {
         self.generator.lock().set_node_name(node_name);
@@ -433,12 +439,15 @@ impl Node {
         let clusters: Vec<String> = (upstreams.iter())
             .flat_map(|upstream| resources::cluster_names(&watched.catalog, upstream, &self.mesh_domain))
             .collect();
-        for name in &clusters {
-            wanted.push((xds::CLUSTER, name.clone()));
-            wanted.push((xds::ENDPOINT, name.clone()));
-        }
         // ...and the routes to them (their virtual hosts in the pod's table).
         let snapshot = self.cache.snapshot();
+        for name in &clusters {
+            wanted.push((xds::CLUSTER, name.clone()));
+            // An external service's clusters carry their endpoints (Envoy resolves them).
+            if snapshot.version_of(xds::ENDPOINT, name).is_some() {
+                wanted.push((xds::ENDPOINT, name.clone()));
+            }
+        }
         let vhosts = resources::pod_virtual_host_names(&snapshot, pod, &clusters);
         wanted.extend(vhosts.into_iter().map(|name| (xds::VIRTUAL_HOST, name)));
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -704,6 +713,7 @@ mod tests {
             name: "cart".into(),
             vip: "240.240.0.1".into(),
             kubernetes: None,
+            external: None,
         };
         let endpoint = Endpoint {
             service: "demo/cart".into(),

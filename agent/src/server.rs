@@ -262,6 +262,9 @@ fn node(
     )
     .with_cluster_domain(&config.cluster_domain)
     .with_uds_link_dir(&config.uds_link_dir)
+    .with_external_dns(crate::xds::resources::external::ExternalDns {
+        servers: config.external_dns.clone(),
+    })
     .with_node_name(&config.node_name);
     let node = match identity {
         Some(identity) => node.with_identity(identity),

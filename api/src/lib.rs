@@ -19,12 +19,15 @@
 //!   filters, typed) and its projector into `aether.registry.v1.HttpFilter`.
 //! - [`mesh_config`]: our `mesh.aether.io/v1alpha1` MeshConfig (mesh-wide and per-namespace
 //!   defaults), its projector and [`mesh_config::effective`], a namespace's settings.
+//! - [`external_service`]: our `networking.aether.io/v1alpha1` ExternalService (a destination
+//!   outside the mesh with a mesh VIP) and its projector into `aether.registry.v1.External`.
 //! - [`service_ports`]: a mesh service's ports (Service port → endpoint port → protocol),
 //!   read the same way by the agent and the registrar.
 //! - [`pod`]: a pod's mesh annotations (`config.aether.io/*`, `security.aether.io/inbound-mtls`).
 
 pub mod authorization;
 pub mod duration;
+pub mod external_service;
 pub mod gateway;
 pub mod http_filter;
 pub mod mesh_config;

@@ -1,7 +1,8 @@
 //! A mesh service's ports as the catalog describes them: the ports its endpoints serve,
 //! each with its protocol, and the endpoint port each Kubernetes Service port reaches.
 //! The agent builds its clusters and chains from this and the registrar judges a route's
-//! parent ports by it, so both read a Service port the same way.
+//! parent ports by it, so both read a Service port the same way. An external service's
+//! ports are the ones it declares.
 
 use std::collections::BTreeMap;
 
@@ -21,6 +22,18 @@ pub struct ServicePorts {
 
 impl ServicePorts {
     pub fn of<'a>(service: &Service, endpoints: impl Iterator<Item = &'a Endpoint>) -> Self {
+        if let Some(external) = &service.external {
+            // Outside the mesh: the declared ports are what pods call (none if the
+            // declaration breaks the projector's rules: a store can hold anything).
+            let valid = crate::external_service::validate(external).is_ok();
+            let endpoint = (external.ports.iter().filter(|_| valid))
+                .map(|p| (p.number, Protocol::try_from(p.protocol).unwrap_or(Protocol::Tcp)))
+                .collect();
+            return ServicePorts {
+                endpoint,
+                targets: None,
+            };
+        }
         let mut endpoint = BTreeMap::new();
         let mut named = BTreeMap::new();
         for port in endpoints.flat_map(|e| &e.ports) {

@@ -121,13 +121,14 @@ pub enum MeshObject {
     Policy(Box<crate::authorization::AuthorizationPolicy>),
     Filter(Box<crate::http_filter::HttpFilter>),
     MeshConfig(Box<crate::mesh_config::MeshConfig>),
+    ExternalService(Box<crate::external_service::ExternalService>),
 }
 
 /// An object as the API server sends it (JSON, e.g. in an AdmissionReview) as one of the
 /// mesh's kinds: `None` for another kind, else the typed object or the field at fault —
 /// the same reading a route, policy or filter file gets.
 pub fn mesh_object(value: &Value) -> Option<Result<MeshObject, (String, String)>> {
-    use crate::{authorization as policy, http_filter as filter, mesh_config as mesh};
+    use crate::{authorization as policy, external_service as external, http_filter as filter, mesh_config as mesh};
     let kind = value.get("kind").and_then(Value::as_str).unwrap_or_default().to_owned();
     match kind.as_str() {
         "HTTPRoute" | "GRPCRoute" | "TCPRoute" | "TLSRoute" => {
@@ -139,6 +140,8 @@ pub fn mesh_object(value: &Value) -> Option<Result<MeshObject, (String, String)>
             .map(|r| r.map(|o| MeshObject::Filter(Box::new(o)))),
         mesh::KIND => of_kind(value, (mesh::GROUP, mesh::VERSION, mesh::KIND))
             .map(|r| r.map(|o| MeshObject::MeshConfig(Box::new(o)))),
+        external::KIND => of_kind(value, (external::GROUP, external::VERSION, external::KIND))
+            .map(|r| r.map(|o| MeshObject::ExternalService(Box::new(o)))),
         _ => None,
     }
 }

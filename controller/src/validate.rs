@@ -63,6 +63,9 @@ impl Validator {
             MeshObject::MeshConfig(config) => aether_api::mesh_config::project(config, &self.options)
                 .map(drop)
                 .map_err(|r| (r.field, r.message)),
+            MeshObject::ExternalService(external) => aether_api::external_service::project(external)
+                .map(drop)
+                .map_err(|r| (r.field, r.message)),
         };
         match result {
             Ok(()) => Verdict::Allow,

@@ -269,6 +269,7 @@ impl Names {
             written_at: SystemTime::now(),
             records: BTreeMap::new(),
             aliases: Vec::new(),
+            hosts: BTreeMap::new(),
         };
         let mut queries = String::new();
         let mut local_data = String::new();

@@ -9,6 +9,9 @@
 //! - deeper names under `D`: NXDOMAIN;
 //! - `X.D.S` where `X` is one or more labels and `S` is `C`, `svc.C`, `<one label>.svc.C`
 //!   or a configured search domain: a search-path expansion, NXDOMAIN locally;
+//! - an external service's host the record file lists: A / AAAA from the table (NODATA
+//!   for a missing family), so a pod calling it reaches the mesh VIP; its other types are
+//!   forwarded;
 //! - everything else is forwarded.
 //!
 //! Mesh names get SERVFAIL until a record file was loaded once. Each alias domain the
@@ -279,6 +282,11 @@ impl Handler {
         let name_labels: Vec<&[u8]> = query.name().iter().collect();
         let (class, zone) = self.classify(&name_labels, self.zones(table));
         if class == Class::Other {
+            let host = table.and_then(|t| t.lookup_host(&name_labels));
+            let address_query = matches!(query.query_type(), RecordType::A | RecordType::AAAA | RecordType::ANY);
+            if let Some(addresses) = host.filter(|_| address_query && query.query_class() == DNSClass::IN) {
+                return addresses_reply(&request, &addresses, None);
+            }
             let client_udp_limit = request.edns.as_ref().map_or(512, |e| e.max_payload().max(512)) as usize;
             return Outcome::Forward(Forward {
                 query: request,
@@ -347,28 +355,32 @@ fn answer(request: &Message, class: &Class<'_>, zone: &Zone, table: &Table) -> O
             reply(request, ResponseCode::NoError, Vec::new(), soa, QueryResult::NoData)
         }
         Class::Service { svc, ns } => match table.lookup(svc, ns) {
-            Some(addresses) => {
-                let name = query.name().clone();
-                let mut answers = Vec::with_capacity(2);
-                if matches!(qtype, RecordType::A | RecordType::ANY)
-                    && let Some(v4) = addresses.v4
-                {
-                    answers.push(Record::from_rdata(name.clone(), ANSWER_TTL, RData::A(A(v4))));
-                }
-                if matches!(qtype, RecordType::AAAA | RecordType::ANY)
-                    && let Some(v6) = addresses.v6
-                {
-                    answers.push(Record::from_rdata(name, ANSWER_TTL, RData::AAAA(AAAA(v6))));
-                }
-                if answers.is_empty() {
-                    reply(request, ResponseCode::NoError, answers, soa, QueryResult::NoData)
-                } else {
-                    reply(request, ResponseCode::NoError, answers, None, QueryResult::Answer)
-                }
-            }
+            Some(addresses) => addresses_reply(request, &addresses, soa),
             None => reply(request, ResponseCode::NXDomain, Vec::new(), soa, QueryResult::NxDomain),
         },
         _ => reply(request, ResponseCode::NXDomain, Vec::new(), soa, QueryResult::NxDomain),
+    }
+}
+
+/// The A / AAAA answer of `addresses` to `request` (NODATA, with `soa` if given, when
+/// it has none of the family asked for).
+fn addresses_reply(request: &Message, addresses: &Addresses, soa: Option<(&Zone, u32)>) -> Outcome {
+    let query = &request.queries[0];
+    let (qtype, name) = (query.query_type(), query.name().clone());
+    let mut answers = Vec::with_capacity(2);
+    if matches!(qtype, RecordType::A | RecordType::ANY)
+        && let Some(v4) = addresses.v4
+    {
+        answers.push(Record::from_rdata(name.clone(), ANSWER_TTL, RData::A(A(v4))));
+    }
+    if matches!(qtype, RecordType::AAAA | RecordType::ANY)
+        && let Some(v6) = addresses.v6
+    {
+        answers.push(Record::from_rdata(name, ANSWER_TTL, RData::AAAA(AAAA(v6))));
+    }
+    match answers.is_empty() {
+        true => reply(request, ResponseCode::NoError, answers, soa, QueryResult::NoData),
+        false => reply(request, ResponseCode::NoError, answers, None, QueryResult::Answer),
     }
 }
 
@@ -606,6 +618,11 @@ mod tests {
             file.aliases = ["corp.internal", "aether.internal", "x.cluster.local"]
                 .map(String::from)
                 .to_vec();
+            let external = Addresses {
+                v4: Some(Ipv4Addr::new(240, 240, 0, 11)),
+                v6: None,
+            };
+            file.hosts.insert("api.payments.example".into(), external);
             store.replace(Table::new(&file));
         }
         Handler::new(store, "aether.internal", "cluster.local", &["corp.example".to_owned()]).unwrap()
@@ -676,6 +693,35 @@ mod tests {
         }
         if answers == 0 {
             assert_eq!(m.authorities.len(), 1, "negative answers carry the SOA: {name}");
+        }
+    }
+
+    #[test]
+    fn external_hosts_are_answered_with_their_vip_and_their_other_types_forwarded() {
+        let h = handler(true);
+        let (m, result) = reply(&h, &query("API.payments.example.", RecordType::A, true));
+        assert_eq!(
+            (m.metadata.response_code, result),
+            (ResponseCode::NoError, QueryResult::Answer)
+        );
+        assert_eq!(m.answers.len(), 1);
+        assert_eq!(m.answers[0].data, RData::A(A(Ipv4Addr::new(240, 240, 0, 11))));
+        assert!(m.edns.is_some(), "EDNS asked, EDNS answered");
+        // No IPv6 VIP: NODATA, never the outside's own AAAA (which would bypass the mesh).
+        let (m, result) = reply(&h, &query("api.payments.example.", RecordType::AAAA, false));
+        assert_eq!(
+            (m.metadata.response_code, m.answers.len(), result),
+            (ResponseCode::NoError, 0, QueryResult::NoData)
+        );
+        for (name, qtype) in [
+            ("api.payments.example.", RecordType::MX),
+            ("payments.example.", RecordType::A),
+            ("www.api.payments.example.", RecordType::A),
+        ] {
+            assert!(
+                matches!(h.handle(&query(name, qtype, false)), Outcome::Forward(_)),
+                "{name} {qtype}"
+            );
         }
     }
 

@@ -5,6 +5,8 @@
 //! {"version": 1, "generation": 7, "written_at_unix_ms": 1764500000000,
 //!  "records": {"default/web": {"v4": "240.240.0.7"}, "shop/cart": {"v4": "240.240.0.9", "v6": "fd00::9"}}}
 //! ```
+//! `hosts` (absent when empty) maps names outside the mesh domain to addresses: the hosts
+//! of external services (proposals/017), answered A/AAAA instead of being forwarded.
 //! `aliases` (absent when empty, so readers older than it keep reading the file) lists
 //! other domains every name is answered under too: the mesh-wide MeshConfig's mesh domain
 //! (proposals/016). `generation` grows whenever the records or aliases change; `written_at_unix_ms` is refreshed
@@ -55,6 +57,8 @@ pub enum RecordsError {
     },
     #[error("aliases: {0} domains (at most {MAX_ALIASES})")]
     TooManyAliases(usize),
+    #[error("hosts[{}]: {reason}", quote(.host))]
+    Host { host: String, reason: String },
 }
 
 /// The most alias domains a file may list (a mesh has one domain and, while it moves, one
@@ -77,6 +81,9 @@ pub struct RecordFile {
     pub records: BTreeMap<(String, String), Addresses>,
     /// Other domains the same names are answered under (mesh domains, lowercase).
     pub aliases: Vec<String>,
+    /// Names outside the mesh domain answered with these addresses (external services'
+    /// hosts, lowercase, without a trailing dot).
+    pub hosts: BTreeMap<String, Addresses>,
 }
 
 impl Default for RecordFile {
@@ -86,6 +93,7 @@ impl Default for RecordFile {
             written_at: UNIX_EPOCH,
             records: BTreeMap::new(),
             aliases: Vec::new(),
+            hosts: BTreeMap::new(),
         }
     }
 }
@@ -99,6 +107,8 @@ struct Wire {
     records: BTreeMap<String, WireAddresses>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     aliases: Vec<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    hosts: BTreeMap<String, WireAddresses>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -108,6 +118,55 @@ struct WireAddresses {
     v4: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     v6: Option<String>,
+}
+
+impl WireAddresses {
+    fn of(addresses: &Addresses) -> Self {
+        WireAddresses {
+            v4: addresses.v4.map(|v| v.to_string()),
+            v6: addresses.v6.map(|v| v.to_string()),
+        }
+    }
+
+    /// The addresses of the entry `key` (as errors name it): at least one, each of its family.
+    fn parse(self, key: String) -> Result<Addresses, RecordsError> {
+        let v4 = match self.v4 {
+            Some(v) => Some(v.parse::<Ipv4Addr>().map_err(|_| RecordsError::Address {
+                key: key.clone(),
+                family: "v4",
+                value: v,
+            })?),
+            None => None,
+        };
+        let v6 = match self.v6 {
+            Some(v) => Some(v.parse::<Ipv6Addr>().map_err(|_| RecordsError::Address {
+                key: key.clone(),
+                family: "v6",
+                value: v,
+            })?),
+            None => None,
+        };
+        if v4.is_none() && v6.is_none() {
+            return Err(RecordsError::NoAddress { key });
+        }
+        Ok(Addresses { v4, v6 })
+    }
+}
+
+/// A host name the file may map: lowercase DNS labels joined by dots, at least two, at
+/// most 253 characters (what `aether_api::external_service` admits).
+pub fn check_host(host: &str) -> Result<(), RecordsError> {
+    let bad = |reason: &str| RecordsError::Host {
+        host: host.to_owned(),
+        reason: reason.to_owned(),
+    };
+    if host.len() > 253 {
+        return Err(bad("is longer than 253 characters"));
+    }
+    if !host.contains('.') || !host.split('.').all(valid_label) {
+        return Err(bad("is not a lowercase DNS name of two labels or more"));
+    }
+    Ok(())
 }
 
 /// Whether `label` is a DNS label as Kubernetes names namespaces and services (RFC 1123):
@@ -148,26 +207,13 @@ impl RecordFile {
         let mut records = BTreeMap::new();
         for (key, addresses) in wire.records {
             let name = split_key(&key)?;
-            let v4 = match addresses.v4 {
-                Some(v) => Some(v.parse::<Ipv4Addr>().map_err(|_| RecordsError::Address {
-                    key: key.clone(),
-                    family: "v4",
-                    value: v,
-                })?),
-                None => None,
-            };
-            let v6 = match addresses.v6 {
-                Some(v) => Some(v.parse::<Ipv6Addr>().map_err(|_| RecordsError::Address {
-                    key: key.clone(),
-                    family: "v6",
-                    value: v,
-                })?),
-                None => None,
-            };
-            if v4.is_none() && v6.is_none() {
-                return Err(RecordsError::NoAddress { key });
-            }
-            records.insert(name, Addresses { v4, v6 });
+            records.insert(name, addresses.parse(key)?);
+        }
+        let mut hosts = BTreeMap::new();
+        for (host, addresses) in wire.hosts {
+            check_host(&host)?;
+            let addresses = addresses.parse(format!("hosts/{host}"))?;
+            hosts.insert(host, addresses);
         }
         if wire.aliases.len() > MAX_ALIASES {
             return Err(RecordsError::TooManyAliases(wire.aliases.len()));
@@ -184,6 +230,7 @@ impl RecordFile {
             written_at: UNIX_EPOCH + Duration::from_millis(wire.written_at_unix_ms),
             records,
             aliases: wire.aliases,
+            hosts,
         })
     }
 
@@ -201,17 +248,12 @@ impl RecordFile {
             records: self
                 .records
                 .iter()
-                .map(|((ns, svc), a)| {
-                    (
-                        format!("{ns}/{svc}"),
-                        WireAddresses {
-                            v4: a.v4.map(|v| v.to_string()),
-                            v6: a.v6.map(|v| v.to_string()),
-                        },
-                    )
-                })
+                .map(|((ns, svc), a)| (format!("{ns}/{svc}"), WireAddresses::of(a)))
                 .collect(),
             aliases: self.aliases.clone(),
+            hosts: (self.hosts.iter())
+                .map(|(host, a)| (host.clone(), WireAddresses::of(a)))
+                .collect(),
         };
         let mut out = serde_json::to_vec(&wire).expect("the record file serialises");
         out.push(b'\n');
@@ -250,7 +292,39 @@ mod tests {
             written_at: UNIX_EPOCH + Duration::from_millis(1_764_500_000_123),
             records,
             aliases: vec!["corp.internal".into()],
+            hosts: BTreeMap::from([(
+                "api.payments.example".to_owned(),
+                Addresses {
+                    v4: Some(Ipv4Addr::new(240, 240, 0, 11)),
+                    v6: None,
+                },
+            )]),
         }
+    }
+
+    #[test]
+    fn bad_hosts_are_refused_naming_them() {
+        for (host, reason) in [
+            ("localhost", "two labels"),
+            ("API.example", "lowercase"),
+            ("a..example", "lowercase DNS name"),
+        ] {
+            let json = format!(
+                r#"{{"version":1,"generation":1,"written_at_unix_ms":1,"records":{{}},"hosts":{{"{host}":{{"v4":"240.240.0.1"}}}}}}"#
+            );
+            let error = RecordFile::parse(json.as_bytes()).unwrap_err().to_string();
+            assert!(
+                error.starts_with(&format!("hosts[\"{host}\"]")) && error.contains(reason),
+                "{error}"
+            );
+        }
+        let json =
+            r#"{"version":1,"generation":1,"written_at_unix_ms":1,"records":{},"hosts":{"a.example":{"v4":"x"}}}"#;
+        let error = RecordFile::parse(json.as_bytes()).unwrap_err().to_string();
+        assert!(
+            error.contains("hosts/a.example") && error.contains("not an IPv4"),
+            "{error}"
+        );
     }
 
     #[test]
@@ -363,9 +437,12 @@ mod tests {
             generation in any::<u64>(),
             ms in 0u64..4_000_000_000_000,
             records in proptest::collection::btree_map((label(), label()), addresses(), 0..20),
+            hosts in proptest::collection::btree_map(
+                proptest::collection::vec(label(), 2..4).prop_map(|l| l.join(".")), addresses(), 0..4),
         ) {
             let aliases = if generation % 2 == 0 { vec!["corp.internal".to_owned()] } else { Vec::new() };
-            let file = RecordFile { generation, written_at: UNIX_EPOCH + Duration::from_millis(ms), records, aliases };
+            let written_at = UNIX_EPOCH + Duration::from_millis(ms);
+            let file = RecordFile { generation, written_at, records, aliases, hosts };
             prop_assert_eq!(RecordFile::parse(&file.to_json()).unwrap(), file);
         }
 

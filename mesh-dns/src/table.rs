@@ -22,6 +22,8 @@ pub struct Table {
     namespaces: HashSet<Box<[u8]>>,
     /// The file's alias domains, answered like the mesh domain (see `Handler`).
     pub aliases: Vec<Zone>,
+    /// External services' hosts (lowercase, no trailing dot) → addresses.
+    hosts: HashMap<Box<[u8]>, Addresses>,
 }
 
 impl Table {
@@ -37,6 +39,9 @@ impl Table {
         let aliases = (file.aliases.iter())
             .filter_map(|a| Zone::new("alias", a).ok())
             .collect();
+        let hosts = (file.hosts.iter())
+            .map(|(host, addresses)| (host.as_bytes().into(), *addresses))
+            .collect();
         Self {
             generation: file.generation,
             written_at: file.written_at,
@@ -44,7 +49,19 @@ impl Table {
             names,
             namespaces,
             aliases,
+            hosts,
         }
+    }
+
+    /// The addresses of an external service's host named by `labels`, compared
+    /// case-insensitively.
+    pub fn lookup_host(&self, labels: &[&[u8]]) -> Option<Addresses> {
+        if self.hosts.is_empty() {
+            return None;
+        }
+        let mut name = labels.join(&b'.');
+        name.make_ascii_lowercase();
+        self.hosts.get(name.as_slice()).copied()
     }
 
     /// The addresses of `<svc>.<ns>`; labels are compared case-insensitively.

@@ -88,6 +88,7 @@ mod tests {
             name: "cart".into(),
             vip: "240.240.0.1".into(),
             kubernetes: None,
+            external: None,
         };
         let base = service(&record, EndpointSum::over([&endpoint("10.0.0.1", &[("zone", "a")])]));
         let other_metadata = EndpointSum::over([&endpoint("10.0.0.1", &[("zone", "b")])]);

@@ -340,6 +340,7 @@ mod tests {
             name: name.into(),
             vip: "240.240.0.1".into(),
             kubernetes: None,
+            external: None,
         }
     }
 

@@ -15,6 +15,7 @@ use tokio::sync::{mpsc, watch};
 
 use self::services::ClusterServices;
 use crate::config::{Config, StoreKind};
+use crate::external_services::{ClusterExternalServices, ExternalServices};
 use crate::http_filters::{ClusterHttpFilters, HttpFilters};
 use crate::mesh_configs::{ClusterMeshConfigs, MeshConfigs};
 use crate::policies::{ClusterPolicies, Policies};
@@ -29,6 +30,7 @@ pub struct ClusterAccess {
     pub policies: ClusterPolicies,
     pub http_filters: ClusterHttpFilters,
     pub mesh_configs: ClusterMeshConfigs,
+    pub external_services: ClusterExternalServices,
     pub services: ClusterServices,
 }
 
@@ -121,6 +123,7 @@ pub async fn connect(config: &Config) -> Result<Option<ClusterAccess>, StoreErro
         policies: crate::sources::crd::start::<Policies>(client.clone()),
         http_filters: crate::sources::crd::start::<HttpFilters>(client.clone()),
         mesh_configs: crate::sources::crd::start::<MeshConfigs>(client.clone()),
+        external_services: crate::sources::crd::start::<ExternalServices>(client.clone()),
         services: ClusterServices::start(client.clone()),
         client,
     }))

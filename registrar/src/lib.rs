@@ -7,6 +7,7 @@ pub mod bootstrap;
 pub mod catalog;
 pub mod cluster;
 pub mod config;
+pub mod external_services;
 pub mod http_filters;
 pub mod mesh_configs;
 pub mod metrics;

@@ -9,7 +9,7 @@ use prometheus_client::registry::{Registry, Unit};
 
 use crate::records::ConfigKind;
 
-type Labels = [(&'static str, &'static str); 1];
+pub type Labels = [(&'static str, &'static str); 1];
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -36,6 +36,8 @@ pub struct Metrics {
     /// Per configuration record kind (see [`Metrics::records`]).
     records: [Gauge; ConfigKind::ALL.len()],
     refused: [Family<Labels, Gauge>; ConfigKind::ALL.len()],
+    /// ExternalService objects a source holds that were refused, by source.
+    pub external_services_refused: Family<Labels, Gauge>,
 }
 
 impl Metrics {
@@ -63,6 +65,7 @@ impl Metrics {
             store_conflicts: Counter::default(),
             records: Default::default(),
             refused: Default::default(),
+            external_services_refused: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("aether_registrar");
         metrics.register_catalog(r);
@@ -93,6 +96,11 @@ impl Metrics {
             );
             r.register(format!("{plural}_refused"), help, self.refused(kind).clone());
         }
+        r.register(
+            "external_services_refused",
+            "ExternalService objects a source holds that were refused (by the projector, or for a name a mesh service holds)",
+            self.external_services_refused.clone(),
+        );
     }
 
     /// How many records of `kind` the catalog holds: `aether_registrar_<plural>`.

@@ -26,6 +26,7 @@ use crate::bootstrap::{Bootstrap, BootstrapConfig, BootstrapError};
 use crate::catalog::{Catalog, CatalogConfig, OpenError};
 use crate::cluster::ClusterAccess;
 use crate::config::{Config, SecurityConfig, StoreKind};
+use crate::external_services::ExternalServices;
 use crate::http_filters::HttpFilters;
 use crate::mesh_configs::MeshConfigs;
 use crate::metrics::Metrics;
@@ -273,6 +274,7 @@ pub async fn open_store(config: &Config, cluster: Option<&ClusterAccess>) -> Res
                     policy_options: policy_options(config),
                     http_filters: cluster.http_filters.clone(),
                     mesh_configs: cluster.mesh_configs.clone(),
+                    external_services: cluster.external_services.clone(),
                 },
             )?)
         }
@@ -411,6 +413,13 @@ fn run_sources(
             stop.clone(),
         );
         tasks.critical("the Kubernetes MeshConfig source", source);
+        let source = sources::run(
+            cluster.external_services.clone(),
+            ExternalServices,
+            catalog.clone(),
+            stop.clone(),
+        );
+        tasks.critical("the Kubernetes ExternalService source", source);
     }
     let writer = sources::accepted::run(cluster.policies, policies, client.clone(), stop.clone());
     tasks.critical("the AuthorizationPolicy status writer", writer);
@@ -418,6 +427,13 @@ fn run_sources(
     tasks.critical("the HTTPFilter status writer", writer);
     let writer = sources::accepted::run(cluster.mesh_configs, mesh_configs, client.clone(), stop.clone());
     tasks.critical("the MeshConfig status writer", writer);
+    let writer = sources::accepted::run(
+        cluster.external_services,
+        ExternalServices,
+        client.clone(),
+        stop.clone(),
+    );
+    tasks.critical("the ExternalService status writer", writer);
     let writer = status::run(cluster.routes, catalog.clone(), client, stop);
     tasks.critical("the route status writer", writer);
 }

@@ -22,6 +22,7 @@ pub mod crd;
 pub mod directory;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,20 +33,66 @@ use tokio_util::sync::CancellationToken;
 
 use crate::catalog::Catalog;
 use crate::cluster::Sets;
-use crate::metrics::Metrics;
+use crate::metrics::{Labels, Metrics};
 use crate::records::Record;
+use aether_proto::registrar::v1::Version;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use tonic::Status;
 
 /// How refusals and metrics name the Kubernetes sources.
 pub const KUBERNETES: &str = "kubernetes";
 /// Pause before storing a kind's records again after the catalog could not.
 const RETRY: Duration = Duration::from_secs(1);
 
+/// Where the projections of a kind of users' object go in the catalog: a configuration
+/// record of its kind (every [`Record`]), or an external service (`External`, a catalog
+/// service of its own, see `crate::external_services`).
+pub trait Destination: Clone + PartialEq + Send + Sync + 'static {
+    /// How logs name one (`route`, `external service`).
+    fn noun() -> &'static str;
+    /// The users' objects it comes from, for messages.
+    fn objects() -> &'static str;
+    /// What the catalog holds now, by key: a restarted source resumes from it.
+    fn held(catalog: &Catalog) -> Vec<(String, Self)>;
+    /// The gauge of objects refused, by source.
+    fn refused_gauge(metrics: &Metrics) -> &Family<Labels, Gauge>;
+    /// Makes the catalog's set exactly `desired`; the version that holds it, and the keys
+    /// the catalog itself would not take, with why.
+    fn store(
+        catalog: &Catalog,
+        desired: BTreeMap<String, Self>,
+    ) -> impl Future<Output = Result<(Version, Vec<(String, String)>), Status>> + Send;
+}
+
+impl<T: Record> Destination for T {
+    fn noun() -> &'static str {
+        T::KIND.noun()
+    }
+    fn objects() -> &'static str {
+        T::KIND.objects()
+    }
+    fn held(catalog: &Catalog) -> Vec<(String, Self)> {
+        let state = catalog.read();
+        state.records::<T>().map(|r| (r.key(), T::clone(r))).collect()
+    }
+    fn refused_gauge(metrics: &Metrics) -> &Family<Labels, Gauge> {
+        metrics.refused(T::KIND)
+    }
+    async fn store(
+        catalog: &Catalog,
+        desired: BTreeMap<String, Self>,
+    ) -> Result<(Version, Vec<(String, String)>), Status> {
+        catalog.set_records(desired).await.map(|version| (version, Vec::new()))
+    }
+}
+
 /// A kind of users' object, and how it becomes a catalog record.
 pub trait ObjectKind: Clone + Send + Sync + 'static {
     /// The object as a source reads it.
     type Object: Send + Sync + 'static;
     /// What it is projected into.
-    type Record: Record;
+    type Record: Destination;
     /// The key its record is stored under, known before projecting.
     fn key(object: &Self::Object) -> String;
     /// Its record (`None`: not the mesh's), or why it is refused, naming the field.
@@ -108,11 +155,9 @@ impl<K: ObjectKind> Projector<K> {
     /// A projector whose last accepted versions are the records the catalog stores:
     /// after a restart, an object refused now keeps what was accepted before.
     pub fn resuming(catalog: &Catalog, kind: K) -> Self {
-        let state = catalog.read();
-        let last_good = state.records::<K::Record>().map(|r| (r.key(), K::Record::clone(r)));
         Projector {
             kind,
-            last_good: last_good.collect(),
+            last_good: K::Record::held(catalog).into_iter().collect(),
         }
     }
 
@@ -148,11 +193,11 @@ impl<K: ObjectKind> Projector<K> {
 }
 
 /// Logs `refused` if it differs from what was `reported` last (then remembers it).
-pub fn report<T: Record>(source: &'static str, refused: &[Refusal], reported: &mut Vec<Refusal>) {
+pub fn report<T: Destination>(source: &'static str, refused: &[Refusal], reported: &mut Vec<Refusal>) {
     if refused == reported.as_slice() {
         return;
     }
-    let noun = T::KIND.noun();
+    let noun = T::noun();
     for refusal in refused {
         tracing::warn!(%source, origin = %quote(&refusal.origin), reason = %refusal.reason,
             "{noun} refused; its last accepted version (if any) stays in force");
@@ -162,30 +207,29 @@ pub fn report<T: Record>(source: &'static str, refused: &[Refusal], reported: &m
 
 /// Hands a projection to the catalog, reporting refusals (logged when they change,
 /// counted by source); false if the catalog could not store it.
-pub async fn apply<T: Record>(
+pub async fn apply<T: Destination>(
     catalog: &Catalog,
     metrics: &Metrics,
     source: &'static str,
     projection: Projection<T>,
     reported: &mut Vec<Refusal>,
 ) -> bool {
-    report::<T>(source, &projection.refused, reported);
-    let refused = projection.refused.len() as i64;
-    metrics
-        .refused(T::KIND)
-        .get_or_create(&[("source", source)])
-        .set(refused);
-    let (count, plural) = (projection.records.len(), T::KIND.plural());
-    match catalog.set_records(projection.records).await {
-        Ok(version) => {
-            tracing::debug!(%source, kind = plural, count, seq = version.seq, "configuration records applied");
-            true
+    let (count, noun) = (projection.records.len(), T::noun());
+    let (stored, mut refused) = match T::store(catalog, projection.records).await {
+        Ok((version, not_taken)) => {
+            tracing::debug!(%source, kind = noun, count, seq = version.seq, "configuration applied");
+            let not_taken = not_taken.into_iter().map(|(origin, reason)| Refusal { origin, reason });
+            (true, not_taken.collect())
         }
         Err(status) => {
-            tracing::error!(%source, kind = plural, error = %status.message(), "storing configuration records failed; retrying");
-            false
+            tracing::error!(%source, kind = noun, error = %status.message(), "storing configuration failed; retrying");
+            (false, Vec::new())
         }
-    }
+    };
+    refused.splice(0..0, projection.refused);
+    report::<T>(source, &refused, reported);
+    (T::refused_gauge(metrics).get_or_create(&[("source", source)])).set(refused.len() as i64);
+    stored
 }
 
 /// Keeps the catalog's records of one kind equal to the cluster's accepted objects

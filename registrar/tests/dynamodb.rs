@@ -375,6 +375,7 @@ fn service(name: &str, vip: &str) -> Service {
         name: name.into(),
         vip: vip.into(),
         kubernetes: None,
+        external: None,
     }
 }
 

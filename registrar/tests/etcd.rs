@@ -139,6 +139,7 @@ async fn the_loser_of_a_creation_race_learns_the_winners_vip() {
         name: "web".into(),
         vip: vip.into(),
         kubernetes: None,
+        external: None,
     };
     a.commit(vec![StoreOp::CreateService(service("240.240.0.1"))])
         .await
@@ -157,6 +158,7 @@ async fn the_loser_of_a_creation_race_learns_the_winners_vip() {
         name: "api".into(),
         vip: "240.240.0.1".into(),
         kubernetes: None,
+        external: None,
     };
     let StoreError::Conflict(conflict) = b.commit(vec![StoreOp::CreateService(other)]).await.unwrap_err() else {
         panic!("expected a conflict")
@@ -288,6 +290,7 @@ fn svc(name: &str, vip: &str) -> Service {
         name: name.into(),
         vip: vip.into(),
         kubernetes: None,
+        external: None,
     }
 }
 

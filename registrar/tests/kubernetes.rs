@@ -14,6 +14,7 @@ use aether_proto::registrar::v1::RegisterEndpointRequest;
 use aether_proto::registrar::v1::registrar_client::RegistrarClient;
 use aether_proto::registry::v1::Health;
 use aether_registrar::cluster::services::ClusterServices;
+use aether_registrar::external_services::ExternalServices;
 use aether_registrar::http_filters::HttpFilters;
 use aether_registrar::mesh_configs::MeshConfigs;
 use aether_registrar::policies::Policies;
@@ -66,6 +67,7 @@ fn store(cluster: &ApiServer) -> KubeStore {
             policy_options: Default::default(),
             http_filters: aether_registrar::sources::crd::start::<HttpFilters>(cluster.client()),
             mesh_configs: aether_registrar::sources::crd::start::<MeshConfigs>(cluster.client()),
+            external_services: aether_registrar::sources::crd::start::<ExternalServices>(cluster.client()),
         },
     )
     .unwrap()

@@ -307,6 +307,7 @@ async fn a_watcher_from_another_replica_is_reconciled_from_its_holdings() {
         name: "ghost".into(),
         vip: "240.240.9.9".into(),
         kubernetes: None,
+        external: None,
     };
     view.catalog.services.insert("ns/ghost".into(), ghost);
     view.catalog.endpoints.insert("ns/ghost".into(), Default::default());

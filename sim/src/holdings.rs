@@ -244,6 +244,7 @@ mod tests {
             name: name.into(),
             vip: vip.into(),
             kubernetes: None,
+            external: None,
         }
     }
 

@@ -119,6 +119,7 @@ mod tests {
                 traffic_distribution: 0,
                 ports: Vec::new(),
             }),
+            external: None,
         };
         catalog
             .services

@@ -17,6 +17,7 @@
 
 pub mod authorization;
 mod clusters;
+pub mod external;
 pub mod http_filters;
 mod listeners;
 mod origination;
@@ -129,9 +130,13 @@ impl MeshService<'_> {
             .or_else(|| self.default_port())
     }
 
-    /// The names its Kubernetes Service has in cluster DNS, if it has ClusterIPs:
-    /// `<svc>.<ns>.svc.<cluster domain>` and `<svc>.<ns>.svc`.
+    /// Its names besides the mesh's, answered on the ports its Kubernetes Service maps:
+    /// an external service's hosts; else the names its Kubernetes Service has in cluster
+    /// DNS, if it has ClusterIPs: `<svc>.<ns>.svc.<cluster domain>` and `<svc>.<ns>.svc`.
     pub fn kubernetes_names(&self, cluster_domain: &str) -> Vec<String> {
+        if let Some(external) = &self.service.external {
+            return external.hosts.clone();
+        }
         if self.cluster_ips.is_empty() {
             return Vec::new();
         }
@@ -229,6 +234,8 @@ pub struct Generator {
     node_name: String,
     /// Where pods' Unix sockets are reached (`crate::uds`).
     uds_link_dir: UdsLinkDir,
+    /// How external services' hosts are resolved (`--external-dns`).
+    external_dns: external::ExternalDns,
 }
 
 /// `--uds-link-dir`.
@@ -436,6 +443,12 @@ impl Generator {
         self.uds_link_dir = UdsLinkDir(dir.to_owned());
     }
 
+    /// The DNS servers Envoy resolves external services' hosts with (`--external-dns`;
+    /// none: the system's).
+    pub fn set_external_dns(&mut self, dns: external::ExternalDns) {
+        self.external_dns = dns;
+    }
+
     /// This node's name, as its agent registers endpoints under it.
     pub fn set_node_name(&mut self, node_name: &str) {
         self.node_name = node_name.to_owned();
@@ -551,7 +564,7 @@ impl Generator {
             let resilience = self.mesh.of(&service.service.namespace).resilience;
             let memo = match self.services.remove(service.key) {
                 Some(memo) if memo.is_current(service, &resilience) => memo,
-                _ => ServiceMemo::build(service, here, mtls, resilience),
+                _ => ServiceMemo::build(service, here, mtls, resilience, &self.external_dns),
             };
             out.clusters.extend(memo.clusters.iter().cloned());
             out.assignments.extend(memo.assignments.iter().cloned());
@@ -739,8 +752,14 @@ impl ServiceMemo {
             && self.resilience == *resilience
     }
 
-    fn build(service: &MeshService, here: clusters::Here, mtls: Option<&Mtls>, resilience: ResilienceSettings) -> Self {
-        let (c, a) = clusters::service_resources(service, here, mtls, &resilience);
+    fn build(
+        service: &MeshService,
+        here: clusters::Here,
+        mtls: Option<&Mtls>,
+        resilience: ResilienceSettings,
+        dns: &external::ExternalDns,
+    ) -> Self {
+        let (c, a) = clusters::service_resources(service, here, mtls, &resilience, dns);
         let clusters = resources(c);
         let assignments = with_cluster_versions(a, &clusters);
         ServiceMemo {
@@ -907,6 +926,7 @@ mod tests {
                 ],
                 ..Default::default()
             }),
+            external: None,
         };
         catalog.services.insert("shop/cache".into(), service);
         let endpoints = [("10.1.0.1".to_owned(), endpoint)].into_iter().collect();

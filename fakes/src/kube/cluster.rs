@@ -31,8 +31,8 @@ pub(super) struct Kind {
 /// trafficDistribution, which the registrar carries in the catalog), the registrar's VIP ConfigMap, the
 /// CNI installer's owner DaemonSet, and the Gateway API routes the registrar watches and
 /// writes the status of (CRDs with the status subresource, as gateway-api installs them),
-/// and the mesh's AuthorizationPolicies, HTTPFilters and MeshConfigs (ours, with the status subresource too).
-const SERVED: [Kind; 13] = [
+/// and the mesh's AuthorizationPolicies, HTTPFilters, MeshConfigs and ExternalServices (ours, with the status subresource too).
+const SERVED: [Kind; 14] = [
     Kind::of::<Pod>().with_status(),
     Kind::of::<Node>().with_status(),
     Kind::of::<Service>().with_status(),
@@ -69,6 +69,12 @@ const SERVED: [Kind; 13] = [
         api_version: "mesh.aether.io/v1alpha1",
         kind: "MeshConfig",
         plural: "meshconfigs",
+        status: true,
+    },
+    Kind {
+        api_version: "networking.aether.io/v1alpha1",
+        kind: "ExternalService",
+        plural: "externalservices",
         status: true,
     },
 ];

@@ -417,6 +417,7 @@ impl Records {
             written_at,
             records: BTreeMap::new(),
             aliases: Vec::new(),
+            hosts: BTreeMap::new(),
         };
         for (ns, svc, a) in records {
             file.records.insert(((*ns).to_owned(), (*svc).to_owned()), *a);

@@ -211,6 +211,11 @@ impl Writer {
                 return;
             }
         };
+        if let Some(Err(e)) = service.external.as_deref().map(aether_api::external_service::validate) {
+            self.metrics.feed_unusable.inc();
+            tracing::error!(service = %key, error = %format!("external.{e}"), "skipping an unusable service from the store feed");
+            return;
+        }
         if self.revisions.newer(&RecordKey::Service(key.clone()), revision) {
             state.put_service(key, vip, service, now, out);
         }

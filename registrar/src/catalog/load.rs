@@ -89,6 +89,10 @@ impl Loaded {
     fn check_service(&self, service: &Service) -> Result<(ServiceKey, IpAddr), UnreadableService> {
         let key = ServiceKey::from_parts("service", &service.namespace, &service.name)?;
         let vip = parse_address("vip", &service.vip)?;
+        if let Some(external) = &service.external {
+            aether_api::external_service::validate(external)
+                .map_err(|r| InvalidField::new(format!("external.{}", r.field), r.message))?;
+        }
         match self.vips.get(&vip) {
             Some(owner) => Err(UnreadableService::VipTaken {
                 vip,

@@ -34,14 +34,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aether_proto::registrar::v1::Version;
-use aether_proto::registry::v1::{KubernetesService, Service};
+use aether_proto::registry::v1::{External, KubernetesService, Service};
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
 use self::load::Loaded;
 pub use self::state::{Batch, ConfigChange, Entry, Event, KeyedChange, State};
 use self::writer::Write;
-pub use self::writer::Writer;
+pub use self::writer::{ExternalsApplied, Writer};
 use crate::metrics::Metrics;
 use crate::model::{ServiceKey, ValidEndpoint};
 use crate::records::{ConfigRecord, Record};
@@ -148,6 +148,7 @@ impl Catalog {
                 name: endpoint.service.name().to_owned(),
                 vip: String::new(),
                 kubernetes: None,
+                external: None,
             });
             return Ok((service, state.version()));
         }
@@ -219,6 +220,24 @@ impl Catalog {
         }
         let (reply, response) = oneshot::channel();
         self.submit(Write::ServiceAttributes { desired, reply }).await?;
+        response.await.map_err(|_| shutting_down())?
+    }
+
+    /// Makes the catalog's external services exactly `desired` (the sources' whole set of
+    /// ExternalService declarations, projected), as one versioned batch: each is a service
+    /// with a VIP and no endpoints, kept while it is declared. A key a mesh service holds
+    /// is refused (in the answer), never taken over.
+    pub async fn set_external_services(
+        &self,
+        desired: BTreeMap<ServiceKey, External>,
+    ) -> Result<ExternalsApplied, Status> {
+        if self.read_only {
+            return Err(Status::failed_precondition(
+                "this registrar's store is read-only: its external services come from the store itself",
+            ));
+        }
+        let (reply, response) = oneshot::channel();
+        self.submit(Write::ExternalServices { desired, reply }).await?;
         response.await.map_err(|_| shutting_down())?
     }
 

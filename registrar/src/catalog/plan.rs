@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 
-use aether_proto::registry::v1::{Endpoint, KubernetesService, Service};
+use aether_proto::registry::v1::{Endpoint, External, KubernetesService, Service};
 use tonic::Status;
 
 use super::state::{Event, KeyedChange, State, config_changed};
@@ -69,6 +69,11 @@ impl Plan {
             check_owner(old, owner)?;
         }
         let service = match self.service(state, &key) {
+            Some(service) if service.external.is_some() => {
+                return Err(Status::failed_precondition(format!(
+                    "{key} is an ExternalService: pods cannot register endpoints in it (give the pods' service another name)"
+                )));
+            }
             Some(service) => service,
             None => {
                 let vip = vips
@@ -79,6 +84,7 @@ impl Plan {
                     name: key.name().to_owned(),
                     vip: vip.to_string(),
                     kubernetes: state.kubernetes.get(&key).cloned(),
+                    external: None,
                 };
                 self.new_vips.insert(vip);
                 self.new_services.insert(key.clone(), service.clone());
@@ -150,6 +156,9 @@ impl Plan {
     /// (none without one): updates the services whose record differs, and nothing else.
     pub(super) fn set_service_attributes(&mut self, state: &State, desired: &BTreeMap<ServiceKey, KubernetesService>) {
         for (key, entry) in &state.services {
+            if entry.service.external.is_some() {
+                continue;
+            }
             let kubernetes = desired.get(key);
             if entry.service.kubernetes.as_ref() == kubernetes {
                 continue;
@@ -162,6 +171,74 @@ impl Plan {
             self.change(key, Event::ServiceAdded(service.clone()));
             self.updated_services.push((key.clone(), service));
         }
+    }
+}
+
+impl Plan {
+    /// Makes the external services exactly `desired` (the sources' whole set): creates
+    /// the new ones with a VIP, updates the changed ones, removes those no longer
+    /// declared. A key a mesh service already holds is not taken: it is returned, with
+    /// why, for the source to report.
+    pub(super) fn set_external_services(
+        &mut self,
+        state: &State,
+        vips: &VipAllocator,
+        desired: &BTreeMap<ServiceKey, External>,
+    ) -> Vec<(ServiceKey, String)> {
+        for (key, entry) in &state.services {
+            if entry.service.external.is_some() && !desired.contains_key(key) {
+                let vip: IpAddr = entry.service.vip.parse().expect("catalog VIPs are valid addresses");
+                self.ops.push(StoreOp::DeleteService {
+                    key: key.clone(),
+                    vip: entry.service.vip.clone(),
+                });
+                self.change(key, Event::ServiceRemoved);
+                self.removed_services.push((key.clone(), vip));
+            }
+        }
+        let mut refused = Vec::new();
+        for (key, external) in desired {
+            match state.services.get(key) {
+                Some(entry) if entry.service.external.is_none() => refused.push((
+                    key.clone(),
+                    format!(
+                        "{key} is a mesh service (its pods register it): an ExternalService needs a name of its own"
+                    ),
+                )),
+                Some(entry) if entry.service.external.as_deref() == Some(external) => {}
+                Some(entry) => {
+                    let service = Service {
+                        external: Some(Box::new(external.clone())),
+                        ..entry.service.clone()
+                    };
+                    self.ops.push(StoreOp::UpdateService(service.clone()));
+                    self.change(key, Event::ServiceAdded(service.clone()));
+                    self.updated_services.push((key.clone(), service));
+                }
+                None => {
+                    let taken = |ip| state.vips.contains_key(&ip) || self.new_vips.contains(&ip);
+                    let vip = match vips.allocate(key, taken) {
+                        Ok(vip) => vip,
+                        Err(error) => {
+                            refused.push((key.clone(), format!("allocating a VIP: {error}")));
+                            continue;
+                        }
+                    };
+                    let service = Service {
+                        namespace: key.namespace().to_owned(),
+                        name: key.name().to_owned(),
+                        vip: vip.to_string(),
+                        kubernetes: None,
+                        external: Some(Box::new(external.clone())),
+                    };
+                    self.new_vips.insert(vip);
+                    self.new_services.insert(key.clone(), service.clone());
+                    self.ops.push(StoreOp::CreateService(service.clone()));
+                    self.change(key, Event::ServiceAdded(service));
+                }
+            }
+        }
+        refused
     }
 }
 

@@ -47,9 +47,11 @@ impl Plan {
             if self.ops.len() >= most {
                 break;
             }
-            let expired = entry
-                .empty_since
-                .is_some_and(|since| now.saturating_duration_since(since) >= ttl);
+            // An external service never has endpoints: it lives as long as its declaration.
+            let expired = entry.service.external.is_none()
+                && entry
+                    .empty_since
+                    .is_some_and(|since| now.saturating_duration_since(since) >= ttl);
             if !expired {
                 continue;
             }

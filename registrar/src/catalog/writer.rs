@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use aether_common::readiness::Gate;
 use aether_proto::registrar::v1::Version;
-use aether_proto::registry::v1::{KubernetesService, Service};
+use aether_proto::registry::v1::{External, KubernetesService, Service};
 use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -61,6 +61,11 @@ pub(super) enum Write {
         desired: BTreeMap<ServiceKey, KubernetesService>,
         reply: oneshot::Sender<Result<Version, Status>>,
     },
+    /// Make the external services exactly these (the sources' whole set); planned alone.
+    ExternalServices {
+        desired: BTreeMap<ServiceKey, External>,
+        reply: ExternalsReply,
+    },
     /// Remove expired empty services; always planned alone.
     Reap,
     /// Remove the endpoints of nodes whose liveness lapsed; always planned alone.
@@ -101,9 +106,20 @@ struct Alone {
     /// caller to answer once it is applied.
     attributes: Option<BTreeMap<ServiceKey, KubernetesService>>,
     attribute_replies: Vec<VersionReply>,
+    externals: Vec<(BTreeMap<ServiceKey, External>, ExternalsReply)>,
 }
 
 type VersionReply = oneshot::Sender<Result<Version, Status>>;
+type ExternalsReply = oneshot::Sender<Result<ExternalsApplied, Status>>;
+
+/// What became of a set of external services.
+#[derive(Clone, Debug)]
+pub struct ExternalsApplied {
+    /// The catalog version that includes them.
+    pub version: Version,
+    /// The ones not taken, with why (their key is a mesh service's).
+    pub refused: Vec<(ServiceKey, String)>,
+}
 
 impl Alone {
     fn take(group: &mut Vec<Write>) -> Alone {
@@ -126,6 +142,11 @@ impl Alone {
             Write::ServiceAttributes { desired, reply } => {
                 alone.attributes = Some(std::mem::take(desired));
                 (alone.attribute_replies).push(std::mem::replace(reply, closed()));
+                false
+            }
+            Write::ExternalServices { desired, reply } => {
+                let reply = std::mem::replace(reply, oneshot::channel().0);
+                alone.externals.push((std::mem::take(desired), reply));
                 false
             }
             _ => true,
@@ -159,7 +180,11 @@ impl Request {
                 owner,
                 reply,
             } => Some(Request::Unregister(service, address, owner, reply)),
-            Write::Configs { .. } | Write::ServiceAttributes { .. } | Write::Reap | Write::Expire => None,
+            Write::Configs { .. }
+            | Write::ServiceAttributes { .. }
+            | Write::ExternalServices { .. }
+            | Write::Reap
+            | Write::Expire => None,
         }
     }
 
@@ -295,6 +320,7 @@ impl Writer {
             configs,
             attributes,
             attribute_replies,
+            externals,
         } = Alone::take(&mut group);
         if let Some(desired) = attributes {
             // Before the group: services it creates start with them.
@@ -311,6 +337,9 @@ impl Writer {
             for reply in attribute_replies {
                 let _ = reply.send(applied.clone());
             }
+        }
+        for (desired, reply) in externals {
+            let _ = reply.send(self.set_external_services(&desired).await);
         }
         if !self.store.accepts_writes() {
             // A read-only store decides what exists; nothing to reap or expire here.
@@ -402,6 +431,26 @@ impl Writer {
             }
         }
         Err(Status::aborted("services kept changing under their attribute updates"))
+    }
+
+    /// Makes the external services exactly `desired`, planning again after a conflict
+    /// (another replica created or removed one meanwhile).
+    async fn set_external_services(
+        &mut self,
+        desired: &BTreeMap<ServiceKey, External>,
+    ) -> Result<ExternalsApplied, Status> {
+        for _ in 0..=MAX_CONFLICT_RETRIES {
+            let mut plan = Plan::default();
+            let refused = plan.set_external_services(&self.state.read(), &self.config.vips, desired);
+            match self.commit(plan).await {
+                Outcome::Done(version) => return Ok(ExternalsApplied { version, refused }),
+                Outcome::Refused(status) => return Err(status),
+                Outcome::Conflict(conflict) => self.adopt(conflict),
+            }
+        }
+        Err(Status::aborted(
+            "services kept changing under the external services' update",
+        ))
     }
 
     async fn on_tick(&mut self) {

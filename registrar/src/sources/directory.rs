@@ -1,6 +1,6 @@
 //! The directory source (`--config-dir`, formerly `--routes-dir`): every `*.yaml` /
 //! `*.yml` file in one directory, read as multi-document YAML of HTTPRoute, GRPCRoute,
-//! AuthorizationPolicy and HTTPFilter objects (other kinds are skipped, so the directory
+//! TCPRoute, TLSRoute, AuthorizationPolicy, HTTPFilter, MeshConfig and ExternalService objects (other kinds are skipped, so the directory
 //! can hold a whole manifest). For clusters without Kubernetes, the demo and tests. Each kind is
 //! projected and stored on its own: a refused policy never holds routes back, nor the
 //! other way round.
@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{ObjectKind, Projector, Refusal, apply};
 use crate::catalog::Catalog;
+use crate::external_services::ExternalServices;
 use crate::http_filters::HttpFilters;
 use crate::mesh_configs::MeshConfigs;
 use crate::metrics::Metrics;
@@ -61,6 +62,7 @@ pub async fn run(dir: PathBuf, settings: Settings, catalog: Catalog, metrics: Me
         policies: Kind::new(Projector::resuming(&catalog, policies)),
         http_filters: Kind::new(Projector::resuming(&catalog, HttpFilters)),
         mesh_configs: Kind::new(Projector::resuming(&catalog, mesh_configs)),
+        external_services: Kind::new(Projector::resuming(&catalog, ExternalServices)),
         listed: None,
     };
     let wake = Arc::new(Notify::new());
@@ -96,6 +98,7 @@ struct Directory {
     policies: Kind<Policies>,
     http_filters: Kind<HttpFilters>,
     mesh_configs: Kind<MeshConfigs>,
+    external_services: Kind<ExternalServices>,
     /// The listing last applied; `None` forces a read.
     listed: Option<Fingerprint>,
 }
@@ -160,8 +163,10 @@ impl Directory {
         let policies_stored = self.policies.sync(&files, Vec::new(), catalog, metrics).await;
         let filters_stored = self.http_filters.sync(&files, Vec::new(), catalog, metrics).await;
         let configs_stored = self.mesh_configs.sync(&files, Vec::new(), catalog, metrics).await;
+        let externals_stored = self.external_services.sync(&files, Vec::new(), catalog, metrics).await;
         // A failed write is retried at the next poll.
-        self.listed = (routes_stored && policies_stored && filters_stored && configs_stored).then_some(listing);
+        let stored = routes_stored && policies_stored && filters_stored && configs_stored && externals_stored;
+        self.listed = stored.then_some(listing);
     }
 }
 

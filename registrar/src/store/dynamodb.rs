@@ -1472,6 +1472,7 @@ mod tests {
                 name: "new".into(),
                 vip: "240.240.0.9".into(),
                 kubernetes: None,
+                external: None,
             }),
             StoreOp::PutEndpoint(endpoint("ns/new", "10.0.0.1", "n1")),
             StoreOp::PutEndpoint(endpoint("ns/old", "10.0.0.2", "n1")),

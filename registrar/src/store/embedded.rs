@@ -453,6 +453,7 @@ mod tests {
             name: name.into(),
             vip: vip.into(),
             kubernetes: None,
+            external: None,
         }
     }
 

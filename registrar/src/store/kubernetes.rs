@@ -42,7 +42,7 @@ use std::time::Duration;
 
 use aether_common::pod_endpoint::{self, PodEndpoints};
 use aether_common::pod_meta::{self, AppProtocol};
-use aether_proto::registry::v1::{Endpoint, Locality, PodInfo as PodRef, Service};
+use aether_proto::registry::v1::{Endpoint, External, Locality, PodInfo as PodRef, Service};
 use async_trait::async_trait;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, PodSpec, PodStatus};
@@ -56,6 +56,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Contents, Feed, FeedChange, FeedChangeKind, FeedEvent, Revision, Store, StoreError, StoreOp, Stored};
 use crate::cluster::Sets;
 use crate::cluster::services::{ClusterServices, ServiceSet};
+use crate::external_services::{ClusterExternalServices, ExternalServices};
 use crate::http_filters::{ClusterHttpFilters, HttpFilters};
 use crate::mesh_configs::{ClusterMeshConfigs, MeshConfigs};
 use crate::model::{ServiceKey, validate_endpoint};
@@ -63,7 +64,7 @@ use crate::policies::{ClusterPolicies, Policies};
 use crate::records::{ConfigKind, ConfigRecord, ConfigRecords, Record};
 use crate::routes::Routes;
 use crate::routes::kubernetes::ClusterRoutes;
-use crate::sources::{KUBERNETES, ObjectKind, ObjectSet, Projector, report};
+use crate::sources::{Destination, KUBERNETES, ObjectKind, ObjectSet, Projector, report};
 use crate::vip::VipAllocator;
 
 /// Where VIPs are kept unless `--kube-vip-configmap` says otherwise.
@@ -95,6 +96,8 @@ pub struct KubeConfig {
     pub http_filters: ClusterHttpFilters,
     /// The cluster's MeshConfigs (projected with the same root namespace as policies).
     pub mesh_configs: ClusterMeshConfigs,
+    /// The cluster's ExternalServices: services with a VIP and no pods.
+    pub external_services: ClusterExternalServices,
 }
 
 pub struct KubeStore {
@@ -265,6 +268,7 @@ impl KubeStore {
             vip_map: BTreeMap::new(),
             skipped: HashMap::new(),
             configs: ConfigRecords::default(),
+            externals: BTreeMap::new(),
             attributes: Arc::default(),
             synced: [false; SYNCED],
         };
@@ -280,6 +284,7 @@ impl KubeStore {
             tokio::spawn(derive(config.policies, policies, tx.clone())),
             tokio::spawn(derive(config.http_filters, HttpFilters, tx.clone())),
             tokio::spawn(derive(config.mesh_configs, mesh_configs, tx.clone())),
+            tokio::spawn(derive(config.external_services, ExternalServices, tx.clone())),
             tokio::spawn(forward_services(config.services, tx.clone())),
         ];
         tokio::spawn(deriver.run(client.clone(), (tx, rx), watches, stop.clone()));
@@ -384,6 +389,9 @@ enum Input {
     /// The records projected from the cluster's objects of a kind, by key; `None`: not
     /// listed within [`ROUTES_GRACE`].
     Records(ConfigKind, Option<BTreeMap<String, ConfigRecord>>),
+    /// The cluster's ExternalServices, projected, by service key; `None`: not listed
+    /// within [`ROUTES_GRACE`].
+    Externals(Option<BTreeMap<String, External>>),
     Failed(&'static str, String),
 }
 
@@ -408,6 +416,8 @@ struct Deriver {
     skipped: HashMap<String, String>,
     /// The records of each kind as last projected from the cluster.
     configs: ConfigRecords,
+    /// The ExternalServices as last projected, by service key.
+    externals: BTreeMap<String, External>,
     /// Each Service's attributes, by service key.
     attributes: Arc<ServiceSet>,
     /// Pods, nodes, ConfigMap listed once; Services and each record kind listed (or
@@ -417,8 +427,10 @@ struct Deriver {
 
 /// What must be listed before the catalog is served: pods, nodes, the VIP ConfigMap,
 /// Services (at [`SERVICES_SYNCED`]), then each record kind (at [`records_synced`]).
-const SYNCED: usize = 4 + ConfigKind::ALL.len();
+const SYNCED: usize = 5 + ConfigKind::ALL.len();
 const SERVICES_SYNCED: usize = 3;
+/// After every record kind.
+const EXTERNALS_SYNCED: usize = SYNCED - 1;
 
 fn records_synced(kind: ConfigKind) -> usize {
     SERVICES_SYNCED + 1 + kind.index()
@@ -431,14 +443,14 @@ fn records_synced(kind: ConfigKind) -> usize {
 async fn derive<K, S>(mut sets: Sets<S>, kind: K, tx: mpsc::Sender<Input>)
 where
     K: ObjectKind,
+    K::Record: ToDeriver,
     S: ObjectSet<Object = K::Object>,
 {
-    let config = K::Record::KIND;
     let mut next = match tokio::time::timeout(ROUTES_GRACE, sets.next()).await {
         Ok(Some(set)) => Some(set),
         Ok(None) => return,
         Err(_) => {
-            let objects = config.objects();
+            let objects = K::Record::objects();
             tracing::warn!("the {objects} objects are not listed yet; serving the catalog without them until they are");
             None
         }
@@ -449,18 +461,38 @@ where
             projected = Some(set.spec_version());
             let projection = projector.project_holding(set.origins(), &HashSet::new());
             report::<K::Record>(KUBERNETES, &projection.refused, &mut reported);
-            let records = projection.records.into_iter();
-            records
-                .map(|(key, record)| (key, ConfigRecord::from(Arc::new(record))))
-                .collect()
+            projection.records
         });
-        if (records.is_some() || projected.is_none()) && tx.send(Input::Records(config, records)).await.is_err() {
+        if (records.is_some() || projected.is_none()) && tx.send(K::Record::input(records)).await.is_err() {
             return;
         }
         match sets.next().await {
             Some(set) => next = Some(set),
             None => return,
         }
+    }
+}
+
+/// What the deriver is handed a kind's projections as.
+trait ToDeriver: Destination {
+    fn input(records: Option<BTreeMap<String, Self>>) -> Input;
+}
+
+impl<T: Record> ToDeriver for T {
+    fn input(records: Option<BTreeMap<String, Self>>) -> Input {
+        let records = records.map(|records| {
+            let records = records.into_iter();
+            records
+                .map(|(key, record)| (key, ConfigRecord::from(Arc::new(record))))
+                .collect()
+        });
+        Input::Records(T::KIND, records)
+    }
+}
+
+impl ToDeriver for External {
+    fn input(records: Option<BTreeMap<String, Self>>) -> Input {
+        Input::Externals(records)
     }
 }
 
@@ -653,6 +685,12 @@ impl Deriver {
                 }
                 self.synced[records_synced(kind)] = true;
             }
+            Input::Externals(externals) => {
+                if let Some(externals) = externals {
+                    self.externals = externals;
+                }
+                self.synced[EXTERNALS_SYNCED] = true;
+            }
             Input::Failed(what, error) => {
                 tracing::warn!(watch = what, %error, "Kubernetes watch failed; retrying with backoff (serving the last state)");
             }
@@ -677,13 +715,10 @@ impl Deriver {
         }
     }
 
-    /// Writes VIPs for services that have pods but no VIP yet.
+    /// Writes VIPs for services that have pods, and external services, without one yet.
     async fn allocate_missing_vips(&mut self) {
-        let missing: BTreeSet<String> = self
-            .pods
-            .values()
-            .filter(|p| !p.endpoints.is_empty())
-            .map(|p| p.service.clone())
+        let with_pods = (self.pods.values().filter(|p| !p.endpoints.is_empty())).map(|p| p.service.clone());
+        let missing: BTreeSet<String> = (with_pods.chain(self.externals.keys().cloned()))
             .filter(|s| !self.vip_map.contains_key(s))
             .collect();
         if missing.is_empty() {
@@ -787,12 +822,30 @@ impl Deriver {
                 name: name.to_owned(),
                 vip: vip.clone(),
                 kubernetes: self.attributes.get(pod.service.as_str()).cloned(),
+                external: None,
             });
             for endpoint in &pod.endpoints {
                 let mut endpoint = endpoint.clone();
                 endpoint.locality = self.nodes.get(&pod.node).cloned();
                 endpoints.insert((endpoint.service.clone(), endpoint.address.clone()), endpoint);
             }
+        }
+        // An ExternalService whose name pods' service holds is refused (as with a writable store).
+        for (key, external) in &self.externals {
+            let Some(vip) = self.vip_map.get(key) else { continue };
+            if services.contains_key(key) {
+                tracing::warn!(service = %key, "ExternalService refused: a mesh service of this namespace and name exists (its pods register it)");
+                continue;
+            }
+            let (namespace, name) = key.split_once('/').unwrap_or_default();
+            let service = Service {
+                namespace: namespace.to_owned(),
+                name: name.to_owned(),
+                vip: vip.clone(),
+                kubernetes: None,
+                external: Some(Box::new(external.clone())),
+            };
+            services.insert(key.clone(), service);
         }
         let mut state = self.shared.state.lock();
         let mut changed = state.update(services, endpoints);
@@ -1054,6 +1107,7 @@ mod tests {
             name: "a".into(),
             vip: "240.240.0.1".into(),
             kubernetes: None,
+            external: None,
         };
         let endpoint = Endpoint {
             service: "ns/a".into(),

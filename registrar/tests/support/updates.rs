@@ -17,6 +17,7 @@ fn service(name: &str, vip: &str, kubernetes: Option<KubernetesService>) -> Serv
         name: name.into(),
         vip: vip.into(),
         kubernetes,
+        external: None,
     }
 }
 

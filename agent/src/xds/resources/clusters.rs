@@ -27,10 +27,10 @@ use envoy_types::pb::envoy::extensions::filters::http::header_mutation::v3::{Hea
 use envoy_types::pb::envoy::extensions::filters::http::upstream_codec::v3::UpstreamCodec;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{HttpFilter, http_filter};
 
-use super::origination;
 use super::transport::Mtls;
 use super::util::{INBOUND_PORT, PORT_HEADER, address, ads, any, millis, socket, u32v};
 use super::{MeshService, Named, is_http};
+use super::{external, origination};
 
 const HTTP_OPTIONS: &str = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
 
@@ -58,7 +58,14 @@ pub fn service_resources(
     here: Here,
     mtls: Option<&Mtls>,
     resilience: &ResilienceSettings,
+    dns: &external::ExternalDns,
 ) -> (Named, Named) {
+    if let Some(declared) = &service.service.external {
+        let named: Vec<(String, u32)> = (service_clusters(service).into_iter())
+            .map(|(name, port, _)| (name, port))
+            .collect();
+        return (external::clusters(declared, &named, resilience, dns), Vec::new());
+    }
     let endpoints: Vec<&MeshEndpoint> = service.endpoints.map(|e| e.values().collect()).unwrap_or_default();
     let sans = mtls
         .map(|m| server_sans(m, service.key, &endpoints))
@@ -249,7 +256,7 @@ fn outlier_detection(resilience: &ResilienceSettings) -> OutlierDetection {
 /// throttle a busy node long before its backends are. Retries are bounded by a budget
 /// (a fifth of active requests, at least 32) instead of a fixed count, so they scale
 /// with the traffic they protect.
-fn circuit_breakers(resilience: &ResilienceSettings) -> CircuitBreakers {
+pub(super) fn circuit_breakers(resilience: &ResilienceSettings) -> CircuitBreakers {
     let thresholds = circuit_breakers::Thresholds {
         max_connections: u32v(resilience.max_connections),
         max_pending_requests: u32v(resilience.max_pending_requests),
@@ -448,7 +455,7 @@ fn all_or_nothing(distribution: TrafficDistribution, preferred: usize) -> Option
     })
 }
 
-fn lb_endpoint_at(
+pub(super) fn lb_endpoint_at(
     address: envoy_types::pb::envoy::config::core::v3::Address,
     health: HealthStatus,
     weight: u32,

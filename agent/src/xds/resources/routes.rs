@@ -329,6 +329,12 @@ fn service_hosts(
                     routes,
                     // Callers-side HTTP filters for this service (disabled in the HCM).
                     typed_per_filter_config: http_filters::enabling(on_service).collect(),
+                    // The mesh's own stamp never leaves it (Envoy's router drops its
+                    // alt-stat header itself).
+                    request_headers_to_remove: match service.service.external {
+                        Some(_) => vec![DESTINATION_HEADER.to_owned()],
+                        None => Vec::new(),
+                    },
                     ..Default::default()
                 },
                 destinations: std::iter::once(format!("{vip}:{port}"))

@@ -159,6 +159,7 @@ mod tests {
             name: "db-v2".into(),
             vip: "240.240.0.9".into(),
             kubernetes: None,
+            external: None,
         };
         catalog.services.insert("gamma/db-v2".into(), service);
         let endpoints = [("10.1.0.9".to_owned(), endpoint)].into_iter().collect();

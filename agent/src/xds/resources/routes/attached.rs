@@ -109,6 +109,7 @@ mod tests {
             name: String::new(),
             vip: String::new(),
             kubernetes: None,
+            external: None,
         };
         MeshService {
             key,

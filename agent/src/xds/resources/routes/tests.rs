@@ -44,6 +44,7 @@ pub fn catalog(routes: Vec<Route>) -> CatalogView {
             name: name.into(),
             vip: format!("240.240.0.{}", i + 1),
             kubernetes: None,
+            external: None,
         };
         let address = format!("10.1.0.{}", i + 1);
         let endpoint = Endpoint {
