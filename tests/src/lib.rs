@@ -21,6 +21,7 @@ pub mod mesh;
 pub mod mesh_dns;
 pub mod netns;
 pub mod otlp;
+pub mod outside_dns;
 pub mod process;
 pub mod spire;
 pub mod spire_workload;
