@@ -81,6 +81,7 @@ fn ours(object: &Value) -> bool {
         "AuthorizationPolicy",
         "HTTPFilter",
         "MeshConfig",
+        "ExternalService",
         "HTTPRoute",
         "GRPCRoute",
     ]
@@ -93,6 +94,7 @@ fn valid_fixtures_are_allowed() {
         "authorization/valid",
         "http_filter/valid",
         "mesh_config/valid",
+        "external_service/valid",
         "gamma/conformance",
     ];
     let mut checked = 0;
@@ -108,9 +110,14 @@ fn valid_fixtures_are_allowed() {
 #[test]
 fn invalid_fixtures_are_refused_on_their_field_with_the_projectors_words() {
     let mut checked = 0;
-    for path in ["authorization/invalid", "http_filter/invalid", "mesh_config/invalid"]
-        .iter()
-        .flat_map(|d| files(d))
+    for path in [
+        "authorization/invalid",
+        "http_filter/invalid",
+        "mesh_config/invalid",
+        "external_service/invalid",
+    ]
+    .iter()
+    .flat_map(|d| files(d))
     {
         let text = std::fs::read_to_string(&path).unwrap();
         let header = text.lines().next().and_then(|l| l.strip_prefix("# refused: "));

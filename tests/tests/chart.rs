@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use aether_api::{authorization, http_filter, mesh_config};
+use aether_api::{authorization, external_service, http_filter, mesh_config};
 use aether_common::tls::{self, CertSlot, Connector, PeerIdentity, ServerIdentity};
 use aether_fakes::kube::{ApiServer, TokenInfo};
 use aether_proto::registrar::v1::node_bootstrap_client::NodeBootstrapClient;
@@ -590,7 +590,7 @@ fn assert_cluster_roles_are_read_only_and_minimal(r: &Rendered, store: &str, ide
 }
 
 /// The registrar's sources of our own objects: its ClusterRole, the API group and the resource.
-const OBJECTS_WITH_STATUS: [(&str, &str, &str); 3] = [
+const OBJECTS_WITH_STATUS: [(&str, &str, &str); 4] = [
     (
         "aether-registrar-authorization",
         authorization::GROUP,
@@ -598,6 +598,11 @@ const OBJECTS_WITH_STATUS: [(&str, &str, &str); 3] = [
     ),
     ("aether-registrar-http-filters", http_filter::GROUP, "httpfilters"),
     ("aether-registrar-mesh-configs", mesh_config::GROUP, "meshconfigs"),
+    (
+        "aether-registrar-external-services",
+        external_service::GROUP,
+        "externalservices",
+    ),
 ];
 
 /// The registrar's AuthorizationPolicy and HTTPFilter sources list and watch their objects in every namespace and
@@ -1832,13 +1837,17 @@ fn our_crd<'a>(
 
 const ACCEPTED: &str = r#".status.conditions[?(@.type=="Accepted")]"#;
 
-/// The AuthorizationPolicy, HTTPFilter and MeshConfig CRDs ship in the chart's `crds/` whatever the values, with columns that
+/// The AuthorizationPolicy, HTTPFilter, MeshConfig and ExternalService CRDs ship in the chart's `crds/` whatever the values, with columns that
 /// show each object's verdict. Without the cluster as a source (`registrar.fromKubernetes=false`, a writable store)
 /// no RBAC for them is rendered.
 #[test]
 fn our_crds_ship_in_crds_with_their_status_and_columns() {
     let r = render(json!({}));
-    assert_eq!(r.crds.len(), 3, "crds/: AuthorizationPolicy, HTTPFilter and MeshConfig");
+    assert_eq!(
+        r.crds.len(),
+        4,
+        "crds/: AuthorizationPolicy, HTTPFilter, MeshConfig and ExternalService"
+    );
     let policy = (authorization::GROUP, authorization::KIND, authorization::VERSION);
     let columns = our_crd(&r, "authorizationpolicies.security.aether.io", policy);
     let (status, message) = (format!("{ACCEPTED}.status"), format!("{ACCEPTED}.message"));
@@ -1876,6 +1885,21 @@ fn our_crds_ship_in_crds_with_their_status_and_columns() {
             ("Message", message.as_str(), 1),
         ]
     );
+    let external = (
+        external_service::GROUP,
+        external_service::KIND,
+        external_service::VERSION,
+    );
+    let columns = our_crd(&r, "externalservices.networking.aether.io", external);
+    assert_eq!(
+        columns,
+        [
+            ("Hosts", ".spec.hosts", 0),
+            ("Accepted", status.as_str(), 0),
+            ("Age", ".metadata.creationTimestamp", 0),
+            ("Message", message.as_str(), 1),
+        ]
+    );
     let short_names = |name: &str| {
         let crd = r.crds.iter().find(|c| c.metadata.name.as_deref() == Some(name));
         crd.and_then(|c| c.spec.names.short_names.clone())
@@ -1886,7 +1910,7 @@ fn our_crds_ship_in_crds_with_their_status_and_columns() {
     );
 
     let without = render(json!({"registrar": {"fromKubernetes": false, "replicas": 1, "store": {"type": "embedded"}}}));
-    assert_eq!(without.crds.len(), 3, "crds/ does not depend on values");
+    assert_eq!(without.crds.len(), 4, "crds/ does not depend on values");
     for (role, _, _) in OBJECTS_WITH_STATUS {
         assert!(
             (without.cluster_roles.iter()).all(|c| c.metadata.name.as_deref() != Some(role)),

@@ -1,5 +1,6 @@
-//! Our CRDs (`charts/aether/crds/`: AuthorizationPolicy, HTTPFilter, MeshConfig) against their one projector each
-//! (`aether_api::authorization`, `aether_api::http_filter`, `aether_api::mesh_config`): what a `kubectl apply` would be refused for (the API
+//! Our CRDs (`charts/aether/crds/`: AuthorizationPolicy, HTTPFilter, MeshConfig, ExternalService) against their one
+//! projector each (`aether_api::authorization`, `aether_api::http_filter`, `aether_api::mesh_config`,
+//! `aether_api::external_service`): what a `kubectl apply` would be refused for (the API
 //! server's served versions and name rule, the CRD's openAPIV3Schema as JSON Schema, its `x-kubernetes-validations`
 //! CEL rules) and what the registrar refuses must agree, on the same field, on every fixture of
 //! `tests/fixtures/<api>/` the schema can judge; the fixtures only the projector can judge are named with the reason.
@@ -13,6 +14,7 @@ use aether_api::authorization::{
     self, Action, AuthorizationPolicy, AuthorizationPolicySpec, Operation, ProjectOptions, Rule, RuleFrom, RuleTo,
     Source, TargetRef, Unsupported, WorkloadSelector,
 };
+use aether_api::external_service::{self, ExternalService};
 use aether_api::http_filter::{self, HttpFilter};
 use aether_api::mesh_config::{self, MeshConfig};
 use aether_common::names::dns_label;
@@ -67,6 +69,32 @@ const MESH_CONFIG: Api = Api {
     projector_only: &MESH_CONFIG_ONLY,
     invalid_at_least: 15,
 };
+
+const EXTERNAL_SERVICE: Api = Api {
+    crd: "charts/aether/crds/externalservices.networking.aether.io.yaml",
+    fixtures: "external_service",
+    group: external_service::GROUP,
+    kind: external_service::KIND,
+    projector: external_service_verdicts,
+    projector_only: &EXTERNAL_SERVICE_ONLY,
+    invalid_at_least: 15,
+};
+
+const EXTERNAL_SERVICE_ONLY: [(&str, &str); 7] = [
+    ("address", "an address's octets are beyond a character pattern"),
+    ("ca-not-pem", "PEM blocks are beyond a pattern the schema could state"),
+    ("duplicate-host", "a list of strings cannot be a set by a key"),
+    (
+        "duplicate-port",
+        "the ports are an atomic list: the schema keys nothing in them",
+    ),
+    (
+        "originate-on-tls",
+        "a rule across two fields of a port, kept out of CEL",
+    ),
+    ("unknown-field", UNKNOWN_FIELD),
+    ("unknown-port-field", UNKNOWN_FIELD),
+];
 
 const AUTHORIZATION_ONLY: [(&str, &str); 7] = [
     ("bad-cidr", "an address's octets are beyond a character pattern"),
@@ -282,6 +310,18 @@ fn mesh_config_verdicts(text: &str) -> Vec<Option<Refusal>> {
     mesh_config::parse_documents(text).into_iter().map(verdict).collect()
 }
 
+/// The ExternalService projector's verdict on each declaration of `text`.
+fn external_service_verdicts(text: &str) -> Vec<Option<Refusal>> {
+    let verdict = |document: Result<ExternalService, _>| match document {
+        Err(aether_api::yaml::ParseError { field, message, .. }) => Some((field, message)),
+        Ok(object) => (external_service::project(&object).err()).map(|r| (r.field, r.message)),
+    };
+    external_service::parse_documents(text)
+        .into_iter()
+        .map(verdict)
+        .collect()
+}
+
 /// The documents `parse_documents` reads: our group and kind, any version.
 fn is_ours(api: &Api, document: &Value) -> bool {
     let group = document["apiVersion"]
@@ -329,6 +369,7 @@ fn valid_fixtures_pass_the_schema_and_the_projector() {
     assert_valid_fixtures_pass_the_schema_and_the_projector(&AUTHORIZATION);
     assert_valid_fixtures_pass_the_schema_and_the_projector(&HTTP_FILTER);
     assert_valid_fixtures_pass_the_schema_and_the_projector(&MESH_CONFIG);
+    assert_valid_fixtures_pass_the_schema_and_the_projector(&EXTERNAL_SERVICE);
 }
 
 /// An invalid fixture the schema refuses is refused on the projector's field; the others are exactly the API's
@@ -374,6 +415,7 @@ fn the_schema_and_the_projector_refuse_invalid_fixtures_on_the_same_field() {
     assert_invalid_fixtures_are_refused_on_the_same_field(&AUTHORIZATION);
     assert_invalid_fixtures_are_refused_on_the_same_field(&HTTP_FILTER);
     assert_invalid_fixtures_are_refused_on_the_same_field(&MESH_CONFIG);
+    assert_invalid_fixtures_are_refused_on_the_same_field(&EXTERNAL_SERVICE);
 }
 
 /// One policy with `value` at `field`: a source or operation list, a label value, a targetRef's name or group.
@@ -661,6 +703,7 @@ fn the_status_the_registrar_writes_fits_the_schema() {
         (&AUTHORIZATION, policy_with("namespaces", &json!("shop"))),
         (&HTTP_FILTER, filter_with("order", &json!(0))),
         (&MESH_CONFIG, every_mesh_config_field()),
+        (&EXTERNAL_SERVICE, every_external_service_field()),
     ];
     for (api, object) in objects {
         let apply = ApplyTime::new(api);
@@ -969,6 +1012,32 @@ fn the_mesh_config_schema_names_exactly_the_fields_of_the_typed_object() {
     let object = every_mesh_config_field();
     same_fields(&apply.open_api["properties"]["spec"], &object["spec"], "spec");
     assert_eq!(apply.refusal(&object), None);
+}
+
+/// An ExternalService with every field set, as JSON.
+fn every_external_service_field() -> Value {
+    let text = std::fs::read_to_string(root().join("tests/fixtures/external_service/valid/own-ca.yaml")).unwrap();
+    let mut object: ExternalService = external_service::parse_documents(&text).remove(0).expect("the fixture");
+    object.spec.addresses = vec!["203.0.113.7".into()];
+    for (i, port) in object.spec.ports.iter_mut().enumerate() {
+        port.target_port = Some(443);
+        port.originate_tls = Some(true);
+        port.name = Some(format!("http-{i}"));
+    }
+    object.spec.tls.as_mut().unwrap().server_name = Some("api.payments.example".into());
+    let mut value = serde_json::to_value(object).unwrap();
+    value["apiVersion"] = json!("networking.aether.io/v1alpha1");
+    value["kind"] = json!("ExternalService");
+    value
+}
+
+#[test]
+fn the_external_service_schema_names_exactly_the_fields_of_the_typed_object() {
+    let apply = ApplyTime::new(&EXTERNAL_SERVICE);
+    let object = every_external_service_field();
+    same_fields(&apply.open_api["properties"]["spec"], &object["spec"], "spec");
+    assert_eq!(apply.refusal(&object), None);
+    assert_eq!(external_service_verdicts(&object.to_string()), [None]);
 }
 
 /// A schema without its descriptions.
