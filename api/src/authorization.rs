@@ -25,8 +25,8 @@ mod yaml;
 
 use check::limits;
 pub use decide::{
-    AuthzRequest, Cause, Decision, HttpRequest, PolicyRule, Verdict, Workload, decide, namespace_prefix, selects,
-    service_account_id,
+    AuthzRequest, Cause, Decision, HttpRequest, PolicyRule, Verdict, Workload, decide, decide_egress, guards_external,
+    namespace_prefix, selects, service_account_id,
 };
 pub use object::*;
 pub(crate) use validate::rules as validate_rules;
@@ -149,33 +149,46 @@ fn target(
         )?;
     }
     bounded("spec.targetRefs", spec.target_refs.len(), limits::TARGET_REFS)?;
-    let mut services = Vec::new();
+    let (mut services, mut external_services) = (Vec::new(), Vec::new());
     for (i, target) in spec.target_refs.iter().enumerate() {
-        let service = target_ref(target, namespace, &format!("spec.targetRefs[{i}]"))?;
-        if !services.contains(&service) {
-            services.push(service);
+        let field = format!("spec.targetRefs[{i}]");
+        let (key, external) = target_ref(target, namespace, &field)?;
+        let (list, other) = match external {
+            false => (&mut services, &external_services),
+            true => (&mut external_services, &services),
+        };
+        if !other.is_empty() {
+            let message = "mixes Services and ExternalServices: a policy guards either pods of the mesh or calls to destinations outside it";
+            return Err(Refusal::new(format!("{field}.kind"), message));
+        }
+        if !list.contains(&key) {
+            list.push(key);
         }
     }
     Ok(AuthorizationTarget {
         mesh_wide,
         match_labels: labels.into_iter().collect(),
         services,
+        external_services,
     })
 }
 
-/// A Service of the policy's namespace, as a service key.
-fn target_ref(target: &TargetRef, namespace: &str, field: &str) -> Result<String, Refusal> {
+/// A Service or an ExternalService of the policy's namespace, as a service key, and
+/// whether it is external.
+fn target_ref(target: &TargetRef, namespace: &str, field: &str) -> Result<(String, bool), Refusal> {
     unsupported(field, &target.unsupported)?;
-    if !(target.group.is_empty() || target.group == "core") || target.kind != "Service" {
+    let core = (target.group.is_empty() || target.group == "core") && target.kind == "Service";
+    let external = target.group == crate::external_service::GROUP && target.kind == crate::external_service::KIND;
+    if !core && !external {
         let message = format!(
-            "{}/{} is not a core Service (the only kind a policy targets)",
+            "{}/{} is neither a core Service nor a networking.aether.io ExternalService (the kinds a policy targets)",
             quote(&target.group),
             quote(&target.kind)
         );
         return Err(Refusal::new(format!("{field}.kind"), message));
     }
     at(format!("{field}.name"), crate::route::check::label(&target.name))?;
-    Ok(format!("{namespace}/{}", target.name))
+    Ok((format!("{namespace}/{}", target.name), external))
 }
 
 /// One rule, projected; `field` is where it is (HTTPFilter's `spec.rbac.rules[i]` too).

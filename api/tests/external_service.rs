@@ -227,3 +227,122 @@ proptest! {
         }
     }
 }
+
+mod authorization {
+    use aether_api::authorization::{
+        AuthzRequest, HttpRequest, ProjectOptions, Verdict, Workload, decide, decide_egress, parse_documents, project,
+        validate,
+    };
+    use aether_proto::registry::v1::AuthorizationPolicy;
+
+    fn policy(spec: &str) -> Result<AuthorizationPolicy, String> {
+        let yaml = format!(
+            "apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n\
+             metadata: {{name: guard, namespace: shop}}\nspec:\n{spec}"
+        );
+        let object = parse_documents(&yaml).remove(0).map_err(|e| e.to_string())?;
+        project(&object, &ProjectOptions::default()).map_err(|r| r.to_string())
+    }
+
+    const EXTERNAL: &str = "  targetRefs: [{group: networking.aether.io, kind: ExternalService, name: payments}]\n";
+
+    fn call(sa: &str, port: u32, method: Option<&str>) -> AuthzRequest {
+        AuthzRequest {
+            workload: Workload::default(),
+            principal: Some(format!("spiffe://td/ns/shop/sa/{sa}")),
+            trust_domain: "td".into(),
+            peer_ip: "10.0.0.5".parse().unwrap(),
+            port,
+            http: method.map(|m| HttpRequest {
+                method: m.into(),
+                path: "/pay".into(),
+                host: "api.payments.example".into(),
+            }),
+        }
+    }
+
+    #[test]
+    fn a_policy_targets_external_services_and_selects_no_pod() {
+        let allow = policy(&format!(
+            "{EXTERNAL}  action: ALLOW\n  rules: [{{from: [{{source: {{serviceAccounts: [shop/cart]}}}}], to: [{{operation: {{methods: [GET]}}}}]}}]\n"
+        ))
+        .unwrap();
+        let target = allow.target.as_ref().unwrap();
+        assert_eq!(target.external_services, ["shop/payments"]);
+        assert!(target.services.is_empty() && target.match_labels.is_empty());
+        assert!(validate(&allow).is_ok());
+        // As a destination policy it selects nothing: every pod of shop is untouched.
+        let inbound = AuthzRequest {
+            workload: Workload {
+                namespace: "shop".into(),
+                ..Default::default()
+            },
+            ..call("other", 8080, Some("POST"))
+        };
+        assert_eq!(decide(&[&allow], &inbound).verdict, Verdict::Allow);
+        // On the callers' side: the ALLOW rule decides, by identity and method.
+        let egress = |r: &AuthzRequest| decide_egress(&[&allow], "shop/payments", r).0;
+        assert_eq!(egress(&call("cart", 80, Some("GET"))), Verdict::Allow);
+        assert_eq!(egress(&call("cart", 80, Some("POST"))), Verdict::Deny);
+        assert_eq!(egress(&call("other", 80, Some("GET"))), Verdict::Deny);
+        assert_eq!(
+            decide_egress(&[&allow], "shop/other", &call("other", 80, None)).0,
+            Verdict::Allow
+        );
+        // On a TCP port the method cannot be judged: the ALLOW rule allows nothing there.
+        assert_eq!(egress(&call("cart", 5432, None)), Verdict::Deny);
+    }
+
+    #[test]
+    fn a_deny_rule_with_http_fields_closes_its_tcp_ports_and_dry_run_changes_nothing() {
+        let deny = policy(&format!(
+            "{EXTERNAL}  action: DENY\n  rules: [{{from: [{{source: {{serviceAccounts: [shop/cart]}}}}], to: [{{operation: {{ports: [5432], paths: [/admin]}}}}]}}]\n"
+        ))
+        .unwrap();
+        let egress = |p: &AuthorizationPolicy, r: &AuthzRequest| decide_egress(&[p], "shop/payments", r).0;
+        assert_eq!(egress(&deny, &call("cart", 5432, None)), Verdict::Deny, "fails closed");
+        assert_eq!(
+            egress(&deny, &call("cart", 6379, None)),
+            Verdict::Allow,
+            "its ports still hold"
+        );
+        assert_eq!(egress(&deny, &call("other", 5432, None)), Verdict::Allow);
+        let dry_run = AuthorizationPolicy {
+            dry_run: true,
+            ..deny.clone()
+        };
+        assert_eq!(egress(&dry_run, &call("cart", 5432, None)), Verdict::Allow);
+    }
+
+    #[test]
+    fn mixed_or_foreign_targets_are_refused_naming_the_field() {
+        let mixed = "  targetRefs:\n  - {group: networking.aether.io, kind: ExternalService, name: payments}\n  - {kind: Service, name: cart}\n  action: ALLOW\n";
+        let refusal = policy(mixed).unwrap_err();
+        assert!(
+            refusal.starts_with("spec.targetRefs[1].kind: mixes Services and ExternalServices"),
+            "{refusal}"
+        );
+        let foreign = "  targetRefs: [{group: networking.aether.io, kind: HTTPFilter, name: x}]\n  action: ALLOW\n";
+        let refusal = policy(foreign).unwrap_err();
+        assert!(
+            refusal.starts_with("spec.targetRefs[0].kind: \"networking.aether.io\"/\"HTTPFilter\" is neither"),
+            "{refusal}"
+        );
+        let mut bad = policy(&format!("{EXTERNAL}  action: ALLOW\n")).unwrap();
+        bad.target.as_mut().unwrap().services = vec!["shop/cart".into()];
+        assert!(
+            validate(&bad)
+                .unwrap_err()
+                .to_string()
+                .starts_with("target.external_services")
+        );
+        bad.target.as_mut().unwrap().services.clear();
+        bad.target.as_mut().unwrap().external_services = vec!["other/payments".into()];
+        assert!(
+            validate(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("is not in the policy's namespace")
+        );
+    }
+}

@@ -146,7 +146,8 @@ impl Filter {
 
     /// Whether the client holds `record`: a route when one of its parents is in the
     /// filter; a policy when it is mesh-wide or of one of the client's policy namespaces
-    /// (the destination side); an HTTP filter when it is of one of those namespaces, or
+    /// (the destination side), or guards calls to an external service in the filter (the
+    /// callers' side); an HTTP filter when it is of one of those namespaces, or
     /// names a service in the filter (the callers' side); a MeshConfig when it is
     /// mesh-wide, of a policy namespace, or of a watched service's namespace (its
     /// resilience defaults apply to calls to that service). A services-only client (a
@@ -159,8 +160,11 @@ impl Filter {
         match record {
             ConfigRecord::Route(route) => route.parents.iter().any(|p| self.matches(&p.service)),
             ConfigRecord::Policy(policy) => {
-                let mesh_wide = policy.target.as_ref().is_some_and(|t| t.mesh_wide);
-                mesh_wide || self.policy_namespaces.contains(&policy.namespace)
+                let target = policy.target.as_ref();
+                let mesh_wide = target.is_some_and(|t| t.mesh_wide);
+                // A policy guarding calls to external services is judged by their callers.
+                let guards_watched = target.is_some_and(|t| t.external_services.iter().any(|s| self.matches(s)));
+                mesh_wide || self.policy_namespaces.contains(&policy.namespace) || guards_watched
             }
             ConfigRecord::HttpFilter(filter) => {
                 self.policy_namespaces.contains(&filter.namespace) || filter.services.iter().any(|s| self.matches(s))

@@ -356,6 +356,56 @@ async fn attributes_for_a_service_another_replica_deleted_land_on_the_rest() {
     writer.await.unwrap();
 }
 
+/// An external service is a service record like any other in etcd: another replica's store
+/// loads it whole (VIP and declaration), and a replica that lost the creation race to it
+/// adopts it and does not take its key again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn external_services_are_stored_as_services_and_seen_by_other_replicas() {
+    use aether_proto::registry::v1::{External, ExternalPort, Protocol};
+    use std::collections::BTreeMap;
+    let etcd = Etcd::start().await;
+    let other = EtcdStore::connect(etcd_config(&etcd), settings()).await.unwrap();
+    let (catalog, writer, open) = catalog_with_a_gated_feed(&etcd).await;
+    let _ = open.send(());
+    let stop = CancellationToken::new();
+    let writer = tokio::spawn(writer.run(stop.clone()));
+    let declared = External {
+        hosts: vec!["api.payments.example".into()],
+        ports: vec![ExternalPort {
+            number: 443,
+            protocol: Protocol::Tls.into(),
+            target_port: 443,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let key = aether_registrar::model::ServiceKey::parse("s", "shop/payments").unwrap();
+    let applied = catalog
+        .set_external_services(BTreeMap::from([(key.clone(), declared.clone())]))
+        .await
+        .unwrap();
+    assert!(applied.refused.is_empty(), "{:?}", applied.refused);
+    let stored = other.load().await.unwrap().services;
+    let [service] = &stored[..] else {
+        panic!("one service: {stored:?}")
+    };
+    assert_eq!(service.value.external.as_deref(), Some(&declared));
+    assert!(service.value.vip.starts_with("240.240."), "{:?}", service.value);
+    // Idempotent: the same set again writes nothing.
+    let again = catalog
+        .set_external_services(BTreeMap::from([(key, declared)]))
+        .await
+        .unwrap();
+    assert_eq!(again.version.seq, applied.version.seq);
+    catalog.set_external_services(BTreeMap::new()).await.unwrap();
+    assert!(
+        other.load().await.unwrap().services.is_empty(),
+        "withdrawn: deleted from the store"
+    );
+    stop.cancel();
+    writer.await.unwrap();
+}
+
 /// A catalog on `etcd` whose feed opens only when the returned sender fires.
 async fn catalog_with_a_gated_feed(
     etcd: &Etcd,

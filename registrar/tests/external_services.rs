@@ -89,6 +89,25 @@ async fn a_declared_external_service_is_a_catalog_service_with_a_vip_until_withd
     })
     .await;
 
+    // A policy guarding calls to it reaches its callers (not only the nodes of its namespace).
+    let guard = "apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n\
+        metadata: {name: guard, namespace: shop}\n\
+        spec: {targetRefs: [{group: networking.aether.io, kind: ExternalService, name: payments}], action: DENY}\n";
+    write(config.path(), "guard.yaml", guard);
+    until(&mut caller, "the guarding policy reaches the caller", |w| {
+        w.view.catalog.policies.contains_key("shop/guard")
+    })
+    .await;
+    let mut bystander = Watcher::open(&mut client, filter(&["shop/cart"])).await.strict();
+    until(&mut bystander, "cart's watcher is current", |w| {
+        w.view.catalog.services.contains_key("shop/cart")
+    })
+    .await;
+    assert!(
+        !bystander.view.catalog.policies.contains_key("shop/guard"),
+        "sent to a node that never calls it"
+    );
+
     // Pods cannot join it; an empty-service TTL never reaps it.
     let refused = client
         .register_endpoint(RegisterEndpointRequest {

@@ -96,7 +96,7 @@ const EXTERNAL_SERVICE_ONLY: [(&str, &str); 7] = [
     ("unknown-port-field", UNKNOWN_FIELD),
 ];
 
-const AUTHORIZATION_ONLY: [(&str, &str); 7] = [
+const AUTHORIZATION_ONLY: [(&str, &str); 8] = [
     ("bad-cidr", "an address's octets are beyond a character pattern"),
     (
         "cidr-host-bits",
@@ -110,6 +110,10 @@ const AUTHORIZATION_ONLY: [(&str, &str); 7] = [
     (
         "mesh-wide-targets",
         "the mesh root namespace is the registrar's --mesh-root-namespace",
+    ),
+    (
+        "target-mixed",
+        "a rule across the list's items: the projector names the item, a CEL fieldPath cannot",
     ),
     (
         "target-namespace",

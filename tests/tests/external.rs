@@ -178,3 +178,76 @@ async fn a_pod_reaches_an_external_service_by_its_host_through_envoy_with_dns_tl
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// `payments` (HTTP on 8080) and `legacy-db` (TCP on 5432, static), with an ALLOW policy
+/// letting only `demo/client` GET payments and a DENY policy closing legacy-db to
+/// `demo/intruder`.
+fn guarded(outside: Ipv4Addr) -> String {
+    format!(
+        "apiVersion: networking.aether.io/v1alpha1\nkind: ExternalService\n\
+         metadata: {{name: payments, namespace: demo}}\n\
+         spec: {{hosts: [{HOST}], ports: [{{number: 8080, protocol: HTTP}}]}}\n---\n\
+         apiVersion: networking.aether.io/v1alpha1\nkind: ExternalService\n\
+         metadata: {{name: legacy-db, namespace: demo}}\n\
+         spec: {{hosts: [{DB_HOST}], addresses: [\"{outside}\"], ports: [{{number: 5432}}]}}\n---\n\
+         apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n\
+         metadata: {{name: payments-get, namespace: demo}}\n\
+         spec:\n  targetRefs: [{{group: networking.aether.io, kind: ExternalService, name: payments}}]\n  \
+         action: ALLOW\n  rules:\n  - from: [{{source: {{serviceAccounts: [demo/client]}}}}]\n    \
+         to: [{{operation: {{methods: [GET]}}}}]\n---\n\
+         apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n\
+         metadata: {{name: db-intruder, namespace: demo}}\n\
+         spec:\n  targetRefs: [{{group: networking.aether.io, kind: ExternalService, name: legacy-db}}]\n  \
+         action: DENY\n  rules:\n  - from: [{{source: {{serviceAccounts: [demo/intruder]}}}}]\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_to_external_services_are_authorized_by_the_calling_pods_identity() {
+    let config = tempfile::tempdir().unwrap();
+    let dns = OutsideDns::start(&[]).await;
+    let (dns_flag, dir) = (dns.addr().to_string(), config.path().display().to_string());
+    let mesh = Mesh::start_with_registrar(&["--external-dns", &dns_flag], &["--routes-dir", &dir]).await;
+    let outside = mesh.node.add_pod("outside");
+    dns.set(HOST, outside.ip());
+    let http = outside.serve_http(SocketAddr::from(([0, 0, 0, 0], 8080)), "outside-http");
+    let _db = outside.serve_tcp_echo(SocketAddr::from(([0, 0, 0, 0], 5432)));
+    put_config(config.path(), "guarded.yaml", Some(&guarded(outside.ip())));
+    let mut callers = Vec::new();
+    for name in ["client", "intruder"] {
+        let pod = mesh.node.add_pod(name);
+        mesh.describe_pod(&pod, name, name, "payments,legacy-db", &[]);
+        mesh.add_pod_ok(&pod, name).await;
+        callers.push(pod);
+    }
+    let (client, intruder) = (&callers[0], &callers[1]);
+    let payments = mesh.vip("payments").await;
+    let url = format!("http://{payments}:8080/pay");
+
+    // The client may GET: the policy reads its identity from its own listener.
+    let reply = get_until_ok(client, &payments, 8080, HOST).await;
+    assert_eq!(reply.json()["pod"], "outside-http");
+    // Not POST, and the intruder not at all: 403 from the node's Envoy, nothing leaves.
+    let served = http.requests();
+    let post = client.http_request("POST", &url, Some(HOST), &[], "x").await.unwrap();
+    assert_eq!(post.status, 403, "{post:?}");
+    let denied = intruder.http_get(&url, Some(HOST)).await.unwrap();
+    assert_eq!(denied.status, 403, "{denied:?}");
+    assert_eq!(http.requests(), served, "a denied call reached the outside");
+
+    // TCP: the intruder's connections to legacy-db are closed, the client's go through.
+    let db: SocketAddr = format!("{}:5432", mesh.vip("legacy-db").await).parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match greeting(client, db) {
+            Ok(line) if line == "outside" => break,
+            other => assert!(Instant::now() < deadline, "client TCP to {db}: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let closed = greeting(intruder, db);
+    assert!(
+        closed.as_ref().is_err() || closed.as_ref().is_ok_and(|l| l.is_empty()),
+        "intruder got {closed:?}"
+    );
+}

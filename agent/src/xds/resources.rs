@@ -500,13 +500,23 @@ impl Generator {
             node: &node_name,
         };
         let dependencies: BTreeSet<&str> = services.iter().map(|s| s.key).collect();
-        let callers = self.http_filters.callers(&dependencies);
+        let mut callers = self.http_filters.callers(&dependencies);
+        let egress = self.policies.egress();
+        for service in services.iter().filter(|s| s.service.external.is_some()) {
+            for (port, _) in service.ports.iter().filter(|(_, p)| is_http(**p)) {
+                let enabled = authorization::egress::http_port(service, *port, &egress, &self.identities.trust_domain);
+                if !enabled.is_empty() {
+                    callers.by_service_port.insert((service.key.to_owned(), *port), enabled);
+                }
+            }
+        }
         self.add_services(&services, here, mtls, &mut out);
         let pod_inputs = PodInputs {
             services: &services,
             consumers: &consumers,
             callers: &callers,
             tcp_routes: &tcp_attached,
+            egress: &egress,
         };
         self.add_pods(inputs.pods, &pod_inputs, mtls, &mut out);
         add_empty_on_demand(inputs, mtls, &self.mesh, &mut out);
@@ -581,6 +591,7 @@ impl Generator {
             consumers,
             callers,
             tcp_routes,
+            egress,
         } = inputs;
         let by_key: HashMap<&str, &MeshService> = services.iter().map(|s| (s.key, s)).collect();
         let mut fresh = HashMap::new();
@@ -598,7 +609,9 @@ impl Generator {
                 .filter_map(|key| by_key.get(key.as_str()).copied())
                 .collect();
             let declared_keys: Vec<RouteKey> = declared.iter().map(|s| RouteKey::of(s)).collect();
-            let splits = tcp_routes::splits(&pod.info.namespace, &declared, tcp_routes, &by_key);
+            let mut splits = tcp_routes::splits(&pod.info.namespace, &declared, tcp_routes, &by_key);
+            let trust_domain = &self.identities.trust_domain;
+            authorization::egress::deny_streams(pod, &declared, egress, trust_domain, &mut splits);
             let table = routes::table_name(&pod.info.namespace, consumers);
             let last = self.pods.get(&pod.id()).map_or(&[][..], |m| &m.policies[..]);
             let default_deny = self.mesh.of(&pod.info.namespace).default_authorization == DefaultAuthorization::Deny;
@@ -780,6 +793,8 @@ struct PodInputs<'a> {
     callers: &'a http_filters::Callers,
     /// Valid TCP routes by parent.
     tcp_routes: &'a routes::Attached<'a>,
+    /// The policies guarding calls to external services.
+    egress: &'a [Arc<AuthorizationPolicy>],
 }
 
 /// The services a pod declared, as its listeners use them.

@@ -94,15 +94,71 @@ pub struct Decision {
     pub dry_run: Option<(Verdict, Cause)>,
 }
 
-/// Whether `policy` applies to `workload`.
+/// Whether `policy` applies to `workload` (as a destination: a policy guarding calls to
+/// external services selects no workload, see [`guards_external`]).
 pub fn selects(policy: &AuthorizationPolicy, workload: &Workload) -> bool {
     let Some(target) = &policy.target else {
         return false;
     };
+    if !target.external_services.is_empty() {
+        return false;
+    }
     let in_scope = target.mesh_wide || policy.namespace == workload.namespace;
     let labels = (target.match_labels.iter()).all(|(k, v)| workload.labels.get(k) == Some(v));
     let services = target.services.is_empty() || target.services.iter().any(|s| workload.services.contains(s));
     in_scope && labels && services
+}
+
+/// Whether `policy` guards calls to the external service `key`.
+pub fn guards_external(policy: &AuthorizationPolicy, key: &str) -> bool {
+    (policy.target.as_ref()).is_some_and(|t| t.external_services.iter().any(|s| s == key))
+}
+
+/// What the enforced policies guarding the external service `external` decide for a
+/// call to it (the callers' side, proposals/017): `request.principal` is the calling
+/// pod's SPIFFE ID, `peer_ip` its address, `port` the external service's port; the
+/// workload is not read. Steps 2 to 4 as for a workload. On a TCP port an operation
+/// naming HTTP fields cannot be judged and fails closed: it matches (by its ports) in a
+/// DENY policy and never in an ALLOW one. Dry-run and AUDIT policies change nothing.
+pub fn decide_egress(policies: &[&AuthorizationPolicy], external: &str, request: &AuthzRequest) -> (Verdict, Cause) {
+    let mut guarding: Vec<AuthorizationPolicy> = (policies.iter())
+        .filter(|p| guards_external(p, external) && !p.dry_run)
+        .map(|p| match request.http {
+            Some(_) => (*p).clone(),
+            None => on_tcp(p),
+        })
+        .collect();
+    guarding.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    verdict(guarding.iter(), request)
+}
+
+/// `policy` as judged on a TCP port: a DENY operation's HTTP fields are dropped (it
+/// denies every connection its ports name), an ALLOW operation with HTTP fields is
+/// dropped (it allows none; a rule left without operations can match nothing).
+fn on_tcp(policy: &AuthorizationPolicy) -> AuthorizationPolicy {
+    let deny = policy.action() == AuthorizationAction::Deny;
+    let l7 = |o: &AuthorizationOperation| {
+        [&o.methods, &o.not_methods].iter().any(|l| !l.is_empty())
+            || [&o.paths, &o.not_paths, &o.hosts, &o.not_hosts]
+                .iter()
+                .any(|l| !l.is_empty())
+    };
+    let mut policy = policy.clone();
+    policy.rules.retain_mut(|rule| {
+        if rule.to.is_empty() {
+            return true;
+        }
+        if deny {
+            for o in &mut rule.to {
+                (o.methods, o.not_methods) = (Vec::new(), Vec::new());
+                (o.paths, o.not_paths, o.hosts, o.not_hosts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            }
+            return true;
+        }
+        rule.to.retain(|o| !l7(o));
+        !rule.to.is_empty()
+    });
+    policy
 }
 
 /// What `policies` decide for `request`.

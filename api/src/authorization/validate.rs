@@ -52,11 +52,27 @@ pub fn validate(policy: &AuthorizationPolicy) -> Result<(), Refusal> {
         "target.services",
         "holds more than 16",
     )?;
-    for (i, service) in target.services.iter().enumerate() {
-        let field = format!("target.services[{i}]");
-        at(&field, crate::route::check::service_key(service))?;
-        let own = service.split_once('/').is_some_and(|(ns, _)| ns == policy.namespace);
-        ensure(own, field, "is not in the policy's namespace")?;
+    ensure(
+        target.external_services.is_empty()
+            || (target.services.is_empty() && target.match_labels.is_empty() && !target.mesh_wide),
+        "target.external_services",
+        "is set with pods or services selected",
+    )?;
+    ensure(
+        target.external_services.len() <= limits::TARGET_REFS,
+        "target.external_services",
+        "holds more than 16",
+    )?;
+    for (list, name) in [
+        (&target.services, "services"),
+        (&target.external_services, "external_services"),
+    ] {
+        for (i, service) in list.iter().enumerate() {
+            let field = format!("target.{name}[{i}]");
+            at(&field, crate::route::check::service_key(service))?;
+            let own = service.split_once('/').is_some_and(|(ns, _)| ns == policy.namespace);
+            ensure(own, field, "is not in the policy's namespace")?;
+        }
     }
     rules(&policy.rules, "rules")
 }

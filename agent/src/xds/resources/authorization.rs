@@ -22,6 +22,7 @@
 //! the two side by side.
 
 mod compile;
+pub mod egress;
 mod index;
 mod mirror;
 #[cfg(test)]
@@ -115,6 +116,12 @@ impl Checked {
         }
         self.valid = valid;
         self.seen = current;
+    }
+
+    /// The policies guarding calls to external services (valid, or their last valid version).
+    pub fn egress(&self) -> Vec<Arc<AuthorizationPolicy>> {
+        let guards = |p: &&Arc<AuthorizationPolicy>| p.target.as_ref().is_some_and(|t| !t.external_services.is_empty());
+        self.valid.values().filter(guards).cloned().collect()
     }
 
     /// Policies in the catalog that fail validation.
@@ -250,7 +257,13 @@ pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>], trust_doma
         return filters;
     }
     let http = stages(policies, true, |action, of| {
-        index::matcher(action, &mirror::named_rules(of), &http_ports, trust_domain)
+        index::matcher(
+            action,
+            &mirror::named_rules(of),
+            &http_ports,
+            trust_domain,
+            index::CallerInput::PeerCertificate,
+        )
     });
     for stage in http {
         filters.http.push(pass_through(&stage.filter));
@@ -403,6 +416,7 @@ fn rules_config(policy: &AuthorizationPolicy, stat_prefix: &str, trust_domain: &
             &mirror::named_rules(&[policy]),
             &[],
             trust_domain,
+            index::CallerInput::PeerCertificate,
         )),
         rules_stat_prefix: stat_prefix.to_owned(),
         track_per_rule_stats: true,

@@ -106,7 +106,7 @@ fn outgoing(
     filter: Filter,
 ) -> FilterChain {
     let mut chain = chain(filter_chain_match, filter);
-    if let Some(source) = transport::source_filter(mtls, &pod.id()) {
+    if let Some(source) = transport::source_filter(mtls, pod) {
         chain.filters.insert(0, source);
     }
     chain
@@ -150,6 +150,8 @@ fn routed(pod: &LocalPod, table: &str, by: RoutedBy, callers: &[HttpFilter]) -> 
             ),
         ]
         .into_iter()
+        // Authorization of calls to external services, disabled until the route table enables it.
+        .chain(super::authorization::egress::http_filters())
         // Callers-side HTTP filters, disabled until the route table enables them.
         .chain(callers.iter().cloned())
         .chain([http_filter_of("envoy.filters.http.router", &Router::default())])

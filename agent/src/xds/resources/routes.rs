@@ -322,13 +322,16 @@ fn service_hosts(
             };
             let routes = service_routes(service, *port, &routes, &target);
             let on_service = filters.by_service.get(service.key).map_or(&[][..], |n| &n[..]);
+            let on_port = (filters.by_service_port.get(&(service.key.to_owned(), *port))).map_or(&[][..], |n| &n[..]);
             hosts.push(PortHost {
                 vhost: VirtualHost {
                     name: service.cluster(*port),
                     domains,
                     routes,
                     // Callers-side HTTP filters for this service (disabled in the HCM).
-                    typed_per_filter_config: http_filters::enabling(on_service).collect(),
+                    typed_per_filter_config: http_filters::enabling(on_service)
+                        .chain(http_filters::enabling(on_port))
+                        .collect(),
                     // The mesh's own stamp never leaves it (Envoy's router drops its
                     // alt-stat header itself).
                     request_headers_to_remove: match service.service.external {

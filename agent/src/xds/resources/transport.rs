@@ -30,6 +30,9 @@ use crate::identity::{Identities, bundle_secret, svid_secret};
 /// The filter state key carrying the source pod's id (`<ns>/<pod>`) through the
 /// origination hop, which picks the pod's originate cluster by it.
 pub const SOURCE_FILTER_STATE: &str = "aether.source_pod";
+/// The filter state key carrying the source pod's SPIFFE ID on its own connections, for
+/// the authorization of its calls to external services (`authorization::egress`).
+pub const SOURCE_IDENTITY: &str = "aether.source_identity";
 /// ALPN of HTTP between pods (the inbound listener picks its HTTP chain by it).
 pub const ALPN_H2: &str = "h2";
 
@@ -136,18 +139,35 @@ pub fn downstream(mtls: Option<&Mtls>, pod_id: &str, http: bool) -> Option<Trans
 /// part of every upstream connection pool's key on the way (two pods never share an
 /// upstream connection), and shared transitively, so it crosses the internal hop, which
 /// picks the pod's originate cluster by it.
-pub fn source_filter(mtls: Option<&Mtls>, pod_id: &str) -> Option<Filter> {
-    mtls?;
+/// Also the pod's SPIFFE ID, read by the authorization of its calls to external services
+/// (not shared: nothing upstream needs it).
+pub fn source_filter(mtls: Option<&Mtls>, pod: &crate::pod::LocalPod) -> Option<Filter> {
+    let mtls = mtls?;
+    let value = |key: &str, factory: &str, text: String, shared| FilterStateValue {
+        factory_key: factory.into(),
+        shared_with_upstream: shared as i32,
+        key: Some(filter_state_value::Key::ObjectKey(key.to_owned())),
+        value: Some(filter_state_value::Value::FormatString(format_string(
+            text.replace('%', "%%"),
+        ))),
+        ..Default::default()
+    };
+    let identity = mtls.spiffe_id(&pod.info.namespace, &pod.info.service_account);
     let config = SetFilterState {
-        on_new_connection: vec![FilterStateValue {
-            factory_key: "envoy.hashable_string".into(),
-            shared_with_upstream: filter_state_value::SharedWithUpstream::Transitive as i32,
-            key: Some(filter_state_value::Key::ObjectKey(SOURCE_FILTER_STATE.to_owned())),
-            value: Some(filter_state_value::Value::FormatString(format_string(
-                pod_id.replace('%', "%%"),
-            ))),
-            ..Default::default()
-        }],
+        on_new_connection: vec![
+            value(
+                SOURCE_FILTER_STATE,
+                "envoy.hashable_string",
+                pod.id(),
+                filter_state_value::SharedWithUpstream::Transitive,
+            ),
+            value(
+                SOURCE_IDENTITY,
+                "envoy.string",
+                identity,
+                filter_state_value::SharedWithUpstream::None,
+            ),
+        ],
         ..Default::default()
     };
     Some(Filter {

@@ -17,7 +17,7 @@ use aether_proto::registry::v1::{
     AuthorizationOperation, AuthorizationPattern, AuthorizationRule, AuthorizationSource, PatternKind,
 };
 use envoy_types::pb::envoy::config::rbac::v3::{Action, rbac};
-use envoy_types::pb::envoy::extensions::matching::common_inputs::network::v3::DirectSourceIpInput;
+use envoy_types::pb::envoy::extensions::matching::common_inputs::network::v3::{DirectSourceIpInput, FilterStateInput};
 use envoy_types::pb::envoy::extensions::matching::common_inputs::ssl::v3::UriSanInput;
 use envoy_types::pb::envoy::extensions::matching::input_matchers::ip::v3::Ip;
 use envoy_types::pb::envoy::r#type::matcher::v3::HttpRequestHeaderMatchInput;
@@ -103,11 +103,36 @@ struct Entry {
     paths: Option<Vec<Key>>,
 }
 
+/// Where the caller's SPIFFE ID is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallerInput {
+    /// The mTLS peer's URI SAN (a destination's inbound chain).
+    PeerCertificate,
+    /// The calling pod's identity its own outbound listener set in this filter state
+    /// (the callers' side: the pod is the caller, no certificate is presented to us).
+    FilterState(&'static str),
+}
+
+impl CallerInput {
+    fn input(self) -> TypedExtensionConfig {
+        match self {
+            CallerInput::PeerCertificate => typed("uri_san", &UriSanInput {}),
+            CallerInput::FilterState(key) => typed(
+                "filter_state",
+                &FilterStateInput {
+                    key: key.to_owned(),
+                    ..Default::default()
+                },
+            ),
+        }
+    }
+}
+
 /// What a level of the index looks up.
 #[derive(Clone, Copy)]
 enum Dimension {
-    /// The caller's URI SAN: exact IDs, then ID prefixes.
-    Caller,
+    /// The caller's SPIFFE ID: exact IDs, then ID prefixes.
+    Caller(CallerInput),
     /// `:path`: path prefixes (an exact path is its own prefix; the rule checks it).
     Path,
 }
@@ -115,14 +140,14 @@ enum Dimension {
 impl Dimension {
     fn keys(self, entry: &Entry) -> &Option<Vec<Key>> {
         match self {
-            Dimension::Caller => &entry.callers,
+            Dimension::Caller(_) => &entry.callers,
             Dimension::Path => &entry.paths,
         }
     }
 
     fn input(self) -> TypedExtensionConfig {
         match self {
-            Dimension::Caller => typed("uri_san", &UriSanInput {}),
+            Dimension::Caller(caller) => caller.input(),
             Dimension::Path => typed(
                 "path",
                 &HttpRequestHeaderMatchInput {
@@ -141,13 +166,14 @@ pub fn matcher(
     rules: &[(String, &AuthorizationRule)],
     http_ports: &[u16],
     trust_domain: &str,
+    caller: CallerInput,
 ) -> IndexedMatcher {
     let entries: Vec<Entry> = rules
         .iter()
         .filter_map(|(name, rule)| {
             Some(Entry {
                 name: name.clone(),
-                predicate: predicate(rule, http_ports, trust_domain)?,
+                predicate: predicate(rule, http_ports, trust_domain, caller)?,
                 callers: caller_keys(rule, trust_domain),
                 paths: path_keys(rule),
             })
@@ -158,7 +184,7 @@ pub fn matcher(
         _ => super::mirror::ALLOW,
     };
     let chosen: Vec<&Entry> = entries.iter().collect();
-    index(&chosen, &[Dimension::Caller, Dimension::Path], &|e| {
+    index(&chosen, &[Dimension::Caller(caller), Dimension::Path], &|e| {
         list(e, action, otherwise)
     })
 }
@@ -351,7 +377,12 @@ fn source_keys(s: &AuthorizationSource, trust_domain: &str) -> Option<Vec<Key>> 
 // ---- Predicates: a rule judged whole, as the policy list's compile judges it.
 
 /// `None` when the rule cannot match on this layer (a port no HTTP request here is for).
-fn predicate(rule: &AuthorizationRule, http_ports: &[u16], trust_domain: &str) -> Option<Predicate> {
+fn predicate(
+    rule: &AuthorizationRule,
+    http_ports: &[u16],
+    trust_domain: &str,
+    caller: CallerInput,
+) -> Option<Predicate> {
     let mut all = Vec::new();
     if !rule.to.is_empty() {
         let operations: Vec<Predicate> = rule.to.iter().filter_map(|o| operation(o, http_ports)).collect();
@@ -361,14 +392,17 @@ fn predicate(rule: &AuthorizationRule, http_ports: &[u16], trust_domain: &str) -
         all.push(any_of(operations));
     }
     if !rule.from.is_empty() {
-        all.push(any_of(rule.from.iter().map(|s| source(s, trust_domain)).collect()));
+        all.push(any_of(
+            rule.from.iter().map(|s| source(s, trust_domain, caller)).collect(),
+        ));
     }
     Some(all_of(all))
 }
 
 /// Every field set holds (AND); a field holds when any value matches, a `not_*` one
 /// when none does. Identity last: an operation rules a rule out for less.
-fn source(s: &AuthorizationSource, trust_domain: &str) -> Predicate {
+fn source(s: &AuthorizationSource, trust_domain: &str, input: CallerInput) -> Predicate {
+    let caller = |matcher| caller(input, matcher);
     let mut all = Vec::new();
     let mut field = |values: Vec<Predicate>, negated: bool| {
         if !values.is_empty() {
@@ -478,11 +512,8 @@ fn pattern(p: &AuthorizationPattern) -> StringMatcher {
 
 // ---- Predicate builders.
 
-fn caller(matcher: StringMatcher) -> Predicate {
-    single(
-        typed("uri_san", &UriSanInput {}),
-        single_predicate::Matcher::ValueMatch(matcher),
-    )
+fn caller(input: CallerInput, matcher: StringMatcher) -> Predicate {
+    single(input.input(), single_predicate::Matcher::ValueMatch(matcher))
 }
 
 fn header(name: &str, matcher: StringMatcher) -> Predicate {

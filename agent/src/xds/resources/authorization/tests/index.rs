@@ -31,7 +31,13 @@ fn namespaces(list: &[&str]) -> AuthorizationSource {
 
 fn build(rules: &[(&str, AuthorizationRule)]) -> IndexedMatcher {
     let named: Vec<(String, &AuthorizationRule)> = rules.iter().map(|(n, r)| (n.to_string(), r)).collect();
-    matcher(mirror::ALLOW, &named, &[8080], TD)
+    matcher(
+        mirror::ALLOW,
+        &named,
+        &[8080],
+        TD,
+        super::super::index::CallerInput::PeerCertificate,
+    )
 }
 
 /// The rule names under each key of a map level, and the level that takes the rest.
