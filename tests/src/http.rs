@@ -103,6 +103,27 @@ impl TestPod {
     /// is the Host header, else the `:authority`. Must be called from within a tokio runtime; panics if it cannot
     /// bind.
     pub fn serve_http(&self, addr: SocketAddr, name: &str) -> HttpServer {
+        self.serve_described(addr, name, None)
+    }
+
+    /// [`TestPod::serve_http`] behind TLS (HTTP/1.1 only) with `certificate`: a server outside the mesh that
+    /// speaks TLS itself, as an external service's origination reaches. Panics if it cannot bind.
+    pub fn serve_https(&self, addr: SocketAddr, name: &str, certificate: &crate::identity::Leaf) -> HttpServer {
+        let chain = vec![rustls_pki_types::CertificateDer::from(certificate.cert_der.clone())];
+        let key = rustls_pki_types::PrivateKeyDer::Pkcs8(certificate.key_der.clone().into());
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("TLS versions")
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .expect("the test certificate and key");
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        self.serve_described(addr, name, Some(acceptor))
+    }
+
+    /// The server of [`TestPod::serve_http`], in plaintext (HTTP/1.1 and h2c) or behind `tls` (HTTP/1.1).
+    fn serve_described(&self, addr: SocketAddr, name: &str, tls: Option<tokio_rustls::TlsAcceptor>) -> HttpServer {
         let listener = self.listen(addr);
         let addr = listener.local_addr().expect("local_addr");
         let requests = Arc::new(AtomicU64::new(0));
@@ -115,59 +136,24 @@ impl TestPod {
                 tokio::select! {
                     accepted = listener.accept() => {
                         let Ok((stream, _)) = accepted else { continue };
-                        let name = Arc::clone(&name);
-                        let counter = Arc::clone(&counter);
+                        let (name, counter, tls) = (Arc::clone(&name), Arc::clone(&counter), tls.clone());
                         connections.spawn(async move {
                             let service = service_fn(move |req| {
                                 counter.fetch_add(1, Ordering::SeqCst);
                                 describe(Arc::clone(&name), req)
                             });
-                            let _ = auto::Builder::new(TokioExecutor::new())
-                                .serve_connection(TokioIo::new(stream), service)
-                                .await;
-                        });
-                    }
-                    Some(_) = connections.join_next(), if !connections.is_empty() => {}
-                }
-            }
-        });
-        HttpServer { addr, requests, task }
-    }
-
-    /// [`TestPod::serve_http`] behind TLS (HTTP/1.1 only) with `certificate`: a server outside the mesh that
-    /// speaks TLS itself, as an external service's origination reaches. Panics if it cannot bind.
-    pub fn serve_https(&self, addr: SocketAddr, name: &str, certificate: &crate::identity::Leaf) -> HttpServer {
-        let listener = self.listen(addr);
-        let addr = listener.local_addr().expect("local_addr");
-        let chain = vec![rustls_pki_types::CertificateDer::from(certificate.cert_der.clone())];
-        let key = rustls_pki_types::PrivateKeyDer::Pkcs8(certificate.key_der.clone().into());
-        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-        let config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .expect("TLS versions")
-            .with_no_client_auth()
-            .with_single_cert(chain, key)
-            .expect("the test certificate and key");
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-        let requests = Arc::new(AtomicU64::new(0));
-        let name: Arc<str> = Arc::from(name);
-        let counter = Arc::clone(&requests);
-        let task = tokio::spawn(async move {
-            let mut connections = JoinSet::new();
-            loop {
-                tokio::select! {
-                    accepted = listener.accept() => {
-                        let Ok((stream, _)) = accepted else { continue };
-                        let (name, counter, acceptor) = (Arc::clone(&name), Arc::clone(&counter), acceptor.clone());
-                        connections.spawn(async move {
-                            let Ok(stream) = acceptor.accept(stream).await else { return };
-                            let service = service_fn(move |req| {
-                                counter.fetch_add(1, Ordering::SeqCst);
-                                describe(Arc::clone(&name), req)
-                            });
-                            let _ = hyper::server::conn::http1::Builder::new()
-                                .serve_connection(TokioIo::new(stream), service)
-                                .await;
+                            let _ = match tls {
+                                None => auto::Builder::new(TokioExecutor::new())
+                                    .serve_connection(TokioIo::new(stream), service)
+                                    .await,
+                                Some(tls) => {
+                                    let Ok(stream) = tls.accept(stream).await else { return };
+                                    hyper::server::conn::http1::Builder::new()
+                                        .serve_connection(TokioIo::new(stream), service)
+                                        .await
+                                        .map_err(Into::into)
+                                }
+                            };
                         });
                     }
                     Some(_) = connections.join_next(), if !connections.is_empty() => {}

@@ -175,6 +175,17 @@ impl Plan {
 }
 
 impl Plan {
+    /// Removes `service` (stored under `key`) with its VIP and endpoints.
+    pub(super) fn remove_service(&mut self, key: &ServiceKey, service: &Service) {
+        let vip: IpAddr = service.vip.parse().expect("catalog VIPs are valid addresses");
+        self.ops.push(StoreOp::DeleteService {
+            key: key.clone(),
+            vip: service.vip.clone(),
+        });
+        self.change(key, Event::ServiceRemoved);
+        self.removed_services.push((key.clone(), vip));
+    }
+
     /// Makes the external services exactly `desired` (the sources' whole set): creates
     /// the new ones with a VIP, updates the changed ones, removes those no longer
     /// declared. A key a mesh service already holds is not taken: it is returned, with
@@ -187,13 +198,7 @@ impl Plan {
     ) -> Vec<(ServiceKey, String)> {
         for (key, entry) in &state.services {
             if entry.service.external.is_some() && !desired.contains_key(key) {
-                let vip: IpAddr = entry.service.vip.parse().expect("catalog VIPs are valid addresses");
-                self.ops.push(StoreOp::DeleteService {
-                    key: key.clone(),
-                    vip: entry.service.vip.clone(),
-                });
-                self.change(key, Event::ServiceRemoved);
-                self.removed_services.push((key.clone(), vip));
+                self.remove_service(key, &entry.service);
             }
         }
         let mut refused = Vec::new();

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Catalog;
 use super::plan::Plan;
-use super::state::{Event, State};
+use super::state::State;
 use super::writer::{Outcome, Write, Writer};
 use crate::model::ServiceKey;
 use crate::store::StoreOp;
@@ -52,16 +52,9 @@ impl Plan {
                 && entry
                     .empty_since
                     .is_some_and(|since| now.saturating_duration_since(since) >= ttl);
-            if !expired {
-                continue;
+            if expired {
+                self.remove_service(key, &entry.service);
             }
-            let vip: IpAddr = entry.service.vip.parse().expect("catalog VIPs are valid addresses");
-            self.ops.push(StoreOp::DeleteService {
-                key: key.clone(),
-                vip: entry.service.vip.clone(),
-            });
-            self.change(key, Event::ServiceRemoved);
-            self.removed_services.push((key.clone(), vip));
         }
     }
 }
