@@ -506,7 +506,8 @@ impl Generator {
             for (port, _) in service.ports.iter().filter(|(_, p)| is_http(**p)) {
                 let enabled = authorization::egress::http_port(service, *port, &egress, &self.identities.trust_domain);
                 if !enabled.is_empty() {
-                    callers.by_service_port.insert((service.key.to_owned(), *port), enabled);
+                    let ports = callers.by_service_port.entry(service.key.to_owned()).or_default();
+                    ports.insert(*port, enabled);
                 }
             }
         }

@@ -180,9 +180,9 @@ pub struct Callers {
     pub by_service: BTreeMap<String, Vec<Enabled>>,
     /// (route key, service key) → the filters enabled on that route's rules for that service.
     pub by_route: BTreeMap<(String, String), Vec<Enabled>>,
-    /// (service key, port) → the filters enabled on that service port's virtual host (the
+    /// Service key → port → the filters enabled on that service port's virtual host (the
     /// authorization of calls to external services, `authorization::egress`).
-    pub by_service_port: BTreeMap<(String, u32), Vec<Enabled>>,
+    pub by_service_port: BTreeMap<String, BTreeMap<u32, Vec<Enabled>>>,
 }
 
 /// A filter enabled in the route table: its name, and its per-route config (Envoy

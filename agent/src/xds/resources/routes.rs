@@ -322,7 +322,9 @@ fn service_hosts(
             };
             let routes = service_routes(service, *port, &routes, &target);
             let on_service = filters.by_service.get(service.key).map_or(&[][..], |n| &n[..]);
-            let on_port = (filters.by_service_port.get(&(service.key.to_owned(), *port))).map_or(&[][..], |n| &n[..]);
+            let on_port = (filters.by_service_port.get(service.key))
+                .and_then(|ports| ports.get(port))
+                .map_or(&[][..], |n| &n[..]);
             hosts.push(PortHost {
                 vhost: VirtualHost {
                     name: service.cluster(*port),
