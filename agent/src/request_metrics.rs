@@ -42,16 +42,104 @@ pub const SOURCE_TREE: &str = "mesh";
 
 /// `stats_config.stats_tags` for the bootstrap: (tag name, regex). The first capture group is removed from the
 /// name, the second is the value.
-pub const STATS_TAGS: [(&str, &str); 3] = [
+/// The last two are the L7 trees of stream protocols at the destination
+/// (`<protocol>.l7.<ns>/<svc>|<port>.…`, see `xds::resources::app_protocols`): their
+/// destination and a Redis command's name.
+pub const STATS_TAGS: [(&str, &str); 5] = [
     ("source_workload", r"^cluster\.[^.]+\.mesh\.(([^.]+)\.)"),
     ("destination_service", r"^cluster\.(([^.|]+)\|[^.]*\.)mesh\."),
     ("destination_port", r"^cluster\.([^.|]+\|([^.]*)\.)mesh\."),
+    ("l7_destination", r"^(?:thrift|redis)\.(l7\.([^.]+)\.)"),
+    ("redis_command", r"^redis\.l7\.[^.]+\.command\.(([^.]+)\.)"),
 ];
 
-/// Envoy admin filter selecting the request-metrics tree.
-const ENVOY_FILTER: &str = r"^cluster\.[^.]+\.mesh\.";
+/// Envoy admin filter selecting the request-metrics tree and the L7 trees.
+const ENVOY_FILTER: &str = r"^(cluster\.[^.]+\.mesh|thrift\.l7|redis\.l7)\.";
 const REQUESTS: &str = "envoy_cluster_mesh_upstream_rq";
 const REQUEST_TIME: &str = "envoy_cluster_mesh_upstream_rq_time";
+
+/// The L7 families re-exposed, by Envoy's tag-extracted name: (ours, help, label, value).
+/// Each Envoy family becomes one value of `label` in ours.
+const L7_FAMILIES: [(&str, &str, &str, &str, &str); 10] = [
+    (
+        "envoy_thrift_request_call",
+        "aether_proxy_thrift_requests",
+        THRIFT_REQUESTS_HELP,
+        "message_type",
+        "call",
+    ),
+    (
+        "envoy_thrift_request_oneway",
+        "aether_proxy_thrift_requests",
+        THRIFT_REQUESTS_HELP,
+        "message_type",
+        "oneway",
+    ),
+    (
+        "envoy_thrift_request_invalid_type",
+        "aether_proxy_thrift_requests",
+        THRIFT_REQUESTS_HELP,
+        "message_type",
+        "invalid",
+    ),
+    (
+        "envoy_thrift_response_success",
+        "aether_proxy_thrift_responses",
+        THRIFT_RESPONSES_HELP,
+        "outcome",
+        "success",
+    ),
+    (
+        "envoy_thrift_response_error",
+        "aether_proxy_thrift_responses",
+        THRIFT_RESPONSES_HELP,
+        "outcome",
+        "error",
+    ),
+    (
+        "envoy_thrift_response_exception",
+        "aether_proxy_thrift_responses",
+        THRIFT_RESPONSES_HELP,
+        "outcome",
+        "exception",
+    ),
+    (
+        "envoy_redis_command_success",
+        "aether_proxy_redis_commands",
+        REDIS_HELP,
+        "outcome",
+        "success",
+    ),
+    (
+        "envoy_redis_command_error",
+        "aether_proxy_redis_commands",
+        REDIS_HELP,
+        "outcome",
+        "error",
+    ),
+    (
+        "envoy_thrift_request_decoding_error",
+        "aether_proxy_protocol_errors",
+        PROTOCOL_ERRORS_HELP,
+        "protocol",
+        "thrift",
+    ),
+    (
+        "envoy_redis_downstream_cx_protocol_error",
+        "aether_proxy_protocol_errors",
+        PROTOCOL_ERRORS_HELP,
+        "protocol",
+        "redis",
+    ),
+];
+const THRIFT_REQUESTS_HELP: &str =
+    "Thrift messages a pod's port received through the node's Envoy (destination side), by message type";
+const THRIFT_RESPONSES_HELP: &str =
+    "Thrift replies a pod's port sent (destination side): success, error (a declared exception) or exception";
+const REDIS_HELP: &str = "Redis commands sent to a pod's port through the node's Envoy (destination side), by command: \
+    success (the app answered, an error reply included) or error (no answer: the app failed or timed out)";
+const PROTOCOL_ERRORS_HELP: &str =
+    "Frames the node's Envoy could not decode on a pod's L7 port; each closed its connection before the app";
 
 /// A stat-name segment: no dots (they separate segments) and no colons (Envoy rewrites them).
 fn segment(text: &str) -> String {
@@ -257,7 +345,7 @@ impl EnvoyRequestMetrics {
         let families = exposition::parse(&body, Format::Prometheus)?;
         Ok(families
             .into_iter()
-            .filter(|f| f.name == REQUESTS || f.name == REQUEST_TIME)
+            .filter(|f| f.name == REQUESTS || f.name == REQUEST_TIME || L7_FAMILIES.iter().any(|l| l.0 == f.name))
             .collect())
     }
 }
@@ -398,8 +486,40 @@ impl prometheus_client::collector::Collector for EnvoyRequestMetrics {
                     )?;
             }
         }
-        Ok(())
+        encode_l7(&families, &mut encoder)
     }
+}
+
+/// The L7 trees' counters ([`L7_FAMILIES`]), one family of ours per name.
+fn encode_l7(families: &[Family], encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    let mut ours: Vec<(&str, &str)> = L7_FAMILIES.iter().map(|l| (l.1, l.2)).collect();
+    ours.dedup();
+    for (name, help) in ours {
+        let mut metric = None;
+        for (envoy, _, _, label, value) in L7_FAMILIES.iter().filter(|l| l.1 == name) {
+            let Some(family) = families.iter().find(|f| f.name == *envoy && f.kind == Kind::Counter) else {
+                continue;
+            };
+            for sample in &family.samples {
+                let destination = sample.label("l7_destination").unwrap_or_default();
+                let (service, port) = destination.rsplit_once('|').unwrap_or((destination, ""));
+                let mut labels = vec![
+                    ("destination_service".to_owned(), service.to_owned()),
+                    ("destination_port".to_owned(), port.to_owned()),
+                ];
+                if let Some(command) = sample.label("redis_command") {
+                    labels.push(("command".into(), command.to_owned()));
+                }
+                labels.push(((*label).to_owned(), (*value).to_owned()));
+                if metric.is_none() {
+                    metric = Some(encoder.encode_descriptor(name, help, None, MetricType::Counter)?);
+                }
+                let metric = metric.as_mut().expect("just set");
+                ConstCounter::new(sample.value as u64).encode(metric.encode_family(&labels)?)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -428,7 +548,7 @@ mod tests {
         let parts: Vec<&str> = name.split('.').collect();
         assert_eq!(parts, ["cluster", "demo/b|80", "mesh", "demo/a", "upstream_rq_200"]);
         let json = stats_config_json();
-        assert_eq!(json["stats_tags"].as_array().unwrap().len(), 3);
+        assert_eq!(json["stats_tags"].as_array().unwrap().len(), STATS_TAGS.len());
         assert_eq!(stats_sinks_json(None), serde_json::json!([]));
         assert_eq!(
             stats_sinks_json(Some("http://127.0.0.1:4317"))[0]["typed_config"]["grpc_service"]["google_grpc"]["target_uri"],

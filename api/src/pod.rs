@@ -5,11 +5,13 @@
 //!
 //! - `config.aether.io/upstreams`: the services the pod calls ([`upstreams`]);
 //! - `config.aether.io/service`: the service the pod serves (a DNS-1123 label);
-//! - `security.aether.io/inbound-mtls`: `strict` or `permissive` ([`InboundMtls`]).
+//! - `security.aether.io/inbound-mtls`: `strict` or `permissive` ([`InboundMtls`]);
+//! - `endpoint.aether.io/uds-socket`: the Unix socket inbound traffic is delivered to;
+//! - `protocol.aether.io/l7`: which of the pod's stream ports the node parses ([`l7_protocols`]).
 
 use std::collections::BTreeMap;
 
-use aether_common::pod_meta::SERVICE_ANNOTATION;
+use aether_common::pod_meta::{AppProtocol, SERVICE_ANNOTATION};
 use aether_common::quote::quote;
 
 pub mod upstreams;
@@ -103,6 +105,47 @@ pub fn uds_socket(annotations: &BTreeMap<String, String>) -> Result<Option<UdsSo
     }))
 }
 
+/// Which stream protocols of the pod's ports the node's proxy parses on the way in
+/// (proposal 017): a comma-separated list of `thrift` and `redis`, or `none`. Absent, it
+/// is [`L7_DEFAULT`]: Thrift is parsed whole by Envoy, while its Redis proxy speaks only a
+/// subset of commands (no SELECT, pub/sub or blocking commands), so Redis is opt-in.
+pub const L7_ANNOTATION: &str = "protocol.aether.io/l7";
+
+/// The protocols parsed when the pod does not say.
+pub const L7_DEFAULT: &[AppProtocol] = &[AppProtocol::Thrift];
+
+/// The protocols [`L7_ANNOTATION`] names (the default without it); the error names the
+/// annotation and quotes the entry, bounded.
+pub fn l7_protocols(annotations: &BTreeMap<String, String>) -> Result<Vec<AppProtocol>, String> {
+    let Some(value) = annotations.get(L7_ANNOTATION) else {
+        return Ok(L7_DEFAULT.to_vec());
+    };
+    let mut protocols = Vec::new();
+    for entry in value.split(',').map(str::trim) {
+        let protocol = match entry.to_ascii_lowercase().as_str() {
+            "none" if value.trim().eq_ignore_ascii_case("none") => continue,
+            "thrift" => AppProtocol::Thrift,
+            "redis" => AppProtocol::Redis,
+            "dubbo" => {
+                return Err(format!(
+                    "{L7_ANNOTATION}: {}: Dubbo at L7 is not built yet (its ports are carried as TCP)",
+                    quote(entry)
+                ));
+            }
+            _ => {
+                return Err(format!(
+                    "{L7_ANNOTATION}: {} is not thrift, redis or none (a comma-separated list)",
+                    quote(entry)
+                ));
+            }
+        };
+        if !protocols.contains(&protocol) {
+            protocols.push(protocol);
+        }
+    }
+    Ok(protocols)
+}
+
 /// The inbound mTLS mode the pod's annotation asks for, if it has one.
 pub fn inbound_mtls(annotations: &BTreeMap<String, String>) -> Result<Option<InboundMtls>, InboundError> {
     annotations
@@ -128,6 +171,9 @@ pub fn config_errors(namespace: &str, annotations: &BTreeMap<String, String>) ->
         errors.push(error.to_string());
     }
     if let Err(error) = uds_socket(annotations) {
+        errors.push(error);
+    }
+    if let Err(error) = l7_protocols(annotations) {
         errors.push(error);
     }
     errors
@@ -176,6 +222,26 @@ mod tests {
                 "security.aether.io/inbound-mtls: \"mtls\" is not strict or permissive",
             ]
         );
+    }
+
+    #[test]
+    fn l7_protocols_default_to_thrift_and_redis_is_opt_in() {
+        let of = |value: &str| l7_protocols(&BTreeMap::from([(L7_ANNOTATION.to_owned(), value.to_owned())]));
+        assert_eq!(l7_protocols(&BTreeMap::new()), Ok(vec![AppProtocol::Thrift]));
+        assert_eq!(
+            of("redis, Thrift, redis"),
+            Ok(vec![AppProtocol::Redis, AppProtocol::Thrift])
+        );
+        assert_eq!(of(" None "), Ok(vec![]));
+        assert_eq!(of("redis"), Ok(vec![AppProtocol::Redis]));
+        let error = of("redis, http").unwrap_err();
+        assert_eq!(
+            error,
+            "protocol.aether.io/l7: \"http\" is not thrift, redis or none (a comma-separated list)"
+        );
+        assert!(of("none, redis").is_err(), "none stands alone");
+        assert!(of("dubbo").unwrap_err().contains("not built yet"));
+        assert!(of(&"x".repeat(10_000)).unwrap_err().len() < 400, "quoted bounded");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::UNIX_EPOCH;
 
 use envoy_types::pb::envoy::config::accesslog::v3::{
-    AccessLog, AccessLogFilter, ExtensionFilter, MetadataFilter, OrFilter, access_log, access_log_filter,
+    AccessLog, AccessLogFilter, AndFilter, ExtensionFilter, MetadataFilter, OrFilter, access_log, access_log_filter,
     extension_filter,
 };
 use envoy_types::pb::envoy::data::accesslog::v3::tls_properties::certificate_properties::subject_alt_name;
@@ -169,16 +169,7 @@ pub fn logger(pod_id: &str, logged: &[String]) -> AccessLog {
 /// connection's termination details), or one of the shadow results under `logged` is
 /// `denied` (an AUDIT match, a dry-run denial).
 pub fn tcp_logger(pod_id: &str, port: u16, logged: &[String]) -> AccessLog {
-    let closed = ExpressionFilter {
-        expression: format!("connection.termination_details.startsWith('{RBAC_DENIED}')"),
-        ..Default::default()
-    };
-    let closed = AccessLogFilter {
-        filter_specifier: Some(access_log_filter::FilterSpecifier::ExtensionFilter(ExtensionFilter {
-            name: "envoy.access_loggers.extension_filters.cel".into(),
-            config_type: Some(extension_filter::ConfigType::TypedConfig(any(&closed))),
-        })),
-    };
+    let closed = cel(&format!("connection.termination_details.startsWith('{RBAC_DENIED}')"));
     let shadow = logged.iter().filter(|k| k.ends_with("shadow_engine_result"));
     let filters = std::iter::once(closed).chain(shadow.map(|key| denied(NETWORK_METADATA, key)));
     let port = port.to_string();
@@ -187,6 +178,34 @@ pub fn tcp_logger(pod_id: &str, port: u16, logged: &[String]) -> AccessLog {
         common_config: Some(common_config("aether_authorization", &tags)),
     };
     grpc_logger("envoy.access_loggers.tcp_grpc", any_of(filters.collect()), any(&config))
+}
+
+/// [`tcp_logger`] for the listener itself, for a chain whose terminal filter has no access
+/// log of its own (Redis): the listener logs every connection when it closes, so this one
+/// keeps those of the chain named `chain`.
+pub fn tcp_chain_logger(pod_id: &str, port: u16, logged: &[String], chain: &str) -> AccessLog {
+    let mut logger = tcp_logger(pod_id, port, logged);
+    let of_chain = cel(&format!("xds.filter_chain_name == '{chain}'"));
+    logger.filter = Some(AccessLogFilter {
+        filter_specifier: Some(access_log_filter::FilterSpecifier::AndFilter(AndFilter {
+            filters: [Some(of_chain), logger.filter].into_iter().flatten().collect(),
+        })),
+    });
+    logger
+}
+
+/// Envoy's CEL access-log filter.
+fn cel(expression: &str) -> AccessLogFilter {
+    let filter = ExpressionFilter {
+        expression: expression.to_owned(),
+        ..Default::default()
+    };
+    AccessLogFilter {
+        filter_specifier: Some(access_log_filter::FilterSpecifier::ExtensionFilter(ExtensionFilter {
+            name: "envoy.access_loggers.extension_filters.cel".into(),
+            config_type: Some(extension_filter::ConfigType::TypedConfig(any(&filter))),
+        })),
+    }
 }
 
 fn grpc_logger(name: &str, filter: Option<AccessLogFilter>, config: Any) -> AccessLog {

@@ -15,6 +15,7 @@
 //! dependencies' and changes its own service's endpoints, never a shared cluster or
 //! table.
 
+pub mod app_protocols;
 pub mod authorization;
 mod clusters;
 pub mod external;

@@ -15,6 +15,7 @@
 //! h2 through the TLS inspector) and the outgoing listeners mark connections with the
 //! pod's identity (see `transport`).
 
+use envoy_types::pb::envoy::config::accesslog::v3::AccessLog;
 use envoy_types::pb::envoy::config::common::mutation_rules::v3::{HeaderMutation as MutationRule, header_mutation};
 use envoy_types::pb::envoy::config::core::v3::{
     CidrRange, HeaderValue, HeaderValueOption, TypedExtensionConfig, header_value_option,
@@ -38,6 +39,7 @@ use envoy_types::pb::envoy::extensions::http::early_header_mutation::header_muta
 use envoy_types::pb::envoy::r#type::v3::Int32Range;
 use envoy_types::pb::google::protobuf::{Any, BoolValue, UInt32Value};
 
+use super::app_protocols;
 use super::authorization::{self, Filters};
 use super::clusters::local_name;
 use super::http_filters::Enabled;
@@ -48,7 +50,7 @@ use super::transport::{self, Mtls};
 use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
 use super::{Declared, PodFilters, is_http};
 use crate::access_log::decisions;
-use crate::pod::{ListenerSockets, LocalPod};
+use crate::pod::{AppProtocol, ListenerSockets, LocalPod};
 
 pub fn outbound_name(pod: &LocalPod) -> String {
     format!("outbound|{}", pod.id())
@@ -202,7 +204,7 @@ fn inbound(
     filters: &[HttpFilter],
 ) -> Option<Listener> {
     let ports = pod.info.mesh_ports();
-    let (primary, _) = *ports.first()?;
+    let primary = *ports.first()?;
     let mut filter_chains = Vec::new();
     if !http_ports(pod).is_empty() {
         let hcm = inbound_hcm(pod, authz, filters);
@@ -225,13 +227,17 @@ fn inbound(
     // TCP: with mTLS a stream names its app port in the server name (see
     // `origination::port_server_name`), one chain per TCP port; one that names none (or
     // any stream in plaintext) goes to the primary port.
-    let tcp_chain = |port: u16, server_names| inbound_tcp_chain(pod, port, server_names, mtls, authz);
+    let mut loggers = Vec::new();
+    let mut tcp_chain = |(port, protocol): (u16, AppProtocol), server_names| {
+        let (chain, logger) = inbound_tcp_chain(pod, port, protocol, server_names, mtls, authz);
+        loggers.extend(logger);
+        chain
+    };
     if mtls.is_some() {
-        let streams = ports.iter().filter(|(_, p)| !p.is_http());
-        filter_chains.extend(streams.map(|(port, _)| {
+        for (port, protocol) in ports.iter().filter(|(_, p)| !p.is_http()) {
             let name = origination::port_server_name(u32::from(*port));
-            tcp_chain(*port, vec![name])
-        }));
+            filter_chains.push(tcp_chain((*port, *protocol), vec![name]));
+        }
     }
     let default_chain = tcp_chain(primary, Vec::new());
     let inspector = if mtls.is_some() {
@@ -249,30 +255,51 @@ fn inbound(
         enable_reuse_port: reuse_port(pod),
         filter_chains,
         default_filter_chain: Some(default_chain),
+        access_log: loggers,
         ..Default::default()
     })
 }
 
 /// The inbound chain delivering TCP to the pod's `port`, taken by a stream that names it in
-/// `server_names` (none: the default chain), its policies judged with that port.
+/// `server_names` (none: the default chain), its policies judged with that port. A port
+/// the node parses at L7 (`app_protocols`) gets that protocol's proxy, and its decision
+/// logger is the listener's (returned), since those proxies log no connections.
 fn inbound_tcp_chain(
     pod: &LocalPod,
     port: u16,
+    protocol: AppProtocol,
     server_names: Vec<String>,
     mtls: Option<&Mtls>,
     authz: &Filters,
-) -> FilterChain {
+) -> (FilterChain, Option<AccessLog>) {
     let no_filters = authorization::TcpFilters::default();
     let authz_here = authz.tcp.get(&port).unwrap_or(&no_filters);
-    let proxy = TcpProxy {
-        stat_prefix: format!("inbound_tcp.{}", pod.id().replace('/', ".")),
-        cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(local_name(pod, port))),
-        // Connections the chain's policies closed, audited or would close (dry-run):
-        // the proxy logs when its connection ends, closed before it or not.
-        access_log: vec![decisions::tcp_logger(&pod.id(), port, &authz_here.logged)],
-        ..Default::default()
+    let cluster = local_name(pod, port);
+    let parsed =
+        app_protocols::parsed(pod, protocol).and_then(|p| app_protocols::inbound_proxy(pod, port, p, &cluster));
+    let (mut chain, logger) = match parsed {
+        Some(proxy) => {
+            let name = format!("l7|{port}|{}", server_names.first().map_or("default", String::as_str));
+            let logger = decisions::tcp_chain_logger(&pod.id(), port, &authz_here.logged, &name);
+            let mut chain = chain(None, proxy);
+            chain.name = name;
+            (chain, Some(logger))
+        }
+        None => {
+            let proxy = TcpProxy {
+                stat_prefix: format!("inbound_tcp.{}", pod.id().replace('/', ".")),
+                cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(cluster)),
+                // Connections the chain's policies closed, audited or would close (dry-run):
+                // the proxy logs when its connection ends, closed before it or not.
+                access_log: vec![decisions::tcp_logger(&pod.id(), port, &authz_here.logged)],
+                ..Default::default()
+            };
+            (
+                chain(None, network_filter("envoy.filters.network.tcp_proxy", &proxy)),
+                None,
+            )
+        }
     };
-    let mut chain = chain(None, network_filter("envoy.filters.network.tcp_proxy", &proxy));
     chain.filters.splice(0..0, authz_here.filters.iter().cloned());
     chain.transport_socket = transport::downstream(mtls, &pod.id(), false);
     if !server_names.is_empty() {
@@ -281,7 +308,7 @@ fn inbound_tcp_chain(
             ..Default::default()
         });
     }
-    chain
+    (chain, logger)
 }
 
 /// A pod's listeners bind as the pod records ([`ListenerSockets`]): Envoy refuses to
@@ -566,5 +593,49 @@ mod tests {
             per_worker.iter().all(|(_, reuse)| *reuse == Some(true)),
             "{per_worker:?}"
         );
+    }
+
+    /// The terminal filter of the pod's inbound default chain, its chain's name, and how
+    /// many loggers the listener itself has.
+    fn inbound_terminal(pod: &LocalPod) -> (String, String, usize) {
+        let generated = generated(&catalog(Vec::new()), std::slice::from_ref(pod));
+        let inbound = generated[crate::xds::LISTENER]
+            .iter()
+            .find(|r| r.name == inbound_name(pod))
+            .expect("an inbound listener");
+        let listener = Listener::decode(&*inbound.body.value).unwrap();
+        let chain = listener.default_filter_chain.expect("a default chain");
+        let terminal = chain.filters.last().expect("a filter").name.clone();
+        (terminal, chain.name, listener.access_log.len())
+    }
+
+    #[test]
+    fn thrift_ports_are_parsed_and_redis_ports_only_where_the_pod_opts_in() {
+        let serving = |name: &str, port_name: &str, port: u16, l7: Option<&str>| {
+            let mut pod = pod("shop", name);
+            pod.info.ports = vec![ContainerPort {
+                name: port_name.into(),
+                port,
+                protocol: "TCP".into(),
+            }];
+            if let Some(value) = l7 {
+                (pod.info.annotations).insert(aether_api::pod::L7_ANNOTATION.into(), value.into());
+            }
+            pod
+        };
+        let thrift = inbound_terminal(&serving("calc-1", "thrift-rpc", 9090, None));
+        assert_eq!(
+            thrift,
+            ("envoy.filters.network.thrift_proxy".into(), "l7|9090|default".into(), 1),
+            "parsed by default, its decisions logged by the listener"
+        );
+        let redis = inbound_terminal(&serving("cache-1", "redis", 6379, None));
+        assert_eq!(redis, ("envoy.filters.network.tcp_proxy".into(), String::new(), 0));
+        let redis = inbound_terminal(&serving("cache-2", "redis", 6379, Some("redis")));
+        assert_eq!(redis.0, "envoy.filters.network.redis_proxy");
+        let none = inbound_terminal(&serving("calc-2", "thrift", 9090, Some("none")));
+        assert_eq!(none.0, "envoy.filters.network.tcp_proxy", "opted out");
+        let tcp = inbound_terminal(&serving("db-1", "postgres", 5432, Some("redis, thrift")));
+        assert_eq!(tcp.0, "envoy.filters.network.tcp_proxy", "a TCP port stays a stream");
     }
 }
