@@ -19,9 +19,13 @@ const REDIS_PORT: u16 = 6379;
 
 /// A mesh whose agent reads Envoy's admin and whose Envoy runs the shipped stats tags.
 async fn tagged_mesh() -> Mesh {
+    tagged_mesh_with_registrar(&[]).await
+}
+
+async fn tagged_mesh_with_registrar(registrar_args: &[&str]) -> Mesh {
     let envoy_admin = free_port();
     let admin = format!("127.0.0.1:{envoy_admin}");
-    let mut mesh = Mesh::start_with(&["--envoy-admin", &admin]).await;
+    let mut mesh = Mesh::start_with_registrar(&["--envoy-admin", &admin], registrar_args).await;
     mesh.envoy = None;
     let mut bootstrap = mesh.envoy_bootstrap(envoy_admin);
     bootstrap["stats_config"] = stats_config_json();
@@ -158,6 +162,75 @@ async fn thrift_is_parsed_at_the_destination_counted_and_guarded_against_malform
     until_counted(&mesh, &malformed, 1.0).await;
     // The port keeps serving.
     assert_eq!(call("1").trim(), "add=5 echo=hi refuse=no");
+}
+
+/// Only the client's identity may call calc.
+const CALC_CLIENT_ONLY: &str = "\
+apiVersion: security.aether.io/v1alpha1
+kind: AuthorizationPolicy
+metadata: {name: calc-clients, namespace: demo}
+spec:
+  targetRefs: [{kind: Service, name: calc}]
+  rules:
+    - from: [{source: {serviceAccounts: [demo/client]}}]
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parsed_port_keeps_its_policies_and_their_decision_log() {
+    let config = tempfile::tempdir().unwrap();
+    let dir = config.path().display().to_string();
+    let mesh = tagged_mesh_with_registrar(&["--config-dir", &dir]).await;
+    let server = mesh.node.add_pod("calc");
+    let port = THRIFT_PORT.to_string();
+    let python = python().display().to_string();
+    let app = spawn_in(
+        &server,
+        "thrift-calc",
+        &python,
+        &[&calc_script(), "serve", &port, "binary", "buffered"],
+    );
+    wait_listening(&server, SocketAddr::from(([127, 0, 0, 1], THRIFT_PORT)), &app);
+    mesh.describe_pod(&server, "calc", "calc", "", &[("thrift", THRIFT_PORT)]);
+    mesh.add_pod_ok(&server, "calc").await;
+    let mut callers = Vec::new();
+    for name in ["client", "intruder"] {
+        let pod = mesh.node.add_pod(name);
+        mesh.describe_pod(&pod, name, name, "calc", &[]);
+        mesh.add_pod_ok(&pod, name).await;
+        callers.push(pod);
+    }
+    let vip = mesh.vip("calc").await;
+    let call = |pod: &TestPod| {
+        pod.exec(&[&python, &calc_script(), "call", &vip, &port, "binary", "buffered"])
+            .status
+            .success()
+    };
+    assert!(call(&callers[1]), "unframed binary Thrift is served before the policy");
+
+    aether_tests::mesh::put_config(config.path(), "calc.yaml", Some(CALC_CLIENT_ONLY));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while call(&callers[1]) {
+        assert!(Instant::now() < deadline, "the intruder's calls are never refused");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(call(&callers[0]), "the client's calls are served");
+    // The L7 chain's decisions are logged by the listener, naming the port.
+    let parts = [
+        "authorization: no ALLOW policy selecting the pod matched",
+        "source=spiffe://aether.test/ns/demo/sa/intruder",
+        "pod=demo/calc",
+        "port=9090",
+    ];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let logs = mesh.agent.as_ref().unwrap().logs();
+        if logs.lines().any(|line| parts.iter().all(|p| line.contains(p))) {
+            break;
+        }
+        let decisions: Vec<&str> = logs.lines().filter(|l| l.contains("authorization:")).collect();
+        assert!(Instant::now() < deadline, "never logged {parts:?}: {decisions:#?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
