@@ -244,6 +244,17 @@ mod tests {
         assert!(of(&"x".repeat(10_000)).unwrap_err().len() < 400, "quoted bounded");
     }
 
+    proptest::proptest! {
+        #[test]
+        fn l7_protocols_never_panic_and_bound_their_message(text in "(?s).{0,2000}") {
+            let annotations = BTreeMap::from([(L7_ANNOTATION.to_owned(), text)]);
+            match l7_protocols(&annotations) {
+                Ok(protocols) => proptest::prop_assert!(protocols.len() <= 2),
+                Err(e) => proptest::prop_assert!(e.starts_with(L7_ANNOTATION) && e.len() < 512, "{e}"),
+            }
+        }
+    }
+
     #[test]
     fn a_uds_socket_is_a_volume_and_a_file_in_it() {
         let of = |value: &str| uds_socket(&BTreeMap::from([(UDS_SOCKET_ANNOTATION.to_owned(), value.to_owned())]));
