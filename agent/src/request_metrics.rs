@@ -49,93 +49,100 @@ pub const STATS_TAGS: [(&str, &str); 5] = [
     ("source_workload", r"^cluster\.[^.]+\.mesh\.(([^.]+)\.)"),
     ("destination_service", r"^cluster\.(([^.|]+)\|[^.]*\.)mesh\."),
     ("destination_port", r"^cluster\.([^.|]+\|([^.]*)\.)mesh\."),
-    ("l7_destination", r"^(?:thrift|redis)\.(l7\.([^.]+)\.)"),
+    ("l7_destination", r"^(?:thrift|redis|dubbo)\.(l7\.([^.]+)\.)"),
     ("redis_command", r"^redis\.l7\.[^.]+\.command\.(([^.]+)\.)"),
 ];
 
 /// Envoy admin filter selecting the request-metrics tree and the L7 trees.
-const ENVOY_FILTER: &str = r"^(cluster\.[^.]+\.mesh|thrift\.l7|redis\.l7)\.";
+const ENVOY_FILTER: &str = r"^(cluster\.[^.]+\.mesh|thrift\.l7|redis\.l7|dubbo\.l7)\.";
 const REQUESTS: &str = "envoy_cluster_mesh_upstream_rq";
 const REQUEST_TIME: &str = "envoy_cluster_mesh_upstream_rq_time";
 
-/// The L7 families re-exposed, by Envoy's tag-extracted name: (ours, help, label, value).
-/// Each Envoy family becomes one value of `label` in ours.
-const L7_FAMILIES: [(&str, &str, &str, &str, &str); 10] = [
-    (
-        "envoy_thrift_request_call",
-        "aether_proxy_thrift_requests",
-        THRIFT_REQUESTS_HELP,
-        "message_type",
-        "call",
-    ),
-    (
-        "envoy_thrift_request_oneway",
-        "aether_proxy_thrift_requests",
-        THRIFT_REQUESTS_HELP,
-        "message_type",
-        "oneway",
-    ),
-    (
-        "envoy_thrift_request_invalid_type",
-        "aether_proxy_thrift_requests",
-        THRIFT_REQUESTS_HELP,
-        "message_type",
-        "invalid",
-    ),
-    (
-        "envoy_thrift_response_success",
-        "aether_proxy_thrift_responses",
-        THRIFT_RESPONSES_HELP,
-        "outcome",
-        "success",
-    ),
-    (
-        "envoy_thrift_response_error",
-        "aether_proxy_thrift_responses",
-        THRIFT_RESPONSES_HELP,
-        "outcome",
-        "error",
-    ),
-    (
-        "envoy_thrift_response_exception",
-        "aether_proxy_thrift_responses",
-        THRIFT_RESPONSES_HELP,
-        "outcome",
-        "exception",
-    ),
-    (
-        "envoy_redis_command_success",
-        "aether_proxy_redis_commands",
-        REDIS_HELP,
-        "outcome",
-        "success",
-    ),
-    (
-        "envoy_redis_command_error",
-        "aether_proxy_redis_commands",
-        REDIS_HELP,
-        "outcome",
-        "error",
-    ),
-    (
-        "envoy_thrift_request_decoding_error",
-        "aether_proxy_protocol_errors",
-        PROTOCOL_ERRORS_HELP,
-        "protocol",
-        "thrift",
-    ),
-    (
-        "envoy_redis_downstream_cx_protocol_error",
-        "aether_proxy_protocol_errors",
-        PROTOCOL_ERRORS_HELP,
-        "protocol",
-        "redis",
-    ),
+/// A family of ours re-exposing Envoy's L7 counters: each Envoy family (by its
+/// tag-extracted name) becomes one value of `label`.
+struct L7Family {
+    name: &'static str,
+    help: &'static str,
+    label: &'static str,
+    from: &'static [(&'static str, &'static str)],
+}
+
+const L7_FAMILIES: [L7Family; 6] = [
+    L7Family {
+        name: "aether_proxy_thrift_requests",
+        help: THRIFT_REQUESTS_HELP,
+        label: "message_type",
+        from: &[
+            ("envoy_thrift_request_call", "call"),
+            ("envoy_thrift_request_oneway", "oneway"),
+            ("envoy_thrift_request_invalid_type", "invalid"),
+        ],
+    },
+    L7Family {
+        name: "aether_proxy_thrift_responses",
+        help: THRIFT_RESPONSES_HELP,
+        label: "outcome",
+        from: &[
+            ("envoy_thrift_response_success", "success"),
+            ("envoy_thrift_response_error", "error"),
+            ("envoy_thrift_response_exception", "exception"),
+        ],
+    },
+    L7Family {
+        name: "aether_proxy_dubbo_requests",
+        help: DUBBO_REQUESTS_HELP,
+        label: "message_type",
+        from: &[
+            ("envoy_dubbo_request_twoway", "twoway"),
+            ("envoy_dubbo_request_oneway", "oneway"),
+            ("envoy_dubbo_request_event", "event"),
+        ],
+    },
+    L7Family {
+        name: "aether_proxy_dubbo_responses",
+        help: DUBBO_RESPONSES_HELP,
+        label: "outcome",
+        from: &[
+            ("envoy_dubbo_response_success", "success"),
+            ("envoy_dubbo_response_error", "error"),
+            ("envoy_dubbo_response_business_exception", "exception"),
+        ],
+    },
+    L7Family {
+        name: "aether_proxy_redis_commands",
+        help: REDIS_HELP,
+        label: "outcome",
+        from: &[
+            ("envoy_redis_command_success", "success"),
+            ("envoy_redis_command_error", "error"),
+        ],
+    },
+    L7Family {
+        name: "aether_proxy_protocol_errors",
+        help: PROTOCOL_ERRORS_HELP,
+        label: "protocol",
+        from: &[
+            ("envoy_thrift_request_decoding_error", "thrift"),
+            ("envoy_dubbo_request_decoding_error", "dubbo"),
+            ("envoy_redis_downstream_cx_protocol_error", "redis"),
+        ],
+    },
 ];
+
+/// Whether Envoy's family `name` is one the L7 families re-expose.
+fn is_l7(name: &str) -> bool {
+    L7_FAMILIES
+        .iter()
+        .any(|f| f.from.iter().any(|(envoy, _)| *envoy == name))
+}
 const THRIFT_REQUESTS_HELP: &str =
     "Thrift messages a pod's port received through the node's Envoy (destination side), by message type";
 const THRIFT_RESPONSES_HELP: &str =
     "Thrift replies a pod's port sent (destination side): success, error (a declared exception) or exception";
+const DUBBO_REQUESTS_HELP: &str =
+    "Dubbo messages a pod's port received through the node's Envoy (destination side), by type (event: heartbeat)";
+const DUBBO_RESPONSES_HELP: &str = "Dubbo responses a pod's port sent (destination side): success (a value or an \
+    exception the method threw; exception counts those), or error (a failed status)";
 const REDIS_HELP: &str = "Redis commands sent to a pod's port through the node's Envoy (destination side), by command: \
     success (the app answered, an error reply included) or error (no answer: the app failed or timed out)";
 const PROTOCOL_ERRORS_HELP: &str =
@@ -345,7 +352,7 @@ impl EnvoyRequestMetrics {
         let families = exposition::parse(&body, Format::Prometheus)?;
         Ok(families
             .into_iter()
-            .filter(|f| f.name == REQUESTS || f.name == REQUEST_TIME || L7_FAMILIES.iter().any(|l| l.0 == f.name))
+            .filter(|f| f.name == REQUESTS || f.name == REQUEST_TIME || is_l7(&f.name))
             .collect())
     }
 }
@@ -490,17 +497,13 @@ impl prometheus_client::collector::Collector for EnvoyRequestMetrics {
     }
 }
 
-/// The L7 trees' counters ([`L7_FAMILIES`]), one family of ours per name.
+/// The L7 trees' counters ([`L7_FAMILIES`]); a family with no samples yet is left out.
 fn encode_l7(families: &[Family], encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
-    let mut ours: Vec<(&str, &str)> = L7_FAMILIES.iter().map(|l| (l.1, l.2)).collect();
-    ours.dedup();
-    for (name, help) in ours {
-        let mut metric = None;
-        for (envoy, _, _, label, value) in L7_FAMILIES.iter().filter(|l| l.1 == name) {
-            let Some(family) = families.iter().find(|f| f.name == *envoy && f.kind == Kind::Counter) else {
-                continue;
-            };
-            for sample in &family.samples {
+    for ours in &L7_FAMILIES {
+        let mut samples = Vec::new();
+        for (envoy, value) in ours.from {
+            let family = families.iter().find(|f| f.name == *envoy && f.kind == Kind::Counter);
+            for sample in family.into_iter().flat_map(|f| &f.samples) {
                 let destination = sample.label("l7_destination").unwrap_or_default();
                 let (service, port) = destination.rsplit_once('|').unwrap_or((destination, ""));
                 let mut labels = vec![
@@ -510,13 +513,16 @@ fn encode_l7(families: &[Family], encoder: &mut DescriptorEncoder) -> Result<(),
                 if let Some(command) = sample.label("redis_command") {
                     labels.push(("command".into(), command.to_owned()));
                 }
-                labels.push(((*label).to_owned(), (*value).to_owned()));
-                if metric.is_none() {
-                    metric = Some(encoder.encode_descriptor(name, help, None, MetricType::Counter)?);
-                }
-                let metric = metric.as_mut().expect("just set");
-                ConstCounter::new(sample.value as u64).encode(metric.encode_family(&labels)?)?;
+                labels.push((ours.label.to_owned(), (*value).to_owned()));
+                samples.push((labels, sample.value as u64));
             }
+        }
+        if samples.is_empty() {
+            continue;
+        }
+        let mut metric = encoder.encode_descriptor(ours.name, ours.help, None, MetricType::Counter)?;
+        for (labels, value) in samples {
+            ConstCounter::new(value).encode(metric.encode_family(&labels)?)?;
         }
     }
     Ok(())
@@ -598,5 +604,33 @@ mod tests {
             vec![(0.0005, 1.0), (0.005, 7.0), (f64::INFINITY, 7.0)]
         );
         assert_eq!(series[0].sum, Some(0.014));
+    }
+
+    #[test]
+    fn envoy_l7_counters_are_re_exposed_by_destination() {
+        let text = "# TYPE envoy_thrift_request_call counter\n\
+            envoy_thrift_request_call{l7_destination=\"demo/calc|9090\"} 9\n\
+            # TYPE envoy_redis_command_success counter\n\
+            envoy_redis_command_success{l7_destination=\"demo/cache|6379\",redis_command=\"get\"} 2\n\
+            # TYPE envoy_dubbo_request_decoding_error counter\n\
+            envoy_dubbo_request_decoding_error{l7_destination=\"demo/rpc|20880\"} 1\n";
+        let stats = EnvoyRequestMetrics::new("127.0.0.1:1".parse().unwrap(), Duration::from_secs(1));
+        *stats.families.lock() = exposition::parse(text, Format::Prometheus).unwrap();
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(stats));
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+        exposition::parse(&out, Format::OpenMetrics).unwrap();
+        for line in [
+            "aether_proxy_thrift_requests_total{destination_service=\"demo/calc\",destination_port=\"9090\",message_type=\"call\"} 9",
+            "aether_proxy_redis_commands_total{destination_service=\"demo/cache\",destination_port=\"6379\",command=\"get\",outcome=\"success\"} 2",
+            "aether_proxy_protocol_errors_total{destination_service=\"demo/rpc\",destination_port=\"20880\",protocol=\"dubbo\"} 1",
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line}\n{out}");
+        }
+        assert!(
+            !out.contains("aether_proxy_dubbo_requests"),
+            "no samples, no family: {out}"
+        );
     }
 }

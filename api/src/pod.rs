@@ -106,9 +106,11 @@ pub fn uds_socket(annotations: &BTreeMap<String, String>) -> Result<Option<UdsSo
 }
 
 /// Which stream protocols of the pod's ports the node's proxy parses on the way in
-/// (proposal 017): a comma-separated list of `thrift` and `redis`, or `none`. Absent, it
-/// is [`L7_DEFAULT`]: Thrift is parsed whole by Envoy, while its Redis proxy speaks only a
-/// subset of commands (no SELECT, pub/sub or blocking commands), so Redis is opt-in.
+/// (proposal 017): a comma-separated list of `thrift`, `redis` and `dubbo`, or `none`.
+/// Absent, it is [`L7_DEFAULT`]: Thrift is parsed whole by Envoy, while its Redis proxy
+/// speaks only a subset of commands (no SELECT, pub/sub or blocking commands) and its
+/// Dubbo proxy only Hessian2 bodies (Dubbo 3.2 defaults to fastjson2), so those two are
+/// opt-in.
 pub const L7_ANNOTATION: &str = "protocol.aether.io/l7";
 
 /// The protocols parsed when the pod does not say.
@@ -126,15 +128,10 @@ pub fn l7_protocols(annotations: &BTreeMap<String, String>) -> Result<Vec<AppPro
             "none" if value.trim().eq_ignore_ascii_case("none") => continue,
             "thrift" => AppProtocol::Thrift,
             "redis" => AppProtocol::Redis,
-            "dubbo" => {
-                return Err(format!(
-                    "{L7_ANNOTATION}: {}: Dubbo at L7 is not built yet (its ports are carried as TCP)",
-                    quote(entry)
-                ));
-            }
+            "dubbo" => AppProtocol::Dubbo,
             _ => {
                 return Err(format!(
-                    "{L7_ANNOTATION}: {} is not thrift, redis or none (a comma-separated list)",
+                    "{L7_ANNOTATION}: {} is not thrift, redis, dubbo or none (a comma-separated list)",
                     quote(entry)
                 ));
             }
@@ -225,7 +222,7 @@ mod tests {
     }
 
     #[test]
-    fn l7_protocols_default_to_thrift_and_redis_is_opt_in() {
+    fn l7_protocols_default_to_thrift_and_the_others_are_opt_in() {
         let of = |value: &str| l7_protocols(&BTreeMap::from([(L7_ANNOTATION.to_owned(), value.to_owned())]));
         assert_eq!(l7_protocols(&BTreeMap::new()), Ok(vec![AppProtocol::Thrift]));
         assert_eq!(
@@ -237,10 +234,10 @@ mod tests {
         let error = of("redis, http").unwrap_err();
         assert_eq!(
             error,
-            "protocol.aether.io/l7: \"http\" is not thrift, redis or none (a comma-separated list)"
+            "protocol.aether.io/l7: \"http\" is not thrift, redis, dubbo or none (a comma-separated list)"
         );
         assert!(of("none, redis").is_err(), "none stands alone");
-        assert!(of("dubbo").unwrap_err().contains("not built yet"));
+        assert_eq!(of("dubbo"), Ok(vec![AppProtocol::Dubbo]));
         assert!(of(&"x".repeat(10_000)).unwrap_err().len() < 400, "quoted bounded");
     }
 
@@ -249,7 +246,7 @@ mod tests {
         fn l7_protocols_never_panic_and_bound_their_message(text in "(?s).{0,2000}") {
             let annotations = BTreeMap::from([(L7_ANNOTATION.to_owned(), text)]);
             match l7_protocols(&annotations) {
-                Ok(protocols) => proptest::prop_assert!(protocols.len() <= 2),
+                Ok(protocols) => proptest::prop_assert!(protocols.len() <= 3),
                 Err(e) => proptest::prop_assert!(e.starts_with(L7_ANNOTATION) && e.len() < 512, "{e}"),
             }
         }

@@ -1,6 +1,6 @@
-//! Thrift and Redis parsed at the destination (proposal 017) through real Envoy, pods in
-//! network namespaces, mTLS on: real servers and clients (thriftpy2, redis-server,
-//! redis-cli) in the pods, the client calling the service's VIP (captured), per-message
+//! Thrift, Redis and Dubbo parsed at the destination (proposal 017) through real Envoy,
+//! pods in network namespaces, mTLS on: real servers and clients (thriftpy2, redis-server,
+//! redis-cli; for Dubbo, our own Hessian2 client and server, `tests/fixtures/dubbo`) in the pods, the client calling the service's VIP (captured), per-message
 //! and per-command counts at Envoy and at the agent's `/metrics`, and a malformed frame
 //! closed and counted while the port keeps serving.
 
@@ -15,6 +15,7 @@ use aether_tests::mesh::Mesh;
 use aether_tests::{ChildGuard, Envoy, TestPod, free_port, unique_base_id};
 
 const THRIFT_PORT: u16 = 9090;
+const DUBBO_PORT: u16 = 20880;
 const REDIS_PORT: u16 = 6379;
 
 /// A mesh whose agent reads Envoy's admin and whose Envoy runs the shipped stats tags.
@@ -37,6 +38,13 @@ fn python() -> PathBuf {
     let python = workspace_root().join(".venv/bin/python");
     assert!(python.is_file(), "{} missing: run `make setup`", python.display());
     python
+}
+
+fn dubbo_script() -> String {
+    workspace_root()
+        .join("tests/fixtures/dubbo/calc.py")
+        .display()
+        .to_string()
 }
 
 fn calc_script() -> String {
@@ -162,6 +170,66 @@ async fn thrift_is_parsed_at_the_destination_counted_and_guarded_against_malform
     until_counted(&mesh, &malformed, 1.0).await;
     // The port keeps serving.
     assert_eq!(call("1").trim(), "add=5 echo=hi refuse=no");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dubbo_is_parsed_where_the_pod_opts_in_counted_and_guarded_against_malformed_frames() {
+    let mesh = tagged_mesh().await;
+    let server = mesh.node.add_pod("calc");
+    let port = DUBBO_PORT.to_string();
+    let python = python().display().to_string();
+    let app = spawn_in(&server, "dubbo-calc", &python, &[&dubbo_script(), "serve", &port]);
+    wait_listening(&server, SocketAddr::from(([127, 0, 0, 1], DUBBO_PORT)), &app);
+    mesh.describe_pod_annotated(
+        &server,
+        "calc",
+        "calc",
+        &[("dubbo", DUBBO_PORT)],
+        &[("protocol.aether.io/l7", "dubbo")],
+    );
+    mesh.add_pod_ok(&server, "calc").await;
+    let client = mesh.node.add_pod("client");
+    mesh.describe_pod(&client, "client", "client", "calc", &[]);
+    mesh.add_pod_ok(&client, "client").await;
+    let vip = mesh.vip("calc").await;
+
+    // Our Dubbo client (Hessian2) through the mesh: values, a string, a missing method's exception.
+    let call = |rounds: &str| {
+        let out = client.exec(&[&python, &dubbo_script(), "call", &vip, &port, rounds]);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "dubbo client: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    };
+    assert_eq!(
+        call("2").lines().collect::<Vec<_>>(),
+        ["add=5 echo=hi missing=exception"; 2]
+    );
+
+    let destination = "destination_service=\"demo/calc\",destination_port=\"20880\"";
+    let twoway = format!("aether_proxy_dubbo_requests_total{{{destination},message_type=\"twoway\"}}");
+    let body = until_counted(&mesh, &twoway, 6.0).await;
+    assert_eq!(sample(&body, &twoway), Some(6.0), "{body}");
+    let exceptions = format!("aether_proxy_dubbo_responses_total{{{destination},outcome=\"exception\"}}");
+    assert_eq!(sample(&body, &exceptions), Some(2.0), "{body}");
+
+    // A Dubbo header whose Hessian2 body is not one: closed before the app, counted.
+    let target: SocketAddr = format!("{vip}:{DUBBO_PORT}").parse().unwrap();
+    send_raw(
+        &client,
+        target,
+        b"\xda\xbb\xc2\x00\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00\x05\xff\xff\xff\xff\xff",
+    );
+    let malformed = format!("aether_proxy_protocol_errors_total{{{destination},protocol=\"dubbo\"}}");
+    until_counted(&mesh, &malformed, 1.0).await;
+    assert_eq!(
+        call("1").trim(),
+        "add=5 echo=hi missing=exception",
+        "the port keeps serving"
+    );
 }
 
 /// Only the client's identity may call calc.

@@ -610,7 +610,7 @@ mod tests {
     }
 
     #[test]
-    fn thrift_ports_are_parsed_and_redis_ports_only_where_the_pod_opts_in() {
+    fn thrift_ports_are_parsed_and_redis_and_dubbo_ports_only_where_the_pod_opts_in() {
         let serving = |name: &str, port_name: &str, port: u16, l7: Option<&str>| {
             let mut pod = pod("shop", name);
             pod.info.ports = vec![ContainerPort {
@@ -633,6 +633,10 @@ mod tests {
         assert_eq!(redis, ("envoy.filters.network.tcp_proxy".into(), String::new(), 0));
         let redis = inbound_terminal(&serving("cache-2", "redis", 6379, Some("redis")));
         assert_eq!(redis.0, "envoy.filters.network.redis_proxy");
+        let dubbo = inbound_terminal(&serving("rpc-1", "dubbo", 20880, None));
+        assert_eq!(dubbo.0, "envoy.filters.network.tcp_proxy", "Dubbo is opt-in");
+        let dubbo = inbound_terminal(&serving("rpc-2", "dubbo", 20880, Some("dubbo")));
+        assert_eq!(dubbo.0, "envoy.filters.network.dubbo_proxy");
         let none = inbound_terminal(&serving("calc-2", "thrift", 9090, Some("none")));
         assert_eq!(none.0, "envoy.filters.network.tcp_proxy", "opted out");
         let tcp = inbound_terminal(&serving("db-1", "postgres", 5432, Some("redis, thrift")));
