@@ -234,6 +234,28 @@ async fn calls_to_external_services_are_authorized_by_the_calling_pods_identity(
     let denied = intruder.http_get(&url, Some(HOST)).await.unwrap();
     assert_eq!(denied.status, 403, "{denied:?}");
     assert_eq!(http.requests(), served, "a denied call reached the outside");
+    // The caller's node logged both denials, naming the caller and the external service.
+    let intruder_id = "source=spiffe://aether.test/ns/demo/sa/intruder";
+    logged(
+        &mesh,
+        &[
+            "no ALLOW policy guarding demo/payments matched",
+            intruder_id,
+            "pod=demo/intruder",
+            "service=demo/payments",
+            "port=8080",
+        ],
+    )
+    .await;
+    logged(
+        &mesh,
+        &[
+            "verdict=\"deny\"",
+            "source=spiffe://aether.test/ns/demo/sa/client",
+            "method=POST",
+        ],
+    )
+    .await;
 
     // TCP: the intruder's connections to legacy-db are closed, the client's go through.
     let db: SocketAddr = format!("{}:5432", mesh.vip("legacy-db").await).parse().unwrap();
@@ -250,4 +272,87 @@ async fn calls_to_external_services_are_authorized_by_the_calling_pods_identity(
         closed.as_ref().is_err() || closed.as_ref().is_ok_and(|l| l.is_empty()),
         "intruder got {closed:?}"
     );
+}
+
+/// Waits (up to 10 s: Envoy ships its log every 100 ms) for an agent log line with all of `parts`.
+async fn logged(mesh: &Mesh, parts: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let logs = mesh.agent.as_ref().unwrap().logs();
+        if logs.lines().any(|line| parts.iter().all(|p| line.contains(p))) {
+            return;
+        }
+        let decisions: Vec<&str> = logs.lines().filter(|l| l.contains("authorization:")).collect();
+        assert!(
+            Instant::now() < deadline,
+            "no log line with {parts:?}; decisions: {decisions:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `payments` with an AUDIT policy on the client's calls and a dry-run DENY of the
+/// intruder's.
+fn watched() -> String {
+    format!(
+        "apiVersion: networking.aether.io/v1alpha1\nkind: ExternalService\n\
+         metadata: {{name: payments, namespace: demo}}\n\
+         spec: {{hosts: [{HOST}], ports: [{{number: 8080, protocol: HTTP}}]}}\n---\n\
+         apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n\
+         metadata: {{name: watch-payments, namespace: demo}}\n\
+         spec:\n  targetRefs: [{{group: networking.aether.io, kind: ExternalService, name: payments}}]\n  \
+         action: AUDIT\n  rules:\n  - from: [{{source: {{serviceAccounts: [demo/client]}}}}]\n---\n\
+         apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n\
+         metadata: {{name: next-deny, namespace: demo}}\n\
+         spec:\n  targetRefs: [{{group: networking.aether.io, kind: ExternalService, name: payments}}]\n  \
+         action: DENY\n  dryRun: true\n  rules:\n  - from: [{{source: {{serviceAccounts: [demo/intruder]}}}}]\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dry_run_and_audit_policies_on_external_services_change_nothing_and_are_logged() {
+    let config = tempfile::tempdir().unwrap();
+    let dns = OutsideDns::start(&[]).await;
+    let (dns_flag, dir) = (dns.addr().to_string(), config.path().display().to_string());
+    let mesh = Mesh::start_with_registrar(&["--external-dns", &dns_flag], &["--routes-dir", &dir]).await;
+    let outside = mesh.node.add_pod("outside");
+    dns.set(HOST, outside.ip());
+    let http = outside.serve_http(SocketAddr::from(([0, 0, 0, 0], 8080)), "outside-http");
+    put_config(config.path(), "watched.yaml", Some(&watched()));
+    let mut callers = Vec::new();
+    for name in ["client", "intruder"] {
+        let pod = mesh.node.add_pod(name);
+        mesh.describe_pod(&pod, name, name, "payments", &[]);
+        mesh.add_pod_ok(&pod, name).await;
+        callers.push(pod);
+    }
+    let payments = mesh.vip("payments").await;
+    // Both are served: neither policy changes an answer.
+    for caller in &callers {
+        let reply = get_until_ok(caller, &payments, 8080, HOST).await;
+        assert_eq!(reply.json()["pod"], "outside-http");
+    }
+    assert!(http.requests() >= 2);
+    logged(
+        &mesh,
+        &[
+            "verdict=\"audit\"",
+            "policy=demo/watch-payments",
+            "pod=demo/client",
+            "service=demo/payments",
+        ],
+    )
+    .await;
+    logged(
+        &mesh,
+        &[
+            "verdict=\"dry_run_deny\"",
+            "policy=demo/next-deny",
+            "source=spiffe://aether.test/ns/demo/sa/intruder",
+        ],
+    )
+    .await;
+    let metrics = mesh.agent_get("/metrics").await;
+    let audited = "aether_agent_authorization_decisions_total{pod=\"demo/client\",policy=\"demo/watch-payments\",rule=\"0\",decision=\"audit\"}";
+    assert!(metrics.lines().any(|l| l.starts_with(audited)), "{metrics}");
 }

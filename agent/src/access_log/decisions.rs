@@ -13,6 +13,7 @@ use envoy_types::pb::envoy::config::accesslog::v3::{
     AccessLog, AccessLogFilter, AndFilter, ExtensionFilter, MetadataFilter, OrFilter, access_log, access_log_filter,
     extension_filter,
 };
+use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::data::accesslog::v3::tls_properties::certificate_properties::subject_alt_name;
 use envoy_types::pb::envoy::data::accesslog::v3::{AccessLogCommon, HttpAccessLogEntry, TcpAccessLogEntry};
 use envoy_types::pb::envoy::extensions::access_loggers::filters::cel::v3::ExpressionFilter;
@@ -20,7 +21,9 @@ use envoy_types::pb::envoy::extensions::access_loggers::grpc::v3::{HttpGrpcAcces
 use envoy_types::pb::envoy::r#type::matcher::v3::{
     MetadataMatcher, StringMatcher, ValueMatcher, metadata_matcher, string_matcher, value_matcher,
 };
-use envoy_types::pb::google::protobuf::{Any, BoolValue, Struct, value};
+use envoy_types::pb::envoy::r#type::metadata::v3::{MetadataKey, MetadataKind, metadata_key, metadata_kind};
+use envoy_types::pb::envoy::r#type::tracing::v3::{CustomTag, custom_tag};
+use envoy_types::pb::google::protobuf::{Any, BoolValue, Struct, Value, value};
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -29,9 +32,17 @@ use serde::Serialize;
 
 use super::{bounded, common_config, ip_port};
 use crate::xds::resources::authorization::{HTTP_METADATA, NO_MATCH};
+use crate::xds::resources::transport::SOURCE_IDENTITY;
 
 /// The custom tag naming the destination pod (`<ns>/<name>`).
 pub const DESTINATION_TAG: &str = "destination_pod";
+/// The custom tag naming the calling pod of a call to an external service.
+const EGRESS_TAG: &str = "egress_source_pod";
+/// The custom tag naming the external service and port called (`<ns>/<name>|<port>`),
+/// read from the route's metadata ([`egress_route_metadata`]).
+const EGRESS_DESTINATION_TAG: &str = "egress_destination";
+const EGRESS_METADATA: &str = "aether";
+const EGRESS_METADATA_KEY: &str = "egress";
 /// The custom tag naming the app port a TCP chain delivers to.
 const PORT_TAG: &str = "destination_port";
 /// Where Envoy's network RBAC filter writes its shadow verdicts.
@@ -74,8 +85,10 @@ pub struct Decision {
     pub rule: Option<u32>,
     /// The caller's SPIFFE ID, or its address without mTLS.
     pub source: String,
-    /// The destination pod, `<ns>/<name>`.
+    /// The destination pod, `<ns>/<name>`; for a call to an external service, the calling pod.
     pub pod: String,
+    /// For a call to an external service, that service (`<ns>/<name>`); empty otherwise.
+    pub service: String,
     /// The app port the request was for (0: unknown).
     pub port: u16,
     pub method: String,
@@ -86,6 +99,7 @@ impl Decision {
     /// `policy ns/name rule 2`, or what stood in for a policy.
     pub fn decided_by(&self) -> String {
         match (self.policy.is_empty(), self.rule) {
+            (true, _) if !self.service.is_empty() => format!("no ALLOW policy guarding {} matched", self.service),
             (true, _) => "no ALLOW policy selecting the pod matched".to_owned(),
             (false, Some(rule)) => format!("policy {} rule {rule}", self.policy),
             (false, None) => format!("policy {}", self.policy),
@@ -126,6 +140,7 @@ impl Decisions {
             rule = %rule,
             source = %decision.source,
             pod = %decision.pod,
+            service = %decision.service,
             port = decision.port,
             method = %decision.method,
             path = %decision.path,
@@ -149,7 +164,15 @@ impl Decisions {
     /// The decisions on requests to `pod`, newest first.
     pub fn of(&self, pod: &str) -> Vec<Decision> {
         let recent = self.recent.lock();
-        recent.iter().rev().filter(|d| d.pod == pod).cloned().collect()
+        let to_pod = |d: &&Decision| d.pod == pod && d.service.is_empty();
+        recent.iter().rev().filter(to_pod).cloned().collect()
+    }
+
+    /// The decisions on `pod`'s calls to the external service `service`, newest first.
+    pub fn of_egress(&self, pod: &str, service: &str) -> Vec<Decision> {
+        let recent = self.recent.lock();
+        let from_pod = |d: &&Decision| d.pod == pod && d.service == service;
+        recent.iter().rev().filter(from_pod).cloned().collect()
     }
 }
 
@@ -256,10 +279,55 @@ fn denied(filter: &str, key: &str) -> AccessLogFilter {
     }
 }
 
+/// The logger of a pod's outbound HCM for its calls to external services: a request is
+/// shipped when one of the egress RBAC results under `logged` is `denied`; it names the
+/// caller's identity from the filter state its listener set.
+pub fn egress_logger(pod_id: &str, logged: &[String]) -> AccessLog {
+    let filters = logged.iter().map(|key| denied(HTTP_METADATA, key)).collect();
+    let mut common = common_config("aether_authorization", &[(EGRESS_TAG, pod_id)]);
+    common.filter_state_objects_to_log = vec![SOURCE_IDENTITY.to_owned()];
+    common.custom_tags.push(CustomTag {
+        tag: EGRESS_DESTINATION_TAG.into(),
+        r#type: Some(custom_tag::Type::Metadata(custom_tag::Metadata {
+            kind: Some(MetadataKind {
+                kind: Some(metadata_kind::Kind::Route(metadata_kind::Route {})),
+            }),
+            metadata_key: Some(MetadataKey {
+                key: EGRESS_METADATA.into(),
+                path: vec![metadata_key::PathSegment {
+                    segment: Some(metadata_key::path_segment::Segment::Key(EGRESS_METADATA_KEY.into())),
+                }],
+            }),
+            default_value: String::new(),
+        })),
+    });
+    let config = HttpGrpcAccessLogConfig {
+        common_config: Some(common),
+        ..Default::default()
+    };
+    grpc_logger("envoy.access_loggers.http_grpc", any_of(filters), any(&config))
+}
+
+/// The route metadata (filter `aether`, key `egress`) of an external service's routes,
+/// `<ns>/<name>|<port>`, which [`egress_logger`] tags its entries with.
+pub fn egress_route_metadata(service: &str, port: u32) -> Metadata {
+    let destination = Value {
+        kind: Some(value::Kind::StringValue(format!("{service}|{port}"))),
+    };
+    let fields = [(EGRESS_METADATA_KEY.to_owned(), destination)].into();
+    Metadata {
+        filter_metadata: [(EGRESS_METADATA.to_owned(), Struct { fields })].into(),
+        ..Default::default()
+    }
+}
+
 /// The decisions one HTTP entry carries: the enforced denial, AUDIT matches, and the
 /// dry-run denial where there was no real one. `None` for an entry without our tag.
 pub fn decisions_of(entry: &HttpAccessLogEntry) -> Option<Vec<Decision>> {
     let common = entry.common_properties.as_ref()?;
+    if common.custom_tags.contains_key(EGRESS_TAG) {
+        return egress_decisions_of(entry);
+    }
     let request = entry.request.clone().unwrap_or_default();
     let base = Decision {
         port: common
@@ -272,10 +340,38 @@ pub fn decisions_of(entry: &HttpAccessLogEntry) -> Option<Vec<Decision>> {
         path: bounded(&request.path),
         ..base(common)?
     };
-    let results = Results::of(common, HTTP_METADATA);
-    let denial = ["deny.", "allow."].into_iter().find(|p| results.denied(p, "enforced"));
-    let denial = denial.map(|p| results.policy(p, "enforced").unwrap_or_default().to_owned());
-    Some(judged(&base, &results, denial))
+    let results = Results::of(common, HTTP_METADATA, "");
+    Some(judged(&base, &results, results.http_denial()))
+}
+
+/// The decisions of one call to an external service: as [`decisions_of`], the external
+/// service and port from its route's metadata, the caller from its identity (or its pod
+/// without one).
+fn egress_decisions_of(entry: &HttpAccessLogEntry) -> Option<Vec<Decision>> {
+    let common = entry.common_properties.as_ref()?;
+    let pod = common.custom_tags.get(EGRESS_TAG)?.clone();
+    let request = entry.request.clone().unwrap_or_default();
+    let destination = common
+        .custom_tags
+        .get(EGRESS_DESTINATION_TAG)
+        .map_or("", String::as_str);
+    let (service, port) = destination.rsplit_once('|').unwrap_or((destination, ""));
+    let identity = common.filter_state_objects.get(SOURCE_IDENTITY).and_then(|any| {
+        let value = <envoy_types::pb::google::protobuf::StringValue as prost::Message>::decode(&*any.value).ok()?;
+        Some(bounded(&value.value))
+    });
+    let base = Decision {
+        source: identity.unwrap_or_else(|| format!("pod {pod}")),
+        pod,
+        service: bounded(service),
+        port: port.parse().unwrap_or(0),
+        method: envoy_types::pb::envoy::config::core::v3::RequestMethod::try_from(request.request_method)
+            .map_or_else(|_| "?".into(), |m| m.as_str_name().to_owned()),
+        path: bounded(&request.path),
+        ..base_at(common)
+    };
+    let results = Results::of(common, HTTP_METADATA, EGRESS_PREFIX);
+    Some(judged(&base, &results, results.http_denial()))
 }
 
 /// The decisions one TCP entry (a connection) carries, as for HTTP; the enforced denial
@@ -291,7 +387,7 @@ pub fn tcp_decisions_of(entry: &TcpAccessLogEntry) -> Option<Vec<Decision>> {
         method: "TCP".into(),
         ..base(common)?
     };
-    let results = Results::of(common, NETWORK_METADATA);
+    let results = Results::of(common, NETWORK_METADATA, "");
     let details = &common.connection_termination_details;
     let denial = details.strip_prefix(RBAC_DENIED).map(|rest| {
         let id = rest.strip_prefix("_matched_policy[").and_then(|r| r.strip_suffix(']'));
@@ -300,7 +396,7 @@ pub fn tcp_decisions_of(entry: &TcpAccessLogEntry) -> Option<Vec<Decision>> {
     Some(judged(&base, &results, denial))
 }
 
-/// The decision fields every entry of ours has: when, who called whom.
+/// The decision fields every inbound entry of ours has: when, who called whom.
 fn base(common: &AccessLogCommon) -> Option<Decision> {
     let pod = common.custom_tags.get(DESTINATION_TAG)?.clone();
     let peer = common
@@ -309,6 +405,15 @@ fn base(common: &AccessLogCommon) -> Option<Decision> {
         .map(ip_port)
         .unwrap_or_default();
     Some(Decision {
+        source: spiffe_id(common).unwrap_or(peer),
+        pod,
+        ..base_at(common)
+    })
+}
+
+/// A decision at the entry's start, its parties and request to be filled in.
+fn base_at(common: &AccessLogCommon) -> Decision {
+    Decision {
         at_ms: common.start_time.map_or(0, |t| {
             let at = UNIX_EPOCH + std::time::Duration::new(t.seconds.max(0) as u64, t.nanos.max(0) as u32);
             at.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
@@ -316,12 +421,13 @@ fn base(common: &AccessLogCommon) -> Option<Decision> {
         verdict: Verdict::Deny,
         policy: String::new(),
         rule: None,
-        source: spiffe_id(common).unwrap_or(peer),
-        pod,
+        source: String::new(),
+        pod: String::new(),
+        service: String::new(),
         port: 0,
         method: String::new(),
         path: String::new(),
-    })
+    }
 }
 
 /// The denial (`Some(policy id)`; empty or [`NO_MATCH`] when no ALLOW matched), then each AUDIT match,
@@ -337,55 +443,72 @@ fn judged(base: &Decision, results: &Results, denial: Option<String>) -> Vec<Dec
         }
     };
     let mut out: Vec<Decision> = denial.iter().map(|id| of(Verdict::Deny, id)).collect();
-    for prefix in results.audits() {
-        out.push(of(
-            Verdict::Audit,
-            results.policy(&prefix, "shadow").unwrap_or_default(),
-        ));
+    for slot in results.audits() {
+        out.push(of(Verdict::Audit, results.policy(&slot, "shadow").unwrap_or_default()));
     }
     // Dry-run policies matter where they would change the verdict.
     let dry_run = ["dry_run.deny.", "dry_run.allow."]
         .into_iter()
         .find(|p| results.denied(p, "shadow"));
-    if let (None, Some(prefix)) = (&denial, dry_run) {
+    if let (None, Some(name)) = (&denial, dry_run) {
         out.push(of(
             Verdict::DryRunDeny,
-            results.policy(prefix, "shadow").unwrap_or_default(),
+            results.policy(name, "shadow").unwrap_or_default(),
         ));
     }
     out
 }
 
-/// The RBAC filters' results in one request's (or connection's) metadata.
-struct Results<'a>(Option<&'a Struct>);
+/// The results of an egress layer's RBAC filters begin with this (`authorization::egress::EGRESS`).
+const EGRESS_PREFIX: &str = "egress.";
+
+/// The RBAC filters' results of one layer (its keys begin with the layer's prefix) in one
+/// request's (or connection's) metadata.
+struct Results<'a> {
+    metadata: Option<&'a Struct>,
+    layer: &'static str,
+}
 
 impl<'a> Results<'a> {
-    fn of(common: &'a AccessLogCommon, namespace: &str) -> Self {
-        Results(common.metadata.as_ref().and_then(|m| m.filter_metadata.get(namespace)))
+    fn of(common: &'a AccessLogCommon, namespace: &str, layer: &'static str) -> Self {
+        let metadata = common.metadata.as_ref().and_then(|m| m.filter_metadata.get(namespace));
+        Results { metadata, layer }
     }
 
     fn string(&self, key: &str) -> Option<&str> {
-        match self.0?.fields.get(key)?.kind.as_ref()? {
+        match self
+            .metadata?
+            .fields
+            .get(&format!("{}{key}", self.layer))?
+            .kind
+            .as_ref()?
+        {
             value::Kind::StringValue(s) => Some(s),
             _ => None,
         }
     }
 
-    fn denied(&self, prefix: &str, engine: &str) -> bool {
-        self.string(&format!("{prefix}{engine}_engine_result")) == Some("denied")
+    fn denied(&self, name: &str, engine: &str) -> bool {
+        self.string(&format!("{name}{engine}_engine_result")) == Some("denied")
     }
 
-    fn policy(&self, prefix: &str, engine: &str) -> Option<&str> {
-        self.string(&format!("{prefix}{engine}_effective_policy_id"))
+    fn policy(&self, name: &str, engine: &str) -> Option<&str> {
+        self.string(&format!("{name}{engine}_effective_policy_id"))
     }
 
-    /// The prefixes of the AUDIT filters that matched.
+    /// The HTTP DENY or ALLOW filter's enforced denial, by the policy id it names.
+    fn http_denial(&self) -> Option<String> {
+        let denial = ["deny.", "allow."].into_iter().find(|p| self.denied(p, "enforced"));
+        denial.map(|p| self.policy(p, "enforced").unwrap_or_default().to_owned())
+    }
+
+    /// The names (`audit.<slot>.`) of the AUDIT filters that matched.
     fn audits(&self) -> Vec<String> {
         let suffix = "shadow_engine_result";
-        let keys = self.0.into_iter().flat_map(|s| s.fields.keys());
-        let prefixes = keys.filter_map(|k| k.strip_prefix("audit.")?.strip_suffix(suffix));
-        let audits: Vec<String> = prefixes.map(|p| format!("audit.{p}")).collect();
-        audits.into_iter().filter(|p| self.denied(p, "shadow")).collect()
+        let keys = self.metadata.into_iter().flat_map(|s| s.fields.keys());
+        let slots = keys.filter_map(|k| k.strip_prefix(self.layer)?.strip_prefix("audit.")?.strip_suffix(suffix));
+        let audits: Vec<String> = slots.map(|slot| format!("audit.{slot}")).collect();
+        audits.into_iter().filter(|name| self.denied(name, "shadow")).collect()
     }
 }
 

@@ -503,6 +503,9 @@ impl Generator {
         let dependencies: BTreeSet<&str> = services.iter().map(|s| s.key).collect();
         let mut callers = self.http_filters.callers(&dependencies);
         let egress = self.policies.egress();
+        // Authorization of calls to external services, first among the callers' filters.
+        let egress_filters = authorization::egress::http_filters(authorization::egress::audit_slots(&egress));
+        callers.filters.splice(0..0, egress_filters);
         for service in services.iter().filter(|s| s.service.external.is_some()) {
             for (port, _) in service.ports.iter().filter(|(_, p)| is_http(**p)) {
                 let enabled = authorization::egress::http_port(service, *port, &egress, &self.identities.trust_domain);

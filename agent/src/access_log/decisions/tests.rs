@@ -106,6 +106,56 @@ fn audit_matches_are_kept_next_to_a_denial_and_dry_run_only_without_one() {
     );
 }
 
+/// An outbound entry of shop/web-1 calling the external service shop/payments on 443,
+/// with these egress RBAC results; the caller's identity from the filter state.
+fn egress_entry(results: &[(&str, &str)]) -> HttpAccessLogEntry {
+    let mut entry = entry(results);
+    let common = entry.common_properties.as_mut().unwrap();
+    common.custom_tags = HashMap::from([
+        (EGRESS_TAG.into(), "shop/web-1".into()),
+        (EGRESS_DESTINATION_TAG.into(), "shop/payments|443".into()),
+    ]);
+    common.tls_properties = None;
+    common.route_name = String::new();
+    let identity = envoy_types::pb::google::protobuf::StringValue {
+        value: "spiffe://cluster.local/ns/shop/sa/web".into(),
+    };
+    let identity = Any {
+        type_url: "type.googleapis.com/google.protobuf.StringValue".into(),
+        value: prost::Message::encode_to_vec(&identity),
+    };
+    common.filter_state_objects = HashMap::from([(SOURCE_IDENTITY.to_owned(), identity)]);
+    entry
+}
+
+#[test]
+fn a_call_to_an_external_service_names_the_caller_the_service_and_its_port() {
+    let decisions = decisions_of(&egress_entry(&[
+        ("egress.allow.enforced_engine_result", "denied"),
+        ("egress.audit.0.shadow_engine_result", "denied"),
+        ("egress.audit.0.shadow_effective_policy_id", "shop/watch#1"),
+        // An inbound layer's keys are not this layer's.
+        ("deny.enforced_engine_result", "denied"),
+    ]))
+    .unwrap();
+    assert_eq!(summary(&decisions), ["deny  None", "audit shop/watch Some(1)"]);
+    let d = &decisions[0];
+    assert_eq!(d.source, "spiffe://cluster.local/ns/shop/sa/web");
+    assert_eq!((d.pod.as_str(), d.service.as_str(), d.port), ("shop/web-1", "shop/payments", 443));
+    assert_eq!(d.decided_by(), "no ALLOW policy guarding shop/payments matched");
+    let dry = decisions_of(&egress_entry(&[
+        ("egress.dry_run.deny.shadow_engine_result", "denied"),
+        ("egress.dry_run.deny.shadow_effective_policy_id", "shop/next#0"),
+    ]))
+    .unwrap();
+    assert_eq!(summary(&dry), ["dry_run_deny shop/next Some(0)"]);
+    // Kept apart from the decisions on calls to the pod.
+    let kept = Decisions::default();
+    decisions.into_iter().for_each(|d| kept.record(d));
+    assert!(kept.of("shop/web-1").is_empty());
+    assert_eq!(kept.of_egress("shop/web-1", "shop/payments").len(), 2);
+}
+
 #[test]
 fn an_entry_of_another_logger_is_not_a_decision() {
     let mut other = entry(&[]);

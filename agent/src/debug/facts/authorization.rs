@@ -26,8 +26,11 @@ pub fn facts(
         source_matches && d.verdict == crate::access_log::decisions::Verdict::Deny
     };
     let destinations = view.pods.iter().filter(|p| p.info.service() == target.service);
+    // A mesh service's pods judged the call; an external service's caller did.
+    let egress = inspector.decisions.of_egress(&pod.id(), &target.service);
     let recent_denial = destinations
         .flat_map(|p| inspector.decisions.of(&p.id()))
+        .chain(egress)
         .filter(from_caller)
         .max_by_key(|d| d.at_ms);
     let (namespace, _) = target.service.split_once('/').unwrap_or_default();

@@ -224,6 +224,24 @@ pub const ALLOW_FILTER: &str = "aether.authz.allow";
 /// The name prefix of an AUDIT slot's filter (`aether.authz.audit.<slot>`); the slot's
 /// metadata and counters are under `audit.<slot>.`, its matches name the rule.
 pub const AUDIT_FILTER: &str = "aether.authz.audit.";
+/// Where one layer of RBAC filters sits: the pod's inbound listener ([`INBOUND`]) or its
+/// outbound HCM for calls to external services (`egress::EGRESS`). `prefix` begins every
+/// stat and metadata key of the layer's results.
+pub struct Layer {
+    pub deny: &'static str,
+    pub allow: &'static str,
+    pub audit: &'static str,
+    pub prefix: &'static str,
+}
+
+/// The layer judging calls to a local pod.
+pub const INBOUND: Layer = Layer {
+    deny: DENY_FILTER,
+    allow: ALLOW_FILTER,
+    audit: AUDIT_FILTER,
+    prefix: "",
+};
+
 /// The policy id of "no rule matched" (Envoy names a policy list's miss so too).
 pub const NO_MATCH: &str = "none";
 /// Where Envoy's HTTP RBAC filter writes its verdicts (dynamic metadata namespace).
@@ -243,7 +261,9 @@ pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>], trust_doma
     let tcp_ports = ports.iter().filter(|(p, protocol)| p == primary || !protocol.is_http());
     let tcp = tcp_ports
         .map(|(port, _)| {
-            let stages = stages(policies, false, |action, of| Rules::of(action, of, *port, trust_domain));
+            let stages = stages(&INBOUND, policies, false, |action, of| {
+                Rules::of(action, of, *port, trust_domain)
+            });
             let logged = stages.iter().flat_map(Stage::logged_keys).collect();
             let filters = stages.into_iter().map(|s| s.network(&prefix)).collect();
             (*port, TcpFilters { filters, logged })
@@ -256,7 +276,7 @@ pub fn filters(pod: &LocalPod, policies: &[Arc<AuthorizationPolicy>], trust_doma
     if http_ports.is_empty() {
         return filters;
     }
-    let http = stages(policies, true, |action, of| {
+    let http = stages(&INBOUND, policies, true, |action, of| {
         index::matcher(
             action,
             &mirror::named_rules(of),
@@ -290,6 +310,7 @@ struct Stage<R> {
 /// turns an action and its policies into rules. With `always`, the DENY and ALLOW
 /// stages are there even without rules (HTTP: their rules come with the route table).
 fn stages<R>(
+    layer: &Layer,
     policies: &[Arc<AuthorizationPolicy>],
     always: bool,
     compile: impl Fn(i32, &[&AuthorizationPolicy]) -> R,
@@ -308,17 +329,17 @@ fn stages<R>(
     };
     let mut stages: Vec<Stage<R>> = (0..slots)
         .map(|slot| Stage {
-            filter: format!("{AUDIT_FILTER}{slot}"),
+            filter: format!("{}{slot}", layer.audit),
             rules: None,
             rules_stat_prefix: String::new(),
             // A match of the audit engine counts as its `shadow_denied` and names the rule.
             shadow: audits.get(slot).map(|audit| compile(mirror::DENY, &[audit])),
-            shadow_stat_prefix: format!("audit.{slot}."),
+            shadow_stat_prefix: format!("{}audit.{slot}.", layer.prefix),
         })
         .collect();
     for (action, rbac_action, filter, name) in [
-        (AuthorizationAction::Deny, mirror::DENY, DENY_FILTER, "deny."),
-        (AuthorizationAction::Allow, mirror::ALLOW, ALLOW_FILTER, "allow."),
+        (AuthorizationAction::Deny, mirror::DENY, layer.deny, "deny."),
+        (AuthorizationAction::Allow, mirror::ALLOW, layer.allow, "allow."),
     ] {
         let enforced = of(action, false);
         let dry = of(action, true);
@@ -331,9 +352,9 @@ fn stages<R>(
         stages.push(Stage {
             filter: filter.to_owned(),
             rules: enforce.then(|| compile(rbac_action, &enforced)),
-            rules_stat_prefix: name.to_owned(),
+            rules_stat_prefix: format!("{}{name}", layer.prefix),
             shadow: shadow.then(|| compile(rbac_action, &[enforced, dry].concat())),
-            shadow_stat_prefix: format!("dry_run.{name}"),
+            shadow_stat_prefix: format!("{}dry_run.{name}", layer.prefix),
         });
     }
     stages

@@ -152,19 +152,25 @@ fn routed(pod: &LocalPod, table: &str, by: RoutedBy, callers: &[HttpFilter]) -> 
             ),
         ]
         .into_iter()
-        // Authorization of calls to external services, disabled until the route table enables it.
-        .chain(super::authorization::egress::http_filters())
-        // Callers-side HTTP filters, disabled until the route table enables them.
+        // Callers-side HTTP filters (the authorization of calls to external services
+        // first), disabled until the route table enables them.
         .chain(callers.iter().cloned())
         .chain([http_filter_of("envoy.filters.http.router", &Router::default())])
         .collect(),
         access_log: crate::request_metrics::access_log(&source)
             .into_iter()
-            .chain([crate::access_log::logger(&pod.id())])
+            .chain([crate::access_log::logger(&pod.id()), egress_decisions(pod, callers)])
             .collect(),
         ..Default::default()
     };
     network_filter("envoy.filters.network.http_connection_manager", &hcm)
+}
+
+/// The decision logger of calls to external services, for the egress filters among `callers`.
+fn egress_decisions(pod: &LocalPod, callers: &[HttpFilter]) -> AccessLog {
+    let egress = &authorization::egress::EGRESS;
+    let slots = callers.iter().filter(|f| f.name.starts_with(egress.audit)).count();
+    decisions::egress_logger(&pod.id(), &authorization::egress::logged_keys(slots))
 }
 
 /// Sets the destination header before the route table picks a virtual host by it: to

@@ -320,7 +320,12 @@ fn service_hosts(
                 route_filters: &route_filters,
                 resilience: &resilience,
             };
-            let routes = service_routes(service, *port, &routes, &target);
+            let mut routes = service_routes(service, *port, &routes, &target);
+            if service.service.external.is_some() {
+                // The caller's decision log names the external service from its route.
+                let destination = crate::access_log::decisions::egress_route_metadata(service.key, *port);
+                routes.iter_mut().for_each(|r| r.metadata = Some(destination.clone()));
+            }
             let on_service = filters.by_service.get(service.key).map_or(&[][..], |n| &n[..]);
             let on_port = (filters.by_service_port.get(service.key))
                 .and_then(|ports| ports.get(port))
