@@ -281,12 +281,12 @@ mod authorization {
         };
         assert_eq!(decide(&[&allow], &inbound).verdict, Verdict::Allow);
         // On the callers' side: the ALLOW rule decides, by identity and method.
-        let egress = |r: &AuthzRequest| decide_egress(&[&allow], "shop/payments", r).0;
+        let egress = |r: &AuthzRequest| decide_egress(&[&allow], "shop/payments", r).verdict;
         assert_eq!(egress(&call("cart", 80, Some("GET"))), Verdict::Allow);
         assert_eq!(egress(&call("cart", 80, Some("POST"))), Verdict::Deny);
         assert_eq!(egress(&call("other", 80, Some("GET"))), Verdict::Deny);
         assert_eq!(
-            decide_egress(&[&allow], "shop/other", &call("other", 80, None)).0,
+            decide_egress(&[&allow], "shop/other", &call("other", 80, None)).verdict,
             Verdict::Allow
         );
         // On a TCP port the method cannot be judged: the ALLOW rule allows nothing there.
@@ -299,7 +299,7 @@ mod authorization {
             "{EXTERNAL}  action: DENY\n  rules: [{{from: [{{source: {{serviceAccounts: [shop/cart]}}}}], to: [{{operation: {{ports: [5432], paths: [/admin]}}}}]}}]\n"
         ))
         .unwrap();
-        let egress = |p: &AuthorizationPolicy, r: &AuthzRequest| decide_egress(&[p], "shop/payments", r).0;
+        let egress = |p: &AuthorizationPolicy, r: &AuthzRequest| decide_egress(&[p], "shop/payments", r).verdict;
         assert_eq!(egress(&deny, &call("cart", 5432, None)), Verdict::Deny, "fails closed");
         assert_eq!(
             egress(&deny, &call("cart", 6379, None)),
@@ -312,6 +312,30 @@ mod authorization {
             ..deny.clone()
         };
         assert_eq!(egress(&dry_run, &call("cart", 5432, None)), Verdict::Allow);
+        // ... though it says what it would do, and an AUDIT policy what it matched.
+        let judged = decide_egress(&[&dry_run], "shop/payments", &call("cart", 5432, None));
+        assert_eq!(judged.dry_run.map(|(v, _)| v), Some(Verdict::Deny));
+        let audit = policy(&format!(
+            "{EXTERNAL}  action: AUDIT\n  rules: [{{from: [{{source: {{serviceAccounts: [shop/cart]}}}}], to: [{{operation: {{ports: [5432]}}}}]}}]\n"
+        ))
+        .unwrap();
+        let judged = decide_egress(&[&audit], "shop/payments", &call("cart", 5432, None));
+        assert_eq!((judged.verdict, judged.audited.len()), (Verdict::Allow, 1));
+        assert!(
+            decide_egress(&[&audit], "shop/payments", &call("cart", 6379, None))
+                .audited
+                .is_empty()
+        );
+        // An AUDIT rule with HTTP fields cannot be judged on a TCP port: it matches nothing there.
+        let audit_l7 = AuthorizationPolicy {
+            action: aether_proto::registry::v1::AuthorizationAction::Audit as i32,
+            ..deny.clone()
+        };
+        assert!(
+            decide_egress(&[&audit_l7], "shop/payments", &call("cart", 5432, None))
+                .audited
+                .is_empty()
+        );
     }
 
     #[test]

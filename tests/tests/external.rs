@@ -272,6 +272,18 @@ async fn calls_to_external_services_are_authorized_by_the_calling_pods_identity(
         closed.as_ref().is_err() || closed.as_ref().is_ok_and(|l| l.is_empty()),
         "intruder got {closed:?}"
     );
+    logged(
+        &mesh,
+        &[
+            "verdict=\"deny\"",
+            "policy=demo/db-intruder",
+            intruder_id,
+            "service=demo/legacy-db",
+            "port=5432",
+            "method=TCP",
+        ],
+    )
+    .await;
 }
 
 /// Waits (up to 10 s: Envoy ships its log every 100 ms) for an agent log line with all of `parts`.
@@ -291,20 +303,25 @@ async fn logged(mesh: &Mesh, parts: &[&str]) {
     }
 }
 
-/// `payments` with an AUDIT policy on the client's calls and a dry-run DENY of the
-/// intruder's.
-fn watched() -> String {
+/// `payments` (HTTP) and `legacy-db` (TCP), each with an AUDIT policy on the client's
+/// calls and a dry-run DENY of the intruder's.
+fn watched(outside: Ipv4Addr) -> String {
     format!(
         "apiVersion: networking.aether.io/v1alpha1\nkind: ExternalService\n\
          metadata: {{name: payments, namespace: demo}}\n\
          spec: {{hosts: [{HOST}], ports: [{{number: 8080, protocol: HTTP}}]}}\n---\n\
+         apiVersion: networking.aether.io/v1alpha1\nkind: ExternalService\n\
+         metadata: {{name: legacy-db, namespace: demo}}\n\
+         spec: {{hosts: [{DB_HOST}], addresses: [\"{outside}\"], ports: [{{number: 5432}}]}}\n---\n\
          apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n\
          metadata: {{name: watch-payments, namespace: demo}}\n\
-         spec:\n  targetRefs: [{{group: networking.aether.io, kind: ExternalService, name: payments}}]\n  \
+         spec:\n  targetRefs:\n  - {{group: networking.aether.io, kind: ExternalService, name: payments}}\n  \
+         - {{group: networking.aether.io, kind: ExternalService, name: legacy-db}}\n  \
          action: AUDIT\n  rules:\n  - from: [{{source: {{serviceAccounts: [demo/client]}}}}]\n---\n\
          apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n\
          metadata: {{name: next-deny, namespace: demo}}\n\
-         spec:\n  targetRefs: [{{group: networking.aether.io, kind: ExternalService, name: payments}}]\n  \
+         spec:\n  targetRefs:\n  - {{group: networking.aether.io, kind: ExternalService, name: payments}}\n  \
+         - {{group: networking.aether.io, kind: ExternalService, name: legacy-db}}\n  \
          action: DENY\n  dryRun: true\n  rules:\n  - from: [{{source: {{serviceAccounts: [demo/intruder]}}}}]\n"
     )
 }
@@ -318,11 +335,12 @@ async fn dry_run_and_audit_policies_on_external_services_change_nothing_and_are_
     let outside = mesh.node.add_pod("outside");
     dns.set(HOST, outside.ip());
     let http = outside.serve_http(SocketAddr::from(([0, 0, 0, 0], 8080)), "outside-http");
-    put_config(config.path(), "watched.yaml", Some(&watched()));
+    let _db = outside.serve_tcp_echo(SocketAddr::from(([0, 0, 0, 0], 5432)));
+    put_config(config.path(), "watched.yaml", Some(&watched(outside.ip())));
     let mut callers = Vec::new();
     for name in ["client", "intruder"] {
         let pod = mesh.node.add_pod(name);
-        mesh.describe_pod(&pod, name, name, "payments", &[]);
+        mesh.describe_pod(&pod, name, name, "payments,legacy-db", &[]);
         mesh.add_pod_ok(&pod, name).await;
         callers.push(pod);
     }
@@ -349,6 +367,39 @@ async fn dry_run_and_audit_policies_on_external_services_change_nothing_and_are_
             "verdict=\"dry_run_deny\"",
             "policy=demo/next-deny",
             "source=spiffe://aether.test/ns/demo/sa/intruder",
+        ],
+    )
+    .await;
+    // TCP: both connect; each connection logs what was decided for its pod.
+    let db: SocketAddr = format!("{}:5432", mesh.vip("legacy-db").await).parse().unwrap();
+    for caller in &callers {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match greeting(caller, db) {
+                Ok(line) if line == "outside" => break,
+                other => assert!(Instant::now() < deadline, "TCP to {db}: {other:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    logged(
+        &mesh,
+        &[
+            "verdict=\"audit\"",
+            "policy=demo/watch-payments",
+            "pod=demo/client",
+            "service=demo/legacy-db",
+            "method=TCP",
+        ],
+    )
+    .await;
+    logged(
+        &mesh,
+        &[
+            "verdict=\"dry_run_deny\"",
+            "pod=demo/intruder",
+            "service=demo/legacy-db",
+            "port=5432",
         ],
     )
     .await;

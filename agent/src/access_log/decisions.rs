@@ -41,6 +41,9 @@ const EGRESS_TAG: &str = "egress_source_pod";
 /// The custom tag naming the external service and port called (`<ns>/<name>|<port>`),
 /// read from the route's metadata ([`egress_route_metadata`]).
 const EGRESS_DESTINATION_TAG: &str = "egress_destination";
+/// The custom tag of a chain to an external stream port: what was decided for its
+/// connections, `<verdict>=<policy id>` comma-separated.
+const EGRESS_VERDICTS_TAG: &str = "egress_verdicts";
 const EGRESS_METADATA: &str = "aether";
 const EGRESS_METADATA_KEY: &str = "egress";
 /// The custom tag naming the app port a TCP chain delivers to.
@@ -308,6 +311,26 @@ pub fn egress_logger(pod_id: &str, logged: &[String]) -> AccessLog {
     grpc_logger("envoy.access_loggers.http_grpc", any_of(filters), any(&config))
 }
 
+/// The logger of a pod's chain to an external service's stream `port`: every connection
+/// is shipped with what the policies decided for this pod there (`logged`, settled when
+/// compiling: `authorization::egress::judge_streams`), as tags.
+pub fn egress_tcp_logger(pod_id: &str, service: &str, port: u32, logged: &[(Verdict, String)]) -> AccessLog {
+    let destination = format!("{service}|{port}");
+    let verdicts: Vec<String> = logged.iter().map(|(v, id)| format!("{}={id}", v.as_str())).collect();
+    let verdicts = verdicts.join(",");
+    let tags = [
+        (EGRESS_TAG, pod_id),
+        (EGRESS_DESTINATION_TAG, destination.as_str()),
+        (EGRESS_VERDICTS_TAG, verdicts.as_str()),
+    ];
+    let mut common = common_config("aether_authorization", &tags);
+    common.filter_state_objects_to_log = vec![SOURCE_IDENTITY.to_owned()];
+    let config = TcpGrpcAccessLogConfig {
+        common_config: Some(common),
+    };
+    grpc_logger("envoy.access_loggers.tcp_grpc", None, any(&config))
+}
+
 /// The route metadata (filter `aether`, key `egress`) of an external service's routes,
 /// `<ns>/<name>|<port>`, which [`egress_logger`] tags its entries with.
 pub fn egress_route_metadata(service: &str, port: u32) -> Metadata {
@@ -349,26 +372,12 @@ pub fn decisions_of(entry: &HttpAccessLogEntry) -> Option<Vec<Decision>> {
 /// without one).
 fn egress_decisions_of(entry: &HttpAccessLogEntry) -> Option<Vec<Decision>> {
     let common = entry.common_properties.as_ref()?;
-    let pod = common.custom_tags.get(EGRESS_TAG)?.clone();
     let request = entry.request.clone().unwrap_or_default();
-    let destination = common
-        .custom_tags
-        .get(EGRESS_DESTINATION_TAG)
-        .map_or("", String::as_str);
-    let (service, port) = destination.rsplit_once('|').unwrap_or((destination, ""));
-    let identity = common.filter_state_objects.get(SOURCE_IDENTITY).and_then(|any| {
-        let value = <envoy_types::pb::google::protobuf::StringValue as prost::Message>::decode(&*any.value).ok()?;
-        Some(bounded(&value.value))
-    });
     let base = Decision {
-        source: identity.unwrap_or_else(|| format!("pod {pod}")),
-        pod,
-        service: bounded(service),
-        port: port.parse().unwrap_or(0),
         method: envoy_types::pb::envoy::config::core::v3::RequestMethod::try_from(request.request_method)
             .map_or_else(|_| "?".into(), |m| m.as_str_name().to_owned()),
         path: bounded(&request.path),
-        ..base_at(common)
+        ..egress_base(common)?
     };
     let results = Results::of(common, HTTP_METADATA, EGRESS_PREFIX);
     Some(judged(&base, &results, results.http_denial()))
@@ -378,6 +387,9 @@ fn egress_decisions_of(entry: &HttpAccessLogEntry) -> Option<Vec<Decision>> {
 /// comes from the connection's termination details. `None` for an entry without our tag.
 pub fn tcp_decisions_of(entry: &TcpAccessLogEntry) -> Option<Vec<Decision>> {
     let common = entry.common_properties.as_ref()?;
+    if common.custom_tags.contains_key(EGRESS_TAG) {
+        return egress_tcp_decisions_of(common);
+    }
     let base = Decision {
         port: common
             .custom_tags
@@ -394,6 +406,52 @@ pub fn tcp_decisions_of(entry: &TcpAccessLogEntry) -> Option<Vec<Decision>> {
         id.unwrap_or_default().to_owned()
     });
     Some(judged(&base, &results, denial))
+}
+
+/// The decisions a connection to an external service's stream port carries: the ones its
+/// chain was compiled with (the verdicts tag).
+fn egress_tcp_decisions_of(common: &AccessLogCommon) -> Option<Vec<Decision>> {
+    let base = Decision {
+        method: "TCP".into(),
+        ..egress_base(common)?
+    };
+    let verdicts = common.custom_tags.get(EGRESS_VERDICTS_TAG)?;
+    let decisions = verdicts.split(',').filter_map(|entry| {
+        let (verdict, id) = entry.split_once('=')?;
+        let verdict = [Verdict::Deny, Verdict::Audit, Verdict::DryRunDeny]
+            .into_iter()
+            .find(|v| v.as_str() == verdict)?;
+        let (policy, rule) = split_policy_id(id);
+        Some(Decision {
+            verdict,
+            policy,
+            rule,
+            ..base.clone()
+        })
+    });
+    Some(decisions.collect())
+}
+
+/// The fields of a decision on a call to an external service: the calling pod, its
+/// identity (its pod without one), the service and port.
+fn egress_base(common: &AccessLogCommon) -> Option<Decision> {
+    let pod = common.custom_tags.get(EGRESS_TAG)?.clone();
+    let destination = common
+        .custom_tags
+        .get(EGRESS_DESTINATION_TAG)
+        .map_or("", String::as_str);
+    let (service, port) = destination.rsplit_once('|').unwrap_or((destination, ""));
+    let identity = common.filter_state_objects.get(SOURCE_IDENTITY).and_then(|any| {
+        let value = <envoy_types::pb::google::protobuf::StringValue as prost::Message>::decode(&*any.value).ok()?;
+        Some(bounded(&value.value))
+    });
+    Some(Decision {
+        source: identity.unwrap_or_else(|| format!("pod {pod}")),
+        pod,
+        service: bounded(service),
+        port: port.parse().unwrap_or(0),
+        ..base_at(common)
+    })
 }
 
 /// The decision fields every inbound entry of ours has: when, who called whom.

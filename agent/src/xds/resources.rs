@@ -285,6 +285,8 @@ struct PodMemo {
     declared: Vec<RouteKey>,
     /// The TCP routes' splits of its declared services' TCP ports.
     splits: tcp_routes::Splits,
+    /// What its chains to external stream ports log of each connection.
+    egress_logged: authorization::egress::StreamDecisions,
     /// The outbound route table its listener names.
     table: String,
     listeners: Vec<Arc<Resource>>,
@@ -616,7 +618,8 @@ impl Generator {
             let declared_keys: Vec<RouteKey> = declared.iter().map(|s| RouteKey::of(s)).collect();
             let mut splits = tcp_routes::splits(&pod.info.namespace, &declared, tcp_routes, &by_key);
             let trust_domain = &self.identities.trust_domain;
-            authorization::egress::deny_streams(pod, &declared, egress, trust_domain, &mut splits);
+            let mut egress_logged = authorization::egress::StreamDecisions::new();
+            authorization::egress::judge_streams(pod, &declared, egress, trust_domain, &mut splits, &mut egress_logged);
             let table = routes::table_name(&pod.info.namespace, consumers);
             let last = self.pods.get(&pod.id()).map_or(&[][..], |m| &m.policies[..]);
             let default_deny = self.mesh.of(&pod.info.namespace).default_authorization == DefaultAuthorization::Deny;
@@ -634,6 +637,7 @@ impl Generator {
                     if memo.pod == *pod
                         && memo.declared == declared_keys
                         && memo.splits == splits
+                        && memo.egress_logged == egress_logged
                         && memo.table == table
                         && same_policies(&memo.policies, &policies)
                         && memo.filters == filters =>
@@ -647,6 +651,7 @@ impl Generator {
                         services: &declared,
                         keys: declared_keys,
                         splits,
+                        egress_logged,
                     },
                     table,
                     mtls,
@@ -807,6 +812,8 @@ struct Declared<'a> {
     services: &'a [&'a MeshService<'a>],
     keys: Vec<RouteKey>,
     splits: tcp_routes::Splits,
+    /// What its chains to external stream ports log of each connection.
+    egress_logged: authorization::egress::StreamDecisions,
 }
 
 impl PodMemo {
@@ -832,6 +839,7 @@ impl PodMemo {
             filters,
             declared: declared.keys,
             splits: declared.splits,
+            egress_logged: declared.egress_logged,
             listeners: resources(listeners),
             inbound_routes: resources(inbound_routes.into_iter().collect()),
             table,

@@ -114,27 +114,27 @@ pub fn guards_external(policy: &AuthorizationPolicy, key: &str) -> bool {
     (policy.target.as_ref()).is_some_and(|t| t.external_services.iter().any(|s| s == key))
 }
 
-/// What the enforced policies guarding the external service `external` decide for a
-/// call to it (the callers' side, proposals/017): `request.principal` is the calling
-/// pod's SPIFFE ID, `peer_ip` its address, `port` the external service's port; the
-/// workload is not read. Steps 2 to 4 as for a workload. On a TCP port an operation
-/// naming HTTP fields cannot be judged and fails closed: it matches (by its ports) in a
-/// DENY policy and never in an ALLOW one. Dry-run and AUDIT policies change nothing.
-pub fn decide_egress(policies: &[&AuthorizationPolicy], external: &str, request: &AuthzRequest) -> (Verdict, Cause) {
+/// What the policies guarding the external service `external` decide for a call to it
+/// (the callers' side, proposals/017): `request.principal` is the calling pod's SPIFFE ID,
+/// `peer_ip` its address, `port` the external service's port; the workload is not read.
+/// Steps 2 to 4 as for a workload, with the AUDIT matches and the dry-run verdict as
+/// [`decide`]'s. On a TCP port an operation naming HTTP fields cannot be judged and fails
+/// closed: it matches (by its ports) in a DENY policy and never in an ALLOW one.
+pub fn decide_egress(policies: &[&AuthorizationPolicy], external: &str, request: &AuthzRequest) -> Decision {
     let mut guarding: Vec<AuthorizationPolicy> = (policies.iter())
-        .filter(|p| guards_external(p, external) && !p.dry_run)
+        .filter(|p| guards_external(p, external))
         .map(|p| match request.http {
             Some(_) => (*p).clone(),
             None => on_tcp(p),
         })
         .collect();
     guarding.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-    verdict(guarding.iter(), request)
+    judge(guarding.iter(), request)
 }
 
 /// `policy` as judged on a TCP port: a DENY operation's HTTP fields are dropped (it
-/// denies every connection its ports name), an ALLOW operation with HTTP fields is
-/// dropped (it allows none; a rule left without operations can match nothing).
+/// denies every connection its ports name), an ALLOW (or AUDIT) operation with HTTP fields
+/// is dropped (it matches none; a rule left without operations can match nothing).
 fn on_tcp(policy: &AuthorizationPolicy) -> AuthorizationPolicy {
     let deny = policy.action() == AuthorizationAction::Deny;
     let l7 = |o: &AuthorizationOperation| {
@@ -167,16 +167,19 @@ pub fn decide(policies: &[&AuthorizationPolicy], request: &AuthzRequest) -> Deci
         .filter(|p| selects(p, &request.workload))
         .collect();
     selected.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-    let enforced = selected.iter().copied().filter(|p| !p.dry_run);
+    judge(selected.into_iter(), request)
+}
+
+/// The decision of `policies` (all applying, in key order): the enforced verdict, the
+/// AUDIT matches, and the verdict with dry-run policies enforced too.
+fn judge<'a>(policies: impl Iterator<Item = &'a AuthorizationPolicy> + Clone, request: &AuthzRequest) -> Decision {
+    let enforced = policies.clone().filter(|p| !p.dry_run);
     let (verdict, cause) = verdict(enforced, request);
-    let audited = (selected.iter())
+    let audited = (policies.clone())
         .filter(|p| p.action() == AuthorizationAction::Audit)
         .filter_map(|p| first_match(p, request))
         .collect();
-    let dry_run = selected
-        .iter()
-        .any(|p| p.dry_run)
-        .then(|| self::verdict(selected.iter().copied(), request));
+    let dry_run = (policies.clone().any(|p| p.dry_run)).then(|| self::verdict(policies, request));
     Decision {
         verdict,
         cause,

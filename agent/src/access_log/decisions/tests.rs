@@ -141,7 +141,10 @@ fn a_call_to_an_external_service_names_the_caller_the_service_and_its_port() {
     assert_eq!(summary(&decisions), ["deny  None", "audit shop/watch Some(1)"]);
     let d = &decisions[0];
     assert_eq!(d.source, "spiffe://cluster.local/ns/shop/sa/web");
-    assert_eq!((d.pod.as_str(), d.service.as_str(), d.port), ("shop/web-1", "shop/payments", 443));
+    assert_eq!(
+        (d.pod.as_str(), d.service.as_str(), d.port),
+        ("shop/web-1", "shop/payments", 443)
+    );
     assert_eq!(d.decided_by(), "no ALLOW policy guarding shop/payments matched");
     let dry = decisions_of(&egress_entry(&[
         ("egress.dry_run.deny.shadow_engine_result", "denied"),
@@ -154,6 +157,60 @@ fn a_call_to_an_external_service_names_the_caller_the_service_and_its_port() {
     decisions.into_iter().for_each(|d| kept.record(d));
     assert!(kept.of("shop/web-1").is_empty());
     assert_eq!(kept.of_egress("shop/web-1", "shop/payments").len(), 2);
+}
+
+#[test]
+fn a_connection_to_an_external_stream_port_carries_what_its_chain_was_compiled_with() {
+    let logger = egress_tcp_logger(
+        "shop/web-1",
+        "shop/db",
+        5432,
+        &[
+            (Verdict::Deny, "shop/no-db#0".into()),
+            (Verdict::Audit, "shop/watch#1".into()),
+        ],
+    );
+    let Some(access_log::ConfigType::TypedConfig(config)) = logger.config_type else {
+        panic!("typed config")
+    };
+    let config: TcpGrpcAccessLogConfig = prost::Message::decode(&*config.value).unwrap();
+    let common = config.common_config.unwrap();
+    let tag = |name: &str| {
+        common
+            .custom_tags
+            .iter()
+            .find(|t| t.tag == name)
+            .map(|t| t.r#type.clone())
+    };
+    assert!(
+        tag(EGRESS_VERDICTS_TAG).is_some() && logger.filter.is_none(),
+        "every connection, tagged"
+    );
+    let connection = TcpAccessLogEntry {
+        common_properties: Some(AccessLogCommon {
+            custom_tags: HashMap::from([
+                (EGRESS_TAG.into(), "shop/web-1".into()),
+                (EGRESS_DESTINATION_TAG.into(), "shop/db|5432".into()),
+                (
+                    EGRESS_VERDICTS_TAG.into(),
+                    "deny=shop/no-db#0,audit=shop/watch#1,bogus=x".into(),
+                ),
+            ]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let decisions = tcp_decisions_of(&connection).unwrap();
+    assert_eq!(
+        summary(&decisions),
+        ["deny shop/no-db Some(0)", "audit shop/watch Some(1)"]
+    );
+    let d = &decisions[0];
+    assert_eq!(
+        (d.pod.as_str(), d.service.as_str(), d.port),
+        ("shop/web-1", "shop/db", 5432)
+    );
+    assert_eq!((d.source.as_str(), d.method.as_str()), ("pod shop/web-1", "TCP"));
 }
 
 #[test]

@@ -413,6 +413,9 @@ fn tcp_chains(pod: &LocalPod, declared: &Declared, mtls: Option<&Mtls>) -> Vec<F
             let routes = declared.splits.get(&name);
             let by_server_name = routes.map_or(&[][..], |r| &r.by_server_name[..]);
             let otherwise = routes.and_then(|r| r.otherwise.as_ref());
+            // An external service's port: what the pod's policies decided, logged per connection.
+            let logger = (declared.egress_logged.get(&name))
+                .map(|logged| decisions::egress_tcp_logger(&pod.id(), service.key, *port, logged));
             for (destination_port, prefix_ranges) in chains {
                 let chain_match = |server_names: &[String]| FilterChainMatch {
                     destination_port: Some(UInt32Value {
@@ -423,10 +426,10 @@ fn tcp_chains(pod: &LocalPod, declared: &Declared, mtls: Option<&Mtls>) -> Vec<F
                     ..Default::default()
                 };
                 for (server_names, backends) in by_server_name {
-                    let proxy = tcp_proxy_split(&stat_prefix, &name, Some(backends));
+                    let proxy = tcp_proxy_split(&stat_prefix, &name, Some(backends), logger.clone());
                     filter_chains.push(outgoing(pod, mtls, Some(chain_match(server_names)), proxy));
                 }
-                let proxy = tcp_proxy_split(&stat_prefix, &name, otherwise);
+                let proxy = tcp_proxy_split(&stat_prefix, &name, otherwise, logger.clone());
                 filter_chains.push(outgoing(pod, mtls, Some(chain_match(&[])), proxy));
             }
         }
@@ -503,7 +506,7 @@ fn inbound_hcm(pod: &LocalPod, authz: &Filters, filters: &[HttpFilter]) -> HttpC
 }
 
 /// To `cluster`, or over a TCP route's weighted backends (see `tcp_routes`).
-fn tcp_proxy_split(stat_prefix: &str, cluster: &str, split: Option<&Backends>) -> Filter {
+fn tcp_proxy_split(stat_prefix: &str, cluster: &str, split: Option<&Backends>, logger: Option<AccessLog>) -> Filter {
     let specifier = match split.map(Vec::as_slice) {
         None => tcp_proxy::ClusterSpecifier::Cluster(cluster.to_owned()),
         Some([]) => tcp_proxy::ClusterSpecifier::Cluster(NO_BACKEND.to_owned()),
@@ -522,6 +525,7 @@ fn tcp_proxy_split(stat_prefix: &str, cluster: &str, split: Option<&Backends>) -
     let proxy = TcpProxy {
         stat_prefix: stat_prefix.to_owned(),
         cluster_specifier: Some(specifier),
+        access_log: logger.into_iter().collect(),
         ..Default::default()
     };
     network_filter("envoy.filters.network.tcp_proxy", &proxy)

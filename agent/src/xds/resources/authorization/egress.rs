@@ -10,20 +10,24 @@
 //!   caller from the filter state, so they are the same for every pod: one config per
 //!   external service port, nothing per pod. Denials, AUDIT matches and dry-run denials
 //!   are shipped to the agent's decision log by the HCM's logger ([`logged_keys`]).
-//! - TCP and TLS ports: each pod's chain for the port is its own, so the enforced verdict
-//!   is settled when compiling ([`aether_api::authorization::decide_egress`]); a denied
-//!   pod's chain closes the connection, as a TCP route to no backend does. Dry-run and
-//!   AUDIT policies are not judged there (no log).
+//! - TCP and TLS ports: each pod's chain for the port is its own, so the verdict is
+//!   settled when compiling ([`aether_api::authorization::decide_egress`]); a denied
+//!   pod's chain closes the connection, as a TCP route to no backend does, and the chain
+//!   logs each connection with what was decided for it (the denial, AUDIT matches, a
+//!   dry-run denial: [`judge_streams`]).
 
 use std::sync::Arc;
 
-use aether_api::authorization::{AuthzRequest, Verdict, Workload, decide_egress, guards_external};
+use std::collections::BTreeMap;
+
+use aether_api::authorization::{AuthzRequest, Cause, Verdict, Workload, decide_egress, guards_external};
 use aether_proto::registry::v1::{AuthorizationAction, AuthorizationPolicy};
 use envoy_types::pb::envoy::extensions::filters::http::rbac::v3::Rbac as HttpRbac;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{HttpFilter, http_filter};
 
 use super::mirror::{self, HttpRbacConfig};
-use super::{Layer, index, stages, typed};
+use super::{Layer, NO_MATCH, index, stages, typed};
+use crate::access_log::decisions::Verdict as DecisionVerdict;
 use crate::pod::LocalPod;
 use crate::xds::resources::http_filters::Enabled;
 use crate::xds::resources::transport::SOURCE_IDENTITY;
@@ -125,14 +129,21 @@ pub fn http_port(
         .collect()
 }
 
-/// Closes the TCP and TLS ports of `declared` external services that the policies guarding
-/// them deny to `pod` (its chain for such a port takes [`tcp_routes::NO_BACKEND`]).
-pub fn deny_streams(
+/// What a pod's chain for an external service's stream port logs of each connection,
+/// by the port's cluster: (verdict, policy id `<ns>/<name>#<rule>` or [`NO_MATCH`]).
+pub type StreamDecisions = BTreeMap<String, Vec<(DecisionVerdict, String)>>;
+
+/// Judges `pod`'s calls to the TCP and TLS ports of the `declared` external services: a
+/// port the enforced policies deny is closed (its chain takes [`tcp_routes::NO_BACKEND`]);
+/// the denial, the AUDIT matches and a dry-run denial are what each of its connections
+/// logs (`logged`).
+pub fn judge_streams(
     pod: &LocalPod,
     declared: &[&MeshService],
     policies: &[Arc<AuthorizationPolicy>],
     trust_domain: &str,
     splits: &mut tcp_routes::Splits,
+    logged: &mut StreamDecisions,
 ) {
     let Some(peer_ip) = pod.ips.first().copied() else {
         return;
@@ -142,11 +153,8 @@ pub fn deny_streams(
         trust_domain,
     );
     for service in declared.iter().filter(|s| s.service.external.is_some()) {
-        let enforced = |p: &&Arc<AuthorizationPolicy>| !p.dry_run && p.action() != AuthorizationAction::Audit;
-        let guarding: Vec<&AuthorizationPolicy> = policies
-            .iter()
+        let guarding: Vec<&AuthorizationPolicy> = (policies.iter())
             .filter(|p| guards_external(p, service.key))
-            .filter(enforced)
             .map(|p| &**p)
             .collect();
         if guarding.is_empty() {
@@ -161,14 +169,33 @@ pub fn deny_streams(
                 port: *port,
                 http: None,
             };
-            if decide_egress(&guarding, service.key, &request).0 == Verdict::Deny {
+            let decision = decide_egress(&guarding, service.key, &request);
+            let mut log = Vec::new();
+            if decision.verdict == Verdict::Deny {
                 let closed = tcp_routes::PortRoutes {
                     by_server_name: Vec::new(),
                     otherwise: Some(vec![(tcp_routes::NO_BACKEND.to_owned(), 1)]),
                 };
                 splits.insert(service.cluster(*port), closed);
+                log.push((DecisionVerdict::Deny, policy_id(&decision.cause)));
+            }
+            let audited = decision.audited.iter().map(|r| format!("{}#{}", r.policy, r.rule));
+            log.extend(audited.map(|id| (DecisionVerdict::Audit, id)));
+            if let (Verdict::Allow, Some((Verdict::Deny, cause))) = (decision.verdict, &decision.dry_run) {
+                log.push((DecisionVerdict::DryRunDeny, policy_id(cause)));
+            }
+            if !log.is_empty() {
+                logged.insert(service.cluster(*port), log);
             }
         }
+    }
+}
+
+/// The policy id a verdict's cause names, as Envoy's RBAC would.
+fn policy_id(cause: &Cause) -> String {
+    match cause {
+        Cause::Denied(rule) | Cause::Allowed(rule) => format!("{}#{}", rule.policy, rule.rule),
+        Cause::NoAllowPolicy | Cause::NoAllowMatched => NO_MATCH.to_owned(),
     }
 }
 
@@ -206,11 +233,22 @@ mod tests {
         let filters: Vec<String> = http_filters(2).into_iter().map(|f| f.name).collect();
         assert_eq!(
             filters,
-            ["aether.egress.audit.0", "aether.egress.audit.1", "aether.egress.deny", "aether.egress.allow"]
+            [
+                "aether.egress.audit.0",
+                "aether.egress.audit.1",
+                "aether.egress.deny",
+                "aether.egress.allow"
+            ]
         );
         let keys = logged_keys(1);
-        assert!(keys.contains(&"egress.audit.0.shadow_engine_result".to_owned()), "{keys:?}");
-        assert!(keys.contains(&"egress.dry_run.allow.shadow_engine_result".to_owned()), "{keys:?}");
+        assert!(
+            keys.contains(&"egress.audit.0.shadow_engine_result".to_owned()),
+            "{keys:?}"
+        );
+        assert!(
+            keys.contains(&"egress.dry_run.allow.shadow_engine_result".to_owned()),
+            "{keys:?}"
+        );
         assert_eq!(keys.len(), 5);
     }
 }
