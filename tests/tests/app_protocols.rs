@@ -61,6 +61,47 @@ fn spawn_in(pod: &TestPod, name: &str, program: &str, args: &[&str]) -> ChildGua
     ChildGuard::spawn(name, command)
 }
 
+/// A service's one pod running an app, and the pods calling it.
+struct Served {
+    /// Dropped before the pods: the app dies first.
+    _app: ChildGuard,
+    _server: TestPod,
+    callers: Vec<TestPod>,
+    /// The service's VIP.
+    vip: String,
+}
+
+/// Runs `program args` in a pod of its own service `name` (listening on 127.0.0.1 at
+/// `port`, named `port_name`, the pod annotated with `annotations`), then adds `callers`,
+/// each a pod of its own service that declares `name`.
+async fn serve(
+    mesh: &Mesh,
+    name: &str,
+    (port_name, port): (&str, u16),
+    annotations: &[(&str, &str)],
+    (program, args): (&str, &[&str]),
+    callers: &[&str],
+) -> Served {
+    let server = mesh.node.add_pod(name);
+    let app = spawn_in(&server, &format!("{name}-app"), program, args);
+    wait_listening(&server, SocketAddr::from(([127, 0, 0, 1], port)), &app);
+    mesh.describe_pod_annotated(&server, name, name, &[(port_name, port)], annotations);
+    mesh.add_pod_ok(&server, name).await;
+    let mut pods = Vec::new();
+    for caller in callers {
+        let pod = mesh.node.add_pod(caller);
+        mesh.describe_pod(&pod, caller, caller, name, &[]);
+        mesh.add_pod_ok(&pod, caller).await;
+        pods.push(pod);
+    }
+    Served {
+        _app: app,
+        _server: server,
+        callers: pods,
+        vip: mesh.vip(name).await,
+    }
+}
+
 /// Waits until `addr` accepts connections inside `pod`.
 fn wait_listening(pod: &TestPod, addr: SocketAddr, server: &ChildGuard) {
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -112,22 +153,19 @@ fn send_raw(client: &TestPod, target: SocketAddr, bytes: &'static [u8]) -> Vec<u
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thrift_is_parsed_at_the_destination_counted_and_guarded_against_malformed_frames() {
     let mesh = tagged_mesh().await;
-    let server = mesh.node.add_pod("calc");
     let port = THRIFT_PORT.to_string();
     let python = python().display().to_string();
-    let app = spawn_in(
-        &server,
-        "thrift-calc",
-        &python,
-        &[&calc_script(), "serve", &port, "compact", "framed"],
-    );
-    wait_listening(&server, SocketAddr::from(([127, 0, 0, 1], THRIFT_PORT)), &app);
-    mesh.describe_pod(&server, "calc", "calc", "", &[("thrift", THRIFT_PORT)]);
-    mesh.add_pod_ok(&server, "calc").await;
-    let client = mesh.node.add_pod("client");
-    mesh.describe_pod(&client, "client", "client", "calc", &[]);
-    mesh.add_pod_ok(&client, "client").await;
-    let vip = mesh.vip("calc").await;
+    let app = [&calc_script(), "serve", &port, "compact", "framed"];
+    let calc = serve(
+        &mesh,
+        "calc",
+        ("thrift", THRIFT_PORT),
+        &[],
+        (&python, &app),
+        &["client"],
+    )
+    .await;
+    let (client, vip) = (&calc.callers[0], &calc.vip);
 
     // A real Thrift client through the mesh: replies, a string, a declared exception.
     let call = |rounds: &str| {
@@ -175,23 +213,20 @@ async fn thrift_is_parsed_at_the_destination_counted_and_guarded_against_malform
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dubbo_is_parsed_where_the_pod_opts_in_counted_and_guarded_against_malformed_frames() {
     let mesh = tagged_mesh().await;
-    let server = mesh.node.add_pod("calc");
     let port = DUBBO_PORT.to_string();
     let python = python().display().to_string();
-    let app = spawn_in(&server, "dubbo-calc", &python, &[&dubbo_script(), "serve", &port]);
-    wait_listening(&server, SocketAddr::from(([127, 0, 0, 1], DUBBO_PORT)), &app);
-    mesh.describe_pod_annotated(
-        &server,
+    let app = [&dubbo_script(), "serve", &port];
+    let opt_in = [("protocol.aether.io/l7", "dubbo")];
+    let calc = serve(
+        &mesh,
         "calc",
-        "calc",
-        &[("dubbo", DUBBO_PORT)],
-        &[("protocol.aether.io/l7", "dubbo")],
-    );
-    mesh.add_pod_ok(&server, "calc").await;
-    let client = mesh.node.add_pod("client");
-    mesh.describe_pod(&client, "client", "client", "calc", &[]);
-    mesh.add_pod_ok(&client, "client").await;
-    let vip = mesh.vip("calc").await;
+        ("dubbo", DUBBO_PORT),
+        &opt_in,
+        (&python, &app),
+        &["client"],
+    )
+    .await;
+    let (client, vip) = (&calc.callers[0], &calc.vip);
 
     // Our Dubbo client (Hessian2) through the mesh: values, a string, a missing method's exception.
     let call = |rounds: &str| {
@@ -248,26 +283,19 @@ async fn a_parsed_port_keeps_its_policies_and_their_decision_log() {
     let config = tempfile::tempdir().unwrap();
     let dir = config.path().display().to_string();
     let mesh = tagged_mesh_with_registrar(&["--config-dir", &dir]).await;
-    let server = mesh.node.add_pod("calc");
     let port = THRIFT_PORT.to_string();
     let python = python().display().to_string();
-    let app = spawn_in(
-        &server,
-        "thrift-calc",
-        &python,
-        &[&calc_script(), "serve", &port, "binary", "buffered"],
-    );
-    wait_listening(&server, SocketAddr::from(([127, 0, 0, 1], THRIFT_PORT)), &app);
-    mesh.describe_pod(&server, "calc", "calc", "", &[("thrift", THRIFT_PORT)]);
-    mesh.add_pod_ok(&server, "calc").await;
-    let mut callers = Vec::new();
-    for name in ["client", "intruder"] {
-        let pod = mesh.node.add_pod(name);
-        mesh.describe_pod(&pod, name, name, "calc", &[]);
-        mesh.add_pod_ok(&pod, name).await;
-        callers.push(pod);
-    }
-    let vip = mesh.vip("calc").await;
+    let app = [&calc_script(), "serve", &port, "binary", "buffered"];
+    let calc = serve(
+        &mesh,
+        "calc",
+        ("thrift", THRIFT_PORT),
+        &[],
+        (&python, &app),
+        &["client", "intruder"],
+    )
+    .await;
+    let (callers, vip) = (&calc.callers, &calc.vip);
     let call = |pod: &TestPod| {
         pod.exec(&[&python, &calc_script(), "call", &vip, &port, "binary", "buffered"])
             .status
@@ -304,27 +332,19 @@ async fn a_parsed_port_keeps_its_policies_and_their_decision_log() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_commands_are_counted_where_the_pod_opts_in_and_bad_frames_closed() {
     let mesh = tagged_mesh().await;
-    let server = mesh.node.add_pod("cache");
     let port = REDIS_PORT.to_string();
-    let app = spawn_in(
-        &server,
-        "redis-server",
-        "redis-server",
-        &["--port", &port, "--bind", "127.0.0.1", "--save", ""],
-    );
-    wait_listening(&server, SocketAddr::from(([127, 0, 0, 1], REDIS_PORT)), &app);
-    mesh.describe_pod_annotated(
-        &server,
+    let app = ["--port", &port, "--bind", "127.0.0.1", "--save", ""];
+    let opt_in = [("protocol.aether.io/l7", "redis")];
+    let cache = serve(
+        &mesh,
         "cache",
-        "cache",
-        &[("redis", REDIS_PORT)],
-        &[("protocol.aether.io/l7", "redis")],
-    );
-    mesh.add_pod_ok(&server, "cache").await;
-    let client = mesh.node.add_pod("client");
-    mesh.describe_pod(&client, "client", "client", "cache", &[]);
-    mesh.add_pod_ok(&client, "client").await;
-    let vip = mesh.vip("cache").await;
+        ("redis", REDIS_PORT),
+        &opt_in,
+        ("redis-server", &app),
+        &["client"],
+    )
+    .await;
+    let (client, vip) = (&cache.callers[0], &cache.vip);
 
     let cli = |args: &[&str]| {
         let port = REDIS_PORT.to_string();
@@ -361,21 +381,18 @@ async fn redis_commands_are_counted_where_the_pod_opts_in_and_bad_frames_closed(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_port_stays_a_tcp_stream_without_the_opt_in() {
     let mesh = tagged_mesh().await;
-    let server = mesh.node.add_pod("plain-cache");
     let port = REDIS_PORT.to_string();
-    let app = spawn_in(
-        &server,
-        "redis-server-plain",
-        "redis-server",
-        &["--port", &port, "--bind", "127.0.0.1", "--save", ""],
-    );
-    wait_listening(&server, SocketAddr::from(([127, 0, 0, 1], REDIS_PORT)), &app);
-    mesh.describe_pod(&server, "plain-cache", "plain-cache", "", &[("redis", REDIS_PORT)]);
-    mesh.add_pod_ok(&server, "plain-cache").await;
-    let client = mesh.node.add_pod("client");
-    mesh.describe_pod(&client, "client", "client", "plain-cache", &[]);
-    mesh.add_pod_ok(&client, "client").await;
-    let vip = mesh.vip("plain-cache").await;
+    let app = ["--port", &port, "--bind", "127.0.0.1", "--save", ""];
+    let cache = serve(
+        &mesh,
+        "plain-cache",
+        ("redis", REDIS_PORT),
+        &[],
+        ("redis-server", &app),
+        &["client"],
+    )
+    .await;
+    let (client, vip) = (&cache.callers[0], &cache.vip);
     // SELECT is one of the commands Envoy's Redis proxy does not speak: carried as TCP,
     // the app answers it.
     let out = client.exec_ok(&["redis-cli", "-h", &vip, "-p", &port, "SELECT", "1"]);

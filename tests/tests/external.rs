@@ -179,18 +179,24 @@ async fn a_pod_reaches_an_external_service_by_its_host_through_envoy_with_dns_tl
     }
 }
 
-/// `payments` (HTTP on 8080) and `legacy-db` (TCP on 5432, static), with an ALLOW policy
-/// letting only `demo/client` GET payments and a DENY policy closing legacy-db to
-/// `demo/intruder`.
-fn guarded(outside: Ipv4Addr) -> String {
+/// `payments` (HTTP on 8080) and `legacy-db` (TCP on 5432, static at `outside`).
+fn destinations(outside: Ipv4Addr) -> String {
     format!(
         "apiVersion: networking.aether.io/v1alpha1\nkind: ExternalService\n\
          metadata: {{name: payments, namespace: demo}}\n\
          spec: {{hosts: [{HOST}], ports: [{{number: 8080, protocol: HTTP}}]}}\n---\n\
          apiVersion: networking.aether.io/v1alpha1\nkind: ExternalService\n\
          metadata: {{name: legacy-db, namespace: demo}}\n\
-         spec: {{hosts: [{DB_HOST}], addresses: [\"{outside}\"], ports: [{{number: 5432}}]}}\n---\n\
-         apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n\
+         spec: {{hosts: [{DB_HOST}], addresses: [\"{outside}\"], ports: [{{number: 5432}}]}}\n---\n"
+    )
+}
+
+/// [`destinations`], with an ALLOW policy
+/// letting only `demo/client` GET payments and a DENY policy closing legacy-db to
+/// `demo/intruder`.
+fn guarded(outside: Ipv4Addr) -> String {
+    format!(
+        "{}apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n\
          metadata: {{name: payments-get, namespace: demo}}\n\
          spec:\n  targetRefs: [{{group: networking.aether.io, kind: ExternalService, name: payments}}]\n  \
          action: ALLOW\n  rules:\n  - from: [{{source: {{serviceAccounts: [demo/client]}}}}]\n    \
@@ -198,7 +204,8 @@ fn guarded(outside: Ipv4Addr) -> String {
          apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n\
          metadata: {{name: db-intruder, namespace: demo}}\n\
          spec:\n  targetRefs: [{{group: networking.aether.io, kind: ExternalService, name: legacy-db}}]\n  \
-         action: DENY\n  rules:\n  - from: [{{source: {{serviceAccounts: [demo/intruder]}}}}]\n"
+         action: DENY\n  rules:\n  - from: [{{source: {{serviceAccounts: [demo/intruder]}}}}]\n",
+        destinations(outside)
     )
 }
 
@@ -307,13 +314,7 @@ async fn logged(mesh: &Mesh, parts: &[&str]) {
 /// calls and a dry-run DENY of the intruder's.
 fn watched(outside: Ipv4Addr) -> String {
     format!(
-        "apiVersion: networking.aether.io/v1alpha1\nkind: ExternalService\n\
-         metadata: {{name: payments, namespace: demo}}\n\
-         spec: {{hosts: [{HOST}], ports: [{{number: 8080, protocol: HTTP}}]}}\n---\n\
-         apiVersion: networking.aether.io/v1alpha1\nkind: ExternalService\n\
-         metadata: {{name: legacy-db, namespace: demo}}\n\
-         spec: {{hosts: [{DB_HOST}], addresses: [\"{outside}\"], ports: [{{number: 5432}}]}}\n---\n\
-         apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n\
+        "{}apiVersion: security.aether.io/v1alpha1\nkind: AuthorizationPolicy\n\
          metadata: {{name: watch-payments, namespace: demo}}\n\
          spec:\n  targetRefs:\n  - {{group: networking.aether.io, kind: ExternalService, name: payments}}\n  \
          - {{group: networking.aether.io, kind: ExternalService, name: legacy-db}}\n  \
@@ -322,7 +323,8 @@ fn watched(outside: Ipv4Addr) -> String {
          metadata: {{name: next-deny, namespace: demo}}\n\
          spec:\n  targetRefs:\n  - {{group: networking.aether.io, kind: ExternalService, name: payments}}\n  \
          - {{group: networking.aether.io, kind: ExternalService, name: legacy-db}}\n  \
-         action: DENY\n  dryRun: true\n  rules:\n  - from: [{{source: {{serviceAccounts: [demo/intruder]}}}}]\n"
+         action: DENY\n  dryRun: true\n  rules:\n  - from: [{{source: {{serviceAccounts: [demo/intruder]}}}}]\n",
+        destinations(outside)
     )
 }
 
