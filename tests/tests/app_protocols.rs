@@ -173,7 +173,7 @@ async fn thrift_is_parsed_at_the_destination_counted_and_guarded_against_malform
             &python,
             &calc_script(),
             "call",
-            &vip,
+            vip,
             &THRIFT_PORT.to_string(),
             "compact",
             "framed",
@@ -202,7 +202,7 @@ async fn thrift_is_parsed_at_the_destination_counted_and_guarded_against_malform
 
     // A frame that is no Thrift message: Envoy closes that connection before the app.
     let target: SocketAddr = format!("{vip}:{THRIFT_PORT}").parse().unwrap();
-    let answer = send_raw(&client, target, b"\x00\x00\x00\x10GET / HTTP/1.1\r\n\r\n");
+    let answer = send_raw(client, target, b"\x00\x00\x00\x10GET / HTTP/1.1\r\n\r\n");
     assert!(answer.is_empty() || answer.len() < 256, "{answer:?}");
     let malformed = format!("aether_proxy_protocol_errors_total{{{destination},protocol=\"thrift\"}}");
     until_counted(&mesh, &malformed, 1.0).await;
@@ -230,7 +230,7 @@ async fn dubbo_is_parsed_where_the_pod_opts_in_counted_and_guarded_against_malfo
 
     // Our Dubbo client (Hessian2) through the mesh: values, a string, a missing method's exception.
     let call = |rounds: &str| {
-        let out = client.exec(&[&python, &dubbo_script(), "call", &vip, &port, rounds]);
+        let out = client.exec(&[&python, &dubbo_script(), "call", vip, &port, rounds]);
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(
             out.status.success(),
@@ -254,7 +254,7 @@ async fn dubbo_is_parsed_where_the_pod_opts_in_counted_and_guarded_against_malfo
     // A Dubbo header whose Hessian2 body is not one: closed before the app, counted.
     let target: SocketAddr = format!("{vip}:{DUBBO_PORT}").parse().unwrap();
     send_raw(
-        &client,
+        client,
         target,
         b"\xda\xbb\xc2\x00\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00\x05\xff\xff\xff\xff\xff",
     );
@@ -297,7 +297,7 @@ async fn a_parsed_port_keeps_its_policies_and_their_decision_log() {
     .await;
     let (callers, vip) = (&calc.callers, &calc.vip);
     let call = |pod: &TestPod| {
-        pod.exec(&[&python, &calc_script(), "call", &vip, &port, "binary", "buffered"])
+        pod.exec(&[&python, &calc_script(), "call", vip, &port, "binary", "buffered"])
             .status
             .success()
     };
@@ -372,7 +372,7 @@ async fn redis_commands_are_counted_where_the_pod_opts_in_and_bad_frames_closed(
 
     // RESP that cannot be parsed: Envoy closes that connection and counts it.
     let target: SocketAddr = format!("{vip}:{REDIS_PORT}").parse().unwrap();
-    send_raw(&client, target, b"*2\r\n$x\r\nGET\r\n");
+    send_raw(client, target, b"*2\r\n$x\r\nGET\r\n");
     let malformed = format!("aether_proxy_protocol_errors_total{{{destination},protocol=\"redis\"}}");
     until_counted(&mesh, &malformed, 1.0).await;
     assert_eq!(cli(&["GET", "greeting"]), "hello", "the port keeps serving");
@@ -395,7 +395,7 @@ async fn a_redis_port_stays_a_tcp_stream_without_the_opt_in() {
     let (client, vip) = (&cache.callers[0], &cache.vip);
     // SELECT is one of the commands Envoy's Redis proxy does not speak: carried as TCP,
     // the app answers it.
-    let out = client.exec_ok(&["redis-cli", "-h", &vip, "-p", &port, "SELECT", "1"]);
+    let out = client.exec_ok(&["redis-cli", "-h", vip, "-p", &port, "SELECT", "1"]);
     assert_eq!(out.trim(), "OK");
     let stats = mesh.envoy().admin_get("/stats?filter=^redis\\.");
     assert!(!stats.contains("redis.l7."), "{stats}");
