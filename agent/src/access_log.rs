@@ -39,7 +39,7 @@ pub use decisions::Decisions;
 /// The bootstrap's cluster of the agent's xDS socket (`proxy/bootstrap.yaml`).
 pub const AGENT_CLUSTER: &str = "aether_xds";
 /// The custom tag naming the calling pod (`<ns>/<name>`).
-const SOURCE_TAG: &str = "source_pod";
+pub(crate) const SOURCE_TAG: &str = "source_pod";
 /// Failures kept per pod, newest last.
 const PER_POD: usize = 32;
 /// Pods with a ring; a pod beyond that evicts the one that failed least recently.
@@ -115,11 +115,15 @@ impl RecentFailures {
     }
 }
 
-/// The logger of a pod's outbound HTTP chains: failures only, tagged with the pod.
-pub fn logger(pod_id: &str) -> AccessLog {
-    let failed = AccessLogFilter {
+/// The logger of a pod's outbound HTTP chains, tagged with the pod: failures, and the
+/// authorization decisions on its calls to external services (the egress RBAC results
+/// `egress_logged`, see `decisions::egress_shipping`).
+pub fn logger(pod_id: &str, egress_logged: &[String]) -> AccessLog {
+    let mut common = common_config("aether_outbound", &[(SOURCE_TAG, pod_id)]);
+    let egress = decisions::egress_shipping(egress_logged, &mut common);
+    let shipped = AccessLogFilter {
         filter_specifier: Some(access_log_filter::FilterSpecifier::OrFilter(OrFilter {
-            filters: vec![
+            filters: [
                 AccessLogFilter {
                     filter_specifier: Some(access_log_filter::FilterSpecifier::StatusCodeFilter(StatusCodeFilter {
                         comparison: Some(ComparisonFilter {
@@ -137,16 +141,19 @@ pub fn logger(pod_id: &str) -> AccessLog {
                         ResponseFlagFilter::default(),
                     )),
                 },
-            ],
+            ]
+            .into_iter()
+            .chain(egress)
+            .collect(),
         })),
     };
     let config = HttpGrpcAccessLogConfig {
-        common_config: Some(common_config("aether_failures", &[(SOURCE_TAG, pod_id)])),
+        common_config: Some(common),
         ..Default::default()
     };
     AccessLog {
         name: "envoy.access_loggers.http_grpc".into(),
-        filter: Some(failed),
+        filter: Some(shipped),
         config_type: Some(access_log::ConfigType::TypedConfig(Any {
             type_url: <HttpGrpcAccessLogConfig as prost::Name>::type_url(),
             value: prost::Message::encode_to_vec(&config),
@@ -207,9 +214,12 @@ impl AccessLogService for Sink {
             match message?.log_entries {
                 Some(stream_access_logs_message::LogEntries::HttpLogs(logs)) => {
                     for entry in logs.log_entry {
+                        // An outbound entry may be both: a call to an external service
+                        // that its policies denied.
                         if let Some(decisions) = decisions::decisions_of(&entry) {
                             decisions.into_iter().for_each(|d| self.decisions.record(d));
-                        } else if let Some((pod, failure)) = failure_of(entry) {
+                        }
+                        if let Some((pod, failure)) = failure_of(entry) {
                             self.failures.record(&pod, failure);
                         }
                     }
@@ -253,7 +263,9 @@ fn failure_of(entry: HttpAccessLogEntry) -> Option<(String, Failure)> {
         upstream_failure: bounded(&common.upstream_transport_failure_reason),
         duration_ms: duration.as_millis() as u64,
     };
-    Some((pod, failure))
+    // Shipped for a decision only (an audited or dry-run-denied call that went well).
+    let failed = failure.status >= 400 || !failure.flags.is_empty();
+    failed.then_some((pod, failure))
 }
 
 /// What a client sent (or Envoy said of it), kept and shown bounded: a ring of long URLs

@@ -33,11 +33,13 @@ use serde::Serialize;
 use super::{bounded, common_config, ip_port};
 use crate::xds::resources::authorization::{HTTP_METADATA, NO_MATCH};
 use crate::xds::resources::transport::SOURCE_IDENTITY;
+use envoy_types::pb::envoy::extensions::access_loggers::grpc::v3::CommonGrpcAccessLogConfig;
 
 /// The custom tag naming the destination pod (`<ns>/<name>`).
 pub const DESTINATION_TAG: &str = "destination_pod";
-/// The custom tag naming the calling pod of a call to an external service.
-const EGRESS_TAG: &str = "egress_source_pod";
+/// The custom tag naming the calling pod of a call to an external service (the outbound
+/// logger's).
+const EGRESS_TAG: &str = super::SOURCE_TAG;
 /// The custom tag naming the external service and port called (`<ns>/<name>|<port>`),
 /// read from the route's metadata ([`egress_route_metadata`]).
 const EGRESS_DESTINATION_TAG: &str = "egress_destination";
@@ -282,12 +284,11 @@ fn denied(filter: &str, key: &str) -> AccessLogFilter {
     }
 }
 
-/// The logger of a pod's outbound HCM for its calls to external services: a request is
-/// shipped when one of the egress RBAC results under `logged` is `denied`; it names the
-/// caller's identity from the filter state its listener set.
-pub fn egress_logger(pod_id: &str, logged: &[String]) -> AccessLog {
-    let filters = logged.iter().map(|key| denied(HTTP_METADATA, key)).collect();
-    let mut common = common_config("aether_authorization", &[(EGRESS_TAG, pod_id)]);
+/// What the outbound logger ([`super::logger`]) adds for calls to external services: it
+/// also ships a request one of the egress RBAC results under `logged` says `denied` (the
+/// filters, ORed with its own), names the caller's identity from the filter state its
+/// listener set, and the external service from the route's metadata.
+pub(super) fn egress_shipping(logged: &[String], common: &mut CommonGrpcAccessLogConfig) -> Vec<AccessLogFilter> {
     common.filter_state_objects_to_log = vec![SOURCE_IDENTITY.to_owned()];
     common.custom_tags.push(CustomTag {
         tag: EGRESS_DESTINATION_TAG.into(),
@@ -304,11 +305,7 @@ pub fn egress_logger(pod_id: &str, logged: &[String]) -> AccessLog {
             default_value: String::new(),
         })),
     });
-    let config = HttpGrpcAccessLogConfig {
-        common_config: Some(common),
-        ..Default::default()
-    };
-    grpc_logger("envoy.access_loggers.http_grpc", any_of(filters), any(&config))
+    logged.iter().map(|key| denied(HTTP_METADATA, key)).collect()
 }
 
 /// The logger of a pod's chain to an external service's stream `port`: every connection
@@ -349,6 +346,7 @@ pub fn egress_route_metadata(service: &str, port: u32) -> Metadata {
 pub fn decisions_of(entry: &HttpAccessLogEntry) -> Option<Vec<Decision>> {
     let common = entry.common_properties.as_ref()?;
     if common.custom_tags.contains_key(EGRESS_TAG) {
+        // The outbound logger's: decisions on calls to external services, if any.
         return egress_decisions_of(entry);
     }
     let request = entry.request.clone().unwrap_or_default();

@@ -132,6 +132,12 @@ fn an_envoy_entry_becomes_a_failure_of_the_tagged_pod() {
     let mut reset = entry.clone();
     reset.response = None;
     assert_eq!(failure_of(reset).unwrap().1.status, 0);
+    // Shipped for an authorization decision only (an audited call that went well): no failure.
+    let mut audited = entry.clone();
+    audited.common_properties.as_mut().unwrap().response_flags = None;
+    audited.response.as_mut().unwrap().response_code =
+        Some(envoy_types::pb::google::protobuf::UInt32Value { value: 200 });
+    assert!(failure_of(audited).is_none());
     // A client's long path is kept bounded, with its size.
     let mut long = entry;
     long.request.as_mut().unwrap().path = format!("/{}", "a".repeat(100_000));
@@ -140,12 +146,12 @@ fn an_envoy_entry_becomes_a_failure_of_the_tagged_pod() {
 }
 
 #[test]
-fn the_logger_ships_failures_only_tagged_with_the_pod() {
-    let log = logger("demo/frontend");
+fn the_logger_ships_failures_and_egress_decisions_tagged_with_the_pod() {
+    let log = logger("demo/frontend", &["egress.deny.enforced_engine_result".to_owned()]);
     let Some(access_log_filter::FilterSpecifier::OrFilter(or)) = log.filter.unwrap().filter_specifier else {
         panic!("not an or filter")
     };
-    assert_eq!(or.filters.len(), 2);
+    assert_eq!(or.filters.len(), 3, "status, flags, the egress result");
     let Some(access_log::ConfigType::TypedConfig(any)) = log.config_type else {
         panic!()
     };

@@ -159,18 +159,18 @@ fn routed(pod: &LocalPod, table: &str, by: RoutedBy, callers: &[HttpFilter]) -> 
         .collect(),
         access_log: crate::request_metrics::access_log(&source)
             .into_iter()
-            .chain([crate::access_log::logger(&pod.id()), egress_decisions(pod, callers)])
+            .chain([crate::access_log::logger(&pod.id(), &egress_logged(callers))])
             .collect(),
         ..Default::default()
     };
     network_filter("envoy.filters.network.http_connection_manager", &hcm)
 }
 
-/// The decision logger of calls to external services, for the egress filters among `callers`.
-fn egress_decisions(pod: &LocalPod, callers: &[HttpFilter]) -> AccessLog {
+/// The egress RBAC results worth a decision log line, for the egress filters among `callers`.
+fn egress_logged(callers: &[HttpFilter]) -> Vec<String> {
     let egress = &authorization::egress::EGRESS;
     let slots = callers.iter().filter(|f| f.name.starts_with(egress.audit)).count();
-    decisions::egress_logger(&pod.id(), &authorization::egress::logged_keys(slots))
+    authorization::egress::logged_keys(slots)
 }
 
 /// Sets the destination header before the route table picks a virtual host by it: to
