@@ -209,24 +209,53 @@ fn guarded(outside: Ipv4Addr) -> String {
     )
 }
 
+/// The outside (a DNS server naming it, an HTTP server on 8080 and a TCP echo on 5432),
+/// the mesh serving the declarations and policies `yaml` gives for it, and the pods
+/// `client` and `intruder` declaring payments and legacy-db.
+struct Guarded {
+    _config: tempfile::TempDir,
+    _dns: OutsideDns,
+    mesh: Mesh,
+    _outside: TestPod,
+    http: aether_tests::HttpServer,
+    _db: aether_tests::TcpServer,
+    callers: Vec<TestPod>,
+}
+
+impl Guarded {
+    async fn start(yaml: fn(Ipv4Addr) -> String) -> Guarded {
+        let config = tempfile::tempdir().unwrap();
+        let dns = OutsideDns::start(&[]).await;
+        let (dns_flag, dir) = (dns.addr().to_string(), config.path().display().to_string());
+        let mesh = Mesh::start_with_registrar(&["--external-dns", &dns_flag], &["--routes-dir", &dir]).await;
+        let outside = mesh.node.add_pod("outside");
+        dns.set(HOST, outside.ip());
+        let http = outside.serve_http(SocketAddr::from(([0, 0, 0, 0], 8080)), "outside-http");
+        let db = outside.serve_tcp_echo(SocketAddr::from(([0, 0, 0, 0], 5432)));
+        put_config(config.path(), "policies.yaml", Some(&yaml(outside.ip())));
+        let mut callers = Vec::new();
+        for name in ["client", "intruder"] {
+            let pod = mesh.node.add_pod(name);
+            mesh.describe_pod(&pod, name, name, "payments,legacy-db", &[]);
+            mesh.add_pod_ok(&pod, name).await;
+            callers.push(pod);
+        }
+        Guarded {
+            _config: config,
+            _dns: dns,
+            mesh,
+            _outside: outside,
+            http,
+            _db: db,
+            callers,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_to_external_services_are_authorized_by_the_calling_pods_identity() {
-    let config = tempfile::tempdir().unwrap();
-    let dns = OutsideDns::start(&[]).await;
-    let (dns_flag, dir) = (dns.addr().to_string(), config.path().display().to_string());
-    let mesh = Mesh::start_with_registrar(&["--external-dns", &dns_flag], &["--routes-dir", &dir]).await;
-    let outside = mesh.node.add_pod("outside");
-    dns.set(HOST, outside.ip());
-    let http = outside.serve_http(SocketAddr::from(([0, 0, 0, 0], 8080)), "outside-http");
-    let _db = outside.serve_tcp_echo(SocketAddr::from(([0, 0, 0, 0], 5432)));
-    put_config(config.path(), "guarded.yaml", Some(&guarded(outside.ip())));
-    let mut callers = Vec::new();
-    for name in ["client", "intruder"] {
-        let pod = mesh.node.add_pod(name);
-        mesh.describe_pod(&pod, name, name, "payments,legacy-db", &[]);
-        mesh.add_pod_ok(&pod, name).await;
-        callers.push(pod);
-    }
+    let world = Guarded::start(guarded).await;
+    let (mesh, http, callers) = (&world.mesh, &world.http, &world.callers);
     let (client, intruder) = (&callers[0], &callers[1]);
     let payments = mesh.vip("payments").await;
     let url = format!("http://{payments}:8080/pay");
@@ -244,7 +273,7 @@ async fn calls_to_external_services_are_authorized_by_the_calling_pods_identity(
     // The caller's node logged both denials, naming the caller and the external service.
     let intruder_id = "source=spiffe://aether.test/ns/demo/sa/intruder";
     logged(
-        &mesh,
+        mesh,
         &[
             "no ALLOW policy guarding demo/payments matched",
             intruder_id,
@@ -255,7 +284,7 @@ async fn calls_to_external_services_are_authorized_by_the_calling_pods_identity(
     )
     .await;
     logged(
-        &mesh,
+        mesh,
         &[
             "verdict=\"deny\"",
             "source=spiffe://aether.test/ns/demo/sa/client",
@@ -280,7 +309,7 @@ async fn calls_to_external_services_are_authorized_by_the_calling_pods_identity(
         "intruder got {closed:?}"
     );
     logged(
-        &mesh,
+        mesh,
         &[
             "verdict=\"deny\"",
             "policy=demo/db-intruder",
@@ -330,31 +359,17 @@ fn watched(outside: Ipv4Addr) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dry_run_and_audit_policies_on_external_services_change_nothing_and_are_logged() {
-    let config = tempfile::tempdir().unwrap();
-    let dns = OutsideDns::start(&[]).await;
-    let (dns_flag, dir) = (dns.addr().to_string(), config.path().display().to_string());
-    let mesh = Mesh::start_with_registrar(&["--external-dns", &dns_flag], &["--routes-dir", &dir]).await;
-    let outside = mesh.node.add_pod("outside");
-    dns.set(HOST, outside.ip());
-    let http = outside.serve_http(SocketAddr::from(([0, 0, 0, 0], 8080)), "outside-http");
-    let _db = outside.serve_tcp_echo(SocketAddr::from(([0, 0, 0, 0], 5432)));
-    put_config(config.path(), "watched.yaml", Some(&watched(outside.ip())));
-    let mut callers = Vec::new();
-    for name in ["client", "intruder"] {
-        let pod = mesh.node.add_pod(name);
-        mesh.describe_pod(&pod, name, name, "payments,legacy-db", &[]);
-        mesh.add_pod_ok(&pod, name).await;
-        callers.push(pod);
-    }
+    let world = Guarded::start(watched).await;
+    let (mesh, http, callers) = (&world.mesh, &world.http, &world.callers);
     let payments = mesh.vip("payments").await;
     // Both are served: neither policy changes an answer.
-    for caller in &callers {
+    for caller in callers {
         let reply = get_until_ok(caller, &payments, 8080, HOST).await;
         assert_eq!(reply.json()["pod"], "outside-http");
     }
     assert!(http.requests() >= 2);
     logged(
-        &mesh,
+        mesh,
         &[
             "verdict=\"audit\"",
             "policy=demo/watch-payments",
@@ -364,7 +379,7 @@ async fn dry_run_and_audit_policies_on_external_services_change_nothing_and_are_
     )
     .await;
     logged(
-        &mesh,
+        mesh,
         &[
             "verdict=\"dry_run_deny\"",
             "policy=demo/next-deny",
@@ -374,7 +389,7 @@ async fn dry_run_and_audit_policies_on_external_services_change_nothing_and_are_
     .await;
     // TCP: both connect; each connection logs what was decided for its pod.
     let db: SocketAddr = format!("{}:5432", mesh.vip("legacy-db").await).parse().unwrap();
-    for caller in &callers {
+    for caller in callers {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             match greeting(caller, db) {
@@ -385,7 +400,7 @@ async fn dry_run_and_audit_policies_on_external_services_change_nothing_and_are_
         }
     }
     logged(
-        &mesh,
+        mesh,
         &[
             "verdict=\"audit\"",
             "policy=demo/watch-payments",
@@ -396,7 +411,7 @@ async fn dry_run_and_audit_policies_on_external_services_change_nothing_and_are_
     )
     .await;
     logged(
-        &mesh,
+        mesh,
         &[
             "verdict=\"dry_run_deny\"",
             "pod=demo/intruder",
