@@ -1,5 +1,5 @@
 //! Gateway API route objects (`gateway.networking.k8s.io/v1`, and TCPRoute and TLSRoute
-//! from `v1alpha2`), typed: what the Kubernetes
+//! from `v1alpha2`) and the edge's GatewayClass, Gateway and ReferenceGrant, typed: what the Kubernetes
 //! API serves and what a route directory holds, field for field.
 //!
 //! Decoding is lenient where the API lets values grow (enums, unknown fields), because one
@@ -11,10 +11,12 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use serde::{Deserialize, Serialize};
 
+mod gateways;
 mod grpc;
 mod http;
 mod tcp;
 
+pub use gateways::*;
 pub use grpc::*;
 pub use http::*;
 pub use tcp::*;

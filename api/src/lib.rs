@@ -5,7 +5,10 @@
 //! the agent (re-validation before compiling to Envoy) and the admission webhooks call
 //! these same functions.
 //!
-//! - [`gateway`]: the typed objects (`kube::Api::<HttpRoute>` works on them).
+//! - [`gateway`]: the typed objects (`kube::Api::<HttpRoute>` works on them), routes and
+//!   the edge's GatewayClass, Gateway and ReferenceGrant.
+//! - [`edge`]: the edge gateway's projector: one Gateway validated, its routes attached
+//!   (projected by [`route::project_detached`]), its status computed.
 //! - [`route`]: [`project`], [`validate`], [`backend_services`], [`unresolved_backends`];
 //!   [`route::order`]: the precedence of the rules on a service port and which one a
 //!   request takes ([`route::request`]), for the agent's compile and `aether explain`.
@@ -27,6 +30,7 @@
 
 pub mod authorization;
 pub mod duration;
+pub mod edge;
 pub mod external_service;
 pub mod gateway;
 pub mod http_filter;

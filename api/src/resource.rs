@@ -2,12 +2,23 @@
 //! `kube::Api::<T>::all(client)` and watch them.
 
 /// Implements `kube_core::Resource` for a namespaced kind: `(type, group, version, kind,
-/// plural)`, the type having a `metadata: ObjectMeta` field.
+/// plural)`, the type having a `metadata: ObjectMeta` field. A sixth argument names another
+/// scope: `k8s_openapi::ClusterResourceScope` for a cluster-scoped kind (GatewayClass).
 macro_rules! namespaced_resource {
     ($type:ty, $group:expr, $version:expr, $kind:expr, $plural:literal) => {
+        $crate::resource::namespaced_resource!(
+            $type,
+            $group,
+            $version,
+            $kind,
+            $plural,
+            k8s_openapi::NamespaceResourceScope
+        );
+    };
+    ($type:ty, $group:expr, $version:expr, $kind:expr, $plural:literal, $scope:ty) => {
         impl kube_core::Resource for $type {
             type DynamicType = ();
-            type Scope = k8s_openapi::NamespaceResourceScope;
+            type Scope = $scope;
 
             fn kind(_: &()) -> std::borrow::Cow<'_, str> {
                 std::borrow::Cow::Borrowed($kind)

@@ -168,6 +168,23 @@ pub fn project(object: &RouteObject) -> Result<Option<Route>, Rejected> {
     if !object.parent_refs().iter().any(is_service_parent) {
         return Ok(None);
     }
+    // The mesh takes server names from TLS routes only: a Service parent already names
+    // the host, so an HTTPRoute's or GRPCRoute's hostnames are not read (nor refused).
+    let mut route = detached(object, matches!(object, RouteObject::Tls(_)))?;
+    route.parents = parents(object.parent_refs(), object.namespace())?;
+    Ok(Some(route))
+}
+
+/// Validates a route object and projects it whatever its parents (the edge's Gateways
+/// attach it themselves): `parents` is empty; `hostnames` holds the route's own
+/// `spec.hostnames` (HTTPRoute, GRPCRoute, TLSRoute), lower-cased and deduplicated. The
+/// rules are projected exactly as [`project`] projects them for the mesh.
+pub fn project_detached(object: &RouteObject) -> Result<Route, Rejected> {
+    detached(object, true)
+}
+
+/// The projection without parents; `with_hostnames`: read and check `spec.hostnames`.
+fn detached(object: &RouteObject, with_hostnames: bool) -> Result<Route, Rejected> {
     let namespace = object.namespace();
     at("metadata.namespace", check::label(namespace))?;
     at("metadata.name", check::subdomain(object.name()))?;
@@ -179,19 +196,22 @@ pub fn project(object: &RouteObject) -> Result<Option<Route>, Rejected> {
         RouteObject::Tls(route) => tcp::rules(&route.spec.rules, namespace)?,
     };
     let hostnames = match object {
+        _ if !with_hostnames => Vec::new(),
+        RouteObject::Http(route) => tcp::hostnames(&route.spec.hostnames)?,
+        RouteObject::Grpc(route) => tcp::hostnames(&route.spec.hostnames)?,
         RouteObject::Tls(route) => tcp::hostnames(&route.spec.hostnames)?,
-        _ => Vec::new(),
+        RouteObject::Tcp(_) => Vec::new(),
     };
-    Ok(Some(Route {
+    Ok(Route {
         kind: object.kind().into(),
         namespace: namespace.to_owned(),
         name: object.name().to_owned(),
-        parents: parents(object.parent_refs(), namespace)?,
+        parents: Vec::new(),
         rules,
         created_unix_seconds: meta.creation_timestamp.as_ref().map_or(0, |t| t.0.as_second()),
         generation: meta.generation.unwrap_or(0),
         hostnames,
-    }))
+    })
 }
 
 /// The Service parents, deduplicated, in order.
