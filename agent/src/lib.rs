@@ -7,6 +7,7 @@ pub mod cni;
 pub mod config;
 pub mod debug;
 pub mod dns_records;
+pub mod edge;
 pub mod explain;
 pub mod identity;
 pub mod mesh_settings;

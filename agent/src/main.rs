@@ -18,6 +18,8 @@ enum Command {
     Run(aether_agent::config::Config),
     /// Supervise the node's Envoy: hot restarts, takeover of a predecessor's Envoy, crash restarts, drain.
     Proxy(aether_agent::proxy::ProxyConfig),
+    /// Serve an edge gateway: one Gateway of the `aether` class, xDS for its own Envoy.
+    Edge(aether_agent::edge::EdgeConfig),
 }
 
 #[tokio::main]
@@ -47,6 +49,11 @@ async fn main() -> anyhow::Result<()> {
                 aether_common::telemetry::init(config.log_format, &config.telemetry, &aether_agent::proxy::TELEMETRY)?;
             let shutdown = aether_common::shutdown::on_signal()?;
             aether_agent::proxy::run(config, shutdown).await?;
+        }
+        Command::Edge(config) => {
+            aether_common::telemetry::init_logging(config.log_format);
+            let shutdown = aether_common::shutdown::on_signal()?;
+            aether_agent::edge::run(config, shutdown).await?;
         }
     }
     Ok(())

@@ -92,7 +92,7 @@ impl Running {
 }
 
 /// Binds a Unix socket readable and writable by its owner only.
-fn bind_private(path: &Path) -> Result<UnixListener, StartError> {
+pub(crate) fn bind_private(path: &Path) -> Result<UnixListener, StartError> {
     let fail = |source| StartError::Socket {
         path: path.display().to_string(),
         source,

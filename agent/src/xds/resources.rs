@@ -18,6 +18,7 @@
 pub mod app_protocols;
 pub mod authorization;
 mod clusters;
+pub mod edge;
 pub mod external;
 pub mod http_filters;
 mod listeners;

@@ -151,7 +151,7 @@ fn uds_cluster(name: &str, path: &std::path::Path) -> Cluster {
 /// A service port's cluster, shared by every local pod. With mTLS its endpoints are the
 /// internal origination hop (see `origination`), which the cluster's metadata tells
 /// whom to expect; without, the peers' inbound listeners in plaintext.
-fn mesh_cluster(
+pub(super) fn mesh_cluster(
     name: &str,
     port: u32,
     protocol: Protocol,
@@ -381,7 +381,7 @@ pub fn distribution(service: &MeshService) -> TrafficDistribution {
 /// Endpoints grouped by priority (see [`priority`]) and locality. `originate`: with
 /// mTLS, whether the endpoints are reached through the HTTP (`true`) or TCP origination
 /// hop.
-fn load_assignment(
+pub(super) fn load_assignment(
     name: &str,
     endpoints: &[&MeshEndpoint],
     here: Here,

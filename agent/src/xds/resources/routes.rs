@@ -19,9 +19,9 @@
 //! An HTTP port with routes attached serves their compiled rules (see `compile`); one
 //! without serves everything to its own cluster, with the mesh's default retries.
 
-mod actions;
+pub(super) mod actions;
 mod attached;
-mod compile;
+pub(super) mod compile;
 mod matching;
 pub mod regex_budget;
 mod rewrite;
@@ -513,7 +513,7 @@ fn prefix_match(prefix: &str) -> RouteMatch {
     }
 }
 
-fn direct(status: u32, body: &str) -> Route {
+pub(super) fn direct(status: u32, body: &str) -> Route {
     Route {
         r#match: Some(prefix_match("/")),
         action: Some(direct_action(status, body)),

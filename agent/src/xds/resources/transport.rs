@@ -176,6 +176,83 @@ pub fn source_filter(mtls: Option<&Mtls>, pod: &crate::pod::LocalPod) -> Option<
     })
 }
 
+/// The upstream TLS socket of an edge gateway's cluster: the gateway's own SVID (an
+/// edge Envoy has one identity, so the socket is the cluster's own and needs no
+/// origination hop), the destination service's SPIFFE IDs pinned, ALPN h2 for HTTP, and
+/// for a TCP stream the server name that names the app port at the peer.
+pub fn edge_upstream(
+    mtls: &Mtls,
+    svid: &str,
+    sans: &[String],
+    http: bool,
+    stream_port: Option<u32>,
+) -> TransportSocket {
+    let pinned = CertificateValidationContext {
+        match_typed_subject_alt_names: (sans.iter())
+            .map(|san| SubjectAltNameMatcher {
+                san_type: subject_alt_name_matcher::SanType::Uri as i32,
+                matcher: Some(StringMatcher {
+                    match_pattern: Some(string_matcher::MatchPattern::Exact(san.clone())),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let context = UpstreamTlsContext {
+        sni: stream_port
+            .map(super::origination::port_server_name)
+            .unwrap_or_default(),
+        common_tls_context: Some(CommonTlsContext {
+            tls_params: tls13(),
+            alpn_protocols: if http { vec![ALPN_H2.into()] } else { Vec::new() },
+            tls_certificate_sds_secret_configs: vec![sds(svid)],
+            validation_context_type: Some(common_tls_context::ValidationContextType::CombinedValidationContext(
+                common_tls_context::CombinedCertificateValidationContext {
+                    default_validation_context: Some(pinned),
+                    validation_context_sds_secret_config: Some(sds(&bundle_secret(&mtls.trust_domain))),
+                    ..Default::default()
+                },
+            )),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    tls_socket(any(&context))
+}
+
+/// The TLS a client outside the mesh gets at an HTTPS listener of the edge: the
+/// listener's certificates (SDS secrets `secrets`, Envoy picks one by SNI), TLS 1.2 or
+/// newer, HTTP/2 or HTTP/1.1. No client certificate.
+pub fn edge_terminate(secrets: &[String]) -> TransportSocket {
+    let context = DownstreamTlsContext {
+        common_tls_context: Some(CommonTlsContext {
+            tls_params: Some(TlsParameters {
+                tls_minimum_protocol_version: tls_parameters::TlsProtocol::TlSv12 as i32,
+                ..Default::default()
+            }),
+            alpn_protocols: vec![ALPN_H2.into(), "http/1.1".into()],
+            tls_certificate_sds_secret_configs: secrets.iter().map(|name| sds(name)).collect(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    tls_socket(any(&context))
+}
+
+/// An SDS secret holding a certificate chain and its key (PEM).
+pub fn certificate_secret(name: &str, chain_pem: &str, key_pem: &str) -> Any {
+    any(&Secret {
+        name: name.to_owned(),
+        r#type: Some(secret::Type::TlsCertificate(TlsCertificate {
+            certificate_chain: Some(inline(chain_pem.to_owned())),
+            private_key: Some(inline(key_pem.to_owned())),
+            ..Default::default()
+        })),
+    })
+}
+
 fn inline(text: String) -> DataSource {
     DataSource {
         specifier: Some(data_source::Specifier::InlineString(text)),
@@ -189,15 +266,8 @@ pub fn secrets(identities: &Identities) -> Vec<(String, Any)> {
     let mut out = Vec::with_capacity(identities.svids.len() + 1);
     for (pod_id, svid) in &identities.svids {
         let name = svid_secret(pod_id);
-        let body = Secret {
-            name: name.clone(),
-            r#type: Some(secret::Type::TlsCertificate(TlsCertificate {
-                certificate_chain: Some(inline(svid.cert_chain_pem.clone())),
-                private_key: Some(inline(svid.key.pem().to_owned())),
-                ..Default::default()
-            })),
-        };
-        out.push((name, any(&body)));
+        let body = certificate_secret(&name, &svid.cert_chain_pem, svid.key.pem());
+        out.push((name, body));
     }
     if !identities.bundles.is_empty() {
         let name = bundle_secret(&identities.trust_domain);

@@ -14,6 +14,14 @@ use crate::xds::resources::http_filters;
 
 /// The Envoy routes of one service port, from the routes attached to it.
 pub fn compile(routes: &[&Route], target: &Target) -> Vec<EnvoyRoute> {
+    let mut compiled = compile_rules(routes, target);
+    compiled.push(direct(404, "no route rule matches this request\n"));
+    compiled
+}
+
+/// The routes' rules in Gateway API precedence, without the final 404 (the edge chains
+/// the rules of several hostnames in one virtual host).
+pub fn compile_rules(routes: &[&Route], target: &Target) -> Vec<EnvoyRoute> {
     let mut compiled: Vec<EnvoyRoute> = Vec::new();
     for entry in &ordered_matches(routes) {
         let route = envoy_route(entry, target);
@@ -22,7 +30,6 @@ pub fn compile(routes: &[&Route], target: &Target) -> Vec<EnvoyRoute> {
         }
         compiled.push(route);
     }
-    compiled.push(direct(404, "no route rule matches this request\n"));
     compiled
 }
 
