@@ -26,6 +26,7 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::netns::TestPod;
+use rustls_pki_types::pem::PemObject;
 
 /// How long a client request may take, connect included.
 pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -307,54 +308,117 @@ async fn request(
     let url = target.url.clone();
     let exchange = async move {
         let stream: TcpStream = socket.connect(target.addr).await.map_err(|e| format!("connect: {e}"))?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| format!("handshake: {e}"))?;
-        let driver = tokio::spawn(conn);
-        let mut req = Request::builder()
-            .method(method)
-            .uri(&target.path_and_query)
-            .header(hyper::header::HOST, host.unwrap_or(&target.authority));
-        for (name, value) in headers {
-            req = req.header(*name, *value);
-        }
-        let req = req
-            .body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
-            .map_err(|e| format!("request: {e}"))?;
-        let result: Result<HttpReply, String> = async {
-            let resp = sender.send_request(req).await.map_err(|e| format!("send: {e}"))?;
-            let status = resp.status().as_u16();
-            let mut headers = BTreeMap::<String, String>::new();
-            for (name, value) in resp.headers() {
-                let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
-                headers
-                    .entry(name.as_str().to_string())
-                    .and_modify(|v| {
-                        v.push_str(", ");
-                        v.push_str(&value)
-                    })
-                    .or_insert(value);
-            }
-            let body = resp
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| format!("body: {e}"))?
-                .to_bytes();
-            Ok(HttpReply {
-                status,
-                headers,
-                body: String::from_utf8_lossy(&body).into_owned(),
-            })
-        }
-        .await;
-        driver.abort();
-        result
+        let authority = host.unwrap_or(&target.authority);
+        exchange(stream, method, &target.path_and_query, authority, headers, body).await
     };
     match tokio::time::timeout(CLIENT_TIMEOUT, exchange).await {
         Ok(result) => result.map_err(|e| format!("{method} {url}: {e}")),
         Err(_) => Err(format!("{method} {url}: timed out after {CLIENT_TIMEOUT:?}")),
     }
+}
+
+/// An HTTP/1.1 request over HTTPS from the caller's own network namespace to `addr`, with `server_name` as SNI,
+/// trusting only `ca_pem`. Also returns the DER certificates the server presented (leaf first).
+#[allow(clippy::too_many_arguments)]
+pub async fn https_request(
+    addr: SocketAddr,
+    server_name: &str,
+    ca_pem: &str,
+    method: &str,
+    path: &str,
+    host: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Result<(HttpReply, Vec<Vec<u8>>), String> {
+    let exchange = async {
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in rustls_pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+            roots
+                .add(cert.map_err(|e| format!("CA PEM: {e}"))?)
+                .map_err(|e| format!("CA: {e}"))?;
+        }
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS config: {e}"))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let name = rustls_pki_types::ServerName::try_from(server_name.to_owned()).map_err(|e| format!("SNI: {e}"))?;
+        let tcp = TcpStream::connect(addr).await.map_err(|e| format!("connect: {e}"))?;
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("TLS handshake: {e}"))?;
+        let presented: Vec<Vec<u8>> = (tls.get_ref().1.peer_certificates().unwrap_or_default())
+            .iter()
+            .map(|c| c.to_vec())
+            .collect();
+        let reply = exchange(tls, method, path, host, headers, body).await?;
+        Ok((reply, presented))
+    };
+    match tokio::time::timeout(CLIENT_TIMEOUT, exchange).await {
+        Ok(result) => result.map_err(|e: String| format!("{method} https://{server_name}{path} at {addr}: {e}")),
+        Err(_) => Err(format!(
+            "{method} https://{server_name}{path}: timed out after {CLIENT_TIMEOUT:?}"
+        )),
+    }
+}
+
+/// One HTTP/1.1 request and its whole answer over `stream`.
+async fn exchange<S>(
+    stream: S,
+    method: &str,
+    path_and_query: &str,
+    authority: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Result<HttpReply, String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    let driver = tokio::spawn(conn);
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path_and_query)
+        .header(hyper::header::HOST, authority);
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let req = req
+        .body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
+        .map_err(|e| format!("request: {e}"))?;
+    let result: Result<HttpReply, String> = async {
+        let resp = sender.send_request(req).await.map_err(|e| format!("send: {e}"))?;
+        let status = resp.status().as_u16();
+        let mut headers = BTreeMap::<String, String>::new();
+        for (name, value) in resp.headers() {
+            let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
+            headers
+                .entry(name.as_str().to_string())
+                .and_modify(|v| {
+                    v.push_str(", ");
+                    v.push_str(&value)
+                })
+                .or_insert(value);
+        }
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("body: {e}"))?
+            .to_bytes();
+        Ok(HttpReply {
+            status,
+            headers,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        })
+    }
+    .await;
+    driver.abort();
+    result
 }
 
 async fn describe(pod: Arc<str>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {

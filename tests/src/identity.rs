@@ -99,10 +99,24 @@ impl TestCa {
         self.leaf(name, now - Duration::from_secs(5), now + ttl)
     }
 
+    /// A server leaf naming every DNS name of `names` (wildcards allowed), valid for `ttl`.
+    pub fn issue_server_names(&self, names: &[&str], ttl: Duration) -> Leaf {
+        let now = SystemTime::now();
+        let sans = names
+            .iter()
+            .map(|n| SanType::DnsName((*n).to_owned().try_into().unwrap()))
+            .collect();
+        self.leaf_with(sans, now - Duration::from_secs(5), now + ttl)
+    }
+
     fn leaf(&self, san: SanType, not_before: SystemTime, not_after: SystemTime) -> Leaf {
+        self.leaf_with(vec![san], not_before, not_after)
+    }
+
+    fn leaf_with(&self, sans: Vec<SanType>, not_before: SystemTime, not_after: SystemTime) -> Leaf {
         let key = KeyPair::generate().unwrap();
         let mut params = CertificateParams::default();
-        params.subject_alt_names = vec![san];
+        params.subject_alt_names = sans;
         let mut dn = DistinguishedName::new();
         dn.push(DnType::OrganizationName, "aether-test");
         params.distinguished_name = dn;

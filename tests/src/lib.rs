@@ -12,6 +12,7 @@ pub mod cni;
 pub mod control_plane;
 pub mod controller;
 pub mod echo;
+pub mod edge;
 pub mod envoy;
 pub mod gamma;
 pub mod http;

@@ -27,6 +27,10 @@ pub struct Case {
     /// about the mesh without routes.
     #[serde(default)]
     pub routes: String,
+    /// Edge cases only: the Gateway's `spec.listeners` (YAML) for this case, instead of the standard ones
+    /// ([`crate::edge::STANDARD_LISTENERS`]).
+    #[serde(default)]
+    pub gateway: Option<String>,
     pub requests: Vec<Row>,
     /// Weighted splits checked once every row holds.
     #[serde(default)]
@@ -78,6 +82,12 @@ pub enum Via {
     /// Its Kubernetes Service's ClusterIP (captured by the pod's ClusterIP set), with its Kubernetes name
     /// (`<svc>.demo.svc.cluster.local`) as the authority; only in a suite with Kubernetes Services.
     ClusterIp,
+    /// The edge gateway's listener on `port`, in plain HTTP from outside the mesh (the root netns); `authority`
+    /// is required. `from` and `to` are not used.
+    Edge,
+    /// The edge gateway's listener on `port` over TLS, with the authority's host as SNI, trusting the edge's
+    /// test CA.
+    EdgeTls,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -129,6 +139,9 @@ pub struct Expect {
     /// Bounds on how long the answer took, in milliseconds.
     #[serde(default)]
     pub elapsed_ms: Option<[u64; 2]>,
+    /// An `edge-tls` row: a DNS name the certificate the edge served must carry.
+    #[serde(default)]
+    pub certificate: Option<String>,
 }
 
 /// The parts of a Location header that are checked; unset ones are not.
@@ -158,6 +171,12 @@ pub struct Split {
     pub headers: BTreeMap<String, String>,
     #[serde(default)]
     pub grpc: Option<GrpcCall>,
+    /// How the requests travel (see [`Row::via`]).
+    #[serde(default)]
+    pub via: Via,
+    /// The authority sent (required for edge splits).
+    #[serde(default)]
+    pub authority: Option<String>,
     #[serde(default = "five_hundred")]
     pub requests: usize,
     /// Backend service → expected share (0..=1); every answer must come from one of them.
@@ -228,6 +247,14 @@ impl Row {
         let via = match self.via {
             Via::Vip => "",
             Via::ClusterIp => " by ClusterIP",
+            Via::Edge | Via::EdgeTls => {
+                let scheme = if self.via == Via::Edge { "http" } else { "https" };
+                let authority = self.authority.as_deref().unwrap_or("?");
+                return format!(
+                    "row {index} (edge {scheme}://{authority} on port {}: {what}{headers})",
+                    self.port
+                );
+            }
         };
         format!(
             "row {index} ({} → {}:{}{via} {what}{headers})",
@@ -288,6 +315,14 @@ impl Expect {
             && !(Duration::from_millis(min)..=Duration::from_millis(max)).contains(&got.elapsed)
         {
             errors.push(format!("took {:?}, want {min}..={max} ms", got.elapsed));
+        }
+        if let Some(name) = &self.certificate
+            && !got.certificate_names.contains(name)
+        {
+            errors.push(format!(
+                "served certificate: want one naming {name:?}, got names {:?}",
+                got.certificate_names
+            ));
         }
         errors
     }

@@ -47,6 +47,7 @@ mod tests {
             restates: Some(format!("Upstream{name}")),
             features: features.iter().map(|f| f.to_string()).collect(),
             routes: String::new(),
+            gateway: None,
             requests: Vec::new(),
             splits: Vec::new(),
         }

@@ -41,6 +41,8 @@ pub struct Observed {
     pub error: Option<String>,
     /// The first bytes of a body that is not the echo's JSON.
     pub raw: String,
+    /// Over TLS: the DNS names of the certificate the server presented.
+    pub certificate_names: Vec<String>,
 }
 
 impl Observed {
@@ -96,12 +98,17 @@ pub enum Setup {
     /// The registrar reads the fake Kubernetes API server (`--from-kubernetes`): routes are applied there, and
     /// the echo services have Services with ClusterIPs (rows may call `via: cluster-ip`).
     Kubernetes,
+    /// [`Setup::RoutesDir`] and an edge gateway reading the same directory ([`crate::edge`]): rows may call
+    /// `via: edge` and `via: edge-tls`, from outside the mesh.
+    Edge,
 }
 
 /// One node of the mesh with the echo services, two clients and a registrar reading routes from a directory or
 /// the fake Kubernetes API server.
 pub struct Suite {
-    // Dropped first: the servers and pods before the mesh that serves them.
+    // Dropped first: the edge, the servers and pods before the mesh that serves them.
+    /// The edge gateway and its world ([`Setup::Edge`]).
+    edge: Option<(crate::edge::EdgeGateway, crate::edge::EdgeWorld)>,
     _servers: Vec<EchoServer>,
     clients: BTreeMap<&'static str, TestPod>,
     _backends: Vec<TestPod>,
@@ -109,7 +116,7 @@ pub struct Suite {
     /// The echo services' ClusterIPs ([`Setup::Kubernetes`]; empty otherwise).
     cluster_ips: BTreeMap<String, String>,
     mesh: Mesh,
-    /// The routes directory ([`Setup::RoutesDir`]).
+    /// The routes directory ([`Setup::RoutesDir`], [`Setup::Edge`]).
     routes_dir: Option<tempfile::TempDir>,
 }
 
@@ -123,7 +130,7 @@ impl Suite {
     /// [`Suite::start`] set up as `setup` says; with Kubernetes Services, also waits until each client reaches
     /// each echo service by its ClusterIP.
     pub async fn start_as(setup: Setup) -> Suite {
-        let routes_dir = (setup == Setup::RoutesDir).then(|| tempfile::tempdir().expect("routes dir"));
+        let routes_dir = (setup != Setup::Kubernetes).then(|| tempfile::tempdir().expect("routes dir"));
         let routes_flag = routes_dir.as_ref().map(|d| d.path().display().to_string());
         let registrar_args = match &routes_flag {
             Some(dir) => vec!["--routes-dir", dir.as_str()],
@@ -132,7 +139,7 @@ impl Suite {
         let mesh = Mesh::start_with_registrar(&[], &registrar_args).await;
         let cluster_ips = match setup {
             Setup::Kubernetes => create_services(&mesh.control_plane.kube),
-            Setup::RoutesDir => BTreeMap::new(),
+            Setup::RoutesDir | Setup::Edge => BTreeMap::new(),
         };
         let failures = FailureCounters::default();
         let (mut backends, mut servers) = (Vec::new(), Vec::new());
@@ -156,7 +163,20 @@ impl Suite {
         for (_, service) in BACKENDS {
             vips.insert(service.to_owned(), mesh.vip(service).await);
         }
+        let edge = match (setup, &routes_dir) {
+            (Setup::Edge, Some(dir)) => {
+                let world = crate::edge::EdgeWorld::new();
+                write_file(
+                    dir.path(),
+                    crate::edge::WORLD_FILE,
+                    &world.yaml(crate::edge::STANDARD_LISTENERS),
+                );
+                Some((crate::edge::EdgeGateway::start(&mesh, dir.path()).await, world))
+            }
+            _ => None,
+        };
         let suite = Suite {
+            edge,
             _servers: servers,
             clients,
             _backends: backends,
@@ -166,7 +186,31 @@ impl Suite {
             routes_dir,
         };
         suite.wait_for_default_routing().await;
+        suite.wait_for_edge().await;
         suite
+    }
+
+    /// With an edge: its HTTP listener answers (404: no route is attached yet).
+    async fn wait_for_edge(&self) {
+        if self.edge.is_none() {
+            return;
+        }
+        let row = Row {
+            via: Via::Edge,
+            authority: Some("nothing.example.com".into()),
+            expect: super::Expect {
+                status: 404,
+                ..Default::default()
+            },
+            ..default_row()
+        };
+        let settled = self.settle(&row, "the edge's HTTP listener").await;
+        settled.unwrap_or_else(|e| panic!("{e}\n{}", self.registrar_logs()));
+    }
+
+    /// The edge gateway ([`Setup::Edge`]).
+    pub fn edge(&self) -> &crate::edge::EdgeGateway {
+        &self.edge.as_ref().expect("an edge suite").0
     }
 
     /// The registrar's and the agent's logs, for failure messages.
@@ -176,7 +220,8 @@ impl Suite {
             lines[lines.len().saturating_sub(40)..].join("\n")
         };
         let agent = self.mesh.agent.as_ref().map(|a| tail(a.logs())).unwrap_or_default();
-        format!("{}\n\nagent:\n{agent}", tail(self.mesh.registrar.logs()))
+        let edge = self.edge.as_ref().map(|(e, _)| e.logs()).unwrap_or_default();
+        format!("{}\n\nagent:\n{agent}\n\n{edge}", tail(self.mesh.registrar.logs()))
     }
 
     /// The mesh the suite runs on.
@@ -236,6 +281,7 @@ impl Suite {
         }
         if let Some(written) = written {
             self.remove_routes(written);
+            self.restore_gateway(case);
             errors.extend(self.revert(case, &changed, &before).await);
         }
         if errors.is_empty() {
@@ -245,9 +291,23 @@ impl Suite {
         }
     }
 
-    /// Writes the case's routes where the registrar reads them.
+    /// Writes the case's routes where the registrar reads them (and, on an edge, its listeners).
     fn apply(&self, case: &Case) -> Option<Written> {
+        if let (Some(listeners), Some((edge, world))) = (&case.gateway, &self.edge) {
+            write_file(&edge.config_dir, crate::edge::WORLD_FILE, &world.yaml(listeners));
+        }
         (!case.routes.is_empty()).then(|| self.write_routes(&case.name, &case.routes))
+    }
+
+    /// Puts the standard listeners back after a case that replaced them.
+    fn restore_gateway(&self, case: &Case) {
+        if let (Some(_), Some((edge, world))) = (&case.gateway, &self.edge) {
+            write_file(
+                &edge.config_dir,
+                crate::edge::WORLD_FILE,
+                &world.yaml(crate::edge::STANDARD_LISTENERS),
+            );
+        }
     }
 
     /// Writes `yaml` where the registrar reads routes: into its routes directory as `<name>.yaml`, whole, by rename
@@ -256,11 +316,7 @@ impl Suite {
         let Some(dir) = &self.routes_dir else {
             return apply_routes(&self.mesh.control_plane.kube, yaml);
         };
-        let file = dir.path().join(format!("{name}.yaml"));
-        let partial = dir.path().join(format!(".{name}.partial"));
-        std::fs::write(&partial, yaml).expect("writing routes");
-        std::fs::rename(&partial, &file).expect("renaming routes");
-        Written::File(file)
+        Written::File(write_file(dir.path(), &format!("{name}.yaml"), yaml))
     }
 
     /// Removes what [`Suite::write_routes`] wrote.
@@ -354,6 +410,12 @@ impl Suite {
         let (addresses, what) = match row.via {
             Via::Vip => (&self.vips, "VIP"),
             Via::ClusterIp => (&self.cluster_ips, "ClusterIP"),
+            Via::Edge | Via::EdgeTls => {
+                let started = Instant::now();
+                let mut got = self.send_to_edge(row, &headers).await;
+                got.elapsed = started.elapsed();
+                return got;
+            }
         };
         let Some(address) = addresses.get(&row.to) else {
             return Observed {
@@ -362,8 +424,8 @@ impl Suite {
             };
         };
         let default_authority = || match row.via {
-            Via::Vip => authority(&row.to, row.port),
             Via::ClusterIp => kubernetes_authority(&row.to, row.port),
+            _ => authority(&row.to, row.port),
         };
         let authority = row.authority.clone().unwrap_or_else(default_authority);
         let started = Instant::now();
@@ -373,6 +435,56 @@ impl Suite {
         };
         got.elapsed = started.elapsed();
         got
+    }
+
+    /// A row from outside the mesh to the edge gateway's listener on `row.port`.
+    async fn send_to_edge(&self, row: &Row, headers: &[(String, String)]) -> Observed {
+        let Some((edge, world)) = &self.edge else {
+            return Observed {
+                error: Some("an edge row in a suite without an edge gateway".into()),
+                ..Observed::default()
+            };
+        };
+        let Some(authority) = &row.authority else {
+            return Observed {
+                error: Some("an edge row needs an authority".into()),
+                ..Observed::default()
+            };
+        };
+        let addr = edge.addr(row.port);
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let (reply, names) = match row.via {
+            Via::EdgeTls => {
+                let host = authority.rsplit_once(':').map_or(authority.as_str(), |(h, _)| h);
+                let ca = &world.ca.cert_pem;
+                match crate::http::https_request(addr, host, ca, &row.method, &row.path, authority, &headers, "").await
+                {
+                    Ok((reply, certificates)) => (Ok(reply), leaf_dns_names(&certificates)),
+                    Err(e) => (Err(e), Vec::new()),
+                }
+            }
+            _ => {
+                let url = format!("http://{addr}{}", row.path);
+                (
+                    crate::http_request(&row.method, &url, Some(authority), &headers, "").await,
+                    Vec::new(),
+                )
+            }
+        };
+        match reply {
+            Ok(reply) => Observed {
+                status: reply.status,
+                body: serde_json::from_str(&reply.body).ok(),
+                raw: reply.body.chars().take(200).collect(),
+                headers: reply.headers,
+                certificate_names: names,
+                ..Observed::default()
+            },
+            Err(e) => Observed {
+                error: Some(e),
+                ..Observed::default()
+            },
+        }
     }
 
     async fn grpc(
@@ -410,6 +522,8 @@ impl Suite {
             path: split.path.clone(),
             headers: split.headers.clone(),
             grpc: split.grpc.clone(),
+            via: split.via,
+            authority: split.authority.clone(),
             ..default_row()
         };
         let mut last = String::new();
@@ -442,6 +556,34 @@ impl Suite {
         }
         counts
     }
+}
+
+/// Writes `<dir>/<name>` whole, by rename (a reader never sees half a file); returns its path.
+fn write_file(dir: &std::path::Path, name: &str, text: &str) -> std::path::PathBuf {
+    let file = dir.join(name);
+    let partial = dir.join(format!(".{name}.partial"));
+    std::fs::write(&partial, text).expect("writing a config file");
+    std::fs::rename(&partial, &file).expect("renaming a config file");
+    file
+}
+
+/// The DNS names of a presented chain's leaf.
+fn leaf_dns_names(certificates: &[Vec<u8>]) -> Vec<String> {
+    let Some(leaf) = certificates.first() else {
+        return Vec::new();
+    };
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(leaf) else {
+        return Vec::new();
+    };
+    let Ok(Some(names)) = cert.subject_alternative_name() else {
+        return Vec::new();
+    };
+    (names.value.general_names.iter())
+        .filter_map(|n| match n {
+            x509_parser::extensions::GeneralName::DNSName(d) => Some(d.to_string()),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The row the suite uses for its own checks: GET / on port 80, expecting 200.
