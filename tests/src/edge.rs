@@ -1,6 +1,6 @@
 //! An edge gateway next to a test [`Mesh`]: `aether-agent edge` serving the Gateway `edge/edge` from a config
-//! directory, and its own real Envoy, its listeners bound on a loopback address of its own so parallel tests
-//! never collide. Clients call it from the root netns (the outside of the mesh).
+//! directory, and its own real Envoy under `aether-agent proxy`, its listeners bound on a loopback address of its
+//! own so parallel tests never collide. Clients call it from the root netns (the outside of the mesh).
 //!
 //! The standard world ([`EdgeWorld`]) is written into the config directory as one file: the `aether`
 //! GatewayClass, the Gateway (an HTTP listener on 80 and an HTTPS one on 443 with two certificates), the
@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use crate::identity::TestCa;
 use crate::mesh::Mesh;
-use crate::{ChildGuard, Envoy, binary, free_port, unique_base_id};
+use crate::supervisor::{ProxyOptions, ProxySupervisor};
+use crate::{ChildGuard, binary, free_port};
 
 pub const GATEWAY_NAMESPACE: &str = "edge";
 pub const GATEWAY_NAME: &str = "edge";
@@ -115,10 +116,11 @@ pub fn secret(name: &str, leaf: &crate::identity::Leaf) -> String {
     )
 }
 
-/// `aether-agent edge` and its Envoy.
+/// `aether-agent edge` and its Envoy, run as in production by `aether-agent proxy` from the shipped bootstrap (hot
+/// restarts, drain).
 pub struct EdgeGateway {
-    // Envoy before the edge: it must not outlive its xDS server by much.
-    pub envoy: Envoy,
+    // The proxy before the edge: Envoy must not outlive its xDS server by much.
+    pub proxy: ProxySupervisor,
     pub process: ChildGuard,
     pub admin: SocketAddr,
     /// Where the listeners bind.
@@ -149,10 +151,10 @@ impl EdgeGateway {
             .env("RUST_LOG", "info,aether_agent=debug");
         let process = ChildGuard::spawn("edge", cmd);
         crate::mesh::wait_ready(admin, &process).await;
-        let bootstrap = mesh.bootstrap_for("test-edge", &xds, free_port());
-        let envoy = Envoy::start(&bootstrap, unique_base_id());
+        let options = ProxyOptions::new(&mesh.path("edge-proxy"), "test-edge", &xds);
+        let proxy = ProxySupervisor::start(&options, 0).await;
         EdgeGateway {
-            envoy,
+            proxy,
             process,
             admin,
             address,
@@ -196,9 +198,9 @@ impl EdgeGateway {
             lines[lines.len().saturating_sub(30)..].join("\n")
         };
         format!(
-            "edge:\n{}\n\nedge envoy:\n{}",
+            "edge:\n{}\n\nedge proxy:\n{}",
             tail(self.process.logs()),
-            tail(self.envoy.logs())
+            tail(self.proxy.child.logs())
         )
     }
 }
@@ -225,14 +227,11 @@ fn identity_args(agent_args: &[String]) -> Vec<String> {
     out
 }
 
-/// A loopback address of this test process's own (`127.64.0.0/10` by pid), so listeners on ports 80 and 443
-/// never collide with another test's.
+/// A loopback address of this edge's own (`127.64.0.0/10`: the test process's pid and a counter), so listeners on
+/// ports 80 and 443 never collide with another test's, in this process or another.
 fn unique_loopback() -> IpAddr {
+    static NEXT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+    let edge = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) & 0x3f;
     let pid = std::process::id();
-    IpAddr::V4(Ipv4Addr::new(
-        127,
-        64 | ((pid >> 16) & 0x3f) as u8,
-        (pid >> 8) as u8,
-        pid as u8,
-    ))
+    IpAddr::V4(Ipv4Addr::new(127, 64 | edge, (pid >> 8) as u8, pid as u8))
 }

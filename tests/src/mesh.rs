@@ -247,13 +247,8 @@ impl Mesh {
     /// The bootstrap [`Mesh::start_envoy`] runs, with Envoy's admin on `127.0.0.1:admin_port` (tests add stats
     /// config to it).
     pub fn envoy_bootstrap(&self, admin_port: u16) -> serde_json::Value {
-        self.bootstrap_for("test-node", &self.xds_socket(), admin_port)
-    }
-
-    /// [`Mesh::envoy_bootstrap`] for another Envoy of this mesh (an edge gateway's): its node id and xDS socket.
-    pub fn bootstrap_for(&self, node: &str, xds_socket: &std::path::Path, admin_port: u16) -> serde_json::Value {
         json!({
-            "node": {"id": node, "cluster": "aether"},
+            "node": {"id": "test-node", "cluster": "aether"},
             "admin": admin_address_json(admin_port),
             // As proxy/bootstrap.yaml: a cluster's traffic stats are created when first used.
             "deferred_stat_options": {"enable_deferred_creation_stats": true},
@@ -289,7 +284,7 @@ impl Mesh {
                     }
                 },
                 "load_assignment": {"cluster_name": "aether_xds", "endpoints": [{"lb_endpoints": [{"endpoint": {
-                    "address": {"pipe": {"path": xds_socket.to_string_lossy()}}
+                    "address": {"pipe": {"path": self.xds_socket().to_string_lossy()}}
                 }}]}]}
             }]}
         })

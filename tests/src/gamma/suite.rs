@@ -213,6 +213,25 @@ impl Suite {
         &self.edge.as_ref().expect("an edge suite").0
     }
 
+    /// Whether a GET from the `client` pod to `service` (its VIP, port 80) is refused with 403 now.
+    pub async fn refused_from_client(&self, service: &str) -> bool {
+        let row = Row {
+            to: service.into(),
+            ..default_row()
+        };
+        self.send(&row).await.status == 403
+    }
+
+    /// The edge gateway, to hot-restart its Envoy ([`Setup::Edge`]).
+    pub fn edge_mut(&mut self) -> &mut crate::edge::EdgeGateway {
+        &mut self.edge.as_mut().expect("an edge suite").0
+    }
+
+    /// The edge's standard objects and the CA of its certificates ([`Setup::Edge`]).
+    pub fn edge_world(&self) -> &crate::edge::EdgeWorld {
+        &self.edge.as_ref().expect("an edge suite").1
+    }
+
     /// The registrar's and the agent's logs, for failure messages.
     pub fn registrar_logs(&self) -> String {
         let tail = |logs: String| {
