@@ -2,7 +2,8 @@
 //! Gateway of the `aether` class to its own Envoy (supervised by `aether-agent proxy`, hot
 //! restarts and drain as on a node):
 //!
-//! - the Gateway API objects come from a config directory (`--config-dir`);
+//! - the Gateway API objects come from a config directory (`--config-dir`) or from the
+//!   cluster (`--from-kubernetes`, [`kubernetes`]), exactly one of the two;
 //! - `aether_api::edge::project` validates the Gateway and attaches its routes: the one
 //!   projector, which the status writer calls too;
 //! - the endpoints of the services those routes name come from the registrar's Watch
@@ -13,12 +14,13 @@
 //! Admin (`--admin`): `/healthz`, `/readyz`, `/metrics`, and `/debug/edge`, the
 //! projection's verdict (the Gateway's, each listener's and each route's conditions).
 
+pub mod kubernetes;
 pub mod objects;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use aether_api::edge::{Edge, EdgeInputs as Projection};
 use aether_common::admin::{AdminServer, answered};
@@ -36,7 +38,8 @@ use crate::catalog_watch::{self, Interest, WatchedCatalog};
 use crate::identity::{Identities, Identity, IdentityConfig, IdentityMetrics};
 use crate::pod::{LocalPod, PodInfo};
 use crate::registrar_link::{AgentContext, LinkConfig, RegistrarLink};
-use crate::xds::cache::Cache;
+use crate::xds::cache::{Cache, Resource};
+use crate::xds::resources::Generated;
 use crate::xds::resources::edge::{EdgeInputs, backend_services, generate};
 use crate::xds::resources::transport::Mtls;
 use crate::xds::{AdsServer, Hooks, XdsMetrics};
@@ -49,9 +52,23 @@ pub struct EdgeConfig {
     pub gateway: String,
 
     /// A directory of Gateway API objects (YAML): GatewayClasses, Gateways, routes,
-    /// ReferenceGrants, Namespaces and the TLS Secrets listeners reference.
+    /// ReferenceGrants, Namespaces and the TLS Secrets listeners reference. Exactly one of
+    /// this and `--from-kubernetes`.
     #[arg(long, env = "AETHER_EDGE_CONFIG_DIR")]
-    pub config_dir: PathBuf,
+    pub config_dir: Option<PathBuf>,
+
+    /// Read the Gateway API objects from the cluster (in-cluster or KUBECONFIG client):
+    /// watches of GatewayClasses, the Gateway, the route kinds, ReferenceGrants and
+    /// Namespaces, and of TLS Secrets in `--certificate-namespaces` only. Exactly one of
+    /// this and `--config-dir`.
+    #[arg(long, env = "AETHER_EDGE_FROM_KUBERNETES")]
+    pub from_kubernetes: bool,
+
+    /// With `--from-kubernetes`: the namespaces (comma-separated) whose `kubernetes.io/tls`
+    /// Secrets the edge reads, one namespaced watch each (RBAC: a Role in each); default the
+    /// Gateway's own. A certificateRef to another namespace is reported InvalidCertificateRef.
+    #[arg(long, env = "AETHER_EDGE_CERTIFICATE_NAMESPACES", value_delimiter = ',')]
+    pub certificate_namespaces: Vec<String>,
 
     /// The registrar's gRPC URL (https://: mTLS; http:// only for a test, in plaintext).
     #[arg(
@@ -106,6 +123,8 @@ pub struct EdgeConfig {
 pub enum EdgeError {
     #[error("--gateway {0}: expected <namespace>/<name>")]
     Gateway(String),
+    #[error("the Gateway API objects: {0}")]
+    Objects(String),
     #[error(transparent)]
     Identity(#[from] crate::identity::IdentityError),
     #[error("the registrar link: {0}")]
@@ -124,6 +143,7 @@ const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
 /// Serves the edge until `shutdown`.
 pub async fn run(config: EdgeConfig, shutdown: CancellationToken) -> Result<(), EdgeError> {
     let gateway = check_gateway(&config.gateway)?;
+    let source = objects_source(&config, &gateway)?;
     let readiness = Readiness::new();
     let serving = readiness.gate("edge");
     let synced = readiness.gate("catalog");
@@ -133,10 +153,21 @@ pub async fn run(config: EdgeConfig, shutdown: CancellationToken) -> Result<(), 
     let metrics = EdgeMetrics::register(&mut registry);
 
     let (objects_tx, objects_rx) = watch::channel(Arc::new(Objects::default()));
-    tasks.critical(
-        "the config directory",
-        objects::follow_dir(config.config_dir.clone(), objects_tx, shutdown.clone()),
-    );
+    match source {
+        ObjectsSource::Dir(dir) => tasks.critical(
+            "the config directory",
+            objects::follow_dir(dir, objects_tx, shutdown.clone()),
+        ),
+        ObjectsSource::Kubernetes(watches) => {
+            let client = crate::pod_source::kubernetes::client_from_env()
+                .await
+                .map_err(|e| EdgeError::Objects(format!("--from-kubernetes: {e}")))?;
+            tasks.critical(
+                "the Gateway API watches",
+                kubernetes::follow(client, watches, objects_tx, shutdown.clone()),
+            );
+        }
+    }
 
     let identity = Identity::start(&config.identity, metrics.identity.clone(), shutdown.clone())?;
     let own = own_pod(&config);
@@ -175,6 +206,7 @@ pub async fn run(config: EdgeConfig, shutdown: CancellationToken) -> Result<(), 
         cache,
         interest: interest_tx,
         verdict: verdict.clone(),
+        held_since: None,
     };
     let identities = identity.as_ref().map(Identity::subscribe);
     tasks.critical(
@@ -201,6 +233,38 @@ fn check_gateway(gateway: &str) -> Result<(String, String), EdgeError> {
         return Err(bad());
     }
     Ok((namespace.to_owned(), name.to_owned()))
+}
+
+/// Where the Gateway API objects come from.
+#[derive(Debug)]
+pub enum ObjectsSource {
+    Dir(PathBuf),
+    Kubernetes(kubernetes::Watches),
+}
+
+/// `--config-dir` or `--from-kubernetes` (exactly one), with `--certificate-namespaces`
+/// (each a DNS label).
+pub fn objects_source(config: &EdgeConfig, gateway: &(String, String)) -> Result<ObjectsSource, EdgeError> {
+    match (&config.config_dir, config.from_kubernetes) {
+        (Some(dir), false) => Ok(ObjectsSource::Dir(dir.clone())),
+        (None, true) => {
+            let namespaces = &config.certificate_namespaces;
+            if let Some(bad) = namespaces.iter().find(|n| crate::upstreams::check(n).is_err()) {
+                let bad = aether_common::quote::quote(bad);
+                return Err(EdgeError::Objects(format!(
+                    "--certificate-namespaces: {bad} is not a namespace"
+                )));
+            }
+            Ok(ObjectsSource::Kubernetes(kubernetes::Watches::new(
+                gateway.clone(),
+                namespaces.clone(),
+            )))
+        }
+        (dir, _) => Err(EdgeError::Objects(format!(
+            "exactly one of --config-dir and --from-kubernetes is required (given: {})",
+            if dir.is_some() { "both" } else { "neither" }
+        ))),
+    }
 }
 
 /// The edge as the identity providers see a workload: its namespace and service account.
@@ -304,11 +368,17 @@ struct Builder {
     cache: Cache,
     interest: watch::Sender<Interest>,
     verdict: Verdict,
+    /// Since when a new configuration waits for the catalog of a service it names.
+    held_since: Option<Instant>,
 }
+
+/// How long a new configuration waits for the catalog of the services it newly names
+/// before it is served anyway (their share answering 500 until the catalog comes).
+const CATALOG_WAIT: Duration = Duration::from_secs(5);
 
 impl Builder {
     async fn run(
-        self,
+        mut self,
         mut objects: watch::Receiver<Arc<Objects>>,
         mut views: watch::Receiver<Arc<WatchedCatalog>>,
         mut identities: Option<watch::Receiver<Arc<Identities>>>,
@@ -323,9 +393,16 @@ impl Builder {
                 Some(rx) => rx.borrow_and_update().clone(),
                 None => Arc::new(Identities::default()),
             };
-            self.build(&current_objects, &view, &current_identities);
+            let held_until = match self.build(&current_objects, &view, &current_identities) {
+                Built::Ready(generated) => {
+                    self.apply(generated).await;
+                    None
+                }
+                Built::Held(until) => Some(until),
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep_until(held_until.unwrap_or_else(Instant::now).into()), if held_until.is_some() => {}
                 changed = objects.changed() => if changed.is_err() { return },
                 changed = views.changed() => {
                     if changed.is_err() { return }
@@ -340,14 +417,47 @@ impl Builder {
         }
     }
 
-    fn build(&self, objects: &Objects, view: &WatchedCatalog, identities: &Identities) {
+    /// Serves `generated`. Clusters it adds go out first, with the routes still on the
+    /// old ones, and the rest once Envoy has ACKed them: a route that reached Envoy before
+    /// its cluster would answer 500 (cluster not found) meanwhile.
+    async fn apply(&self, generated: Generated) {
+        let current = self.cache.snapshot();
+        let added: Vec<&Arc<Resource>> = (generated.get(crate::xds::CLUSTER).into_iter().flatten())
+            .filter(|r| current.version_of(crate::xds::CLUSTER, &r.name).is_none())
+            .collect();
+        let serving = current.get(crate::xds::LISTENER).is_some_and(|l| !l.is_empty());
+        if serving && !added.is_empty() {
+            let mut first: Generated = (current.types.iter())
+                .map(|(type_url, named)| (type_url.clone(), named.values().cloned().collect()))
+                .collect();
+            let mut wanted = Vec::new();
+            for type_url in [crate::xds::CLUSTER, crate::xds::ENDPOINT, crate::xds::SECRET] {
+                let fresh = (generated.get(type_url).into_iter().flatten())
+                    .filter(|r| current.version_of(type_url, &r.name).is_none());
+                for resource in fresh {
+                    if type_url != crate::xds::SECRET {
+                        wanted.push((type_url, resource.name.clone()));
+                    }
+                    first.entry(type_url.to_owned()).or_default().push(resource.clone());
+                }
+            }
+            self.cache.set(first);
+            if let Err(error) = self.cache.wait_acked(&wanted, CATALOG_WAIT).await {
+                tracing::warn!(%error, "Envoy has not taken the new clusters: serving the new routes anyway");
+            }
+        }
+        self.cache.set(generated);
+    }
+
+    /// Projects and generates: `Ready` to serve, or `Held` until a time (or until the
+    /// catalog covers the new configuration, whichever comes first).
+    fn build(&mut self, objects: &Objects, view: &WatchedCatalog, identities: &Identities) -> Built {
         let key = format!("{}/{}", self.gateway.0, self.gateway.1);
         let Some(gateway) = objects.gateways.get(&key) else {
             tracing::debug!(gateway = %key, "the Gateway does not exist (yet): serving nothing");
             *self.verdict.0.lock() = None;
             self.interest.send_if_modified(|i| replace(i, Interest::default()));
-            self.cache.set(Default::default());
-            return;
+            return Built::Ready(Generated::default());
         };
         let class = objects.classes.get(&gateway.spec.gateway_class_name);
         let catalog = &view.catalog;
@@ -365,11 +475,25 @@ impl Builder {
             },
             &now,
         );
+        let services = backend_services(&edge);
+        let covered = (services.iter()).all(|s| view.filter.contains(s) && view.catalog.services.contains_key(s));
         let wanted = Interest::Services {
-            services: backend_services(&edge),
+            services,
             policy_namespaces: Default::default(),
         };
         self.interest.send_if_modified(|i| replace(i, wanted));
+        // A route moved to a service the catalog has not sent yet would answer 500 until it
+        // comes: the running configuration serves on while the registrar catches up.
+        let serving = (self.cache.snapshot().get(crate::xds::LISTENER)).is_some_and(|l| !l.is_empty());
+        if !covered && serving {
+            let since = *self.held_since.get_or_insert_with(Instant::now);
+            if since.elapsed() < CATALOG_WAIT {
+                *self.verdict.0.lock() = Some(edge);
+                return Built::Held(since + CATALOG_WAIT);
+            }
+            tracing::warn!(gateway = %key, "the registrar has not sent the catalog of every backend in {CATALOG_WAIT:?}: serving the new routes anyway");
+        }
+        self.held_since = None;
         let generated = generate(&EdgeInputs {
             edge: &edge,
             catalog,
@@ -380,11 +504,17 @@ impl Builder {
             identities,
             identity_id: &self.identity_id,
         });
-        if self.cache.set(generated) {
-            tracing::info!(gateway = %key, ports = edge.ports.len(), "edge configuration changed");
-        }
+        tracing::debug!(gateway = %key, ports = edge.ports.len(), "edge configuration built");
         *self.verdict.0.lock() = Some(edge);
+        Built::Ready(generated)
     }
+}
+
+/// What a build made of the objects and the catalog.
+enum Built {
+    Ready(Generated),
+    /// Waiting for the catalog of a service the new configuration names, until then.
+    Held(Instant),
 }
 
 /// Replaces `current` with `wanted` if they differ; whether it did.

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod, Secret, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use parking_lot::Mutex;
@@ -31,12 +31,16 @@ pub(super) struct Kind {
 /// trafficDistribution, which the registrar carries in the catalog), the registrar's VIP ConfigMap, the
 /// CNI installer's owner DaemonSet, and the Gateway API routes the registrar watches and
 /// writes the status of (CRDs with the status subresource, as gateway-api installs them),
-/// and the mesh's AuthorizationPolicies, HTTPFilters, MeshConfigs and ExternalServices (ours, with the status subresource too).
-const SERVED: [Kind; 14] = [
+/// the mesh's AuthorizationPolicies, HTTPFilters, MeshConfigs and ExternalServices (ours, with the status subresource too),
+/// and what the edge gateway reads besides routes: GatewayClasses (cluster-scoped), Gateways,
+/// ReferenceGrants (v1beta1), Namespaces (their labels) and TLS Secrets.
+const SERVED: [Kind; 19] = [
     Kind::of::<Pod>().with_status(),
     Kind::of::<Node>().with_status(),
     Kind::of::<Service>().with_status(),
     Kind::of::<ConfigMap>(),
+    Kind::of::<Namespace>().with_status(),
+    Kind::of::<Secret>(),
     Kind::of::<DaemonSet>().with_status(),
     Kind::of::<Lease>(),
     Kind::route("HTTPRoute", "httproutes"),
@@ -52,6 +56,14 @@ const SERVED: [Kind; 14] = [
         kind: "TLSRoute",
         plural: "tlsroutes",
         status: true,
+    },
+    Kind::route("GatewayClass", "gatewayclasses"),
+    Kind::route("Gateway", "gateways"),
+    Kind {
+        api_version: "gateway.networking.k8s.io/v1beta1",
+        kind: "ReferenceGrant",
+        plural: "referencegrants",
+        status: false,
     },
     Kind {
         api_version: "security.aether.io/v1alpha1",
@@ -93,6 +105,7 @@ impl Kind {
         Kind { status: true, ..self }
     }
 
+    /// A `gateway.networking.k8s.io/v1` kind, with the status subresource.
     const fn route(kind: &'static str, plural: &'static str) -> Kind {
         Kind {
             api_version: "gateway.networking.k8s.io/v1",

@@ -233,3 +233,64 @@ async fn services_are_served_with_their_spec() {
         other => panic!("unexpected {other:?}"),
     }
 }
+
+/// What the edge gateway reads: a cluster-scoped GatewayClass, one Gateway by a
+/// `metadata.name` field selector, v1beta1 ReferenceGrants, Namespaces, and Secrets of one
+/// namespace selected by their `type`.
+#[tokio::test]
+async fn the_edge_kinds_are_served_with_their_selectors() {
+    use aether_api::gateway::{Gateway, GatewayClass, ReferenceGrant};
+    use k8s_openapi::api::core::v1::{Namespace, Secret};
+
+    let server = ApiServer::start();
+    server.apply::<GatewayClass>(json!({"metadata": {"name": "aether"}, "spec": {"controllerName": "aether.io/edge"}}));
+    for name in ["edge", "other"] {
+        server.apply::<Gateway>(json!({"metadata": {"name": name, "namespace": "edge"},
+            "spec": {"gatewayClassName": "aether", "listeners": [{"name": "http", "port": 80, "protocol": "HTTP"}]}}));
+    }
+    server.apply::<ReferenceGrant>(json!({"metadata": {"name": "certs", "namespace": "certs"},
+        "spec": {"from": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "namespace": "edge"}],
+                 "to": [{"group": "", "kind": "Secret"}]}}));
+    server.apply::<Namespace>(json!({"metadata": {"name": "shop", "labels": {"edge": "yes"}}}));
+    server.apply::<Secret>(
+        json!({"metadata": {"name": "cert", "namespace": "edge"}, "type": "kubernetes.io/tls",
+        "data": {"tls.crt": "Y2hhaW4=", "tls.key": "a2V5"}}),
+    );
+    server.apply::<Secret>(json!({"metadata": {"name": "token", "namespace": "edge"}, "type": "Opaque"}));
+
+    let client = server.client();
+    let classes = Api::<GatewayClass>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert_eq!(classes.items[0].spec.controller_name, "aether.io/edge");
+    let gateways = Api::<Gateway>::namespaced(client.clone(), "edge")
+        .list(&ListParams::default().fields("metadata.name=edge"))
+        .await
+        .unwrap();
+    assert_eq!(gateways.items.len(), 1);
+    assert_eq!(gateways.items[0].spec.listeners[0].port, 80);
+    let grants = Api::<ReferenceGrant>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert_eq!(grants.items[0].spec.from[0].namespace, "edge");
+    let namespaces = Api::<Namespace>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert_eq!(namespaces.items[0].metadata.labels.as_ref().unwrap()["edge"], "yes");
+    let secrets = Api::<Secret>::namespaced(client, "edge")
+        .list(&ListParams::default().fields("type=kubernetes.io/tls"))
+        .await
+        .unwrap();
+    assert_eq!(secrets.items.len(), 1);
+    assert_eq!(secrets.items[0].data.as_ref().unwrap()["tls.key"].0, b"key");
+    let paths: Vec<String> = server.requests();
+    assert!(
+        paths
+            .iter()
+            .any(|r| r.starts_with("GET /apis/gateway.networking.k8s.io/v1beta1/referencegrants")),
+        "{paths:?}"
+    );
+}
