@@ -49,6 +49,7 @@ use aether_tests::{ChildGuard, TestNode, free_port, http_get};
 mod authorization;
 mod bring_up;
 mod canary;
+mod edge;
 mod pod_net;
 mod processes;
 mod show;
@@ -71,7 +72,7 @@ pub const APP_PORT: u16 = 8080;
 pub const WORK_BASE: &str = "/tmp";
 pub const WORK_PREFIX: &str = "aether-demo-";
 /// The numbered steps of a run (teardown included).
-pub const STEPS: usize = 18;
+pub const STEPS: usize = 19;
 /// Prefix of the pod netns [`BareNetns`] creates: `aen-<pid as 6 hex><seq as 4 hex>`.
 const NETNS_PREFIX: &str = "aen-";
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -200,6 +201,11 @@ struct Ports {
     proxy_admin: u16,
     envoy_admin: u16,
     dns_admin: u16,
+    /// The edge gateway: its admin, its supervisor's, its Envoy's, and its HTTPS listener.
+    edge_admin: u16,
+    edge_proxy_admin: u16,
+    edge_envoy_admin: u16,
+    edge_https: u16,
 }
 
 /// The key facts a run established (printed in the summary, checked by the end-to-end test).
@@ -214,6 +220,7 @@ pub struct Facts {
     pub catalog_services: usize,
     pub canary: String,
     pub authorization: String,
+    pub edge: String,
 }
 
 pub struct Demo {
@@ -230,6 +237,9 @@ pub struct Demo {
     agent: Option<ChildGuard>,
     proxy: Option<ChildGuard>,
     mesh_dns: Option<ChildGuard>,
+    /// The edge gateway's xDS server and its Envoy's supervisor.
+    edge: Option<ChildGuard>,
+    edge_proxy: Option<ChildGuard>,
     conflist: Option<ConfList>,
     pods: Vec<Pod>,
     apps: Vec<App>,
@@ -256,6 +266,10 @@ impl Demo {
                 proxy_admin: port(),
                 envoy_admin: port(),
                 dns_admin: port(),
+                edge_admin: port(),
+                edge_proxy_admin: port(),
+                edge_envoy_admin: port(),
+                edge_https: port(),
             },
             node: None,
             registrar: None,
@@ -263,6 +277,8 @@ impl Demo {
             agent: None,
             proxy: None,
             mesh_dns: None,
+            edge: None,
+            edge_proxy: None,
             conflist: None,
             pods: Vec::new(),
             apps: Vec::new(),
@@ -318,7 +334,8 @@ impl Demo {
              \x20 demand scoping: {} clusters in this node's Envoy for {} services in the catalog\n\
              \x20 hot restart:    {} requests during the restart, {} failed\n\
              \x20 unmanaged pod:  left alone (no capture rules, not registered, not in Envoy)\n\
-             \x20 authorization:  {}",
+             \x20 authorization:  {}\n\
+             \x20 edge gateway:   {}",
             Self::fqdn("backend"),
             f.vip,
             f.spiffe_id,
@@ -330,6 +347,7 @@ impl Demo {
             f.restart_ok,
             f.restart_failed,
             f.authorization,
+            f.edge,
         )
     }
 }

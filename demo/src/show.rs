@@ -3,7 +3,7 @@
 use super::*;
 
 impl Demo {
-    /// Steps 9–17: the mesh at work, each step checked.
+    /// Steps 9–18: the mesh at work, each step checked.
     pub(crate) async fn show(&mut self) -> Result<(), DemoError> {
         self.progress
             .begin(format!("frontend resolves {} through DNS", Self::fqdn("backend")));
@@ -44,6 +44,11 @@ impl Demo {
         self.progress
             .begin("authorization: strict mTLS refuses plaintext, a policy admits only frontend's identity");
         let r = self.authorization().await;
+        self.progress.end(r)?;
+
+        self.progress
+            .begin("an edge gateway takes HTTPS from outside the mesh to frontend (Gateway, HTTPRoute, a Secret)");
+        let r = self.edge().await;
         self.progress.end(r)?;
 
         self.progress.begin("where to look next");

@@ -45,7 +45,10 @@ impl Demo {
             }
         }
         let base_id = self.envoy_base_id.or_else(|| read_base_id(&self.path("proxy/state")));
+        let edge_base_id = read_base_id(&self.path("edge/proxy"));
         for (name, child) in [
+            ("edge proxy", self.edge_proxy.take()),
+            ("edge", self.edge.take()),
             ("mesh-dns", self.mesh_dns.take()),
             ("proxy", self.proxy.take()),
             ("agent", self.agent.take()),
@@ -59,7 +62,7 @@ impl Demo {
                 child.kill();
             }
         }
-        if let Some(base_id) = base_id {
+        for base_id in [base_id, edge_base_id].into_iter().flatten() {
             let _ = std::fs::remove_file(shm_path(base_id));
         }
         self.node = None;
@@ -74,7 +77,8 @@ impl Demo {
         if problems.is_empty() {
             Ok(vec![
                 "pods deleted through CNI DEL (capture rules, pins, endpoints, veths, addresses)".into(),
-                "mesh-dns, Envoy (drained), the supervisor, the agent and the registrar stopped".into(),
+                "the edge gateway and its Envoy, mesh-dns, Envoy (drained), the supervisor, the agent and the registrar stopped"
+                    .into(),
                 format!(
                     "nothing left behind: no netns, bridge, mount, process or file of this run ({})",
                     self.work.display()

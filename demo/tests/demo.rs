@@ -189,6 +189,13 @@ fn the_demo_runs_green_shows_the_mesh_and_leaves_nothing_behind() {
         denial.contains("verdict=\"deny\"") && denial.contains("source=spiffe://cluster.local/ns/demo/sa/batch"),
         "{denial}"
     );
+    // North-south: HTTPS from the host through the edge gateway, into the mesh as the gateway.
+    assert!(
+        stdout.contains(
+            "edge gateway:   https://shop.example.com -> edge (TLS) -> mTLS as spiffe://cluster.local/ns/demo/sa/edge-gateway -> frontend"
+        ),
+        "{stdout}"
+    );
     assert!(stdout.contains("cleanup:        nothing left behind"), "{stdout}");
     assert_nothing_left(pid, &work, &stdout);
 }
