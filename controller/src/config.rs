@@ -49,6 +49,22 @@ pub struct Config {
     #[arg(long, env = "AETHER_CONTROLLER_NODE_TAINTS")]
     pub node_taints: bool,
 
+    /// Lead (a Lease in `--namespace`) and, while leading, write the Gateway API status of
+    /// the edge's Gateways (GatewayClass `aether.io/edge`, proposals/018): the class's,
+    /// each Gateway's (conditions, listeners, addresses) and their routes' parent entries.
+    /// On by default; `--gateway-status=false` turns it off. Needs a Kubernetes client
+    /// (in-cluster, or KUBECONFIG): without one it is off, and says so.
+    #[arg(
+        long,
+        env = "AETHER_CONTROLLER_GATEWAY_STATUS",
+        default_value_t = true,
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set
+    )]
+    pub gateway_status: bool,
+
     /// The controller's namespace: its Lease and the agents' pods are there.
     #[arg(long, env = "POD_NAMESPACE", default_value = "aether-system")]
     pub namespace: String,

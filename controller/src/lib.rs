@@ -7,8 +7,9 @@
 //! - [`mesh_domain`]: the domain those search domains name (`--follow-mesh-config`);
 //! - [`admission`]: AdmissionReview v1 in and out, as kube-apiserver speaks it;
 //! - [`server`]: HTTPS for kube-apiserver, the serving certificate reloaded from its files;
-//! - [`leader`]: leader election on a Lease (`--node-taints`);
-//! - [`node_taints`]: the leader's half of the node readiness taint.
+//! - [`leader`]: leader election on a Lease (`--node-taints`, `--gateway-status`);
+//! - [`node_taints`]: the leader's half of the node readiness taint;
+//! - [`gateway_status`]: the leader writes the edge's Gateway API status.
 //!
 //! Every replica serves the webhooks; only the leader writes (proposal 015).
 
@@ -27,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 pub mod admission;
 pub mod config;
+pub mod gateway_status;
 pub mod leader;
 pub mod mesh_domain;
 pub mod mutate;
@@ -79,8 +81,9 @@ impl Running {
     }
 }
 
-/// Campaigns for the Lease and, while leading, keeps the node readiness taints.
-fn lead_and_keep_node_taints(config: &Config, client: kube::Client, tasks: &Tasks, shutdown: &CancellationToken) {
+/// Campaigns for the Lease and, while leading, keeps the node readiness taints
+/// (`--node-taints`) and writes the edge's Gateway API status (`--gateway-status`).
+fn lead(config: &Config, client: kube::Client, tasks: &Tasks, shutdown: &CancellationToken) {
     let (leading, follows) = tokio::sync::watch::channel(false);
     let election = leader::Election {
         leases: kube::Api::namespaced(client.clone(), &config.namespace),
@@ -89,13 +92,26 @@ fn lead_and_keep_node_taints(config: &Config, client: kube::Client, tasks: &Task
         duration: config.lease_duration,
     };
     tasks.critical("the leader election", election.run(leading, shutdown.clone()));
-    let reconciler = node_taints::Reconciler {
-        nodes: kube::Api::all(client.clone()),
-        pods: kube::Api::namespaced(client, &config.namespace),
-        agent_selector: config.agent_selector.clone(),
-        grace: config.node_taint_grace,
-    };
-    tasks.critical("the node readiness taints", reconciler.run(follows, shutdown.clone()));
+    if config.node_taints {
+        let reconciler = node_taints::Reconciler {
+            nodes: kube::Api::all(client.clone()),
+            pods: kube::Api::namespaced(client.clone(), &config.namespace),
+            agent_selector: config.agent_selector.clone(),
+            grace: config.node_taint_grace,
+        };
+        tasks.critical(
+            "the node readiness taints",
+            reconciler.run(follows.clone(), shutdown.clone()),
+        );
+    }
+    if config.gateway_status {
+        let writer = gateway_status::StatusWriter {
+            client,
+            edges_namespace: config.namespace.clone(),
+            timing: gateway_status::Timing::default(),
+        };
+        tasks.critical("the Gateway API status", writer.run(follows, shutdown.clone()));
+    }
 }
 
 /// Binds the webhook and admin addresses and serves until `shutdown`.
@@ -146,12 +162,20 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Runnin
             let _ = push.await;
         });
     }
-    let client = match config.node_taints || config.follow_mesh_config {
-        true => Some(kube::Client::try_default().await?),
-        false => None,
+    let client = match (config.node_taints || config.follow_mesh_config, config.gateway_status) {
+        (true, _) => Some(kube::Client::try_default().await?),
+        // On by default: a controller run outside a cluster still serves its webhooks.
+        (false, true) => kube::Client::try_default()
+            .await
+            .inspect_err(|error| {
+                tracing::warn!(%error, "--gateway-status: no Kubernetes client (no in-cluster config, no KUBECONFIG): \
+                    the edge's Gateway API status is not written")
+            })
+            .ok(),
+        (false, false) => None,
     };
-    if let (true, Some(client)) = (config.node_taints, &client) {
-        lead_and_keep_node_taints(&config, client.clone(), &tasks, &shutdown);
+    if let (true, Some(client)) = (config.node_taints || config.gateway_status, &client) {
+        lead(&config, client.clone(), &tasks, &shutdown);
     }
     if let (true, Some(client)) = (config.follow_mesh_config, client) {
         let follower = mesh_domain::Follower {
