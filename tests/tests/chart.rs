@@ -23,6 +23,7 @@ use k8s_openapi::api::admissionregistration::v1::{
     ValidatingWebhookConfiguration,
 };
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, KeyToPath, PersistentVolumeClaim, PodSpec, Secret, Service, ServiceAccount, Volume,
 };
@@ -62,6 +63,9 @@ struct Rendered {
     crds: Vec<CustomResourceDefinition>,
     /// Our own objects the chart renders (the mesh-wide MeshConfig), as JSON.
     mesh_configs: Vec<Value>,
+    /// Gateway API objects (the GatewayClass `aether`), as JSON: their CRDs are not ours, no k8s-openapi type.
+    gateway_classes: Vec<Value>,
+    hpas: Vec<HorizontalPodAutoscaler>,
     /// Every object as rendered, for checks on any string in them.
     raw: Vec<Value>,
 }
@@ -180,6 +184,8 @@ fn render(values: Value) -> Rendered {
             "ValidatingAdmissionPolicyBinding" => r.admission_policy_bindings.push(typed(object)),
             "MutatingWebhookConfiguration" => r.mutating_webhooks.push(typed(object)),
             "MeshConfig" => r.mesh_configs.push(object.clone()),
+            "GatewayClass" => r.gateway_classes.push(object.clone()),
+            "HorizontalPodAutoscaler" => r.hpas.push(typed(object)),
             // cert-manager's kind: no k8s-openapi type; checked in `raw`.
             "Certificate" => {}
             other => panic!("unexpected kind {other} rendered: {object:#}"),
@@ -2546,4 +2552,653 @@ async fn the_generated_pki_lets_an_agent_bootstrap_and_call_the_registrar() {
         .await
         .unwrap_or_else(|e| panic!("the agent of node-a lists services: {e:?}\n{}", registrar.logs()));
     assert_eq!(kube.reviews().len(), 2, "both tokens were reviewed");
+}
+
+/// One edge gateway as the README shows it: `public` in the release namespace on 80 and 443, two replicas, its
+/// certificates in its own namespace and in `certs`.
+fn public_gateway() -> Value {
+    json!({"name": "public", "namespace": "aether-system", "ports": [80, 443], "replicas": 2,
+           "service": {"type": "LoadBalancer"}, "certificateNamespaces": ["aether-system", "certs"]})
+}
+
+/// `base` with the edge enabled for `gateways`.
+fn with_edge(mut base: Value, gateways: Value) -> Value {
+    base["edge"] = json!({"enabled": true, "gateways": gateways});
+    base
+}
+
+/// A rule's API groups, resources and verbs, for comparing rules as a whole.
+type RuleTriple = (Vec<String>, Vec<String>, Vec<String>);
+
+fn rule_triples(rules: Option<&Vec<PolicyRule>>) -> Vec<RuleTriple> {
+    rules
+        .into_iter()
+        .flatten()
+        .map(|rule| {
+            assert_eq!(rule.resource_names, None, "no resourceNames in these rules");
+            let list = |v: &Option<Vec<String>>| v.clone().unwrap_or_default();
+            (list(&rule.api_groups), list(&rule.resources), rule.verbs.clone())
+        })
+        .collect()
+}
+
+fn owned(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// The Gateway API kinds the edge and the controller read.
+const GATEWAY_KINDS: [&str; 7] = [
+    "gatewayclasses",
+    "gateways",
+    "httproutes",
+    "grpcroutes",
+    "tlsroutes",
+    "tcproutes",
+    "referencegrants",
+];
+
+/// The objects of the edge: anything labelled with its component.
+fn edge_objects(r: &Rendered) -> Vec<&Value> {
+    (r.raw.iter())
+        .filter(|o| o["metadata"]["labels"]["app.kubernetes.io/component"] == "edge")
+        .collect()
+}
+
+/// Off by default, and off even with gateways listed: no GatewayClass, no edge object, no Gateway rights for the
+/// controller (its token stays as the rest of its values want it).
+#[test]
+fn with_the_edge_disabled_nothing_of_it_renders() {
+    let gateways = json!([public_gateway()]);
+    for values in [json!({}), json!({"edge": {"enabled": false, "gateways": gateways}})] {
+        let r = render(values.clone());
+        assert!(r.gateway_classes.is_empty(), "{values}: no GatewayClass");
+        assert_eq!(edge_objects(&r), Vec::<&Value>::new(), "{values}: edge objects");
+        assert!(r.hpas.is_empty(), "{values}");
+        let names: Vec<&str> = (r.raw.iter())
+            .filter_map(|o| o["metadata"]["name"].as_str())
+            .filter(|name| name.contains("edge") || name.contains("gateway"))
+            .collect();
+        assert_eq!(names, Vec::<&str>::new(), "{values}: objects named for the edge");
+        let controller = container(pod_spec(&r, "aether-controller"), "controller");
+        assert_eq!(
+            arg(controller, "--gateway-status"),
+            Some("false"),
+            "{values}: no Gateway status without RBAC"
+        );
+        for role in &r.cluster_roles {
+            for rule in role.rules.iter().flatten() {
+                assert!(
+                    !rule
+                        .resources
+                        .iter()
+                        .flatten()
+                        .any(|res| res == "secrets" || res == "gateways"),
+                    "{values}: {:?}",
+                    role.metadata.name
+                );
+            }
+        }
+        assert_invariants(&r, "kubernetes", "builtin", false);
+    }
+}
+
+/// An edge gateway's pod: `aether-agent edge` and `aether-agent proxy` sharing the xDS socket in a pod-local volume,
+/// one non-root UID (the socket is 0600), locked down like every container; the edge reaches the registrar and gets
+/// its SVID exactly as the agent does, as its own ServiceAccount; probes on both admin servers; Envoy's admin on
+/// loopback; the API token and the CA key in the edge container only.
+#[test]
+fn an_edge_gateway_runs_its_xds_server_and_envoy_on_one_socket() {
+    for identity in IDENTITIES {
+        let base = if identity == "spire" {
+            values("kubernetes", "spire")
+        } else {
+            json!({})
+        };
+        let r = render(with_edge(base, json!([public_gateway()])));
+        let ctx = format!("identity={identity}");
+        assert_every_container_is_locked_down(&r, &ctx);
+        let [class] = &r.gateway_classes[..] else {
+            panic!("{ctx}: one GatewayClass")
+        };
+        assert_eq!(class["apiVersion"], "gateway.networking.k8s.io/v1", "{ctx}");
+        assert_eq!(class["metadata"]["name"], "aether", "{ctx}");
+        assert_eq!(
+            class["spec"]["controllerName"],
+            aether_api::edge::CONTROLLER_NAME,
+            "{ctx}"
+        );
+
+        let deployment = r.deployment("aether-edge-public").spec.as_ref().unwrap();
+        assert_eq!(deployment.replicas, Some(2), "{ctx}");
+        let spec = deployment.template.spec.as_ref().unwrap();
+        let names: Vec<&str> = containers(spec).map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["edge", "proxy"], "{ctx}");
+        let (edge, proxy) = (container(spec, "edge"), container(spec, "proxy"));
+        assert_eq!(edge.args.as_ref().unwrap()[0], "edge", "{ctx}");
+        assert_eq!(proxy.args.as_ref().unwrap()[0], "proxy", "{ctx}");
+        assert_eq!(flag(edge, "--gateway"), "aether-system/public", "{ctx}");
+        assert!(has_flag(edge, "--from-kubernetes"), "{ctx}");
+        assert_eq!(flag(edge, "--certificate-namespaces"), "aether-system,certs", "{ctx}");
+        assert_eq!(flag(edge, "--port-offset"), "10000", "{ctx}");
+
+        // One socket, in one pod-local volume both mount, served by the edge and dialled by the supervisor.
+        let socket = flag(edge, "--xds-socket");
+        assert_eq!(flag(proxy, "--xds-socket"), socket, "{ctx}: xDS socket");
+        let (edge_volume, file) = volume_of(spec, edge, socket).expect("the edge mounts its socket's directory");
+        let (proxy_volume, proxy_file) = volume_of(spec, proxy, socket).expect("the proxy mounts it too");
+        assert_eq!(edge_volume.name, proxy_volume.name, "{ctx}: one volume");
+        assert_eq!(file, proxy_file, "{ctx}");
+        assert!(edge_volume.empty_dir.is_some(), "{ctx}: the socket is pod-local");
+        let pod_security = spec.security_context.as_ref().expect("a pod securityContext");
+        assert_eq!(pod_security.run_as_non_root, Some(true), "{ctx}");
+        assert!(pod_security.run_as_user.is_some_and(|uid| uid != 0), "{ctx}");
+        for c in [edge, proxy] {
+            let sc = c.security_context.as_ref().unwrap();
+            assert_eq!(
+                (sc.run_as_user, sc.run_as_group),
+                (None, None),
+                "{ctx}: {}: the pod's UID",
+                c.name
+            );
+            assert!(added_caps(c).is_empty(), "{ctx}: {}: no capabilities", c.name);
+        }
+        assert_ne!(spec.host_network, Some(true), "{ctx}: the pod network");
+
+        // Its identity: its own ServiceAccount, named in its flags.
+        assert_eq!(
+            spec.service_account_name.as_deref(),
+            Some("aether-edge-public"),
+            "{ctx}"
+        );
+        assert_eq!(flag(edge, "--service-account"), "aether-edge-public", "{ctx}");
+        assert_eq!(flag(edge, "--namespace"), "$(POD_NAMESPACE)", "{ctx}");
+        assert_eq!(flag(edge, "--pod-name"), "$(POD_NAME)", "{ctx}");
+        let sa = (r.service_accounts.iter())
+            .find(|s| s.metadata.name.as_deref() == Some("aether-edge-public"))
+            .expect("the edge's ServiceAccount");
+        assert_eq!(sa.metadata.namespace.as_deref(), Some("aether-system"), "{ctx}");
+        assert_eq!(sa.automount_service_account_token, Some(false), "{ctx}");
+        assert_eq!(spec.automount_service_account_token, Some(false), "{ctx}");
+        let token = "/var/run/secrets/kubernetes.io/serviceaccount/token";
+        let (api, _) = volume_of(spec, edge, token).expect("the edge's API token");
+        assert!(api.projected.is_some(), "{ctx}");
+        assert!(
+            volume_of(spec, proxy, token).is_none(),
+            "{ctx}: Envoy gets no API token"
+        );
+
+        // The registrar and the SVIDs, as the agent.
+        let agent = container(pod_spec(&r, "aether-agent"), "agent");
+        for name in [
+            "--registrar",
+            "--registrar-ca",
+            "--node-identity",
+            "--bootstrap-token",
+            "--identity",
+            "--trust-domain",
+            "--svid-ttl",
+            "--ca-cert",
+            "--ca-key",
+            "--spire-admin-socket",
+            "--spire-workload-socket",
+            "--mesh-domain",
+        ] {
+            assert_eq!(arg(edge, name), arg(agent, name), "{ctx}: {name} as the agent's");
+        }
+        let agent_spec = pod_spec(&r, "aether-agent");
+        let registrar_ca = flag(edge, "--registrar-ca");
+        assert_eq!(
+            volume_of(spec, edge, registrar_ca).map(|(v, f)| (v.config_map.clone(), f)),
+            volume_of(agent_spec, agent, registrar_ca).map(|(v, f)| (v.config_map.clone(), f)),
+            "{ctx}: the registrar's CA"
+        );
+        match identity {
+            "builtin" => {
+                let key = secret_file(spec, edge, flag(edge, "--ca-key"), &ctx);
+                assert_eq!((key.secret.as_str(), key.mode), ("aether-ca", Some(0o440)), "{ctx}");
+                assert!(
+                    volume_of(spec, proxy, flag(edge, "--ca-key")).is_none(),
+                    "{ctx}: the CA key stays out of Envoy's container"
+                );
+                let token = flag(edge, "--bootstrap-token");
+                let (volume, _) = volume_of(spec, edge, token).expect("the bootstrap token");
+                let audience = (volume.projected.as_ref().unwrap().sources.iter().flatten())
+                    .find_map(|s| s.service_account_token.as_ref())
+                    .and_then(|t| t.audience.clone());
+                assert_eq!(audience.as_deref(), Some("aether-registrar"), "{ctx}");
+            }
+            _ => {
+                for socket in ["--spire-admin-socket", "--spire-workload-socket"] {
+                    let agent_host = host_path_of(agent_spec, agent, flag(agent, socket));
+                    assert_eq!(
+                        host_path_of(spec, edge, flag(edge, socket)),
+                        agent_host,
+                        "{ctx}: {socket}"
+                    );
+                }
+            }
+        }
+
+        // Probes on each admin server, which listens where kubelet reaches it (the pod IP); Envoy's admin on loopback.
+        for (c, path) in [(edge, "/ready"), (proxy, "/ready")] {
+            let probe = c.readiness_probe.as_ref().and_then(|p| p.http_get.as_ref());
+            let probe = probe.unwrap_or_else(|| panic!("{ctx}: {}: an HTTP readiness probe", c.name));
+            assert_eq!(probe.path.as_deref(), Some(path), "{ctx}");
+            assert_eq!(probe.host, None, "{ctx}: kubelet probes the pod IP");
+            let k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(port) = &probe.port else {
+                panic!("{ctx}: a named port")
+            };
+            let number = (c.ports.iter().flatten())
+                .find(|p| p.name.as_deref() == Some(port))
+                .map(|p| p.container_port);
+            let admin = flag(c, "--admin");
+            assert_eq!(
+                admin.strip_prefix("0.0.0.0:").and_then(|p| p.parse().ok()),
+                number,
+                "{ctx}: {}: probed where it listens",
+                c.name
+            );
+            assert!(c.liveness_probe.as_ref().is_some_and(|p| p.http_get.is_some()), "{ctx}");
+        }
+        assert!(flag(proxy, "--envoy-admin").starts_with("127.0.0.1:"), "{ctx}");
+        let pre_stop = proxy.lifecycle.as_ref().and_then(|l| l.pre_stop.as_ref());
+        let sleep = pre_stop.and_then(|h| h.sleep.as_ref()).map(|s| s.seconds);
+        assert_eq!(sleep, Some(5), "{ctx}: Envoy keeps serving while it leaves the Service");
+        assert!(
+            spec.termination_grace_period_seconds.unwrap_or(30) > 5 + 10,
+            "{ctx}: the grace period covers the pre-stop sleep and the drain"
+        );
+    }
+}
+
+/// The Service of a Gateway: its type, port P to Envoy's P + 10000, the Gateway's name as a label, and the edge's
+/// pods as its endpoints; a disruption budget with two replicas; the registrar's NetworkPolicy lets the edge in.
+#[test]
+fn the_gateway_service_maps_its_ports_to_the_offset_and_names_the_gateway() {
+    let values = with_edge(
+        json!({"registrar": {"networkPolicy": {"enabled": true, "nodeCidrs": ["10.0.0.0/16"]}}}),
+        json!([public_gateway()]),
+    );
+    let r = render(values);
+    let service = (r.services.iter())
+        .find(|s| s.metadata.name.as_deref() == Some("aether-edge-public"))
+        .expect("the Gateway's Service");
+    let labels = service.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(
+        labels.get("gateway.networking.k8s.io/gateway-name").map(String::as_str),
+        Some("public")
+    );
+    assert_eq!(
+        labels.get("aether.io/gateway-namespace").map(String::as_str),
+        Some("aether-system")
+    );
+    let spec = service.spec.as_ref().unwrap();
+    assert_eq!(spec.type_.as_deref(), Some("LoadBalancer"));
+    let ports: Vec<(i32, String, String)> = (spec.ports.iter().flatten())
+        .map(|p| {
+            let target = match &p.target_port {
+                Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(t)) => *t,
+                other => panic!("a numeric targetPort: {other:?}"),
+            };
+            (p.port, target.to_string(), p.protocol.clone().unwrap_or_default())
+        })
+        .collect();
+    assert_eq!(
+        ports,
+        [
+            (80, "10080".to_owned(), "TCP".to_owned()),
+            (443, "10443".to_owned(), "TCP".to_owned())
+        ]
+    );
+    // The selector picks this gateway's pods, whose Envoy exposes those ports.
+    let deployment = r.deployment("aether-edge-public").spec.as_ref().unwrap();
+    let pod_labels = deployment
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .clone()
+        .unwrap_or_default();
+    let selector = spec.selector.clone().unwrap_or_default();
+    assert!(
+        !selector.is_empty() && selector.iter().all(|(k, v)| pod_labels.get(k) == Some(v)),
+        "the Service selects the edge's pods"
+    );
+    let proxy = container(deployment.template.spec.as_ref().unwrap(), "proxy");
+    let exposed: Vec<i32> = (proxy.ports.iter().flatten()).map(|p| p.container_port).collect();
+    assert!(exposed.contains(&10080) && exposed.contains(&10443), "{exposed:?}");
+
+    let pdb = (r.pdbs.iter())
+        .find(|p| p.metadata.name.as_deref() == Some("aether-edge-public"))
+        .expect("a PDB with two replicas");
+    let pdb_spec = pdb.spec.as_ref().unwrap();
+    assert_eq!(
+        format!("{:?}", pdb_spec.min_available),
+        "Some(Int(1))",
+        "minAvailable 1"
+    );
+    assert!(selects(pdb_spec.selector.as_ref().unwrap(), &pod_labels));
+
+    let policy = &r.network_policies[0];
+    let rules = policy.spec.as_ref().unwrap().ingress.as_deref().unwrap_or_default();
+    let grpc = peers_on(rules, 18090);
+    assert!(
+        (grpc.iter().filter_map(|p| p.pod_selector.as_ref())).any(|s| selects(s, &pod_labels)),
+        "the edge reaches the registrar"
+    );
+}
+
+/// Least privilege: the edge reads the Gateway API kinds and Namespaces cluster-wide and Secrets only in its
+/// certificate namespaces (a Role there, bound to its ServiceAccount); no ClusterRole lists or watches Secrets; the
+/// controller reads the same kinds, `get`s Secrets, and writes only their `/status`, as the leader of its Lease.
+#[test]
+fn edge_rbac_reads_secrets_only_in_the_certificate_namespaces() {
+    let r = render(with_edge(json!({}), json!([public_gateway()])));
+    let secret_roles: Vec<(&str, &str)> = (r.roles.iter())
+        .filter(|role| {
+            (role.rules.iter().flatten()).any(|rule| rule.resources.iter().flatten().any(|x| x == "secrets"))
+        })
+        .map(|role| {
+            assert_eq!(
+                rule_triples(role.rules.as_ref()),
+                [(owned(&[""]), owned(&["secrets"]), owned(&["get", "list", "watch"]))]
+            );
+            (
+                role.metadata.namespace.as_deref().unwrap(),
+                role.metadata.name.as_deref().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        secret_roles,
+        [
+            ("aether-system", "aether-edge-public-certificates"),
+            ("certs", "aether-edge-public-certificates")
+        ],
+        "Secret reads only in the certificate namespaces"
+    );
+    for (namespace, name) in &secret_roles {
+        let binding = (r.role_bindings.iter())
+            .find(|b| b.metadata.namespace.as_deref() == Some(*namespace) && b.role_ref.name == *name)
+            .unwrap_or_else(|| panic!("{namespace}/{name} is not bound"));
+        let subjects: Vec<_> = (binding.subjects.iter().flatten())
+            .map(|s| (s.kind.as_str(), s.name.as_str(), s.namespace.as_deref()))
+            .collect();
+        assert_eq!(
+            subjects,
+            [("ServiceAccount", "aether-edge-public", Some("aether-system"))]
+        );
+    }
+    for role in &r.cluster_roles {
+        for rule in role.rules.iter().flatten() {
+            if rule.resources.iter().flatten().any(|x| x == "secrets") {
+                assert_eq!(
+                    rule.verbs,
+                    ["get"],
+                    "{:?}: no ClusterRole lists or watches Secrets",
+                    role.metadata.name
+                );
+            }
+        }
+    }
+    let cluster_role = |name: &str| {
+        (r.cluster_roles.iter())
+            .find(|c| c.metadata.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no ClusterRole {name}"))
+    };
+    let gateway_api = owned(&["gateway.networking.k8s.io"]);
+    let read = owned(&["get", "list", "watch"]);
+    assert_eq!(
+        rule_triples(cluster_role("aether-edge").rules.as_ref()),
+        [
+            (gateway_api.clone(), owned(&GATEWAY_KINDS), read.clone()),
+            (owned(&[""]), owned(&["namespaces"]), read.clone()),
+        ],
+        "the edge reads, never writes"
+    );
+    let binding = (r.cluster_role_bindings.iter())
+        .find(|b| b.role_ref.name == "aether-edge")
+        .expect("the edge's ClusterRoleBinding");
+    let subjects: Vec<_> = (binding.subjects.iter().flatten()).map(|s| s.name.as_str()).collect();
+    assert_eq!(subjects, ["aether-edge-public"]);
+
+    let statuses: Vec<String> = GATEWAY_KINDS[..6].iter().map(|k| format!("{k}/status")).collect();
+    assert_eq!(
+        rule_triples(cluster_role("aether-controller-gateways").rules.as_ref()),
+        [
+            (gateway_api.clone(), owned(&GATEWAY_KINDS), read.clone()),
+            (gateway_api, statuses, owned(&["update", "patch"])),
+            (owned(&[""]), owned(&["services", "namespaces"]), read),
+            (owned(&[""]), owned(&["secrets"]), owned(&["get"])),
+        ],
+        "the controller writes status only"
+    );
+    let controller = container(pod_spec(&r, "aether-controller"), "controller");
+    assert!(has_flag(controller, "--gateway-status"));
+    let binding = (r.cluster_role_bindings.iter())
+        .find(|b| b.role_ref.name == "aether-controller-gateways")
+        .expect("bound");
+    assert_eq!(binding.subjects.as_ref().unwrap()[0].name, "aether-controller");
+
+    // The leader's Lease and the controller's token, even without the node taints and the MeshConfig.
+    let mut values = with_edge(json!({}), json!([public_gateway()]));
+    values["controller"] = json!({"nodeTaints": {"enabled": false}, "followMeshConfig": false});
+    let r = render(values);
+    let lease = (r.roles.iter())
+        .find(|role| role.metadata.name.as_deref() == Some("aether-controller"))
+        .expect("the controller's Lease Role");
+    let resources: Vec<_> = (lease.rules.iter().flatten())
+        .flat_map(|rule| rule.resources.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(resources, ["leases", "leases"], "its Lease only");
+    let sa = (r.service_accounts.iter())
+        .find(|s| s.metadata.name.as_deref() == Some("aether-controller"))
+        .unwrap();
+    assert_eq!(sa.automount_service_account_token, Some(true));
+}
+
+/// Replicas: one replica has no disruption budget; an `hpa` owns the replica count (none in the Deployment) and
+/// scales on CPU, with a budget when it keeps two or more; a NodePort Service with fixed node ports; certificates in
+/// the Gateway's own namespace by default; two gateways, two of everything.
+#[test]
+fn edge_replicas_scale_with_an_hpa_and_services_are_configurable() {
+    let r = render(with_edge(
+        json!({}),
+        json!([
+            {"name": "single", "ports": [8080], "replicas": 1,
+             "service": {"type": "NodePort", "nodePorts": {"8080": 30080}, "externalTrafficPolicy": "Local"}},
+            {"name": "scaled", "namespace": "web", "ports": [443],
+             "hpa": {"minReplicas": 2, "maxReplicas": 6, "targetCPUUtilizationPercentage": 60}}
+        ]),
+    ));
+    let pdbs: Vec<_> = (r.pdbs.iter()).filter_map(|p| p.metadata.name.as_deref()).collect();
+    assert!(!pdbs.contains(&"aether-edge-single"), "one replica: no PDB");
+    assert!(pdbs.contains(&"aether-edge-scaled"), "an HPA keeping two: a PDB");
+    assert_eq!(
+        r.deployment("aether-edge-single").spec.as_ref().unwrap().replicas,
+        Some(1)
+    );
+    assert_eq!(
+        r.deployment("aether-edge-scaled").spec.as_ref().unwrap().replicas,
+        None,
+        "the HPA owns the replica count"
+    );
+    let [hpa] = &r.hpas[..] else { panic!("one HPA") };
+    let spec = hpa.spec.as_ref().unwrap();
+    assert_eq!(
+        (spec.scale_target_ref.kind.as_str(), spec.scale_target_ref.name.as_str()),
+        ("Deployment", "aether-edge-scaled")
+    );
+    assert_eq!((spec.min_replicas, spec.max_replicas), (Some(2), 6));
+    let metric = &spec.metrics.as_ref().unwrap()[0];
+    let resource = metric.resource.as_ref().expect("a resource metric");
+    assert_eq!(
+        (resource.name.as_str(), resource.target.average_utilization),
+        ("cpu", Some(60))
+    );
+    // CPU utilization needs CPU requests on every container.
+    for c in &pod_spec(&r, "aether-edge-scaled").containers {
+        let requests = c.resources.as_ref().and_then(|r| r.requests.as_ref());
+        assert!(
+            requests.is_some_and(|r| r.contains_key("cpu")),
+            "{}: a CPU request",
+            c.name
+        );
+    }
+
+    let single = (r.services.iter())
+        .find(|s| s.metadata.name.as_deref() == Some("aether-edge-single"))
+        .unwrap()
+        .spec
+        .as_ref()
+        .unwrap();
+    assert_eq!(single.type_.as_deref(), Some("NodePort"));
+    assert_eq!(single.external_traffic_policy.as_deref(), Some("Local"));
+    let port = &single.ports.as_ref().unwrap()[0];
+    assert_eq!((port.port, port.node_port), (8080, Some(30080)));
+
+    let edge = container(pod_spec(&r, "aether-edge-single"), "edge");
+    assert_eq!(
+        flag(edge, "--certificate-namespaces"),
+        "aether-system",
+        "the Gateway's namespace"
+    );
+    assert_eq!(
+        flag(edge, "--gateway"),
+        "aether-system/single",
+        "the release namespace by default"
+    );
+    let scaled = container(pod_spec(&r, "aether-edge-scaled"), "edge");
+    assert_eq!(flag(scaled, "--gateway"), "web/scaled");
+    assert_eq!(
+        flag(scaled, "--certificate-namespaces"),
+        "web",
+        "the Gateway's namespace by default"
+    );
+    let secret_roles: Vec<_> = (r.roles.iter())
+        .filter(|role| {
+            role.metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.ends_with("-certificates"))
+        })
+        .map(|role| {
+            (
+                role.metadata.namespace.as_deref().unwrap(),
+                role.metadata.name.as_deref().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        secret_roles,
+        [
+            ("aether-system", "aether-edge-single-certificates"),
+            ("web", "aether-edge-scaled-certificates")
+        ]
+    );
+    let binding = (r.cluster_role_bindings.iter())
+        .find(|b| b.role_ref.name == "aether-edge")
+        .unwrap();
+    let subjects: Vec<_> = (binding.subjects.iter().flatten()).map(|s| s.name.as_str()).collect();
+    assert_eq!(subjects, ["aether-edge-single", "aether-edge-scaled"]);
+    assert_eq!(r.gateway_classes.len(), 1, "one GatewayClass for every gateway");
+}
+
+#[test]
+fn the_chart_refuses_edge_values_that_cannot_work() {
+    let edge = |gateways: Value| json!({"edge": {"enabled": true, "gateways": gateways}});
+    let cases = [
+        (
+            edge(json!([{"name": "a", "ports": [80]}, {"name": "a", "namespace": "b", "ports": [80]}])),
+            "listed twice",
+        ),
+        (edge(json!([{"name": "a", "ports": [60000]}])), "above 65535"),
+        (edge(json!([{"name": "a", "ports": []}])), "ports"),
+        (edge(json!([{"name": "a"}])), "ports"),
+        (edge(json!([{"name": "A_b", "ports": [80]}])), "name"),
+        (edge(json!([{"name": "a", "ports": [80], "replica": 2}])), "replica"),
+        (
+            edge(json!([{"name": "a", "ports": [80], "service": {"type": "ExternalName"}}])),
+            "type",
+        ),
+        (
+            edge(json!([{"name": "a", "ports": [80], "service": {"type": "ClusterIP", "nodePorts": {"80": 30080}}}])),
+            "need type LoadBalancer or NodePort",
+        ),
+        (
+            edge(json!([{"name": "a", "ports": [80], "service": {"nodePorts": {"81": 30081}}}])),
+            "not one of its ports",
+        ),
+        (
+            edge(json!([{"name": "a", "ports": [80], "hpa": {"minReplicas": 3, "maxReplicas": 2}}])),
+            "minReplicas is above maxReplicas",
+        ),
+        (
+            edge(json!([{"name": "a", "ports": [80], "hpa": {"maxReplicas": 2}}])),
+            "minReplicas",
+        ),
+        (
+            edge(json!([{"name": "a", "ports": [80], "certificateNamespaces": []}])),
+            "certificateNamespaces",
+        ),
+        (json!({"edge": {"enabled": true, "gateway": []}}), "gateway"),
+    ];
+    for (values, needle) in cases {
+        match render_raw(&values, false) {
+            Ok(_) => panic!("the chart accepted {values}"),
+            Err(e) => assert!(e.contains(needle), "refusing {values} should name {needle}: {e}"),
+        }
+    }
+}
+
+/// The edge's and the controller's command lines with the edge on parse, as in
+/// [`every_command_line_the_chart_renders_is_one_the_binary_parses`].
+#[test]
+fn every_edge_command_line_is_one_the_binary_parses() {
+    const PROBE: &str = "--aether-chart-test-unknown-flag";
+    let expand = |arg: &str| {
+        arg.replace("$(POD_NAME)", "aether-edge-public-5d8f-x2x9q")
+            .replace("$(POD_NAMESPACE)", "aether-system")
+    };
+    let mut checked = 0;
+    for identity in IDENTITIES {
+        let base = if identity == "spire" {
+            values("kubernetes", "spire")
+        } else {
+            json!({})
+        };
+        let r = render(with_edge(base, json!([public_gateway()])));
+        let edge_spec = pod_spec(&r, "aether-edge-public");
+        let controller = container(pod_spec(&r, "aether-controller"), "controller");
+        for c in containers(edge_spec).chain([controller]) {
+            let command = c.command.as_ref().expect("a command");
+            let args: Vec<String> = c.args.iter().flatten().map(|a| expand(a)).collect();
+            for a in &args {
+                assert!(
+                    !a.contains("$("),
+                    "{identity}: {}: {a} refers to an unknown variable",
+                    c.name
+                );
+            }
+            let out = Command::new(aether_tests::binary(&command[0]))
+                .args(&command[1..])
+                .args(&args)
+                .arg(PROBE)
+                .env_clear()
+                .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+                .output()
+                .expect("run the binary");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                !out.status.success() && stderr.contains(&format!("unexpected argument '{PROBE}'")),
+                "{identity}: {}: `{} {}` did not parse up to the probe flag:\n{stderr}",
+                c.name,
+                command.join(" "),
+                args.join(" ")
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, IDENTITIES.len() * 3, "edge, proxy, controller per identity");
 }

@@ -82,6 +82,67 @@ writes, and Services' clusterIPs/trafficDistribution): the kubernetes store alwa
 {{- define "aether.agentTokenDir" -}}/var/run/secrets/aether/registrar-token{{- end -}}
 {{- define "aether.agentRegistrarCaDir" -}}/etc/aether/registrar-ca{{- end -}}
 
+{{/* The volume with the CA that verifies the registrar (a certificate only: never the registrar's key), for the
+agents and the edges. */}}
+{{- define "aether.registrarCaVolume" -}}
+# The CA that verifies the registrar (a certificate only: never the registrar's key).
+- name: registrar-ca
+  {{- if .Values.registrar.tls.caConfigMapName }}
+  configMap:
+    name: {{ .Values.registrar.tls.caConfigMapName }}
+    items:
+      - {key: ca.crt, path: ca.crt}
+  {{- else if .Values.registrar.tls.secretName }}
+  secret:
+    secretName: {{ .Values.registrar.tls.secretName }}
+    items:
+      - {key: ca.crt, path: ca.crt}
+    defaultMode: 0444
+  {{- else }}
+  configMap:
+    name: {{ include "aether.registrarCaConfigMap" . }}
+    items:
+      - {key: ca.crt, path: ca.crt}
+  {{- end }}
+{{- end -}}
+
+{{/* An edge gateway's object name (its Deployment, Service, ServiceAccount, PDB, HPA): aether-edge-<gateway>. */}}
+{{- define "aether.edgeName" -}}
+{{- $root := index . 0 -}}{{- $gateway := index . 1 -}}
+{{ include "aether.name" (list $root (printf "edge-%s" $gateway.name)) }}
+{{- end -}}
+
+{{/* The namespace of an edge's Gateway: its own, or the release namespace. */}}
+{{- define "aether.edgeGatewayNamespace" -}}
+{{- $root := index . 0 -}}{{- $gateway := index . 1 -}}
+{{ $gateway.namespace | default $root.Release.Namespace }}
+{{- end -}}
+
+{{/* The namespaces whose Secrets an edge may read, comma-separated: certificateNamespaces, or the Gateway's. */}}
+{{- define "aether.edgeCertificateNamespaces" -}}
+{{- $root := index . 0 -}}{{- $gateway := index . 1 -}}
+{{- if $gateway.certificateNamespaces -}}
+{{ join "," (uniq $gateway.certificateNamespaces) }}
+{{- else -}}
+{{ include "aether.edgeGatewayNamespace" . }}
+{{- end -}}
+{{- end -}}
+
+{{/* An edge's pod selector: the edge component and its Gateway's name (unique in edge.gateways). */}}
+{{- define "aether.edgeSelector" -}}
+{{- $root := index . 0 -}}{{- $gateway := index . 1 -}}
+{{ include "aether.selector" (list $root "edge") }}
+gateway.networking.k8s.io/gateway-name: {{ $gateway.name }}
+{{- end -}}
+
+{{/* An edge's labels: the selector's, and its Gateway's namespace (what the status writer matches a Service by). */}}
+{{- define "aether.edgeLabels" -}}
+{{- $root := index . 0 -}}{{- $gateway := index . 1 -}}
+{{ include "aether.labels" (list $root "edge") }}
+gateway.networking.k8s.io/gateway-name: {{ $gateway.name }}
+aether.io/gateway-namespace: {{ include "aether.edgeGatewayNamespace" . }}
+{{- end -}}
+
 {{/* Telemetry flags every binary takes. */}}
 {{- define "aether.otelArgs" -}}
 {{- if .Values.otel.enabled }}
@@ -139,5 +200,37 @@ seccompProfile:
 {{- end -}}
 {{- if and .Values.registrar.networkPolicy.enabled (empty .Values.registrar.networkPolicy.nodeCidrs) -}}
 {{- fail "registrar.networkPolicy.enabled needs registrar.networkPolicy.nodeCidrs: agents run on the host network, so their connections come from node addresses" -}}
+{{- end -}}
+{{- if .Values.edge.enabled -}}
+{{- $names := list -}}
+{{- range $gateway := .Values.edge.gateways -}}
+{{- if has $gateway.name $names -}}
+{{- fail (printf "edge.gateways: %s is listed twice: the edge's objects are named after the Gateway's name, which must be unique in the list" $gateway.name) -}}
+{{- end -}}
+{{- $names = append $names $gateway.name -}}
+{{- range $gateway.ports -}}
+{{- if gt (add . $.Values.edge.portOffset) 65535 -}}
+{{- fail (printf "edge.gateways[%s].ports: %v + edge.portOffset (%v) is above 65535" $gateway.name . $.Values.edge.portOffset) -}}
+{{- end -}}
+{{- end -}}
+{{- $service := $gateway.service | default dict -}}
+{{- if eq ($service.type | default "LoadBalancer") "ClusterIP" -}}
+{{- if or $service.nodePorts $service.externalTrafficPolicy $service.loadBalancerClass $service.loadBalancerSourceRanges -}}
+{{- fail (printf "edge.gateways[%s].service: nodePorts, externalTrafficPolicy, loadBalancerClass and loadBalancerSourceRanges need type LoadBalancer or NodePort" $gateway.name) -}}
+{{- end -}}
+{{- end -}}
+{{- $ports := list -}}
+{{- range $gateway.ports -}}{{- $ports = append $ports (toString .) -}}{{- end -}}
+{{- range $port, $_ := $service.nodePorts -}}
+{{- if not (has $port $ports) -}}
+{{- fail (printf "edge.gateways[%s].service.nodePorts: %s is not one of its ports" $gateway.name $port) -}}
+{{- end -}}
+{{- end -}}
+{{- with $gateway.hpa -}}
+{{- if gt (int .minReplicas) (int .maxReplicas) -}}
+{{- fail (printf "edge.gateways[%s].hpa: minReplicas is above maxReplicas" $gateway.name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
