@@ -308,3 +308,79 @@ async fn tcp_greeting(addr: SocketAddr) -> Result<String, String> {
         .await
         .map_err(|_| "timed out".to_owned())?
 }
+
+/// Bad input on one listener (a Secret that holds no certificate) is reported on that listener, with the API's
+/// reason, and the rest of the Gateway keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_secret_fails_its_listener_alone_and_the_rest_keeps_serving() {
+    let suite = Suite::start_as(Setup::Edge).await;
+    let _route = suite.write_routes("front", &front_route("echo-v1"));
+    until_served_by(&suite, "echo-v1").await;
+    let listeners = r#"
+- name: http
+  port: 80
+  protocol: HTTP
+  allowedRoutes: {namespaces: {from: All}}
+- name: https
+  port: 443
+  protocol: HTTPS
+  hostname: www.example.com
+  tls: {mode: Terminate, certificateRefs: [{name: edge-cert}]}
+  allowedRoutes: {namespaces: {from: All}}
+- name: broken
+  port: 443
+  protocol: HTTPS
+  hostname: broken.example.com
+  tls: {mode: Terminate, certificateRefs: [{name: not-a-certificate}]}
+  allowedRoutes: {namespaces: {from: All}}
+"#;
+    let bad = "apiVersion: v1\nkind: Secret\nmetadata: {name: not-a-certificate, namespace: edge}\ntype: kubernetes.io/tls\nstringData: {tls.crt: \"hello\", tls.key: \"world\"}\n";
+    let _bad = suite.write_routes("bad-secret", bad);
+    let world = suite.edge_world();
+    let _world = suite.write_routes(WORLD_FILE.trim_end_matches(".yaml"), &world.yaml(listeners));
+    let edge = suite.edge();
+    edge.wait_status("the broken listener refused", Duration::from_secs(20), |status| {
+        let listeners = status["listeners"].as_array().cloned().unwrap_or_default();
+        listeners.iter().any(|l| {
+            l["name"] == "broken"
+                && l["conditions"].as_array().is_some_and(|c| {
+                    c.iter().any(|c| {
+                        c["type"] == "ResolvedRefs" && c["status"] == "False" && c["reason"] == "InvalidCertificateRef"
+                    })
+                })
+        })
+    })
+    .await;
+    let (reply, _) = https_request(
+        edge.addr(443),
+        "www.example.com",
+        &world.ca.cert_pem,
+        "GET",
+        "/",
+        "www.example.com",
+        &[],
+        "",
+    )
+    .await
+    .expect("the good HTTPS listener still serves");
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let plain = edge_get(&suite, "www.example.com", "/")
+        .await
+        .expect("the HTTP listener");
+    assert_eq!(plain.status, 200, "{plain:?}");
+    let broken = https_request(
+        edge.addr(443),
+        "broken.example.com",
+        &world.ca.cert_pem,
+        "GET",
+        "/",
+        "broken.example.com",
+        &[],
+        "",
+    )
+    .await;
+    assert!(
+        broken.is_err(),
+        "no certificate is served for the broken listener: {broken:?}"
+    );
+}
