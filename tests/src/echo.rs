@@ -234,15 +234,18 @@ pub struct GrpcReply {
 /// A unary gRPC call with an empty request message, over h2c from inside `pod` to `addr`, with `authority` and
 /// the method's `path` (`/<service>/<method>`). Err on connect/protocol failure or after [`CLIENT_TIMEOUT`].
 pub async fn grpc_call(
-    pod: &TestPod,
+    pod: Option<&TestPod>,
     addr: SocketAddr,
     authority: &str,
     path: &str,
     headers: &[(String, String)],
 ) -> Result<GrpcReply, String> {
-    let socket = pod
-        .run(TcpSocket::new_v4)
-        .map_err(|e| format!("socket in pod {}: {e}", pod.name()))?;
+    let socket = match pod {
+        Some(pod) => pod
+            .run(TcpSocket::new_v4)
+            .map_err(|e| format!("socket in pod {}: {e}", pod.name()))?,
+        None => TcpSocket::new_v4().map_err(|e| format!("socket: {e}"))?,
+    };
     let mut req = Request::builder()
         .method("POST")
         .uri(format!("http://{authority}{path}"))

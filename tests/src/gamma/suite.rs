@@ -471,6 +471,9 @@ impl Suite {
             };
         };
         let addr = edge.addr(row.port);
+        if let Some(call) = &row.grpc {
+            return grpc_observed(grpc_call(None, addr, authority, &call.path(), headers).await);
+        }
         let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         let (reply, names) = match row.via {
             Via::EdgeTls => {
@@ -516,19 +519,7 @@ impl Suite {
         headers: &[(String, String)],
     ) -> Observed {
         let addr = SocketAddr::new(address.parse().expect("an IP address"), port);
-        match grpc_call(client, addr, authority, &call.path(), headers).await {
-            Ok(reply) => Observed {
-                status: reply.status,
-                headers: reply.headers,
-                body: serde_json::from_slice(&reply.message).ok(),
-                grpc_status: reply.grpc_status,
-                ..Observed::default()
-            },
-            Err(e) => Observed {
-                error: Some(e),
-                ..Observed::default()
-            },
-        }
+        grpc_observed(grpc_call(Some(client), addr, authority, &call.path(), headers).await)
     }
 
     /// `split.requests` requests; each backend service's share must be within the tolerance. Three tries, as
@@ -574,6 +565,23 @@ impl Suite {
             sent += batch;
         }
         counts
+    }
+}
+
+/// A unary gRPC call's answer, as a row sees it.
+fn grpc_observed(reply: Result<crate::echo::GrpcReply, String>) -> Observed {
+    match reply {
+        Ok(reply) => Observed {
+            status: reply.status,
+            headers: reply.headers,
+            body: serde_json::from_slice(&reply.message).ok(),
+            grpc_status: reply.grpc_status,
+            ..Observed::default()
+        },
+        Err(e) => Observed {
+            error: Some(e),
+            ..Observed::default()
+        },
     }
 }
 
