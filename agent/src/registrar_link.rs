@@ -9,6 +9,13 @@
 //! connection: the registrar authenticates a connection once, at its handshake, and
 //! ends streams whose certificate expires, so callers take [`RegistrarLink::client`]
 //! afresh for each call and Watch loops resume on [`RegistrarLink::rotated`].
+//!
+//! The edge gateway (`aether-agent edge`) follows the Watch stream through the same link
+//! as [`LinkRole::Edge`]: its bootstrap token is its own ServiceAccount's (listed in the
+//! registrar's `--edge-service-accounts`) and the registrar answers with a read-only
+//! certificate `spiffe://<td>/aether/edge/<namespace>/<service account>`; the link
+//! refuses any other (a node certificate could write endpoints), and with SPIRE it picks
+//! the SVID under `/aether/edge/`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -36,6 +43,20 @@ const SPIRE_BACKOFF_MIN: Duration = Duration::from_millis(100);
 const SPIRE_BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// The path under the trust domain the registrar reads an agent's node from.
 pub const NODE_ID_PATH: &str = "/aether/node/";
+/// The path under the trust domain that names an edge gateway (a reader):
+/// `<namespace>/<service account>` follows it.
+pub const EDGE_ID_PATH: &str = "/aether/edge/";
+
+/// Whom the link's certificate names, which the registrar reads its rights from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LinkRole {
+    /// A node agent: `spiffe://<td>/aether/node/<node>`, may write its node's endpoints.
+    #[default]
+    Node,
+    /// An edge gateway: `spiffe://<td>/aether/edge/<namespace>/<service account>`, reads
+    /// only (Watch, List). A bootstrapped certificate naming anything else is refused.
+    Edge,
+}
 
 /// Where the node certificate comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -169,6 +190,18 @@ impl RegistrarLink {
         agent: &AgentContext,
         shutdown: CancellationToken,
     ) -> Result<Self, LinkError> {
+        Self::start_as(url, config, agent, LinkRole::Node, shutdown)
+    }
+
+    /// [`RegistrarLink::start_for`] as `role`: [`LinkRole::Edge`] for the edge gateway,
+    /// whose certificate must name `spiffe://<td>/aether/edge/…` (read-only).
+    pub fn start_as(
+        url: &str,
+        config: &LinkConfig,
+        agent: &AgentContext,
+        role: LinkRole,
+        shutdown: CancellationToken,
+    ) -> Result<Self, LinkError> {
         let url_error = |reason: String| LinkError::Url {
             url: aether_common::quote::clip(url).to_string(),
             reason,
@@ -207,7 +240,7 @@ impl RegistrarLink {
                 .parse()
                 .map_err(|e: String| url_error(e))?,
         };
-        let slot = node_certificate(node_identity, config, agent, &shutdown)?;
+        let slot = node_certificate(node_identity, config, agent, role, &shutdown)?;
         let client_config = tls::client_config(roots.clone(), expected.clone(), slot.clone())?;
         let connector = Connector::new(client_config).when_certified(slot.clone());
         let dial = move || endpoint.connect_with_connector_lazy(connector.clone());
@@ -220,10 +253,11 @@ impl RegistrarLink {
                 bootstrap,
                 config.bootstrap_token.clone(),
                 slot.clone(),
+                role,
                 shutdown.clone(),
             ));
         }
-        tokio::spawn(redial_on_rotation(slot, current, dial, shutdown));
+        tokio::spawn(redial_on_rotation(slot, current, dial, role, shutdown));
         Ok(Self { channel })
     }
 
@@ -247,6 +281,7 @@ fn node_certificate(
     kind: NodeIdentityKind,
     config: &LinkConfig,
     agent: &AgentContext,
+    role: LinkRole,
     shutdown: &CancellationToken,
 ) -> Result<CertSlot, LinkError> {
     Ok(match kind {
@@ -265,6 +300,7 @@ fn node_certificate(
             tokio::spawn(follow_svid(
                 agent.spire_workload_socket.clone(),
                 agent.node_name.clone(),
+                role,
                 slot.clone(),
                 shutdown.clone(),
             ));
@@ -296,6 +332,7 @@ async fn redial_on_rotation(
     slot: CertSlot,
     current: watch::Sender<Channel>,
     dial: impl Fn() -> Channel,
+    role: LinkRole,
     shutdown: CancellationToken,
 ) {
     let mut changed = slot.changed();
@@ -309,7 +346,14 @@ async fn redial_on_rotation(
         if std::mem::take(&mut first) {
             continue;
         }
-        tracing::info!(identity = ?slot.identity(), "node certificate changed; new registrar connection");
+        match role {
+            LinkRole::Node => {
+                tracing::info!(identity = ?slot.identity(), "node certificate changed; new registrar connection")
+            }
+            LinkRole::Edge => {
+                tracing::info!(identity = ?slot.identity(), "edge certificate changed; new registrar connection")
+            }
+        }
         current.send_replace(dial());
     }
 }
@@ -320,22 +364,31 @@ async fn renew(
     mut bootstrap: NodeBootstrapClient<Channel>,
     token_path: PathBuf,
     slot: CertSlot,
+    role: LinkRole,
     shutdown: CancellationToken,
 ) {
     let mut backoff = BOOTSTRAP_BACKOFF_MIN;
     loop {
-        let wait = match issue(&mut bootstrap, &token_path).await {
+        let wait = match issue(&mut bootstrap, &token_path, role).await {
             Ok((key, not_before, not_after)) => {
                 backoff = BOOTSTRAP_BACKOFF_MIN;
                 slot.set(key);
                 let half = not_after.duration_since(not_before).unwrap_or_default() / 2;
                 let renew_at = not_before + half;
-                tracing::info!(identity = ?slot.identity(), renew_in = ?renew_at.duration_since(SystemTime::now()).unwrap_or_default(),
-                    "got a node certificate from the registrar");
+                let renew_in = renew_at.duration_since(SystemTime::now()).unwrap_or_default();
+                match role {
+                    LinkRole::Node => tracing::info!(identity = ?slot.identity(), renew_in = ?renew_in,
+                        "got a node certificate from the registrar"),
+                    LinkRole::Edge => tracing::info!(identity = ?slot.identity(), renew_in = ?renew_in,
+                        "got an edge certificate (read-only) from the registrar"),
+                }
                 renew_at.duration_since(SystemTime::now()).unwrap_or_default()
             }
             Err(error) => {
-                tracing::warn!(%error, retry_in = ?backoff, "node certificate bootstrap failed");
+                match role {
+                    LinkRole::Node => tracing::warn!(%error, retry_in = ?backoff, "node certificate bootstrap failed"),
+                    LinkRole::Edge => tracing::warn!(%error, retry_in = ?backoff, "edge certificate bootstrap failed"),
+                }
                 let wait = backoff;
                 backoff = (backoff * 2).min(BOOTSTRAP_BACKOFF_MAX);
                 wait
@@ -349,9 +402,12 @@ async fn renew(
 }
 
 /// One bootstrap exchange: a fresh key, its CSR and the token in; the certified key out.
+/// The exchange is the same for an edge (the registrar reads the role from the token);
+/// an edge refuses a certificate that does not name an edge.
 async fn issue(
     bootstrap: &mut NodeBootstrapClient<Channel>,
     token_path: &std::path::Path,
+    role: LinkRole,
 ) -> Result<(Arc<rustls::sign::CertifiedKey>, SystemTime, SystemTime), String> {
     let token = tokio::fs::read_to_string(token_path)
         .await
@@ -372,6 +428,13 @@ async fn issue(
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format!("the registrar's certificate chain: {e}"))?;
     let leaf = chain.first().ok_or("the registrar sent no certificate")?;
+    if role == LinkRole::Edge {
+        let id = tls::PeerIdentity::from_leaf(leaf)
+            .map_err(|e| format!("the edge certificate: {e}"))?
+            .spiffe_id
+            .unwrap_or_default();
+        check_edge_certificate(&id)?;
+    }
     let validity = x509_parser::parse_x509_certificate(leaf)
         .map_err(|e| format!("the node certificate: {e}"))?
         .1
@@ -392,6 +455,30 @@ pub fn names_node(id: &str, node: &str) -> bool {
         .and_then(|rest| rest.find('/').map(|slash| &rest[slash..]))
         .and_then(|path| path.strip_prefix(NODE_ID_PATH))
         .is_some_and(|named| !node.is_empty() && named == node)
+}
+
+/// Whether `id` names an edge gateway the way the registrar reads it:
+/// `spiffe://<trust domain>/aether/edge/<namespace>/<service account>`.
+pub fn names_edge(id: &str) -> bool {
+    id.strip_prefix("spiffe://")
+        .and_then(|rest| rest.find('/').map(|slash| &rest[slash..]))
+        .and_then(|path| path.strip_prefix(EDGE_ID_PATH))
+        .and_then(|rest| rest.split_once('/'))
+        .is_some_and(|(namespace, name)| !namespace.is_empty() && !name.is_empty() && !name.contains('/'))
+}
+
+/// An edge takes only an edge certificate: a node certificate (its token was the agents')
+/// would let it write endpoints.
+fn check_edge_certificate(id: &str) -> Result<(), String> {
+    if names_edge(id) {
+        return Ok(());
+    }
+    Err(format!(
+        "the registrar issued the edge {}, not an edge identity (spiffe://<trust domain>{EDGE_ID_PATH}<namespace>/<service \
+         account>): the edge's --bootstrap-token must be its own ServiceAccount's, listed in the registrar's \
+         --edge-service-accounts",
+        aether_common::quote::quote(id)
+    ))
 }
 
 /// A Workload API address as the `spiffe` crate takes it (`unix:`/`tcp:`; a bare path is
@@ -427,7 +514,31 @@ fn certified_svid(svid: &spiffe::X509Svid) -> Result<Arc<rustls::sign::Certified
 
 /// Puts the SVID naming `node` (else the first) into `slot` unless it already holds it;
 /// warns once per ID that does not name the node (the registrar will refuse it).
-fn adopt_svid(svids: &[Arc<spiffe::X509Svid>], node: &str, slot: &CertSlot, warned_for: &mut Option<String>) {
+/// An edge ([`LinkRole::Edge`]) adopts only an SVID naming an edge (it keeps its current
+/// certificate, or none, otherwise) and warns once per set of SVIDs it passed over.
+fn adopt_svid(
+    svids: &[Arc<spiffe::X509Svid>],
+    node: &str,
+    role: LinkRole,
+    slot: &CertSlot,
+    warned_for: &mut Option<String>,
+) {
+    if role == LinkRole::Edge {
+        let Some(svid) = svids.iter().find(|svid| names_edge(&svid.spiffe_id().to_string())) else {
+            let ids: Vec<String> = svids.iter().map(|svid| svid.spiffe_id().to_string()).collect();
+            let ids = ids.join(", ");
+            if warned_for.as_deref() != Some(ids.as_str()) {
+                tracing::warn!(spiffe_ids = %aether_common::quote::clip(&ids),
+                    expected = %format!("spiffe://<trust domain>{EDGE_ID_PATH}<namespace>/<service account>"),
+                    "no SVID from the Workload API names an edge: keeping the current edge certificate. Register \
+                     the edge with a SPIFFE ID such as spiffe://{{{{ .TrustDomain }}}}/aether/edge/\
+                     {{{{ .PodMeta.Namespace }}}}/{{{{ .PodSpec.ServiceAccountName }}}}");
+                *warned_for = Some(ids);
+            }
+            return;
+        };
+        return set_svid(svid, role, slot);
+    }
     let Some(svid) = node_svid(svids, node) else {
         tracing::warn!("the Workload API sent no SVID; keeping the current node certificate");
         return;
@@ -440,6 +551,12 @@ fn adopt_svid(svids: &[Arc<spiffe::X509Svid>], node: &str, slot: &CertSlot, warn
              spiffe://{{{{ .TrustDomain }}}}/aether/node/{{{{ .PodSpec.NodeName }}}})");
         *warned_for = Some(id.clone());
     }
+    set_svid(svid, role, slot)
+}
+
+/// Puts `svid` into `slot` unless it already holds it.
+fn set_svid(svid: &spiffe::X509Svid, role: LinkRole, slot: &CertSlot) {
+    let id = svid.spiffe_id().to_string();
     let unchanged = slot
         .current()
         .zip(svid.cert_chain().first())
@@ -452,11 +569,23 @@ fn adopt_svid(svids: &[Arc<spiffe::X509Svid>], node: &str, slot: &CertSlot, warn
             slot.set(key);
             let not_after = slot.identity().map(|identity| identity.not_after);
             let expires_in = not_after.and_then(|t| t.duration_since(SystemTime::now()).ok());
-            tracing::info!(spiffe_id = %id, ?expires_in, "node certificate: the agent's SVID from SPIRE");
+            match role {
+                LinkRole::Node => {
+                    tracing::info!(spiffe_id = %id, ?expires_in, "node certificate: the agent's SVID from SPIRE")
+                }
+                LinkRole::Edge => {
+                    tracing::info!(spiffe_id = %id, ?expires_in, "edge certificate: the edge's SVID from SPIRE")
+                }
+            }
         }
-        Err(error) => {
-            tracing::warn!(spiffe_id = %id, %error, "the agent's SVID is unusable; keeping the current node certificate")
-        }
+        Err(error) => match role {
+            LinkRole::Node => {
+                tracing::warn!(spiffe_id = %id, %error, "the agent's SVID is unusable; keeping the current node certificate")
+            }
+            LinkRole::Edge => {
+                tracing::warn!(spiffe_id = %id, %error, "the edge's SVID is unusable; keeping the current edge certificate")
+            }
+        },
     }
 }
 
@@ -464,7 +593,7 @@ fn adopt_svid(svids: &[Arc<spiffe::X509Svid>], node: &str, slot: &CertSlot, warn
 /// Workload API's `FetchX509SVID` stream, on which SPIRE pushes every rotation, and
 /// reconnects with backoff when it breaks (the last SVID keeps serving meanwhile, until
 /// it expires).
-async fn follow_svid(socket: String, node: String, slot: CertSlot, shutdown: CancellationToken) {
+async fn follow_svid(socket: String, node: String, role: LinkRole, slot: CertSlot, shutdown: CancellationToken) {
     let endpoint = workload_endpoint(&socket);
     let mut backoff = SPIRE_BACKOFF_MIN;
     let mut warned_for: Option<String> = None;
@@ -489,7 +618,7 @@ async fn follow_svid(socket: String, node: String, slot: CertSlot, shutdown: Can
                     }
                 };
                 backoff = SPIRE_BACKOFF_MIN;
-                adopt_svid(context.svids(), &node, &slot, &mut warned_for);
+                adopt_svid(context.svids(), &node, role, &slot, &mut warned_for);
             }
             Ok::<_, WorkloadApiError>(())
         };
@@ -500,10 +629,17 @@ async fn follow_svid(socket: String, node: String, slot: CertSlot, shutdown: Can
         match result {
             Ok(()) => tracing::warn!(%endpoint, retry_in = ?backoff,
                 "the Workload API stream ended; reconnecting (the current node certificate keeps serving)"),
-            Err(error @ (WorkloadApiError::NoIdentityIssued | WorkloadApiError::PermissionDenied(_))) => {
-                tracing::warn!(%endpoint, %error, retry_in = ?backoff, expected = %format!("spiffe://<trust domain>{NODE_ID_PATH}{node}"),
-                    "SPIRE issues the agent no SVID: register the agent DaemonSet with a per-node SPIFFE ID; retrying")
-            }
+            Err(error @ (WorkloadApiError::NoIdentityIssued | WorkloadApiError::PermissionDenied(_))) => match role {
+                LinkRole::Node => {
+                    tracing::warn!(%endpoint, %error, retry_in = ?backoff, expected = %format!("spiffe://<trust domain>{NODE_ID_PATH}{node}"),
+                        "SPIRE issues the agent no SVID: register the agent DaemonSet with a per-node SPIFFE ID; retrying")
+                }
+                LinkRole::Edge => {
+                    tracing::warn!(%endpoint, %error, retry_in = ?backoff,
+                        expected = %format!("spiffe://<trust domain>{EDGE_ID_PATH}<namespace>/<service account>"),
+                        "SPIRE issues the edge no SVID: register the edge Deployment with an edge SPIFFE ID; retrying")
+                }
+            },
             Err(error) => tracing::warn!(%endpoint, %error, retry_in = ?backoff,
                 "the Workload API is unavailable or failed; retrying (the current node certificate, if any, keeps serving)"),
         }
@@ -532,6 +668,94 @@ mod tests {
         assert!(!names_node("spiffe://cluster.local/x/aether/node/n1", "n1"));
         assert!(!names_node("https://cluster.local/aether/node/n1", "n1"));
         assert!(!names_node("spiffe://cluster.local/aether/node/", ""));
+    }
+
+    #[test]
+    fn edge_ids_are_read_as_the_registrar_does() {
+        assert!(names_edge(
+            "spiffe://cluster.local/aether/edge/aether-system/aether-edge-public"
+        ));
+        assert!(names_edge("spiffe://other.td/aether/edge/ns/edge.v2"));
+        for id in [
+            "spiffe://cluster.local/aether/node/n1",
+            "spiffe://cluster.local/aether/edge/ns",
+            "spiffe://cluster.local/aether/edge/ns/",
+            "spiffe://cluster.local/aether/edge//edge",
+            "spiffe://cluster.local/aether/edge/ns/edge/x",
+            "spiffe://cluster.local/ns/aether-system/sa/aether-edge-public",
+            "spiffe://cluster.local/x/aether/edge/ns/edge",
+            "https://cluster.local/aether/edge/ns/edge",
+            "",
+        ] {
+            assert!(!names_edge(id), "{id}");
+        }
+    }
+
+    #[test]
+    fn an_edge_takes_only_an_edge_certificate_from_the_bootstrap() {
+        check_edge_certificate("spiffe://cluster.local/aether/edge/aether-system/aether-edge-public").unwrap();
+        let refused = check_edge_certificate("spiffe://cluster.local/aether/node/n1").unwrap_err();
+        assert!(
+            refused.starts_with("the registrar issued the edge \"spiffe://cluster.local/aether/node/n1\", not an edge"),
+            "{refused}"
+        );
+        assert!(refused.contains("--edge-service-accounts"), "{refused}");
+        let long = check_edge_certificate(&"x".repeat(100_000)).unwrap_err();
+        assert!(long.len() < 1024, "quoted bounded: {long}");
+    }
+
+    /// A self-signed SVID naming `id`, as the Workload API would send it.
+    fn svid(id: &str) -> Arc<spiffe::X509Svid> {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::default();
+        params.subject_alt_names = vec![rcgen::SanType::URI(id.to_owned().try_into().unwrap())];
+        params.is_ca = rcgen::IsCa::ExplicitNoCa;
+        params.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature];
+        let cert = params.self_signed(&key).unwrap();
+        Arc::new(spiffe::X509Svid::parse_from_der(cert.der(), &key.serialize_der()).unwrap())
+    }
+
+    fn held(slot: &CertSlot) -> Option<String> {
+        slot.identity().and_then(|identity| identity.spiffe_id.clone())
+    }
+
+    #[test]
+    fn an_edge_adopts_only_an_edge_svid_and_an_agent_its_nodes() {
+        let workload = svid("spiffe://td/ns/aether-system/sa/aether-edge-public");
+        let node = svid("spiffe://td/aether/node/n1");
+        let edge = svid("spiffe://td/aether/edge/aether-system/aether-edge-public");
+        let mut warned = None;
+
+        let slot = CertSlot::default();
+        let svids = [workload.clone(), node.clone(), edge.clone()];
+        adopt_svid(&svids, "n1", LinkRole::Edge, &slot, &mut warned);
+        assert_eq!(
+            held(&slot).as_deref(),
+            Some("spiffe://td/aether/edge/aether-system/aether-edge-public")
+        );
+
+        // No edge SVID: nothing adopted (never a node identity), warned once.
+        let slot = CertSlot::default();
+        adopt_svid(
+            &[workload.clone(), node.clone()],
+            "n1",
+            LinkRole::Edge,
+            &slot,
+            &mut warned,
+        );
+        assert_eq!(held(&slot), None);
+        assert!(warned.is_some());
+
+        // An agent still takes the SVID naming its node, else the first.
+        let slot = CertSlot::default();
+        adopt_svid(&svids, "n1", LinkRole::Node, &slot, &mut None);
+        assert_eq!(held(&slot).as_deref(), Some("spiffe://td/aether/node/n1"));
+        let slot = CertSlot::default();
+        adopt_svid(&[workload, edge], "n1", LinkRole::Node, &slot, &mut None);
+        assert_eq!(
+            held(&slot).as_deref(),
+            Some("spiffe://td/ns/aether-system/sa/aether-edge-public")
+        );
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Who may call what (proposals/010): an agent, named by its node certificate
 //! `spiffe://<td>/aether/node/<node>`, may write only endpoints of its own node and may
-//! read; a reader identity (controller, CLI) may only read; nobody else gets anything
-//! but the bootstrap. Refusals are PERMISSION_DENIED (or UNAUTHENTICATED without an
+//! read; a reader identity (controller, CLI, listed in `--reader-ids`) and an edge
+//! gateway (`spiffe://<td>/aether/edge/<namespace>/<service account>`, proposals/018)
+//! may only read; nobody else gets anything but the bootstrap. Refusals are PERMISSION_DENIED (or UNAUTHENTICATED without an
 //! identity) naming the rule, logged with the caller and counted.
 
 use std::collections::BTreeSet;
@@ -15,6 +16,9 @@ use tonic::{Request, Status};
 
 /// The path under the trust domain that names agents.
 pub const NODE_ID_PATH: &str = "/aether/node/";
+/// The path under the trust domain that names edge gateways (readers):
+/// `<namespace>/<service account>` follows it.
+pub const EDGE_ID_PATH: &str = "/aether/edge/";
 
 /// The authenticated caller of one request.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -24,6 +28,7 @@ pub enum Caller {
     Agent {
         node: String,
     },
+    /// A `--reader-ids` identity or an edge gateway: reads only.
     Reader {
         id: String,
     },
@@ -35,6 +40,8 @@ pub struct Policy {
     insecure: bool,
     /// `spiffe://<td>/aether/node/`.
     node_prefix: String,
+    /// `spiffe://<td>/aether/edge/`.
+    edge_prefix: String,
     readers: Arc<BTreeSet<String>>,
     denied: Family<[(&'static str, &'static str); 2], Counter>,
 }
@@ -46,7 +53,7 @@ pub enum Rule {
     Authenticated,
     /// The certificate expired while its connection stayed open.
     CertificateValid,
-    /// The caller is neither an agent nor an allowed reader.
+    /// The caller is neither an agent, an edge nor an allowed reader.
     KnownIdentity,
     /// Writes come from agents only.
     AgentWrites,
@@ -71,6 +78,7 @@ impl Policy {
         Self {
             insecure,
             node_prefix: node_id_prefix(trust_domain),
+            edge_prefix: edge_id_prefix(trust_domain),
             readers: Arc::new(readers.into_iter().filter(|r| !r.is_empty()).collect()),
             denied: Family::default(),
         }
@@ -85,7 +93,8 @@ impl Policy {
         );
     }
 
-    /// The caller of `request`, if it may call `method` at all (a reader or an agent).
+    /// The caller of `request`, if it may call `method` at all (a reader, an edge or an
+    /// agent). An edge is a [`Caller::Reader`]: it never writes.
     pub fn reader<T>(&self, method: &'static str, request: &Request<T>) -> Result<Caller, Status> {
         if self.insecure {
             return Ok(Caller::Anyone);
@@ -98,7 +107,7 @@ impl Policy {
         {
             return Ok(Caller::Agent { node: node.to_owned() });
         }
-        if self.readers.contains(id) {
+        if self.readers.contains(id) || self.is_edge(id) {
             return Ok(Caller::Reader { id: id.to_owned() });
         }
         Err(self.deny(
@@ -106,11 +115,20 @@ impl Policy {
             Rule::KnownIdentity,
             identity.name(),
             format!(
-                "{} is neither an agent ({}<node>) nor a reader in --reader-ids",
+                "{} is neither an agent ({}<node>), an edge ({}<namespace>/<service account>) nor a reader in \
+                 --reader-ids",
                 identity.name(),
-                self.node_prefix
+                self.node_prefix,
+                self.edge_prefix
             ),
         ))
+    }
+
+    /// Whether `id` names an edge gateway: `spiffe://<td>/aether/edge/<namespace>/<name>`.
+    fn is_edge(&self, id: &str) -> bool {
+        id.strip_prefix(&self.edge_prefix)
+            .and_then(|rest| rest.split_once('/'))
+            .is_some_and(|(namespace, name)| !namespace.is_empty() && !name.is_empty() && !name.contains('/'))
     }
 
     /// The node of the agent calling `method` (None with `--insecure`): only agents
@@ -215,6 +233,10 @@ pub fn node_id_prefix(trust_domain: &str) -> String {
     format!("spiffe://{trust_domain}{NODE_ID_PATH}")
 }
 
+pub fn edge_id_prefix(trust_domain: &str) -> String {
+    format!("spiffe://{trust_domain}{EDGE_ID_PATH}")
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -278,6 +300,37 @@ mod tests {
     }
 
     #[test]
+    fn edges_read_and_never_write() {
+        let p = policy();
+        let edge = request(Some("spiffe://td/aether/edge/aether-system/aether-edge-public"), HOUR);
+        assert!(matches!(p.reader("Watch", &edge), Ok(Caller::Reader { .. })));
+        assert!(matches!(p.reader("ListEndpoints", &edge), Ok(Caller::Reader { .. })));
+        for method in ["RegisterEndpoint", "UnregisterEndpoint"] {
+            let denied = p.writer(method, &edge, "a").unwrap_err();
+            assert_eq!(denied.code(), tonic::Code::PermissionDenied);
+            assert!(
+                denied
+                    .message()
+                    .starts_with("rule agent-writes: spiffe://td/aether/edge/"),
+                "{}",
+                denied.message()
+            );
+            let denied = p.agent(method, &edge).unwrap_err();
+            assert!(
+                denied.message().starts_with("rule agent-writes:"),
+                "{}",
+                denied.message()
+            );
+        }
+        assert_eq!(
+            p.denied
+                .get_or_create(&[("method", "RegisterEndpoint"), ("rule", "agent-writes")])
+                .get(),
+            2
+        );
+    }
+
+    #[test]
     fn strangers_anonymous_callers_and_expired_connections_are_refused() {
         let p = policy();
         let cases = [
@@ -293,6 +346,32 @@ mod tests {
             ),
             (
                 request(Some("spiffe://td/aether/node/"), HOUR),
+                tonic::Code::PermissionDenied,
+                "known-identity",
+            ),
+            // Edge IDs are `<namespace>/<name>` in this trust domain, nothing else.
+            (
+                request(Some("spiffe://other/aether/edge/ns/edge"), HOUR),
+                tonic::Code::PermissionDenied,
+                "known-identity",
+            ),
+            (
+                request(Some("spiffe://td/aether/edge/ns"), HOUR),
+                tonic::Code::PermissionDenied,
+                "known-identity",
+            ),
+            (
+                request(Some("spiffe://td/aether/edge/ns/"), HOUR),
+                tonic::Code::PermissionDenied,
+                "known-identity",
+            ),
+            (
+                request(Some("spiffe://td/aether/edge//edge"), HOUR),
+                tonic::Code::PermissionDenied,
+                "known-identity",
+            ),
+            (
+                request(Some("spiffe://td/aether/edge/ns/edge/x"), HOUR),
                 tonic::Code::PermissionDenied,
                 "known-identity",
             ),

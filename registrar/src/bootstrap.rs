@@ -9,6 +9,13 @@
 //! (`authentication.kubernetes.io/node-name`, set by kubelet-issued tokens since
 //! Kubernetes 1.30). A token stolen off one node therefore yields only that node's
 //! identity, and only while the pod it was issued to exists.
+//!
+//! Edge gateways (`aether-agent edge`) follow the Watch stream through the same
+//! exchange but never write: a token of a ServiceAccount listed in
+//! `--edge-service-accounts` (exact `<namespace>/<name>` entries, no wildcards) gets a
+//! *reader* certificate `spiffe://<td>/aether/edge/<namespace>/<name>`. An edge pod runs
+//! on any node, so no node binding is required, but the token must still be bound to a
+//! pod (`authentication.kubernetes.io/pod-name`), so it dies with the pod.
 
 use std::time::{Duration, SystemTime};
 
@@ -25,10 +32,14 @@ use tonic::{Request, Response, Status};
 
 use aether_common::quote::quote;
 
-use crate::auth::node_id_prefix;
+use crate::auth::{edge_id_prefix, node_id_prefix};
 
 /// The TokenReview `user.extra` key naming the node a pod-bound token's pod runs on.
 pub const NODE_NAME_EXTRA: &str = "authentication.kubernetes.io/node-name";
+/// The TokenReview `user.extra` key naming the pod a pod-bound token is bound to.
+pub const POD_NAME_EXTRA: &str = "authentication.kubernetes.io/pod-name";
+/// The longest ServiceAccount name (a DNS-1123 subdomain).
+const MAX_SERVICE_ACCOUNT_NAME: usize = 253;
 /// Longest token and CSR accepted (a projected token is ~1 KiB, a CSR ~0.5 KiB).
 const MAX_TOKEN_BYTES: usize = 16 * 1024;
 const MAX_CSR_BYTES: usize = 16 * 1024;
@@ -50,6 +61,8 @@ pub enum BootstrapError {
     },
     #[error("--agent-service-account {0:?}: expected <namespace>/<name>")]
     ServiceAccount(String),
+    #[error("--edge-service-accounts entry {}: {reason}", quote(.entry))]
+    EdgeServiceAccount { entry: String, reason: String },
     #[error(
         "the node bootstrap needs a Kubernetes client for TokenReviews (tried KUBECONFIG, ~/.kube/config and the in-cluster service account): {0}"
     )]
@@ -61,10 +74,14 @@ pub struct Bootstrap {
     /// Intermediates sent after each leaf (PEM); empty when the node CA is a root.
     intermediates_pem: String,
     node_prefix: String,
+    /// `spiffe://<td>/aether/edge/`.
+    edge_prefix: String,
     ttl: Duration,
     audience: String,
     /// `system:serviceaccount:<ns>:<name>`.
     agent_user: String,
+    /// `--edge-service-accounts`, by TokenReview user name.
+    edge_users: EdgeUsers,
     kube: kube::Client,
     reviews: tokio::sync::Semaphore,
     issued: Family<[(&'static str, &'static str); 1], Counter>,
@@ -78,6 +95,67 @@ pub struct BootstrapConfig<'a> {
     pub ttl: Duration,
     pub audience: String,
     pub agent_service_account: &'a str,
+    /// `--edge-service-accounts`: `<namespace>/<name>` entries (empty ones skipped).
+    pub edge_service_accounts: &'a [String],
+}
+
+/// The edges' ServiceAccounts: `system:serviceaccount:<ns>:<name>` to `(ns, name)`.
+pub type EdgeUsers = std::collections::BTreeMap<String, (String, String)>;
+
+/// `--edge-service-accounts` checked: exact `<namespace>/<name>` entries (a namespace is a
+/// DNS-1123 label, a name a DNS-1123 subdomain), none of them the agents' own.
+///
+/// Wildcards (`aether-edge-*`) are refused on purpose: whoever may create a ServiceAccount
+/// and a pod in that namespace would get to read the whole catalog; the chart knows its
+/// gateways and lists each one's ServiceAccount.
+pub fn edge_users(entries: &[String], agent_user: &str) -> Result<EdgeUsers, BootstrapError> {
+    let mut users = EdgeUsers::new();
+    for entry in entries.iter().map(|e| e.trim()).filter(|e| !e.is_empty()) {
+        let refuse = |reason: String| BootstrapError::EdgeServiceAccount {
+            entry: entry.to_owned(),
+            reason,
+        };
+        if entry.contains('*') {
+            return Err(refuse(
+                "wildcards are not accepted: list each edge's ServiceAccount by its exact name".into(),
+            ));
+        }
+        let (namespace, name) = entry
+            .split_once('/')
+            .ok_or_else(|| refuse("expected <namespace>/<name>".into()))?;
+        aether_common::names::dns_label(namespace).map_err(|e| refuse(format!("the namespace {e}")))?;
+        service_account_name(name).map_err(|e| refuse(format!("the name {e}")))?;
+        let user = format!("system:serviceaccount:{namespace}:{name}");
+        if user == agent_user {
+            return Err(refuse(
+                "is the agents' service account (--agent-service-account): an edge needs its own".into(),
+            ));
+        }
+        users.insert(user, (namespace.to_owned(), name.to_owned()));
+    }
+    Ok(users)
+}
+
+/// Checks a ServiceAccount name: a DNS-1123 subdomain (dot-separated labels, at most 253 characters).
+fn service_account_name(name: &str) -> Result<(), String> {
+    if name.len() > MAX_SERVICE_ACCOUNT_NAME {
+        return Err(format!(
+            "is {} characters long (at most {MAX_SERVICE_ACCOUNT_NAME})",
+            name.len()
+        ));
+    }
+    name.split('.')
+        .try_for_each(aether_common::names::dns_label)
+        .map_err(|e| format!("must be a DNS-1123 subdomain: a part of it {e}"))
+}
+
+/// Whom a reviewed token may be certified as.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Subject {
+    /// The agent on this node: `spiffe://<td>/aether/node/<node>`.
+    Node(String),
+    /// An edge gateway, by its ServiceAccount: `spiffe://<td>/aether/edge/<namespace>/<name>`, a reader.
+    Edge { namespace: String, name: String },
 }
 
 impl Bootstrap {
@@ -112,6 +190,8 @@ impl Bootstrap {
             .split_once('/')
             .filter(|(ns, name)| !ns.is_empty() && !name.is_empty())
             .ok_or_else(|| BootstrapError::ServiceAccount(config.agent_service_account.to_owned()))?;
+        let agent_user = format!("system:serviceaccount:{namespace}:{name}");
+        let edge_users = edge_users(config.edge_service_accounts, &agent_user)?;
         let kube = kube::Client::try_default()
             .await
             .map_err(|e| BootstrapError::Kube(e.to_string()))?;
@@ -123,9 +203,11 @@ impl Bootstrap {
                 .unwrap_or_default()
                 .concat(),
             node_prefix: node_id_prefix(config.trust_domain),
+            edge_prefix: edge_id_prefix(config.trust_domain),
             ttl: config.ttl,
             audience: config.audience,
-            agent_user: format!("system:serviceaccount:{namespace}:{name}"),
+            agent_user,
+            edge_users,
             kube,
             reviews: tokio::sync::Semaphore::new(MAX_REVIEWS_IN_FLIGHT),
             issued: Family::default(),
@@ -141,8 +223,9 @@ impl Bootstrap {
         );
     }
 
-    /// Asks Kubernetes whose `token` is; the node its pod is bound to if it is an agent's.
-    async fn node_of(&self, token: &str) -> Result<String, Status> {
+    /// Asks Kubernetes whose `token` is: the node its pod is bound to if it is an agent's,
+    /// the edge's ServiceAccount if it is a listed edge's.
+    async fn subject_of(&self, token: &str) -> Result<Subject, Status> {
         let _slot = tokio::time::timeout(REVIEW_QUEUE_WAIT, self.reviews.acquire())
             .await
             .map_err(|_| Status::unavailable("too many node certificate requests at once; retry shortly"))?
@@ -165,14 +248,25 @@ impl Bootstrap {
                     aether_common::quote::clip(&e.to_string())
                 ))
             })?;
-        node_of(reviewed.status.unwrap_or_default(), &self.audience, &self.agent_user)
-            .map_err(|reason| Status::permission_denied(format!("rule agent-token: {reason}")))
+        subject_of(
+            reviewed.status.unwrap_or_default(),
+            &self.audience,
+            &self.agent_user,
+            &self.edge_users,
+        )
+        .map_err(|reason| Status::permission_denied(format!("rule agent-token: {reason}")))
     }
 
-    fn issue(&self, node: &str, csr_der: &[u8]) -> Result<(String, String), Status> {
+    fn issue(&self, subject: &Subject, csr_der: &[u8]) -> Result<(String, String), Status> {
         let csr = CertificateSigningRequestParams::from_der(&csr_der.to_vec().into())
             .map_err(|e| Status::invalid_argument(format!("csr_der: not a signed PKCS#10 request ({e})")))?;
-        let spiffe_id = format!("{}{node}", self.node_prefix);
+        let (spiffe_id, common_name) = match subject {
+            Subject::Node(node) => (format!("{}{node}", self.node_prefix), format!("aether-agent {node}")),
+            Subject::Edge { namespace, name } => (
+                format!("{}{namespace}/{name}", self.edge_prefix),
+                format!("aether-edge {namespace}/{name}"),
+            ),
+        };
         let uri = spiffe_id
             .clone()
             .try_into()
@@ -181,7 +275,7 @@ impl Bootstrap {
         params.subject_alt_names = vec![SanType::URI(uri)];
         let mut dn = DistinguishedName::new();
         dn.push(DnType::OrganizationName, "aether");
-        dn.push(DnType::CommonName, format!("aether-agent {node}"));
+        dn.push(DnType::CommonName, common_name);
         params.distinguished_name = dn;
         params.is_ca = IsCa::ExplicitNoCa;
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyAgreement];
@@ -204,7 +298,11 @@ pub enum TokenRejected {
     NotAuthenticated(String),
     #[error("the token is not bound to the audience {0:?}")]
     WrongAudience(String),
-    #[error("the token belongs to {}, not to the agents' service account {agent_user}", quote(.user))]
+    #[error(
+        "the token belongs to {}, not to the agents' service account {agent_user} nor to an edge's in \
+         --edge-service-accounts",
+        quote(.user)
+    )]
     NotTheAgents { user: String, agent_user: String },
     #[error(
         "the token is not bound to a pod on a node (user.extra[{NODE_NAME_EXTRA:?}] is {}): use a projected \
@@ -212,6 +310,12 @@ pub enum TokenRejected {
         quote(.0)
     )]
     NotBoundToNode(String),
+    #[error(
+        "the edge's token is not bound to a pod (user.extra[{POD_NAME_EXTRA:?}] is {}): use a projected \
+         ServiceAccount token",
+        quote(.0)
+    )]
+    NotBoundToPod(String),
 }
 
 fn clipped(error: &str) -> String {
@@ -221,9 +325,15 @@ fn clipped(error: &str) -> String {
     }
 }
 
-/// The node a reviewed token is bound to, if the review says it is a valid token of
-/// `agent_user` for `audience`.
-pub fn node_of(status: TokenReviewStatus, audience: &str, agent_user: &str) -> Result<String, TokenRejected> {
+/// Whom a reviewed token may be certified as, if the review says it is a valid token for
+/// `audience`: of `agent_user` bound to a node (the agent there), or of one of
+/// `edge_users` bound to a pod on any node (that edge).
+pub fn subject_of(
+    status: TokenReviewStatus,
+    audience: &str,
+    agent_user: &str,
+    edge_users: &EdgeUsers,
+) -> Result<Subject, TokenRejected> {
     if status.authenticated != Some(true) {
         return Err(TokenRejected::NotAuthenticated(status.error.unwrap_or_default()));
     }
@@ -235,26 +345,39 @@ pub fn node_of(status: TokenReviewStatus, audience: &str, agent_user: &str) -> R
     }
     let user = status.user.unwrap_or_default();
     let username = user.username.unwrap_or_default();
+    let extra = |key: &str| {
+        user.extra
+            .as_ref()
+            .and_then(|extra| extra.get(key))
+            .and_then(|values| values.first())
+            .cloned()
+            .unwrap_or_default()
+    };
     if username != agent_user {
-        return Err(TokenRejected::NotTheAgents {
-            user: username,
-            agent_user: agent_user.to_owned(),
+        let Some((namespace, name)) = edge_users.get(&username) else {
+            return Err(TokenRejected::NotTheAgents {
+                user: username,
+                agent_user: agent_user.to_owned(),
+            });
+        };
+        // Any node will do, but the token must die with its pod.
+        let pod = extra(POD_NAME_EXTRA);
+        if pod.is_empty() {
+            return Err(TokenRejected::NotBoundToPod(pod));
+        }
+        return Ok(Subject::Edge {
+            namespace: namespace.clone(),
+            name: name.clone(),
         });
     }
-    let node = user
-        .extra
-        .as_ref()
-        .and_then(|extra| extra.get(NODE_NAME_EXTRA))
-        .and_then(|values| values.first())
-        .cloned()
-        .unwrap_or_default();
+    let node = extra(NODE_NAME_EXTRA);
     let valid = !node.is_empty()
         && node.len() <= 253
         && node
             .bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
     match valid {
-        true => Ok(node),
+        true => Ok(Subject::Node(node)),
         false => Err(TokenRejected::NotBoundToNode(node)),
     }
 }
@@ -283,14 +406,22 @@ impl NodeBootstrap for Bootstrap {
                     request.csr_der.len()
                 )));
             }
-            let node = self.node_of(&request.token).await?;
-            self.issue(&node, &request.csr_der)
+            let subject = self.subject_of(&request.token).await?;
+            let (chain, spiffe_id) = self.issue(&subject, &request.csr_der)?;
+            Ok((chain, spiffe_id, subject))
         }
         .await;
         match result {
-            Ok((cert_chain_pem, spiffe_id)) => {
+            Ok((cert_chain_pem, spiffe_id, subject)) => {
                 self.issued.get_or_create(&[("result", "issued")]).inc();
-                tracing::info!(%spiffe_id, ?remote, ttl = ?self.ttl, "issued a node certificate");
+                match subject {
+                    Subject::Node(_) => {
+                        tracing::info!(%spiffe_id, ?remote, ttl = ?self.ttl, "issued a node certificate")
+                    }
+                    Subject::Edge { .. } => {
+                        tracing::info!(%spiffe_id, ?remote, ttl = ?self.ttl, "issued an edge certificate (read-only)")
+                    }
+                }
                 Ok(Response::new(IssueNodeCertificateResponse {
                     cert_chain_pem,
                     spiffe_id,
@@ -314,6 +445,15 @@ mod tests {
     use super::*;
 
     const AGENT: &str = "system:serviceaccount:aether-system:aether-agent";
+    const EDGE: &str = "system:serviceaccount:aether-system:aether-edge-public";
+
+    fn edges() -> EdgeUsers {
+        edge_users(&["aether-system/aether-edge-public".to_owned()], AGENT).unwrap()
+    }
+
+    fn node_of(status: TokenReviewStatus, audience: &str, agent_user: &str) -> Result<Subject, TokenRejected> {
+        subject_of(status, audience, agent_user, &edges())
+    }
 
     fn status(username: &str, node: Option<&str>, audiences: Option<&[&str]>) -> TokenReviewStatus {
         TokenReviewStatus {
@@ -331,7 +471,61 @@ mod tests {
     #[test]
     fn a_valid_agent_token_names_its_node() {
         let reviewed = status(AGENT, Some("node-a"), Some(&["aether-registrar"]));
-        assert_eq!(node_of(reviewed, "aether-registrar", AGENT).unwrap(), "node-a");
+        assert_eq!(
+            node_of(reviewed, "aether-registrar", AGENT).unwrap(),
+            Subject::Node("node-a".into())
+        );
+    }
+
+    #[test]
+    fn a_listed_edge_token_bound_to_a_pod_on_any_node_names_its_service_account() {
+        let mut reviewed = status(EDGE, Some("node-z"), Some(&["aether-registrar"]));
+        let edge = Subject::Edge {
+            namespace: "aether-system".into(),
+            name: "aether-edge-public".into(),
+        };
+        let extra = reviewed.user.as_mut().unwrap().extra.as_mut().unwrap();
+        extra.insert(POD_NAME_EXTRA.to_owned(), vec!["aether-edge-public-7c9f".into()]);
+        assert_eq!(node_of(reviewed.clone(), "aether-registrar", AGENT).unwrap(), edge);
+        // No node binding needed: only the pod's.
+        reviewed
+            .user
+            .as_mut()
+            .unwrap()
+            .extra
+            .as_mut()
+            .unwrap()
+            .remove(NODE_NAME_EXTRA);
+        assert_eq!(node_of(reviewed, "aether-registrar", AGENT).unwrap(), edge);
+    }
+
+    #[test]
+    fn edge_service_accounts_are_exact_names() {
+        let users = edge_users(
+            &["ns-a/edge-1".to_owned(), String::new(), " ns-b/edge.two ".to_owned()],
+            AGENT,
+        )
+        .unwrap();
+        assert_eq!(
+            users.get("system:serviceaccount:ns-b:edge.two"),
+            Some(&("ns-b".to_owned(), "edge.two".to_owned()))
+        );
+        assert_eq!(users.len(), 2);
+        let long = format!("ns/{}", "x".repeat(300));
+        for (entry, reason) in [
+            ("aether-system/aether-edge-*", "wildcards are not accepted"),
+            ("aether-edge", "expected <namespace>/<name>"),
+            ("Aether/edge", "the namespace must be a DNS-1123 label"),
+            ("ns/", "the name must be a DNS-1123 subdomain: a part of it is empty"),
+            ("ns/a/b", "the name must be a DNS-1123 subdomain"),
+            (long.as_str(), "the name is 300 characters long"),
+            ("aether-system/aether-agent", "is the agents' service account"),
+        ] {
+            let error = edge_users(&[entry.to_owned()], AGENT).unwrap_err().to_string();
+            assert!(error.starts_with("--edge-service-accounts entry \""), "{error}");
+            assert!(error.contains(reason), "{entry}: {error}");
+            assert!(error.len() < 400, "the entry is quoted bounded: {error}");
+        }
     }
 
     #[test]
@@ -355,6 +549,17 @@ mod tests {
             ),
             (status(AGENT, None, None), "not bound to a pod on a node"),
             (status(AGENT, Some("Node/../x"), None), "not bound to a pod on a node"),
+            // An edge's token not bound to a pod.
+            (status(EDGE, None, None), "the edge's token is not bound to a pod"),
+            // An edge token from a ServiceAccount not listed.
+            (
+                status(
+                    "system:serviceaccount:aether-system:aether-edge-other",
+                    Some("node-a"),
+                    None,
+                ),
+                "not to the agents' service account",
+            ),
         ];
         for (reviewed, reason) in cases {
             let error = node_of(reviewed, "aether-registrar", AGENT).unwrap_err().to_string();

@@ -253,12 +253,13 @@ pub struct SecurityConfig {
     #[arg(long, env = "AETHER_REGISTRAR_CLIENT_CA", value_parser = path_or_empty)]
     pub client_ca: Option<PathBuf>,
 
-    /// Trust domain of the identities: an agent is `spiffe://<td>/aether/node/<node>`.
+    /// Trust domain of the identities: an agent is `spiffe://<td>/aether/node/<node>`, an
+    /// edge gateway `spiffe://<td>/aether/edge/<namespace>/<service account>` (a reader).
     #[arg(long, env = "AETHER_TRUST_DOMAIN", default_value = "cluster.local")]
     pub trust_domain: String,
 
-    /// SPIFFE IDs that may Watch and List besides agents (the controller, the CLI, an
-    /// operator), comma-separated. They can never write.
+    /// SPIFFE IDs that may Watch and List besides agents and edges (the controller, the
+    /// CLI, an operator), comma-separated. They can never write.
     #[arg(long, env = "AETHER_REGISTRAR_READER_IDS", value_delimiter = ',')]
     pub reader_ids: Vec<String>,
 
@@ -291,6 +292,13 @@ pub struct SecurityConfig {
         default_value = "aether-system/aether-agent"
     )]
     pub agent_service_account: String,
+
+    /// The ServiceAccounts `<namespace>/<name>` edge gateways (`aether-agent edge`) run
+    /// as, comma-separated: a pod-bound token of one of them (from a pod on any node) gets
+    /// a read-only edge certificate `spiffe://<td>/aether/edge/<namespace>/<name>`, which
+    /// may Watch and List, never write. Exact names only, no wildcards: list each edge's.
+    #[arg(long, env = "AETHER_REGISTRAR_EDGE_SERVICE_ACCOUNTS", value_delimiter = ',')]
+    pub edge_service_accounts: Vec<String>,
 }
 
 #[cfg(test)]
@@ -317,5 +325,20 @@ mod tests {
         assert!(!debug.contains("hunter2-s3cret"), "{debug}");
         assert!(debug.contains("etcd_password: Some(<redacted>)"), "{debug}");
         assert_eq!(Secret::new("x").to_string(), "<redacted>");
+    }
+
+    #[test]
+    fn edge_service_accounts_are_a_comma_separated_list() {
+        let config = Config::try_parse_from([
+            "aether-registrar",
+            "--edge-service-accounts=aether-system/aether-edge-public,aether-system/aether-edge-internal",
+        ])
+        .unwrap();
+        assert_eq!(
+            config.security.edge_service_accounts,
+            ["aether-system/aether-edge-public", "aether-system/aether-edge-internal"]
+        );
+        let none = Config::try_parse_from(["aether-registrar"]).unwrap();
+        assert!(none.security.edge_service_accounts.is_empty());
     }
 }

@@ -168,6 +168,11 @@ fn server_tls(
 async fn bootstrap(security: &SecurityConfig) -> Result<Option<Bootstrap>, StartError> {
     let set = |p: &Option<std::path::PathBuf>| p.clone().filter(|p| !p.as_os_str().is_empty());
     let (Some(ca_cert), Some(ca_key)) = (set(&security.node_ca_cert), set(&security.node_ca_key)) else {
+        if security.edge_service_accounts.iter().any(|e| !e.trim().is_empty()) {
+            tracing::warn!(
+                "--edge-service-accounts is ignored: the node bootstrap needs --node-ca-cert and --node-ca-key"
+            );
+        }
         return Ok(None);
     };
     if security.insecure {
@@ -181,6 +186,7 @@ async fn bootstrap(security: &SecurityConfig) -> Result<Option<Bootstrap>, Start
             ttl: security.node_cert_ttl,
             audience: security.bootstrap_audience.clone(),
             agent_service_account: &security.agent_service_account,
+            edge_service_accounts: &security.edge_service_accounts,
         })
         .await?,
     ))

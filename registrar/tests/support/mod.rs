@@ -51,6 +51,16 @@ impl Registrar {
 
     /// As [`Registrar::start`], with extra environment variables for the process.
     pub async fn start_with_env(data_dir: &Path, extra: &[&str], env: &[(String, String)]) -> Registrar {
+        Self::spawn(data_dir, extra, env, true).await
+    }
+
+    /// As [`Registrar::start_with_env`] but serving mTLS with the access rules on (no
+    /// `--insecure`): `extra` names the certificates.
+    pub async fn start_secure(data_dir: &Path, extra: &[&str], env: &[(String, String)]) -> Registrar {
+        Self::spawn(data_dir, extra, env, false).await
+    }
+
+    async fn spawn(data_dir: &Path, extra: &[&str], env: &[(String, String)], insecure: bool) -> Registrar {
         let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let log = data_dir.with_extension(format!("{}.log", grpc.port()));
@@ -61,9 +71,9 @@ impl Registrar {
             .arg(admin.to_string())
             .arg("--data-dir")
             .arg(data_dir)
-            // These tests are about the catalog and its stores; the access rules and mTLS
+            // Most tests are about the catalog and its stores; the access rules and mTLS
             // are tested end to end in tests/tests/control_plane.rs.
-            .arg("--insecure")
+            .args(insecure.then_some("--insecure"))
             .args(extra)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "info")
