@@ -37,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 use crate::catalog_watch::{self, Interest, WatchedCatalog};
 use crate::identity::{Identities, Identity, IdentityConfig, IdentityMetrics};
 use crate::pod::{LocalPod, PodInfo};
-use crate::registrar_link::{AgentContext, LinkConfig, RegistrarLink};
+use crate::registrar_link::{AgentContext, LinkConfig, LinkRole, RegistrarLink};
 use crate::xds::cache::{Cache, Resource};
 use crate::xds::resources::Generated;
 use crate::xds::resources::edge::{EdgeInputs, backend_services, generate};
@@ -179,7 +179,14 @@ pub async fn run(config: EdgeConfig, shutdown: CancellationToken) -> Result<(), 
         pod_identity: Some(config.identity.kind),
         spire_workload_socket: config.identity.spire_workload_socket.clone(),
     };
-    let link = RegistrarLink::start_for(&config.registrar, &config.registrar_link, &context, shutdown.clone())?;
+    // A reader's certificate (`spiffe://<td>/aether/edge/<ns>/<sa>`): the edge never writes endpoints.
+    let link = RegistrarLink::start_as(
+        &config.registrar,
+        &config.registrar_link,
+        &context,
+        LinkRole::Edge,
+        shutdown.clone(),
+    )?;
     let (interest_tx, interest_rx) = watch::channel(Interest::default());
     let (views_tx, views_rx) = watch::channel(Arc::new(WatchedCatalog::default()));
     tasks.critical(

@@ -113,7 +113,7 @@ impl Demo {
             .arg("--config-dir")
             .arg(config)
             .args(["--registrar", &self.registrar_url()])
-            .args(self.control_plane().agent_args("demo-edge"))
+            .args(self.control_plane().edge_args(NAMESPACE, EDGE_SERVICE_ACCOUNT))
             .args(["--pod-name", "demo-edge", "--namespace", NAMESPACE])
             .args(["--service-account", EDGE_SERVICE_ACCOUNT])
             .arg("--xds-socket")

@@ -25,6 +25,9 @@ pub const REGISTRAR_NAME: &str = "aether-registrar.aether-system.svc";
 pub const AUDIENCE: &str = "aether-registrar";
 /// The agents' ServiceAccount, as TokenReview names it.
 pub const AGENT_USER: &str = "system:serviceaccount:aether-system:aether-agent";
+/// The edge gateways' ServiceAccounts the registrar bootstraps as readers: the tests' (`edge/edge-gateway`) and
+/// the demo's (`demo/edge-gateway`).
+pub const EDGE_SERVICE_ACCOUNTS: [&str; 2] = ["edge/edge-gateway", "demo/edge-gateway"];
 /// The reader identity tests use to list and watch.
 pub const READER_ID: &str = "spiffe://aether.test/ns/aether-system/sa/aether-test";
 
@@ -74,6 +77,7 @@ impl ControlPlane {
             ("--node-ca-key", path("node-ca/ca.key")),
             ("--trust-domain", TRUST_DOMAIN.to_owned()),
             ("--reader-ids", READER_ID.to_owned()),
+            ("--edge-service-accounts", EDGE_SERVICE_ACCOUNTS.join(",")),
         ]
         .into_iter()
         .flat_map(|(flag, value)| [flag.to_owned(), value])
@@ -90,6 +94,31 @@ impl ControlPlane {
     pub fn agent_args(&self, node: &str) -> Vec<String> {
         let token = self.dir.join(format!("token-{node}"));
         std::fs::write(&token, self.agent_token(node)).unwrap();
+        [
+            (
+                "--registrar-ca",
+                self.dir.join("registrar-ca.crt").display().to_string(),
+            ),
+            ("--registrar-identity", REGISTRAR_NAME.to_owned()),
+            ("--node-identity", "bootstrap".to_owned()),
+            ("--bootstrap-token", token.display().to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(flag, value)| [flag.to_owned(), value])
+        .collect()
+    }
+
+    /// An edge gateway's flags: the registrar's CA and name, and a bootstrap token of its ServiceAccount
+    /// (`<namespace>/<service account>`, one of [`EDGE_SERVICE_ACCOUNTS`]) bound to its pod.
+    pub fn edge_args(&self, namespace: &str, service_account: &str) -> Vec<String> {
+        let token = self.dir.join(format!("token-edge-{namespace}-{service_account}"));
+        let minted = self.kube.mint(TokenInfo {
+            username: format!("system:serviceaccount:{namespace}:{service_account}"),
+            // Pod-bound, as kubelet projects it; an edge may run on any node.
+            node: Some("any-node".into()),
+            audiences: vec![AUDIENCE.into()],
+        });
+        std::fs::write(&token, minted).unwrap();
         [
             (
                 "--registrar-ca",

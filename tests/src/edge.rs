@@ -140,7 +140,7 @@ impl EdgeGateway {
             .arg("--config-dir")
             .arg(config_dir)
             .args(["--registrar", &mesh.registrar_url])
-            .args(mesh.control_plane.agent_args("test-edge"))
+            .args(mesh.control_plane.edge_args(GATEWAY_NAMESPACE, SERVICE_ACCOUNT))
             .args(["--pod-name", "test-edge", "--namespace", GATEWAY_NAMESPACE])
             .args(["--service-account", SERVICE_ACCOUNT])
             .arg("--xds-socket")

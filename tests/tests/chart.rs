@@ -2680,6 +2680,16 @@ fn an_edge_gateway_runs_its_xds_server_and_envoy_on_one_socket() {
         assert!(has_flag(edge, "--from-kubernetes"), "{ctx}");
         assert_eq!(flag(edge, "--certificate-namespaces"), "aether-system,certs", "{ctx}");
         assert_eq!(flag(edge, "--port-offset"), "10000", "{ctx}");
+        if identity != "spire" {
+            // The registrar bootstraps the edge's own ServiceAccount as a reader (never the agents').
+            let registrar = r.deployment("aether-registrar").spec.as_ref().unwrap();
+            let registrar = container(registrar.template.spec.as_ref().unwrap(), "registrar");
+            assert_eq!(
+                flag(registrar, "--edge-service-accounts"),
+                "aether-system/aether-edge-public",
+                "{ctx}"
+            );
+        }
 
         // One socket, in one pod-local volume both mount, served by the edge and dialled by the supervisor.
         let socket = flag(edge, "--xds-socket");
