@@ -40,7 +40,7 @@ use aether_proto::registrar::v1::{WatchRequest, change, watch_response};
 use aether_tests::bench::{
     catalog_address, cluster_name, endpoint, knob, percentile, register_all, service_key, service_name, tail,
 };
-use aether_tests::echo::{EchoIdentity, FailureCounters, serve_echo};
+use aether_tests::echo::{EchoIdentity, EchoLedger, serve_echo};
 use aether_tests::mesh::{Mesh, NAMESPACE, fqdn};
 use aether_tests::{Envoy, TestPod, free_port, http_get, unique_base_id};
 use bytes::Bytes;
@@ -809,7 +809,7 @@ async fn added_latency(k: &Knobs) {
         namespace: NAMESPACE.into(),
         service: "echo".into(),
     };
-    let server = serve_echo(&echo, "0.0.0.0:8080".parse().unwrap(), who, FailureCounters::default());
+    let server = serve_echo(&echo, "0.0.0.0:8080".parse().unwrap(), who, EchoLedger::default());
     mesh.describe_pod(&echo, "echo", "echo", "", &[("http", 8080)]);
     mesh.add_pod_ok(&echo, "echo").await;
     let client = add_caller(&mesh, "client", "client", "echo").await;

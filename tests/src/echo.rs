@@ -11,7 +11,7 @@
 //!   ejection);
 //! - `x-echo-fail-first: <key>:<n>` answers 503 (or `x-echo-fail-status`) to the first n requests carrying `<key>`,
 //!   then normally (retries).
-//!   The counters are shared by every echo server of one [`FailureCounters`], so a retry that lands on another
+//!   The counters are shared by every echo server of one [`EchoLedger`], so a retry that lands on another
 //!   replica still counts.
 
 use std::collections::{BTreeMap, HashMap};
@@ -49,11 +49,28 @@ pub struct EchoIdentity {
     pub service: String,
 }
 
-/// `x-echo-fail-first` counters, keyed by the header's key, shared by the servers given one clone.
-#[derive(Clone, Default)]
-pub struct FailureCounters(Arc<Mutex<HashMap<String, u32>>>);
+/// A request carrying this header is recorded with the service that answered it (see [`EchoLedger::served`]):
+/// how a test sees the copies a mirror sends, whose answers nobody gets.
+pub const TRACE_HEADER: &str = "x-echo-trace";
 
-impl FailureCounters {
+/// What the echo servers given one clone share: the `x-echo-fail-first` counters, keyed by the header's key, and
+/// the services that answered each `x-echo-trace`.
+#[derive(Clone, Default)]
+pub struct EchoLedger {
+    failures: Arc<Mutex<HashMap<String, u32>>>,
+    traces: Arc<Mutex<HashMap<String, Vec<String>>>>,
+}
+
+impl EchoLedger {
+    /// The services whose echo answered requests traced `trace`, in arrival order.
+    pub fn served(&self, trace: &str) -> Vec<String> {
+        self.traces.lock().get(trace).cloned().unwrap_or_default()
+    }
+
+    fn record(&self, trace: String, service: &str) {
+        self.traces.lock().entry(trace).or_default().push(service.to_owned());
+    }
+
     /// True when this request must fail: `<key>:<n>` seen fewer than n times before (counted).
     fn should_fail(&self, spec: &str) -> bool {
         let Some((key, n)) = spec.rsplit_once(':') else {
@@ -62,7 +79,7 @@ impl FailureCounters {
         let Ok(n) = n.trim().parse::<u32>() else {
             return false;
         };
-        let mut counts = self.0.lock();
+        let mut counts = self.failures.lock();
         let seen = counts.entry(key.to_owned()).or_default();
         *seen += 1;
         *seen <= n
@@ -90,7 +107,7 @@ impl Drop for EchoServer {
 type EchoBody = BoxBody<Bytes, Infallible>;
 
 /// Serves the echo backend on `addr` inside `pod`. Must be called from within a tokio runtime.
-pub fn serve_echo(pod: &TestPod, addr: SocketAddr, who: EchoIdentity, failures: FailureCounters) -> EchoServer {
+pub fn serve_echo(pod: &TestPod, addr: SocketAddr, who: EchoIdentity, failures: EchoLedger) -> EchoServer {
     let listener = pod
         .run(move || std::net::TcpListener::bind(addr))
         .unwrap_or_else(|e| panic!("echo in pod {}: bind {addr}: {e}", pod.name()));
@@ -102,7 +119,7 @@ pub fn serve_echo(pod: &TestPod, addr: SocketAddr, who: EchoIdentity, failures: 
     EchoServer { addr, task }
 }
 
-async fn accept_loop(listener: TcpListener, who: Arc<EchoIdentity>, failures: FailureCounters) {
+async fn accept_loop(listener: TcpListener, who: Arc<EchoIdentity>, failures: EchoLedger) {
     // Dropping the accept task drops the set, which aborts every connection.
     let mut connections = JoinSet::new();
     loop {
@@ -124,13 +141,16 @@ async fn accept_loop(listener: TcpListener, who: Arc<EchoIdentity>, failures: Fa
 
 async fn answer(
     who: Arc<EchoIdentity>,
-    failures: FailureCounters,
+    failures: EchoLedger,
     req: Request<Incoming>,
 ) -> Result<Response<EchoBody>, Infallible> {
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
     let number = |name: &str| header(name).and_then(|v| v.parse::<u64>().ok());
     if let Some(ms) = number(DELAY_HEADER) {
         tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if let Some(trace) = header(TRACE_HEADER) {
+        failures.record(trace, &who.service);
     }
     let fail_status = number(FAIL_STATUS_HEADER).and_then(|n| u16::try_from(n).ok());
     let status = if header(FAIL_POD_HEADER).is_some_and(|pod| pod == who.pod) {
@@ -311,7 +331,7 @@ mod tests {
 
     #[test]
     fn fail_first_counts_each_key_apart() {
-        let counters = FailureCounters::default();
+        let counters = EchoLedger::default();
         let fails: Vec<bool> = ["a:2", "a:2", "b:1", "a:2", "b:1"]
             .iter()
             .map(|spec| counters.should_fail(spec))

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use aether_proto::registrar::v1::RegisterEndpointRequest;
 use aether_proto::registry::v1::{Endpoint, Health, Locality, PodInfo, Port, Protocol};
-use aether_tests::echo::{EchoIdentity, EchoServer, FailureCounters, serve_echo};
+use aether_tests::echo::{EchoIdentity, EchoLedger, EchoServer, serve_echo};
 use aether_tests::gamma::kubernetes_service;
 use aether_tests::mesh::{MESH_DOMAIN, Mesh, MeshIdentity, NAMESPACE, NodeIdentity};
 use aether_tests::netns::TestPod;
@@ -55,13 +55,13 @@ impl TwoNodes {
             &local,
             ([0, 0, 0, 0], 80).into(),
             who("echo-local"),
-            FailureCounters::default(),
+            EchoLedger::default(),
         );
         mesh.describe_pod(&local, "echo-local", "echo", "", &[("http", 80)]);
         mesh.add_pod_ok(&local, "echo-local").await;
         let remote = mesh.node.add_pod("echo-remote");
         let remote_addr = SocketAddr::from(([0, 0, 0, 0], INBOUND_PORT));
-        let remote_echo = serve_echo(&remote, remote_addr, who("echo-remote"), FailureCounters::default());
+        let remote_echo = serve_echo(&remote, remote_addr, who("echo-remote"), EchoLedger::default());
         register_on_other_node(&mesh, &remote).await;
         let client = mesh.node.add_pod("client");
         mesh.describe_pod(&client, "client", "client", "echo", &[("http", 8080)]);
@@ -225,12 +225,7 @@ async fn failing_and_back(node: &mut TwoNodes) {
         .await;
     assert_eq!(node.count(40).await, BTreeMap::from([("echo-remote".to_owned(), 40)]));
     let addr = SocketAddr::from(([0, 0, 0, 0], 80));
-    node.local_echo = Some(serve_echo(
-        &node.local,
-        addr,
-        who("echo-local"),
-        FailureCounters::default(),
-    ));
+    node.local_echo = Some(serve_echo(&node.local, addr, who("echo-local"), EchoLedger::default()));
     node.settle_on("echo-local", Duration::from_secs(60), "local app back")
         .await;
 }

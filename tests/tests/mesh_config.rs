@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use aether_tests::echo::{DELAY_HEADER, EchoIdentity, EchoServer, FailureCounters, serve_echo};
+use aether_tests::echo::{DELAY_HEADER, EchoIdentity, EchoLedger, EchoServer, serve_echo};
 use aether_tests::mesh::{Mesh, NAMESPACE, put_config};
 use aether_tests::mesh_dns::MeshDns;
 use aether_tests::{HttpReply, TestPod};
@@ -59,7 +59,7 @@ async fn pods(mesh: &Mesh) -> Pods {
         namespace: NAMESPACE.into(),
         service: "backend".into(),
     };
-    let app = serve_echo(&backend, ([0, 0, 0, 0], PORT).into(), who, FailureCounters::default());
+    let app = serve_echo(&backend, ([0, 0, 0, 0], PORT).into(), who, EchoLedger::default());
     mesh.describe_pod(&backend, "backend", "backend", "", &[("http", PORT)]);
     mesh.add_pod_ok(&backend, "backend").await;
     let frontend = mesh.node.add_pod("frontend");

@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use aether_tests::echo::{EchoIdentity, EchoServer, FailureCounters, serve_echo};
+use aether_tests::echo::{EchoIdentity, EchoLedger, EchoServer, serve_echo};
 use aether_tests::http::CLIENT_TIMEOUT;
 use aether_tests::mesh::{Mesh, NAMESPACE};
 use aether_tests::{HttpReply, TestPod, http_get};
@@ -36,7 +36,7 @@ impl Pods {
             namespace: NAMESPACE.into(),
             service: "backend".into(),
         };
-        let app = serve_echo(&backend, ([0, 0, 0, 0], PORT).into(), who, FailureCounters::default());
+        let app = serve_echo(&backend, ([0, 0, 0, 0], PORT).into(), who, EchoLedger::default());
         mesh.describe_pod(&backend, "backend", "backend", "", &[("http", PORT)]);
         mesh.add_pod_ok(&backend, "backend").await;
         let frontend = mesh.node.add_pod("frontend");

@@ -142,6 +142,9 @@ pub struct Expect {
     /// An `edge-tls` row: a DNS name the certificate the edge served must carry.
     #[serde(default)]
     pub certificate: Option<String>,
+    /// Services that must also have received the request (a mirror's copy), besides the one that answered.
+    #[serde(default)]
+    pub mirrored_to: Vec<String>,
 }
 
 /// The parts of a Location header that are checked; unset ones are not.
@@ -316,6 +319,14 @@ impl Expect {
         {
             errors.push(format!("took {:?}, want {min}..={max} ms", got.elapsed));
         }
+        for service in &self.mirrored_to {
+            if !got.traced.contains(service) {
+                errors.push(format!(
+                    "no copy reached {service:?} (the request was seen by {:?})",
+                    got.traced
+                ));
+            }
+        }
         if let Some(name) = &self.certificate
             && !got.certificate_names.contains(name)
         {
@@ -431,5 +442,20 @@ mod tests {
         got.grpc_status = Some("12".into());
         assert_eq!(expect("{}").check(&got), ["grpc-status: want 0, got Some(\"12\")"]);
         assert!(expect("{grpc_status: '12'}").check(&got).is_empty());
+    }
+
+    #[test]
+    fn mirrored_copies_and_served_certificates_must_be_seen() {
+        let mut got = answer(200, serde_json::json!({"service": "echo-v1"}), &[]);
+        got.traced = vec!["echo-v1".into()];
+        assert_eq!(
+            expect("{mirrored_to: [echo-v2]}").check(&got),
+            ["no copy reached \"echo-v2\" (the request was seen by [\"echo-v1\"])"]
+        );
+        got.traced.push("echo-v2".into());
+        assert!(expect("{mirrored_to: [echo-v2]}").check(&got).is_empty());
+        got.certificate_names = vec!["*.example.com".into()];
+        assert!(expect("{certificate: '*.example.com'}").check(&got).is_empty());
+        assert_eq!(expect("{certificate: '*.example.org'}").check(&got).len(), 1);
     }
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::case::{Case, GrpcCall, Row, Split, Via};
 use super::kubernetes::{CLUSTER_DOMAIN, Written, apply_routes, create_services};
 use super::{CONSECUTIVE_PASSES, SETTLE_DEADLINE, nonce};
-use crate::echo::{EchoIdentity, EchoServer, FailureCounters, grpc_call, serve_echo};
+use crate::echo::{EchoIdentity, EchoLedger, EchoServer, grpc_call, serve_echo};
 use crate::load::{LoadSpec, Protocol};
 use crate::mesh::{MESH_DOMAIN, Mesh, NAMESPACE};
 use crate::netns::TestPod;
@@ -43,6 +43,8 @@ pub struct Observed {
     pub raw: String,
     /// Over TLS: the DNS names of the certificate the server presented.
     pub certificate_names: Vec<String>,
+    /// A traced request (a row expecting mirrored copies): every service whose echo received it.
+    pub traced: Vec<String>,
 }
 
 impl Observed {
@@ -110,6 +112,8 @@ pub struct Suite {
     /// The edge gateway and its world ([`Setup::Edge`]).
     edge: Option<(crate::edge::EdgeGateway, crate::edge::EdgeWorld)>,
     _servers: Vec<EchoServer>,
+    /// What the echo servers saw (traced requests, fail-first counters).
+    ledger: EchoLedger,
     clients: BTreeMap<&'static str, TestPod>,
     _backends: Vec<TestPod>,
     vips: BTreeMap<String, String>,
@@ -141,7 +145,7 @@ impl Suite {
             Setup::Kubernetes => create_services(&mesh.control_plane.kube),
             Setup::RoutesDir | Setup::Edge => BTreeMap::new(),
         };
-        let failures = FailureCounters::default();
+        let failures = EchoLedger::default();
         let (mut backends, mut servers) = (Vec::new(), Vec::new());
         for (pod_name, service) in BACKENDS {
             let pod = mesh.node.add_pod(pod_name);
@@ -177,6 +181,7 @@ impl Suite {
         };
         let suite = Suite {
             edge,
+            ledger: failures,
             _servers: servers,
             clients,
             _backends: backends,
@@ -418,14 +423,40 @@ impl Suite {
         }
     }
 
-    /// One request as the row describes it.
+    /// One request as the row describes it; a row expecting mirrored copies is traced, and its copies awaited.
     async fn send(&self, row: &Row) -> Observed {
+        if row.expect.mirrored_to.is_empty() {
+            return self.send_once(row, None).await;
+        }
+        let trace = nonce();
+        let mut got = self.send_once(row, Some(&trace)).await;
+        if got.status != row.expect.status {
+            // Not routed as the row expects (before the routes, or after them): no copy to wait for.
+            got.traced = self.ledger.served(&trace);
+            return got;
+        }
+        // A mirror's copy travels on its own: it may land after the answer.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            got.traced = self.ledger.served(&trace);
+            let arrived = (row.expect.mirrored_to.iter()).all(|s| got.traced.contains(s));
+            if arrived || Instant::now() > deadline {
+                return got;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn send_once(&self, row: &Row, trace: Option<&str>) -> Observed {
         let client = &self.clients[row.from.as_str()];
-        let headers: Vec<(String, String)> = row
+        let mut headers: Vec<(String, String)> = row
             .headers
             .iter()
             .map(|(k, v)| (k.clone(), v.replace("{nonce}", &nonce())))
             .collect();
+        if let Some(trace) = trace {
+            headers.push((crate::echo::TRACE_HEADER.to_owned(), trace.to_owned()));
+        }
         let (addresses, what) = match row.via {
             Via::Vip => (&self.vips, "VIP"),
             Via::ClusterIp => (&self.cluster_ips, "ClusterIP"),
