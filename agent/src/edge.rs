@@ -117,7 +117,18 @@ pub struct EdgeConfig {
 
     #[arg(long, env = "AETHER_LOG_FORMAT", default_value = "text")]
     pub log_format: aether_common::telemetry::LogFormat,
+
+    /// Metrics push and traces (OTLP), as every binary.
+    #[command(flatten)]
+    pub telemetry: aether_common::telemetry::TelemetryConfig,
 }
+
+/// Names the edge's telemetry (`aether_edge_*`, service.name aether-edge).
+pub const TELEMETRY: aether_common::telemetry::Component = aether_common::telemetry::Component {
+    component: "edge",
+    binary: "aether-edge",
+    version: env!("CARGO_PKG_VERSION"),
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EdgeError {
@@ -135,6 +146,8 @@ pub enum EdgeError {
     Admin(#[from] aether_common::admin::AdminError),
     #[error(transparent)]
     Stopped(#[from] aether_common::tasks::TaskFailed),
+    #[error("telemetry: {0}")]
+    Telemetry(#[from] aether_common::telemetry::TelemetryError),
 }
 
 /// How long shutdown waits for the edge's tasks.
@@ -151,6 +164,7 @@ pub async fn run(config: EdgeConfig, shutdown: CancellationToken) -> Result<(), 
     let tasks = Tasks::new(shutdown.clone(), &readiness);
     let mut registry = Registry::default();
     let metrics = EdgeMetrics::register(&mut registry);
+    let metrics_push = aether_common::telemetry::MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
 
     let (objects_tx, objects_rx) = watch::channel(Arc::new(Objects::default()));
     match source {
@@ -221,7 +235,9 @@ pub async fn run(config: EdgeConfig, shutdown: CancellationToken) -> Result<(), 
         builder.run(objects_rx, views_rx, identities, synced, shutdown.clone()),
     );
 
-    let admin = AdminServer::bind(config.admin, readiness.clone(), Arc::new(registry))
+    let registry = Arc::new(registry);
+    metrics_push.spawn(registry.clone(), None, shutdown.clone())?;
+    let admin = AdminServer::bind(config.admin, readiness.clone(), registry)
         .await?
         .with_pages(verdict.pages());
     tasks.critical("the admin server", admin.serve(shutdown.clone()));

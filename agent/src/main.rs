@@ -50,8 +50,13 @@ async fn main() -> anyhow::Result<()> {
             let shutdown = aether_common::shutdown::on_signal()?;
             aether_agent::proxy::run(config, shutdown).await?;
         }
-        Command::Edge(config) => {
-            aether_common::telemetry::init_logging(config.log_format);
+        Command::Edge(mut config) => {
+            config
+                .telemetry
+                .otel_node_name
+                .get_or_insert_with(|| config.pod_name.clone());
+            let _traces =
+                aether_common::telemetry::init(config.log_format, &config.telemetry, &aether_agent::edge::TELEMETRY)?;
             let shutdown = aether_common::shutdown::on_signal()?;
             aether_agent::edge::run(config, shutdown).await?;
         }
