@@ -1987,7 +1987,6 @@ fn inbound_mtls_and_the_mesh_root_namespace_reach_the_binaries() {
 /// does not exist, takes no value or gets a malformed one fails here, as it would on the node.
 #[test]
 fn every_command_line_the_chart_renders_is_one_the_binary_parses() {
-    const PROBE: &str = "--aether-chart-test-unknown-flag";
     let expand = |arg: &str| arg.replace("$(NODE_NAME)", "node-a").replace("$(HOST_IP)", "10.0.0.7");
     let mut renders = vec![("defaults".to_owned(), render(json!({})))];
     for store in STORES {
@@ -2002,34 +2001,7 @@ fn every_command_line_the_chart_renders_is_one_the_binary_parses() {
     for (ctx, r) in &renders {
         for (pod, spec) in r.pod_specs() {
             for c in containers(spec) {
-                let command = c
-                    .command
-                    .as_ref()
-                    .unwrap_or_else(|| panic!("{pod}/{}: no command", c.name));
-                let args: Vec<String> = c.args.iter().flatten().map(|a| expand(a)).collect();
-                for a in &args {
-                    assert!(
-                        !a.contains("$("),
-                        "{ctx}: {pod}/{}: {a} refers to an unknown variable",
-                        c.name
-                    );
-                }
-                let out = Command::new(aether_tests::binary(&command[0]))
-                    .args(&command[1..])
-                    .args(&args)
-                    .arg(PROBE)
-                    .env_clear()
-                    .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-                    .output()
-                    .expect("run the binary");
-                let stderr = String::from_utf8_lossy(&out.stderr);
-                assert!(
-                    !out.status.success() && stderr.contains(&format!("unexpected argument '{PROBE}'")),
-                    "{ctx}: {pod}/{}: `{} {}` did not parse up to the probe flag:\n{stderr}",
-                    c.name,
-                    command.join(" "),
-                    args.join(" ")
-                );
+                assert_command_line_parses(&format!("{ctx}: {pod}"), c, expand);
                 checked += 1;
             }
         }
@@ -3162,11 +3134,40 @@ fn the_chart_refuses_edge_values_that_cannot_work() {
     }
 }
 
-/// The edge's and the controller's command lines with the edge on parse, as in
+/// Runs container `c`'s command line, its `$(VAR)`s replaced by `expand`, with an unknown flag at the end: the
+/// binary must parse every flag the chart gave it and stop at that one.
+fn assert_command_line_parses(ctx: &str, c: &Container, expand: impl Fn(&str) -> String) {
+    const PROBE: &str = "--aether-chart-test-unknown-flag";
+    let command = c
+        .command
+        .as_ref()
+        .unwrap_or_else(|| panic!("{ctx}/{}: no command", c.name));
+    let args: Vec<String> = c.args.iter().flatten().map(|a| expand(a)).collect();
+    for a in &args {
+        assert!(!a.contains("$("), "{ctx}/{}: {a} refers to an unknown variable", c.name);
+    }
+    let out = Command::new(aether_tests::binary(&command[0]))
+        .args(&command[1..])
+        .args(&args)
+        .arg(PROBE)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .output()
+        .expect("run the binary");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains(&format!("unexpected argument '{PROBE}'")),
+        "{ctx}/{}: `{} {}` did not parse up to the probe flag:\n{stderr}",
+        c.name,
+        command.join(" "),
+        args.join(" ")
+    );
+}
+
+/// The edge's, the controller's and the registrar's command lines with the edge on parse, as in
 /// [`every_command_line_the_chart_renders_is_one_the_binary_parses`].
 #[test]
 fn every_edge_command_line_is_one_the_binary_parses() {
-    const PROBE: &str = "--aether-chart-test-unknown-flag";
     let expand = |arg: &str| {
         arg.replace("$(POD_NAME)", "aether-edge-public-5d8f-x2x9q")
             .replace("$(POD_NAMESPACE)", "aether-system")
@@ -3181,34 +3182,15 @@ fn every_edge_command_line_is_one_the_binary_parses() {
         let r = render(with_edge(base, json!([public_gateway()])));
         let edge_spec = pod_spec(&r, "aether-edge-public");
         let controller = container(pod_spec(&r, "aether-controller"), "controller");
-        for c in containers(edge_spec).chain([controller]) {
-            let command = c.command.as_ref().expect("a command");
-            let args: Vec<String> = c.args.iter().flatten().map(|a| expand(a)).collect();
-            for a in &args {
-                assert!(
-                    !a.contains("$("),
-                    "{identity}: {}: {a} refers to an unknown variable",
-                    c.name
-                );
-            }
-            let out = Command::new(aether_tests::binary(&command[0]))
-                .args(&command[1..])
-                .args(&args)
-                .arg(PROBE)
-                .env_clear()
-                .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-                .output()
-                .expect("run the binary");
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert!(
-                !out.status.success() && stderr.contains(&format!("unexpected argument '{PROBE}'")),
-                "{identity}: {}: `{} {}` did not parse up to the probe flag:\n{stderr}",
-                c.name,
-                command.join(" "),
-                args.join(" ")
-            );
+        let registrar = container(pod_spec(&r, "aether-registrar"), "registrar");
+        for c in containers(edge_spec).chain([controller, registrar]) {
+            assert_command_line_parses(identity, c, expand);
             checked += 1;
         }
     }
-    assert_eq!(checked, IDENTITIES.len() * 3, "edge, proxy, controller per identity");
+    assert_eq!(
+        checked,
+        IDENTITIES.len() * 4,
+        "edge, proxy, controller, registrar per identity"
+    );
 }
