@@ -301,28 +301,8 @@ impl Demo {
     }
 
     pub(crate) async fn start_proxy(&mut self) -> Result<Vec<String>, DemoError> {
-        let mut cmd = Command::new(self.bins.join("aether-agent"));
-        cmd.arg("proxy")
-            .args(["--node-name", NODE_NAME])
-            .arg("--envoy-bin")
-            .arg(&self.envoy_bin)
-            .arg("--bootstrap-template")
-            .arg(aether_tests::supervisor::shipped_template())
-            .arg("--state-dir")
-            .arg(self.path("proxy/state"))
-            .arg("--xds-socket")
-            .arg(self.path("run/xds.sock"))
-            .args(["--envoy-admin", &format!("127.0.0.1:{}", self.ports.envoy_admin)])
-            .args(["--admin", &format!("127.0.0.1:{}", self.ports.proxy_admin)])
-            .args([
-                "--drain-time",
-                "1s",
-                "--parent-shutdown-time",
-                "2s",
-                "--concurrency",
-                "1",
-            ])
-            .env("RUST_LOG", "info");
+        let (envoy_admin, admin) = (self.ports.envoy_admin, self.ports.proxy_admin);
+        let cmd = self.proxy_command(NODE_NAME, "proxy/state", "run/xds.sock", envoy_admin, admin);
         let child = spawn("proxy", cmd);
         self.proxy = Some(child);
         self.wait_envoy_live(0).await?;
@@ -338,6 +318,34 @@ impl Demo {
             self.envoy_base_id.map(|b| b.to_string()).unwrap_or_else(|| "?".into()),
             self.path("run/xds.sock").display()
         )])
+    }
+
+    /// `aether-agent proxy` for `node`: Envoy from the shipped bootstrap, fed on `xds` (under the work dir), its
+    /// state in `state`, admin ports as given.
+    pub(crate) fn proxy_command(&self, node: &str, state: &str, xds: &str, envoy_admin: u16, admin: u16) -> Command {
+        let mut cmd = Command::new(self.bins.join("aether-agent"));
+        cmd.arg("proxy")
+            .args(["--node-name", node])
+            .arg("--envoy-bin")
+            .arg(&self.envoy_bin)
+            .arg("--bootstrap-template")
+            .arg(aether_tests::supervisor::shipped_template())
+            .arg("--state-dir")
+            .arg(self.path(state))
+            .arg("--xds-socket")
+            .arg(self.path(xds))
+            .args(["--envoy-admin", &format!("127.0.0.1:{envoy_admin}")])
+            .args(["--admin", &format!("127.0.0.1:{admin}")])
+            .args([
+                "--drain-time",
+                "1s",
+                "--parent-shutdown-time",
+                "2s",
+                "--concurrency",
+                "1",
+            ])
+            .env("RUST_LOG", "info");
+        cmd
     }
 
     pub(crate) async fn start_mesh_dns(&mut self) -> Result<Vec<String>, DemoError> {

@@ -129,28 +129,8 @@ impl Demo {
         let child = self.edge.insert(spawn("edge", cmd));
         wait_ready(self.ports.edge_admin, child).await?;
 
-        let mut cmd = Command::new(self.bins.join("aether-agent"));
-        cmd.arg("proxy")
-            .args(["--node-name", "demo-edge"])
-            .arg("--envoy-bin")
-            .arg(&self.envoy_bin)
-            .arg("--bootstrap-template")
-            .arg(aether_tests::supervisor::shipped_template())
-            .arg("--state-dir")
-            .arg(self.path("edge/proxy"))
-            .arg("--xds-socket")
-            .arg(&xds)
-            .args(["--envoy-admin", &format!("127.0.0.1:{}", self.ports.edge_envoy_admin)])
-            .args(["--admin", &format!("127.0.0.1:{}", self.ports.edge_proxy_admin)])
-            .args([
-                "--drain-time",
-                "1s",
-                "--parent-shutdown-time",
-                "2s",
-                "--concurrency",
-                "1",
-            ])
-            .env("RUST_LOG", "info");
+        let (envoy_admin, admin) = (self.ports.edge_envoy_admin, self.ports.edge_proxy_admin);
+        let cmd = self.proxy_command("demo-edge", "edge/proxy", "run/edge-xds.sock", envoy_admin, admin);
         let child = self.edge_proxy.insert(spawn("edge-proxy", cmd));
         wait_ready(self.ports.edge_proxy_admin, child).await
     }

@@ -18,7 +18,7 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use aether_tests::bench::{envoy_allocated, knob};
+use aether_tests::bench::{Wrk, envoy_allocated, knob, parse_hey, parse_wrk};
 use aether_tests::edge::{STANDARD_LISTENERS, WORLD_FILE, secret};
 use aether_tests::gamma::{Setup, Suite};
 
@@ -170,12 +170,6 @@ async fn settled_heap(admin: SocketAddr) -> u64 {
     last
 }
 
-struct Wrk {
-    rps: f64,
-    p50: String,
-    p99: String,
-}
-
 fn wrk(url: &str, host: &str, seconds: u64, connections: usize, close: bool) -> Wrk {
     let mut cmd = Command::new("wrk");
     cmd.args([
@@ -195,21 +189,9 @@ fn wrk(url: &str, host: &str, seconds: u64, connections: usize, close: bool) -> 
         "wrk {url}: {text}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let find = |prefix: &str| {
-        text.lines()
-            .map(str::trim)
-            .find_map(|l| l.strip_prefix(prefix).map(|r| r.trim().to_owned()))
-            .unwrap_or_else(|| panic!("wrk printed no {prefix:?} line:\n{text}"))
-    };
-    assert!(
-        !text.contains("Non-2xx") && !text.contains("Socket errors"),
-        "wrk saw errors against {url}:\n{text}"
-    );
-    Wrk {
-        rps: find("Requests/sec:").parse().unwrap_or(0.0),
-        p50: find("50%"),
-        p99: find("99%"),
-    }
+    let wrk = parse_wrk(&text);
+    assert_eq!(wrk.errors, "none", "wrk saw errors against {url}:\n{text}");
+    wrk
 }
 
 /// p50 and p99 (ms) at a fixed rate with `hey`.
@@ -220,22 +202,5 @@ fn hey_fixed(url: &str, host: &str, seconds: u64, rate: u64) -> (f64, f64) {
         .args(["-q", &(rate / workers).to_string(), "-host", host, url])
         .output()
         .unwrap_or_else(|e| panic!("hey: {e}"));
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let at = |pct: &str| {
-        text.lines()
-            .map(str::trim)
-            .find_map(|l| {
-                l.strip_prefix(&format!("{pct}% in "))?
-                    .strip_suffix(" secs")?
-                    .parse::<f64>()
-                    .ok()
-            })
-            .unwrap_or_else(|| panic!("hey printed no {pct}% line:\n{text}"))
-            * 1e3
-    };
-    assert!(
-        !text.contains("Error distribution"),
-        "hey saw errors against {url}:\n{text}"
-    );
-    (at("50"), at("99"))
+    parse_hey(&String::from_utf8_lossy(&out.stdout), url)
 }

@@ -22,18 +22,11 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use aether_tests::TestPod;
-use aether_tests::bench::percentile;
+use aether_tests::bench::{Wrk, parse_hey, parse_wrk, percentile};
 use aether_tests::mesh::{Mesh, MeshIdentity, fqdn};
 
 fn knob(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-struct Wrk {
-    rps: f64,
-    p50: String,
-    p99: String,
-    errors: String,
 }
 
 fn wrk(pod: &TestPod, url: &str, host: &str, seconds: u64, connections: u64, dir: &std::path::Path) -> Wrk {
@@ -55,24 +48,7 @@ fn wrk(pod: &TestPod, url: &str, host: &str, seconds: u64, connections: u64, dir
         &script.to_string_lossy(),
         url,
     ]);
-    let find = |prefix: &str| {
-        out.lines()
-            .map(str::trim)
-            .find(|l| l.starts_with(prefix))
-            .map(|l| l[prefix.len()..].trim().to_owned())
-            .unwrap_or_else(|| format!("? ({out})"))
-    };
-    let errors = out
-        .lines()
-        .filter(|l| l.contains("Non-2xx") || l.contains("Socket errors"))
-        .collect::<Vec<_>>()
-        .join("; ");
-    Wrk {
-        rps: find("Requests/sec:").parse().unwrap_or(0.0),
-        p50: find("50%"),
-        p99: find("99%"),
-        errors: if errors.is_empty() { "none".into() } else { errors },
-    }
+    parse_wrk(&out)
 }
 
 /// Latency at a fixed rate: `hey` with 8 workers of rate/8 req/s each, 1 KB POSTs, keep-alive. (p50, p99) in ms.
@@ -96,23 +72,7 @@ fn hey_fixed(pod: &TestPod, url: &str, host: &str, seconds: u64, rate: u64, dir:
         host,
         url,
     ]);
-    let at = |pct: &str| {
-        out.lines()
-            .map(str::trim)
-            .find_map(|l| {
-                l.strip_prefix(&format!("{pct}% in "))?
-                    .strip_suffix(" secs")?
-                    .parse::<f64>()
-                    .ok()
-            })
-            .unwrap_or_else(|| panic!("hey printed no {pct}% line:\n{out}"))
-            * 1e3
-    };
-    assert!(
-        !out.contains("Error distribution"),
-        "hey saw errors against {url}:\n{out}"
-    );
-    (at("50"), at("99"))
+    parse_hey(&out, url)
 }
 
 /// Serials of the certificates Envoy serves whose SAN names `spiffe_id`.

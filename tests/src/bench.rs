@@ -243,3 +243,54 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     }
     sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
 }
+
+/// What `wrk --latency` printed: requests/s, the p50 and p99 lines as printed, and its error lines ("none").
+pub struct Wrk {
+    pub rps: f64,
+    pub p50: String,
+    pub p99: String,
+    pub errors: String,
+}
+
+/// Reads `wrk --latency` output.
+pub fn parse_wrk(out: &str) -> Wrk {
+    let find = |prefix: &str| {
+        out.lines()
+            .map(str::trim)
+            .find(|l| l.starts_with(prefix))
+            .map(|l| l[prefix.len()..].trim().to_owned())
+            .unwrap_or_else(|| format!("? ({out})"))
+    };
+    let errors = out
+        .lines()
+        .filter(|l| l.contains("Non-2xx") || l.contains("Socket errors"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    Wrk {
+        rps: find("Requests/sec:").parse().unwrap_or(0.0),
+        p50: find("50%"),
+        p99: find("99%"),
+        errors: if errors.is_empty() { "none".into() } else { errors },
+    }
+}
+
+/// The p50 and p99 (ms) `hey` printed; panics naming `url` when it saw errors or printed no such line.
+pub fn parse_hey(out: &str, url: &str) -> (f64, f64) {
+    let at = |pct: &str| {
+        out.lines()
+            .map(str::trim)
+            .find_map(|l| {
+                l.strip_prefix(&format!("{pct}% in "))?
+                    .strip_suffix(" secs")?
+                    .parse::<f64>()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("hey printed no {pct}% line:\n{out}"))
+            * 1e3
+    };
+    assert!(
+        !out.contains("Error distribution"),
+        "hey saw errors against {url}:\n{out}"
+    );
+    (at("50"), at("99"))
+}

@@ -94,6 +94,11 @@ impl ControlPlane {
     pub fn agent_args(&self, node: &str) -> Vec<String> {
         let token = self.dir.join(format!("token-{node}"));
         std::fs::write(&token, self.agent_token(node)).unwrap();
+        self.link_args(&token)
+    }
+
+    /// The registrar link's flags with the bootstrap token at `token`: the registrar's CA and name.
+    fn link_args(&self, token: &Path) -> Vec<String> {
         [
             (
                 "--registrar-ca",
@@ -119,18 +124,7 @@ impl ControlPlane {
             audiences: vec![AUDIENCE.into()],
         });
         std::fs::write(&token, minted).unwrap();
-        [
-            (
-                "--registrar-ca",
-                self.dir.join("registrar-ca.crt").display().to_string(),
-            ),
-            ("--registrar-identity", REGISTRAR_NAME.to_owned()),
-            ("--node-identity", "bootstrap".to_owned()),
-            ("--bootstrap-token", token.display().to_string()),
-        ]
-        .into_iter()
-        .flat_map(|(flag, value)| [flag.to_owned(), value])
-        .collect()
+        self.link_args(&token)
     }
 
     /// A bootstrap token as kubelet projects it for the agent pod on `node`.
