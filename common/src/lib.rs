@@ -4,6 +4,8 @@ pub mod admin;
 pub mod duration;
 pub mod fs;
 pub mod hash;
+#[cfg(feature = "kube")]
+pub mod kube_watch;
 pub mod names;
 #[cfg(feature = "netns")]
 pub mod netns;

@@ -43,18 +43,17 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
-use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use aether_api::edge::TLS_SECRET_TYPE;
 use aether_api::gateway::{Gateway, GatewayClass, GrpcRoute, HttpRoute, ReferenceGrant, TcpRoute, TlsRoute};
 use aether_api::route::RouteObject;
-use aether_common::quote::{clip, quote};
-use futures::StreamExt;
+use aether_common::kube_watch::{Change, Follow, follow_into};
+use aether_common::quote::quote;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::runtime::watcher::{self, Event};
+use kube::runtime::watcher;
 use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use tokio::sync::{mpsc, watch};
@@ -262,7 +261,9 @@ enum Input {
     Unreadable(Source),
 }
 
-/// Forwards one watch as [`Input`]s, pausing after failures (a missing CRD: `absent_retry`).
+/// Forwards one watch as [`Input`]s (`aether_common::kube_watch`: a missing CRD is
+/// `Absent`, a 403 `Unreadable`, other failures retry with backoff). A Secret that fails to
+/// decode is logged without its content.
 async fn run<K>(
     api: Api<K>,
     config: watcher::Config,
@@ -273,52 +274,21 @@ async fn run<K>(
 ) where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + fmt::Debug + Send + 'static,
 {
-    let mut trouble = Trouble::default();
-    loop {
-        let mut stream = pin!(watcher::watcher(api.clone(), config.clone()));
-        while let Some(next) = stream.next().await {
-            let input = match next {
-                Ok(event) => {
-                    trouble.recovered(&source);
-                    match event {
-                        Event::Init => Input::Relist(source.clone()),
-                        Event::InitApply(object) | Event::Apply(object) => {
-                            Input::Applied(source.clone(), key(object.meta()), Box::new(keep(object)))
-                        }
-                        Event::InitDone => Input::Listed(source.clone()),
-                        Event::Delete(object) => Input::Deleted(source.clone(), key(object.meta())),
-                    }
-                }
-                Err(error) => {
-                    let failure = trouble.failed(&source, &error, absent_retry);
-                    let input = match failure {
-                        Failure::Absent => Some(Input::Absent(source.clone())),
-                        Failure::Forbidden => Some(Input::Unreadable(source.clone())),
-                        Failure::Other => None,
-                    };
-                    if let Some(input) = input
-                        && tx.send(input).await.is_err()
-                    {
-                        return;
-                    }
-                    tokio::time::sleep(trouble.pause).await;
-                    if must_restart(&error) {
-                        break;
-                    }
-                    continue;
-                }
-            };
-            if tx.send(input).await.is_err() {
-                return;
-            }
-        }
-    }
-}
-
-/// An HTTP 410 answering the watch request itself: kube would keep re-watching from the
-/// same expired resourceVersion, so a new watcher re-lists (see the pod source).
-fn must_restart(error: &watcher::Error) -> bool {
-    matches!(error, watcher::Error::WatchStartFailed(kube::Error::Api(status)) if status.code == 410)
+    let settings = Follow {
+        what: format!("the {} kind (the edge's watch of {source})", source.kind),
+        absent_retry,
+        backoff: BACKOFF,
+        quiet_decoding: source.kind == "Secret",
+    };
+    follow_into(api, config, settings, tx, |change| match change {
+        Change::Relist => Input::Relist(source.clone()),
+        Change::Applied(object) => Input::Applied(source.clone(), key(object.meta()), Box::new(keep(object))),
+        Change::Listed => Input::Listed(source.clone()),
+        Change::Deleted(object) => Input::Deleted(source.clone(), key(object.meta())),
+        Change::Absent => Input::Absent(source.clone()),
+        Change::Forbidden => Input::Unreadable(source.clone()),
+    })
+    .await;
 }
 
 fn key(meta: &ObjectMeta) -> Key {
@@ -385,80 +355,6 @@ fn tls_secret(mut object: Secret) -> Item {
     // `kubectl apply` keeps the whole object, data included, in an annotation.
     object.metadata.annotations = None;
     Item::Secret(object)
-}
-
-/// Why a watch failed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Failure {
-    /// 404: the kind's CRD is not installed.
-    Absent,
-    /// 403: the edge's RBAC does not let it read these.
-    Forbidden,
-    Other,
-}
-
-/// A watch's failure streak: logged when it starts (or changes) and ends, paused between attempts.
-#[derive(Default)]
-struct Trouble {
-    /// The last failure's text, while failing.
-    failing: Option<String>,
-    pause: Duration,
-}
-
-impl Trouble {
-    fn failed(&mut self, source: &Source, error: &watcher::Error, absent_retry: Duration) -> Failure {
-        let failure = match error {
-            watcher::Error::InitialListFailed(kube::Error::Api(s))
-            | watcher::Error::WatchStartFailed(kube::Error::Api(s))
-            | watcher::Error::WatchFailed(kube::Error::Api(s)) => match s.code {
-                404 => Failure::Absent,
-                403 => Failure::Forbidden,
-                _ => Failure::Other,
-            },
-            watcher::Error::WatchError(s) if s.code == 403 => Failure::Forbidden,
-            _ => Failure::Other,
-        };
-        let text = describe(source, error);
-        if self.failing.as_ref() != Some(&text) {
-            match failure {
-                Failure::Absent => tracing::warn!(watch = %source,
-                    "the CRD of {} is not installed (404): serving none; looking again every {}s",
-                    source.kind, absent_retry.as_secs_f32()),
-                Failure::Forbidden => tracing::warn!(watch = %source, error = %text,
-                    "the edge may not read {source} (403: its RBAC); serving without them, retrying with backoff"),
-                Failure::Other => tracing::warn!(watch = %source, error = %text,
-                    "watching {source} failed; retrying with backoff (serving the last objects)"),
-            }
-        }
-        self.failing = Some(text);
-        self.pause = match failure {
-            Failure::Absent => absent_retry,
-            _ => (self.pause * 2).clamp(BACKOFF.0, BACKOFF.1),
-        };
-        failure
-    }
-
-    fn recovered(&mut self, source: &Source) {
-        if self.failing.take().is_some() {
-            tracing::info!(watch = %source, "watching {source} again");
-        }
-        self.pause = Duration::ZERO;
-    }
-}
-
-/// An error as logged, bounded; never the decoder's message about a Secret (it may quote
-/// the Secret's data).
-fn describe(source: &Source, error: &watcher::Error) -> String {
-    let decoding = matches!(
-        error,
-        watcher::Error::InitialListFailed(kube::Error::SerdeError(_))
-            | watcher::Error::WatchStartFailed(kube::Error::SerdeError(_))
-            | watcher::Error::WatchFailed(kube::Error::SerdeError(_))
-    );
-    match decoding && source.kind == "Secret" {
-        true => "a Secret did not decode (its content is not logged)".to_owned(),
-        false => clip(&error.to_string()).to_string(),
-    }
 }
 
 /// The objects seen so far, per watch, and which watches are known (listed, missing or
@@ -878,16 +774,6 @@ mod tests {
         assert_eq!(route_keys(&collected.objects().unwrap()), ["http/shop/c"]);
         collected.apply(Input::Absent(http));
         assert!(collected.objects().unwrap().routes.is_empty());
-    }
-
-    #[test]
-    fn a_secret_that_does_not_decode_is_reported_without_its_content() {
-        let error = serde_json::from_str::<Secret>(r#"{"data": {"tls.key": "SECRET-MATERIAL!"}}"#).unwrap_err();
-        let error = watcher::Error::InitialListFailed(kube::Error::SerdeError(error));
-        let described = describe(&Source::namespaced("Secret", "edge"), &error);
-        assert!(!described.contains("SECRET-MATERIAL"), "{described}");
-        let described = describe(&Source::all("HTTPRoute"), &error);
-        assert!(described.len() < 1024, "{described}");
     }
 
     /// The flags: exactly one source of objects; certificate namespaces with the cluster.

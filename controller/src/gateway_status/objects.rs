@@ -11,16 +11,16 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Debug;
-use std::pin::pin;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use aether_api::gateway::{Gateway, GatewayClass, GrpcRoute, HttpRoute, ReferenceGrant, TcpRoute, TlsRoute};
 use aether_api::route::RouteObject;
-use futures::StreamExt;
+use aether_common::kube_watch::{self, Change, Follow};
 use k8s_openapi::api::core::v1::{Namespace, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::runtime::watcher::{self, Event};
+use kube::runtime::watcher;
 use kube::{Api, Client, Resource};
 use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
@@ -256,67 +256,46 @@ impl Shared {
     }
 }
 
-/// Follows one kind's watch into the shared state, pausing after failures.
+/// Follows one kind's watch into the shared state (`aether_common::kube_watch`: a missing
+/// CRD is taken as none, other failures retry with backoff).
 async fn follow<K: Watched>(api: Api<K>, shared: Shared) {
     let kind = K::kind(&()).into_owned();
-    let mut stream = pin!(watcher::watcher(api, watcher::Config::default()));
+    let settings = Follow {
+        what: format!("the {kind} kind (for Gateway API status)"),
+        absent_retry: shared.absent_retry,
+        backoff: BACKOFF,
+        quiet_decoding: false,
+    };
     let mut relist: Option<Vec<K>> = None;
-    let (mut failing, mut pause) = (None::<String>, Duration::ZERO);
-    while let Some(next) = stream.next().await {
-        let event = match next {
-            Ok(event) => event,
-            Err(error) => {
-                relist = None;
-                let absent = matches!(&error,
-                    watcher::Error::InitialListFailed(kube::Error::Api(s))
-                    | watcher::Error::WatchStartFailed(kube::Error::Api(s)) if s.code == 404);
-                let text = error.to_string();
-                if failing.as_ref() != Some(&text) {
-                    match absent {
-                        true => tracing::warn!(%kind,
-                            "Gateway API status: the {kind} kind is not served (is its CRD installed?): taken as none; \
-                             looking again every {}s", shared.absent_retry.as_secs()),
-                        false => tracing::warn!(%kind, %error,
-                            "Gateway API status: watching {kind}s failed (is the controller allowed to list and watch \
-                             them?); retrying, no status is written until every kind is read"),
-                    }
-                }
-                failing = Some(text);
-                pause = match absent {
-                    true => shared.absent_retry,
-                    false => (pause * 2).clamp(BACKOFF.0, BACKOFF.1),
-                };
-                if absent {
-                    let kind = kind.clone();
-                    shared.update(|state| {
-                        K::clear(&mut state.objects);
-                        state.settled.insert(kind);
-                    });
-                }
-                tokio::time::sleep(pause).await;
-                continue;
-            }
-        };
-        if failing.take().is_some() {
-            tracing::info!(%kind, "Gateway API status: watching {kind}s again");
-        }
-        pause = Duration::ZERO;
-        match event {
-            Event::Init => relist = Some(Vec::new()),
-            Event::InitApply(object) => relist.get_or_insert_default().push(object.trim()),
-            Event::InitDone => {
+    kube_watch::follow(api, watcher::Config::default(), settings, |change| {
+        match change {
+            Change::Relist => relist = Some(Vec::new()),
+            Change::Applied(object) => match &mut relist {
+                Some(listed) => listed.push(object.trim()),
+                None => shared.update(|state| object.trim().store(&mut state.objects)),
+            },
+            Change::Listed => {
                 let listed = relist.take().unwrap_or_default();
-                let kind = kind.clone();
                 shared.update(|state| {
                     K::clear(&mut state.objects);
                     for object in listed {
                         object.store(&mut state.objects);
                     }
-                    state.settled.insert(kind);
+                    state.settled.insert(kind.clone());
                 });
             }
-            Event::Apply(object) => shared.update(|state| object.trim().store(&mut state.objects)),
-            Event::Delete(object) => shared.update(|state| object.forget(&mut state.objects)),
+            Change::Deleted(object) => shared.update(|state| object.forget(&mut state.objects)),
+            Change::Absent => {
+                relist = None;
+                shared.update(|state| {
+                    K::clear(&mut state.objects);
+                    state.settled.insert(kind.clone());
+                });
+            }
+            // Not allowed to read the kind: no status is written until it is.
+            Change::Forbidden => relist = None,
         }
-    }
+        std::future::ready(true)
+    })
+    .await;
 }

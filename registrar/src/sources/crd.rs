@@ -10,13 +10,12 @@
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::marker::PhantomData;
-use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
+use aether_common::kube_watch::{Change, Follow, follow_into};
 use kube::core::NamespaceResourceScope;
-use kube::runtime::watcher::{self, Event};
+use kube::runtime::watcher;
 use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use tokio::sync::{mpsc, watch};
@@ -88,79 +87,21 @@ where
     Sets::new(sets)
 }
 
-/// What the watch reports, in order.
-enum Input<O> {
-    /// A (re)list starts: the objects until `Listed` replace the set.
-    Relist,
-    Applied(O),
-    Listed,
-    Deleted(O),
-    /// The CRD is not installed: no objects.
-    Absent,
-}
-
 async fn collect<K>(api: Api<K::Object>, tx: watch::Sender<Option<Arc<CrdSet<K::Object>>>>)
 where
     K: ObjectKind,
     K::Object: CrdObject,
 {
     let (inputs_tx, inputs) = mpsc::channel(1024);
-    let task = tokio::spawn(follow(api, inputs_tx));
+    let settings = Follow {
+        what: format!("the {} CRD ({})", K::Object::kind(&()), K::Object::group(&())),
+        absent_retry: ABSENT_RETRY,
+        backoff: (DEBOUNCE * 5, BACKOFF_MAX),
+        quiet_decoding: false,
+    };
+    let task = tokio::spawn(follow_into(api, watcher::Config::default(), settings, inputs_tx, |c| c));
     publish(Collected::<K>::default(), inputs, DEBOUNCE, tx).await;
     task.abort();
-}
-
-/// Forwards the watch, pausing after failures (a missing CRD: [`ABSENT_RETRY`]).
-async fn follow<O: CrdObject>(api: Api<O>, tx: mpsc::Sender<Input<O>>) {
-    let (kind, group) = (O::kind(&()), O::group(&()));
-    let mut stream = pin!(watcher::watcher(api, watcher::Config::default()));
-    let (mut failing, mut pause) = (None::<String>, Duration::ZERO);
-    while let Some(next) = stream.next().await {
-        let input = match next {
-            Ok(event) => {
-                if failing.take().is_some() {
-                    tracing::info!(%kind, "watching {kind} objects again");
-                }
-                pause = Duration::ZERO;
-                match event {
-                    Event::Init => Input::Relist,
-                    Event::InitApply(object) | Event::Apply(object) => Input::Applied(object),
-                    Event::InitDone => Input::Listed,
-                    Event::Delete(object) => Input::Deleted(object),
-                }
-            }
-            Err(error) => {
-                let absent = matches!(&error,
-                    watcher::Error::InitialListFailed(kube::Error::Api(s))
-                    | watcher::Error::WatchStartFailed(kube::Error::Api(s)) if s.code == 404);
-                let text = error.to_string();
-                if failing.as_ref() != Some(&text) {
-                    match absent {
-                        true => tracing::warn!(%kind,
-                            "the {kind} CRD ({group}) is not installed (404): serving none from the cluster; looking \
-                             again every {}s",
-                            ABSENT_RETRY.as_secs()
-                        ),
-                        false => tracing::warn!(%kind, %error,
-                            "watching {kind} objects failed; retrying with backoff (serving the last set)"),
-                    }
-                }
-                failing = Some(text);
-                pause = match absent {
-                    true => ABSENT_RETRY,
-                    false => (pause * 2).clamp(DEBOUNCE * 5, BACKOFF_MAX),
-                };
-                if absent && tx.send(Input::Absent).await.is_err() {
-                    return;
-                }
-                tokio::time::sleep(pause).await;
-                continue;
-            }
-        };
-        if tx.send(input).await.is_err() {
-            return;
-        }
-    }
 }
 
 /// The objects seen so far, and whether the set is known (listed, or no CRD).
@@ -187,20 +128,20 @@ where
     K: ObjectKind,
     K::Object: CrdObject,
 {
-    type Input = Input<K::Object>;
+    type Input = Change<K::Object>;
     type Set = CrdSet<K::Object>;
 
     fn known(&self) -> Option<&CrdSet<K::Object>> {
         self.settled.then_some(&self.set)
     }
 
-    fn apply(&mut self, input: Input<K::Object>) -> bool {
+    fn apply(&mut self, input: Change<K::Object>) -> bool {
         match input {
-            Input::Relist => {
+            Change::Relist => {
                 self.relist = Some(BTreeMap::new());
                 return false;
             }
-            Input::Applied(object) => {
+            Change::Applied(object) => {
                 let key = K::key(&object);
                 if let Some(relist) = &mut self.relist {
                     relist.insert(key, object);
@@ -215,18 +156,20 @@ where
                     return false;
                 }
             }
-            Input::Listed => {
+            Change::Listed => {
                 self.set.objects = self.relist.take().unwrap_or_default();
                 self.settled = true;
             }
-            Input::Deleted(object) => {
+            Change::Deleted(object) => {
                 self.set.objects.remove(&K::key(&object));
             }
-            Input::Absent => {
+            Change::Absent => {
                 self.relist = None;
                 self.set.objects.clear();
                 self.settled = true;
             }
+            // Not allowed to read the kind: the last set serves on.
+            Change::Forbidden => return false,
         }
         self.set.spec_version += 1;
         true
@@ -250,23 +193,23 @@ mod tests {
     #[test]
     fn a_relist_replaces_the_set_and_status_only_changes_keep_the_spec_version() {
         let mut collected = Collected::<Policies>::default();
-        collected.apply(Input::Relist);
-        assert!(!collected.apply(Input::Applied(policy("a", 1))));
+        collected.apply(Change::Relist);
+        assert!(!collected.apply(Change::Applied(policy("a", 1))));
         assert!(!collected.settled, "not known before the list is done");
-        assert!(collected.apply(Input::Listed));
+        assert!(collected.apply(Change::Listed));
         let version = collected.set.spec_version;
         assert_eq!(collected.set.objects.keys().collect::<Vec<_>>(), ["shop/a"]);
 
         // Same generation (a status write): nothing to project again.
-        assert!(!collected.apply(Input::Applied(policy("a", 1))));
+        assert!(!collected.apply(Change::Applied(policy("a", 1))));
         assert_eq!(collected.set.spec_version, version);
-        assert!(collected.apply(Input::Applied(policy("a", 2))));
+        assert!(collected.apply(Change::Applied(policy("a", 2))));
         assert!(collected.set.spec_version > version);
 
-        collected.apply(Input::Deleted(policy("a", 2)));
+        collected.apply(Change::Deleted(policy("a", 2)));
         assert!(collected.set.objects.is_empty());
-        collected.apply(Input::Applied(policy("b", 1)));
-        assert!(collected.apply(Input::Absent), "a removed CRD empties the set");
+        collected.apply(Change::Applied(policy("b", 1)));
+        assert!(collected.apply(Change::Absent), "a removed CRD empties the set");
         assert!(collected.set.objects.is_empty());
     }
 }
