@@ -166,53 +166,14 @@ pub async fn run(config: EdgeConfig, shutdown: CancellationToken) -> Result<(), 
     let metrics = EdgeMetrics::register(&mut registry);
     let metrics_push = aether_common::telemetry::MetricsPush::register(&config.telemetry, TELEMETRY, &mut registry);
 
-    let (objects_tx, objects_rx) = watch::channel(Arc::new(Objects::default()));
-    match source {
-        ObjectsSource::Dir(dir) => tasks.critical(
-            "the config directory",
-            objects::follow_dir(dir, objects_tx, shutdown.clone()),
-        ),
-        ObjectsSource::Kubernetes(watches) => {
-            let client = crate::pod_source::kubernetes::client_from_env()
-                .await
-                .map_err(|e| EdgeError::Objects(format!("--from-kubernetes: {e}")))?;
-            tasks.critical(
-                "the Gateway API watches",
-                kubernetes::follow(client, watches, objects_tx, shutdown.clone()),
-            );
-        }
-    }
+    let objects_rx = follow_objects(source, &tasks, &shutdown).await?;
 
     let identity = Identity::start(&config.identity, metrics.identity.clone(), shutdown.clone())?;
     let own = own_pod(&config);
     if let Some(identity) = &identity {
         identity.sync(std::slice::from_ref(&own));
     }
-    let context = AgentContext {
-        node_name: config.pod_name.clone(),
-        pod_identity: Some(config.identity.kind),
-        spire_workload_socket: config.identity.spire_workload_socket.clone(),
-    };
-    // A reader's certificate (`spiffe://<td>/aether/edge/<ns>/<sa>`): the edge never writes endpoints.
-    let link = RegistrarLink::start_as(
-        &config.registrar,
-        &config.registrar_link,
-        &context,
-        LinkRole::Edge,
-        shutdown.clone(),
-    )?;
-    let (interest_tx, interest_rx) = watch::channel(Interest::default());
-    let (views_tx, views_rx) = watch::channel(Arc::new(WatchedCatalog::default()));
-    tasks.critical(
-        "the registrar watch",
-        catalog_watch::follow(
-            link,
-            interest_rx,
-            views_tx,
-            metrics.registrar_connected.clone(),
-            shutdown.clone(),
-        ),
-    );
+    let (interest_tx, views_rx) = follow_catalog(&config, &metrics, &tasks, &shutdown)?;
 
     let cache = Cache::default();
     serve_xds(&config, cache.clone(), &metrics, &tasks, &shutdown)?;
@@ -246,6 +207,62 @@ pub async fn run(config: EdgeConfig, shutdown: CancellationToken) -> Result<(), 
     shutdown.cancelled().await;
     serving.set_not_ready("shutting down");
     Ok(tasks.drain(DRAIN_DEADLINE).await?)
+}
+
+/// Starts the source of the Gateway API objects; their latest set.
+async fn follow_objects(
+    source: ObjectsSource,
+    tasks: &Tasks,
+    shutdown: &CancellationToken,
+) -> Result<watch::Receiver<Arc<Objects>>, EdgeError> {
+    let (objects_tx, objects_rx) = watch::channel(Arc::new(Objects::default()));
+    match source {
+        ObjectsSource::Dir(dir) => tasks.critical(
+            "the config directory",
+            objects::follow_dir(dir, objects_tx, shutdown.clone()),
+        ),
+        ObjectsSource::Kubernetes(watches) => {
+            let client = crate::pod_source::kubernetes::client_from_env()
+                .await
+                .map_err(|e| EdgeError::Objects(format!("--from-kubernetes: {e}")))?;
+            tasks.critical(
+                "the Gateway API watches",
+                kubernetes::follow(client, watches, objects_tx, shutdown.clone()),
+            );
+        }
+    }
+    Ok(objects_rx)
+}
+
+/// Follows the registrar's catalog as a reader: the interest to set (the services the
+/// routes name) and the views it publishes.
+fn follow_catalog(
+    config: &EdgeConfig,
+    metrics: &EdgeMetrics,
+    tasks: &Tasks,
+    shutdown: &CancellationToken,
+) -> Result<(watch::Sender<Interest>, watch::Receiver<Arc<WatchedCatalog>>), EdgeError> {
+    let context = AgentContext {
+        node_name: config.pod_name.clone(),
+        pod_identity: Some(config.identity.kind),
+        spire_workload_socket: config.identity.spire_workload_socket.clone(),
+    };
+    // A reader's certificate (`spiffe://<td>/aether/edge/<ns>/<sa>`): the edge never writes endpoints.
+    let link = RegistrarLink::start_as(
+        &config.registrar,
+        &config.registrar_link,
+        &context,
+        LinkRole::Edge,
+        shutdown.clone(),
+    )?;
+    let (interest_tx, interest_rx) = watch::channel(Interest::default());
+    let (views_tx, views_rx) = watch::channel(Arc::new(WatchedCatalog::default()));
+    let connected = metrics.registrar_connected.clone();
+    tasks.critical(
+        "the registrar watch",
+        catalog_watch::follow(link, interest_rx, views_tx, connected, shutdown.clone()),
+    );
+    Ok((interest_tx, views_rx))
 }
 
 /// `<namespace>/<name>`, both DNS labels.

@@ -91,6 +91,14 @@ pub fn writes(
     edges_namespace: &str,
     now: &Time,
 ) -> Vec<Write> {
+    let mut writes = class_writes(objects, now);
+    let entries = gateway_writes(objects, secrets, held, edges_namespace, now, &mut writes);
+    writes.extend(route_writes(objects, entries));
+    writes
+}
+
+/// Our GatewayClasses whose conditions changed.
+fn class_writes(objects: &Objects, now: &Time) -> Vec<Write> {
     let mut writes = Vec::new();
     let no_labels = BTreeMap::new();
     let no_secrets = BTreeMap::new();
@@ -126,7 +134,19 @@ pub fn writes(
             });
         }
     }
+    writes
+}
 
+/// The writes of our Gateways whose status changed (none for a `held` one), added to
+/// `writes`; returns each route's parent entries the projections computed, by route key.
+fn gateway_writes(
+    objects: &Objects,
+    secrets: &BTreeMap<SecretKey, Secret>,
+    held: &BTreeSet<String>,
+    edges_namespace: &str,
+    now: &Time,
+    writes: &mut Vec<Write>,
+) -> BTreeMap<String, Vec<RouteParentStatus>> {
     let routes: Vec<RouteObject> = (objects.routes.values())
         .filter(|r| r.parent_refs().iter().any(|p| p.group == GROUP && p.kind == "Gateway"))
         .cloned()
@@ -177,7 +197,12 @@ pub fn writes(
             });
         }
     }
+    entries
+}
 
+/// The routes whose parent entries of ours differ from `entries` (ours stale or new).
+fn route_writes(objects: &Objects, mut entries: BTreeMap<String, Vec<RouteParentStatus>>) -> Vec<Write> {
+    let mut writes = Vec::new();
     for (route_key, route) in &objects.routes {
         let current = parents(route);
         let wanted = entries.remove(route_key).unwrap_or_default();
