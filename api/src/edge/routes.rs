@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 
 use aether_common::quote::quote;
 use aether_proto::registry::v1::Route;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use super::listeners::{Checked, granted, is_core, takes_namespace};
 use super::{AttachedRoute, CONTROLLER_NAME, EdgeInputs, ListenerProtocol, Problem, condition, intersect, reason};
@@ -89,59 +89,62 @@ pub fn attach(
                     inputs,
                 ),
             };
-            let accepted = match &selected {
-                Ok(_) => condition("Accepted", true, reason::ACCEPTED, String::new(), generation, now),
-                Err(problem) => condition(
-                    "Accepted",
-                    false,
-                    problem.reason,
-                    problem.message.clone(),
-                    generation,
-                    now,
-                ),
-            };
-            let resolved = match &prepared.unresolved {
-                None => condition(
-                    "ResolvedRefs",
-                    true,
-                    reason::RESOLVED_REFS,
-                    String::new(),
-                    generation,
-                    now,
-                ),
-                Some(problem) => condition(
-                    "ResolvedRefs",
-                    false,
-                    problem.reason,
-                    problem.message.clone(),
-                    generation,
-                    now,
-                ),
-            };
-            for (index, hosts) in selected.into_iter().flatten() {
-                if !attached_to.insert(index) {
-                    continue;
-                }
-                let Some(listener) = listeners.get_mut(index) else {
-                    continue;
-                };
-                listener.attached = listener.attached.saturating_add(1);
-                if let Ok(route) = &prepared.route {
-                    listener.routes.push(AttachedRoute {
-                        route: route.clone(),
-                        hostnames: hosts,
-                    });
-                }
+            let conditions = parent_conditions(&selected, prepared.unresolved.as_ref(), generation, now);
+            if let Ok(selected) = selected {
+                attach_to(listeners, selected, &prepared.route, &mut attached_to);
             }
             let status = RouteParentStatus {
                 parent_ref: parent.clone(),
                 controller_name: CONTROLLER_NAME.to_owned(),
-                conditions: vec![accepted, resolved],
+                conditions,
             };
             statuses.push((key.clone(), status));
         }
     }
     statuses
+}
+
+/// A parent entry's conditions: Accepted as the parentRef was (or was not) attached,
+/// ResolvedRefs as the route's references resolved.
+fn parent_conditions<T>(
+    selected: &Result<T, Problem>,
+    unresolved: Option<&Problem>,
+    generation: i64,
+    now: &Time,
+) -> Vec<Condition> {
+    let judged = |type_: &str, ok: &'static str, problem: Option<&Problem>| match problem {
+        None => condition(type_, true, ok, String::new(), generation, now),
+        Some(problem) => condition(type_, false, problem.reason, problem.message.clone(), generation, now),
+    };
+    vec![
+        judged("Accepted", reason::ACCEPTED, selected.as_ref().err()),
+        judged("ResolvedRefs", reason::RESOLVED_REFS, unresolved),
+    ]
+}
+
+/// Attaches the route to each selected listener (by index) once, with the hosts it
+/// serves there; a refused route counts as attached but serves nothing.
+fn attach_to(
+    listeners: &mut [Checked],
+    selected: Vec<(usize, Vec<String>)>,
+    route: &Result<Route, Rejected>,
+    attached_to: &mut BTreeSet<usize>,
+) {
+    for (index, hosts) in selected {
+        if !attached_to.insert(index) {
+            continue;
+        }
+        let Some(listener) = listeners.get_mut(index) else {
+            continue;
+        };
+        listener.attached = listener.attached.saturating_add(1);
+        if let Ok(route) = route {
+            listener.routes.push(AttachedRoute {
+                route: route.clone(),
+                hostnames: hosts,
+            });
+        }
+    }
 }
 
 /// The listeners a parentRef attaches the route to, each with the hosts it serves there;
