@@ -243,18 +243,7 @@ pub fn project(inputs: &EdgeInputs, now: &Time) -> Edge {
         return edge;
     };
     let class_accepted = class.spec.parameters_ref.is_none();
-    let class_generation = class.metadata.generation.unwrap_or(0);
-    edge.status.class = Some(vec![match class_accepted {
-        true => condition("Accepted", true, reason::ACCEPTED, String::new(), class_generation, now),
-        false => condition(
-            "Accepted",
-            false,
-            reason::INVALID_PARAMETERS,
-            "parametersRef: the edge takes no parameters".to_owned(),
-            class_generation,
-            now,
-        ),
-    }]);
+    edge.status.class = Some(vec![class_condition(class, now)]);
     let gateway_condition = |type_: &str, status: bool, reason: &str, message: String| {
         condition(type_, status, reason, message, generation, now)
     };
@@ -267,25 +256,7 @@ pub fn project(inputs: &EdgeInputs, now: &Time) -> Edge {
     };
     listeners::mark_conflicts(&mut listeners);
     let invalid: Vec<&listeners::Checked> = listeners.iter().filter(|l| !l.valid()).collect();
-    let accepted: Result<&str, Problem> = if !class_accepted {
-        let message = format!(
-            "GatewayClass {} is not accepted",
-            quote(&gateway.spec.gateway_class_name)
-        );
-        Err(Problem::new(reason::INVALID, message))
-    } else if !gateway.spec.addresses.is_empty() {
-        let message = "spec.addresses: the edge assigns its own addresses; requesting some is not supported";
-        Err(Problem::new(reason::UNSUPPORTED_ADDRESS, message))
-    } else if let Some(message) = listener_refusal {
-        Err(Problem::new(reason::LISTENERS_NOT_VALID, message))
-    } else if invalid.len() == listeners.len() {
-        let message = format!("no listener is valid: {}", name_problems(&invalid));
-        Err(Problem::new(reason::LISTENERS_NOT_VALID, message))
-    } else if !invalid.is_empty() {
-        Ok(reason::LISTENERS_NOT_VALID)
-    } else {
-        Ok(reason::ACCEPTED)
-    };
+    let accepted = acceptance(gateway, class_accepted, listener_refusal, &invalid, listeners.len());
     let gateway_accepted = accepted.is_ok();
     let accepted_condition = match &accepted {
         Ok(reason) if *reason == reason::LISTENERS_NOT_VALID => {
@@ -321,6 +292,48 @@ pub fn project(inputs: &EdgeInputs, now: &Time) -> Edge {
         edge.ports = ports(listeners);
     }
     edge
+}
+
+/// A class of ours is accepted unless it asks for parameters (the edge takes none).
+fn class_condition(class: &GatewayClass, now: &Time) -> Condition {
+    let generation = class.metadata.generation.unwrap_or(0);
+    match class.spec.parameters_ref {
+        None => condition("Accepted", true, reason::ACCEPTED, String::new(), generation, now),
+        Some(_) => {
+            let message = "parametersRef: the edge takes no parameters".to_owned();
+            condition("Accepted", false, reason::INVALID_PARAMETERS, message, generation, now)
+        }
+    }
+}
+
+/// Whether the Gateway is accepted: `Ok(reason)` (`LISTENERS_NOT_VALID` when some of its
+/// `listeners` are `invalid` but not all), or why not.
+fn acceptance(
+    gateway: &Gateway,
+    class_accepted: bool,
+    listener_refusal: Option<String>,
+    invalid: &[&listeners::Checked],
+    listeners: usize,
+) -> Result<&'static str, Problem> {
+    if !class_accepted {
+        let message = format!(
+            "GatewayClass {} is not accepted",
+            quote(&gateway.spec.gateway_class_name)
+        );
+        Err(Problem::new(reason::INVALID, message))
+    } else if !gateway.spec.addresses.is_empty() {
+        let message = "spec.addresses: the edge assigns its own addresses; requesting some is not supported";
+        Err(Problem::new(reason::UNSUPPORTED_ADDRESS, message))
+    } else if let Some(message) = listener_refusal {
+        Err(Problem::new(reason::LISTENERS_NOT_VALID, message))
+    } else if invalid.len() == listeners {
+        let message = format!("no listener is valid: {}", name_problems(invalid));
+        Err(Problem::new(reason::LISTENERS_NOT_VALID, message))
+    } else if !invalid.is_empty() {
+        Ok(reason::LISTENERS_NOT_VALID)
+    } else {
+        Ok(reason::ACCEPTED)
+    }
 }
 
 /// Why the listener list as a whole is refused, if it is.
