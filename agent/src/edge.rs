@@ -17,6 +17,7 @@
 pub mod kubernetes;
 pub mod objects;
 
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -38,7 +39,7 @@ use crate::catalog_watch::{self, Interest, WatchedCatalog};
 use crate::identity::{Identities, Identity, IdentityConfig, IdentityMetrics};
 use crate::pod::{LocalPod, PodInfo};
 use crate::registrar_link::{AgentContext, LinkConfig, LinkRole, RegistrarLink};
-use crate::xds::cache::{Cache, Resource};
+use crate::xds::cache::Cache;
 use crate::xds::resources::Generated;
 use crate::xds::resources::edge::{EdgeInputs, backend_services, generate};
 use crate::xds::resources::transport::Mtls;
@@ -457,36 +458,44 @@ impl Builder {
         }
     }
 
-    /// Serves `generated`. Clusters it adds go out first, with the routes still on the
-    /// old ones, and the rest once Envoy has ACKed them: a route that reached Envoy before
-    /// its cluster would answer 500 (cluster not found) meanwhile.
+    /// Serves `generated`, make-before-break: the clusters it adds go out first (the
+    /// routes still on the old ones), then its routes with the clusters it drops still
+    /// there, then the rest, each step once Envoy has ACKed the one before. A request never
+    /// finds its route's cluster missing (500) while a change converges.
     async fn apply(&self, generated: Generated) {
+        const UPSTREAM: [&str; 3] = [crate::xds::CLUSTER, crate::xds::ENDPOINT, crate::xds::SECRET];
         let current = self.cache.snapshot();
-        let added: Vec<&Arc<Resource>> = (generated.get(crate::xds::CLUSTER).into_iter().flatten())
-            .filter(|r| current.version_of(crate::xds::CLUSTER, &r.name).is_none())
-            .collect();
         let serving = current.get(crate::xds::LISTENER).is_some_and(|l| !l.is_empty());
-        if serving && !added.is_empty() {
-            let mut first: Generated = (current.types.iter())
-                .map(|(type_url, named)| (type_url.clone(), named.values().cloned().collect()))
-                .collect();
-            let mut wanted = Vec::new();
-            for type_url in [crate::xds::CLUSTER, crate::xds::ENDPOINT, crate::xds::SECRET] {
-                let fresh = (generated.get(type_url).into_iter().flatten())
-                    .filter(|r| current.version_of(type_url, &r.name).is_none());
-                for resource in fresh {
-                    if type_url != crate::xds::SECRET {
-                        wanted.push((type_url, resource.name.clone()));
-                    }
-                    first.entry(type_url.to_owned()).or_default().push(resource.clone());
-                }
+        let now: Generated = (current.types.iter())
+            .map(|(type_url, named)| (type_url.clone(), named.values().cloned().collect()))
+            .collect();
+        if serving {
+            let (adding, added) = with_upstreams_of(&now, &generated, &UPSTREAM);
+            if !added.is_empty() {
+                self.step(adding, &added, "the new clusters").await;
             }
-            self.cache.set(first);
-            if let Err(error) = self.cache.wait_acked(&wanted, CATALOG_WAIT).await {
-                tracing::warn!(%error, "Envoy has not taken the new clusters: serving the new routes anyway");
+            let (moving, _) = with_upstreams_of(&generated, &now, &UPSTREAM);
+            let moved: Vec<(&str, String)> = [crate::xds::LISTENER, crate::xds::ROUTE]
+                .into_iter()
+                .flat_map(|type_url| {
+                    let changed = (generated.get(type_url).into_iter().flatten())
+                        .filter(|r| current.version_of(type_url, &r.name) != Some(r.version.as_str()));
+                    changed.map(move |r| (type_url, r.name.clone()))
+                })
+                .collect();
+            if !moved.is_empty() && moving != generated {
+                self.step(moving, &moved, "the new routes").await;
             }
         }
         self.cache.set(generated);
+    }
+
+    /// Serves `resources` and waits until Envoy has ACKed `wanted` (at most [`CATALOG_WAIT`]).
+    async fn step(&self, resources: Generated, wanted: &[(&str, String)], what: &str) {
+        self.cache.set(resources);
+        if let Err(error) = self.cache.wait_acked(wanted, CATALOG_WAIT).await {
+            tracing::warn!(%error, "Envoy has not taken {what}: going on with the change");
+        }
     }
 
     /// Projects and generates: `Ready` to serve, or `Held` until a time (or until the
@@ -548,6 +557,37 @@ impl Builder {
         *self.verdict.0.lock() = Some(edge);
         Built::Ready(generated)
     }
+}
+
+/// `base` plus the resources of `types` that `other` has and `base` lacks; and those
+/// added (type URL, name), secrets aside (an ACK of a secret says nothing of a cluster).
+fn with_upstreams_of<'a>(
+    base: &Generated,
+    other: &'a Generated,
+    types: &[&'a str],
+) -> (Generated, Vec<(&'a str, String)>) {
+    let mut out = base.clone();
+    let mut added = Vec::new();
+    for type_url in types {
+        let have: BTreeSet<&str> = base
+            .get(*type_url)
+            .into_iter()
+            .flatten()
+            .map(|r| r.name.as_str())
+            .collect();
+        for resource in other
+            .get(*type_url)
+            .into_iter()
+            .flatten()
+            .filter(|r| !have.contains(r.name.as_str()))
+        {
+            if *type_url != crate::xds::SECRET {
+                added.push((*type_url, resource.name.clone()));
+            }
+            out.entry((*type_url).to_owned()).or_default().push(resource.clone());
+        }
+    }
+    (out, added)
 }
 
 /// What a build made of the objects and the catalog.
