@@ -28,6 +28,9 @@ pub const APP: &str = "127.0.0.1:8080";
 
 pub const NAMESPACE: &str = "demo";
 pub const MESH_DOMAIN: &str = "aether.internal";
+/// The node Envoy's drain time: `aether-agent proxy --drain-time`'s default. A chain that changes
+/// (an inbound filter added) reaches its open connections when they drain, within this.
+pub const ENVOY_DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub struct Mesh {
     pub dir: tempfile::TempDir,
@@ -239,9 +242,16 @@ impl Mesh {
         self.agent = Some(agent);
     }
 
+    /// Starts the node's Envoy with the drain time `aether-agent proxy` gives it in production, so a
+    /// changed chain's open connections close when they would on a real node.
     pub fn start_envoy(&mut self) {
         let bootstrap = self.envoy_bootstrap(free_port());
-        self.envoy = Some(Envoy::start(&bootstrap, unique_base_id()));
+        let drain = ENVOY_DRAIN_TIME.as_secs().to_string();
+        self.envoy = Some(Envoy::start_with_args(
+            &bootstrap,
+            unique_base_id(),
+            &["--drain-time-s", &drain],
+        ));
     }
 
     /// The bootstrap [`Mesh::start_envoy`] runs, with Envoy's admin on `127.0.0.1:admin_port` (tests add stats
