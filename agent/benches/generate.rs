@@ -27,7 +27,8 @@ fn main() {
         subzone: String::new(),
     };
     let on_demand = BTreeMap::new();
-    let inputs = node_inputs(&pods, &scoped, &locality, &on_demand);
+    let own_only = own_only(&pods);
+    let inputs = node_inputs(&pods, &scoped, &locality, &on_demand, &own_only);
     let (full, last) = time_full_rebuilds(&inputs);
     // Kept live until the RSS is read.
     let mut generator = Generator::default();
@@ -66,6 +67,7 @@ fn node_inputs<'a>(
     catalog: &'a CatalogView,
     locality: &'a Locality,
     on_demand: &'a BTreeMap<String, String>,
+    own_only: &'a BTreeSet<String>,
 ) -> Inputs<'a> {
     Inputs {
         pods,
@@ -73,6 +75,7 @@ fn node_inputs<'a>(
         mesh_domain: "aether.internal",
         locality,
         on_demand,
+        own_only,
     }
 }
 
@@ -162,6 +165,13 @@ fn dependency_set(pods: &[LocalPod]) -> BTreeSet<String> {
     deps
 }
 
+/// The pods' own services no pod calls (the node serves them no cluster until asked).
+fn own_only(pods: &[LocalPod]) -> BTreeSet<String> {
+    let called: BTreeSet<String> = pods.iter().flat_map(|p| p.info.upstreams().services).collect();
+    let own = pods.iter().map(|p| p.info.service());
+    own.filter(|s| !called.contains(s)).collect()
+}
+
 /// The catalog slice the node watches: its dependency set.
 fn scoped_to(catalog: &CatalogView, deps: &BTreeSet<String>) -> CatalogView {
     catalog.restricted(|k| deps.contains(k))
@@ -214,7 +224,8 @@ fn time_new_dependencies(catalog: &CatalogView, pods: &[LocalPod]) -> Vec<Durati
     for round in 0..=ROUNDS {
         let deps = dependency_set(&pods);
         let scoped = scoped_to(catalog, &deps);
-        let inputs = node_inputs(&pods, &scoped, &locality, &on_demand);
+        let own_only = own_only(&pods);
+        let inputs = node_inputs(&pods, &scoped, &locality, &on_demand, &own_only);
         let started = Instant::now();
         generator.generate(&inputs);
         // The first round builds the whole node.

@@ -104,6 +104,17 @@ struct OnDemand {
     clusters: BTreeMap<String, String>,
 }
 
+/// What the node's pods need of the catalog.
+#[derive(Debug, Default)]
+pub struct Demand {
+    /// The dependency set: what the node watches.
+    pub services: BTreeSet<String>,
+    /// Local pods' own services that no local pod declares, looked up or reaches by a
+    /// route: known (their ports shape inbound chains, their VIPs route), but Envoy gets
+    /// their clusters only when it asks for one on demand, as for any undeclared name.
+    pub own_only: BTreeSet<String>,
+}
+
 /// The node's state. Local pods change through it alone (CNI calls, the pod source,
 /// start-up recovery), so every change reaches the dependency set and the snapshot.
 #[derive(Clone)]
@@ -241,29 +252,37 @@ impl Node {
     /// looked up on demand recently, and the services the routes of those send to (one
     /// level: a backend's own routes add nothing, so the set cannot chase itself).
     pub fn dependencies(&self, pods: &[LocalPod]) -> BTreeSet<String> {
-        let mut deps = BTreeSet::new();
+        self.demand(pods).services
+    }
+
+    /// [`Node::dependencies`], with the part of it no local pod calls.
+    pub fn demand(&self, pods: &[LocalPod]) -> Demand {
+        let mut called = BTreeSet::new();
         for pod in pods {
-            deps.insert(pod.info.service());
-            deps.extend(pod.info.upstreams().services);
+            called.extend(pod.info.upstreams().services);
         }
         {
             let mut on_demand = self.on_demand.lock();
             on_demand.services.retain(|_, at| at.elapsed() < ON_DEMAND_TTL);
             let OnDemand { services, clusters, .. } = &mut *on_demand;
             clusters.retain(|_, service| services.contains_key(service));
-            deps.extend(on_demand.services.keys().cloned());
+            called.extend(on_demand.services.keys().cloned());
         }
+        let own: BTreeSet<String> = pods.iter().map(|pod| pod.info.service()).collect();
+        let mut services: BTreeSet<String> = called.union(&own).cloned().collect();
         let namespaces: BTreeSet<&str> = pods.iter().map(|p| p.info.namespace.as_str()).collect();
         let watched = self.catalog.borrow().clone();
         let backends: BTreeSet<String> = watched
             .catalog
             .routes
             .values()
-            .filter(|route| route_applies_here(route, &deps, &namespaces))
+            .filter(|route| route_applies_here(route, &services, &namespaces))
             .flat_map(|route| aether_api::route::backend_services(route).map(str::to_owned))
             .collect();
-        deps.extend(backends);
-        deps
+        called.extend(backends.iter().cloned());
+        services.extend(backends);
+        let own_only = own.difference(&called).cloned().collect();
+        Demand { services, own_only }
     }
 
     /// The xDS hook: Envoy asked for clusters the snapshot does not have. Mesh
@@ -351,7 +370,10 @@ impl Node {
             identity.sync(&pods);
             generator.set_identities(identity.current());
         }
-        let deps = self.dependencies(&pods);
+        let Demand {
+            services: deps,
+            own_only,
+        } = self.demand(&pods);
         // Policies select destination pods of their own namespace: those of ours.
         let wanted = Interest::node(deps.clone(), pods.iter().map(|p| p.info.namespace.as_str()));
         self.dependencies.send_if_modified(|current| {
@@ -379,6 +401,7 @@ impl Node {
             mesh_domain: &self.mesh_domain,
             locality: &self.locality,
             on_demand: &on_demand_clusters,
+            own_only: &own_only,
         });
         self.metrics.dependencies.set(deps.len() as i64);
         self.metrics.invalid_routes.set(generator.invalid_routes() as i64);
@@ -537,9 +560,11 @@ impl Node {
 
     fn debug_dependencies(&self) -> serde_json::Value {
         let pods = self.pods();
+        let demand = self.demand(&pods);
         let watched = self.catalog.borrow().clone();
         serde_json::json!({
-            "dependencies": self.dependencies(&pods),
+            "dependencies": demand.services,
+            "own_only": demand.own_only,
             "watched": watched.filter,
             "known": watched.catalog.services.keys().collect::<Vec<_>>(),
         })
@@ -672,6 +697,26 @@ mod tests {
         .map(str::to_owned)
         .collect();
         assert_eq!(deps, expected);
+        // p's own service is known, but no one here calls it: no cluster until asked.
+        assert_eq!(node.demand(&node.pods()).own_only, BTreeSet::from([info.service()]));
+        // A local caller makes it a called dependency like any other.
+        let mut caller = PodInfo {
+            namespace: "demo".into(),
+            name: "q".into(),
+            service_account: "q".into(),
+            ..PodInfo::default()
+        };
+        (caller.annotations).insert(crate::upstreams::ANNOTATION.into(), info.service());
+        node.add_pod(LocalPod {
+            container_id: "c-q".into(),
+            listener_sockets: Default::default(),
+            netns: "/run/netns/q".into(),
+            ips: vec!["10.0.0.2".parse().unwrap()],
+            info: caller.clone(),
+        });
+        let demand = node.demand(&node.pods());
+        assert_eq!(demand.own_only, BTreeSet::from([caller.service()]));
+        assert!(demand.services.contains(&info.service()) && demand.services.contains(&caller.service()));
     }
 
     #[tokio::test]

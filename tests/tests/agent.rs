@@ -97,8 +97,9 @@ async fn the_first_request_is_served_without_waiting(frontend: &TestPod) {
     );
 }
 
-/// Envoy holds clusters for exactly the dependency set (backend and frontend's own service), besides each local
-/// pod's own (delivery `local|…`, and with mTLS `originate|<pod>`, which its connections leave through).
+/// Envoy holds clusters for exactly the services local pods call (backend; the pods' own services are known but
+/// no one here calls them), besides each local pod's own (delivery `local|…`, and with mTLS `originate|<pod>`,
+/// which its connections leave through).
 async fn envoy_holds_clusters_for_exactly_the_dependencies(mesh: &Mesh) {
     let mesh_clusters = || -> BTreeSet<String> {
         mesh.envoy_clusters()
@@ -106,7 +107,7 @@ async fn envoy_holds_clusters_for_exactly_the_dependencies(mesh: &Mesh) {
             .filter(|c| !c.starts_with("local|") && !c.starts_with("originate|"))
             .collect()
     };
-    let expected: BTreeSet<String> = [backend_host(), format!("{}:8080", fqdn("frontend"))].into();
+    let expected: BTreeSet<String> = [backend_host()].into();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while mesh_clusters() != expected && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -804,15 +805,33 @@ fn print_pushed(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_with_existing_upstreams_pushes_only_its_own_resources_and_leaves_no_trace() {
     let mesh = Mesh::start().await;
-    let (_frontend, _backend, _apps) = mesh.frontend_and_backend().await;
-    // Settled: the frontend's own service is served once its registration came back from the registrar.
-    let own = format!("{}:8080", fqdn("frontend"));
+    let (frontend, _backend, _apps) = mesh.frontend_and_backend().await;
+    // Settled: the frontend's own service is known once its registration came back from the registrar. No one
+    // here calls it, so Envoy holds no cluster of it (and its endpoints' changes push nothing).
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !cluster_versions(&mesh).contains_key(&own) {
-        assert!(std::time::Instant::now() < deadline, "{own} never served");
+    loop {
+        let deps: serde_json::Value = serde_json::from_str(&mesh.agent_get("/debug/dependencies").await).unwrap();
+        let has = |field: &str| {
+            deps[field]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|s| s == "demo/frontend"))
+        };
+        if has("known") {
+            assert!(has("own_only"), "demo/frontend is not own-only: {deps}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "demo/frontend never known: {deps}"
+        );
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
+    let own = format!("{}:8080", fqdn("frontend"));
+    assert!(
+        !cluster_versions(&mesh).contains_key(&own),
+        "{own} is served though no one calls it"
+    );
     let clusters_before = cluster_versions(&mesh);
     let before = pushed(&mesh).await;
 
@@ -872,4 +891,18 @@ async fn a_pod_with_existing_upstreams_pushes_only_its_own_resources_and_leaves_
             }
         }
     }
+
+    // The frontend calling its own service, undeclared, by its VIP (captured): its virtual host routes and
+    // the cluster is looked up on demand, with mTLS as any other.
+    let url = format!("http://{}:8080/", mesh.vip("frontend").await);
+    let reply = frontend
+        .http_request("GET", &url, None, &[], "")
+        .await
+        .expect("own service by VIP");
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(reply.body.contains("\"pod\":\"frontend\""), "{}", reply.body);
+    assert!(
+        cluster_versions(&mesh).contains_key(&own),
+        "{own} was not looked up on demand"
+    );
 }

@@ -60,6 +60,9 @@ pub struct Inputs<'a> {
     pub locality: &'a Locality,
     /// Cluster names Envoy asked for on demand, with their service key.
     pub on_demand: &'a BTreeMap<String, String>,
+    /// Services of the catalog that only local pods' own are ([`crate::node::Demand`]):
+    /// their virtual hosts are served, their clusters only once Envoy asks.
+    pub own_only: &'a BTreeSet<String>,
 }
 
 /// A service in the node's dependency set, as the generators see it.
@@ -518,7 +521,7 @@ impl Generator {
                 }
             }
         }
-        self.add_services(&services, here, mtls, &mut out);
+        self.add_services(&services, inputs.own_only, here, mtls, &mut out);
         let pod_inputs = PodInputs {
             services: &services,
             consumers: &consumers,
@@ -569,16 +572,17 @@ impl Generator {
         generated
     }
 
-    /// Each service's clusters and assignments, rebuilt only when it changed.
+    /// Each called service's clusters and assignments, rebuilt only when it changed.
     fn add_services(
         &mut self,
         services: &[MeshService],
+        own_only: &BTreeSet<String>,
         here: clusters::Here,
         mtls: Option<&Mtls>,
         out: &mut Collected,
     ) {
         let mut fresh = HashMap::new();
-        for service in services {
+        for service in services.iter().filter(|s| !own_only.contains(s.key)) {
             let resilience = self.mesh.of(&service.service.namespace).resilience;
             let memo = match self.services.remove(service.key) {
                 Some(memo) if memo.is_current(service, &resilience) => memo,
@@ -970,6 +974,46 @@ mod tests {
                 (9000, Protocol::Tcp),
             ])
         );
+    }
+
+    /// A local pod's own service no local pod calls: its virtual hosts route (a call finds
+    /// its cluster on demand) but Envoy holds no cluster or assignment of it.
+    #[test]
+    fn an_own_service_no_one_here_calls_gets_virtual_hosts_and_no_cluster() {
+        use super::routes::tests::{DOMAIN, catalog, pod};
+        let catalog = catalog(Vec::new());
+        let pods = [pod("gamma", "caller")];
+        let generated = |own_only: &BTreeSet<String>, on_demand: &BTreeMap<String, String>| {
+            generate(&Inputs {
+                pods: &pods,
+                catalog: &catalog,
+                mesh_domain: DOMAIN,
+                locality: &Locality::default(),
+                on_demand,
+                own_only,
+            })
+        };
+        let names = |generated: &Generated, type_url: &str| -> Vec<String> {
+            generated[type_url].iter().map(|r| r.name.clone()).collect()
+        };
+        let own = format!("echo-v1.gamma.{DOMAIN}:80");
+        let own_only = BTreeSet::from(["gamma/echo-v1".to_owned()]);
+        let served = generated(&own_only, &BTreeMap::new());
+        assert!(!names(&served, super::super::CLUSTER).contains(&own));
+        assert!(!names(&served, super::super::ENDPOINT).contains(&own));
+        assert!(names(&served, super::super::CLUSTER).contains(&format!("echo.gamma.{DOMAIN}:80")));
+        assert!(
+            names(&served, super::super::VIRTUAL_HOST)
+                .iter()
+                .any(|vh| vh.ends_with(&own)),
+            "{:?}",
+            names(&served, super::super::VIRTUAL_HOST)
+        );
+        // Once no longer own-only (a call looked it up), its clusters are served.
+        let asked = BTreeMap::from([(own.clone(), "gamma/echo-v1".to_owned())]);
+        let served = generated(&BTreeSet::new(), &asked);
+        assert!(names(&served, super::super::CLUSTER).contains(&own));
+        assert!(names(&served, super::super::ENDPOINT).contains(&own));
     }
 
     #[test]

@@ -80,6 +80,7 @@ pub fn generate(generator: &mut Generator, catalog: &CatalogView, pods: &[LocalP
         mesh_domain: "aether.internal",
         locality: &locality,
         on_demand: &on_demand,
+        own_only: &Default::default(),
     })
 }
 

@@ -98,6 +98,7 @@ pub fn generated(catalog: &CatalogView, pods: &[LocalPod]) -> Generated {
         mesh_domain: DOMAIN,
         locality: &locality,
         on_demand: &on_demand,
+        own_only: &Default::default(),
     })
 }
 
@@ -245,6 +246,7 @@ fn a_new_dependency_builds_only_its_own_virtual_hosts() {
             mesh_domain: DOMAIN,
             locality: &locality,
             on_demand: &on_demand,
+            own_only: &Default::default(),
         })[crate::xds::VIRTUAL_HOST]
             .clone()
     };

@@ -56,6 +56,7 @@ pub(super) fn generated_with(catalog: &CatalogView, pods: &[LocalPod]) -> Genera
         mesh_domain: DOMAIN,
         locality: &locality,
         on_demand: &on_demand,
+        own_only: &Default::default(),
     })
 }
 
@@ -137,6 +138,7 @@ fn cluster_ips_route_like_the_vip_and_kubernetes_names_like_the_mesh_name() {
         mesh_domain: DOMAIN,
         locality: &locality,
         on_demand: &on_demand,
+        own_only: &Default::default(),
     });
     let tables = tables_of(&generated);
     let name = "echo-v1.gamma.aether.internal:80";

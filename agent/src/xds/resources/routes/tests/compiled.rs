@@ -698,6 +698,7 @@ fn an_invalid_route_is_skipped_and_counted() {
         mesh_domain: DOMAIN,
         locality: &locality,
         on_demand: &on_demand,
+        own_only: &Default::default(),
     });
     assert_eq!(generator.invalid_routes(), 1);
     let table = &served_tables(&generated)["outbound"];
