@@ -1,33 +1,37 @@
 //! The node agent at scale (`cargo bench -p aether-tests --bench agent`, as root, after
 //! `cargo build --workspace --bins --release`): a real registrar, `aether-agent run` and
-//! Envoy 1.40 (the `aether_tests::mesh::Mesh` fixture).
+//! Envoy 1.40 (the `aether_tests::mesh::Mesh` fixture), mTLS on.
 //!
-//! Setup: a catalog of 2,000 services / 20,000 endpoints (`bench/svc-NNNN`, fake 10.64.x.y
-//! addresses, one HTTP port 8080) registered straight at the registrar, 64 calls in flight;
-//! then 100 pods (network namespaces, no app) added one after the other through the CNI
-//! API, each declaring 20 upstreams drawn uniformly from the catalog.
+//! Node A, once per shape, each a fresh node: a catalog of 2,000 services / 20,000 endpoints
+//! (`bench/svc-NNNN`, fake 10.64.x.y addresses, one HTTP port 8080) registered straight at the
+//! registrar, 64 calls in flight; then 100 pods (network namespaces, no app) added one after the
+//! other through the CNI API, each declaring 20 upstreams drawn uniformly from the catalog. The
+//! shapes (issue 16): every pod its own draw (100 workloads), then 10 workloads whose replicas
+//! share one drawn list.
 //!
-//! Prints, one line each:
-//! - catalog load rate, AddPod latency (p50/p99: each AddPod returns once Envoy ACKed the
-//!   pod's listeners), and the time until the whole node config is ACKed;
+//! Prints for each shape, one line each:
+//! - AddPod latency (p50/p99: each AddPod returns once Envoy ACKed the pod's listeners), the time
+//!   until the whole node config is ACKed, and what each AddPod pushed;
 //! - endpoint change → applied by Envoy: RegisterEndpoint of a new address in a service
 //!   of the node's dependency set, until Envoy's admin (EDS config dump of that cluster,
 //!   which Envoy builds from the cluster's live host set) shows the address, polled every
 //!   1 ms from a dedicated thread;
 //! - the agent's VmRSS / VmHWM after setup and after the changes;
-//! - demand scoping's effect: the xDS resources Envoy holds (clusters, endpoint
-//!   assignments, listeners, RDS tables as compact JSON from `/config_dump?include_eds`,
-//!   each once), the whole dump by section, counts, and Envoy's `/memory` for this node,
-//!   against a second agent + Envoy (on the same registrar) whose one pod declares all
-//!   2,000 services as upstreams.
+//! - the node's footprint: the xDS resources Envoy holds (clusters, endpoint assignments,
+//!   listeners, RDS tables as compact JSON from `/config_dump?include_eds`, each once), the
+//!   whole dump by section, counts, and Envoy's `/memory`.
+//!
+//! Then node B, the same node without demand scoping: a second agent + Envoy on the last node
+//! A's registrar whose 100 pods (of that shape's workloads) each declare all 2,000 services; its
+//! footprint against each shape of node A is demand scoping's effect.
 //!
 //! An AddPod that fails is reported (with log tails) and the rest is measured on the
 //! pods added so far.
 //!
 //! Knobs (env): AETHER_BENCH_SERVICES (2000), AETHER_BENCH_ENDPOINTS_PER_SERVICE (10),
-//! AETHER_BENCH_PODS (100), AETHER_BENCH_UPSTREAMS (20), AETHER_BENCH_UPSTREAM_SETS (= pods:
-//! every pod draws its own upstreams; N < pods: pods are replicas of N workloads that share
-//! one drawn list), AETHER_BENCH_CHANGES (200), AETHER_BENCH_SKIP_FULL (1: no second node).
+//! AETHER_BENCH_PODS (100), AETHER_BENCH_UPSTREAMS (20), AETHER_BENCH_UPSTREAM_SETS ("100,10":
+//! node A's shapes as workload counts; N = pods: every pod draws its own upstreams),
+//! AETHER_BENCH_CHANGES (200), AETHER_BENCH_SKIP_FULL (1: no node B).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -180,11 +184,6 @@ async fn try_add_pod(mesh: &Mesh, pod: &TestPod, name: &str) -> Result<Duration,
     }
 }
 
-/// [`try_add_pod`], panicking on failure.
-async fn add_pod(mesh: &Mesh, pod: &TestPod, name: &str) -> Duration {
-    try_add_pod(mesh, pod, name).await.unwrap_or_else(|e| panic!("{e}"))
-}
-
 /// What the node's Envoy holds and what it costs.
 struct Footprint {
     dump_body: usize,
@@ -307,7 +306,8 @@ struct Knobs {
     per_service: usize,
     pods: usize,
     upstreams: usize,
-    sets: usize,
+    /// The shapes of node A, each a number of workloads (distinct upstream lists) the pods are replicas of.
+    shapes: Vec<usize>,
     changes: usize,
     skip_full: bool,
 }
@@ -320,7 +320,7 @@ impl Knobs {
             per_service: knob("AETHER_BENCH_ENDPOINTS_PER_SERVICE", 10),
             pods,
             upstreams: knob("AETHER_BENCH_UPSTREAMS", 20),
-            sets: knob("AETHER_BENCH_UPSTREAM_SETS", pods).clamp(1, pods.max(1)),
+            shapes: shapes_knob(pods),
             changes: knob("AETHER_BENCH_CHANGES", 200),
             skip_full: knob("AETHER_BENCH_SKIP_FULL", 0) == 1,
         }
@@ -328,6 +328,30 @@ impl Knobs {
 
     fn catalog_size(&self) -> usize {
         self.services * self.per_service
+    }
+}
+
+/// AETHER_BENCH_UPSTREAM_SETS: comma-separated workload counts, one node A per shape (default: every pod its
+/// own draw, then 10 workloads sharing upstream lists, the shape node B repeats); panics on anything else.
+fn shapes_knob(pods: usize) -> Vec<usize> {
+    let default = format!("{pods},{}", pods.min(10));
+    let raw = std::env::var("AETHER_BENCH_UPSTREAM_SETS").unwrap_or(default);
+    let shapes: Vec<usize> = raw
+        .split(',')
+        .map(|v| match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => n.min(pods.max(1)),
+            _ => panic!("AETHER_BENCH_UPSTREAM_SETS={raw:?}: expected comma-separated workload counts > 0"),
+        })
+        .collect();
+    shapes
+}
+
+/// How a shape reads in the report.
+fn shape_label(sets: usize, pods: usize) -> String {
+    if sets >= pods {
+        format!("{pods} pods, each its own upstream draw")
+    } else {
+        format!("{pods} pods of {sets} workloads sharing upstream lists")
     }
 }
 
@@ -350,49 +374,71 @@ fn main() {
         .build()
         .unwrap();
     let bench_started = Instant::now();
-
-    // ---- Node A: registrar + agent + Envoy, the catalog, 100 pods.
-    let mesh = rt.block_on(Mesh::start());
-    load_catalog(&rt, &mesh, &k);
     let mut rng = Rng(0x5eed_a37e_0000_0001);
-    let workload_upstreams: Vec<BTreeSet<usize>> = (0..k.sets).map(|_| rng.distinct(k.upstreams, k.services)).collect();
-    let test_pods = create_pods(&mesh, &k, &workload_upstreams);
-    let before = xds_pushed(&rt, &mesh);
-    let filled = add_pods_in_turn(&rt, &mesh, &k, &test_pods, &workload_upstreams);
-    print_pushed("AddPod", &before, &xds_pushed(&rt, &mesh), filled.added);
+    // Each shape is a fresh node A (registrar, agent, Envoy) with the catalog; node B shares the last one's
+    // registrar.
+    let mut scoped = Vec::new();
+    let mut last = None;
+    for (i, &sets) in k.shapes.iter().enumerate() {
+        let label = shape_label(sets, k.pods);
+        println!("==== node A: {label}");
+        let mesh = rt.block_on(Mesh::start());
+        load_catalog(&rt, &mesh, &k);
+        let (footprint, pods) = measure_node_a(&rt, &mesh, &k, sets, &mut rng);
+        scoped.push((label, footprint));
+        if i + 1 == k.shapes.len() {
+            last = Some((mesh, pods));
+        }
+    }
+    if !k.skip_full
+        && let Some((mesh, _pods)) = &last
+    {
+        let full = compare_with_the_node_given_everything(&rt, mesh, &k, &scoped);
+        drop(full);
+    }
+    println!("total bench time {:.0} s", bench_started.elapsed().as_secs_f64());
+    drop(last);
+}
+
+/// Node A in one shape: its pods added in turn, the pushes, the endpoint changes, the agent's memory and the
+/// node's footprint. Returns the footprint and the pods (kept alive with the node).
+fn measure_node_a(
+    rt: &tokio::runtime::Runtime,
+    mesh: &Mesh,
+    k: &Knobs,
+    sets: usize,
+    rng: &mut Rng,
+) -> (Footprint, BenchPods) {
+    let workload_upstreams: Vec<BTreeSet<usize>> = (0..sets).map(|_| rng.distinct(k.upstreams, k.services)).collect();
+    let test_pods = create_pods(mesh, k, &workload_upstreams);
+    let before = xds_pushed(rt, mesh);
+    let filled = add_pods_in_turn(rt, mesh, k, &test_pods, &workload_upstreams);
+    print_pushed("AddPod", &before, &xds_pushed(rt, mesh), filled.added);
     let metrics = rt.block_on(mesh.agent_get("/metrics"));
     println!(
         "xDS response → Envoy's ACK while the node filled, mean by type: {}",
         xds_ack_means(&metrics)
     );
-    let pid = agent_pid(&mesh);
+    let pid = agent_pid(mesh);
     print_agent_memory("after setup", pid);
 
-    // ---- (1) endpoint change at the registrar → applied by Envoy.
-    let before = xds_pushed(&rt, &mesh);
-    measure_endpoint_changes(&rt, &mesh, &k, &shuffled(&filled.deps, &mut rng));
-    print_pushed("endpoint change", &before, &xds_pushed(&rt, &mesh), k.changes);
+    // Endpoint change at the registrar → applied by Envoy.
+    let before = xds_pushed(rt, mesh);
+    measure_endpoint_changes(rt, mesh, k, &shuffled(&filled.deps, rng));
+    print_pushed("endpoint change", &before, &xds_pushed(rt, mesh), k.changes);
     print_agent_memory("after the changes", pid);
 
-    // ---- (3) demand scoping: this node against one whose pod depends on everything.
-    rt.block_on(settle(&mesh, "node A after the changes"));
-    let scoped = footprint(&mesh);
+    // What the scoped node holds, for the comparison with node B.
+    rt.block_on(settle(mesh, "node A after the changes"));
+    let scoped = footprint(mesh);
     print_footprint(&format!("node A (scoped, {} pods)", filled.added), &scoped);
-    if k.skip_full {
-        println!("total bench time {:.0} s", bench_started.elapsed().as_secs_f64());
-        return;
-    }
-    let full = compare_with_a_node_depending_on_everything(&rt, &mesh, &k, &scoped);
-    println!("total bench time {:.0} s", bench_started.elapsed().as_secs_f64());
-    drop(full);
-    drop(test_pods);
     if filled.failure.is_some() {
         println!(
             "(node A has only {} of {} pods: see PRODUCT PROBLEM above)",
             filled.added, k.pods
         );
     }
-    drop(mesh);
+    (scoped, test_pods)
 }
 
 fn load_catalog(rt: &tokio::runtime::Runtime, mesh: &Mesh, k: &Knobs) {
@@ -409,13 +455,15 @@ fn load_catalog(rt: &tokio::runtime::Runtime, mesh: &Mesh, k: &Knobs) {
     );
 }
 
-/// Creates and describes node A's pods (network namespaces, no app), pod `p` a replica of workload `p % sets`.
+/// Creates and describes a node's pods (network namespaces, no app), pod `p` a replica of workload
+/// `p % workloads`, each workload with its upstream list.
 fn create_pods(mesh: &Mesh, k: &Knobs, workload_upstreams: &[BTreeSet<usize>]) -> BenchPods {
+    let sets = workload_upstreams.len();
     let mut drawn = BTreeSet::new();
     let mut test_pods = Vec::new();
     let started = Instant::now();
     for p in 0..k.pods {
-        let workload = p % k.sets;
+        let workload = p % sets;
         let name = format!("bench-{p:03}");
         let pod = mesh.node.add_pod(&name);
         let list: Vec<String> = workload_upstreams[workload].iter().map(|s| service_key(*s)).collect();
@@ -432,14 +480,13 @@ fn create_pods(mesh: &Mesh, k: &Knobs, workload_upstreams: &[BTreeSet<usize>]) -
     // The static pod source polls its directory every 200 ms.
     std::thread::sleep(Duration::from_millis(600));
     println!(
-        "node A: {} pods (netns) created in {:.2} s; {} distinct upstream lists of {} → all pods together \
+        "{} pods (netns) created in {:.2} s; {sets} workloads with upstream lists of {} → all pods together \
          depend on {} catalog services (+ {} pod services)",
         k.pods,
         started.elapsed().as_secs_f64(),
-        k.sets,
-        k.upstreams,
+        workload_upstreams.first().map_or(0, BTreeSet::len),
         drawn.len(),
-        k.sets.min(k.pods)
+        sets.min(k.pods)
     );
     test_pods
 }
@@ -555,11 +602,16 @@ fn print_pushed(what: &str, before: &Pushed, after: &Pushed, count: usize) {
 fn print_agent_memory(when: &str, pid: u32) {
     let (rss, hwm) = (proc_status(pid, "VmRSS:"), proc_status(pid, "VmHWM:"));
     let (anon, file) = (proc_status(pid, "RssAnon:"), proc_status(pid, "RssFile:"));
+    let (code, rodata, other) = aether_tests::bench::file_rss_by_kind(pid);
     println!(
-        "agent {when}: VmRSS {} (anonymous {}, file-backed code and data {}), VmHWM {} (goal < 30 MiB)",
+        "agent {when}: VmRSS {} (anonymous {}, file-backed {}: the binary's code {}, its read-only data {}, \
+         the rest {}), VmHWM {} (goal < 30 MiB)",
         mib(rss),
         mib(anon),
         mib(file),
+        mib(code),
+        mib(rodata),
+        mib(other),
         mib(hwm)
     );
 }
@@ -685,46 +737,45 @@ fn print_change_times(mesh: &Mesh, services: usize, mut times: ChangeTimes) {
     }
 }
 
-/// A second node on the same registrar (a whole Mesh whose own registrar is dropped and whose agent is restarted
-/// against node A's), whose one pod declares every service; prints its footprint against node A's.
-fn compare_with_a_node_depending_on_everything(
+/// Node B, the same node without demand scoping: a second node on the same registrar (a whole Mesh whose own
+/// registrar is dropped and whose agent is restarted against node A's) whose pods, as many as node A's, each
+/// declare every service; prints its footprint against each shape of node A.
+fn compare_with_the_node_given_everything(
     rt: &tokio::runtime::Runtime,
     mesh: &Mesh,
     k: &Knobs,
-    scoped: &Footprint,
-) -> Mesh {
+    scoped: &[(String, Footprint)],
+) -> (Mesh, BenchPods) {
+    println!(
+        "==== node B: {} pods, each declaring all {} services",
+        k.pods, k.services
+    );
     let mut full = rt.block_on(Mesh::start());
     full.agent = None;
     full.registrar.kill();
     full.use_registrar_of(mesh);
     rt.block_on(full.start_agent());
-    let pod = full.node.add_pod("all-deps");
-    let everything: Vec<String> = (0..k.services).map(service_key).collect();
-    full.describe_pod(&pod, "all-deps", "all-deps", &everything.join(","), &[("http", 8080)]);
-    std::thread::sleep(Duration::from_millis(600));
-    let add = rt.block_on(add_pod(&full, &pod, "all-deps"));
-    let settled = rt.block_on(settle(&full, "node B"));
-    println!(
-        "node B: 1 pod declaring all {} services: AddPod {}, whole config ACKed {} later",
-        k.services,
-        ms(add),
-        ms(settled)
-    );
+    // The last shape of node A's workloads (10 by default), each declaring everything.
+    let workloads = k.shapes.last().copied().unwrap_or(1);
+    let everything = vec![(0..k.services).collect::<BTreeSet<usize>>(); workloads];
+    let pods = create_pods(&full, k, &everything);
+    let filled = add_pods_in_turn(rt, &full, k, &pods, &everything);
     let unscoped = footprint(&full);
-    print_footprint("node B (1 pod, all services)", &unscoped);
+    print_footprint(&format!("node B ({} pods, all services)", filled.added), &unscoped);
     let ratio = |a: f64, b: f64| if a > 0.0 { b / a } else { f64::NAN };
-    println!(
-        "scoping effect (node B / node A): xDS resource bytes {:.1}x, whole config dump {:.1}x, Envoy memory \
-         allocated {:.1}x, clusters {:.1}x, endpoints {:.1}x (goal ≥ 10x)",
-        ratio(scoped.xds_bytes as f64, unscoped.xds_bytes as f64),
-        ratio(
-            scoped.sections.values().sum::<usize>() as f64,
-            unscoped.sections.values().sum::<usize>() as f64
-        ),
-        ratio(scoped.allocated as f64, unscoped.allocated as f64),
-        ratio(scoped.clusters as f64, unscoped.clusters as f64),
-        ratio(scoped.endpoints as f64, unscoped.endpoints as f64),
-    );
-    drop(pod);
-    full
+    for (label, scoped) in scoped {
+        println!(
+            "scoping effect (node B / node A, {label}): xDS resource bytes {:.1}x, whole config dump {:.1}x, \
+             Envoy memory allocated {:.1}x, clusters {:.1}x, endpoints {:.1}x (goal ≥ 10x for 10 workloads)",
+            ratio(scoped.xds_bytes as f64, unscoped.xds_bytes as f64),
+            ratio(
+                scoped.sections.values().sum::<usize>() as f64,
+                unscoped.sections.values().sum::<usize>() as f64
+            ),
+            ratio(scoped.allocated as f64, unscoped.allocated as f64),
+            ratio(scoped.clusters as f64, unscoped.clusters as f64),
+            ratio(scoped.endpoints as f64, unscoped.endpoints as f64),
+        );
+    }
+    (full, pods)
 }

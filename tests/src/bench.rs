@@ -157,6 +157,38 @@ pub fn proc_status(pid: u32, field: &str) -> u64 {
         * 1024
 }
 
+/// A process's resident file-backed pages by what they map (`/proc/<pid>/smaps`): its own binary's code
+/// (`r-xp`), its read-only data (`r--p`: constants and relocated tables), and everything else (shared
+/// libraries, writable file data); bytes. Panics if it cannot be read.
+pub fn file_rss_by_kind(pid: u32) -> (u64, u64, u64) {
+    let smaps =
+        std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_else(|e| panic!("/proc/{pid}/smaps: {e}"));
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_else(|e| panic!("/proc/{pid}/exe: {e}"));
+    let exe = exe.to_string_lossy().into_owned();
+    let (mut code, mut rodata, mut other) = (0, 0, 0);
+    // Each mapping: a header line (range perms offset dev inode [path]), then "Key: value kB" lines.
+    let mut current: Option<(String, bool)> = None;
+    for line in smaps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.first().is_some_and(|f| f.contains('-') && !f.ends_with(':')) {
+            let path = fields.get(5).copied().unwrap_or_default();
+            // Anonymous mappings and pseudo-files ([heap], [stack]) are not file-backed.
+            current = path.starts_with('/').then(|| (fields[1].to_owned(), path == exe));
+            continue;
+        }
+        let (Some((perms, own)), ["Rss:", kb, ..]) = (&current, fields.as_slice()) else {
+            continue;
+        };
+        let bytes = kb.parse::<u64>().unwrap_or(0) * 1024;
+        match (*own, perms.as_str()) {
+            (true, "r-xp") => code += bytes,
+            (true, "r--p") => rodata += bytes,
+            _ => other += bytes,
+        }
+    }
+    (code, rodata, other)
+}
+
 /// CPU time (user + system) a process has used, from `/proc/<pid>/stat` (clock ticks of
 /// 10 ms); panics if it cannot be read.
 pub fn cpu_time(pid: u32) -> Duration {
