@@ -103,8 +103,12 @@ async fn settle(mesh: &Mesh, what: &str) -> Duration {
     let started = Instant::now();
     let mut last;
     loop {
-        let aether_tests::bench::Dependencies { wanted, watched, known } =
-            aether_tests::bench::dependencies(mesh).await;
+        let aether_tests::bench::Dependencies {
+            wanted,
+            watched,
+            known,
+            own_only,
+        } = aether_tests::bench::dependencies(mesh).await;
         if wanted != watched || known != wanted {
             last = format!(
                 "dependencies {}, watched {}, known {}",
@@ -122,9 +126,10 @@ async fn settle(mesh: &Mesh, what: &str) -> Duration {
                     }
                 }
             }
-            // Every known service (all have endpoints on one port) is one cluster (its
-            // port's; the bare name is served only on demand); each local pod adds its own
-            // (delivery, and with mTLS its originate cluster), which are not counted here.
+            // Every known service (all have endpoints on one port) but the pods' own ones no
+            // pod here calls is one cluster (its port's; the bare name is served only on
+            // demand); each local pod adds its own (delivery, and with mTLS its originate
+            // cluster), which are not counted here.
             let clusters = xds["types"][CLUSTER_TYPE].as_object();
             let served_clusters = clusters.map_or(0, |m| m.len());
             let service_clusters = clusters.map_or(0, |m| {
@@ -132,7 +137,7 @@ async fn settle(mesh: &Mesh, what: &str) -> Duration {
                     .filter(|n| !n.starts_with("local|") && !n.starts_with("originate|"))
                     .count()
             });
-            let expected = known.len();
+            let expected = known.difference(&own_only).count();
             if unacked == 0 && service_clusters == expected && envoy_active_clusters(mesh) == Some(served_clusters) {
                 return started.elapsed();
             }

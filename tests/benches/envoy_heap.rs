@@ -280,8 +280,9 @@ async fn settle(mesh: &Mesh, envoy: &BenchEnvoy, want: &BTreeSet<String>) -> ser
     let started = Instant::now();
     loop {
         let last;
-        let aether_tests::bench::Dependencies { wanted, watched, known } =
-            aether_tests::bench::dependencies(mesh).await;
+        let aether_tests::bench::Dependencies {
+            wanted, watched, known, ..
+        } = aether_tests::bench::dependencies(mesh).await;
         if &wanted != want || &watched != want || &known != want {
             last = format!(
                 "dependencies {} (the {} expected: {}), watched {}, known {}",

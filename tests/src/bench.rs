@@ -121,11 +121,12 @@ pub async fn register_all(mesh: &crate::mesh::Mesh, endpoints: Vec<Endpoint>, in
 }
 
 /// The agent's view of its dependency set (`/debug/dependencies`): what its pods depend on, what its Watch filter
-/// names, and what the registrar answered with.
+/// names, what the registrar answered with, and the pods' own services no local pod calls (no cluster in Envoy).
 pub struct Dependencies {
     pub wanted: std::collections::BTreeSet<String>,
     pub watched: std::collections::BTreeSet<String>,
     pub known: std::collections::BTreeSet<String>,
+    pub own_only: std::collections::BTreeSet<String>,
 }
 
 pub async fn dependencies(mesh: &crate::mesh::Mesh) -> Dependencies {
@@ -141,6 +142,7 @@ pub async fn dependencies(mesh: &crate::mesh::Mesh) -> Dependencies {
         wanted: set(&deps["dependencies"]),
         watched: set(&deps["watched"]),
         known: set(&deps["known"]),
+        own_only: set(&deps["own_only"]),
     }
 }
 
