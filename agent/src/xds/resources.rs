@@ -179,28 +179,34 @@ pub fn parse_authority(authority: &str, mesh_domain: &str) -> Option<(String, Op
 }
 
 pub fn services<'a>(catalog: &'a CatalogView, mesh_domain: &str) -> Vec<MeshService<'a>> {
-    catalog
-        .services
-        .iter()
-        .map(|(key, service)| {
-            let endpoints = catalog.endpoints.get(key).into_iter().flat_map(|e| e.values());
-            let ServicePorts {
-                endpoint: ports,
-                targets: kubernetes_ports,
-            } = ServicePorts::of(service, endpoints);
-            MeshService {
-                key,
-                service,
-                fqdn: fqdn(key, mesh_domain),
-                vip: &service.vip,
-                cluster_ips: service.kubernetes.as_ref().map_or(&[], |k| k.cluster_ips.as_slice()),
-                kubernetes_ports,
-                ports,
-                endpoints: catalog.endpoints.get(key),
-                bare: false,
-            }
-        })
+    (catalog.services.iter())
+        .map(|(key, service)| mesh_service(catalog, key, service, mesh_domain))
         .collect()
+}
+
+/// The catalog's service `key` as the generators see it.
+fn mesh_service<'a>(
+    catalog: &'a CatalogView,
+    key: &'a str,
+    service: &'a Service,
+    mesh_domain: &str,
+) -> MeshService<'a> {
+    let endpoints = catalog.endpoints.get(key).into_iter().flat_map(|e| e.values());
+    let ServicePorts {
+        endpoint: ports,
+        targets: kubernetes_ports,
+    } = ServicePorts::of(service, endpoints);
+    MeshService {
+        key,
+        service,
+        fqdn: fqdn(key, mesh_domain),
+        vip: &service.vip,
+        cluster_ips: service.kubernetes.as_ref().map_or(&[], |k| k.cluster_ips.as_slice()),
+        kubernetes_ports,
+        ports,
+        endpoints: catalog.endpoints.get(key),
+        bare: false,
+    }
 }
 
 /// Named resource bodies, as a generator makes them.
@@ -881,10 +887,13 @@ pub fn generate(inputs: &Inputs) -> Generated {
 /// The names of the clusters a dependency service is served as (none while no
 /// endpoint serves it).
 pub fn cluster_names(catalog: &CatalogView, key: &str, mesh_domain: &str) -> Vec<String> {
-    services(catalog, mesh_domain)
-        .iter()
-        .filter(|s| s.key == key)
-        .flat_map(|s| clusters::service_clusters(s).into_iter().map(|(name, _, _)| name))
+    // Only this service: a pod declaring N upstreams asks N times.
+    let Some((key, service)) = catalog.services.get_key_value(key) else {
+        return Vec::new();
+    };
+    let service = mesh_service(catalog, key, service, mesh_domain);
+    (clusters::service_clusters(&service).into_iter())
+        .map(|(name, _, _)| name)
         .collect()
 }
 
