@@ -36,7 +36,6 @@ use envoy_types::pb::envoy::config::listener::v3::{
     Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter, listener_filter,
 };
 use envoy_types::pb::envoy::config::route::v3::{RouteConfiguration, VirtualHost};
-use envoy_types::pb::envoy::extensions::filters::http::on_demand::v3::{OnDemand, OnDemandCds};
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::listener::tls_inspector::v3::TlsInspector;
 use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
@@ -49,7 +48,7 @@ use super::routes::actions::Target;
 use super::routes::compile::compile_rules;
 use super::routes::direct;
 use super::transport::{self, Mtls};
-use super::util::{address, ads, any, millis};
+use super::util::{address, ads, any, on_demand_filter};
 use super::{Generated, MeshService, clusters, is_http, services};
 use crate::identity::{Identities, svid_secret};
 use crate::mesh_settings::MeshSettings;
@@ -338,18 +337,7 @@ fn http_manager(stat: &str, table: &str) -> Filter {
     // A route can reach Envoy's workers before its new cluster has finished warming there
     // (the ACKs the builder waits for come first): the request waits for the cluster
     // instead of answering 500. A cluster the edge does not serve is refused at once.
-    let on_demand = OnDemand {
-        odcds: Some(OnDemandCds {
-            source: ads(),
-            timeout: millis(2000),
-            ..Default::default()
-        }),
-    };
-    let on_demand = HttpFilter {
-        name: "envoy.filters.http.on_demand".into(),
-        config_type: Some(http_filter::ConfigType::TypedConfig(any(&on_demand))),
-        ..Default::default()
-    };
+    let on_demand = on_demand_filter();
     let manager = HttpConnectionManager {
         stat_prefix: stat.to_owned(),
         codec_type: http_connection_manager::CodecType::Auto as i32,

@@ -26,7 +26,6 @@ use envoy_types::pb::envoy::config::listener::v3::{
     AdditionalAddress, Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter,
     ListenerFilterChainMatchPredicate, filter, listener_filter, listener_filter_chain_match_predicate as predicate,
 };
-use envoy_types::pb::envoy::extensions::filters::http::on_demand::v3::{OnDemand, OnDemandCds};
 use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
 use envoy_types::pb::envoy::extensions::filters::listener::http_inspector::v3::HttpInspector;
 use envoy_types::pb::envoy::extensions::filters::listener::original_dst::v3::OriginalDst;
@@ -47,7 +46,7 @@ use super::origination;
 use super::routes::{DESTINATION_HEADER, inbound_routes, inbound_routes_name};
 use super::tcp_routes::{Backends, NO_BACKEND};
 use super::transport::{self, Mtls};
-use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis};
+use super::util::{CAPTURE_PORT, INBOUND_PORT, OUTBOUND_PORT, address, ads, any, millis, on_demand_filter};
 use super::{Declared, PodFilters, is_http};
 use crate::access_log::decisions;
 use crate::pod::{AppProtocol, ListenerSockets, LocalPod};
@@ -130,13 +129,6 @@ enum RoutedBy {
 /// (crate::access_log).
 fn routed(pod: &LocalPod, table: &str, by: RoutedBy, callers: &[HttpFilter]) -> Filter {
     let source = pod.info.service();
-    let on_demand = OnDemand {
-        odcds: Some(OnDemandCds {
-            source: ads(),
-            timeout: millis(2000),
-            ..Default::default()
-        }),
-    };
     let hcm = HttpConnectionManager {
         stat_prefix: format!("outbound.{}", pod.id().replace('/', ".")),
         route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
@@ -145,7 +137,7 @@ fn routed(pod: &LocalPod, table: &str, by: RoutedBy, callers: &[HttpFilter]) -> 
         })),
         early_header_mutation_extensions: vec![stamp_destination(by)],
         http_filters: vec![
-            http_filter_of("envoy.filters.http.on_demand", &on_demand),
+            on_demand_filter(),
             http_filter_of(
                 "envoy.filters.http.header_mutation",
                 &crate::request_metrics::source_stamp(&source),

@@ -4,6 +4,8 @@ use envoy_types::pb::envoy::config::core::v3::{
     Address, AggregatedConfigSource, ApiVersion, ConfigSource, DataSource, SocketAddress, SubstitutionFormatString,
     address, config_source, data_source, socket_address, substitution_format_string,
 };
+use envoy_types::pb::envoy::extensions::filters::http::on_demand::v3::{OnDemand, OnDemandCds};
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{HttpFilter, http_filter};
 use envoy_types::pb::google::protobuf::{Any, Duration, UInt32Value};
 use prost::Name;
 
@@ -56,6 +58,23 @@ pub fn ads() -> Option<ConfigSource> {
         config_source_specifier: Some(config_source::ConfigSourceSpecifier::Ads(AggregatedConfigSource {})),
         ..Default::default()
     })
+}
+
+/// The `on_demand` HTTP filter: a request whose route names a cluster Envoy does not hold
+/// (or holds still warming) waits up to 2 s for it over ADS instead of failing at once.
+pub fn on_demand_filter() -> HttpFilter {
+    let on_demand = OnDemand {
+        odcds: Some(OnDemandCds {
+            source: ads(),
+            timeout: millis(2000),
+            ..Default::default()
+        }),
+    };
+    HttpFilter {
+        name: "envoy.filters.http.on_demand".into(),
+        config_type: Some(http_filter::ConfigType::TypedConfig(any(&on_demand))),
+        ..Default::default()
+    }
 }
 
 /// A substitution format string (`%…%` operators expanded; a literal `%` is `%%`).
